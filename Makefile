@@ -1,0 +1,32 @@
+# `make demo` and `make test` each create .venv when it is missing and install what they need.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.kvcore-installed
+PLUGINS := plugins/kvcore-torch plugins/kvcore-triton
+# The Triton kernels run on CPU tensors through the interpreter when no GPU is present.
+CPU_ENV := $(shell $(PYTHON) -c "import shutil,sys; sys.stdout.write('' if shutil.which('nvidia-smi') else 'TRITON_INTERPRET=1')")
+
+.PHONY: demo test venv clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml)
+	$(PIP) install -q --upgrade pip setuptools wheel
+	# torch==2.13.0 is the local CPU wheel; an existing torch>=2.4 is reused.
+	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e ".[test]" $(addprefix -e ,$(wildcard $(PLUGINS)))
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(CPU_ENV) $(PY) examples/run_decode.py
+
+test: $(STAMP)
+	$(CPU_ENV) $(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) build *.egg-info

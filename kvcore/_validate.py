@@ -1,0 +1,52 @@
+"""Small argument checks shared by kvcore's public constructors and functions.
+
+Each check raises ``TypeError`` for a value of the wrong type and ``ValueError``
+for a value out of range, naming the argument, the value and what is accepted.
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+
+def as_int(name: str, value: Any) -> int:
+    """``value`` as a plain ``int``; bools and non-integers are refused."""
+    if isinstance(value, bool):
+        raise TypeError(f"{name} must be an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(
+            f"{name} must be an integer, got {value!r} ({type(value).__name__})"
+        ) from None
+
+
+def positive_int(name: str, value: Any) -> int:
+    value = as_int(name, value)
+    if value <= 0:
+        raise ValueError(f"{name} must be a positive integer, got {value}")
+    return value
+
+
+def non_negative_int(name: str, value: Any) -> int:
+    value = as_int(name, value)
+    if value < 0:
+        raise ValueError(f"{name} must be zero or positive, got {value}")
+    return value
+
+
+def attrs_positive(inst: Any, attribute: Any, value: Any) -> None:
+    """attrs validator: a positive integer."""
+    positive_int(f"{type(inst).__name__}.{attribute.name}", value)
+
+
+def attrs_non_negative(inst: Any, attribute: Any, value: Any) -> None:
+    """attrs validator: zero or a positive integer."""
+    non_negative_int(f"{type(inst).__name__}.{attribute.name}", value)
+
+
+def attrs_optional_positive(inst: Any, attribute: Any, value: Any) -> None:
+    """attrs validator: None or a positive integer."""
+    if value is not None:
+        attrs_positive(inst, attribute, value)

@@ -1,0 +1,199 @@
+"""Attention groups: the layers of one KV cache group served by one backend.
+
+A group maps the scheduler's manager block tables and cache views to the
+kernel blocks its backend accepts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import pluggy
+import torch
+
+from kvcore._validate import non_negative_int, positive_int
+from kvcore.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
+from kvcore.specs import AttentionSpec, KVCacheSpec
+
+
+@attrs.define(eq=False)
+class AttentionGroup:
+    """Layers of one KV cache group that share a backend and a (customized) spec.
+
+    When the backend needs blocks smaller than the manager's, ``kernel_block_size``
+    is set and block tables / cache views address kernel blocks: kernel block
+    ``j`` of manager block ``b`` is ``b * kernel_block_stride + j``, where the
+    stride is the split ratio for dense pages, or the number of kernel pages
+    between two blocks of a packed (block-outermost) cache.
+    """
+
+    backend: type[AttentionBackend]
+    layer_names: list[str] = attrs.field(converter=list)
+    kv_cache_spec: KVCacheSpec
+    kv_cache_group_id: int
+    kernel_block_size: int | None = None
+    kernel_block_stride: int = 0
+    # Persistent per micro-batch so CUDA graphs capture the mapped table.
+    kernel_block_table: torch.Tensor | None = attrs.field(default=None, repr=False)
+    kernel_block_offsets: torch.Tensor | None = attrs.field(default=None, repr=False)
+    metadata_builders: list[AttentionMetadataBuilder] = attrs.field(factory=list, repr=False)
+
+    @property
+    def blocks_per_manager_block(self) -> int:
+        if self.kernel_block_size is None:
+            return 1
+        return self.kv_cache_spec.block_size // self.kernel_block_size
+
+    def create_metadata_builders(
+        self,
+        device: torch.device | str,
+        *,
+        max_num_seqs: int,
+        max_model_len: int,
+        kernel_block_size: int | None = None,
+        num_metadata_builders: int = 1,
+        plugin_manager: pluggy.PluginManager | None = None,
+    ) -> None:
+        """Create one metadata builder per micro-batch and the kernel block table.
+
+        ``kernel_block_size`` is the group's selected size; the backend may
+        still need smaller blocks (in a packed group), in which case this
+        group maps its own block tables to kernel blocks.
+        """
+        from kvcore.block_sizes import select_common_block_size
+
+        max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
+        max_model_len = positive_int("max_model_len", max_model_len)
+        num_metadata_builders = positive_int("num_metadata_builders", num_metadata_builders)
+        spec = self.kv_cache_spec
+        if kernel_block_size is not None and isinstance(spec, AttentionSpec):
+            kernel_block_size = select_common_block_size(
+                kernel_block_size, [self.backend], [spec], plugin_manager=plugin_manager
+            )
+            if kernel_block_size != spec.block_size:
+                self.kernel_block_size = kernel_block_size
+        builder_spec = spec if kernel_block_size is None else spec.copy_with_new_block_size(kernel_block_size)
+        builder_cls = self.backend.get_builder_cls()
+        width = spec.max_num_blocks_per_req(max_model_len) * self.blocks_per_manager_block
+        kwargs: dict[str, Any] = {}
+        if builder_cls.requires_block_table_width:
+            kwargs["block_table_width"] = width
+        if self.kernel_block_size is not None:
+            self.kernel_block_table = torch.zeros(
+                num_metadata_builders, max_num_seqs, width, dtype=torch.int32, device=device
+            )
+            self.kernel_block_offsets = torch.arange(
+                self.blocks_per_manager_block, dtype=torch.int32, device=device
+            )
+        self.metadata_builders = [
+            builder_cls(
+                builder_spec,
+                self.layer_names,
+                device,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                **kwargs,
+            )
+            for _ in range(num_metadata_builders)
+        ]
+
+    def get_metadata_builder(self, ubatch_idx: int = 0) -> AttentionMetadataBuilder:
+        if not 0 <= ubatch_idx < len(self.metadata_builders):
+            raise ValueError(
+                f"micro-batch {ubatch_idx} has no metadata builder ({len(self.metadata_builders)} "
+                "built); call create_metadata_builders(num_metadata_builders=...) first"
+            )
+        return self.metadata_builders[ubatch_idx]
+
+    def build_metadata(
+        self,
+        common_attn_metadata: CommonAttentionMetadata,
+        ubatch_idx: int = 0,
+        common_prefix_len: int = 0,
+        **kwargs: Any,
+    ) -> Any:
+        """The backend's metadata for one step, with block tables in kernel blocks."""
+        builder = self.get_metadata_builder(ubatch_idx)
+        if self.kernel_block_size is not None:
+            common_attn_metadata = attrs.evolve(
+                common_attn_metadata,
+                block_table_tensor=self.map_to_kernel_block_table(
+                    common_attn_metadata.block_table_tensor, ubatch_idx
+                ),
+            )
+        return builder.build(common_prefix_len, common_attn_metadata, **kwargs)
+
+    def map_to_kernel_block_table(self, block_table: torch.Tensor, ubatch_idx: int = 0) -> torch.Tensor:
+        """Manager block table ``[rows, cols]`` -> kernel block table ``[rows, cols * ratio]``.
+
+        One fused ``add`` into a slice of the persistent buffer, so the result
+        keeps its address across steps (CUDA-graph safe).
+        """
+        if self.kernel_block_size is None:
+            return block_table
+        if self.kernel_block_table is None or self.kernel_block_offsets is None:
+            raise ValueError("call create_metadata_builders() before mapping block tables")
+        ratio = self.blocks_per_manager_block
+        rows, cols = block_table.shape
+        _, max_rows, width = self.kernel_block_table.shape
+        if rows > max_rows or cols * ratio > width:
+            raise ValueError(
+                f"block table of shape {(rows, cols)} exceeds the kernel block table "
+                f"({max_rows} rows, {width // ratio} manager blocks per row); raise "
+                "max_num_seqs / max_model_len"
+            )
+        out = self.kernel_block_table[ubatch_idx, :rows, : cols * ratio]
+        torch.add(
+            self.kernel_block_offsets,
+            block_table.unsqueeze(-1),
+            alpha=self.kernel_block_stride or ratio,
+            out=out.unflatten(1, (cols, ratio)),
+        )
+        return out
+
+    def map_kv_cache_to_kernel_blocks(self, kv_cache: torch.Tensor) -> torch.Tensor:
+        """View a packed cache addressed by manager blocks as kernel blocks.
+
+        Only compressed caches (``tokens_per_state > 1``, one head) whose block
+        stride is a whole number of kernel pages can be mapped; the view spans
+        other layers' pages between blocks without addressing them.
+        """
+        if self.kernel_block_size is None:
+            raise ValueError(f"group {self.kv_cache_group_id} does not split blocks")
+        spec = self.kv_cache_spec
+        kernel_rows = spec.get_num_kernel_states(self.kernel_block_size)
+        if kv_cache.shape[-2] == kernel_rows:
+            return kv_cache
+        if (
+            spec.tokens_per_state <= 1
+            or kv_cache.shape[1] != 1
+            or kv_cache.stride(0) % (kernel_rows * kv_cache.stride(-2))
+        ):
+            raise ValueError(
+                f"{self.backend.get_name()} needs {self.kernel_block_size}-token kernel "
+                f"blocks, which packed {spec.block_size}-token blocks cannot be split "
+                f"into; use a manager block size of {self.kernel_block_size} or a "
+                "layer-compact layout such as LBNHC"
+            )
+        page_stride = kernel_rows * kv_cache.stride(-2)
+        self.kernel_block_stride = kv_cache.stride(0) // page_stride
+        num_pages = (kv_cache.shape[0] - 1) * self.kernel_block_stride + kv_cache.shape[-2] // kernel_rows
+        return kv_cache.as_strided(
+            (num_pages, *kv_cache.shape[1:-2], kernel_rows, kv_cache.shape[-1]),
+            (page_stride, *kv_cache.stride()[1:]),
+        )
+
+    def map_kv_cache_to_manager_blocks(self, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+        """View a packed cache addressed by kernel blocks as manager blocks."""
+        if not self.kernel_block_stride:
+            raise ValueError(
+                f"group {self.kv_cache_group_id} has no packed kernel view; "
+                "map_kv_cache_to_kernel_blocks() sets one"
+            )
+        num_blocks = non_negative_int("num_blocks", num_blocks)
+        rows = self.kv_cache_spec.get_num_kernel_states(self.kv_cache_spec.block_size)
+        return kv_cache.as_strided(
+            (num_blocks, *kv_cache.shape[1:-2], rows, kv_cache.shape[-1]),
+            (kv_cache.stride(0) * self.kernel_block_stride, *kv_cache.stride()[1:]),
+        )

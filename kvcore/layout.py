@@ -1,0 +1,154 @@
+"""The six physical layouts of a KV cache tensor and their byte strides.
+
+Every KV cache tensor is logically ``[L, B, H, N, C]`` (layers, blocks, head
+slots, states per block, content bytes). A layout names the order of those
+dims in memory, outermost first.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from kvcore._validate import non_negative_int, positive_int
+
+if TYPE_CHECKING:
+    from kvcore.specs import KVCacheSpec
+
+L, B, H, N, C = range(5)
+_DIM_INDEX = {"L": L, "B": B, "H": H, "N": N, "C": C}
+_ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
+class KVCacheLayout(enum.Enum):
+    """Physical order of the logical ``[L, B, H, N, C]`` dims, outermost first."""
+
+    LBHNC = "LBHNC"
+    LBNHC = "LBNHC"
+    LHBNC = "LHBNC"
+    BLHNC = "BLHNC"
+    BLNHC = "BLNHC"
+    BHLNC = "BHLNC"
+
+    @classmethod
+    def parse(cls, text: str | KVCacheLayout) -> KVCacheLayout:
+        """A layout from its name (any case) or the legacy aliases NHD / HND."""
+        if isinstance(text, KVCacheLayout):
+            return text
+        if not isinstance(text, str):
+            raise TypeError(f"a KV cache layout name must be a str, got {text!r}")
+        key = text.strip().upper()
+        key = _ALIASES.get(key, key)
+        try:
+            return cls[key]
+        except KeyError:
+            valid = ", ".join([m.name for m in cls] + list(_ALIASES))
+            raise ValueError(f"unknown KV cache layout {text!r}; valid names: {valid}") from None
+
+    @property
+    def stride_order(self) -> tuple[int, ...]:
+        """Logical dim indices (L=0 B=1 H=2 N=3 C=4), outermost first in memory."""
+        return tuple(_DIM_INDEX[ch] for ch in self.value)
+
+    @property
+    def layer_view_order(self) -> tuple[int, ...]:
+        """Dims of a layer's ``[B, H, N, C]`` view (B=0 .. C=3), outermost first."""
+        return tuple(d - 1 for d in self.stride_order if d != L)
+
+    @property
+    def is_layer_compact(self) -> bool:
+        """L is outermost: each layer is one contiguous region."""
+        return self.value[0] == "L"
+
+    @property
+    def is_block_outermost(self) -> bool:
+        """B is outermost: all layers of one block sit next to each other."""
+        return self.value[0] == "B"
+
+    @property
+    def is_block_compact(self) -> bool:
+        """The first two dims are L and B: a (layer, block) page is one run."""
+        return set(self.value[:2]) == {"L", "B"}
+
+    @property
+    def is_block_contiguous(self) -> bool:
+        """The last three dims are H, N, C in that order."""
+        return self.value[2:] == "HNC"
+
+
+def _inner_grid_dim(order: Sequence[int]) -> int:
+    """Position in ``order`` of whichever of L and B is inner."""
+    return max(order.index(L), order.index(B))
+
+
+def compute_layout_strides(
+    spec: KVCacheSpec,
+    num_blocks: int,
+    num_layers: int,
+    layout: KVCacheLayout | str,
+    kernel_block_size: int | None = None,
+    fixed_strides: Sequence[int | None] = (None,) * 5,
+) -> tuple[int, int, int, int, int]:
+    """Byte strides of the logical ``[L, B, H, N, C]`` dims under ``layout``.
+
+    The extents are those of the kernel-granular shape: with a kernel block
+    size, B counts kernel blocks and N the states of one kernel block. Walking
+    the physical order from the innermost dim out, each dim's stride is its
+    entry in ``fixed_strides`` when not None, else the running product of the
+    extents inside it. With ``spec.page_size_padded`` the stride of the inner
+    of L and B is raised to at least the padded page.
+    """
+    layout = KVCacheLayout.parse(layout)
+    num_blocks = positive_int("num_blocks", num_blocks)
+    num_layers = positive_int("num_layers", num_layers)
+    fixed = tuple(fixed_strides)
+    if len(fixed) != 5:
+        raise ValueError(f"fixed_strides needs 5 entries ([L, B, H, N, C]), got {len(fixed)}")
+    fixed = tuple(None if s is None else non_negative_int("fixed stride", s) for s in fixed)
+
+    block_size = spec.block_size
+    ratio = 1
+    if kernel_block_size is not None:
+        kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
+        if block_size % kernel_block_size:
+            raise ValueError(
+                f"block size {block_size} is not divisible by kernel block size "
+                f"{kernel_block_size}; pick a kernel block size that divides it"
+            )
+        ratio = block_size // kernel_block_size
+    padded = spec.page_size_padded
+    if padded is not None and ratio > 1:
+        raise ValueError(
+            f"a padded page ({padded} bytes) cannot be split into {ratio} kernel "
+            f"blocks of {kernel_block_size} tokens; use an unpadded spec or a "
+            f"manager block size of {kernel_block_size}"
+        )
+
+    states = spec.get_num_kernel_states(kernel_block_size or block_size)
+    extents = (num_layers, num_blocks * ratio, spec.num_heads, states, spec.state_content_size_bytes)
+    order = layout.stride_order
+    grid_end = _inner_grid_dim(order)
+    if padded is not None:
+        grid = 1
+        for d in order[: grid_end + 1]:
+            grid *= extents[d]
+        if grid != num_layers * num_blocks:
+            raise ValueError(
+                f"layout {layout.name} puts heads between layers and blocks, so a padded "
+                f"page cannot be expressed for {spec.num_heads} heads; use a "
+                "block-compact layout such as LBNHC or BLNHC"
+            )
+
+    strides: list[int] = [0] * 5
+    running = 1
+    for pos in range(len(order) - 1, -1, -1):
+        d = order[pos]
+        stride = fixed[d]
+        if stride is None:
+            stride = running
+            if padded is not None and pos == grid_end:
+                stride = max(stride, padded)
+        strides[d] = stride
+        running = stride * extents[d]
+    return tuple(strides)  # type: ignore[return-value]

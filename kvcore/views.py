@@ -1,0 +1,140 @@
+"""Per-layer strided views over the one backing allocation."""
+
+from __future__ import annotations
+
+import torch
+
+from kvcore._validate import positive_int
+from kvcore.config import KVCacheConfig, KVCacheTensor
+from kvcore.layout import KVCacheLayout, compute_layout_strides
+from kvcore.specs import KVCacheSpec
+
+_BYTE_DTYPES = (torch.int8, torch.uint8)
+
+
+def _split_ratio(spec: KVCacheSpec, kernel_block_size: int | None) -> int:
+    if kernel_block_size is None:
+        return 1
+    kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
+    if spec.block_size % kernel_block_size:
+        raise ValueError(
+            f"block size {spec.block_size} is not divisible by kernel block size "
+            f"{kernel_block_size}; pick a kernel block size that divides it"
+        )
+    return spec.block_size // kernel_block_size
+
+
+def create_kv_cache_views(
+    raw: torch.Tensor,
+    spec: KVCacheSpec,
+    num_blocks: int,
+    layout: KVCacheLayout | str,
+    kv_cache_tensor: KVCacheTensor,
+    kernel_block_size: int | None = None,
+) -> list[torch.Tensor]:
+    """One ``[B', H, N, C]`` view per layer of ``kv_cache_tensor`` over ``raw``.
+
+    ``raw`` is the int8 backing buffer; layer ``l`` starts at byte
+    ``raw.storage_offset() + offset + l * layer_stride``. Views are re-typed to
+    ``spec.view_dtype``, so C then counts elements. With a kernel block size
+    smaller than the block size, each block is split into ``ratio`` kernel
+    blocks (``B' = B * ratio``), which needs blocks stored as dense pages.
+    """
+    if not isinstance(raw, torch.Tensor) or raw.dtype not in _BYTE_DTYPES or raw.dim() != 1:
+        raise TypeError(
+            "raw must be a 1-D int8 tensor (the backing allocation), got "
+            f"{type(raw).__name__}{'' if not isinstance(raw, torch.Tensor) else f' {raw.dtype} {tuple(raw.shape)}'}"
+        )
+    layout = KVCacheLayout.parse(layout)
+    num_blocks = positive_int("num_blocks", num_blocks)
+    tensor = kv_cache_tensor
+    ratio = _split_ratio(spec, kernel_block_size)
+    # Refuses padding together with splitting before the dense-page check below.
+    compute_layout_strides(spec, num_blocks, len(tensor.layers), layout, kernel_block_size)
+    if ratio > 1 and tensor.block_stride != spec.real_page_size_bytes:
+        raise ValueError(
+            f"layout {layout.name} does not store the blocks of {list(tensor.layers)} as "
+            f"dense pages (block stride {tensor.block_stride} bytes, page "
+            f"{spec.real_page_size_bytes} bytes), so {spec.block_size}-token blocks "
+            f"cannot be split into {kernel_block_size}-token kernel blocks; use a "
+            f"manager block size of {kernel_block_size} or a layer-compact layout "
+            "such as LBNHC"
+        )
+    strides = compute_layout_strides(
+        spec,
+        num_blocks,
+        len(tensor.layers),
+        layout,
+        kernel_block_size,
+        fixed_strides=(tensor.layer_stride, tensor.block_stride // ratio, None, None, None),
+    )
+    shape = (
+        num_blocks * ratio,
+        spec.num_heads,
+        spec.get_num_kernel_states(kernel_block_size or spec.block_size),
+        spec.state_content_size_bytes,
+    )
+    view_strides = strides[1:]
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, view_strides))
+    dtype = spec.view_dtype
+    itemsize = dtype.itemsize
+    if any(s % itemsize for s in view_strides[:3]) or tensor.offset % itemsize or tensor.layer_stride % itemsize:
+        raise ValueError(
+            f"strides {strides} / offset {tensor.offset} of {list(tensor.layers)} are not "
+            f"multiples of the {itemsize}-byte {dtype}; align the tensor's strides to it"
+        )
+    views = []
+    for index, name in enumerate(tensor.layers):
+        start = tensor.offset + index * tensor.layer_stride
+        if start + span > min(raw.numel(), tensor.size):
+            raise ValueError(
+                f"layer {name!r} spans bytes [{start}, {start + span}) but the buffer "
+                f"holds {min(raw.numel(), tensor.size)}; plan fewer blocks or a larger tensor"
+            )
+        view = raw.as_strided(shape, view_strides, raw.storage_offset() + start)
+        views.append(view.view(dtype))
+    return views
+
+
+def allocate_kv_cache(
+    kv_cache_config: KVCacheConfig,
+    device: torch.device | str,
+    layout: KVCacheLayout | str | None = None,
+    kernel_block_sizes: list[int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]``.
+
+    Every tensor of the config shares the buffer (groups overlay from byte 0).
+    Layers whose spec has no layer views receive the raw buffer itself.
+    ``kernel_block_sizes[g]`` splits group ``g``'s blocks into kernel blocks.
+    """
+    if not kv_cache_config.kv_cache_tensors:
+        return {}
+    sizes = sorted({t.size for t in kv_cache_config.kv_cache_tensors})
+    if len(sizes) != 1:
+        raise ValueError(
+            f"KV cache tensors must share one backing allocation, but their sizes "
+            f"differ: {sizes} bytes; give every tensor the same size"
+        )
+    layout = kv_cache_config.layout if layout is None else KVCacheLayout.parse(layout)
+    buf = torch.zeros(sizes[0], dtype=torch.int8, device=device)
+    kv_caches: dict[str, torch.Tensor] = {}
+    for tensor in kv_cache_config.kv_cache_tensors:
+        group_id, group = kv_cache_config.group_of(tensor.layers[0])
+        spec = group.spec_of(tensor.layers[0])
+        if not spec.has_layer_views:
+            kv_caches.update((name, buf) for name in tensor.layers)
+            continue
+        kernel_block_size = None
+        if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
+            kernel_block_size = kernel_block_sizes[group_id]
+        views = create_kv_cache_views(
+            buf,
+            spec,
+            kv_cache_config.num_blocks_of(tensor),
+            layout,
+            tensor,
+            kernel_block_size=kernel_block_size,
+        )
+        kv_caches.update(zip(tensor.layers, views))
+    return kv_caches
