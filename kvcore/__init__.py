@@ -44,8 +44,8 @@ _EXPORTS: dict[str, str] = {
     "customize_attention_spec": "kvcore.block_sizes",
     "prepare_kernel_block_sizes": "kvcore.block_sizes",
     "AttentionGroup": "kvcore.attn_group",
-    "build_attention_groups": "kvcore.attn_group",
-    "map_kv_caches_to_kernel_blocks": "kvcore.attn_group",
+    "build_attention_groups": "kvcore.group_builder",
+    "map_kv_caches_to_kernel_blocks": "kvcore.group_builder",
     "resolve_kv_cache_layout": "kvcore.layout_resolution",
     # zeroer
     "KVBlockZeroer": "kvcore.zeroer",

@@ -1,0 +1,94 @@
+"""Small batch helpers of a model runner: uniform decode batches, multimodal placeholders."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import torch
+
+
+def is_uniform_query_len(num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
+    """Whether the batch's shape says every request has ``max_query_len`` tokens.
+
+    Only the shape is tested: a prompt chunk may look like a decode batch, so
+    classify scheduled batches with :func:`get_uniform_decode_token_count`.
+    """
+    return num_reqs > 0 and num_tokens == num_reqs * max_query_len
+
+
+def get_uniform_decode_token_count(
+    num_reqs: int, num_tokens: int, max_query_len: int, decode_graph_eligible: bool
+) -> int | None:
+    """Tokens per request of a uniform decode batch; None for any other batch."""
+    if decode_graph_eligible and is_uniform_query_len(num_reqs, num_tokens, max_query_len):
+        return max_query_len
+    return None
+
+
+def scatter_mm_placeholders(embeds: torch.Tensor, is_embed: torch.Tensor | None) -> torch.Tensor:
+    """Spread ``embeds`` ``[num_embeds, dim]`` over the placeholder positions.
+
+    ``is_embed`` is a boolean mask over ``num_placeholders`` positions with
+    ``num_embeds`` True entries; the result is ``[num_placeholders, dim]``
+    with the embeddings in order at the True positions and NaN elsewhere.
+    ``is_embed=None`` returns ``embeds`` itself.
+    """
+    if is_embed is None:
+        return embeds
+    if is_embed.dtype != torch.bool or is_embed.dim() != 1:
+        raise ValueError(f"is_embed must be a 1-D bool mask, got {is_embed.dtype} {tuple(is_embed.shape)}")
+    count = int(is_embed.sum())
+    if count != embeds.shape[0]:
+        raise ValueError(
+            f"is_embed marks {count} positions but there are {embeds.shape[0]} embeddings; "
+            "the mask needs one True per embedding"
+        )
+    out = embeds.new_full((is_embed.shape[0], embeds.shape[-1]), torch.nan)
+    out[is_embed] = embeds
+    return out
+
+
+def gather_mm_placeholders(placeholders: torch.Tensor, is_embed: torch.Tensor | None) -> torch.Tensor:
+    """The embeddings at the True positions of ``is_embed`` (undoes the scatter)."""
+    if is_embed is None:
+        return placeholders
+    return placeholders[is_embed]
+
+
+def sanity_check_mm_encoder_outputs(
+    mm_embeddings: Sequence[torch.Tensor] | torch.Tensor, expected_num_items: int
+) -> None:
+    """Check a multimodal encoder's output: one 2-D tensor per input item.
+
+    Accepts a list/tuple of ``[tokens, dim]`` tensors or one 3-D tensor;
+    raises ``ValueError`` naming what the encoder returned otherwise.
+    """
+    hint = "the model's multimodal embedding method returned it"
+    if not isinstance(mm_embeddings, (list, tuple, torch.Tensor)):
+        raise ValueError(
+            "multimodal embeddings must be a list/tuple of 2-D tensors or one 3-D tensor, "
+            f"got {type(mm_embeddings).__name__}; {hint}"
+        )
+    if len(mm_embeddings) != expected_num_items:
+        raise ValueError(
+            f"expected {expected_num_items} multimodal embeddings (one per input item), "
+            f"got {len(mm_embeddings)}; {hint}"
+        )
+    shapes = [tuple(getattr(e, "shape", ())) for e in mm_embeddings]
+    if any(len(s) != 2 for s in shapes):
+        raise ValueError(f"each multimodal embedding must be 2-D, got shapes {shapes}; {hint}")
+
+
+@attrs.define
+class EncoderTimingStats:
+    """Per-request time spent in the (vision) encoder."""
+
+    encoder_forward_secs: float = 0.0
+    num_encoder_calls: int = 0
+
+    def to_dict(self) -> dict[str, float | int]:
+        return {
+            "encoder_forward_secs": self.encoder_forward_secs,
+            "num_encoder_calls": self.num_encoder_calls,
+        }

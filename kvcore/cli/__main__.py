@@ -1,0 +1,5 @@
+import sys
+
+from kvcore.cli import main
+
+sys.exit(main())

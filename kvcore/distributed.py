@@ -1,0 +1,252 @@
+"""Tensor parallelism: shard KV heads across ranks, agree on one block count and one layout.
+
+Every rank of a tensor-parallel group holds the KV heads its query heads read.
+``shard_spec`` turns the model's spec into the spec of one rank;
+``agree_num_blocks`` and ``agree_layout`` make every rank plan the same number
+of blocks in the same layout, so one scheduler block table is valid on all of
+them. Communication goes through ``torch.distributed`` only (gloo on CPU, NCCL
+on CUDA); without an initialized process group both agreements are local.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from kvcore._validate import as_int, positive_int
+from kvcore.layout import KVCacheLayout
+from kvcore.specs import (
+    AttentionSpec,
+    KVCacheSpec,
+    MLAAttentionSpec,
+    UniformTypeKVCacheSpecs,
+)
+
+__all__ = ["agree_layout", "agree_num_blocks", "kv_head_range", "shard_spec"]
+
+
+def _check_rank(tp_rank: Any, tp_size: Any) -> tuple[int, int]:
+    tp_size = positive_int("tp_size", tp_size)
+    tp_rank = as_int("tp_rank", tp_rank)
+    if not 0 <= tp_rank < tp_size:
+        raise ValueError(
+            f"tp_rank={tp_rank} is out of range for tp_size={tp_size}; "
+            f"pass a rank in 0..{tp_size - 1}"
+        )
+    return tp_rank, tp_size
+
+
+def _per_rank(count: int, tp_size: int, what: str) -> int:
+    """How many of ``count`` heads one rank holds: a shard, or 1 when replicated."""
+    if count >= tp_size and count % tp_size == 0:
+        return count // tp_size
+    if count < tp_size and tp_size % count == 0:
+        return 1
+    raise ValueError(
+        f"{what}={count} cannot be split over tp_size={tp_size}: neither divides "
+        f"the other; pick a tensor-parallel size that divides {count} or is a "
+        f"multiple of it"
+    )
+
+
+def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
+    """The global KV head indices rank ``tp_rank`` of ``tp_size`` holds.
+
+    With at least as many heads as ranks, each rank holds a contiguous slice of
+    ``num_kv_heads // tp_size`` heads. With fewer heads, heads are replicated:
+    each rank holds the single head its query heads read,
+    ``tp_rank * num_kv_heads // tp_size``.
+    """
+    tp_rank, tp_size = _check_rank(tp_rank, tp_size)
+    num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
+    per_rank = _per_rank(num_kv_heads, tp_size, "num_kv_heads")
+    if num_kv_heads >= tp_size:
+        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
+    first = tp_rank * num_kv_heads // tp_size
+    return range(first, first + 1)
+
+
+def _shard_attention(spec: AttentionSpec, tp_size: int) -> AttentionSpec:
+    heads = _per_rank(spec.num_kv_heads, tp_size, "num_kv_heads")
+    slots = spec.num_head_slots
+    if slots is not None:
+        slots = _per_rank(slots, tp_size, "num_head_slots")
+    padded = spec.page_size_padded
+    if padded is not None:
+        # NOTE: the padded page shrinks by the factor the real page shrinks by
+        # when that is exact; otherwise the padding is dropped and the planner
+        # re-pads when it unifies this rank's pages.
+        old_real = spec.real_page_size_bytes
+        new_real = (slots if slots is not None else heads) * spec.num_states * (
+            spec.state_content_size_bytes
+        )
+        scaled, rest = divmod(padded * new_real, old_real)
+        padded = scaled if rest == 0 else None
+    return attrs.evolve(
+        spec, num_kv_heads=heads, num_head_slots=slots, page_size_padded=padded
+    )
+
+
+def shard_spec(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> KVCacheSpec:
+    """The spec rank ``tp_rank`` of a ``tp_size``-way tensor-parallel group stores.
+
+    Rules by spec type:
+
+    - attention specs: ``num_kv_heads`` (and ``num_head_slots`` when set) split
+      evenly across ranks, or become 1 per rank when there are fewer heads than
+      ranks (replication; see ``kv_head_range``). A count that neither divides
+      nor is divided by ``tp_size`` raises ``ValueError``. ``page_size_padded``
+      is scaled by the factor the page shrinks by when that is exact, else
+      dropped (the planner pads again when it unifies page sizes).
+    - ``MLAAttentionSpec``: replicated unchanged; the latent cache is shared by
+      all query heads, so every rank keeps all of it.
+    - ``UniformTypeKVCacheSpecs``: each layer's spec is sharded by these rules.
+    - state caches (``MambaSpec``) and other specs: returned as given; their
+      shapes are expected to describe one rank already.
+
+    ``tp_size == 1`` returns ``spec`` itself.
+    """
+    tp_rank, tp_size = _check_rank(tp_rank, tp_size)
+    if not isinstance(spec, KVCacheSpec):
+        raise TypeError(f"shard_spec needs a KVCacheSpec, got {spec!r}")
+    if tp_size == 1 or isinstance(spec, MLAAttentionSpec):
+        return spec
+    if isinstance(spec, AttentionSpec):
+        return _shard_attention(spec, tp_size)
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        return UniformTypeKVCacheSpecs(
+            spec.block_size,
+            {n: shard_spec(s, tp_rank, tp_size) for n, s in spec.kv_cache_specs.items()},
+        )
+    return spec
+
+
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _collective_device(group: Any) -> torch.device:
+    """CPU for gloo/MPI groups, the current CUDA device otherwise (NCCL)."""
+    backend = str(dist.get_backend(group)).lower()
+    if "gloo" in backend or "mpi" in backend:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"process group backend {backend!r} needs CUDA, which is not available; "
+            "initialize the group with backend='gloo' on CPU-only hosts"
+        )
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def agree_num_blocks(num_blocks: int, group: Any = None) -> int:
+    """The smallest ``num_blocks`` of all ranks in ``group`` (all-reduce MIN).
+
+    Each rank passes the block count its own memory allows; every rank gets
+    the same answer. Returns ``num_blocks`` unchanged when ``torch.distributed``
+    is not initialized. With NCCL, ``torch.cuda.current_device()`` must be the
+    rank's device.
+    """
+    num_blocks = as_int("num_blocks", num_blocks)
+    if not _initialized():
+        return positive_int("num_blocks", num_blocks)
+    # NOTE: range checks happen after the collective, so one bad rank cannot
+    # leave the others waiting in all_reduce.
+    local = torch.tensor([num_blocks], dtype=torch.int64, device=_collective_device(group))
+    dist.all_reduce(local, op=dist.ReduceOp.MIN, group=group)
+    agreed = int(local.item())
+    if agreed <= 0:
+        raise ValueError(
+            f"ranks agreed on {agreed} KV cache blocks (this rank offered "
+            f"{num_blocks}); every rank needs a positive block count: give the "
+            "smallest rank more memory or plan fewer layers"
+        )
+    return agreed
+
+
+def _parse_local(supported: Iterable[KVCacheLayout | str] | None) -> list[KVCacheLayout] | None:
+    if supported is None:
+        return None
+    if isinstance(supported, (str, KVCacheLayout)):
+        raise TypeError(
+            f"supported must be a list of layouts, got the single value {supported!r}; "
+            "wrap it in a list"
+        )
+    layouts = [KVCacheLayout.parse(item) for item in supported]
+    if not layouts:
+        raise ValueError("supported is empty; list at least one KVCacheLayout this rank accepts")
+    return layouts
+
+
+def _gather(obj: Any, group: Any) -> list[Any]:
+    out: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _describe(lists: Sequence[Sequence[str] | None]) -> str:
+    return "; ".join(
+        f"rank {r} supports " + ("any layout" if names is None else f"[{', '.join(names)}]")
+        for r, names in enumerate(lists)
+    )
+
+
+def agree_layout(
+    supported: Sequence[KVCacheLayout | str] | None,
+    specs: Iterable[KVCacheSpec] = (),
+    group: Any = None,
+    requested: KVCacheLayout | str | None = None,
+) -> KVCacheLayout:
+    """One KV cache layout for every rank in ``group``.
+
+    ``supported`` lists the layouts this rank's backends accept, most preferred
+    first (None: any layout). The lists of all ranks are all-gathered and
+    resolved once with ``resolve_kv_cache_layout`` (with this rank's ``specs``
+    and ``requested``). When no layout suits every rank, or ranks resolve
+    differently, every rank raises the same ``ValueError`` naming each rank's
+    list. Without an initialized process group this rank's list is resolved
+    alone.
+    """
+    from kvcore.layout_resolution import resolve_kv_cache_layout
+
+    specs = tuple(specs)
+    if not _initialized():
+        return resolve_kv_cache_layout([_parse_local(supported)], specs, requested)
+    # NOTE: local failures travel through the gathers too, so every rank
+    # raises instead of some ranks waiting in a collective forever.
+    try:
+        local = _parse_local(supported)
+        names, local_error = (None if local is None else [x.name for x in local]), None
+    except (TypeError, ValueError) as err:
+        names, local_error = None, f"{type(err).__name__}: {err}"
+    gathered = _gather((names, local_error), group)
+    lists = [g[0] for g in gathered]
+    bad = [f"rank {r}: {g[1]}" for r, g in enumerate(gathered) if g[1] is not None]
+    if bad:
+        raise ValueError("invalid supported layouts on " + "; ".join(bad))
+    per_rank = [None if names is None else [KVCacheLayout[n] for n in names] for names in lists]
+    try:
+        choice, error = resolve_kv_cache_layout(per_rank, specs, requested).name, None
+    except (TypeError, ValueError) as err:
+        choice, error = None, str(err)
+    outcomes = _gather((choice, error), group)
+    errors = list(dict.fromkeys(e.rstrip(".") for _, e in outcomes if e is not None))
+    if errors:
+        failed = [r for r, (_, e) in enumerate(outcomes) if e is not None]
+        raise ValueError(
+            f"ranks could not agree on a KV cache layout: {_describe(lists)}. "
+            f"Ranks {failed} could not resolve: {' | '.join(errors)}. Give every rank "
+            "backends that share a layout, or request one layout every rank supports"
+        )
+    choices = {c for c, _ in outcomes}
+    if len(choices) != 1:
+        picked = ", ".join(f"rank {r} -> {c}" for r, (c, _) in enumerate(outcomes))
+        raise ValueError(
+            f"ranks resolved different KV cache layouts ({picked}) from {_describe(lists)}; "
+            "give every rank the same specs and the same requested layout "
+            "(argument or KVCORE_KV_CACHE_LAYOUT)"
+        )
+    return KVCacheLayout[choices.pop()]

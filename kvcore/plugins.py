@@ -1,0 +1,261 @@
+"""Building the plugin manager: entry points, environment switches, listings.
+
+Plugins are distributions declaring an entry point in group
+``kvcore.plugins``. :func:`get_plugin_manager` loads them one by one; one
+that fails is skipped with a :class:`~kvcore.errors.PluginWarning` (or raises
+:class:`~kvcore.errors.PluginError` under ``KVCORE_STRICT_PLUGINS=1``) and
+the others keep working. Environment variables are read when a manager is
+built, never at import.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.metadata
+import logging
+import os
+import warnings
+from typing import Any
+
+import attrs
+import pluggy
+
+from kvcore.backend import AttentionBackend
+from kvcore.errors import PluginError, PluginWarning
+from kvcore.hookspecs import CORE_PLUGIN_NAME, ENTRY_POINT_GROUP
+from kvcore.plugin_manager import (
+    KVCorePluginManager,
+    PluginInfo,
+    collect_backends,
+    describe_plugin,
+    logger,
+)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+
+
+def _env_flag(name: str) -> bool:
+    value = os.environ.get(name, "").strip().lower()
+    if value in _TRUE or value in _FALSE:
+        return value in _TRUE
+    raise ValueError(f"{name}={os.environ[name]!r} is not a switch; set it to 1 or 0")
+
+
+def _env_names(name: str) -> frozenset[str] | None:
+    value = os.environ.get(name, "").strip()
+    return frozenset(n.strip() for n in value.split(",") if n.strip()) if value else None
+
+
+@attrs.frozen
+class PluginSettings:
+    """The environment's plugin switches, read once per manager."""
+
+    autoload: bool = True
+    allow: frozenset[str] | None = None
+    block: frozenset[str] = frozenset()
+    strict: bool = False
+    trace: bool = False
+
+    @classmethod
+    def from_env(cls, *, autoload: bool = True) -> PluginSettings:
+        return cls(
+            autoload=autoload and not _env_flag("KVCORE_DISABLE_PLUGIN_AUTOLOAD"),
+            allow=_env_names("KVCORE_PLUGINS"),
+            block=_env_names("KVCORE_BLOCK_PLUGINS") or frozenset(),
+            strict=_env_flag("KVCORE_STRICT_PLUGINS"),
+            trace=_env_flag("KVCORE_TRACE_PLUGINS"),
+        )
+
+
+def get_plugin_manager(*, autoload: bool = True) -> KVCorePluginManager:
+    """A fresh plugin manager: hookspecs, core defaults, then installed plugins.
+
+    With ``autoload=False`` (or ``KVCORE_DISABLE_PLUGIN_AUTOLOAD=1``) no entry
+    point is imported; register in-process plugins with ``pm.register(obj)``.
+    """
+    return build_plugin_manager(PluginSettings.from_env(autoload=autoload))
+
+
+def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
+    """:func:`get_plugin_manager` with explicit settings instead of the environment."""
+    pm = KVCorePluginManager(trace_calls=settings.trace)
+    if settings.trace:
+        _enable_tracing(pm)
+    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+        info = _info_of(ep)
+        if info.name in pm.plugin_infos:
+            message = f"{info.describe()} is skipped: {pm.plugin_infos[info.name].describe()} has that name"
+            if settings.strict:
+                raise PluginError(message)
+            warnings.warn(message, PluginWarning, stacklevel=3)
+            continue
+        pm.plugin_infos[info.name] = info
+        if not settings.autoload or (settings.allow is not None and info.name not in settings.allow):
+            info.status = "disabled"
+        elif info.name in settings.block:
+            info.status = "blocked"
+        else:
+            _load(pm, ep, info, settings.strict)
+    missing = sorted((settings.allow or frozenset()) - set(pm.plugin_infos))
+    if settings.autoload and missing:
+        warnings.warn(
+            f"KVCORE_PLUGINS names {missing} but no installed plugin has that entry point; "
+            f"installed: {sorted(pm.plugin_infos)}",
+            PluginWarning,
+            stacklevel=3,
+        )
+    try:
+        pm.check_pending()
+    except pluggy.PluginValidationError as exc:
+        name = pm.get_name(exc.plugin) or "?"
+        raise PluginError(f"{describe_plugin(pm, name)}: {exc}") from exc
+    return pm
+
+
+def _info_of(ep: importlib.metadata.EntryPoint) -> PluginInfo:
+    dist = ep.dist
+    return PluginInfo(
+        name=ep.name,
+        distribution=None if dist is None else dist.metadata["Name"] or dist.name,
+        version=None if dist is None else dist.version,
+        entry_point=f"{ep.name} = {ep.value}",
+    )
+
+
+def _load(pm: KVCorePluginManager, ep: Any, info: PluginInfo, strict: bool) -> None:
+    """Import, register and check one entry point; on failure undo and report."""
+    try:
+        plugin = ep.load()
+    except Exception as exc:
+        problem = f"failed to import, so none of its kvcore_* hooks run ({type(exc).__name__}: {exc})"
+        return _fail(pm, info, problem, strict, exc)
+    try:
+        pm.register(plugin, name=info.name)
+    except Exception as exc:  # pluggy refuses bad hook signatures and name clashes
+        return _fail(pm, info, f"could not be registered: {exc}", strict, exc)
+    unknown = [
+        c.name for c in pm.get_hookcallers(plugin) or []
+        if not c.has_spec() and not all(i.optionalhook for i in c.get_hookimpls())
+    ]
+    if unknown:
+        known = sorted(n for n in dir(pm.hook) if n.startswith("kvcore_"))
+        problem = f"implements unknown hook(s) {unknown}; kvcore's hooks are {known}"
+        return _fail(pm, info, problem, strict, None)
+    marked = {c.name for c in pm.get_hookcallers(plugin) or []}
+    unmarked = sorted(n for n in dir(plugin) if n.startswith("kvcore_") and n not in marked)
+    if unmarked:
+        warnings.warn(
+            f"{info.describe()} defines {unmarked} without @kvcore.hookimpl; kvcore ignores them",
+            PluginWarning,
+            stacklevel=3,
+        )
+    try:
+        collect_backends(pm)
+    except PluginError as exc:
+        if getattr(exc, "plugin_name", None) != info.name:
+            raise
+        return _fail(pm, info, str(exc), strict, exc, described=True)
+    info.status = "loaded"
+    return None
+
+
+def _fail(
+    pm: KVCorePluginManager,
+    info: PluginInfo,
+    problem: str,
+    strict: bool,
+    cause: BaseException | None,
+    described: bool = False,
+) -> None:
+    if pm.get_plugin(info.name) is not None:
+        pm.unregister(name=info.name)
+    message = problem if described else f"{info.describe()} {problem}"
+    info.status, info.error = "failed", message
+    if strict:
+        raise PluginError(message) from cause
+    warnings.warn(f"{message}; skipping it", PluginWarning, stacklevel=4)
+
+
+def _enable_tracing(pm: KVCorePluginManager) -> None:
+    """Log every hook call (kvcore's own and direct ``pm.hook`` calls) at DEBUG."""
+    logger.setLevel(logging.DEBUG)
+    if not logger.handlers and not logging.getLogger().handlers:
+        logger.addHandler(logging.StreamHandler())
+    pm.trace.root.setwriter(lambda message: logger.debug(message.rstrip()))
+    pm.enable_tracing()
+
+
+@functools.lru_cache(maxsize=1)
+def default_plugin_manager() -> KVCorePluginManager:
+    """The manager serving ``plugin_manager=None``, built on first use."""
+    return get_plugin_manager()
+
+
+def reset_default_plugin_manager() -> None:
+    """Forget the default manager; the next use rebuilds it (reads the environment again)."""
+    default_plugin_manager.cache_clear()
+
+
+def resolve_plugin_manager(plugin_manager: pluggy.PluginManager | None) -> pluggy.PluginManager:
+    if plugin_manager is None:
+        return default_plugin_manager()
+    if not isinstance(plugin_manager, pluggy.PluginManager):
+        raise TypeError(
+            f"plugin_manager must be a pluggy.PluginManager (see kvcore.get_plugin_manager) "
+            f"or None, got {plugin_manager!r}"
+        )
+    return plugin_manager
+
+
+def get_backends(plugin_manager: pluggy.PluginManager | None = None) -> dict[str, type[AttentionBackend]]:
+    """Every registered backend by name."""
+    pm = resolve_plugin_manager(plugin_manager)
+    return {name: cls for name, (cls, _) in collect_backends(pm).items()}
+
+
+def get_backend(name: str, plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
+    """The backend class registered under ``name``."""
+    backends = get_backends(plugin_manager)
+    if name not in backends:
+        raise ValueError(
+            f"Unknown attention backend {name!r}. Registered: {sorted(backends)}; "
+            "install the plugin that provides it or check KVCORE_PLUGINS/KVCORE_BLOCK_PLUGINS"
+        )
+    return backends[name]
+
+
+def resolve_backend(backend: Any, plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
+    """A backend class, given the class itself or its registered name."""
+    if isinstance(backend, str):
+        return get_backend(backend, plugin_manager)
+    if isinstance(backend, type) and issubclass(backend, AttentionBackend):
+        return backend
+    raise TypeError(
+        f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}"
+    )
+
+
+def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[PluginInfo]:
+    """One record per plugin: entry points in every state, then in-process plugins."""
+    pm = resolve_plugin_manager(plugin_manager)
+    infos = pm.plugin_infos if isinstance(pm, KVCorePluginManager) else {}
+    out = [attrs.evolve(i, hooks=[], backends=[]) for i in infos.values()]
+    out += [
+        PluginInfo(name=name)
+        for name, _ in pm.list_name_plugin()
+        if name not in infos and name != CORE_PLUGIN_NAME
+    ]
+    try:
+        owners = {n: owner for n, (_, owner) in collect_backends(pm).items()}
+    except PluginError as exc:
+        owners = {}
+        for info in out:
+            if info.name == getattr(exc, "plugin_name", None):
+                info.status, info.error = "failed", str(exc)
+    for info in out:
+        plugin = pm.get_plugin(info.name)
+        if plugin is not None:
+            info.hooks = sorted(c.name for c in pm.get_hookcallers(plugin) or [])
+            info.backends = sorted(n for n, owner in owners.items() if owner == info.name)
+    return out

@@ -1,0 +1,80 @@
+"""Batch helpers: uniform decode batches, multimodal placeholders, encoder stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore.batch import (
+    EncoderTimingStats,
+    gather_mm_placeholders,
+    get_uniform_decode_token_count,
+    is_uniform_query_len,
+    sanity_check_mm_encoder_outputs,
+    scatter_mm_placeholders,
+)
+
+
+@pytest.mark.parametrize(
+    "num_reqs, num_tokens, max_query_len, uniform",
+    [(4, 4, 1, True), (4, 12, 3, True), (4, 11, 3, False), (0, 0, 1, False), (1, 7, 7, True)],
+)
+def test_is_uniform_query_len(num_reqs, num_tokens, max_query_len, uniform):
+    assert is_uniform_query_len(num_reqs, num_tokens, max_query_len) is uniform
+
+
+def test_uniform_decode_token_count_needs_eligibility():
+    assert get_uniform_decode_token_count(8, 16, 2, True) == 2
+    assert get_uniform_decode_token_count(8, 16, 2, False) is None
+    assert get_uniform_decode_token_count(8, 15, 2, True) is None
+
+
+def test_scatter_then_gather_round_trips():
+    gen = torch.Generator().manual_seed(0)
+    embeds = torch.randn(5, 3, generator=gen)
+    is_embed = torch.tensor([False, True, True, False, True, True, False, True])
+    placed = scatter_mm_placeholders(embeds, is_embed)
+    assert placed.shape == (8, 3)
+    assert torch.isnan(placed[~is_embed]).all()
+    assert torch.equal(placed[is_embed], embeds)
+    assert torch.equal(gather_mm_placeholders(placed, is_embed), embeds)
+
+
+def test_no_mask_is_identity():
+    embeds = torch.randn(4, 2)
+    assert scatter_mm_placeholders(embeds, None) is embeds
+    assert gather_mm_placeholders(embeds, None) is embeds
+
+
+def test_scatter_rejects_a_mask_of_the_wrong_count():
+    with pytest.raises(ValueError, match="marks 2 positions but there are 3 embeddings"):
+        scatter_mm_placeholders(torch.randn(3, 2), torch.tensor([True, True, False]))
+    with pytest.raises(ValueError, match="1-D bool mask"):
+        scatter_mm_placeholders(torch.randn(3, 2), torch.tensor([1, 1, 1]))
+
+
+def test_sanity_check_accepts_lists_and_3d_tensors():
+    sanity_check_mm_encoder_outputs([torch.randn(3, 4), torch.randn(5, 4)], 2)
+    sanity_check_mm_encoder_outputs(torch.randn(2, 3, 4), 2)
+
+
+@pytest.mark.parametrize(
+    "outputs, expected, match",
+    [
+        ({"a": torch.randn(2, 2)}, 1, "got dict"),
+        ([torch.randn(2, 2)], 2, "expected 2 multimodal embeddings.*got 1"),
+        ([torch.randn(2, 2), torch.randn(2)], 2, r"must be 2-D, got shapes \[\(2, 2\), \(2,\)\]"),
+        (torch.randn(2, 3), 2, "must be 2-D"),
+    ],
+)
+def test_sanity_check_raises_value_error(outputs, expected, match):
+    with pytest.raises(ValueError, match=match):
+        sanity_check_mm_encoder_outputs(outputs, expected)
+
+
+def test_encoder_timing_stats():
+    stats = EncoderTimingStats()
+    assert stats.to_dict() == {"encoder_forward_secs": 0.0, "num_encoder_calls": 0}
+    stats.encoder_forward_secs += 0.25
+    stats.num_encoder_calls += 2
+    assert stats.to_dict() == {"encoder_forward_secs": 0.25, "num_encoder_calls": 2}

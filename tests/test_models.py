@@ -1,0 +1,108 @@
+"""TOML model descriptions and the presets in examples/models."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from kvcore.binding import extract_layer_index
+from kvcore.models import find_model, load_model, parse_model, preset_names
+from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, MultipleOf, SlidingWindowSpec
+
+
+def test_presets_are_listed():
+    assert {"llama-3-8b", "gemma-3-27b", "deepseek-v3", "jamba-1.5-mini"} <= set(preset_names())
+
+
+def test_llama():
+    model = load_model("llama-3-8b")
+    specs = list(model.kv_cache_specs.values())
+    assert model.name == "Llama 3 8B" and len(specs) == 32
+    assert all(s == specs[0] for s in specs) and isinstance(specs[0], FullAttentionSpec)
+    assert specs[0].page_size_bytes == 8 * 16 * (128 + 128) * 2
+    assert [extract_layer_index(n) for n in model.kv_cache_specs] == list(range(32))
+
+
+def test_gemma_alternates_five_sliding_per_full():
+    specs = load_model("gemma-3-27b").kv_cache_specs
+    full = [extract_layer_index(n) for n, s in specs.items() if type(s) is FullAttentionSpec]
+    sliding = [s for s in specs.values() if isinstance(s, SlidingWindowSpec)]
+    assert full == list(range(5, 62, 6)) and len(sliding) == 52
+    assert sliding[0].sliding_window == 1024
+
+
+def test_deepseek_mla_shapes():
+    specs = load_model("deepseek-v3").kv_cache_specs
+    spec = next(iter(specs.values()))
+    assert len(specs) == 61 and isinstance(spec, MLAAttentionSpec)
+    assert (spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.dtype) == (1, 576, 0, torch.bfloat16)
+    assert spec.page_size_bytes == spec.block_size * 576 * 2
+
+
+def test_jamba_mixes_mamba_and_attention():
+    specs = load_model("jamba-1.5-mini").kv_cache_specs
+    attn = [extract_layer_index(n) for n, s in specs.items() if isinstance(s, FullAttentionSpec)]
+    mamba = [s for n, s in specs.items() if n.endswith(".mixer")]
+    assert attn == [4, 12, 20, 28] and len(mamba) == 28
+    assert all(isinstance(s, MambaSpec) for s in mamba)
+    assert mamba[0].page_size_bytes == 3 * 8192 * 2 + 8192 * 16 * 4
+
+
+def test_block_size_override_and_path(tmp_path):
+    path = find_model("llama-3-8b")
+    model = load_model(str(path), block_size=32)
+    assert {s.block_size for s in model.kv_cache_specs.values()} == {32}
+    assert model.source == str(path)
+
+
+def _types(**extra):
+    return {"a": {"kind": "full", "num_kv_heads": 2, "head_size": 8, "dtype": "float16", **extra}}
+
+
+def test_pattern_skips_layers_without_cache_and_fields_convert():
+    data = {
+        "num_layers": 5,
+        "pattern": ["a", "-", "m"],
+        "layer_name": "blocks.{index}.{module}",
+        "types": {
+            **_types(tokens_per_state="1/2", block_stride_alignment=8, block_size=32),
+            "m": {"kind": "mamba", "shapes": [[4, 4]], "dtypes": ["float32"], "module": "ssm"},
+        },
+    }
+    specs = parse_model(data)
+    assert list(specs) == ["blocks.0.self_attn", "blocks.2.ssm", "blocks.3.self_attn"]
+    a = specs["blocks.0.self_attn"]
+    assert a.tokens_per_state == Fraction(1, 2) and a.block_stride_alignment == MultipleOf(8)
+    assert a.block_size == 32 and specs["blocks.2.ssm"].block_size == 16
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        ({"num_layers": 2, "types": {"a": {"kind": "lstm"}}}, "valid kinds: full, sliding"),
+        ({"num_layers": 2, "types": _types(heads=3)}, r"unknown keys \['heads'\].*num_kv_heads"),
+        ({"num_layers": 2, "types": _types(dtype="float33")}, "unknown dtype 'float33'"),
+        ({"num_layers": 2, "types": _types(head_size=-1)}, "types.a:.*positive"),
+        ({"num_layers": 0, "types": _types()}, "num_layers must be a positive integer"),
+        ({"num_layers": 2, "types": _types(), "pattern": ["a", "b"]}, r"unknown types \['b'\]"),
+        ({"num_layers": 2, "types": {**_types(), "b": _types()["a"]}}, "pattern must list"),
+        ({"num_layers": 2, "types": _types(), "pattern": ["-"]}, "gives no layer a cache"),
+        ({"num_layers": 2, "types": _types(), "layer_name": "x.{module}"}, "include {index}"),
+        ({"num_layers": 2, "types": _types(), "layers": 3}, r"unknown top-level keys \['layers'\]"),
+        ({"num_layers": 2}, r"\[types.NAME\]"),
+    ],
+)
+def test_bad_descriptions(data, match):
+    with pytest.raises(ValueError, match=match):
+        parse_model(data)
+
+
+def test_bad_files(tmp_path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("num_layers = [")
+    with pytest.raises(ValueError, match="not valid TOML"):
+        load_model(bad)
+    with pytest.raises(ValueError, match="presets: .*llama-3-8b"):
+        load_model("llama-9")

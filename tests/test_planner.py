@@ -1,0 +1,294 @@
+"""plan_kv_cache: groups, bytes per block, block counts, tensors and refusals."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvcore.layout import KVCacheLayout
+from kvcore.planner import plan_kv_cache
+from kvcore.specs import (
+    EncoderOnlyAttentionSpec,
+    FullAttentionSpec,
+    MambaSpec,
+    MLAAttentionSpec,
+    MultipleOf,
+    SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
+)
+from kvcore.views import allocate_kv_cache
+
+F32 = torch.float32
+
+
+def full(bs=16, heads=2, hs=64, dtype=F32, **kw):
+    return FullAttentionSpec(bs, num_kv_heads=heads, head_size=hs, dtype=dtype, **kw)
+
+
+def sliding(bs=16, heads=2, hs=64, dtype=F32, window=128, **kw):
+    return SlidingWindowSpec(bs, num_kv_heads=heads, head_size=hs, dtype=dtype, sliding_window=window, **kw)
+
+
+# ---------------------------------------------------------------- worked numbers
+
+
+def test_two_fp32_layers_layer_compact():
+    spec = full()
+    assert spec.page_size_bytes == 16384
+    config = plan_kv_cache({"l.0": spec, "l.1": spec}, "LBNHC", num_blocks=32)
+    (tensor,) = config.kv_cache_tensors
+    assert (tensor.size, tensor.layer_stride, tensor.block_stride) == (1_048_576, 524_288, 16_384)
+    assert tensor.layers == ("l.0", "l.1") and tensor.offset == 0
+    assert config.num_blocks == 32 and len(config.kv_cache_groups) == 1
+
+
+def test_two_fp32_layers_block_outermost():
+    spec = full()
+    config = plan_kv_cache({"l.0": spec, "l.1": spec}, "BLHNC", num_blocks=32)
+    (tensor,) = config.kv_cache_tensors
+    assert (tensor.size, tensor.layer_stride, tensor.block_stride) == (1_048_576, 16_384, 32_768)
+
+
+def test_full_and_sliding_equal_pages_overlay():
+    page = full().page_size_bytes
+    config = plan_kv_cache({"l.0": full(), "l.1": sliding()}, "LBNHC", available_memory=64 * page + 5)
+    assert config.num_blocks == 64
+    assert [g.layer_names for g in config.kv_cache_groups] == [["l.0"], ["l.1"]]
+    sizes = {t.size for t in config.kv_cache_tensors}
+    assert sizes == {64 * page} and all(t.offset == 0 for t in config.kv_cache_tensors)
+    assert len(config.kv_cache_tensors) == 2
+
+
+def test_sliding_with_half_page_doubles_its_block_size():
+    config = plan_kv_cache({"l.0": full(), "l.1": sliding(heads=1)}, "BLNHC", num_blocks=8)
+    specs = [g.kv_cache_spec for g in config.kv_cache_groups]
+    assert specs[0].block_size == 16 and specs[1].block_size == 32
+    assert specs[1].page_size_bytes == specs[0].page_size_bytes == 16384
+    assert specs[1].page_size_padded is None
+
+
+def test_gemma_like_groups_split_by_smallest_type():
+    specs = {
+        f"model.layers.{i}.attn": (full() if i % 6 == 5 else sliding()) for i in range(60)
+    }
+    config = plan_kv_cache(specs, "LBNHC", num_blocks=4)
+    groups = config.kv_cache_groups
+    kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+    assert kinds.count("FullAttentionSpec") == 1 and kinds.count("SlidingWindowSpec") == 5
+    assert all(len(g.layer_names) == 10 for g in groups)
+    order = list(specs)
+    for g in groups:  # model order inside each group
+        assert [order.index(n) for n in g.layer_names] == sorted(order.index(n) for n in g.layer_names)
+    assert config.kv_cache_tensors[0].size == 4 * 10 * full().page_size_bytes
+
+
+def test_mamba_and_non_dividing_attention_are_padded():
+    mamba = MambaSpec(16, shapes=[(3, 100), (700,)], dtypes=[torch.float32] * 2)  # 4000 bytes
+    attn = full(hs=16, heads=1)  # 16 * 32 * 4 = 2048 bytes
+    big = full(hs=15, heads=2, bs=16)  # 2 * 16 * 120 = 3840 bytes
+    config = plan_kv_cache({"a.0": attn, "m.1": mamba, "b.2": big}, "LBNHC", num_blocks=3)
+    pages = {g.kv_cache_spec.page_size_bytes for g in config.kv_cache_groups}
+    assert pages == {4000}
+    by_layer = {g.layer_names[0]: g.kv_cache_spec for g in config.kv_cache_groups}
+    assert by_layer["a.0"].page_size_padded == 4000 and by_layer["a.0"].block_size == 16
+    assert by_layer["b.2"].page_size_padded == 4000
+    assert by_layer["m.1"] == mamba
+
+
+def test_mla_that_does_not_divide_is_refused():
+    mla = MLAAttentionSpec(16, num_kv_heads=1, head_size=24, dtype=F32)  # 1536 bytes
+    with pytest.raises(ValueError, match=r"MLA layer 'x.1'.*1536-byte page.*cannot be padded"):
+        plan_kv_cache({"x.0": full(), "x.1": mla}, "BLNHC", num_blocks=4)
+
+
+def test_encoder_only_layers_get_a_group_but_no_tensor():
+    enc = EncoderOnlyAttentionSpec(16, num_kv_heads=2, head_size=64, dtype=F32)
+    config = plan_kv_cache({"e.0": enc, "d.1": full(), "d.2": full()}, "LBNHC", num_blocks=4)
+    assert [g.layer_names for g in config.kv_cache_groups] == [["d.1", "d.2"], ["e.0"]]
+    assert [t.layers for t in config.kv_cache_tensors] == [("d.1", "d.2")]
+    only = plan_kv_cache({"e.0": enc}, "LBNHC", available_memory=1 << 20)
+    assert only.kv_cache_tensors == [] and only.kv_cache_groups[0].layer_names == ["e.0"]
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout))
+def test_uniform_type_layers_of_different_shapes_share_one_group(layout):
+    specs = {"l.0": full(heads=2), "l.1": full(heads=1), "l.2": full(heads=2)}
+    config = plan_kv_cache(specs, layout, num_blocks=5)
+    (group,) = config.kv_cache_groups
+    assert isinstance(group.kv_cache_spec, UniformTypeKVCacheSpecs)
+    assert group.layer_names == ["l.0", "l.1", "l.2"]
+    assert config.kv_cache_tensors[0].size == 5 * (16384 * 2 + 8192)
+    _check_views(config)
+
+
+def test_layer_compact_refuses_groups_with_different_footprints():
+    # padded attention page rounded up to its 8-token kernel page; Mamba is not
+    attn = full(hs=32, heads=1, page_size_padded=5000, block_stride_alignment=MultipleOf(8))
+    mamba = MambaSpec(16, shapes=[(1250,)], dtypes=[torch.float32])
+    specs = {"a.0": attn, "m.1": mamba}
+    with pytest.raises(ValueError, match="block-outermost layout such as BLNHC"):
+        plan_kv_cache(specs, "LBNHC", num_blocks=4)
+    config = plan_kv_cache(specs, "BLNHC", num_blocks=4)
+    assert config.kv_cache_tensors[0].block_stride % 2048 == 0  # lcm with the kernel page
+    _check_views(config)
+
+
+def test_lhbnc_refuses_groups_that_split_blocks_differently():
+    specs = {"a.0": full(heads=2), "m.1": MambaSpec(16, shapes=[(4096,)], dtypes=[F32])}
+    with pytest.raises(ValueError, match="such as LBNHC"):
+        plan_kv_cache(specs, "LHBNC", num_blocks=4)
+    _check_views(plan_kv_cache(specs, "LBNHC", num_blocks=4))
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
+def test_padded_multi_head_pages_need_a_block_compact_layout(layout):
+    specs = {"a.0": full(heads=2, page_size_padded=20000)}
+    with pytest.raises(ValueError, match="'a.0'.*block-compact layout such as LBNHC or BLNHC"):
+        plan_kv_cache(specs, layout, num_blocks=4)
+    # the layout refusal wins over a budget that is also too small
+    with pytest.raises(ValueError, match="block-compact layout such as LBNHC"):
+        plan_kv_cache(specs, layout, available_memory=100)
+
+
+# ---------------------------------------------------------------- bad input
+
+
+def test_budget_must_be_exactly_one():
+    with pytest.raises(ValueError, match="exactly one of available_memory"):
+        plan_kv_cache({"l.0": full()}, "LBNHC")
+    with pytest.raises(ValueError, match="exactly one of available_memory"):
+        plan_kv_cache({"l.0": full()}, "LBNHC", available_memory=1 << 20, num_blocks=3)
+
+
+def test_too_little_memory_says_what_one_block_needs():
+    with pytest.raises(ValueError, match=r"holds 1 KV cache block.*needs 32768 bytes.*65536 bytes"):
+        plan_kv_cache({"l.0": full(), "l.1": full()}, "BLNHC", available_memory=65535)
+
+
+@pytest.mark.parametrize(
+    "specs, kwargs, error",
+    [
+        ({}, {"num_blocks": 2}, ValueError),
+        ([("l.0", None)], {"num_blocks": 2}, TypeError),
+        ({"l.0": "full"}, {"num_blocks": 2}, TypeError),
+        ({"l.0": UniformTypeKVCacheSpecs(16, {"x": full()})}, {"num_blocks": 2}, TypeError),
+        ({"l.0": full()}, {"num_blocks": 0}, ValueError),
+        ({"l.0": full()}, {"available_memory": -1}, ValueError),
+        ({"l.0": full()}, {"available_memory": 1.5e9}, TypeError),
+    ],
+)
+def test_bad_input(specs, kwargs, error):
+    with pytest.raises(error):
+        plan_kv_cache(specs, "LBNHC", **kwargs)
+
+
+def test_unknown_layout():
+    with pytest.raises(ValueError, match="valid names"):
+        plan_kv_cache({"l.0": full()}, "LNBHC", num_blocks=2)
+
+
+# ---------------------------------------------------------------- properties
+
+
+def _addresses(view: torch.Tensor, size: int) -> torch.Tensor:
+    """Byte addresses of a layer view, shaped [B, bytes per block]."""
+    raw = view.view(torch.int8)
+    index = torch.arange(size).as_strided(raw.shape, raw.stride(), raw.storage_offset())
+    return index.reshape(raw.shape[0], -1)
+
+
+def _check_views(config):
+    """Views never overlap within a group; across groups, block b meets only block b."""
+    views = allocate_kv_cache(config, "cpu")
+    size = config.kv_cache_tensors[0].size
+    owners = []
+    for group in config.kv_cache_groups:
+        names = [n for n in group.layer_names if n in views]
+        if not names:
+            continue
+        addrs = [_addresses(views[n], size) for n in names]
+        flat = torch.cat([a.flatten() for a in addrs])
+        assert int(torch.bincount(flat, minlength=size).max()) == 1
+        owner = torch.full((size,), -1, dtype=torch.int64)
+        for a in addrs:
+            owner[a] = torch.arange(a.shape[0]).unsqueeze(1).expand_as(a)
+        owners.append(owner)
+    for i in range(len(owners)):
+        for j in range(i):
+            both = (owners[i] >= 0) & (owners[j] >= 0)
+            assert torch.equal(owners[i][both], owners[j][both])
+
+
+_DTYPES = st.sampled_from([torch.float32, torch.bfloat16])
+
+
+@st.composite
+def _layer_spec(draw):
+    kind = draw(st.sampled_from(["full", "full", "sliding", "sliding", "mamba", "mla", "encoder"]))
+    bs = draw(st.sampled_from([2, 4, 8]))
+    heads = draw(st.integers(1, 2))
+    hs = draw(st.sampled_from([2, 4, 6, 8]))
+    dtype = draw(_DTYPES)
+    # kernels of fixed sizes ask packed blocks to keep whole kernel blocks
+    align = {"block_stride_alignment": draw(st.sampled_from([None, MultipleOf(1), MultipleOf(2)]))}
+    if kind == "full":
+        return full(bs, heads, hs, dtype, **align)
+    if kind == "sliding":
+        return sliding(bs, heads, hs, dtype, window=draw(st.sampled_from([4, 32])), **align)
+    if kind == "mla":
+        return MLAAttentionSpec(bs, num_kv_heads=1, head_size=hs, dtype=dtype)
+    if kind == "encoder":
+        return EncoderOnlyAttentionSpec(bs, num_kv_heads=heads, head_size=hs, dtype=dtype)
+    return MambaSpec(bs, shapes=[(2 * draw(st.integers(1, 40)),)], dtypes=[dtype])
+
+
+def _named_layout(message: str, refused: KVCacheLayout) -> KVCacheLayout | None:
+    names = [KVCacheLayout[m] for m in re.findall(r"\b(LBHNC|LBNHC|LHBNC|BLHNC|BLNHC|BHLNC)\b", message)]
+    return next((n for n in names if n is not refused), None)
+
+
+@settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    layers=st.lists(_layer_spec(), min_size=1, max_size=7),
+    layout=st.sampled_from(list(KVCacheLayout)),
+    memory=st.integers(1, 16).flatmap(lambda k: st.integers((k - 1) * 2500, k * 2500)),
+)
+def test_plan_properties(layers, layout, memory):
+    specs = {f"model.layers.{i}.x": s for i, s in enumerate(layers)}
+    try:
+        config = plan_kv_cache(specs, layout, available_memory=memory)
+    except ValueError as exc:
+        message = str(exc)
+        if "MLA layer" in message:  # no layout can pad MLA
+            with pytest.raises(ValueError, match="MLA layer"):
+                plan_kv_cache(specs, "BLNHC", num_blocks=2)
+            return
+        if "KV cache block(s)" in message:  # budget too small: 2 blocks do not fit
+            two = plan_kv_cache(specs, layout, num_blocks=2)
+            assert two.kv_cache_tensors[0].size > memory
+            return
+        other = _named_layout(message, layout)
+        assert other is not None, message  # a refusal names a layout that can
+        _check_views(plan_kv_cache(specs, other, num_blocks=2))
+        return
+
+    order = list(specs)
+    seen = [n for g in config.kv_cache_groups for n in g.layer_names]
+    assert sorted(seen) == sorted(order)  # every layer in exactly one group
+    for g in config.kv_cache_groups:
+        assert g.layer_names == sorted(g.layer_names, key=order.index)
+    cached = [n for n, s in specs.items() if not isinstance(s, EncoderOnlyAttentionSpec)]
+    in_tensors = [n for t in config.kv_cache_tensors for n in t.layers]
+    assert sorted(in_tensors) == sorted(cached)
+    if not cached:
+        return
+    size = config.kv_cache_tensors[0].size
+    assert all(t.size == size for t in config.kv_cache_tensors) and size <= memory
+    assert size % config.num_blocks == 0
+    more = plan_kv_cache(specs, layout, num_blocks=config.num_blocks + 1)
+    assert more.kv_cache_tensors[0].size > memory  # num_blocks is the most that fits
+    _check_views(config)

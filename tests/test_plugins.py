@@ -1,0 +1,297 @@
+"""Plugin discovery, environment switches and failure attribution.
+
+Distributions are faked with a dist-info folder on sys.path (no installs);
+in-process plugins are registered on a fresh manager and unregistered after.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+
+import pytest
+import torch
+from _plugin_dists import backend_plugin_source, clean_plugin_env, make_dist  # noqa: F401
+
+import kvcore
+from kvcore.errors import PluginError, PluginWarning
+from kvcore.plugins import (
+    default_plugin_manager,
+    get_backend,
+    get_backends,
+    list_plugins,
+    reset_default_plugin_manager,
+)
+
+
+@pytest.fixture
+def two_dists(tmp_path, monkeypatch):
+    """Distributions foo-dist 1.0 (backend foo-attn) and bar-dist 2.3 (backend bar-attn)."""
+    make_dist(tmp_path, "foo-dist", "1.0", {"foo": "fakeplug_foo"},
+              {"fakeplug_foo": backend_plugin_source("foo-attn", "[32]")})
+    make_dist(tmp_path, "bar-dist", "2.3", {"bar": "fakeplug_bar"},
+              {"fakeplug_bar": backend_plugin_source("bar-attn", "[16]")})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "foo,bar")
+    return tmp_path
+
+
+def test_entry_point_is_discovered_and_loaded(two_dists):
+    pm = kvcore.get_plugin_manager()
+    info = pm.plugin_infos["foo"]
+    assert (info.status, info.distribution, info.version) == ("loaded", "foo-dist", "1.0")
+    backend = get_backend("foo-attn", pm)
+    assert backend.__module__ == "fakeplug_foo" and issubclass(backend, kvcore.AttentionBackend)
+    listed = {i.name: i for i in list_plugins(pm)}
+    assert listed["bar"].backends == ["bar-attn"]
+    assert listed["foo"].hooks == ["kvcore_register_backends", "kvcore_supported_kernel_block_sizes"]
+
+
+def test_plugin_changes_block_size_choice_without_touching_kvcore(tmp_path, monkeypatch):
+    """The acceptance case: one module, one entry point, kvcore's choice changes."""
+    make_dist(tmp_path, "kvcore-tiny", "0.1", {"tiny": "fakeplug_tiny"},
+              {"fakeplug_tiny": backend_plugin_source("tiny", "[MultipleOf(64), 48]")})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = kvcore.FullAttentionSpec(96, 2, 8, torch.float16)
+    without = kvcore.get_plugin_manager(autoload=False)
+    # Without the plugin the core default accepts any size.
+    assert kvcore.select_common_block_size(96, [kvcore.AttentionBackend], plugin_manager=without) == 96
+    backend = get_backend("tiny")  # the lazily built default manager found the plugin
+    assert kvcore.select_common_block_size(96, [backend], [spec]) == 48
+    assert kvcore.select_common_block_size(192, ["tiny"]) == 192
+    custom = kvcore.customize_attention_spec(backend, spec)
+    assert custom.block_stride_alignment is None  # MultipleOf answers: no fixed sizes
+    with pytest.raises(ValueError, match=r"No common block size for 80 \(tiny: "):
+        kvcore.select_common_block_size(80, [backend])
+
+
+def test_autoload_off_imports_nothing(two_dists, monkeypatch):
+    pm = kvcore.get_plugin_manager(autoload=False)
+    assert {i.status for i in pm.plugin_infos.values()} == {"disabled"}
+    assert "fakeplug_foo" not in sys.modules and get_backends(pm) == {}
+    monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert kvcore.get_plugin_manager().plugin_infos["bar"].status == "disabled"
+    assert "fakeplug_bar" not in sys.modules
+
+
+def test_allow_and_block_lists(two_dists, monkeypatch):
+    monkeypatch.setenv("KVCORE_PLUGINS", "foo")
+    pm = kvcore.get_plugin_manager()
+    assert pm.plugin_infos["foo"].status == "loaded"
+    assert pm.plugin_infos["bar"].status == "disabled" and "fakeplug_bar" not in sys.modules
+    monkeypatch.setenv("KVCORE_PLUGINS", "foo,bar")
+    monkeypatch.setenv("KVCORE_BLOCK_PLUGINS", "foo")
+    pm = kvcore.get_plugin_manager()
+    assert pm.plugin_infos["foo"].status == "blocked"
+    assert set(get_backends(pm)) == {"bar-attn"}
+    monkeypatch.setenv("KVCORE_PLUGINS", "foo,nosuch")
+    monkeypatch.delenv("KVCORE_BLOCK_PLUGINS")
+    with pytest.warns(PluginWarning, match="nosuch"):
+        kvcore.get_plugin_manager()
+
+
+def test_environment_is_read_when_the_manager_is_built(two_dists, monkeypatch):
+    monkeypatch.setenv("KVCORE_PLUGINS", "foo")
+    assert set(get_backends()) == {"foo-attn"}
+    monkeypatch.setenv("KVCORE_PLUGINS", "bar")
+    assert set(get_backends()) == {"foo-attn"}  # the default manager is kept
+    reset_default_plugin_manager()
+    assert set(get_backends()) == {"bar-attn"}
+    assert default_plugin_manager() is default_plugin_manager()
+    monkeypatch.setenv("KVCORE_STRICT_PLUGINS", "maybe")
+    with pytest.raises(ValueError, match="KVCORE_STRICT_PLUGINS='maybe'"):
+        kvcore.get_plugin_manager()
+
+
+@pytest.fixture
+def broken_dist(two_dists):
+    make_dist(two_dists, "broken-dist", "0.9", {"broken": "fakeplug_broken"},
+              {"fakeplug_broken": "import fakeplug_no_such_module\n"})
+    return two_dists
+
+
+def test_import_failure_warns_naming_the_plugin_and_others_load(broken_dist, monkeypatch):
+    monkeypatch.setenv("KVCORE_PLUGINS", "foo,bar,broken")
+    with pytest.warns(PluginWarning) as record:
+        pm = kvcore.get_plugin_manager()
+    message = str(record[0].message)
+    for part in ("'broken'", "broken = fakeplug_broken", "broken-dist 0.9", "fakeplug_no_such_module", "hooks"):
+        assert part in message
+    assert pm.plugin_infos["broken"].status == "failed"
+    assert "fakeplug_no_such_module" in pm.plugin_infos["broken"].error
+    assert set(get_backends(pm)) == {"foo-attn", "bar-attn"}
+
+
+def test_import_failure_raises_in_strict_mode(broken_dist, monkeypatch):
+    monkeypatch.setenv("KVCORE_PLUGINS", "foo,bar,broken")
+    monkeypatch.setenv("KVCORE_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginError, match=r"'broken'.*broken-dist 0\.9"):
+        kvcore.get_plugin_manager()
+
+
+def test_entry_point_with_unknown_hook_is_skipped(two_dists, monkeypatch):
+    extra = "\n@kvcore.hookimpl\ndef kvcore_frobnicate(backend):\n    return 1\n"
+    make_dist(two_dists, "typo-dist", "1.1", {"typo": "fakeplug_typo"},
+              {"fakeplug_typo": backend_plugin_source("typo-attn", "[8]", extra)})
+    monkeypatch.setenv("KVCORE_PLUGINS", "foo,typo")
+    with pytest.warns(PluginWarning, match=r"typo-dist 1\.1.*kvcore_frobnicate"):
+        pm = kvcore.get_plugin_manager()
+    assert pm.plugin_infos["typo"].status == "failed" and pm.get_plugin("typo") is None
+    assert set(get_backends(pm)) == {"foo-attn"}
+
+
+def test_unmarked_hook_function_is_reported(two_dists, monkeypatch):
+    extra = "\ndef kvcore_supported_layouts(backend, spec):\n    return ['BLNHC']\n"
+    make_dist(two_dists, "forgot-dist", "0.2", {"forgot": "fakeplug_forgot"},
+              {"fakeplug_forgot": backend_plugin_source("forgot-attn", "[8]", extra)})
+    monkeypatch.setenv("KVCORE_PLUGINS", "forgot")
+    with pytest.warns(PluginWarning, match=r"forgot-dist 0\.2.*kvcore_supported_layouts.*without @kvcore.hookimpl"):
+        pm = kvcore.get_plugin_manager()
+    assert pm.plugin_infos["forgot"].status == "loaded"
+
+
+def test_duplicate_backend_name_across_entry_points(two_dists, monkeypatch):
+    make_dist(two_dists, "copycat-dist", "3.0", {"copycat": "fakeplug_copycat"},
+              {"fakeplug_copycat": backend_plugin_source("bar-attn", "[8]")})
+    monkeypatch.setenv("KVCORE_PLUGINS", "bar,copycat")
+    with pytest.warns(PluginWarning) as record:
+        pm = kvcore.get_plugin_manager()
+    message = str(record[0].message)
+    assert "copycat-dist 3.0" in message and "bar-dist 2.3" in message and "'bar-attn'" in message
+    assert get_backend("bar-attn", pm).__module__ == "fakeplug_bar"
+    assert pm.plugin_infos["copycat"].status == "failed"
+
+
+def test_hook_failure_in_entry_point_names_distribution_and_hook(two_dists, monkeypatch):
+    extra = "\n@kvcore.hookimpl\ndef kvcore_supported_layouts(backend, spec):\n    raise KeyError('zap')\n"
+    make_dist(two_dists, "flaky-dist", "4.2", {"flaky": "fakeplug_flaky"},
+              {"fakeplug_flaky": backend_plugin_source("flaky-attn", "[8]", extra)})
+    monkeypatch.setenv("KVCORE_PLUGINS", "flaky")
+    from kvcore.layout_resolution import supported_layouts
+
+    with pytest.raises(PluginError) as exc:
+        supported_layouts("flaky-attn")
+    for part in ("'flaky'", "flaky = fakeplug_flaky", "flaky-dist 4.2", "kvcore_supported_layouts", "zap"):
+        assert part in str(exc.value)
+
+
+class _Named(kvcore.AttentionBackend):
+    name = "shared-name"
+
+
+class _RegistersNamed:
+    @kvcore.hookimpl
+    def kvcore_register_backends(self, register):
+        register(_Named)
+
+
+class _AlsoRegistersNamed:
+    @kvcore.hookimpl
+    def kvcore_register_backends(self, register):
+        register(type("Other", (kvcore.AttentionBackend,), {"name": "shared-name"}))
+
+
+def test_in_process_duplicate_names_are_refused_naming_both():
+    pm = kvcore.get_plugin_manager(autoload=False)
+    first, second = _RegistersNamed(), _AlsoRegistersNamed()
+    pm.register(first, name="first-plugin")
+    assert get_backend("shared-name", pm) is _Named
+    pm.register(second, name="second-plugin")
+    try:
+        with pytest.raises(PluginError, match="second-plugin.*shared-name.*first-plugin"):
+            get_backends(pm)
+        listed = {i.name: i for i in list_plugins(pm)}
+        assert listed["second-plugin"].status == "failed"
+    finally:
+        pm.unregister(second)
+    assert get_backend("shared-name", pm) is _Named
+    pm.unregister(first)
+    with pytest.raises(ValueError, match=r"Unknown attention backend 'shared-name'. Registered: \[\]"):
+        get_backend("shared-name", pm)
+
+
+@pytest.mark.parametrize(
+    "registered, problem",
+    [(int, "not a kvcore.AttentionBackend subclass"),
+     (type("Nameless", (kvcore.AttentionBackend,), {}), "without a str class attribute 'name'")],
+)
+def test_register_checks_the_type(registered, problem):
+    class Bad:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register(registered)
+
+    pm = kvcore.get_plugin_manager(autoload=False)
+    pm.register(Bad(), name="bad-plugin")
+    with pytest.raises(PluginError, match=f"bad-plugin.*{problem}.*kvcore_register_backends"):
+        get_backends(pm)
+
+
+class _Raises:
+    @kvcore.hookimpl
+    def kvcore_supported_kernel_block_sizes(self, backend, spec):
+        raise RuntimeError("kernel table missing")
+
+
+class _WrongType:
+    @kvcore.hookimpl
+    def kvcore_supported_kernel_block_sizes(self, backend, spec):
+        return "64"
+
+
+@pytest.mark.parametrize("plugin, problem", [(_Raises, "RuntimeError: kernel table missing"),
+                                             (_WrongType, "wrong value")])
+def test_hook_raising_or_wrong_type_names_the_plugin(plugin, problem):
+    pm = kvcore.get_plugin_manager(autoload=False)
+    obj = plugin()
+    pm.register(obj, name="culprit")
+    with pytest.raises(PluginError, match=f"culprit.*{problem}.*kvcore_supported_kernel_block_sizes"):
+        kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)
+    pm.unregister(obj)
+    assert kvcore.select_common_block_size(64, [_Named], plugin_manager=pm) == 64
+
+
+def test_tryfirst_and_trylast_order_is_kept():
+    order = []
+
+    class Early:
+        @kvcore.hookimpl(tryfirst=True)
+        def kvcore_supported_kernel_block_sizes(self, backend, spec):
+            order.append("early")
+
+    class Normal:
+        @kvcore.hookimpl
+        def kvcore_supported_kernel_block_sizes(self, backend, spec):
+            order.append("normal")
+            return [16]
+
+    pm = kvcore.get_plugin_manager(autoload=False)
+    pm.register(Early())
+    pm.register(Normal())
+    assert kvcore.select_common_block_size(64, [_Named], plugin_manager=pm) == 16
+    assert order == ["early", "normal"]
+
+
+def test_tracing_logs_hook_calls(monkeypatch, caplog):
+    monkeypatch.setenv("KVCORE_TRACE_PLUGINS", "1")
+    pm = kvcore.get_plugin_manager(autoload=False)
+    with caplog.at_level(logging.DEBUG, logger="kvcore.plugins"):
+        kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)
+        pm.hook.kvcore_supported_layouts(backend=_Named, spec=None)
+    text = caplog.text
+    assert "kvcore_supported_kernel_block_sizes" in text and "kvcore-core" in text
+    assert "kvcore_supported_layouts" in text
+    caplog.clear()
+    monkeypatch.delenv("KVCORE_TRACE_PLUGINS")
+    with caplog.at_level(logging.DEBUG, logger="kvcore.plugins"):
+        kvcore.select_common_block_size(64, [_Named], plugin_manager=kvcore.get_plugin_manager(autoload=False))
+    assert "kvcore_supported_kernel_block_sizes" not in caplog.text
+
+
+def test_plugin_manager_argument_is_checked():
+    with pytest.raises(TypeError, match="plugin_manager must be a pluggy.PluginManager"):
+        get_backends("not a manager")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert kvcore.get_plugin_manager(autoload=False).get_plugin("kvcore-core") is not None

@@ -1,0 +1,303 @@
+"""KVBlockZeroer on CPU: the Triton kernel through the interpreter, and the torch fallback.
+
+Invariants, checked on buffers of random non-zero bytes against masks built
+from the layer views in plain torch (never from the zeroer's segments):
+- zeroing ids clears exactly the bytes of those blocks in every zeroed layer;
+- bad ids raise ValueError and leave every byte unchanged;
+- zeroing block b changes exactly the bytes of block b.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.attn_group import AttentionGroup
+from kvcore.backend import AttentionBackend
+from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.layout import KVCacheLayout, compute_layout_strides
+from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
+from kvcore.views import allocate_kv_cache
+from kvcore.zeroer import KVBlockZeroer
+
+INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
+needs_interpreter = pytest.mark.skipif(
+    not INTERPRETING, reason="CPU runs of the Triton kernel need TRITON_INTERPRET=1 (the Makefile sets it)"
+)
+BACKENDS = [pytest.param("triton", marks=needs_interpreter), "torch"]
+
+
+class _Backend(AttentionBackend):
+    name = "zeroer-test"
+
+
+class Case:
+    """A random multi-group config over one allocation, and the views to check it with."""
+
+    def __init__(self, rng: random.Random, device: str, max_blocks: int = 6) -> None:
+        self.num_blocks = rng.randint(2, max_blocks)
+        self.layout = rng.choice(list(KVCacheLayout))
+        block_size = rng.choice([4, 8])
+        plans, sizes = [], []
+        for gid in range(rng.randint(1, 3)):
+            spec = self._spec(rng, block_size)
+            layers = [f"g{gid}.l{i}" for i in range(rng.randint(1, 3))]
+            strides = compute_layout_strides(spec, self.num_blocks, len(layers), self.layout)
+            kernel = None
+            if not isinstance(spec, MambaSpec) and spec.page_size_padded is None and strides[1] == spec.real_page_size_bytes:
+                kernel = rng.choice([None, block_size // 2, block_size // 4])
+            extents = (len(layers), self.num_blocks, spec.num_heads, spec.num_states)
+            sizes.append(sum((n - 1) * s for n, s in zip(extents, strides)) + spec.state_content_size_bytes)
+            plans.append((spec, layers, strides, kernel))
+        size = max(sizes)
+        tensors = [KVCacheTensor(size, layers, s[0], s[1]) for _, layers, s, _ in plans]
+        groups = [KVCacheGroupSpec(layers, spec) for spec, layers, _, _ in plans]
+        config = KVCacheConfig(self.num_blocks, tensors, groups, self.layout)
+        self.kernel_block_sizes = [k or spec.block_size for spec, _, _, k in plans]
+        self.kv_caches = allocate_kv_cache(config, device, kernel_block_sizes=self.kernel_block_sizes)
+        self.groups = [
+            [AttentionGroup(_Backend, layers, spec, gid, kernel_block_size=k)]
+            for gid, (spec, layers, _, k) in enumerate(plans)
+        ]
+        self.ratios = {n: spec.block_size // (k or spec.block_size) for spec, ls, _, k in plans for n in ls}
+        names = list(self.ratios)
+        self.runner_only = set(rng.sample(names, rng.randint(0, len(names) - 1)))
+        self.raw = raw_bytes(next(iter(self.kv_caches.values())))
+
+    @staticmethod
+    def _spec(rng: random.Random, block_size: int):
+        kind = rng.choice(["full", "sliding", "mla", "mamba"])
+        dtype = rng.choice([torch.bfloat16, torch.float32])
+        heads, head_size = rng.randint(1, 3), rng.choice([2, 4, 8])
+        if kind == "mamba":
+            return MambaSpec(block_size, [(rng.randint(1, 3), 4), (2 * rng.randint(1, 3),)], [dtype, dtype])
+        if kind == "mla":
+            return MLAAttentionSpec(block_size, 1, head_size, dtype)
+        if kind == "sliding":
+            return SlidingWindowSpec(block_size, heads, head_size, dtype, sliding_window=8)
+        return FullAttentionSpec(block_size, heads, head_size, dtype)
+
+    def zeroer(self, backend: str, device: str = "cpu") -> KVBlockZeroer:
+        zeroer = KVBlockZeroer(
+            device, self.groups, self.kernel_block_sizes, self.kv_caches, self.num_blocks,
+            runner_only_attn_layers=self.runner_only, backend=backend,
+        )
+        assert zeroer.backend == backend
+        return zeroer
+
+    def expected_after(self, before: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        names = [n for n in self.kv_caches if n not in self.runner_only]
+        views = {n: (self.kv_caches[n], self.ratios[n]) for n in names}
+        return expected_after(before, views, ids)
+
+
+def raw_bytes(view: torch.Tensor) -> torch.Tensor:
+    """The whole allocation under ``view`` as uint8."""
+    return torch.empty(0, dtype=torch.uint8, device=view.device).set_(view.untyped_storage())
+
+
+def expected_after(before: torch.Tensor, views: dict, ids: list[int]) -> torch.Tensor:
+    """``before`` with the bytes of manager blocks ``ids`` of every ``(view, ratio)`` cleared."""
+    mask = torch.zeros(before.numel(), dtype=torch.bool, device=before.device)
+    for view, ratio in views.values():
+        as_bytes = view.view(torch.uint8)
+        manager = as_bytes.unflatten(0, (as_bytes.shape[0] // ratio, ratio))
+        offset = view.data_ptr() - view.untyped_storage().data_ptr()
+        marks = mask.as_strided(manager.shape, manager.stride(), offset)
+        for block in ids:
+            marks[block] = True
+    out = before.clone()
+    out[mask] = 0
+    return out
+
+
+def fill_random(raw: torch.Tensor, seed: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    raw.copy_(torch.randint(1, 256, raw.shape, generator=gen, dtype=torch.uint8))
+    return raw.clone()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@settings(max_examples=30, deadline=None)
+@given(rng=st.randoms(use_true_random=False), data=st.data())
+def test_zeroes_exactly_the_listed_blocks(backend, rng, data):
+    case = Case(rng, "cpu")
+    zeroer = case.zeroer(backend)
+    ids = data.draw(st.lists(st.integers(0, case.num_blocks - 1), max_size=2 * case.num_blocks))
+    before = fill_random(case.raw, rng.randrange(1 << 30))
+    zeroer.zero_block_ids(ids)
+    assert torch.equal(case.raw, case.expected_after(before, ids))
+
+
+@needs_interpreter
+@settings(max_examples=25, deadline=None)
+@given(rng=st.randoms(use_true_random=False), data=st.data())
+def test_zeroing_block_b_changes_exactly_block_b(rng, data):
+    case = Case(rng, "cpu")
+    zeroer = case.zeroer("triton")
+    block = data.draw(st.integers(0, case.num_blocks - 1))
+    before = fill_random(case.raw, rng.randrange(1 << 30))
+    zeroer.zero_block_ids(torch.tensor([block]))
+    expected = case.expected_after(before, [block])
+    assert torch.equal(case.raw, expected)
+    assert not torch.equal(expected, before)  # block b has bytes in some layer
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "bad", [[-1], [6], [0, 2**70], [1.0], [True], [0, 1.5], 7, "1", None, torch.tensor([0.0]),
+            torch.tensor([True]), torch.tensor([1, 6]), torch.tensor([-3, 1])],
+    ids=repr,
+)
+def test_bad_ids_raise_and_write_nothing(backend, bad):
+    case = _fixed_case(6)
+    zeroer = case.zeroer(backend)
+    before = fill_random(case.raw, 11)
+    with pytest.raises(ValueError, match="block id"):
+        zeroer.zero_block_ids(bad)
+    assert torch.equal(case.raw, before)
+
+
+def _fixed_case(num_blocks: int) -> Case:
+    for seed in range(100):
+        case = Case(random.Random(seed), "cpu")
+        if case.num_blocks == num_blocks:
+            return case
+    raise AssertionError("no seed gives the block count")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_empty_ids_and_warmup_zero_write_nothing(backend):
+    case = _fixed_case(5)
+    zeroer = case.zeroer(backend)
+    before = fill_random(case.raw, 5)
+    zeroer.zero_block_ids([])
+    zeroer.zero_block_ids(torch.empty(0, dtype=torch.int64))
+    zeroer.warmup(0)
+    assert torch.equal(case.raw, before)
+    zeroer.warmup(3)  # zeroes block 0 only
+    assert torch.equal(case.raw, case.expected_after(before, [0]))
+    with pytest.raises(ValueError):
+        zeroer.warmup(-1)
+
+
+def _packed_case(device: str = "cpu"):
+    """Compressed single-head layers packed block-outermost, split into kernel blocks."""
+    spec = FullAttentionSpec(16, 1, 4, torch.float32, tokens_per_state=4)  # 4 states per block
+    layout, num_blocks, layers = KVCacheLayout.BLNHC, 5, ["a", "b"]
+    strides = compute_layout_strides(spec, num_blocks, len(layers), layout)
+    tensor = KVCacheTensor(num_blocks * strides[1], layers, strides[0], strides[1])
+    config = KVCacheConfig(num_blocks, [tensor], [KVCacheGroupSpec(layers, spec)], layout)
+    manager = allocate_kv_cache(config, device)
+    group = AttentionGroup(_Backend, layers, spec, 0, kernel_block_size=8)
+    kernel_views = {n: group.map_kv_cache_to_kernel_blocks(v) for n, v in manager.items()}
+    assert group.kernel_block_stride == 4
+    return num_blocks, group, manager, kernel_views
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_packed_kernel_views_are_zeroed_by_manager_block(backend):
+    num_blocks, group, manager, kernel_views = _packed_case()
+    zeroer = KVBlockZeroer("cpu", [group], [16], kernel_views, num_blocks, backend=backend)
+    raw = raw_bytes(manager["a"])
+    before = fill_random(raw, 1)
+    zeroer.zero_block_ids([1, 3])
+    assert torch.equal(raw, expected_after(before, {n: (v, 1) for n, v in manager.items()}, [1, 3]))
+
+
+def test_segments_merge_adjacent_and_overlaid_layers():
+    case = _fixed_case(4)
+    zeroer = case.zeroer("torch")
+    # Merged runs of one stride never touch, so no byte is zeroed twice.
+    by_stride: dict[int, list] = {}
+    for seg in zeroer.segments:
+        by_stride.setdefault(seg.block_stride, []).append(seg)
+    for segs in by_stride.values():
+        segs.sort(key=lambda s: s.offset)
+        assert all(a.offset + a.page < b.offset for a, b in zip(segs, segs[1:]))
+
+
+def test_bytes_not_multiple_of_four_are_refused():
+    spec = FullAttentionSpec(1, 1, 1, torch.int8)  # 2-byte pages
+    strides = compute_layout_strides(spec, 4, 1, "LBNHC")
+    tensor = KVCacheTensor(4 * strides[1], ["x"], strides[0], strides[1])
+    config = KVCacheConfig(4, [tensor], [KVCacheGroupSpec(["x"], spec)], "LBNHC")
+    kv = allocate_kv_cache(config, "cpu")
+    with pytest.raises(ValueError, match="multiple of 4"):
+        KVBlockZeroer("cpu", [AttentionGroup(_Backend, ["x"], spec, 0)], [1], kv, 4, backend="torch")
+
+
+def test_construction_errors_name_the_problem():
+    case = _fixed_case(4)
+    with pytest.raises(ValueError, match="Supported"):
+        case.zeroer("cuda-magic")
+    with pytest.raises(ValueError, match="num_blocks"):
+        KVBlockZeroer("cpu", case.groups, case.kernel_block_sizes, case.kv_caches, 40, backend="torch")
+    with pytest.raises(TypeError):
+        KVBlockZeroer("cpu", ["not a group"], [], {}, 4)
+
+
+def test_layers_without_views_or_tensors_are_skipped():
+    case = _fixed_case(4)
+    raw = case.raw
+    # A raw-buffer layer and a missing layer: neither adds segments nor errors.
+    kv = dict(case.kv_caches)
+    kv.pop(next(iter(kv)))
+    zeroer = KVBlockZeroer("cpu", case.groups, case.kernel_block_sizes, kv, 4, backend="torch")
+    before = fill_random(raw, 2)
+    zeroer.zero_block_ids([2])
+    views = {n: (v, case.ratios[n]) for n, v in kv.items()}
+    assert torch.equal(raw, expected_after(before, views, [2]))
+    empty = KVBlockZeroer("cpu", [], [], {}, 4)
+    empty.zero_block_ids([1])
+    empty.warmup(2)
+    with pytest.raises(ValueError):
+        empty.zero_block_ids([4])
+
+
+@needs_interpreter
+@pytest.mark.parametrize("vec", [1, 2, 4])
+def test_kernel_matches_reference_and_skips_ids_out_of_range(vec):
+    from kvcore.zeroer.kernel import ROWS, launch_zero_blocks
+
+    gen = torch.Generator().manual_seed(vec)
+    num_blocks, stride = 5, ROWS * 3 + 7  # runs longer than one inner step, odd tails
+    base = torch.randint(1, 1 << 30, ((num_blocks * stride + 2) * vec,), generator=gen, dtype=torch.int32)
+    before = base.clone()
+    runs = [(0, ROWS + 1), (ROWS + 3, 1), (2 * ROWS + 4, ROWS + 3)]  # (start, length) in vectors
+    start = torch.tensor([r[0] for r in runs])
+    length = torch.tensor([r[1] for r in runs])
+    strides = torch.full((len(runs),), stride)
+    ids = torch.tensor([4, -1, 1, num_blocks, 2**40, -(2**40)], dtype=torch.int64)
+    launch_zero_blocks(base, ids, num_blocks, start, strides, length, vec, programs=3)
+    expected = before.clone()
+    for block in (4, 1):
+        for s, n in runs:
+            first = (s + block * stride) * vec
+            expected[first : first + n * vec] = 0
+    assert torch.equal(base, expected)
+
+
+@needs_interpreter
+def test_launcher_rejects_bad_tables():
+    from kvcore.zeroer.kernel import launch_zero_blocks
+
+    base = torch.ones(64, dtype=torch.int32)
+    table = torch.zeros(1, dtype=torch.int64)
+    ids = torch.zeros(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="int32"):
+        launch_zero_blocks(base.view(torch.float32), ids, 1, table, table, table, 1, 1)
+    with pytest.raises(ValueError, match="vec"):
+        launch_zero_blocks(base, ids, 1, table, table, table, 3, 1)
+    with pytest.raises(ValueError, match="ids"):
+        launch_zero_blocks(base, ids.float(), 1, table, table, table, 1, 1)
+    with pytest.raises(ValueError, match="aligned"):
+        launch_zero_blocks(base[1:], ids, 1, table, table, table, 4, 1)
+    with pytest.raises(ValueError, match="one length"):
+        launch_zero_blocks(base, ids, 1, table, table, torch.zeros(2, dtype=torch.int64), 1, 1)
+    assert torch.equal(base, torch.ones(64, dtype=torch.int32))
