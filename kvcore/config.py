@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -12,9 +13,29 @@ from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 
 def _layer_names(value: Any) -> tuple[str, ...]:
-    if isinstance(value, str):
-        raise TypeError(f"layers must be a sequence of layer names, got the str {value!r}")
-    return tuple(value)
+    if isinstance(value, str) or not isinstance(value, Iterable):
+        raise TypeError(f"layer names must be a sequence of str, got {value!r}")
+    names = tuple(value)
+    for name in names:
+        if not isinstance(name, str):
+            raise TypeError(f"layer names must be str, got {name!r} in {list(names)}")
+    return names
+
+
+def _layer_name_list(value: Any) -> list[str]:
+    return list(_layer_names(value))
+
+
+def _instances_of(cls: type) -> Any:
+    def check(inst: Any, attribute: Any, value: list[Any]) -> None:
+        for item in value:
+            if not isinstance(item, cls):
+                raise TypeError(
+                    f"{type(inst).__name__}.{attribute.name} must hold {cls.__name__} "
+                    f"objects, got {item!r}"
+                )
+
+    return check
 
 
 def _check_layers(inst: Any, attribute: Any, value: tuple[str, ...]) -> None:
@@ -49,7 +70,7 @@ def _check_spec(inst: Any, attribute: Any, value: Any) -> None:
 class KVCacheGroupSpec:
     """Layers that share one block table (and so one spec)."""
 
-    layer_names: list[str] = attrs.field(converter=list)
+    layer_names: list[str] = attrs.field(converter=_layer_name_list)
     kv_cache_spec: KVCacheSpec = attrs.field(validator=_check_spec)
 
     def spec_of(self, layer_name: str) -> KVCacheSpec:
@@ -70,8 +91,12 @@ class KVCacheConfig:
     """
 
     num_blocks: int = attrs.field(validator=attrs_positive)
-    kv_cache_tensors: list[KVCacheTensor] = attrs.field(converter=list)
-    kv_cache_groups: list[KVCacheGroupSpec] = attrs.field(converter=list)
+    kv_cache_tensors: list[KVCacheTensor] = attrs.field(
+        converter=list, validator=_instances_of(KVCacheTensor)
+    )
+    kv_cache_groups: list[KVCacheGroupSpec] = attrs.field(
+        converter=list, validator=_instances_of(KVCacheGroupSpec)
+    )
     layout: KVCacheLayout = attrs.field(default=KVCacheLayout.LBNHC, converter=KVCacheLayout.parse)
 
     def num_blocks_of(self, tensor: KVCacheTensor) -> int:

@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from kvcore._validate import non_negative_int, positive_int
-
-if TYPE_CHECKING:
-    from kvcore.specs import KVCacheSpec
+from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 L, B, H, N, C = range(5)
 _DIM_INDEX = {"L": L, "B": B, "H": H, "N": N, "C": C}
@@ -99,13 +96,27 @@ def compute_layout_strides(
     extents inside it. With ``spec.page_size_padded`` the stride of the inner
     of L and B is raised to at least the padded page.
     """
+    if not isinstance(spec, KVCacheSpec):
+        raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
+    if isinstance(spec, UniformTypeKVCacheSpecs):
+        raise ValueError(
+            f"{type(spec).__name__} has no single [H, N, C] shape (layers "
+            f"{list(spec.kv_cache_specs)}); compute strides with each layer's own "
+            "spec (spec.kv_cache_specs[name])"
+        )
     layout = KVCacheLayout.parse(layout)
     num_blocks = positive_int("num_blocks", num_blocks)
     num_layers = positive_int("num_layers", num_layers)
-    fixed = tuple(fixed_strides)
+    try:
+        fixed = tuple(fixed_strides)
+    except TypeError:
+        raise TypeError(f"fixed_strides must be 5 ints or Nones, got {fixed_strides!r}") from None
     if len(fixed) != 5:
         raise ValueError(f"fixed_strides needs 5 entries ([L, B, H, N, C]), got {len(fixed)}")
-    fixed = tuple(None if s is None else non_negative_int("fixed stride", s) for s in fixed)
+    fixed = tuple(
+        None if s is None else non_negative_int(f"fixed stride of {'LBHNC'[d]}", s)
+        for d, s in enumerate(fixed)
+    )
 
     block_size = spec.block_size
     ratio = 1
@@ -121,8 +132,14 @@ def compute_layout_strides(
     if padded is not None and ratio > 1:
         raise ValueError(
             f"a padded page ({padded} bytes) cannot be split into {ratio} kernel "
-            f"blocks of {kernel_block_size} tokens; use an unpadded spec or a "
-            f"manager block size of {kernel_block_size}"
+            f"blocks of {kernel_block_size} tokens; use a manager block size of "
+            f"{kernel_block_size} or an unpadded spec"
+        )
+    if ratio > 1 and spec.tokens_per_state <= 0:
+        raise ValueError(
+            f"{type(spec).__name__} keeps one state per block, so its {block_size}-token "
+            f"blocks cannot be split into {kernel_block_size}-token kernel blocks; "
+            f"use kernel_block_size={block_size} (or None)"
         )
 
     states = spec.get_num_kernel_states(kernel_block_size or block_size)

@@ -17,6 +17,7 @@ import attrs
 import torch
 
 from kvcore._validate import (
+    as_int,
     attrs_non_negative,
     attrs_optional_positive,
     attrs_positive,
@@ -88,7 +89,9 @@ class KVCacheSpec:
 
     @property
     def tokens_per_state(self) -> int | Fraction:
-        return 1
+        """Tokens per stored state; <= 0 means one state per block."""
+        # NOTE: the base view is one raw page per block, [B, 1, 1, page].
+        return -1
 
     @property
     def num_heads(self) -> int:
@@ -117,6 +120,7 @@ class KVCacheSpec:
 
     @property
     def page_size_padded(self) -> int | None:
+        """Bytes each page is padded to, or None."""
         return None
 
     @property
@@ -140,6 +144,7 @@ class KVCacheSpec:
         return int(states)
 
     def copy_with_new_block_size(self, block_size: int) -> KVCacheSpec:
+        """This spec with ``block_size``-token blocks (validated like a new spec)."""
         return attrs.evolve(self, block_size=block_size)
 
     def max_num_blocks_per_req(self, max_model_len: int) -> int:
@@ -158,11 +163,11 @@ class KVCacheSpec:
         tokens = math.gcd(self.block_stride_alignment.base, self.block_size)
         if tokens == self.block_size:
             return 1
-        return (
-            self.num_heads
-            * self.get_num_kernel_states(tokens)
-            * self.state_content_size_bytes
-        )
+        return self._page_of_tokens(tokens)
+
+    def _page_of_tokens(self, tokens: int) -> int:
+        """Unpadded bytes of a ``tokens``-token block."""
+        return self.num_heads * self.get_num_kernel_states(tokens) * self.state_content_size_bytes
 
 
 @attrs.frozen
@@ -202,10 +207,12 @@ class AttentionSpec(KVCacheSpec):
         name = type(self).__name__
         if self.head_size_v is None:
             object.__setattr__(self, "head_size_v", self.head_size)
-        if self.tokens_per_state != int(self.tokens_per_state) and self.tokens_per_state <= 0:
+        tps = self.tokens_per_state
+        if isinstance(tps, Fraction) and not 0 < tps < 1:
             raise ValueError(
-                f"{name}.tokens_per_state must be positive when fractional, "
-                f"got {self.tokens_per_state}"
+                f"{name}.tokens_per_state={tps} is a fraction outside (0, 1); pass an "
+                "int (> 1 compresses tokens, <= 0 keeps one state per block) or a "
+                "Fraction below 1 (several states per token)"
             )
         # Raises when block_size does not hold whole states.
         self.get_num_kernel_states(self.block_size)
@@ -296,13 +303,28 @@ class CrossAttentionSpec(AttentionSpec):
 
 
 def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
-    return tuple(tuple(int(d) for d in shape) for shape in value)
+    try:
+        shapes = [tuple(shape) for shape in value]
+    except TypeError:
+        raise TypeError(
+            f"MambaSpec.shapes must be a sequence of shapes (e.g. [(4, 128), (8, 64)]), "
+            f"got {value!r}"
+        ) from None
+    return tuple(
+        tuple(as_int(f"MambaSpec.shapes[{i}] dim", d) for d in shape)
+        for i, shape in enumerate(shapes)
+    )
 
 
 def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
     if isinstance(value, torch.dtype):
         return (value,)
-    return tuple(value)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"MambaSpec.dtypes must be a torch.dtype or a sequence of them, got {value!r}"
+        ) from None
 
 
 @attrs.frozen
@@ -368,18 +390,43 @@ class MambaSpec(KVCacheSpec):
         return 1
 
     def split_states(self, view: torch.Tensor) -> list[torch.Tensor]:
-        """Split a ``[B, 1, 1, C]`` layer view into one ``[B, *shape]`` tensor per state."""
+        """Split a ``[B, 1, 1, C]`` layer view into one ``[B, *shape]`` tensor per state.
+
+        Each state must start at a byte offset (and the view's blocks at a
+        stride) divisible by its element size, else ``ValueError``.
+        """
+        if not isinstance(view, torch.Tensor) or view.dim() != 4 or view.shape[1:3] != (1, 1):
+            raise ValueError(
+                f"split_states needs a [B, 1, 1, C] layer view, got "
+                f"{tuple(view.shape) if isinstance(view, torch.Tensor) else view!r}"
+            )
         raw = view.view(torch.int8) if view.dtype != torch.int8 else view
         raw = raw[:, 0, 0, :]
+        if raw.shape[1] != self.state_content_size_bytes:
+            raise ValueError(
+                f"the view holds {raw.shape[1]} bytes per block, this spec's states "
+                f"{self.state_content_size_bytes}; pass a view made for this spec"
+            )
         out, start = [], 0
-        for shape, dtype, nbytes in zip(self.shapes, self.dtypes, self.state_bytes):
+        for i, (shape, dtype, nbytes) in enumerate(zip(self.shapes, self.dtypes, self.state_bytes)):
+            offset = raw.storage_offset() + start
+            if offset % dtype.itemsize or raw.stride(0) % dtype.itemsize:
+                raise ValueError(
+                    f"state {i} ({dtype}) starts at byte {offset} with block stride "
+                    f"{raw.stride(0)}, not multiples of {dtype.itemsize}; order the "
+                    "states by decreasing element size or pad the page"
+                )
             part = raw[:, start : start + nbytes].view(dtype)
-            out.append(part.unflatten(1, shape))
+            out.append(part.reshape(raw.shape[0], *shape))
             start += nbytes
         return out
 
 
 def _spec_mapping(value: Any) -> dict[str, KVCacheSpec]:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"UniformTypeKVCacheSpecs.kv_cache_specs must map layer names to specs, got {value!r}"
+        )
     return dict(value)
 
 
@@ -397,6 +444,11 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def __attrs_post_init__(self) -> None:
         if not self.kv_cache_specs:
             raise ValueError("UniformTypeKVCacheSpecs needs at least one layer spec")
+        for name, spec in self.kv_cache_specs.items():
+            if not isinstance(spec, KVCacheSpec):
+                raise TypeError(
+                    f"UniformTypeKVCacheSpecs: layer {name!r} maps to {spec!r}, not a KVCacheSpec"
+                )
         kinds = {type(s) for s in self.kv_cache_specs.values()}
         if len(kinds) != 1:
             raise ValueError(
@@ -436,6 +488,9 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     @property
     def real_page_size_bytes(self) -> int:
         return sum(s.real_page_size_bytes for s in self.kv_cache_specs.values())
+
+    def _page_of_tokens(self, tokens: int) -> int:
+        return sum(s._page_of_tokens(tokens) for s in self.kv_cache_specs.values())
 
     def copy_with_new_block_size(self, block_size: int) -> UniformTypeKVCacheSpecs:
         return UniformTypeKVCacheSpecs(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvcore._validate import positive_int
@@ -48,25 +50,34 @@ def create_kv_cache_views(
     layout = KVCacheLayout.parse(layout)
     num_blocks = positive_int("num_blocks", num_blocks)
     tensor = kv_cache_tensor
+    if not isinstance(tensor, KVCacheTensor):
+        raise TypeError(f"kv_cache_tensor must be a KVCacheTensor, got {tensor!r}")
+    if not isinstance(spec, KVCacheSpec):
+        raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
     ratio = _split_ratio(spec, kernel_block_size)
-    # Refuses padding together with splitting before the dense-page check below.
-    compute_layout_strides(spec, num_blocks, len(tensor.layers), layout, kernel_block_size)
     if ratio > 1 and tensor.block_stride != spec.real_page_size_bytes:
+        padded = spec.page_size_padded
+        page = f"page {spec.real_page_size_bytes} bytes" + (
+            f" padded to {padded}" if padded is not None else ""
+        )
         raise ValueError(
             f"layout {layout.name} does not store the blocks of {list(tensor.layers)} as "
-            f"dense pages (block stride {tensor.block_stride} bytes, page "
-            f"{spec.real_page_size_bytes} bytes), so {spec.block_size}-token blocks "
-            f"cannot be split into {kernel_block_size}-token kernel blocks; use a "
-            f"manager block size of {kernel_block_size} or a layer-compact layout "
-            "such as LBNHC"
+            f"dense pages (block stride {tensor.block_stride} bytes, {page}), so "
+            f"{spec.block_size}-token blocks cannot be split into {kernel_block_size}-token "
+            f"kernel blocks; use a smaller manager block size ({kernel_block_size} tokens) "
+            "or a layer-compact layout such as LBNHC"
+            + (" with an unpadded spec" if padded is not None else "")
         )
+    # NOTE: a one-layer tensor's layer stride addresses nothing; leaving it
+    # free keeps dims outside L (H in BHLNC) at kernel-block granularity.
+    layer_stride = tensor.layer_stride if len(tensor.layers) > 1 else None
     strides = compute_layout_strides(
         spec,
         num_blocks,
         len(tensor.layers),
         layout,
         kernel_block_size,
-        fixed_strides=(tensor.layer_stride, tensor.block_stride // ratio, None, None, None),
+        fixed_strides=(layer_stride, tensor.block_stride // ratio, None, None, None),
     )
     shape = (
         num_blocks * ratio,
@@ -78,10 +89,12 @@ def create_kv_cache_views(
     span = 1 + sum((n - 1) * s for n, s in zip(shape, view_strides))
     dtype = spec.view_dtype
     itemsize = dtype.itemsize
-    if any(s % itemsize for s in view_strides[:3]) or tensor.offset % itemsize or tensor.layer_stride % itemsize:
+    base = raw.storage_offset() + tensor.offset
+    if any(s % itemsize for s in view_strides[:3]) or base % itemsize or tensor.layer_stride % itemsize:
         raise ValueError(
-            f"strides {strides} / offset {tensor.offset} of {list(tensor.layers)} are not "
-            f"multiples of the {itemsize}-byte {dtype}; align the tensor's strides to it"
+            f"strides {strides} / start byte {base} of {list(tensor.layers)} are not "
+            f"multiples of the {itemsize}-byte {dtype}; align the tensor's strides, "
+            "offset and page padding to it"
         )
     views = []
     for index, name in enumerate(tensor.layers):
@@ -91,7 +104,7 @@ def create_kv_cache_views(
                 f"layer {name!r} spans bytes [{start}, {start + span}) but the buffer "
                 f"holds {min(raw.numel(), tensor.size)}; plan fewer blocks or a larger tensor"
             )
-        view = raw.as_strided(shape, view_strides, raw.storage_offset() + start)
+        view = raw.as_strided(shape, view_strides, base + index * tensor.layer_stride)
         views.append(view.view(dtype))
     return views
 
@@ -108,6 +121,8 @@ def allocate_kv_cache(
     Layers whose spec has no layer views receive the raw buffer itself.
     ``kernel_block_sizes[g]`` splits group ``g``'s blocks into kernel blocks.
     """
+    if not isinstance(kv_cache_config, KVCacheConfig):
+        raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
     if not kv_cache_config.kv_cache_tensors:
         return {}
     sizes = sorted({t.size for t in kv_cache_config.kv_cache_tensors})
@@ -117,6 +132,14 @@ def allocate_kv_cache(
             f"differ: {sizes} bytes; give every tensor the same size"
         )
     layout = kv_cache_config.layout if layout is None else KVCacheLayout.parse(layout)
+    if kernel_block_sizes is not None:
+        if isinstance(kernel_block_sizes, str) or not isinstance(kernel_block_sizes, Sequence):
+            raise TypeError(
+                f"kernel_block_sizes must be a list of ints (one per group), got {kernel_block_sizes!r}"
+            )
+        kernel_block_sizes = [
+            positive_int(f"kernel_block_sizes[{i}]", k) for i, k in enumerate(kernel_block_sizes)
+        ]
     buf = torch.zeros(sizes[0], dtype=torch.int8, device=device)
     kv_caches: dict[str, torch.Tensor] = {}
     for tensor in kv_cache_config.kv_cache_tensors:

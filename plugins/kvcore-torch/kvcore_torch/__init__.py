@@ -1,0 +1,8 @@
+"""kvcore-torch: a reference paged-attention backend for kvcore in plain PyTorch."""
+
+from kvcore_torch.attention import paged_attention
+from kvcore_torch.backend import TorchAttentionBackend
+from kvcore_torch.cache_write import write_kv
+
+__all__ = ["TorchAttentionBackend", "paged_attention", "write_kv"]
+__version__ = "0.1.0"

@@ -1,0 +1,35 @@
+"""kvcore hook implementations for the ``torch`` backend (entry point ``torch``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from kvcore.hookspecs import hookimpl
+from kvcore.layout import KVCacheLayout
+from kvcore.specs import MultipleOf
+from kvcore_torch.backend import TorchAttentionBackend
+
+# NOTE: views carry the layout in their strides, so every layout works.
+_LAYOUTS = [KVCacheLayout.LBNHC, KVCacheLayout.BLNHC] + [
+    layout for layout in KVCacheLayout if layout not in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
+]
+
+
+def _owns(backend: Any) -> bool:
+    return backend is TorchAttentionBackend
+
+
+@hookimpl
+def kvcore_register_backends(register: Callable[[type], None]) -> None:
+    register(TorchAttentionBackend)
+
+
+@hookimpl
+def kvcore_supported_kernel_block_sizes(backend: Any, spec: Any) -> list[MultipleOf] | None:
+    return [MultipleOf(1)] if _owns(backend) else None
+
+
+@hookimpl
+def kvcore_supported_layouts(backend: Any, spec: Any) -> list[KVCacheLayout] | None:
+    return list(_LAYOUTS) if _owns(backend) else None

@@ -1,0 +1,165 @@
+"""The launcher of the Triton paged-attention kernels.
+
+Decode-only batches (every request has at most one new token) go to the
+split-K decode kernel; anything else to the varlen kernel, which serves
+prefill, chunked prefill and decode rows of a mixed batch in one launch.
+"""
+
+from __future__ import annotations
+
+import attrs
+import torch
+import triton
+import triton.language as tl
+
+from kvcore_triton._checks import check_cache_view, check_index, check_tokens
+from kvcore_triton.decode import LOG2E, _decode_merge_kernel, _decode_split_kernel
+from kvcore_triton.prefill import _varlen_kernel
+
+
+def _positive(inst, attribute, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"KernelConfig.{attribute.name} must be a positive int, got {value!r}")
+
+
+def _power_of_two_at_least_16(inst, attribute, value) -> None:
+    _positive(inst, attribute, value)
+    if value < 16 or value & (value - 1):
+        raise ValueError(
+            f"KernelConfig.{attribute.name} must be a power of two >= 16 (tl.dot tiles), got {value}"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class KernelConfig:
+    """Launch knobs: tokens per tile, warps, pipeline stages, decode splits."""
+
+    tile: int = attrs.field(default=64, validator=_power_of_two_at_least_16)
+    num_warps: int = attrs.field(default=4, validator=_positive)
+    num_stages: int = attrs.field(default=2, validator=_positive)
+    #: None picks enough context splits to fill the device (decode only).
+    num_splits: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
+    #: Query rows (tokens x heads of a GQA group) per varlen program.
+    prefill_rows: int = attrs.field(default=64, validator=_power_of_two_at_least_16)
+    min_split_tokens: int = attrs.field(default=256, validator=_positive)
+
+
+def _dot_dtype(query: torch.Tensor) -> tl.dtype:
+    # NOTE: the Triton interpreter (CPU tensors) mis-computes bf16 tl.dot; upcast there.
+    if query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and query.device.type == "cpu"):
+        return tl.float32
+    return tl.float16 if query.dtype == torch.float16 else tl.bfloat16
+
+
+def _num_splits(config: KernelConfig, programs: int, context: int, device: torch.device) -> int:
+    if config.num_splits is not None:
+        return max(1, min(config.num_splits, triton.cdiv(context, config.tile)))
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    wanted = triton.cdiv(8 * sms, programs)
+    return max(1, min(wanted, triton.cdiv(context, config.min_split_tokens), 64))
+
+
+def paged_attention(
+    query: torch.Tensor,
+    kv_cache_view: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    head_size: int,
+    scale: float,
+    sliding_window: int | None = None,
+    head_size_v: int | None = None,
+    out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    config: KernelConfig | None = None,
+) -> torch.Tensor:
+    """Causal attention of each new token over its request's paged K/V.
+
+    Arguments match ``kvcore_torch.paged_attention``: ``query`` is
+    ``[T, Hq, head_size]`` in the cache's dtype, ``block_table`` holds kernel
+    block ids (which must be valid: they are not checked on the device),
+    request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``,
+    the last of its ``seq_lens[i]`` tokens. Pass ``max_query_len`` and
+    ``max_seq_len`` to avoid a device sync. Returns ``[T, Hq, head_size_v]``.
+    """
+    config = config or KernelConfig()
+    head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v)
+    num_blocks, num_kv_heads, block_size, _ = kv_cache_view.shape
+    if not isinstance(query, torch.Tensor) or query.dim() != 3:
+        raise ValueError(f"query must be [tokens, query heads, {head_size}], got {getattr(query, 'shape', query)!r}")
+    num_tokens, num_q_heads, _ = query.shape
+    check_tokens("query", query, num_tokens, num_q_heads, head_size, kv_cache_view)
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"{num_q_heads} query heads cannot share {num_kv_heads} KV heads evenly; "
+            "the query head count must be a multiple of the KV head count"
+        )
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window <= 0):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    check_index("block_table", block_table, 2, kv_cache_view)
+    check_index("query_start_loc", query_start_loc, 1, kv_cache_view)
+    check_index("seq_lens", seq_lens, 1, kv_cache_view)
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"{num_reqs} requests need query_start_loc of length {num_reqs + 1} and a block "
+            f"table of at least {num_reqs} rows, got {query_start_loc.shape[0]} and {block_table.shape[0]}"
+        )
+    if out is None:
+        out = query.new_empty(num_tokens, num_q_heads, head_size_v)
+    elif tuple(out.shape) != (num_tokens, num_q_heads, head_size_v) or out.stride(-1) != 1:
+        raise ValueError(f"out must be a {(num_tokens, num_q_heads, head_size_v)} tensor with unit last stride")
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    query = query if query.stride(-1) == 1 else query.contiguous()
+    block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
+    group = num_q_heads // num_kv_heads
+    common = dict(
+        HEAD=head_size, HEAD_V=head_size_v,
+        D_PAD=max(16, triton.next_power_of_2(head_size)), DV_PAD=max(16, triton.next_power_of_2(head_size_v)),
+        BLOCK_N=block_size, TILE=config.tile,
+        DOT_DTYPE=_dot_dtype(query),
+        DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    strides = (
+        query.stride(0), query.stride(1), *kv_cache_view.stride(),
+        block_table.stride(0), out.stride(0), out.stride(1),
+    )
+    qk_scale = scale * LOG2E
+    window = sliding_window or 0
+    if max_query_len > 1:
+        group_pad = triton.next_power_of_2(group)
+        block_q = max(1, config.prefill_rows // group_pad)
+        grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
+        _varlen_kernel[grid](
+            query, kv_cache_view, block_table, query_start_loc, seq_lens, out, qk_scale, window, *strides,
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, **common,
+        )
+        return out
+    group_pad = max(16, triton.next_power_of_2(group))
+    context = min(max_seq_len, window) if window else max_seq_len
+    splits = _num_splits(config, num_reqs * num_kv_heads, context, query.device)
+    tokens_per_split = triton.cdiv(triton.cdiv(context, splits), config.tile) * config.tile
+    splits = triton.cdiv(context, tokens_per_split)
+    partials = num_reqs * num_kv_heads * splits * group_pad if splits > 1 else 1
+    part_ml = torch.empty(partials * 2, dtype=torch.float32, device=query.device)
+    part_acc = torch.empty(partials * common["DV_PAD"], dtype=torch.float32, device=query.device)
+    _decode_split_kernel[(num_reqs, num_kv_heads, splits)](
+        query, kv_cache_view, block_table, query_start_loc, seq_lens, part_ml, part_acc, out,
+        qk_scale, window, tokens_per_split, splits, *strides,
+        GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1, **common,
+    )
+    if splits > 1:
+        _decode_merge_kernel[(num_reqs, num_q_heads)](
+            part_ml, part_acc, out, query_start_loc, splits, out.stride(0), out.stride(1),
+            GROUP=group, GROUP_PAD=group_pad, HEAD_V=head_size_v, DV_PAD=common["DV_PAD"],
+            SPLITS_PAD=triton.next_power_of_2(splits),
+        )
+    return out

@@ -1,0 +1,62 @@
+"""The ``triton`` attention backend class."""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kvcore.backend import AttentionBackend, CommonAttentionMetadata
+from kvcore_triton.attention import KernelConfig, paged_attention
+from kvcore_triton.store import write_kv
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton paged attention: kernel blocks of 16, 32 or 64 tokens, any layout.
+
+    Kernels read the cache through its strides; decode batches use a split-K
+    kernel, mixed and prefill batches a varlen kernel. Runs on GPUs, and on
+    CPU tensors through the Triton interpreter (``TRITON_INTERPRET=1``).
+    """
+
+    name: ClassVar[str] = "triton"
+
+    write_kv = staticmethod(write_kv)
+    paged_attention = staticmethod(paged_attention)
+
+    @staticmethod
+    def forward(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_view: torch.Tensor,
+        metadata: CommonAttentionMetadata,
+        *,
+        head_size: int,
+        scale: float,
+        sliding_window: int | None = None,
+        out: torch.Tensor | None = None,
+        config: KernelConfig | None = None,
+    ) -> torch.Tensor:
+        """Write this step's K/V, then attend; rows past ``num_actual_tokens`` are padding.
+
+        Uses the metadata's ``max_query_len``/``max_seq_len``, so no device sync
+        happens beyond the slot range check of ``write_kv``.
+        """
+        n = metadata.num_actual_tokens
+        write_kv(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size)
+        return paged_attention(
+            query[:n],
+            kv_cache_view,
+            metadata.block_table_tensor,
+            metadata.query_start_loc,
+            metadata.seq_lens,
+            head_size=head_size,
+            scale=scale,
+            sliding_window=sliding_window,
+            head_size_v=value.shape[-1],
+            out=None if out is None else out[:n],
+            max_query_len=metadata.max_query_len,
+            max_seq_len=metadata.max_seq_len,
+            config=config,
+        )

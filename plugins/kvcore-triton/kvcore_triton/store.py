@@ -1,0 +1,81 @@
+"""Write new keys and values into a paged cache view with one Triton launch."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcore_triton._checks import check_cache_view, check_index, check_tokens
+
+
+@triton.jit
+def _store_kv_kernel(
+    key_ptr, value_ptr, slot_ptr, kv_ptr, num_slots, num_heads,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_ch, stride_cn, stride_cc,
+    HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    HEADS_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    # One program stores every head of one token: [HEADS_PAD, D] tiles, 16-byte stores.
+    token = tl.program_id(0).to(tl.int64)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    # NOTE: padding (negative) and out-of-range slots are skipped, never stored out of bounds.
+    if (slot < 0) | (slot >= num_slots):
+        return
+    base = kv_ptr + (slot // BLOCK_N) * stride_cb + (slot % BLOCK_N) * stride_cn
+    h = tl.arange(0, HEADS_PAD)[:, None]
+    h_ok = h < num_heads
+    d = tl.arange(0, D_PAD)[None, :]
+    k = tl.load(key_ptr + token * stride_kt + h * stride_kh + d, mask=h_ok & (d < HEAD))
+    tl.store(base + h * stride_ch + d * stride_cc, k, mask=h_ok & (d < HEAD))
+    dv = tl.arange(0, DV_PAD)[None, :]
+    v = tl.load(value_ptr + token * stride_vt + h * stride_vh + dv, mask=h_ok & (dv < HEAD_V))
+    tl.store(base + h * stride_ch + (HEAD + dv) * stride_cc, v, mask=h_ok & (dv < HEAD_V))
+
+
+def write_kv(
+    kv_cache_view: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    head_size: int,
+    *,
+    validate: bool = True,
+) -> None:
+    """Store each new token's ``key``/``value`` at its slot of ``kv_cache_view``.
+
+    :param kv_cache_view: kernel-block view ``[B, H, N, C]`` in any layout.
+    :param key: ``[T, H, head_size]``; ``value``: ``[T, H, head_size_v]``;
+        both in the cache's dtype.
+    :param slot_mapping: ``[T]`` slots ``block_id * N + offset``; negative
+        slots mark padding tokens and are skipped.
+    :param validate: check on the host that every slot is below ``B * N``
+        (one device sync; ``ValueError`` and nothing written). With
+        ``validate=False`` (CUDA graphs) out-of-range slots are skipped.
+    """
+    head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
+    check_cache_view(kv_cache_view, head_size, head_size_v)
+    check_index("slot_mapping", slot_mapping, 1, kv_cache_view)
+    num_tokens = slot_mapping.shape[0]
+    num_blocks, num_heads, block_size, _ = kv_cache_view.shape
+    check_tokens("key", key, num_tokens, num_heads, head_size, kv_cache_view)
+    check_tokens("value", value, num_tokens, num_heads, value.shape[-1], kv_cache_view)
+    num_slots = num_blocks * block_size
+    if validate and num_tokens and int(slot_mapping.max()) >= num_slots:
+        raise ValueError(
+            f"slot_mapping holds slot {int(slot_mapping.max())} but the cache has {num_slots} "
+            f"slots ({num_blocks} blocks of {block_size}); map block ids to kernel blocks first"
+        )
+    if num_tokens == 0:
+        return
+    key = key if key.stride(-1) == 1 else key.contiguous()
+    value = value if value.stride(-1) == 1 else value.contiguous()
+    _store_kv_kernel[(num_tokens,)](
+        key, value, slot_mapping, kv_cache_view, num_slots, num_heads,
+        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        *kv_cache_view.stride(),
+        HEAD=head_size, HEAD_V=value.shape[-1],
+        D_PAD=triton.next_power_of_2(head_size), DV_PAD=triton.next_power_of_2(value.shape[-1]),
+        HEADS_PAD=triton.next_power_of_2(num_heads), BLOCK_N=block_size,
+    )
