@@ -15,9 +15,11 @@ import triton
 import triton.language as tl
 
 #: Rows of ``VEC`` words one program stores per inner-loop step.
-ROWS = 512
+ROWS = 256
 #: Programs per streaming multiprocessor; each loops over its share of work.
 PROGRAMS_PER_SM = 8
+#: Warps per program.
+NUM_WARPS = 2
 #: Grid cap where the multiprocessor count is unknown (CPU interpreter).
 CPU_MAX_PROGRAMS = 4
 
@@ -104,5 +106,5 @@ def launch_zero_blocks(
     grid = (max(1, min(programs, ids.numel() * num_chunks)),)
     _zero_blocks_kernel[grid](
         base, ids, ids.numel(), num_blocks, chunk_start, chunk_stride, chunk_len, num_chunks,
-        VEC=vec, ROWS=ROWS, num_warps=4,
+        VEC=vec, ROWS=ROWS, num_warps=NUM_WARPS,
     )
