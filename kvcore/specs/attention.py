@@ -1,0 +1,169 @@
+"""Attention specs: paged K/V (or latent) caches, one block table per group."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore._validate import (
+    attrs_non_negative,
+    attrs_optional_positive,
+    attrs_positive,
+)
+
+from kvcore.specs.base import KVCacheSpec
+
+
+def _check_dtype(inst: Any, attribute: Any, value: Any) -> None:
+    if not isinstance(value, torch.dtype):
+        raise TypeError(
+            f"{type(inst).__name__}.{attribute.name} must be a torch.dtype "
+            f"(e.g. torch.bfloat16), got {value!r}"
+        )
+
+
+def _tokens_per_state(value: Any) -> int | Fraction:
+    """Normalize ``tokens_per_state``: integral Fractions become ints."""
+    if isinstance(value, Fraction):
+        return int(value) if value.denominator == 1 else value
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(
+            "tokens_per_state must be an int or a fractions.Fraction, "
+            f"got {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+@attrs.frozen
+class AttentionSpec(KVCacheSpec):
+    """Paged attention: ``C`` packs K then V of one head at one state.
+
+    ``head_size_v=None`` means equal to ``head_size``. ``num_head_slots``
+    overrides ``H`` (e.g. padded heads), ``state_content_bytes`` overrides
+    ``C`` (e.g. quantized K/V with scales), ``page_size_padded`` pads each page.
+    ``tokens_per_state`` > 1 compresses several tokens into one state; a
+    ``Fraction`` < 1 stores several states per token; <= 0 stores one state per
+    block whatever its size.
+    """
+
+    num_kv_heads: int = attrs.field(validator=attrs_positive)
+    head_size: int = attrs.field(validator=attrs_positive)
+    dtype: torch.dtype = attrs.field(validator=_check_dtype)
+    head_size_v: int | None = attrs.field(
+        default=None,
+        kw_only=True,
+        validator=attrs.validators.optional(attrs_non_negative),
+    )
+    page_size_padded: int | None = attrs.field(  # type: ignore[assignment]
+        default=None, kw_only=True, validator=attrs_optional_positive
+    )
+    num_head_slots: int | None = attrs.field(
+        default=None, kw_only=True, validator=attrs_optional_positive
+    )
+    state_content_bytes: int | None = attrs.field(
+        default=None, kw_only=True, validator=attrs_optional_positive
+    )
+    tokens_per_state: int | Fraction = attrs.field(  # type: ignore[assignment]
+        default=1, kw_only=True, converter=_tokens_per_state
+    )
+
+    def __attrs_post_init__(self) -> None:
+        name = type(self).__name__
+        if self.head_size_v is None:
+            object.__setattr__(self, "head_size_v", self.head_size)
+        tps = self.tokens_per_state
+        if isinstance(tps, Fraction) and not 0 < tps < 1:
+            raise ValueError(
+                f"{name}.tokens_per_state={tps} is a fraction outside (0, 1); pass an "
+                "int (> 1 compresses tokens, <= 0 keeps one state per block) or a "
+                "Fraction below 1 (several states per token)"
+            )
+        # Raises when block_size does not hold whole states.
+        self.get_num_kernel_states(self.block_size)
+        itemsize = self.dtype.itemsize
+        if self.state_content_size_bytes % itemsize:
+            raise ValueError(
+                f"{name}: {self.state_content_size_bytes} content bytes per state is "
+                f"not a multiple of the {itemsize}-byte {self.dtype}; set "
+                "state_content_bytes to a multiple of the element size"
+            )
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise ValueError(
+                f"{name}.page_size_padded={self.page_size_padded} is smaller than the "
+                f"page it pads ({self.real_page_size_bytes} bytes); pass at least "
+                f"{self.real_page_size_bytes} or None"
+            )
+
+    @property
+    def num_heads(self) -> int:
+        return self.num_head_slots if self.num_head_slots is not None else self.num_kv_heads
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        if self.state_content_bytes is not None:
+            return self.state_content_bytes
+        return (self.head_size + self.head_size_v) * self.dtype.itemsize
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
+
+    @property
+    def view_dtype(self) -> torch.dtype:
+        return self.dtype
+
+
+@attrs.frozen
+class FullAttentionSpec(AttentionSpec):
+    """Causal attention over the whole context.
+
+    ``sliding_window`` / ``attention_chunk_size`` record a merged layer's
+    window when a model mixes them into full-attention groups.
+    """
+
+    sliding_window: int | None = attrs.field(
+        default=None, kw_only=True, validator=attrs_optional_positive
+    )
+    attention_chunk_size: int | None = attrs.field(
+        default=None, kw_only=True, validator=attrs_optional_positive
+    )
+
+
+@attrs.frozen
+class SlidingWindowSpec(AttentionSpec):
+    """Attention over the last ``sliding_window`` tokens."""
+
+    sliding_window: int = attrs.field(kw_only=True, validator=attrs_positive)
+
+
+@attrs.frozen
+class ChunkedLocalAttentionSpec(AttentionSpec):
+    """Attention within fixed chunks of ``attention_chunk_size`` tokens."""
+
+    attention_chunk_size: int = attrs.field(kw_only=True, validator=attrs_positive)
+
+
+@attrs.frozen
+class MLAAttentionSpec(FullAttentionSpec):
+    """Multi-head latent attention: one latent vector per state (no separate V)."""
+
+    head_size_v: int | None = attrs.field(
+        default=0,
+        kw_only=True,
+        validator=attrs.validators.optional(attrs_non_negative),
+    )
+
+
+@attrs.frozen
+class EncoderOnlyAttentionSpec(AttentionSpec):
+    """Bidirectional encoder attention: no KV cache pages are allocated."""
+
+
+@attrs.frozen
+class CrossAttentionSpec(AttentionSpec):
+    """Decoder-to-encoder attention of encoder-decoder models."""

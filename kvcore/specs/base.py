@@ -1,0 +1,142 @@
+"""The base KV cache spec and the ``MultipleOf`` block-size constraint."""
+
+from __future__ import annotations
+
+import math
+from fractions import Fraction
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore._validate import (
+    attrs_positive,
+    positive_int,
+)
+
+
+
+@attrs.frozen
+class MultipleOf:
+    """A kernel block size constraint: any size divisible by ``base``.
+
+    A bare ``int`` in a backend's list of kernel block sizes accepts only
+    itself; ``MultipleOf(16)`` accepts 16, 32, 48, ...
+    """
+
+    base: int = attrs.field(validator=attrs_positive)
+
+    def accepts(self, block_size: int) -> bool:
+        return block_size % self.base == 0
+
+
+def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
+    if value is not None and not isinstance(value, MultipleOf):
+        raise TypeError(
+            f"{type(inst).__name__}.{attribute.name} must be None or a MultipleOf, "
+            f"got {value!r}"
+        )
+
+
+
+@attrs.frozen
+class KVCacheSpec:
+    """Base of all specs: a cache whose manager blocks hold ``block_size`` tokens.
+
+    Subclasses define ``page_size_bytes`` and, for views, ``tokens_per_state``,
+    ``num_heads``, ``state_content_size_bytes`` and ``view_dtype``.
+    ``block_stride_alignment`` (a ``MultipleOf`` in tokens) asks packed layouts
+    to keep blocks aligned to whole kernel blocks of that many tokens.
+    """
+
+    block_size: int = attrs.field(validator=attrs_positive)
+    block_stride_alignment: MultipleOf | None = attrs.field(
+        default=None, kw_only=True, validator=_optional_multiple_of
+    )
+
+    @property
+    def page_size_bytes(self) -> int:
+        """Bytes one block of one layer occupies (padding included)."""
+        raise NotImplementedError(f"{type(self).__name__} does not define a page size")
+
+    @property
+    def tokens_per_state(self) -> int | Fraction:
+        """Tokens per stored state; <= 0 means one state per block."""
+        # NOTE: the base view is one raw page per block, [B, 1, 1, page].
+        return -1
+
+    @property
+    def num_heads(self) -> int:
+        """``H``: head slots of the logical view."""
+        return 1
+
+    @property
+    def num_states(self) -> int:
+        """``N`` for a whole manager block."""
+        return self.get_num_kernel_states(self.block_size)
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        """``C`` in bytes: content of one (head, state)."""
+        return self.page_size_bytes
+
+    @property
+    def view_dtype(self) -> torch.dtype:
+        """The dtype per-layer views are re-typed to."""
+        return torch.int8
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """``H * N * C``: the page without padding."""
+        return self.num_heads * self.num_states * self.state_content_size_bytes
+
+    @property
+    def page_size_padded(self) -> int | None:
+        """Bytes each page is padded to, or None."""
+        return None
+
+    @property
+    def has_layer_views(self) -> bool:
+        """False only for specs that lay out a raw buffer themselves."""
+        return True
+
+    def get_num_kernel_states(self, kernel_block_size: int) -> int:
+        """``N`` for a block of ``kernel_block_size`` tokens."""
+        kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
+        tps = self.tokens_per_state
+        if tps <= 0:
+            return 1
+        states = Fraction(kernel_block_size) / tps
+        if states.denominator != 1:
+            raise ValueError(
+                f"block size {kernel_block_size} does not hold a whole number "
+                f"of states at tokens_per_state={tps}; use a block size divisible "
+                f"by {tps}"
+            )
+        return int(states)
+
+    def copy_with_new_block_size(self, block_size: int) -> KVCacheSpec:
+        """This spec with ``block_size``-token blocks (validated like a new spec)."""
+        return attrs.evolve(self, block_size=block_size)
+
+    def max_num_blocks_per_req(self, max_model_len: int) -> int:
+        """Blocks a request of ``max_model_len`` tokens needs at most."""
+        max_model_len = positive_int("max_model_len", max_model_len)
+        return -(-max_model_len // self.block_size)
+
+    def get_block_stride_alignment(self) -> int:
+        """Bytes a packed block stride must be a multiple of.
+
+        1 when no alignment is asked or the kernel block equals the block;
+        else the page of a ``gcd(base, block_size)``-token block.
+        """
+        if self.block_stride_alignment is None:
+            return 1
+        tokens = math.gcd(self.block_stride_alignment.base, self.block_size)
+        if tokens == self.block_size:
+            return 1
+        return self._page_of_tokens(tokens)
+
+    def _page_of_tokens(self, tokens: int) -> int:
+        """Unpadded bytes of a ``tokens``-token block."""
+        return self.num_heads * self.get_num_kernel_states(tokens) * self.state_content_size_bytes

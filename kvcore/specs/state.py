@@ -1,0 +1,137 @@
+"""State-cache specs (Mamba/SSM): one state per block."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore._validate import (
+    as_int,
+    attrs_optional_positive,
+    positive_int,
+)
+
+from kvcore.specs.base import KVCacheSpec
+
+
+def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
+    try:
+        shapes = [tuple(shape) for shape in value]
+    except TypeError:
+        raise TypeError(
+            f"MambaSpec.shapes must be a sequence of shapes (e.g. [(4, 128), (8, 64)]), "
+            f"got {value!r}"
+        ) from None
+    return tuple(
+        tuple(as_int(f"MambaSpec.shapes[{i}] dim", d) for d in shape)
+        for i, shape in enumerate(shapes)
+    )
+
+
+def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
+    if isinstance(value, torch.dtype):
+        return (value,)
+    try:
+        return tuple(value)
+    except TypeError:
+        raise TypeError(
+            f"MambaSpec.dtypes must be a torch.dtype or a sequence of them, got {value!r}"
+        ) from None
+
+
+@attrs.frozen
+class MambaSpec(KVCacheSpec):
+    """A state cache (Mamba/SSM): one state per block holding several tensors.
+
+    ``shapes[i]``/``dtypes[i]`` describe state tensor ``i``; the page is the sum
+    of their bytes (or ``page_size_padded``). Views are ``[B, 1, 1, C]``.
+    """
+
+    shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=_shapes)
+    dtypes: tuple[torch.dtype, ...] = attrs.field(converter=_dtypes)
+    page_size_padded: int | None = attrs.field(  # type: ignore[assignment]
+        default=None, kw_only=True, validator=attrs_optional_positive
+    )
+
+    def __attrs_post_init__(self) -> None:
+        name = type(self).__name__
+        if not self.shapes or len(self.shapes) != len(self.dtypes):
+            raise ValueError(
+                f"{name} needs one dtype per state shape and at least one state, got "
+                f"{len(self.shapes)} shapes and {len(self.dtypes)} dtypes"
+            )
+        for dtype in self.dtypes:
+            if not isinstance(dtype, torch.dtype):
+                raise TypeError(f"{name}.dtypes must hold torch.dtype values, got {dtype!r}")
+        for shape in self.shapes:
+            if any(d <= 0 for d in shape):
+                raise ValueError(f"{name}: state shape {shape} has a non-positive dim")
+        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
+            raise ValueError(
+                f"{name}.page_size_padded={self.page_size_padded} is smaller than the "
+                f"state bytes ({self.real_page_size_bytes}); pass at least that or None"
+            )
+
+    @property
+    def tokens_per_state(self) -> int:
+        return -1
+
+    @property
+    def state_bytes(self) -> tuple[int, ...]:
+        """Bytes of each state tensor, in order."""
+        return tuple(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        return sum(self.state_bytes)
+
+    @property
+    def page_size_bytes(self) -> int:
+        if self.page_size_padded is not None:
+            return self.page_size_padded
+        return self.real_page_size_bytes
+
+    @property
+    def view_dtype(self) -> torch.dtype:
+        """The common dtype of all states, or ``torch.int8`` when they differ."""
+        first = self.dtypes[0]
+        return first if all(d == first for d in self.dtypes) else torch.int8
+
+    def max_num_blocks_per_req(self, max_model_len: int) -> int:
+        positive_int("max_model_len", max_model_len)
+        return 1
+
+    def split_states(self, view: torch.Tensor) -> list[torch.Tensor]:
+        """Split a ``[B, 1, 1, C]`` layer view into one ``[B, *shape]`` tensor per state.
+
+        Each state must start at a byte offset (and the view's blocks at a
+        stride) divisible by its element size, else ``ValueError``.
+        """
+        if not isinstance(view, torch.Tensor) or view.dim() != 4 or view.shape[1:3] != (1, 1):
+            raise ValueError(
+                f"split_states needs a [B, 1, 1, C] layer view, got "
+                f"{tuple(view.shape) if isinstance(view, torch.Tensor) else view!r}"
+            )
+        raw = view.view(torch.int8) if view.dtype != torch.int8 else view
+        raw = raw[:, 0, 0, :]
+        if raw.shape[1] != self.state_content_size_bytes:
+            raise ValueError(
+                f"the view holds {raw.shape[1]} bytes per block, this spec's states "
+                f"{self.state_content_size_bytes}; pass a view made for this spec"
+            )
+        out, start = [], 0
+        for i, (shape, dtype, nbytes) in enumerate(zip(self.shapes, self.dtypes, self.state_bytes)):
+            offset = raw.storage_offset() + start
+            if offset % dtype.itemsize or raw.stride(0) % dtype.itemsize:
+                raise ValueError(
+                    f"state {i} ({dtype}) starts at byte {offset} with block stride "
+                    f"{raw.stride(0)}, not multiples of {dtype.itemsize}; order the "
+                    "states by decreasing element size or pad the page"
+                )
+            part = raw[:, start : start + nbytes].view(dtype)
+            out.append(part.reshape(raw.shape[0], *shape))
+            start += nbytes
+        return out

@@ -1,0 +1,92 @@
+"""One KV cache group of layers that share a spec type but not a shape."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import Any
+
+import attrs
+
+
+from kvcore.specs.base import KVCacheSpec
+
+
+def _spec_mapping(value: Any) -> dict[str, KVCacheSpec]:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"UniformTypeKVCacheSpecs.kv_cache_specs must map layer names to specs, got {value!r}"
+        )
+    return dict(value)
+
+
+@attrs.frozen
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """One KV cache group whose layers differ in shape but share one spec type.
+
+    The page of the group is the sum of its layers' pages.
+    """
+
+    kv_cache_specs: dict[str, KVCacheSpec] = attrs.field(
+        converter=_spec_mapping, hash=False
+    )
+
+    def __attrs_post_init__(self) -> None:
+        if not self.kv_cache_specs:
+            raise ValueError("UniformTypeKVCacheSpecs needs at least one layer spec")
+        for name, spec in self.kv_cache_specs.items():
+            if not isinstance(spec, KVCacheSpec):
+                raise TypeError(
+                    f"UniformTypeKVCacheSpecs: layer {name!r} maps to {spec!r}, not a KVCacheSpec"
+                )
+        kinds = {type(s) for s in self.kv_cache_specs.values()}
+        if len(kinds) != 1:
+            raise ValueError(
+                "UniformTypeKVCacheSpecs needs layers of one spec type, got "
+                + ", ".join(sorted(k.__name__ for k in kinds))
+            )
+        for name, spec in self.kv_cache_specs.items():
+            if spec.block_size != self.block_size:
+                raise ValueError(
+                    f"layer {name!r} has block size {spec.block_size}, the group "
+                    f"has {self.block_size}; give every layer the same block size"
+                )
+
+    @classmethod
+    def is_uniform_type(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> bool:
+        specs = list(kv_cache_specs.values())
+        return bool(specs) and all(
+            type(s) is type(specs[0]) and s.block_size == specs[0].block_size for s in specs
+        )
+
+    @classmethod
+    def from_specs(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
+        """Group ``kv_cache_specs`` when they share one type and block size, else None."""
+        if not cls.is_uniform_type(kv_cache_specs):
+            return None
+        block_size = next(iter(kv_cache_specs.values())).block_size
+        return cls(block_size, kv_cache_specs)
+
+    @property
+    def tokens_per_state(self) -> int | Fraction:
+        return next(iter(self.kv_cache_specs.values())).tokens_per_state
+
+    @property
+    def page_size_bytes(self) -> int:
+        return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        return sum(s.real_page_size_bytes for s in self.kv_cache_specs.values())
+
+    def _page_of_tokens(self, tokens: int) -> int:
+        return sum(s._page_of_tokens(tokens) for s in self.kv_cache_specs.values())
+
+    def copy_with_new_block_size(self, block_size: int) -> UniformTypeKVCacheSpecs:
+        return UniformTypeKVCacheSpecs(
+            block_size,
+            {n: s.copy_with_new_block_size(block_size) for n, s in self.kv_cache_specs.items()},
+        )
+
+    def max_num_blocks_per_req(self, max_model_len: int) -> int:
+        return max(s.max_num_blocks_per_req(max_model_len) for s in self.kv_cache_specs.values())
