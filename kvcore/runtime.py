@@ -149,7 +149,9 @@ class KVCache:
                 )
         flat = [g for groups in attn_groups for g in groups]
         layer_kv_caches = map_kv_caches_to_kernel_blocks(kv_caches, flat)
-        zeroer = KVBlockZeroer(device, flat, per_group, layer_kv_caches, config.num_blocks)
+        zeroer = KVBlockZeroer(
+            device, flat + _unserved_groups(config, attn_groups), per_group, layer_kv_caches, config.num_blocks
+        )
         return cls(
             config=config,
             layout=layout,
@@ -209,6 +211,20 @@ class KVCache:
                 metadata = attn_group.build_metadata(common[group_id], ubatch_idx)
                 out.update(dict.fromkeys(attn_group.layer_names, metadata))
         return out
+
+
+def _unserved_groups(config: KVCacheConfig, attn_groups: list[list[AttentionGroup]]) -> list[AttentionGroup]:
+    """Zeroer-only groups for KV cache groups no backend serves (state caches).
+
+    Their blocks are handed out by the same pool and must be zeroed too.
+    """
+    return [
+        AttentionGroup(AttentionBackend, group.layer_names, group.kv_cache_spec, group_id)
+        for group_id, (group, served) in enumerate(zip(config.kv_cache_groups, attn_groups))
+        if not served
+        and group.kv_cache_spec.has_layer_views
+        and not isinstance(group.kv_cache_spec, EncoderOnlyAttentionSpec)
+    ]
 
 
 def _per_group_kernel_sizes(config: KVCacheConfig, kernel_block_sizes: list[int]) -> list[int | None]:

@@ -14,6 +14,7 @@ from kvcore import (
     FullAttentionSpec,
     KVCache,
     KVCacheLayout,
+    MambaSpec,
     MultipleOf,
     SlidingWindowSpec,
     get_plugin_manager,
@@ -218,3 +219,28 @@ def test_single_rank_group_agrees_with_itself(pm, tmp_path):
     finally:
         dist.destroy_process_group()
     assert kv.num_blocks == 9 and kv.layout is KVCacheLayout.BLNHC
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
+def test_state_cache_blocks_are_zeroed_too(pm, layout):
+    """A Mamba layer has no attention backend, yet its new blocks are zeroed by begin_step."""
+    layer_specs = {
+        "layers.0.attn": FullAttentionSpec(16, 2, 8, torch.float32),
+        "layers.1.mamba": MambaSpec(16, [(4, 8), (2, 16)], [torch.float32, torch.float32]),
+    }
+    kv = KVCache.create(
+        layer_specs, {"layers.0.attn": "torch"}, device="cpu", layout=layout,
+        num_blocks=8, max_num_seqs=2, max_model_len=64, plugin_manager=pm,
+    )
+    gen = torch.Generator().manual_seed(3)
+    for view in kv.kv_caches.values():
+        view.view(torch.int8).copy_(torch.randint(1, 127, view.view(torch.int8).shape, generator=gen))
+    before = {name: view.clone() for name, view in kv.kv_caches.items()}
+    blocks = kv.block_pool.allocate(2)
+    assert kv.begin_step() == blocks
+    state = kv.kv_caches["layers.1.mamba"]
+    assert state.shape[1:3] == (1, 1)
+    for name, view in kv.kv_caches.items():
+        assert torch.all(view[blocks] == 0), name
+        others = [b for b in range(kv.num_blocks) if b not in blocks]
+        assert torch.equal(view[others], before[name][others]), name
