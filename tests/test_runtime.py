@@ -222,14 +222,15 @@ def test_single_rank_group_agrees_with_itself(pm, tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["LBNHC", "BLNHC"])
-def test_state_cache_blocks_are_zeroed_too(pm, layout):
-    """A Mamba layer has no attention backend, yet its new blocks are zeroed by begin_step."""
-    layer_specs = {
-        "layers.0.attn": FullAttentionSpec(16, 2, 8, torch.float32),
-        "layers.1.mamba": MambaSpec(16, [(4, 8), (2, 16)], [torch.float32, torch.float32]),
-    }
+@pytest.mark.parametrize("with_attention", [True, False])
+def test_state_cache_blocks_are_zeroed_too(pm, layout, with_attention):
+    """Mamba layers have no attention backend, yet their new blocks are zeroed by begin_step."""
+    mamba = MambaSpec(16, [(4, 8), (2, 16)], [torch.float32, torch.float32])
+    layer_specs = {"layers.0.mamba": mamba, "layers.2.mamba": mamba}
+    if with_attention:
+        layer_specs["layers.1.attn"] = FullAttentionSpec(16, 2, 8, torch.float32)
     kv = KVCache.create(
-        layer_specs, {"layers.0.attn": "torch"}, device="cpu", layout=layout,
+        layer_specs, {n: "torch" for n in layer_specs if "attn" in n}, device="cpu", layout=layout,
         num_blocks=8, max_num_seqs=2, max_model_len=64, plugin_manager=pm,
     )
     gen = torch.Generator().manual_seed(3)
@@ -238,7 +239,7 @@ def test_state_cache_blocks_are_zeroed_too(pm, layout):
     before = {name: view.clone() for name, view in kv.kv_caches.items()}
     blocks = kv.block_pool.allocate(2)
     assert kv.begin_step() == blocks
-    state = kv.kv_caches["layers.1.mamba"]
+    state = kv.kv_caches["layers.0.mamba"]
     assert state.shape[1:3] == (1, 1)
     for name, view in kv.kv_caches.items():
         assert torch.all(view[blocks] == 0), name
