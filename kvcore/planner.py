@@ -19,6 +19,12 @@ only with block ``b`` of another group.
   ``bytes_per_block`` is the largest group's sum of pages, rounded up to the
   lcm of the block-stride alignments (and view element sizes).
 
+A layout that cannot express the model's pages (padded multi-head pages in a
+layout that puts heads between layers and blocks, different per-layer block
+strides in a layer-compact layout, ...) is refused before the budget is
+checked, and the error names the layouts that can: each candidate is tried
+with a dry run, so a named layout really plans the model.
+
 A ``UniformTypeKVCacheSpecs`` group holds layers of different shapes: each
 distinct shape becomes one tensor, placed after the previous one (at a byte
 offset in the allocation for layer-compact layouts, inside the block for
@@ -37,6 +43,14 @@ from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.layout import KVCacheLayout, compute_layout_strides
 from kvcore.plan_groups import group_layers, is_encoder_only
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
+
+# NOTE: the order in which a refusal suggests the layouts that can plan a model
+# (after those of the requested layout's family).
+_PREFERRED = tuple(KVCacheLayout[n] for n in ("LBNHC", "BLNHC", "LBHNC", "BLHNC", "LHBNC", "BHLNC"))
+
+
+class _Refusal(ValueError):
+    """The layout cannot express the model's pages (internal; re-raised with a remedy)."""
 
 
 @attrs.frozen
@@ -100,10 +114,9 @@ def _bytes_per_block(parts: list[_Part], layout: KVCacheLayout) -> int:
     if layout.is_layer_compact:
         if len(footprints) > 1 and len({p.stride for p in parts}) > 1:
             found = sorted({p.stride for p in parts})
-            raise ValueError(
-                f"layout {layout.name} keeps each layer's blocks together, so overlaid "
-                f"groups need one per-layer block footprint, but this model's groups "
-                f"need {found} bytes; use a block-outermost layout such as BLNHC"
+            raise _Refusal(
+                f"it keeps each layer's blocks together, so overlaid groups need one "
+                f"per-layer block footprint, but this model's groups need {found} bytes"
             )
         return largest
     alignment = 1
@@ -121,17 +134,24 @@ def _strides(part: _Part, layout: KVCacheLayout, num_blocks: int, bytes_per_bloc
         fixed = (None, part.stride, None, None, None)
     else:
         fixed = (None,) * 5
+    spec, layer = part.spec, part.layers[0]
+    if spec.page_size_padded is not None and spec.num_heads > 1 and not layout.is_block_compact:
+        # NOTE: compute_layout_strides refuses this too; checking here keeps
+        # its generic remedy out of the planner's message.
+        raise _Refusal(
+            f"it puts heads between layers and blocks, so layer {layer!r} cannot keep "
+            f"its {spec.num_heads}-head page padded to {spec.page_size_padded} bytes"
+        )
     try:
         strides = compute_layout_strides(
-            part.spec, num_blocks, len(part.layers), layout, fixed_strides=fixed
+            spec, num_blocks, len(part.layers), layout, fixed_strides=fixed
         )
     except ValueError as exc:
-        raise ValueError(f"cannot lay out layer {part.layers[0]!r}: {exc}") from exc
+        raise _Refusal(f"layer {layer!r} cannot be laid out ({exc})") from exc
     if layout.is_layer_compact and strides[0] != num_blocks * part.stride:
-        raise ValueError(
-            f"layout {layout.name} cannot give layer {part.layers[0]!r} a block stride "
-            f"of {part.stride} bytes (its page rounded to the block-stride alignment); "
-            "use a block-compact layout such as LBNHC"
+        raise _Refusal(
+            f"it cannot give layer {layer!r} a block stride of {part.stride} bytes "
+            "(its page rounded to the block-stride alignment)"
         )
     return strides
 
@@ -149,16 +169,43 @@ def _tensors(
             # must split it the same way.
             heads.setdefault((part.spec.num_heads, strides[1]), part.layers[0])
             if len(heads) > 1:
-                raise ValueError(
-                    f"layout LHBNC splits blocks by head, and layers {list(heads.values())} "
-                    "split them differently (heads, block stride) = "
-                    f"{list(heads)}; use a block-compact layout such as LBNHC"
+                raise _Refusal(
+                    f"it splits blocks by head, and layers {list(heads.values())} split "
+                    f"them differently (heads, block stride) = {list(heads)}"
                 )
         offset = offsets.get(part.group_id, 0)
         extent = part.footprint * (num_blocks if layout.is_layer_compact else 1)
         offsets[part.group_id] = offset + extent
         tensors.append(KVCacheTensor(size, part.layers, strides[0], strides[1], offset))
     return tensors
+
+
+def _checked(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> tuple[list[_Part], int]:
+    """Parts and bytes per block under ``layout``; ``_Refusal`` if it cannot hold them."""
+    parts = _parts(groups, layout.is_layer_compact)
+    bytes_per_block = _bytes_per_block(parts, layout)
+    _tensors(parts, layout, 2, bytes_per_block)  # a dry run: strides do not depend on the count
+    return parts, bytes_per_block
+
+
+def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: _Refusal) -> ValueError:
+    """The error for a layout that cannot hold the model, naming the layouts that can."""
+    family = sorted(_PREFERRED, key=lambda o: o.is_layer_compact != layout.is_layer_compact)
+    able = []
+    for other in family:
+        if other is layout:
+            continue
+        try:
+            _checked(groups, other)
+        except _Refusal:
+            continue
+        able.append(other.name)
+    remedy = (
+        f"use a layout that can, such as {able[0]} (all that can: {', '.join(able)})"
+        if able
+        else "no layout can, so change the layers' block sizes or head counts"
+    )
+    return ValueError(f"layout {layout.name} cannot hold this model's pages: {reason}; {remedy}")
 
 
 def plan_kv_cache(
@@ -191,15 +238,15 @@ def plan_kv_cache(
         available_memory = non_negative_int("available_memory", available_memory)
 
     groups = group_layers(specs)
-    parts = _parts(groups, layout.is_layer_compact)
-    if not parts:  # only encoder-only layers: nothing to allocate
+    if all(is_encoder_only(g) for g in groups):  # nothing to allocate
         return KVCacheConfig(num_blocks or 1, [], groups, layout)
-    bytes_per_block = _bytes_per_block(parts, layout)
+    try:
+        parts, bytes_per_block = _checked(groups, layout)
+    except _Refusal as exc:  # NOTE: checked before the budget: the layout error is more useful
+        raise _refused(groups, layout, exc) from None
     if num_blocks is None:
         num_blocks = available_memory // bytes_per_block
         if num_blocks < 2:
-            # NOTE: a layout that cannot hold the model is the more useful error.
-            _tensors(parts, layout, 2, bytes_per_block)
             raise ValueError(
                 f"available_memory={available_memory} bytes holds {num_blocks} KV cache "
                 f"block(s); one block of all {len(specs)} layers needs {bytes_per_block} "

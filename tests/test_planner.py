@@ -6,10 +6,11 @@ import re
 
 import pytest
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvcore.layout import KVCacheLayout
+from kvcore.models import load_model, preset_names
 from kvcore.planner import plan_kv_cache
 from kvcore.specs import (
     EncoderOnlyAttentionSpec,
@@ -130,7 +131,8 @@ def test_layer_compact_refuses_groups_with_different_footprints():
     attn = full(hs=32, heads=1, page_size_padded=5000, block_stride_alignment=MultipleOf(8))
     mamba = MambaSpec(16, shapes=[(1250,)], dtypes=[torch.float32])
     specs = {"a.0": attn, "m.1": mamba}
-    with pytest.raises(ValueError, match="block-outermost layout such as BLNHC"):
+    refusal = r"need \[5000, 6144\] bytes; use a layout that can, such as BLNHC"
+    with pytest.raises(ValueError, match=refusal):
         plan_kv_cache(specs, "LBNHC", num_blocks=4)
     config = plan_kv_cache(specs, "BLNHC", num_blocks=4)
     assert config.kv_cache_tensors[0].block_stride % 2048 == 0  # lcm with the kernel page
@@ -139,19 +141,50 @@ def test_layer_compact_refuses_groups_with_different_footprints():
 
 def test_lhbnc_refuses_groups_that_split_blocks_differently():
     specs = {"a.0": full(heads=2), "m.1": MambaSpec(16, shapes=[(4096,)], dtypes=[F32])}
-    with pytest.raises(ValueError, match="such as LBNHC"):
+    with pytest.raises(ValueError, match="splits blocks by head.*can, such as LBNHC"):
         plan_kv_cache(specs, "LHBNC", num_blocks=4)
     _check_views(plan_kv_cache(specs, "LBNHC", num_blocks=4))
 
 
-@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC"])
-def test_padded_multi_head_pages_need_a_block_compact_layout(layout):
+@pytest.mark.parametrize("layout, suggested", [("LHBNC", "LBNHC"), ("BHLNC", "BLNHC")])
+def test_padded_multi_head_pages_need_a_block_compact_layout(layout, suggested):
     specs = {"a.0": full(heads=2, page_size_padded=20000)}
-    with pytest.raises(ValueError, match="'a.0'.*block-compact layout such as LBNHC or BLNHC"):
+    refusal = rf"'a.0' cannot keep its 2-head page padded.*such as {suggested} \(all that can: "
+    with pytest.raises(ValueError, match=refusal):
         plan_kv_cache(specs, layout, num_blocks=4)
     # the layout refusal wins over a budget that is also too small
-    with pytest.raises(ValueError, match="block-compact layout such as LBNHC"):
+    with pytest.raises(ValueError, match=refusal):
         plan_kv_cache(specs, layout, available_memory=100)
+
+
+@pytest.mark.parametrize("memory", [0, 1, 700])
+def test_padded_two_head_page_in_lhbnc_is_a_layout_error_not_a_budget_error(memory):
+    # regression (hypothesis): 1- and 2-head layers plus a head-size-6 sliding
+    # layer; the 2-head page is padded to 192 bytes, which LHBNC cannot express
+    specs = {
+        "m.0": full(bs=2, heads=1, hs=2),  # 32 bytes: its block size grows to 12
+        "m.1": full(bs=2, heads=2, hs=4),  # 128 bytes: padded to 192
+        "m.2": sliding(bs=4, heads=1, hs=6, window=4),  # 192 bytes
+    }
+    with pytest.raises(ValueError, match="LHBNC cannot hold.*'m.1'.*such as LBNHC") as exc:
+        plan_kv_cache(specs, "LHBNC", available_memory=memory)
+    assert "KV cache block" not in str(exc.value)
+    _check_views(plan_kv_cache(specs, "LBNHC", num_blocks=2))
+
+
+@pytest.mark.parametrize("layout", ["LHBNC", "BHLNC", "LBNHC", "LBHNC"])
+def test_refusal_names_only_layouts_that_plan(layout):
+    # regression (hypothesis): the padded 2-head page rules out LHBNC and
+    # BHLNC, and the 2-token alignment rounds it to 576 bytes against the
+    # other group's 512, which rules out the layer-compact layouts too
+    specs = {
+        "m.0": full(bs=4, heads=2, hs=6, block_stride_alignment=MultipleOf(2)),
+        "m.1": sliding(bs=4, heads=2, hs=8, window=4),
+    }
+    with pytest.raises(ValueError, match=r"such as BLNHC \(all that can: BLNHC, BLHNC\)$"):
+        plan_kv_cache(specs, layout, available_memory=0)
+    for able in ("BLNHC", "BLHNC"):
+        _check_views(plan_kv_cache(specs, able, num_blocks=2))
 
 
 # ---------------------------------------------------------------- bad input
@@ -246,9 +279,13 @@ def _layer_spec(draw):
     return MambaSpec(bs, shapes=[(2 * draw(st.integers(1, 40)),)], dtypes=[dtype])
 
 
-def _named_layout(message: str, refused: KVCacheLayout) -> KVCacheLayout | None:
-    names = [KVCacheLayout[m] for m in re.findall(r"\b(LBHNC|LBNHC|LHBNC|BLHNC|BLNHC|BHLNC)\b", message)]
-    return next((n for n in names if n is not refused), None)
+def _named_layouts(message: str) -> list[KVCacheLayout]:
+    """The layouts a refusal says can plan the model (the suggestion first)."""
+    match = re.search(r"such as (\w+) \(all that can: ([\w, ]+)\)$", message)
+    assert match, message  # a refusal names a layout that can
+    able = [KVCacheLayout[n] for n in match.group(2).split(", ")]
+    assert able[0] is KVCacheLayout[match.group(1)]
+    return able
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -264,18 +301,27 @@ def test_plan_properties(layers, layout, memory):
     except ValueError as exc:
         message = str(exc)
         if "MLA layer" in message:  # no layout can pad MLA
+            event("refused: MLA page")
             with pytest.raises(ValueError, match="MLA layer"):
                 plan_kv_cache(specs, "BLNHC", num_blocks=2)
             return
         if "KV cache block(s)" in message:  # budget too small: 2 blocks do not fit
+            event("refused: budget")
             two = plan_kv_cache(specs, layout, num_blocks=2)
             assert two.kv_cache_tensors[0].size > memory
             return
-        other = _named_layout(message, layout)
-        assert other is not None, message  # a refusal names a layout that can
-        _check_views(plan_kv_cache(specs, other, num_blocks=2))
+        assert f"layout {layout.name} cannot hold" in message, message
+        event("refused: layout")
+        able = _named_layouts(message)
+        for other in KVCacheLayout:  # exactly the named layouts plan the model
+            if other in able:
+                _check_views(plan_kv_cache(specs, other, num_blocks=2))
+            else:
+                with pytest.raises(ValueError, match=f"layout {other.name} cannot hold"):
+                    plan_kv_cache(specs, other, num_blocks=2)
         return
 
+    event(f"planned with {len(config.kv_cache_groups)} group(s)")
     order = list(specs)
     seen = [n for g in config.kv_cache_groups for n in g.layer_names]
     assert sorted(seen) == sorted(order)  # every layer in exactly one group
@@ -292,3 +338,33 @@ def test_plan_properties(layers, layout, memory):
     more = plan_kv_cache(specs, layout, num_blocks=config.num_blocks + 1)
     assert more.kv_cache_tensors[0].size > memory  # num_blocks is the most that fits
     _check_views(config)
+
+
+# ---------------------------------------------------------------- real shapes
+
+
+@pytest.mark.parametrize("block_size", [None, 16])
+@pytest.mark.parametrize("layout", list(KVCacheLayout))
+@pytest.mark.parametrize("preset", preset_names())
+def test_presets_plan_or_name_a_layout_that_does(preset, layout, block_size):
+    specs = load_model(preset, block_size=block_size).kv_cache_specs
+    memory = 40 << 30
+    try:
+        config = plan_kv_cache(specs, layout, available_memory=memory)
+    except ValueError as exc:
+        able = _named_layouts(str(exc))
+        assert layout not in able and able
+        for other in able:
+            config = plan_kv_cache(specs, other, available_memory=memory)
+            assert config.layout is other and config.num_blocks >= 2
+        return
+    size = config.kv_cache_tensors[0].size
+    assert config.num_blocks >= 2 and memory - size < size // config.num_blocks
+    assert sorted(n for t in config.kv_cache_tensors for n in t.layers) == sorted(specs)
+
+
+def test_presets_cover_both_outcomes():
+    jamba = load_model("jamba-1.5-mini", block_size=16).kv_cache_specs
+    with pytest.raises(ValueError, match="'model.layers.4.self_attn' cannot keep its 8-head page"):
+        plan_kv_cache(jamba, "BHLNC", num_blocks=2)
+    assert plan_kv_cache(jamba, "BLNHC", num_blocks=2).num_blocks == 2
