@@ -9,14 +9,22 @@ read + written, the device's copy ceiling) and the ratio; torch SDPA on
 contiguous K/V (``enable_gqa``) and the time ratio; and the max difference
 against the torch backend and SDPA.
 
+The sweep (``--sweep``) times decode-kernel variants (``DECODE_VARIANTS``)
+and launch configs in two stages: every variant at a few anchor configs,
+then the best ``--sweep-top`` variants over tile x warps x stages x splits,
+most promising points first, until ``--budget-s`` seconds have passed. Each
+point is compiled once and timed on every layout; one line per (block size,
+layout, variant, config), then the best per layout.
+
     python plugins/kvcore-triton/bench_decode.py                 # H200 target shape
-    python plugins/kvcore-triton/bench_decode.py --sweep --json  # also try launch configs
+    python plugins/kvcore-triton/bench_decode.py --sweep --block-size 16,64 --skip-torch-check
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
+import sys
 import json
 import statistics
 import time
@@ -29,6 +37,7 @@ from kvcore.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec
 from kvcore.views import allocate_kv_cache
 from kvcore_triton import KernelConfig, paged_attention
+from kvcore_triton.attention import DECODE_VARIANTS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -53,11 +62,11 @@ def _timer(fn, device, warmup, iters):
     return statistics.median(times)
 
 
-def _allocate(args, layout, device):
+def _allocate(args, layout, device, block_size):
     """One layer's kernel-block view of a ``--num-layers``-layer kvcore cache."""
     dtype = DTYPES[args.dtype]
-    spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, dtype)
-    blocks_per_req = -(-args.context // args.block_size)
+    spec = FullAttentionSpec(block_size, args.kv_heads, args.head_size, dtype)
+    blocks_per_req = -(-args.context // block_size)
     num_blocks = args.batch * blocks_per_req + 1
     strides = compute_layout_strides(spec, num_blocks, args.num_layers, layout)
     names = [f"model.layers.{i}.self_attn" for i in range(args.num_layers)]
@@ -93,63 +102,133 @@ def _sdpa(q, k, v, scale):
         return lambda: F.scaled_dot_product_attention(q, k, v, scale=scale), "repeat_interleave"
 
 
-def run_layout(args, layout, device, configs):
-    view, table = _allocate(args, layout, device)
-    gen = torch.Generator(device=device).manual_seed(2)
-    query = torch.randn(args.batch, args.q_heads, args.head_size, generator=gen, device=device).to(view.dtype)
-    qsl = torch.arange(args.batch + 1, dtype=torch.int32, device=device)
-    seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32, device=device)
-    scale = args.head_size**-0.5
-    out = torch.empty(args.batch, args.q_heads, args.head_size, dtype=view.dtype, device=device)
+class Case:
+    """One layout's cache, batch and baselines (copy, SDPA) at one kernel block size."""
 
-    def decode(config):
-        return lambda: paged_attention(query, view, table, qsl, seq_lens, head_size=args.head_size, scale=scale,
-                                       out=out, max_query_len=1, max_seq_len=args.context, config=config)
+    def __init__(self, args, layout, device, block_size):
+        self.layout, self.block_size = layout, block_size
+        self.view, self.table = _allocate(args, layout, device, block_size)
+        gen = torch.Generator(device=device).manual_seed(2)
+        self.query = torch.randn(args.batch, args.q_heads, args.head_size, generator=gen, device=device)
+        self.query = self.query.to(self.view.dtype)
+        self.qsl = torch.arange(args.batch + 1, dtype=torch.int32, device=device)
+        self.seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32, device=device)
+        self.scale = args.head_size**-0.5
+        self.out = torch.empty(args.batch, args.q_heads, args.head_size, dtype=self.view.dtype, device=device)
+        self.args = args
+        self.kv_bytes = args.batch * args.context * args.kv_heads * 2 * args.head_size * self.view.element_size()
+        src = torch.empty(self.kv_bytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        self.copy_ms = _timer(lambda: dst.copy_(src), device, args.warmup, args.iters)
+        del src, dst
+        k, v = _contiguous_kv(self.view, self.table, args)
+        sdpa_fn, self.sdpa_mode = _sdpa(self.query.unsqueeze(2), k, v, self.scale)
+        self.sdpa_ms = _timer(sdpa_fn, device, args.warmup, args.iters)
+        self.sdpa_out = sdpa_fn().squeeze(2).float()
+        del k, v
 
-    timed = []
-    for config in configs:
-        try:
-            timed.append((_timer(decode(config), device, args.warmup, args.iters), config))
-        except Exception as exc:  # a sweep point may not fit (shared memory, registers)
-            print(f"# {layout.name} {config}: skipped ({type(exc).__name__}: {exc})")
-    ms, best = min(timed, key=lambda t: t[0])
-    decode(best)()
-    result = out.float().clone()
+    def baseline(self) -> dict:
+        return {
+            "layout": self.layout.name, "block_size": self.block_size, "kv_bytes": self.kv_bytes,
+            "copy_ms": self.copy_ms, "copy_gbps_read_plus_write": 2 * self.kv_bytes / self.copy_ms / 1e6,
+            "sdpa_ms": self.sdpa_ms, "sdpa_gbps": self.kv_bytes / self.sdpa_ms / 1e6, "sdpa_mode": self.sdpa_mode,
+        }
 
-    kv_bytes = args.batch * args.context * args.kv_heads * 2 * args.head_size * view.element_size()
-    src = torch.empty(kv_bytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    copy_ms = _timer(lambda: dst.copy_(src), device, args.warmup, args.iters)
-    del src, dst
+    def decode(self, config):
+        a = self.args
+        return lambda: paged_attention(self.query, self.view, self.table, self.qsl, self.seq_lens,
+                                       head_size=a.head_size, scale=self.scale, out=self.out, max_query_len=1,
+                                       max_seq_len=a.context, config=config)
 
-    k, v = _contiguous_kv(view, table, args)
-    sdpa_fn, sdpa_mode = _sdpa(query.unsqueeze(2), k, v, scale)
-    sdpa_ms = _timer(sdpa_fn, device, args.warmup, args.iters)
-    sdpa_diff = (sdpa_fn().squeeze(2).float() - result).abs().max().item()
-    torch_diff = None
-    if not args.skip_torch_check:
+    def measure(self, variant, config, device, warmup, iters) -> dict:
+        ms = _timer(self.decode(config), device, warmup, iters)
+        diff = (self.out.float() - self.sdpa_out).abs().max().item()
+        return {
+            "block_size": self.block_size, "layout": self.layout.name, "variant": variant,
+            "config": _config_dict(config), "decode_ms": ms, "decode_gbps": self.kv_bytes / ms / 1e6,
+            "sdpa_time_over_decode_time": self.sdpa_ms / ms, "max_abs_diff_vs_sdpa": diff,
+        }
+
+    def torch_diff(self, config) -> float:
         import kvcore_torch
 
-        ref = kvcore_torch.paged_attention(query, view, table, qsl, seq_lens, head_size=args.head_size, scale=scale)
-        torch_diff = (ref.float() - result).abs().max().item()
-    decode_gbps = kv_bytes / ms / 1e6
-    copy_gbps = 2 * kv_bytes / copy_ms / 1e6
-    return {
-        "layout": layout.name,
-        "decode_ms": ms,
-        "kv_bytes": kv_bytes,
-        "decode_gbps": decode_gbps,
-        "copy_ms": copy_ms,
-        "copy_gbps_read_plus_write": copy_gbps,
-        "ratio_vs_copy": decode_gbps / copy_gbps,
-        "sdpa_ms": sdpa_ms,
-        "sdpa_mode": sdpa_mode,
-        "sdpa_time_over_decode_time": sdpa_ms / ms,
-        "max_abs_diff_vs_torch_backend": torch_diff,
-        "max_abs_diff_vs_sdpa": sdpa_diff,
-        "config": {"tile": best.tile, "num_warps": best.num_warps, "num_stages": best.num_stages,
-                   "num_splits": best.num_splits},
-    }
+        self.decode(config)()
+        a = self.args
+        ref = kvcore_torch.paged_attention(self.query, self.view, self.table, self.qsl, self.seq_lens,
+                                           head_size=a.head_size, scale=self.scale)
+        return (ref.float() - self.out.float()).abs().max().item()
+
+
+def _config_dict(config) -> dict:
+    return {"tile": config.tile, "num_warps": config.num_warps, "num_stages": config.num_stages,
+            "num_splits": config.num_splits}
+
+
+def _line(r) -> str:
+    c = r["config"]
+    sp = "auto" if c["num_splits"] is None else c["num_splits"]
+    return (f"bs={r['block_size']:<3} {r['layout']:6} {r['variant']:15} t{c['tile']:<3} w{c['num_warps']} "
+            f"s{c['num_stages']} sp={sp:<4} {r['decode_ms']:8.4f} ms {r['decode_gbps']:6.0f} GB/s "
+            f"sdpa/dec {r['sdpa_time_over_decode_time']:5.3f} diff {r['max_abs_diff_vs_sdpa']:.1e}")
+
+
+def _splits(text):
+    return [None if x == "auto" else int(x) for x in text.split(",")]
+
+
+def _ints(text):
+    return [int(x) for x in text.split(",")]
+
+
+def _points(args):
+    """(stage, variant, KernelConfig) in the order they are tried."""
+    base = dict(tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages, num_splits=args.num_splits)
+    variants = args.variants.split(",") if args.variants else (list(DECODE_VARIANTS) if args.sweep else ["base"])
+    unknown = [v for v in variants if v not in DECODE_VARIANTS]
+    if unknown:
+        raise SystemExit(f"unknown --variants {unknown}; choose from {sorted(DECODE_VARIANTS)}")
+    if args.sweep and args.num_splits is None:
+        base["num_splits"] = 1  # NOTE: the anchors use the best split count measured so far
+    anchors = [base] if not args.sweep else [dict(base, **a) for a in
+                                             ({}, {"num_stages": 4}, {"tile": 128, "num_warps": 8})]
+    first = [(1, v, KernelConfig(**a, **DECODE_VARIANTS[v])) for v in variants for a in anchors]
+    grid = sorted(itertools.product(_ints(args.tiles), _ints(args.warps), _ints(args.stages), _splits(args.splits)),
+                  key=lambda p: sum(lst.index(x) for lst, x in zip(
+                      (_ints(args.tiles), _ints(args.warps), _ints(args.stages), _splits(args.splits)), p)))
+    return variants, first, grid
+
+
+def sweep(args, device, block_size, cases, out_rows, deadline):
+    variants, first, grid = _points(args)
+    seen = set()
+
+    def try_point(stage, variant, config):
+        if (variant, config) in seen or time.monotonic() > deadline:
+            return
+        seen.add((variant, config))
+        for case in cases:
+            try:
+                row = case.measure(variant, config, device, args.warmup, args.iters)
+            except Exception as exc:  # a point may not fit (shared memory, registers)
+                print(f"# bs={block_size} {case.layout.name} {variant} {_config_dict(config)}: skipped "
+                      f"({type(exc).__name__}: {str(exc).splitlines()[0][:120]})", flush=True)
+                return
+            row["stage"] = stage
+            out_rows.append(row)
+            print(_line(row), flush=True)
+
+    for stage, variant, config in first:
+        try_point(stage, variant, config)
+    if not args.sweep:
+        return
+    mine = [r for r in out_rows if r["block_size"] == block_size]
+    best_ms = {v: min((r["decode_ms"] for r in mine if r["variant"] == v), default=float("inf")) for v in variants}
+    top = sorted(variants, key=best_ms.get)[: args.sweep_top]
+    print(f"# bs={block_size} stage 2 variants: {top}", flush=True)
+    for t, w, s, n in grid:
+        for variant in top:
+            try_point(2, variant, KernelConfig(tile=t, num_warps=w, num_stages=s, num_splits=n,
+                                               **DECODE_VARIANTS[variant]))
 
 
 def main(argv=None) -> int:
@@ -159,50 +238,72 @@ def main(argv=None) -> int:
     p.add_argument("--q-heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-size", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16, help="kernel block size (16, 32 or 64)")
+    p.add_argument("--block-size", default="16", help="kernel block sizes, comma separated (16, 32, 64)")
     p.add_argument("--num-layers", type=int, default=4, help="layers sharing the tensor (BLNHC interleaves them)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     p.add_argument("--layouts", default="LBNHC,BLNHC")
-    p.add_argument("--warmup", type=int, default=10)
-    p.add_argument("--iters", type=int, default=50)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--iters", type=int, default=30)
     p.add_argument("--tile", type=int, default=64)
     p.add_argument("--num-warps", type=int, default=4)
-    p.add_argument("--num-stages", type=int, default=2)
+    p.add_argument("--num-stages", type=int, default=3)
     p.add_argument("--num-splits", type=int, default=None, help="default: enough to fill the device")
-    p.add_argument("--sweep", action="store_true", help="also try tile/warps/stages/splits combinations")
+    p.add_argument("--variants", default=None,
+                   help=f"comma separated names from {sorted(DECODE_VARIANTS)} (default: base; --sweep: all)")
+    p.add_argument("--sweep", action="store_true", help="variants at anchor configs, then a config grid")
+    p.add_argument("--sweep-top", type=int, default=3, help="variants carried into the config grid")
+    p.add_argument("--tiles", default="64,128,32")
+    p.add_argument("--warps", default="4,8")
+    p.add_argument("--stages", default="4,3,2")
+    p.add_argument("--splits", default="1,auto,2", help="'auto' fills the device")
+    p.add_argument("--budget-s", type=float, default=200.0,
+                   help="stop trying new points after this many seconds (shared by the block sizes)")
     p.add_argument("--skip-torch-check", action="store_true", help="skip the (slow) torch backend comparison")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    p.add_argument("--json", action="store_true", help="also print one JSON object with every row at the end")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    configs = [KernelConfig(tile=args.tile, num_warps=args.num_warps, num_stages=args.num_stages,
-                            num_splits=args.num_splits)]
-    if args.sweep:
-        configs += [
-            KernelConfig(tile=t, num_warps=w, num_stages=s, num_splits=n)
-            for t, w, s, n in itertools.product((32, 64, 128), (4, 8), (2, 3), (None, 1, 2, 4, 8))
-        ]
-    rows = [run_layout(args, KVCacheLayout.parse(name), device, configs) for name in args.layouts.split(",")]
+    started = time.monotonic()
+    block_sizes = _ints(args.block_size)
     header = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "shape": {k: getattr(args, k) for k in ("batch", "context", "q_heads", "kv_heads", "head_size",
-                                                 "block_size", "num_layers", "dtype")},
+                                                 "num_layers", "dtype")},
+        "block_sizes": block_sizes,
     }
+    print(f"# {header['device']}  {header['shape']}  block sizes {block_sizes}", flush=True)
+    rows, baselines, best = [], [], []
+    for i, block_size in enumerate(block_sizes):
+        cases = [Case(args, KVCacheLayout.parse(name), device, block_size) for name in args.layouts.split(",")]
+        for case in cases:
+            b = case.baseline()
+            baselines.append(b)
+            print(f"# baseline bs={block_size} {b['layout']}: copy {b['copy_ms']:.4f} ms "
+                  f"{b['copy_gbps_read_plus_write']:.0f} GB/s (read+write); sdpa ({b['sdpa_mode']}) "
+                  f"{b['sdpa_ms']:.4f} ms {b['sdpa_gbps']:.0f} GB/s read", flush=True)
+        # NOTE: each block size gets an equal share of what is left of the budget.
+        deadline = time.monotonic() + (args.budget_s - (time.monotonic() - started)) / (len(block_sizes) - i)
+        sweep(args, device, block_size, cases, rows, deadline)
+        for case in cases:
+            mine = [r for r in rows if r["layout"] == case.layout.name and r["block_size"] == block_size]
+            if not mine:
+                continue
+            top = dict(min(mine, key=lambda r: r["decode_ms"]))
+            if not args.skip_torch_check:
+                c = top["config"]
+                v = DECODE_VARIANTS[top["variant"]]
+                top["max_abs_diff_vs_torch_backend"] = case.torch_diff(KernelConfig(**c, **v))
+            best.append(top)
+        del cases
+    print(f"# best per layout (sdpa/dec >= 1: paged decode no slower than SDPA); "
+          f"{len(rows)} rows in {time.monotonic() - started:.0f} s", flush=True)
+    for r in sorted(best, key=lambda r: (r["layout"], r["decode_ms"])):
+        extra = r.get("max_abs_diff_vs_torch_backend")
+        print("BEST " + _line(r) + ("" if extra is None else f" diff_torch {extra:.1e}"), flush=True)
     if args.json:
-        print(json.dumps({**header, "results": rows}, indent=2))
-        return 0
-    print(f"{header['device']}  {header['shape']}")
-    print(f"{'layout':7} {'decode ms':>10} {'GB/s':>8} {'copy GB/s':>10} {'vs copy':>8} {'sdpa ms':>9} "
-          f"{'sdpa/dec':>9} {'diff torch':>11} {'diff sdpa':>10}  config")
-    for r in rows:
-        diff = "-" if r["max_abs_diff_vs_torch_backend"] is None else f"{r['max_abs_diff_vs_torch_backend']:.2e}"
-        print(f"{r['layout']:7} {r['decode_ms']:10.4f} {r['decode_gbps']:8.0f} {r['copy_gbps_read_plus_write']:10.0f} "
-              f"{r['ratio_vs_copy']:8.2f} {r['sdpa_ms']:9.4f} {r['sdpa_time_over_decode_time']:9.2f} "
-              f"{diff:>11} {r['max_abs_diff_vs_sdpa']:10.2e}  {r['config']}")
-    print("GB/s = KV bytes read / decode time; copy GB/s = 2 x bytes / copy_ time (read + write); "
-          "sdpa/dec > 1 means the Triton kernel is faster")
+        print(json.dumps({**header, "baselines": baselines, "rows": rows, "best": best}))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())

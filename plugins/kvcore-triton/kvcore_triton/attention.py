@@ -22,6 +22,19 @@ def _positive(inst, attribute, value) -> None:
         raise ValueError(f"KernelConfig.{attribute.name} must be a positive int, got {value!r}")
 
 
+def _one_of(*choices):
+    def check(inst, attribute, value) -> None:
+        if value not in choices:
+            raise ValueError(f"KernelConfig.{attribute.name} must be one of {list(choices)}, got {value!r}")
+
+    return check
+
+
+def _bool(inst, attribute, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"KernelConfig.{attribute.name} must be True or False, got {value!r}")
+
+
 def _power_of_two_at_least_16(inst, attribute, value) -> None:
     _positive(inst, attribute, value)
     if value < 16 or value & (value - 1):
@@ -30,9 +43,17 @@ def _power_of_two_at_least_16(inst, attribute, value) -> None:
         )
 
 
+_KV_LOADS = ("sequential", "early", "fused")
+
+
 @attrs.frozen(kw_only=True)
 class KernelConfig:
-    """Launch knobs: tokens per tile, warps, pipeline stages, decode splits."""
+    """Launch knobs: tokens per tile, warps, pipeline stages, decode splits, decode variants.
+
+    The decode-kernel variants (``kv_load``, ``table_lookup``, ``table_prefetch``, ``edge_masks``,
+    ``evict_first``, ``grid_order``) change only how the cache is read, never
+    the result; ``DECODE_VARIANTS`` names the combinations the benchmark sweeps.
+    """
 
     tile: int = attrs.field(default=64, validator=_power_of_two_at_least_16)
     num_warps: int = attrs.field(default=4, validator=_positive)
@@ -42,6 +63,39 @@ class KernelConfig:
     #: Query rows (tokens x heads of a GQA group) per varlen program.
     prefill_rows: int = attrs.field(default=64, validator=_power_of_two_at_least_16)
     min_split_tokens: int = attrs.field(default=256, validator=_positive)
+    #: "sequential" loads V after the softmax; "early" issues it with K; "fused" reads K and V
+    #: of a row as one [tile, 2 * head] gather (falls back to "early" unless head == head_v is a power of two).
+    kv_load: str = attrs.field(default="sequential", validator=_one_of(*_KV_LOADS))
+    #: "token" reads the block table per token; "block" once per kernel block of the tile.
+    table_lookup: str = attrs.field(default="token", validator=_one_of("token", "block"))
+    #: Read the next tile's block ids one iteration ahead (deeper K/V pipelining).
+    table_prefetch: bool = attrs.field(default=False, validator=_bool)
+    #: Mask only a split's first and last tile (interior tiles load unpredicated).
+    edge_masks: bool = attrs.field(default=False, validator=_bool)
+    #: Mark streamed K/V loads evict-first in the caches.
+    evict_first: bool = attrs.field(default=False, validator=_bool)
+    #: "request": grid (request, kv head, split); "head": 1-D grid with the KV head fastest.
+    grid_order: str = attrs.field(default="request", validator=_one_of("request", "head"))
+
+
+#: Named decode-kernel variants (KernelConfig overrides) swept by bench_decode.py and tested.
+DECODE_VARIANTS: dict[str, dict] = {
+    "base": {},
+    "early_v": {"kv_load": "early"},
+    "fused_kv": {"kv_load": "fused"},
+    "table_block": {"table_lookup": "block"},
+    "table_prefetch": {"table_prefetch": True},
+    "prefetch_block": {"table_prefetch": True, "table_lookup": "block"},
+    "edge_masks": {"edge_masks": True},
+    "evict": {"evict_first": True},
+    "head_grid": {"grid_order": "head"},
+    "combo": {"kv_load": "early", "table_lookup": "block", "table_prefetch": True, "edge_masks": True,
+              "grid_order": "head"},
+    "combo_fused": {"kv_load": "fused", "table_lookup": "block", "table_prefetch": True, "edge_masks": True,
+                    "grid_order": "head"},
+    "combo_evict": {"kv_load": "early", "table_lookup": "block", "table_prefetch": True, "edge_masks": True,
+                    "grid_order": "head", "evict_first": True},
+}
 
 
 def _dot_dtype(query: torch.Tensor) -> tl.dtype:
@@ -144,17 +198,25 @@ def paged_attention(
         )
         return out
     group_pad = max(16, triton.next_power_of_2(group))
-    context = min(max_seq_len, window) if window else max_seq_len
+    # NOTE: tiles start at multiples of the tile, so a window's span may grow by tile - 1 tokens.
+    context = min(max_seq_len, window + config.tile - 1) if window else max_seq_len
     splits = _num_splits(config, num_reqs * num_kv_heads, context, query.device)
     tokens_per_split = triton.cdiv(triton.cdiv(context, splits), config.tile) * config.tile
     splits = triton.cdiv(context, tokens_per_split)
     partials = num_reqs * num_kv_heads * splits * group_pad if splits > 1 else 1
     part_ml = torch.empty(partials * 2, dtype=torch.float32, device=query.device)
     part_acc = torch.empty(partials * common["DV_PAD"], dtype=torch.float32, device=query.device)
-    _decode_split_kernel[(num_reqs, num_kv_heads, splits)](
+    head_major = config.grid_order == "head"
+    grid = (num_reqs * num_kv_heads * splits,) if head_major else (num_reqs, num_kv_heads, splits)
+    fusable = head_size == head_size_v == common["D_PAD"]
+    kv_load = _KV_LOADS.index("early" if config.kv_load == "fused" and not fusable else config.kv_load)
+    _decode_split_kernel[grid](
         query, kv_cache_view, block_table, query_start_loc, seq_lens, part_ml, part_acc, out,
-        qk_scale, window, tokens_per_split, splits, *strides,
-        GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1, **common,
+        qk_scale, window, tokens_per_split, splits, num_kv_heads, *strides,
+        GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1,
+        KV_LOAD=kv_load, TABLE_PER_BLOCK=config.table_lookup == "block",
+        PREFETCH_TABLE=config.table_prefetch, EDGE_MASKS=config.edge_masks,
+        EVICT="evict_first" if config.evict_first else "", HEAD_MAJOR=head_major, **common,
     )
     if splits > 1:
         _decode_merge_kernel[(num_reqs, num_q_heads)](

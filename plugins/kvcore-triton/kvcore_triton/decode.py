@@ -5,6 +5,23 @@ GQA group's queries once, streams its share of the context through the block
 table ``TILE`` tokens at a time (a tile may span several kernel blocks), and
 keeps an online softmax in float32. A second small kernel merges the splits.
 The cache is read through its four strides, so every layout works.
+
+Tiles start at multiples of ``TILE`` (tokens before the split's first one are
+masked), so a tile covers whole kernel blocks or lies inside one. Variants,
+all chosen by constexpr flags (see ``KernelConfig``):
+
+- ``KV_LOAD``: 0 loads V after the softmax, 1 issues the V load next to the
+  K load, 2 loads K and V of a row as one ``[TILE, 2 * HEAD]`` gather and
+  splits it in registers (needs ``HEAD == HEAD_V == D_PAD``).
+- ``TABLE_PER_BLOCK``: one block-table read per kernel block, not per token.
+- ``PREFETCH_TABLE``: the block ids of tile ``i + 1`` are read while tile ``i``
+  is processed, so Triton's pipeliner can buffer K/V tiles more deeply (an
+  in-iteration table read costs it one stage).
+- ``EDGE_MASKS``: only a split's first and last tile are masked; interior
+  tiles load without predicates.
+- ``EVICT``: the eviction policy of the K/V loads ("" or "evict_first").
+- ``HEAD_MAJOR``: a 1-D grid whose fastest index is the KV head, so the heads
+  of one token row (adjacent in most layouts) are read at the same time.
 """
 
 from __future__ import annotations
@@ -16,10 +33,136 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _load_rows(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr, EVICT: tl.constexpr):
+    """``tl.load`` of a ``[rows, cols]`` tile with only the masks that are needed."""
+    if MASK_ROWS:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0, eviction_policy=EVICT)
+        else:
+            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0, eviction_policy=EVICT)
+    else:
+        if MASK_COLS:
+            x = tl.load(ptrs, mask=col_ok[None, :], other=0.0, eviction_policy=EVICT)
+        else:
+            x = tl.load(ptrs, eviction_policy=EVICT)
+    return x
+
+
+@triton.jit
+def _row_offsets(table_row, start, tok, t_ok, hi, stride_kb, stride_kn,
+                 BLOCK_N: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr):
+    """Element offset of each token's row (kernel block and in-block position)."""
+    if TABLE_PER_BLOCK:
+        if TILE <= BLOCK_N:
+            # NOTE: an aligned tile never crosses a kernel block: one table read.
+            if MASKED:
+                block = tl.load(table_row + start // BLOCK_N, mask=start < hi, other=0).to(tl.int64)
+            else:
+                block = tl.load(table_row + start // BLOCK_N).to(tl.int64)
+            row = block * stride_kb + (tok % BLOCK_N) * stride_kn
+        else:
+            j = start // BLOCK_N + tl.arange(0, TILE // BLOCK_N)
+            if MASKED:
+                ids = tl.load(table_row + j, mask=j * BLOCK_N < hi, other=0).to(tl.int64)
+            else:
+                ids = tl.load(table_row + j).to(tl.int64)
+            n = tl.arange(0, BLOCK_N).to(tl.int64) * stride_kn
+            row = tl.reshape(ids[:, None] * stride_kb + n[None, :], [TILE])
+    else:
+        if MASKED:
+            block = tl.load(table_row + tok // BLOCK_N, mask=t_ok, other=0).to(tl.int64)
+        else:
+            block = tl.load(table_row + tok // BLOCK_N).to(tl.int64)
+        row = block * stride_kb + (tok % BLOCK_N) * stride_kn
+    return row
+
+
+@triton.jit
+def _decode_tile(
+    q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
+    HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, KV_LOAD: tl.constexpr, EVICT: tl.constexpr,
+):
+    """One online-softmax step over the tile's rows ``row``; returns (m, l, acc)."""
+    d = tl.arange(0, D_PAD)
+    dv = tl.arange(0, DV_PAD)
+    if KV_LOAD == 2:
+        c = tl.arange(0, 2 * D_PAD)
+        kv = _load_rows(head_base + row[:, None] + c[None, :] * stride_kc, t_ok, c < 2 * HEAD, MASKED, False, EVICT)
+        k, v = tl.split(tl.permute(tl.reshape(kv, [TILE, 2, D_PAD]), (0, 2, 1)))
+    else:
+        k = _load_rows(head_base + row[:, None] + d[None, :] * stride_kc, t_ok, d < HEAD,
+                       MASKED, HEAD != D_PAD, EVICT)
+        if KV_LOAD == 1:
+            v = _load_rows(head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc, t_ok, dv < HEAD_V,
+                           MASKED, HEAD_V != DV_PAD, EVICT)
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_LOAD == 0:
+        v = _load_rows(head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc, t_ok, dv < HEAD_V,
+                       MASKED, HEAD_V != DV_PAD, EVICT)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_tiles(
+    q, m_i, l_i, acc, begin, end, lo, hi, table_row, head_base, qk_scale, stride_kb, stride_kn, stride_kc,
+    HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    MASKED: tl.constexpr, KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
+    EVICT: tl.constexpr,
+):
+    """Tiles starting at ``begin, begin + TILE, ... < end``; tokens outside ``[lo, hi)`` masked if MASKED."""
+    if PREFETCH_TABLE:
+        tok = begin + tl.arange(0, TILE)
+        row_next = _row_offsets(table_row, begin, tok, tok < hi, hi, stride_kb, stride_kn,
+                                BLOCK_N, TILE, True, TABLE_PER_BLOCK)
+    for start in range(begin, end, TILE):
+        tok = start + tl.arange(0, TILE)
+        t_ok = (tok >= lo) & (tok < hi)
+        if PREFETCH_TABLE:
+            # NOTE: the next tile's rows come from this iteration, so the K/V address of a
+            # tile never waits on a table read of the same iteration (deeper pipelining).
+            row = row_next
+            nxt = tok + TILE
+            row_next = _row_offsets(table_row, start + TILE, nxt, nxt < hi, hi, stride_kb, stride_kn,
+                                    BLOCK_N, TILE, True, TABLE_PER_BLOCK)
+        else:
+            row = _row_offsets(table_row, start, tok, t_ok, hi, stride_kb, stride_kn,
+                               BLOCK_N, TILE, MASKED, TABLE_PER_BLOCK)
+        m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
+                                     HEAD, HEAD_V, D_PAD, DV_PAD, TILE, DOT_DTYPE, DOT_PRECISION,
+                                     MASKED, KV_LOAD, EVICT)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _edge_tile(
+    q, m_i, l_i, acc, start, lo, hi, table_row, head_base, qk_scale, stride_kb, stride_kn, stride_kc,
+    HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, EVICT: tl.constexpr,
+):
+    """The masked tile at ``start`` outside any loop (a split's first or last, partial tile)."""
+    tok = start + tl.arange(0, TILE)
+    t_ok = (tok >= lo) & (tok < hi)
+    row = _row_offsets(table_row, start, tok, t_ok, hi, stride_kb, stride_kn, BLOCK_N, TILE, True, TABLE_PER_BLOCK)
+    return _decode_tile(q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
+                        HEAD, HEAD_V, D_PAD, DV_PAD, TILE, DOT_DTYPE, DOT_PRECISION, True, KV_LOAD, EVICT)
+
+
+@triton.jit
 def _decode_split_kernel(
     q_ptr, kv_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     part_ml_ptr, part_acc_ptr, out_ptr,
-    qk_scale, window, tokens_per_split, num_splits,
+    qk_scale, window, tokens_per_split, num_splits, num_kv_heads,
     stride_qt, stride_qh,
     stride_kb, stride_kh, stride_kn, stride_kc,
     stride_bt, stride_ot, stride_oh,
@@ -27,18 +170,27 @@ def _decode_split_kernel(
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE: tl.constexpr, SINGLE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
+    EDGE_MASKS: tl.constexpr, EVICT: tl.constexpr, HEAD_MAJOR: tl.constexpr,
 ):
-    req = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_kv_heads = tl.num_programs(1)
+    if HEAD_MAJOR:
+        pid = tl.program_id(0)
+        kv_head = pid % num_kv_heads
+        split = (pid // num_kv_heads) % num_splits
+        req = pid // (num_kv_heads * num_splits)
+    else:
+        req = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
     q_row = tl.load(query_start_loc_ptr + req)
     if tl.load(query_start_loc_ptr + req + 1) == q_row:
         return
     seq_len = tl.load(seq_lens_ptr + req)
     ctx_start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    lo = ctx_start + split * tokens_per_split
-    hi = tl.minimum(lo + tokens_per_split, seq_len)
+    # NOTE: splits are laid out from a TILE-aligned origin so every tile is aligned.
+    first = (ctx_start // TILE) * TILE + split * tokens_per_split
+    lo = tl.maximum(first, ctx_start)
+    hi = tl.minimum(first + tokens_per_split, seq_len)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
@@ -52,27 +204,25 @@ def _decode_split_kernel(
     acc = tl.zeros([GROUP_PAD, DV_PAD], tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
-    for start in range(lo, hi, TILE):
-        tok = start + tl.arange(0, TILE)
-        t_ok = tok < hi
-        block = tl.load(table_row + tok // BLOCK_N, mask=t_ok, other=0).to(tl.int64)
-        row = block * stride_kb + (tok % BLOCK_N) * stride_kn
-        k = tl.load(
-            head_base + row[:, None] + d[None, :] * stride_kc,
-            mask=t_ok[:, None] & (d[None, :] < HEAD), other=0.0,
-        )
-        s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(t_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(
-            head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc,
-            mask=t_ok[:, None] & (dv[None, :] < HEAD_V), other=0.0,
-        )
-        acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-        m_i = m_new
+    args = (table_row, head_base, qk_scale, stride_kb, stride_kn, stride_kc)
+    if EDGE_MASKS:
+        full_lo = tl.where(lo == first, first, first + TILE)
+        full_hi = tl.maximum((hi // TILE) * TILE, full_lo)
+        if (lo != first) & (lo < hi):
+            m_i, l_i, acc = _edge_tile(
+                q, m_i, l_i, acc, first, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
+                DOT_DTYPE, DOT_PRECISION, KV_LOAD, TABLE_PER_BLOCK, EVICT)
+        m_i, l_i, acc = _decode_tiles(
+            q, m_i, l_i, acc, full_lo, full_hi, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
+            DOT_DTYPE, DOT_PRECISION, False, KV_LOAD, TABLE_PER_BLOCK, PREFETCH_TABLE, EVICT)
+        if full_hi < hi:
+            m_i, l_i, acc = _edge_tile(
+                q, m_i, l_i, acc, full_hi, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
+                DOT_DTYPE, DOT_PRECISION, KV_LOAD, TABLE_PER_BLOCK, EVICT)
+    else:
+        m_i, l_i, acc = _decode_tiles(
+            q, m_i, l_i, acc, first, hi, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
+            DOT_DTYPE, DOT_PRECISION, True, KV_LOAD, TABLE_PER_BLOCK, PREFETCH_TABLE, EVICT)
 
     if SINGLE:
         o_off = q_row.to(tl.int64) * stride_ot + (kv_head * GROUP + g)[:, None] * stride_oh + dv[None, :]

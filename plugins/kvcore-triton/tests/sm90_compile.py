@@ -1,0 +1,93 @@
+"""Compile the decode kernel for an H100/H200 (sm_90) without a GPU.
+
+The argument specialization mimics Triton's launcher (ints divisible by 16 and
+pointers are marked 16-divisible, ints equal to 1 become constants), so the
+result is the code a real launch of the benchmark shape would build. Used by
+the tests to check that variants lower, and by hand to read their IR:
+
+    TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py combo 64 16 4 3 [--dump]
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from kvcore_triton.attention import _KV_LOADS, DECODE_VARIANTS, KernelConfig
+from kvcore_triton.decode import _decode_split_kernel
+
+
+def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layout_strides=None):
+    """Argument values of a bf16 decode launch: 4096 tokens, 32/8 heads, D=128 (LBNHC strides by default)."""
+    kv_heads, head = 8, 128
+    strides = layout_strides or (block_size * kv_heads * 2 * head, 2 * head, kv_heads * 2 * head, 1)  # LBNHC
+    runtime = dict(
+        qk_scale=0.127, window=0, tokens_per_split=4096 // splits, num_splits=splits, num_kv_heads=kv_heads,
+        stride_qt=32 * head, stride_qh=head, stride_kb=strides[0], stride_kh=strides[1], stride_kn=strides[2],
+        stride_kc=strides[3], stride_bt=4096 // block_size, stride_ot=32 * head, stride_oh=head,
+    )
+    constexprs = dict(
+        GROUP=4, GROUP_PAD=16, HEAD=head, HEAD_V=head, D_PAD=head, DV_PAD=head, BLOCK_N=block_size,
+        TILE=config.tile, SINGLE=splits == 1, DOT_DTYPE=tl.bfloat16, DOT_PRECISION=None,
+        KV_LOAD=_KV_LOADS.index(config.kv_load), TABLE_PER_BLOCK=config.table_lookup == "block",
+        PREFETCH_TABLE=config.table_prefetch,
+        EDGE_MASKS=config.edge_masks, EVICT="evict_first" if config.evict_first else "",
+        HEAD_MAJOR=config.grid_order == "head",
+    )
+    return runtime, constexprs
+
+
+def compile_decode(config: KernelConfig, block_size: int, *, splits: int = 1, capability: int = 90):
+    """``triton.compile`` the split kernel for ``cuda:capability``; returns the compiled kernel."""
+    runtime, constexprs = decode_args(config, block_size, splits=splits)
+    pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32",
+                "seq_lens_ptr": "*i32", "part_ml_ptr": "*fp32", "part_acc_ptr": "*fp32", "out_ptr": "*bf16"}
+    signature, attrs = {}, {}
+    for i, name in enumerate(_decode_split_kernel.arg_names):
+        if name in pointers:
+            signature[name] = pointers[name]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif name in constexprs:
+            signature[name] = "constexpr"
+        elif isinstance(runtime[name], float):
+            signature[name] = "fp32"
+        elif runtime[name] == 1:
+            signature[name] = "constexpr"
+            constexprs[name] = 1
+        else:
+            signature[name] = "i32"
+            if runtime[name] % 16 == 0:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = ASTSource(_decode_split_kernel, signature, constexprs=constexprs, attrs=attrs)
+    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
+
+
+def summary(kernel) -> dict:
+    """Shared memory, K/V buffers and async-copy / vector-load counts of a compiled kernel."""
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    return {
+        "shared": kernel.metadata.shared,
+        "async_copies": ttgir.count("async_copy_global_to_local"),
+        "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
+        "ld_v4": ptx.count("ld.global.v4") + ptx.count("ld.global.L1::evict_first.v4"),
+        "evict_first": ptx.count("evict_first"),
+    }
+
+
+if __name__ == "__main__":
+    # NOTE: needs the compiler, not the interpreter: run with TRITON_INTERPRET=0.
+    name, tile, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    warps = int(sys.argv[4]) if len(sys.argv) > 4 else 4
+    stages = int(sys.argv[5]) if len(sys.argv) > 5 else 3
+    cfg = KernelConfig(tile=tile, num_warps=warps, num_stages=stages, **DECODE_VARIANTS[name])
+    k = compile_decode(cfg, block)
+    print(json.dumps({"variant": name, "tile": tile, "block_size": block, "num_warps": warps,
+                      "num_stages": stages, **summary(k)}))
+    if "--dump" in sys.argv:
+        print(k.asm["ttgir"])
