@@ -27,11 +27,11 @@ def write_kv(
     """
     head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
     check_cache_view(kv_cache_view, head_size, head_size_v)
-    check_index("slot_mapping", slot_mapping, 1)
+    check_index("slot_mapping", slot_mapping, 1, kv_cache_view)
     num_tokens = slot_mapping.shape[0]
     num_blocks, num_heads, block_size, _ = kv_cache_view.shape
-    check_tokens("key", key, num_tokens, num_heads, head_size, kv_cache_view.dtype)
-    check_tokens("value", value, num_tokens, num_heads, value.shape[-1], kv_cache_view.dtype)
+    check_tokens("key", key, num_tokens, num_heads, head_size, kv_cache_view)
+    check_tokens("value", value, num_tokens, num_heads, value.shape[-1], kv_cache_view)
     num_slots = num_blocks * block_size
     slots = slot_mapping.to(device=kv_cache_view.device, dtype=torch.int64)
     # NOTE: one host sync; the torch backend trades it for a clear error.

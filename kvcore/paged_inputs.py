@@ -1,0 +1,99 @@
+"""Input checks for paged-attention entry points, shared by backends.
+
+Backends validate their arguments on the host before any kernel runs, so a
+bad call raises ``TypeError``/``ValueError`` naming the argument and the
+accepted form, and nothing is half-written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+import torch
+
+_INDEX_DTYPES = (torch.int32, torch.int64)
+
+
+def check_cache_view(
+    kv_cache_view: torch.Tensor,
+    head_size: int,
+    head_size_v: int | None,
+    dtypes: Collection[torch.dtype] | None = None,
+) -> int:
+    """Validate a kernel-block view ``[B, H, N, C]``; return ``head_size_v``.
+
+    ``head_size_v=None`` means every content element after K is V.
+    ``dtypes`` restricts the view's dtype (default: any floating dtype).
+    """
+    if not isinstance(kv_cache_view, torch.Tensor) or kv_cache_view.dim() != 4:
+        got = tuple(kv_cache_view.shape) if isinstance(kv_cache_view, torch.Tensor) else type(kv_cache_view).__name__
+        raise TypeError(f"kv_cache_view must be a 4-D [blocks, heads, block_size, content] tensor, got {got}")
+    accepted = kv_cache_view.is_floating_point() if dtypes is None else kv_cache_view.dtype in dtypes
+    if not accepted:
+        wanted = "a floating dtype" if dtypes is None else str([str(d) for d in dtypes])
+        raise TypeError(
+            f"kv_cache_view has dtype {kv_cache_view.dtype}, this backend takes {wanted}; "
+            "re-type the layer's view to the spec's dtype (allocate_kv_cache does this)"
+        )
+    content = kv_cache_view.shape[-1]
+    if isinstance(head_size, bool) or not isinstance(head_size, int) or head_size <= 0:
+        raise ValueError(f"head_size must be a positive int, got {head_size!r}")
+    if head_size_v is None:
+        head_size_v = content - head_size
+    if head_size_v <= 0 or head_size + head_size_v > content:
+        raise ValueError(
+            f"head_size={head_size} and head_size_v={head_size_v} do not fit the "
+            f"{content} content elements of kv_cache_view; K is view[..., :head_size] "
+            "and V follows it"
+        )
+    return head_size_v
+
+
+def check_tokens(name: str, tensor: torch.Tensor, tokens: int, heads: int, size: int, like: torch.Tensor) -> None:
+    """``tensor`` must be ``[tokens, heads, size]`` with ``like``'s dtype and device."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
+    if tuple(tensor.shape) != (tokens, heads, size):
+        raise ValueError(f"{name} must have shape {(tokens, heads, size)}, got {tuple(tensor.shape)}")
+    if tensor.dtype != like.dtype:
+        raise TypeError(f"{name} has dtype {tensor.dtype} but the KV cache holds {like.dtype}; cast it first")
+    if tensor.device != like.device:
+        raise ValueError(f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it")
+
+
+def check_index(name: str, tensor: torch.Tensor, dim: int, like: torch.Tensor | None = None) -> None:
+    """``tensor`` must be an int32/int64 tensor of ``dim`` dims (on ``like``'s device)."""
+    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim or tensor.dtype not in _INDEX_DTYPES:
+        got = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+        raise TypeError(f"{name} must be a {dim}-D int32 or int64 tensor, got {got}")
+    if like is not None and tensor.device != like.device:
+        raise ValueError(f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it")
+
+
+def check_batch(
+    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+) -> tuple[list[int], list[int]]:
+    """Validate a varlen batch on the host; return ``(query_start_loc, seq_lens)`` as lists."""
+    check_index("query_start_loc", query_start_loc, 1)
+    check_index("seq_lens", seq_lens, 1)
+    check_index("block_table", block_table, 2)
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"{num_reqs} requests need query_start_loc of length {num_reqs + 1} and a block "
+            f"table of at least {num_reqs} rows, got {query_start_loc.shape[0]} and {block_table.shape[0]}"
+        )
+    starts = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    if starts[0] != 0 or starts[-1] != num_tokens:
+        raise ValueError(
+            f"query_start_loc must run from 0 to the {num_tokens} query tokens, got {starts[0]}..{starts[-1]}"
+        )
+    for i, seq_len in enumerate(lens):
+        q_len = starts[i + 1] - starts[i]
+        if q_len < 0 or q_len > seq_len:
+            raise ValueError(
+                f"request {i} has {q_len} new tokens but seq_len {seq_len}; query_start_loc must "
+                "be non-decreasing and seq_lens must count the new tokens too"
+            )
+    return starts, lens

@@ -1,0 +1,41 @@
+"""Shared input checks for paged-attention entry points."""
+
+import pytest
+import torch
+
+from kvcore.paged_inputs import check_batch, check_cache_view, check_index, check_tokens
+
+VIEW = torch.randn(4, 2, 16, 64)
+
+
+def test_cache_view_splits_content_into_k_and_v():
+    assert check_cache_view(VIEW, 32, None) == 32
+    assert check_cache_view(VIEW, 48, 16) == 16
+    with pytest.raises(ValueError, match="head_size=48 and head_size_v=32"):
+        check_cache_view(VIEW, 48, 32)
+    with pytest.raises(TypeError, match="4-D"):
+        check_cache_view(VIEW[0], 32, None)
+    with pytest.raises(TypeError, match="int8"):
+        check_cache_view(VIEW.view(torch.int8), 32, None)
+    with pytest.raises(TypeError, match="float16"):
+        check_cache_view(VIEW, 32, None, dtypes=(torch.float16,))
+
+
+def test_tokens_and_indices_must_match_the_cache():
+    key = torch.randn(5, 2, 32)
+    check_tokens("key", key, 5, 2, 32, VIEW)
+    with pytest.raises(ValueError, match=r"key must have shape \(6, 2, 32\)"):
+        check_tokens("key", key, 6, 2, 32, VIEW)
+    with pytest.raises(TypeError, match="cast it first"):
+        check_tokens("key", key.half(), 5, 2, 32, VIEW)
+    with pytest.raises(TypeError, match="slot_mapping must be a 1-D int32 or int64"):
+        check_index("slot_mapping", torch.ones(5), 1)
+
+
+def test_batch_offsets_must_cover_the_tokens():
+    starts, lens = check_batch(torch.tensor([0, 3, 4]), torch.tensor([7, 9]), torch.zeros(2, 3, dtype=torch.int32), 4)
+    assert (starts, lens) == ([0, 3, 4], [7, 9])
+    with pytest.raises(ValueError, match="run from 0 to the 5 query tokens"):
+        check_batch(torch.tensor([0, 3, 4]), torch.tensor([7, 9]), torch.zeros(2, 3, dtype=torch.int32), 5)
+    with pytest.raises(ValueError, match="request 0 has 3 new tokens but seq_len 2"):
+        check_batch(torch.tensor([0, 3, 4]), torch.tensor([2, 9]), torch.zeros(2, 3, dtype=torch.int32), 4)
