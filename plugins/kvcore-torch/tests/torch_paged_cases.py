@@ -1,103 +1,10 @@
-"""Test helpers: kvcore-allocated caches, random paged batches, a dense reference."""
+"""Test helpers: kvcore's conformance kit (kvcore.testing), with caches on the CPU."""
 
-from __future__ import annotations
+import functools
 
-import attrs
-import torch
+from kvcore import testing
+from kvcore.testing import LAYOUTS, SPLITTABLE, PagedBatch, dense_reference, make_batch
 
-from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.layout import KVCacheLayout, compute_layout_strides
-from kvcore.specs import FullAttentionSpec
-from kvcore.views import allocate_kv_cache
+build_cache = functools.partial(testing.build_cache, device="cpu")
 
-LAYOUTS = list(KVCacheLayout)
-# Layouts that keep a (layer, block) page dense, so blocks can be split into kernel blocks.
-SPLITTABLE = [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC]
-
-
-def build_cache(layout, block_size, num_blocks, kv_heads, head_size, dtype, *, kernel_block_size=None, num_layers=2):
-    """Allocate a ``num_layers``-layer cache through kvcore; return its kernel-block views."""
-    spec = FullAttentionSpec(block_size, kv_heads, head_size, dtype)
-    strides = compute_layout_strides(spec, num_blocks, num_layers, layout)
-    names = [f"model.layers.{i}.attn" for i in range(num_layers)]
-    tensor = KVCacheTensor(
-        size=spec.page_size_bytes * num_blocks * num_layers,
-        layers=names,
-        layer_stride=strides[0],
-        block_stride=strides[1],
-    )
-    config = KVCacheConfig(num_blocks, [tensor], [KVCacheGroupSpec(names, spec)], layout)
-    sizes = None if kernel_block_size is None else [kernel_block_size]
-    caches = allocate_kv_cache(config, "cpu", kernel_block_sizes=sizes)
-    return [caches[name] for name in names]
-
-
-@attrs.frozen
-class PagedBatch:
-    """One step: per-request full K/V, new-token queries and kernel block tables."""
-
-    keys: list  # per request [seq_len, H, D]
-    values: list
-    query: torch.Tensor  # [T, Hq, D]
-    q_lens: list
-    seq_lens: list
-    manager_table: torch.Tensor  # [R, width] manager block ids
-    kernel_table: torch.Tensor  # [R, width * ratio] kernel block ids
-
-    @property
-    def query_start_loc(self) -> torch.Tensor:
-        return torch.tensor([0, *torch.tensor(self.q_lens).cumsum(0).tolist()], dtype=torch.int32)
-
-    @property
-    def seq_lens_tensor(self) -> torch.Tensor:
-        return torch.tensor(self.seq_lens, dtype=torch.int32)
-
-    def slots(self, kernel_block_size: int, new_only: bool) -> torch.Tensor:
-        """Slot of every cached (or only every new) token, request by request."""
-        out = []
-        for i, (seq_len, q_len) in enumerate(zip(self.seq_lens, self.q_lens)):
-            positions = range(seq_len - q_len, seq_len) if new_only else range(seq_len - q_len)
-            for pos in positions:
-                block = int(self.kernel_table[i, pos // kernel_block_size])
-                out.append(block * kernel_block_size + pos % kernel_block_size)
-        return torch.tensor(out, dtype=torch.int64)
-
-    def tokens(self, tensors: list, new_only: bool) -> torch.Tensor:
-        parts = [t[n - q:] if new_only else t[: n - q] for t, n, q in zip(tensors, self.seq_lens, self.q_lens)]
-        return torch.cat(parts)
-
-
-def make_batch(gen, seq_lens, q_lens, *, kv_heads, q_heads, head_size, dtype, num_blocks, block_size, ratio=1):
-    """Random K/V/queries; each request gets distinct random manager blocks."""
-    width = max(-(-n // block_size) for n in seq_lens)
-    perm = torch.randperm(num_blocks, generator=gen)
-    manager = perm[: len(seq_lens) * width].view(len(seq_lens), width).to(torch.int32)
-    # NOTE: kernel block j of manager block b is b * ratio + j (dense pages).
-    kernel = (manager.unsqueeze(-1) * ratio + torch.arange(ratio, dtype=torch.int32)).flatten(1)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=gen).to(dtype)
-
-    keys = [rnd(n, kv_heads, head_size) for n in seq_lens]
-    values = [rnd(n, kv_heads, head_size) for n in seq_lens]
-    query = rnd(sum(q_lens), q_heads, head_size)
-    return PagedBatch(keys, values, query, list(q_lens), list(seq_lens), manager, kernel)
-
-
-def dense_reference(batch: PagedBatch, scale: float, sliding_window=None) -> torch.Tensor:
-    """Plain softmax attention, one (token, head) at a time, in float64."""
-    q_heads = batch.query.shape[1]
-    out = torch.zeros(batch.query.shape[0], q_heads, batch.values[0].shape[-1], dtype=torch.float64)
-    row = 0
-    for keys, values, q_len, seq_len in zip(batch.keys, batch.values, batch.q_lens, batch.seq_lens):
-        group = q_heads // keys.shape[1]
-        for r in range(q_len):
-            pos = seq_len - q_len + r
-            lo = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            for h in range(q_heads):
-                k = keys[lo : pos + 1, h // group].double()
-                v = values[lo : pos + 1, h // group].double()
-                weights = torch.softmax(k @ batch.query[row, h].double() * scale, dim=0)
-                out[row, h] = weights @ v
-            row += 1
-    return out
+__all__ = ["LAYOUTS", "SPLITTABLE", "PagedBatch", "build_cache", "dense_reference", "make_batch"]
