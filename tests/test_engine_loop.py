@@ -43,15 +43,15 @@ def pm():
 
 
 def build(ex, pm, *, backend="torch", layout=None, block_size=16, hybrid=False, num_blocks=8, prompts=PROMPT_LENS,
-          max_new=(3, 6, 4, 2, 5, 3)):
+          max_new=(3, 6, 4, 2, 5, 3), device="cpu"):
     tiny_model, tiny_engine = ex
     config = tiny_model.ModelConfig(vocab_size=128, hidden_size=64, num_layers=2, num_q_heads=4,
                                     num_kv_heads=2, head_size=16, sliding_window=24 if hybrid else None)
-    model = tiny_model.TinyTransformer(config, dtype=torch.float32, device=torch.device("cpu"), seed=3)
+    model = tiny_model.TinyTransformer(config, dtype=torch.float32, device=torch.device(device), seed=3)
     kv = KVCache.create(
         config.kv_cache_specs(block_size, torch.float32),
         {config.layer_name(i): backend for i in range(config.num_layers)},
-        device="cpu", layout=layout, num_blocks=num_blocks, max_num_seqs=3, max_model_len=96,
+        device=device, layout=layout, num_blocks=num_blocks, max_num_seqs=3, max_model_len=96,
         plugin_manager=pm,
     )
     engine = tiny_engine.Engine(model, kv, kv.group_of(config.layer_name(0)).backend,
@@ -127,11 +127,14 @@ def test_out_of_blocks_for_one_sequence_is_refused(ex, pm):
 
 
 def test_triton_engine_with_split_kernel_blocks(ex, pm):
+    # NOTE: Triton needs CUDA tensors, or CPU tensors under the interpreter (conftest.py).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     engine = build(ex, pm, backend="triton", block_size=128, num_blocks=3,
-                   prompts=[70, 20, 45], max_new=[2, 3, 2])
+                   prompts=[70, 20, 45], max_new=[2, 3, 2], device=device)
     assert engine.kv.kernel_block_sizes == [64]
     saw_garbage = watch_zeroing(engine, ex)
     run(engine)
     assert len(engine.finished) == 3
     assert engine.recycled_blocks > 0 and any(saw_garbage)
-    assert engine.max_abs_error < 1e-4
+    # fp32 dots run as tf32 on the GPU
+    assert engine.max_abs_error < (1e-4 if device == "cpu" else 5e-3)

@@ -92,7 +92,7 @@ def test_gpu_variant_bf16(name, block_size):
 
 
 @pytest.mark.parametrize(("name", "tile", "block_size"),
-                         [("table_prefetch", 64, 16), ("combo_fused", 64, 16), ("combo_evict", 32, 64)])
+                         [("table_prefetch", 64, 16), ("combo_evict", 32, 64)])
 def test_variant_lowers_for_sm90(name, tile, block_size):
     """The CUDA path compiles (in a subprocess: the interpreter may be on here) and K/V
     tiles are double-buffered through async copies at num_stages=3."""
