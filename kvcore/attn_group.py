@@ -6,6 +6,7 @@ kernel blocks its backend accepts.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
 import attrs
@@ -197,3 +198,16 @@ class AttentionGroup:
             (num_blocks, *kv_cache.shape[1:-2], rows, kv_cache.shape[-1]),
             (kv_cache.stride(0) * self.kernel_block_stride, *kv_cache.stride()[1:]),
         )
+
+
+def flatten_attention_groups(attn_groups: Iterable[Any]) -> list[AttentionGroup]:
+    """``attn_groups`` flat or nested per KV cache group, as one flat list."""
+    out: list[AttentionGroup] = []
+    for item in attn_groups:
+        if isinstance(item, AttentionGroup):
+            out.append(item)
+        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
+            out.extend(flatten_attention_groups(item))
+        else:
+            raise TypeError(f"attn_groups must hold AttentionGroup objects (or lists of them), got {item!r}")
+    return out

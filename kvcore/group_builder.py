@@ -8,7 +8,7 @@ from typing import Any
 import pluggy
 import torch
 
-from kvcore.attn_group import AttentionGroup
+from kvcore.attn_group import AttentionGroup, flatten_attention_groups
 from kvcore.backend import AttentionBackend
 from kvcore.block_sizes import customize_attention_spec
 from kvcore.config import KVCacheConfig
@@ -65,16 +65,6 @@ def build_attention_groups(
     return out
 
 
-def _flatten(attn_groups: Iterable[Any]) -> Iterable[AttentionGroup]:
-    for item in attn_groups:
-        if isinstance(item, AttentionGroup):
-            yield item
-        elif isinstance(item, Iterable):
-            yield from _flatten(item)
-        else:
-            raise TypeError(f"attn_groups must hold AttentionGroup objects, got {item!r}")
-
-
 def map_kv_caches_to_kernel_blocks(
     kv_caches: Mapping[str, torch.Tensor],
     attn_groups: Iterable[AttentionGroup] | Iterable[Iterable[AttentionGroup]],
@@ -86,7 +76,7 @@ def map_kv_caches_to_kernel_blocks(
     ``attn_groups`` may be flat or nested per KV cache group.
     """
     mapped = dict(kv_caches)
-    for group in _flatten(attn_groups):
+    for group in flatten_attention_groups(attn_groups):
         if group.kernel_block_size is None:
             continue
         for name in group.layer_names:

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from kvcore._validate import non_negative_int, positive_int
-from kvcore.attn_group import AttentionGroup
+from kvcore.attn_group import AttentionGroup, flatten_attention_groups
 from kvcore.zeroer.ids import device_ids, host_ids
 from kvcore.zeroer.segments import (
     Segment,
@@ -23,18 +23,6 @@ from kvcore.zeroer.segments import (
 #: Largest run one kernel work item zeroes.
 CHUNK_BYTES = 32 * 1024
 _BACKENDS = ("auto", "triton", "torch")
-
-
-def _flatten(attn_groups: Iterable[Any]) -> list[AttentionGroup]:
-    out: list[AttentionGroup] = []
-    for item in attn_groups:
-        if isinstance(item, AttentionGroup):
-            out.append(item)
-        elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
-            out.extend(_flatten(item))
-        else:
-            raise TypeError(f"attn_groups must hold AttentionGroup objects (or lists of them), got {item!r}")
-    return out
 
 
 def _interpreting() -> bool:
@@ -95,7 +83,7 @@ class KVBlockZeroer:
             raise ValueError(f"Unsupported zeroer backend: {backend!r}. Supported: {list(_BACKENDS)}")
         skip = set(runner_only_attn_layers or ())
         per_storage: dict[int, tuple[torch.UntypedStorage, list[Segment]]] = {}
-        for group in _flatten(attn_groups):
+        for group in flatten_attention_groups(attn_groups):
             spec = group.kv_cache_spec
             if not spec.has_layer_views:
                 continue
