@@ -113,13 +113,14 @@ def allocate_kv_cache(
     kv_cache_config: KVCacheConfig,
     device: torch.device | str,
     layout: KVCacheLayout | str | None = None,
-    kernel_block_sizes: list[int] | None = None,
+    kernel_block_sizes: list[int | None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]``.
 
     Every tensor of the config shares the buffer (groups overlay from byte 0).
     Layers whose spec has no layer views receive the raw buffer itself.
-    ``kernel_block_sizes[g]`` splits group ``g``'s blocks into kernel blocks.
+    ``kernel_block_sizes[g]`` splits group ``g``'s blocks into kernel blocks
+    (None keeps them whole).
     """
     if not isinstance(kv_cache_config, KVCacheConfig):
         raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
@@ -137,8 +138,10 @@ def allocate_kv_cache(
             raise TypeError(
                 f"kernel_block_sizes must be a list of ints (one per group), got {kernel_block_sizes!r}"
             )
+        # NOTE: None keeps a group's blocks whole (e.g. encoder-only groups, which have no tensor).
         kernel_block_sizes = [
-            positive_int(f"kernel_block_sizes[{i}]", k) for i, k in enumerate(kernel_block_sizes)
+            None if k is None else positive_int(f"kernel_block_sizes[{i}]", k)
+            for i, k in enumerate(kernel_block_sizes)
         ]
     buf = torch.zeros(sizes[0], dtype=torch.int8, device=device)
     kv_caches: dict[str, torch.Tensor] = {}

@@ -13,6 +13,7 @@ from kvcore import (
     CommonAttentionMetadata,
     FullAttentionSpec,
     KVCache,
+    EncoderOnlyAttentionSpec,
     KVCacheLayout,
     MambaSpec,
     MultipleOf,
@@ -245,3 +246,21 @@ def test_state_cache_blocks_are_zeroed_too(pm, layout, with_attention):
         assert torch.all(view[blocks] == 0), name
         others = [b for b in range(kv.num_blocks) if b not in blocks]
         assert torch.equal(view[others], before[name][others]), name
+
+
+def test_encoder_only_layers_get_no_pages_but_do_not_break_create(pm):
+    """Encoder-only groups are skipped by kernel block sizes and hold no tensor."""
+    layer_specs = specs()
+    layer_specs["encoder.0.attn"] = EncoderOnlyAttentionSpec(16, 2, 8, torch.float32)
+    kv = KVCache.create(
+        layer_specs, dict.fromkeys(layer_specs, "torch"), device="cpu",
+        num_blocks=6, max_num_seqs=2, max_model_len=64, plugin_manager=pm,
+    )
+    assert "encoder.0.attn" not in kv.kv_caches
+    assert len(kv.kernel_block_sizes) == kv.num_groups - 1
+    for view in kv.kv_caches.values():
+        view.fill_(3.0)
+    blocks = kv.block_pool.allocate(2)
+    assert kv.begin_step() == blocks
+    for view in kv.kv_caches.values():
+        assert torch.all(view[blocks] == 0) and torch.all(view[[b for b in range(6) if b not in blocks]] == 3.0)
