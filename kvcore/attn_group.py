@@ -136,8 +136,17 @@ class AttentionGroup:
         if self.kernel_block_table is None or self.kernel_block_offsets is None:
             raise ValueError("call create_metadata_builders() before mapping block tables")
         ratio = self.blocks_per_manager_block
+        if block_table.dim() != 2:
+            raise ValueError(
+                f"block_table must be 2-D [requests, manager blocks], got shape {tuple(block_table.shape)}"
+            )
+        num_ubatches, max_rows, width = self.kernel_block_table.shape
+        if not 0 <= ubatch_idx < num_ubatches:
+            raise ValueError(
+                f"micro-batch {ubatch_idx} has no kernel block table ({num_ubatches} built); "
+                "call create_metadata_builders(num_metadata_builders=...) with more"
+            )
         rows, cols = block_table.shape
-        _, max_rows, width = self.kernel_block_table.shape
         if rows > max_rows or cols * ratio > width:
             raise ValueError(
                 f"block table of shape {(rows, cols)} exceeds the kernel block table "

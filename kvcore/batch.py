@@ -53,6 +53,11 @@ def gather_mm_placeholders(placeholders: torch.Tensor, is_embed: torch.Tensor | 
     """The embeddings at the True positions of ``is_embed`` (undoes the scatter)."""
     if is_embed is None:
         return placeholders
+    if is_embed.shape[0] != placeholders.shape[0]:
+        raise ValueError(
+            f"is_embed has {is_embed.shape[0]} entries for {placeholders.shape[0]} placeholder "
+            "rows; pass the mask used to scatter them"
+        )
     return placeholders[is_embed]
 
 

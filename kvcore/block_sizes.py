@@ -75,6 +75,8 @@ def select_common_block_size(
     """
     manager = positive_int("kv_manager_block_size", kv_manager_block_size)
     pm = resolve_plugin_manager(plugin_manager)
+    if isinstance(backends, (str, type)):
+        raise TypeError(f"backends must be a list of backends, got {backends!r}; wrap it: [{backends!r}]")
     backends = [resolve_backend(b, pm) for b in backends]
     specs = [None] * len(backends) if kv_cache_specs is None else list(kv_cache_specs)
     if len(specs) != len(backends):

@@ -70,7 +70,7 @@ def _check_spec(inst: Any, attribute: Any, value: Any) -> None:
 class KVCacheGroupSpec:
     """Layers that share one block table (and so one spec)."""
 
-    layer_names: list[str] = attrs.field(converter=_layer_name_list)
+    layer_names: list[str] = attrs.field(converter=_layer_name_list, validator=_check_layers)
     kv_cache_spec: KVCacheSpec = attrs.field(validator=_check_spec)
 
     def spec_of(self, layer_name: str) -> KVCacheSpec:

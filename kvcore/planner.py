@@ -234,6 +234,11 @@ def plan_kv_cache(
         )
     if num_blocks is not None:
         num_blocks = positive_int("num_blocks", num_blocks)
+        if num_blocks < 2:
+            raise ValueError(
+                f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
+                "plan at least 2 blocks"
+            )
     else:
         available_memory = non_negative_int("available_memory", available_memory)
 
