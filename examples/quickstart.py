@@ -1,4 +1,4 @@
-"""Lay out a small KV cache by hand and print each layer's view.
+"""Lay out a small KV cache by hand in every layout; print the strides and one layer's view.
 
 Run: python examples/quickstart.py
 """

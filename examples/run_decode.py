@@ -19,6 +19,11 @@ from pathlib import Path
 
 import torch
 
+# NOTE: without a GPU, Triton kernels run on CPU tensors through the interpreter,
+# which must be switched on before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from rich.console import Console  # noqa: E402

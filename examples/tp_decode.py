@@ -25,6 +25,11 @@ import attrs
 import torch
 import torch.distributed as dist
 
+# NOTE: without a GPU, Triton kernels run on CPU tensors through the interpreter,
+# which must be switched on before triton is first imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_engine import Engine  # noqa: E402
@@ -187,10 +192,14 @@ def main(argv: list[str] | None = None) -> int:
                         num_blocks=num_blocks, max_num_seqs=args.max_num_seqs, max_model_len=128,
                         group=dist.group.WORLD)
     spec = next(iter(specs.values()))
-    print(f"rank {rank}/{world}: query heads {list(sharded.q_heads)}, KV heads {list(sharded.kv_heads)} "
-          f"of {config.num_kv_heads}; page {spec.page_size_bytes} of "
-          f"{next(iter(full_specs.values())).page_size_bytes} bytes; offered {budget} blocks, "
-          f"planned {kv.num_blocks}; layout {kv.layout.name}", flush=True)
+    line = (f"rank {rank}/{world}: query heads {list(sharded.q_heads)}, KV heads {list(sharded.kv_heads)} "
+            f"of {config.num_kv_heads}; page {spec.page_size_bytes} of "
+            f"{next(iter(full_specs.values())).page_size_bytes} bytes; offered {budget} blocks, "
+            f"planned {kv.num_blocks}; layout {kv.layout.name}")
+    lines = [None] * world
+    dist.all_gather_object(lines, line)  # NOTE: rank 0 prints them in order, one per line
+    if rank == 0:
+        print("\n".join(lines), flush=True)
 
     tokens, logits, paged_err = serve(sharded, kv, backend, args)
     worst = torch.tensor([paged_err], dtype=torch.float64, device=device)

@@ -15,6 +15,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kvcore.cli._args import layout_arg
 from kvcore.cli.plan import parse_memory
 from kvcore.layout import KVCacheLayout
 from kvcore.planner import plan_kv_cache
@@ -59,7 +60,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeat", type=int, default=100, help="timed plans per layout (default 100)")
     parser.add_argument("--memory", default=80 << 30, type=parse_memory, help="budget, e.g. 80GiB (the default)")
     parser.add_argument(
-        "--layout", action="append", type=KVCacheLayout.parse,
+        "--layout", action="append", type=layout_arg,
         help="layout to time (repeatable; default: every layout)",
     )  # fmt: skip
 
@@ -78,9 +79,9 @@ def run(args: argparse.Namespace) -> int:
         for layout in layouts:
             try:
                 config = plan_kv_cache(specs, layout, available_memory=args.memory)  # warm-up
-            except ValueError:
+            except ValueError as exc:
                 # NOTE: e.g. LHBNC cannot overlay groups with different head counts.
-                table.add_row(layout.name, "-", "-", "-", "-", "refuses this model")
+                table.add_row(layout.name, "-", "-", "-", "-", f"refused: {str(exc)[:60]}")
                 continue
             times = []
             for _ in range(max(1, args.repeat)):

@@ -19,6 +19,7 @@ import torch
 from kvcore.attn_group import AttentionGroup
 from kvcore.backend import AttentionBackend
 from kvcore.bench._timing import Timer, empty_launch, find_memset
+from kvcore.cli._args import layouts_arg
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec
@@ -36,13 +37,9 @@ def _int_list(text: str) -> list[int]:
     return [int(v) for v in text.split(",") if v.strip()]
 
 
-def _layouts(text: str) -> list[KVCacheLayout]:
-    return [KVCacheLayout.parse(v) for v in text.split(",") if v.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--blocks", type=_int_list, default=[1, 8, 64, 512, 4096], help="block counts (1,8,...)")
-    parser.add_argument("--layouts", type=_layouts, default=_layouts("LBNHC,BLNHC,LHBNC"), help="layouts")
+    parser.add_argument("--layouts", type=layouts_arg, default=layouts_arg("LBNHC,BLNHC,LHBNC"), help="layouts")
     parser.add_argument("--layers", type=int, default=32)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-size", type=int, default=128)

@@ -17,7 +17,7 @@ _COMMANDS = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcore", description=__doc__)
+    parser = argparse.ArgumentParser(prog="kvcore", description=__doc__.replace("``", ""))
     sub = parser.add_subparsers(dest="command", required=True)
     for module_name in _COMMANDS.values():
         if importlib.util.find_spec(module_name) is not None:

@@ -9,6 +9,7 @@ from fractions import Fraction
 from typing import Any
 
 from kvcore.binding import extract_layer_index
+from kvcore.cli._args import layout_arg
 from kvcore.config import KVCacheConfig
 from kvcore.layout import KVCacheLayout
 from kvcore.models import ModelDescription, load_model, preset_names
@@ -37,13 +38,6 @@ def parse_memory(text: str) -> int:
     return int(Fraction(match.group(1)) * _UNITS[unit])
 
 
-def _layout(text: str) -> KVCacheLayout:
-    try:
-        return KVCacheLayout.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plan",
@@ -56,7 +50,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     budget = parser.add_mutually_exclusive_group(required=True)
     budget.add_argument("--memory", type=parse_memory, help="KV cache memory, e.g. 40GiB")
     budget.add_argument("--num-blocks", type=int, help="plan exactly this many blocks")
-    parser.add_argument("--layout", type=_layout, default=KVCacheLayout.LBNHC,
+    parser.add_argument("--layout", type=layout_arg, default=KVCacheLayout.LBNHC,
                         help="physical layout (default LBNHC): " + ", ".join(m.name for m in KVCacheLayout))
     parser.add_argument("--block-size", type=int, help="block size (tokens) for every layer type")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

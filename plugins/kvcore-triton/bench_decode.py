@@ -24,20 +24,21 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import sys
 import json
+import os
 import statistics
+import sys
 import time
 
 import torch
 import torch.nn.functional as F
+from kvcore_triton import KernelConfig, paged_attention
+from kvcore_triton.attention import DECODE_VARIANTS
 
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec
 from kvcore.views import allocate_kv_cache
-from kvcore_triton import KernelConfig, paged_attention
-from kvcore_triton.attention import DECODE_VARIANTS
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -263,6 +264,10 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="also print one JSON object with every row at the end")
     args = p.parse_args(argv)
     device = torch.device(args.device)
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        print("bench_decode.py times Triton kernels on a CUDA GPU; on CPU run it with "
+              "TRITON_INTERPRET=1 (tiny shapes only, times are meaningless)", file=sys.stderr)
+        return 2
     started = time.monotonic()
     block_sizes = _ints(args.block_size)
     header = {
