@@ -94,7 +94,9 @@ class BlockPool:
                     f"block id {block_id} is outside this pool of {self._num_blocks} "
                     f"blocks; valid ids are 1..{self._num_blocks - 1}"
                 )
-            if not self._in_use[block_id] or block_id in seen:
+            if block_id in seen:
+                raise ValueError(f"block {block_id} appears twice in one free() call; list each block once")
+            if not self._in_use[block_id]:
                 raise ValueError(
                     f"block {block_id} is not allocated (double free?); free each "
                     "allocated block exactly once"
