@@ -139,7 +139,7 @@ def _load(pm: KVCorePluginManager, ep: Any, info: PluginInfo, strict: bool) -> N
         if not c.has_spec() and not all(i.optionalhook for i in c.get_hookimpls())
     ]
     if unknown:
-        known = sorted(n for n in dir(pm.hook) if n.startswith("kvcore_"))
+        known = sorted(c.name for c in pm.hook.__dict__.values() if isinstance(c, pluggy.HookCaller) and c.has_spec())
         problem = f"implements unknown hook(s) {unknown}; kvcore's hooks are {known}"
         return _fail(pm, info, problem, strict, None)
     marked = {c.name for c in pm.get_hookcallers(plugin) or []}

@@ -135,8 +135,10 @@ def test_entry_point_with_unknown_hook_is_skipped(two_dists, monkeypatch):
     make_dist(two_dists, "typo-dist", "1.1", {"typo": "fakeplug_typo"},
               {"fakeplug_typo": backend_plugin_source("typo-attn", "[8]", extra)})
     monkeypatch.setenv("KVCORE_PLUGINS", "foo,typo")
-    with pytest.warns(PluginWarning, match=r"typo-dist 1\.1.*kvcore_frobnicate"):
+    with pytest.warns(PluginWarning, match=r"typo-dist 1\.1.*kvcore_frobnicate") as record:
         pm = kvcore.get_plugin_manager()
+    known = str(record[0].message).split("kvcore's hooks are")[1]
+    assert "kvcore_supported_layouts" in known and "kvcore_frobnicate" not in known
     assert pm.plugin_infos["typo"].status == "failed" and pm.get_plugin("typo") is None
     assert set(get_backends(pm)) == {"foo-attn"}
 
