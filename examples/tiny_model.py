@@ -102,9 +102,13 @@ class TinyTransformer:
             q = _rotary(q.unflatten(-1, (c.num_q_heads, c.head_size)), positions)
             k = _rotary(k.unflatten(-1, (c.num_kv_heads, c.head_size)), positions)
             v = v.unflatten(-1, (c.num_kv_heads, c.head_size))
-            h = h + attention(index, q, k, v).flatten(-2) @ w["out"]
-            h = h + torch.nn.functional.gelu(_rms_norm(h) @ w["up"]) @ w["down"]
+            h = h + self.reduce(attention(index, q, k, v).flatten(-2) @ w["out"])
+            h = h + self.reduce(torch.nn.functional.gelu(_rms_norm(h) @ w["up"]) @ w["down"])
         return _rms_norm(h)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Combine a row-parallel projection's partial sums (nothing to do on one device)."""
+        return partial
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return hidden.float() @ self.embed.float().T

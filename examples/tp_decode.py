@@ -33,7 +33,7 @@ if not torch.cuda.is_available():
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny_engine import Engine  # noqa: E402
-from tiny_model import ModelConfig, TinyTransformer, _rms_norm, _rotary  # noqa: E402
+from tiny_model import ModelConfig, TinyTransformer  # noqa: E402
 
 from kvcore import KVCache  # noqa: E402
 from kvcore.distributed import agree_num_blocks, kv_head_range, shard_spec  # noqa: E402
@@ -42,7 +42,7 @@ from kvcore.plugins import get_backend  # noqa: E402
 TOLERANCE = {torch.float32: 1e-3, torch.float16: 5e-2, torch.bfloat16: 2.5e-1}
 
 
-class ShardedTransformer:
+class ShardedTransformer(TinyTransformer):
     """One rank's slice of a :class:`TinyTransformer` (Megatron-style).
 
     Query/KV projections are split by head (column-parallel), the output and
@@ -80,25 +80,9 @@ class ShardedTransformer:
         ]
         self.embed, self.scale = full.embed, full.scale
 
-    def forward(self, token_ids: torch.Tensor, positions: torch.Tensor, attention) -> torch.Tensor:
-        c = self.config
-        q_dim, kv_dim = c.num_q_heads * c.head_size, c.num_kv_heads * c.head_size
-        h = self.embed[token_ids]
-        for index, w in enumerate(self.layers):
-            q, k, v = (_rms_norm(h) @ w["qkv"]).split([q_dim, kv_dim, kv_dim], dim=-1)
-            q = _rotary(q.unflatten(-1, (c.num_q_heads, c.head_size)), positions)
-            k = _rotary(k.unflatten(-1, (c.num_kv_heads, c.head_size)), positions)
-            v = v.unflatten(-1, (c.num_kv_heads, c.head_size))
-            partial = attention(index, q, k, v).flatten(-2) @ w["out"]
-            dist.all_reduce(partial)  # row-parallel output projection
-            h = h + partial
-            partial = torch.nn.functional.gelu(_rms_norm(h) @ w["up"]) @ w["down"]
-            dist.all_reduce(partial)
-            h = h + partial
-        return _rms_norm(h)
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return hidden.float() @ self.embed.float().T
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(partial)  # row-parallel output and MLP-down projections
+        return partial
 
 
 class Recording:
