@@ -7,6 +7,8 @@ prefill, chunked prefill and decode rows of a mixed batch in one launch.
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 import triton
@@ -105,10 +107,16 @@ def _dot_dtype(query: torch.Tensor) -> tl.dtype:
     return tl.float16 if query.dtype == torch.float16 else tl.bfloat16
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    # NOTE: cached: asking the driver on every call cost tens of microseconds of host time.
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+
+
 def _num_splits(config: KernelConfig, programs: int, context: int, device: torch.device) -> int:
     if config.num_splits is not None:
         return max(1, min(config.num_splits, triton.cdiv(context, config.tile)))
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    sms = _sm_count(device)
     # NOTE: aim for about two programs per SM; on an H200 a batch of 64 x 8 KV
     # heads (512 programs) decoded fastest unsplit (bench_decode.py --sweep).
     wanted = triton.cdiv(2 * sms, programs)
@@ -205,17 +213,20 @@ def paged_attention(
     splits = _num_splits(config, num_reqs * num_kv_heads, context, query.device)
     tokens_per_split = triton.cdiv(triton.cdiv(context, splits), config.tile) * config.tile
     splits = triton.cdiv(context, tokens_per_split)
-    partials = num_reqs * num_kv_heads * splits * group_pad if splits > 1 else 1
-    part_ml = torch.empty(partials * 2, dtype=torch.float32, device=query.device)
-    part_acc = torch.empty(partials * common["DV_PAD"], dtype=torch.float32, device=query.device)
+    if splits > 1:
+        partials = num_reqs * num_kv_heads * splits * group_pad
+        part_ml = torch.empty(partials * 2, dtype=torch.float32, device=query.device)
+        part_acc = torch.empty(partials * common["DV_PAD"], dtype=torch.float32, device=query.device)
+    else:
+        part_ml = part_acc = out  # NOTE: never touched by an unsplit launch (SINGLE); saves two allocations
     head_major = config.grid_order == "head"
     grid = (num_reqs * num_kv_heads * splits,) if head_major else (num_reqs, num_kv_heads, splits)
     fusable = head_size == head_size_v == common["D_PAD"]
     kv_load = _KV_LOADS.index("early" if config.kv_load == "fused" and not fusable else config.kv_load)
     _decode_split_kernel[grid](
         query, kv_cache_view, block_table, query_start_loc, seq_lens, part_ml, part_acc, out,
-        qk_scale, window, tokens_per_split, splits, num_kv_heads, *strides,
-        GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1,
+        qk_scale, window, tokens_per_split, splits, num_kv_heads, block_table.shape[1] * block_size, *strides,
+        GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1, WINDOWED=window > 0,
         KV_LOAD=kv_load, TABLE_PER_BLOCK=config.table_lookup == "block",
         PREFETCH_TABLE=config.table_prefetch, EDGE_MASKS=config.edge_masks,
         EVICT="evict_first" if config.evict_first else "", HEAD_MAJOR=head_major, **common,

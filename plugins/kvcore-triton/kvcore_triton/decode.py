@@ -49,28 +49,33 @@ def _load_rows(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.cons
 
 
 @triton.jit
-def _row_offsets(table_row, start, tok, t_ok, hi, stride_kb, stride_kn,
+def _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn,
                  BLOCK_N: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr):
-    """Element offset of each token's row (kernel block and in-block position)."""
+    """Element offset of each token's row (kernel block and in-block position).
+
+    Masked reads stop at the table's width (``table_hi`` tokens), not at the
+    context: the ids do not wait for ``seq_lens``, and ids past the context
+    are only used under the K/V loads' own mask.
+    """
     if TABLE_PER_BLOCK:
         if TILE <= BLOCK_N:
             # NOTE: an aligned tile never crosses a kernel block: one table read.
             if MASKED:
-                block = tl.load(table_row + start // BLOCK_N, mask=start < hi, other=0).to(tl.int64)
+                block = tl.load(table_row + start // BLOCK_N, mask=start < table_hi, other=0).to(tl.int64)
             else:
                 block = tl.load(table_row + start // BLOCK_N).to(tl.int64)
             row = block * stride_kb + (tok % BLOCK_N) * stride_kn
         else:
             j = start // BLOCK_N + tl.arange(0, TILE // BLOCK_N)
             if MASKED:
-                ids = tl.load(table_row + j, mask=j * BLOCK_N < hi, other=0).to(tl.int64)
+                ids = tl.load(table_row + j, mask=j * BLOCK_N < table_hi, other=0).to(tl.int64)
             else:
                 ids = tl.load(table_row + j).to(tl.int64)
             n = tl.arange(0, BLOCK_N).to(tl.int64) * stride_kn
             row = tl.reshape(ids[:, None] * stride_kb + n[None, :], [TILE])
     else:
         if MASKED:
-            block = tl.load(table_row + tok // BLOCK_N, mask=t_ok, other=0).to(tl.int64)
+            block = tl.load(table_row + tok // BLOCK_N, mask=tok < table_hi, other=0).to(tl.int64)
         else:
             block = tl.load(table_row + tok // BLOCK_N).to(tl.int64)
         row = block * stride_kb + (tok % BLOCK_N) * stride_kn
@@ -113,7 +118,7 @@ def _decode_tile(
 
 @triton.jit
 def _decode_tiles(
-    q, m_i, l_i, acc, begin, end, lo, hi, table_row, head_base, qk_scale, stride_kb, stride_kn, stride_kc,
+    q, m_i, l_i, acc, begin, end, lo, hi, table_row, table_hi, head_base, qk_scale, stride_kb, stride_kn, stride_kc,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr, KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
@@ -122,7 +127,7 @@ def _decode_tiles(
     """Tiles starting at ``begin, begin + TILE, ... < end``; tokens outside ``[lo, hi)`` masked if MASKED."""
     if PREFETCH_TABLE:
         tok = begin + tl.arange(0, TILE)
-        row_next = _row_offsets(table_row, begin, tok, tok < hi, hi, stride_kb, stride_kn,
+        row_next = _row_offsets(table_row, begin, tok, table_hi, stride_kb, stride_kn,
                                 BLOCK_N, TILE, True, TABLE_PER_BLOCK)
     for start in range(begin, end, TILE):
         tok = start + tl.arange(0, TILE)
@@ -132,10 +137,10 @@ def _decode_tiles(
             # tile never waits on a table read of the same iteration (deeper pipelining).
             row = row_next
             nxt = tok + TILE
-            row_next = _row_offsets(table_row, start + TILE, nxt, nxt < hi, hi, stride_kb, stride_kn,
+            row_next = _row_offsets(table_row, start + TILE, nxt, table_hi, stride_kb, stride_kn,
                                     BLOCK_N, TILE, True, TABLE_PER_BLOCK)
         else:
-            row = _row_offsets(table_row, start, tok, t_ok, hi, stride_kb, stride_kn,
+            row = _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn,
                                BLOCK_N, TILE, MASKED, TABLE_PER_BLOCK)
         m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
                                      HEAD, HEAD_V, D_PAD, DV_PAD, TILE, DOT_DTYPE, DOT_PRECISION,
@@ -145,7 +150,7 @@ def _decode_tiles(
 
 @triton.jit
 def _edge_tile(
-    q, m_i, l_i, acc, start, lo, hi, table_row, head_base, qk_scale, stride_kb, stride_kn, stride_kc,
+    q, m_i, l_i, acc, start, lo, hi, table_row, table_hi, head_base, qk_scale, stride_kb, stride_kn, stride_kc,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, EVICT: tl.constexpr,
@@ -153,7 +158,7 @@ def _edge_tile(
     """The masked tile at ``start`` outside any loop (a split's first or last, partial tile)."""
     tok = start + tl.arange(0, TILE)
     t_ok = (tok >= lo) & (tok < hi)
-    row = _row_offsets(table_row, start, tok, t_ok, hi, stride_kb, stride_kn, BLOCK_N, TILE, True, TABLE_PER_BLOCK)
+    row = _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn, BLOCK_N, TILE, True, TABLE_PER_BLOCK)
     return _decode_tile(q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
                         HEAD, HEAD_V, D_PAD, DV_PAD, TILE, DOT_DTYPE, DOT_PRECISION, True, KV_LOAD, EVICT)
 
@@ -162,13 +167,13 @@ def _edge_tile(
 def _decode_split_kernel(
     q_ptr, kv_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     part_ml_ptr, part_acc_ptr, out_ptr,
-    qk_scale, window, tokens_per_split, num_splits, num_kv_heads,
+    qk_scale, window, tokens_per_split, num_splits, num_kv_heads, table_hi,
     stride_qt, stride_qh,
     stride_kb, stride_kh, stride_kn, stride_kc,
     stride_bt, stride_ot, stride_oh,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE: tl.constexpr, SINGLE: tl.constexpr,
+    BLOCK_N: tl.constexpr, TILE: tl.constexpr, SINGLE: tl.constexpr, WINDOWED: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
     EDGE_MASKS: tl.constexpr, EVICT: tl.constexpr, HEAD_MAJOR: tl.constexpr,
@@ -182,29 +187,36 @@ def _decode_split_kernel(
         req = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+    # NOTE: no early return for idle requests and no seq_len in the first tile's table
+    # address (without a window): the start-up loads are issued together, not in a chain.
     q_row = tl.load(query_start_loc_ptr + req)
-    if tl.load(query_start_loc_ptr + req + 1) == q_row:
-        return
+    has_query = tl.load(query_start_loc_ptr + req + 1) > q_row
     seq_len = tl.load(seq_lens_ptr + req)
-    ctx_start = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
-    # NOTE: splits are laid out from a TILE-aligned origin so every tile is aligned.
-    first = (ctx_start // TILE) * TILE + split * tokens_per_split
-    lo = tl.maximum(first, ctx_start)
-    hi = tl.minimum(first + tokens_per_split, seq_len)
+    if WINDOWED:
+        ctx_start = tl.maximum(seq_len - window, 0)
+        # NOTE: splits are laid out from a TILE-aligned origin so every tile is aligned.
+        first = (ctx_start // TILE) * TILE + split * tokens_per_split
+        lo = tl.maximum(first, ctx_start)
+    else:
+        first = split * tokens_per_split
+        lo = first
+    hi = tl.where(has_query, tl.minimum(first + tokens_per_split, seq_len), first)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
-    g_ok = g < GROUP
     q_off = q_row.to(tl.int64) * stride_qt + (kv_head * GROUP + g)[:, None] * stride_qh + d[None, :]
-    q = tl.load(q_ptr + q_off, mask=g_ok[:, None] & (d[None, :] < HEAD), other=0.0).to(DOT_DTYPE)
+    # NOTE: an idle request's rows are all masked (a comparison, not `has_query & ...`:
+    # the interpreter rejects a scalar-and-tensor mask).
+    q_ok = g < tl.where(has_query, GROUP, 0)
+    q = tl.load(q_ptr + q_off, mask=q_ok[:, None] & (d[None, :] < HEAD), other=0.0).to(DOT_DTYPE)
 
     m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DV_PAD], tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
     head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
-    args = (table_row, head_base, qk_scale, stride_kb, stride_kn, stride_kc)
+    args = (table_row, table_hi, head_base, qk_scale, stride_kb, stride_kn, stride_kc)
     if EDGE_MASKS:
         full_lo = tl.where(lo == first, first, first + TILE)
         full_hi = tl.maximum((hi // TILE) * TILE, full_lo)
@@ -227,7 +239,8 @@ def _decode_split_kernel(
     if SINGLE:
         o_off = q_row.to(tl.int64) * stride_ot + (kv_head * GROUP + g)[:, None] * stride_oh + dv[None, :]
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
-        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty), mask=g_ok[:, None] & (dv[None, :] < HEAD_V))
+        tl.store(out_ptr + o_off, o.to(out_ptr.dtype.element_ty),
+                 mask=q_ok[:, None] & (dv[None, :] < HEAD_V))
     else:
         # Partials: [req, kv_head, split, GROUP_PAD] for (m, l) and (..., DV_PAD) for acc.
         slot = ((req * num_kv_heads + kv_head) * num_splits + split).to(tl.int64) * GROUP_PAD + g

@@ -27,13 +27,13 @@ def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layou
     kv_heads, head = 8, 128
     strides = layout_strides or (block_size * kv_heads * 2 * head, 2 * head, kv_heads * 2 * head, 1)  # LBNHC
     runtime = dict(
-        qk_scale=0.127, window=0, tokens_per_split=4096 // splits, num_splits=splits, num_kv_heads=kv_heads,
+        qk_scale=0.127, window=0, tokens_per_split=4096 // splits, num_splits=splits, num_kv_heads=kv_heads, table_hi=4096,
         stride_qt=32 * head, stride_qh=head, stride_kb=strides[0], stride_kh=strides[1], stride_kn=strides[2],
         stride_kc=strides[3], stride_bt=4096 // block_size, stride_ot=32 * head, stride_oh=head,
     )
     constexprs = dict(
         GROUP=4, GROUP_PAD=16, HEAD=head, HEAD_V=head, D_PAD=head, DV_PAD=head, BLOCK_N=block_size,
-        TILE=config.tile, SINGLE=splits == 1, DOT_DTYPE=tl.bfloat16, DOT_PRECISION=None,
+        TILE=config.tile, SINGLE=splits == 1, WINDOWED=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION=None,
         KV_LOAD=_KV_LOADS.index(config.kv_load), TABLE_PER_BLOCK=config.table_lookup == "block",
         PREFETCH_TABLE=config.table_prefetch,
         EDGE_MASKS=config.edge_masks, EVICT="evict_first" if config.evict_first else "",

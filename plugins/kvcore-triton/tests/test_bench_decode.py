@@ -1,0 +1,45 @@
+"""``bench_decode.py`` runs end to end at a tiny shape (interpreter on CPU, compiled on CUDA)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench_decode.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("bench_decode", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tiny_run_agrees_with_sdpa_and_torch(bench, capsys):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    argv = ["--batch", "3", "--context", "80", "--q-heads", "4", "--kv-heads", "2", "--head-size", "16",
+            "--block-size", "16,32", "--num-layers", "2", "--dtype", "fp32", "--tile", "16", "--num-splits", "2",
+            "--warmup", "0", "--iters", "1", "--variants", "base,early_v", "--device", device, "--json"]
+    assert bench.main(argv) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert {(r["block_size"], r["layout"], r["variant"]) for r in result["rows"]} == {
+        (b, layout, v) for b in (16, 32) for layout in ("LBNHC", "BLNHC") for v in ("base", "early_v")
+    }
+    for row in result["rows"]:
+        assert row["decode_ms"] > 0 and row["max_abs_diff_vs_sdpa"] < 1e-3
+    assert len(result["best"]) == 4
+    for best in result["best"]:
+        assert best["max_abs_diff_vs_torch_backend"] < 1e-3 and best["decode_host_us"] > 0
+    for base in result["baselines"]:
+        assert base["kv_bytes"] == 3 * 80 * 2 * 2 * 16 * 4 and base["sdpa_ms"] > 0
+
+
+def test_cpu_without_interpreter_refuses(bench, monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert bench.main(["--device", "cpu"]) == 2
+    assert "TRITON_INTERPRET=1" in capsys.readouterr().err
