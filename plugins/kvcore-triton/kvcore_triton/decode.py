@@ -200,7 +200,10 @@ def _decode_split_kernel(
     else:
         first = split * tokens_per_split
         lo = first
-    hi = tl.where(has_query, tl.minimum(first + tokens_per_split, seq_len), first)
+    # NOTE: the last split runs to seq_len even past the host's max_seq_len (a CUDA graph
+    # captured for shorter contexts stays correct, only less balanced).
+    end = tl.where(split == num_splits - 1, seq_len, first + tokens_per_split)
+    hi = tl.where(has_query, tl.minimum(end, seq_len), first)
 
     g = tl.arange(0, GROUP_PAD)
     d = tl.arange(0, D_PAD)

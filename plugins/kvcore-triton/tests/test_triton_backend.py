@@ -73,6 +73,25 @@ def test_decode_splits_agree(num_splits):
     _close(out, ref)
 
 
+@pytest.mark.parametrize("num_splits", [None, 1, 2])
+@pytest.mark.parametrize("window", [None, 7])
+def test_decode_past_max_seq_len_still_attends_every_token(num_splits, window):
+    # A CUDA graph captured for max_seq_len=16 replayed on contexts of 23 and 40 tokens.
+    kvcore_torch = pytest.importorskip("kvcore_torch")
+    gen = torch.Generator().manual_seed(5)
+    view, _ = build_cache("LBNHC", 16, 8, 2, 16, torch.float32)
+    view.copy_(torch.randn(view.shape, generator=gen))
+    table = torch.tensor([[6, 1, 3], [2, 7, 4]], dtype=torch.int32, device=DEVICE)
+    q = torch.randn(2, 4, 16, generator=gen).to(DEVICE)
+    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([23, 40], dtype=torch.int32, device=DEVICE)
+    kwargs = dict(head_size=16, scale=0.3, sliding_window=window)
+    ours = paged_attention(q, view, table, qsl, lens, **kwargs, max_query_len=1, max_seq_len=16,
+                           config=KernelConfig(tile=16, num_splits=num_splits))
+    theirs = kvcore_torch.paged_attention(q, view, table, qsl, lens, **kwargs)
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
+
+
 @pytest.mark.parametrize("reqs", [DECODE, MIXED], ids=["decode", "mixed"])
 @pytest.mark.parametrize("window", [1, 5, 24])
 def test_sliding_window(reqs, window):
