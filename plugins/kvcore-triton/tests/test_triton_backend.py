@@ -40,6 +40,16 @@ def _run(layout, block_size, reqs, *, ratio=1, q_heads=4, head_size=16, dtype=to
     return out.cpu(), dense_reference(batch, scale, sliding_window), view, other
 
 
+def _small_batch(seed, layout, num_blocks, table, query_start_loc, seq_lens):
+    """A random float32 cache (16-token blocks, 2 KV heads, D=16) and a 4-query-head batch on it."""
+    gen = torch.Generator().manual_seed(seed)
+    view, _ = build_cache(layout, 16, num_blocks, 2, 16, torch.float32)
+    view.copy_(torch.randn(view.shape, generator=gen))
+    q = torch.randn(query_start_loc[-1], 4, 16, generator=gen).to(DEVICE)
+    ints = lambda values: torch.tensor(values, dtype=torch.int32, device=DEVICE)  # noqa: E731
+    return view, ints(table), q, ints(query_start_loc), ints(seq_lens)
+
+
 def _close(out, ref, tol=1e-5):
     torch.testing.assert_close(out.double(), ref, atol=tol, rtol=tol)
 
@@ -78,13 +88,7 @@ def test_decode_splits_agree(num_splits):
 def test_decode_past_max_seq_len_still_attends_every_token(num_splits, window):
     # A CUDA graph captured for max_seq_len=16 replayed on contexts of 23 and 40 tokens.
     kvcore_torch = pytest.importorskip("kvcore_torch")
-    gen = torch.Generator().manual_seed(5)
-    view, _ = build_cache("LBNHC", 16, 8, 2, 16, torch.float32)
-    view.copy_(torch.randn(view.shape, generator=gen))
-    table = torch.tensor([[6, 1, 3], [2, 7, 4]], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(2, 4, 16, generator=gen).to(DEVICE)
-    qsl = torch.tensor([0, 1, 2], dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor([23, 40], dtype=torch.int32, device=DEVICE)
+    view, table, q, qsl, lens = _small_batch(5, "LBNHC", 8, [[6, 1, 3], [2, 7, 4]], [0, 1, 2], [23, 40])
     kwargs = dict(head_size=16, scale=0.3, sliding_window=window)
     ours = paged_attention(q, view, table, qsl, lens, **kwargs, max_query_len=1, max_seq_len=16,
                            config=KernelConfig(tile=16, num_splits=num_splits))
@@ -133,13 +137,7 @@ def test_property_random_batches_match_reference(layout, block_size, window, req
 
 def test_agrees_with_torch_backend():
     kvcore_torch = pytest.importorskip("kvcore_torch")
-    gen = torch.Generator().manual_seed(3)
-    view, _ = build_cache("BLNHC", 16, 6, 2, 16, torch.float32)
-    view.copy_(torch.randn(view.shape, generator=gen))
-    table = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32, device=DEVICE)
-    q = torch.randn(7, 4, 16, generator=gen).to(DEVICE)
-    qsl = torch.tensor([0, 6, 7], dtype=torch.int32, device=DEVICE)
-    lens = torch.tensor([30, 41], dtype=torch.int32, device=DEVICE)
+    view, table, q, qsl, lens = _small_batch(3, "BLNHC", 6, [[4, 1, 0], [2, 5, 3]], [0, 6, 7], [30, 41])
     kwargs = dict(head_size=16, scale=0.3)
     ours = paged_attention(q, view, table, qsl, lens, **kwargs, config=KernelConfig(tile=16))
     theirs = kvcore_torch.paged_attention(q, view, table, qsl, lens, **kwargs)
