@@ -70,6 +70,48 @@ def check_index(name: str, tensor: torch.Tensor, dim: int, like: torch.Tensor | 
         raise ValueError(f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it")
 
 
+def check_kv_write(
+    kv_cache_view: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    head_size: int,
+    dtypes: Collection[torch.dtype] | None = None,
+    *,
+    check_slots: bool = True,
+) -> int:
+    """Validate a write of ``key``/``value`` through ``slot_mapping``; return the view's slot count.
+
+    With ``check_slots`` every slot must be below ``B * N`` (one device sync);
+    negative slots mark padding and always pass.
+    """
+    head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
+    check_cache_view(kv_cache_view, head_size, head_size_v, dtypes)
+    check_index("slot_mapping", slot_mapping, 1, kv_cache_view)
+    num_tokens = slot_mapping.shape[0]
+    num_blocks, num_heads, block_size, _ = kv_cache_view.shape
+    check_tokens("key", key, num_tokens, num_heads, head_size, kv_cache_view)
+    check_tokens("value", value, num_tokens, num_heads, value.shape[-1], kv_cache_view)
+    num_slots = num_blocks * block_size
+    if check_slots and num_tokens and (top := int(slot_mapping.max())) >= num_slots:
+        raise ValueError(
+            f"slot_mapping holds slot {top} but the cache has {num_slots} slots "
+            f"({num_blocks} blocks of {block_size}); map block ids to kernel blocks first"
+        )
+    return num_slots
+
+
+def check_heads_and_window(num_q_heads: int, num_kv_heads: int, sliding_window: int | None) -> None:
+    """Query heads must share the KV heads evenly (GQA); a window must be a positive int."""
+    if num_q_heads % num_kv_heads:
+        raise ValueError(
+            f"{num_q_heads} query heads cannot share {num_kv_heads} KV heads evenly; "
+            "the query head count must be a multiple of the KV head count"
+        )
+    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window <= 0):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+
+
 def check_batch(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, num_tokens: int
 ) -> tuple[list[int], list[int]]:

@@ -1,5 +1,19 @@
 """Input checks of the torch backend's entry points (kvcore's shared paged-input checks)."""
 
-from kvcore.paged_inputs import check_batch, check_cache_view, check_index, check_tokens
+from kvcore.paged_inputs import (
+    check_batch,
+    check_cache_view,
+    check_heads_and_window,
+    check_index,
+    check_kv_write,
+    check_tokens,
+)
 
-__all__ = ["check_batch", "check_cache_view", "check_index", "check_tokens"]
+__all__ = [
+    "check_batch",
+    "check_cache_view",
+    "check_heads_and_window",
+    "check_index",
+    "check_kv_write",
+    "check_tokens",
+]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore_torch._checks import check_batch, check_cache_view
+from kvcore_torch._checks import check_batch, check_cache_view, check_heads_and_window
 
 
 def paged_attention(
@@ -46,13 +46,7 @@ def paged_attention(
         raise ValueError(f"query must be [tokens, query heads, {head_size}], got {got}")
     num_tokens, num_q_heads, _ = query.shape
     num_blocks, num_kv_heads, block_size, _ = kv_cache_view.shape
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"{num_q_heads} query heads cannot share {num_kv_heads} KV heads evenly; "
-            "the query head count must be a multiple of the KV head count"
-        )
-    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window <= 0):
-        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    check_heads_and_window(num_q_heads, num_kv_heads, sliding_window)
     starts, lens = check_batch(query_start_loc, seq_lens, block_table, num_tokens)
     needed = max((-(-n // block_size) for n in lens), default=0)
     if needed > block_table.shape[1]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore_torch._checks import check_cache_view, check_index, check_tokens
+from kvcore_torch._checks import check_kv_write
 
 
 def write_kv(
@@ -25,22 +25,10 @@ def write_kv(
         blocks; a negative slot marks a padding token that is skipped.
     :raises ValueError: a slot beyond the cache (nothing is written).
     """
-    head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
-    check_cache_view(kv_cache_view, head_size, head_size_v)
-    check_index("slot_mapping", slot_mapping, 1, kv_cache_view)
-    num_tokens = slot_mapping.shape[0]
-    num_blocks, num_heads, block_size, _ = kv_cache_view.shape
-    check_tokens("key", key, num_tokens, num_heads, head_size, kv_cache_view)
-    check_tokens("value", value, num_tokens, num_heads, value.shape[-1], kv_cache_view)
-    num_slots = num_blocks * block_size
-    slots = slot_mapping.to(device=kv_cache_view.device, dtype=torch.int64)
-    # NOTE: one host sync; the torch backend trades it for a clear error.
-    if num_tokens and int(slots.max()) >= num_slots:
-        bad = int(slots.max())
-        raise ValueError(
-            f"slot_mapping holds slot {bad} but the cache has {num_slots} slots "
-            f"({num_blocks} blocks of {block_size}); map block ids to kernel blocks first"
-        )
+    # NOTE: one host sync (the slot range); the torch backend trades it for a clear error.
+    check_kv_write(kv_cache_view, key, value, slot_mapping, head_size)
+    block_size = kv_cache_view.shape[2]
+    slots = slot_mapping.to(dtype=torch.int64)
     keep = slots >= 0
     slots, key, value = slots[keep], key[keep], value[keep]
     blocks = slots // block_size

@@ -5,13 +5,19 @@ from __future__ import annotations
 import torch
 
 from kvcore.paged_inputs import check_cache_view as _check_cache_view
-from kvcore.paged_inputs import check_index, check_tokens
+from kvcore.paged_inputs import check_heads_and_window, check_index, check_tokens
+from kvcore.paged_inputs import check_kv_write as _check_kv_write
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-__all__ = ["DTYPES", "check_cache_view", "check_index", "check_tokens"]
+__all__ = ["DTYPES", "check_cache_view", "check_heads_and_window", "check_index", "check_kv_write", "check_tokens"]
 
 
 def check_cache_view(kv_cache_view: torch.Tensor, head_size: int, head_size_v: int | None) -> int:
     """Validate a kernel-block view ``[B, H, N, C]`` of a dtype the kernels take; return ``head_size_v``."""
     return _check_cache_view(kv_cache_view, head_size, head_size_v, DTYPES)
+
+
+def check_kv_write(kv_cache_view, key, value, slot_mapping, head_size: int, *, check_slots: bool) -> int:
+    """Validate a K/V write into a view of a dtype the kernels take; return the slot count."""
+    return _check_kv_write(kv_cache_view, key, value, slot_mapping, head_size, DTYPES, check_slots=check_slots)

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore_triton._checks import check_cache_view, check_index, check_tokens
+from kvcore_triton._checks import check_cache_view, check_heads_and_window, check_index, check_tokens
 from kvcore_triton.decode import LOG2E, _decode_merge_kernel, _decode_split_kernel
 from kvcore_triton.prefill import _varlen_kernel
 
@@ -155,13 +155,7 @@ def paged_attention(
         raise ValueError(f"query must be [tokens, query heads, {head_size}], got {getattr(query, 'shape', query)!r}")
     num_tokens, num_q_heads, _ = query.shape
     check_tokens("query", query, num_tokens, num_q_heads, head_size, kv_cache_view)
-    if num_q_heads % num_kv_heads:
-        raise ValueError(
-            f"{num_q_heads} query heads cannot share {num_kv_heads} KV heads evenly; "
-            "the query head count must be a multiple of the KV head count"
-        )
-    if sliding_window is not None and (isinstance(sliding_window, bool) or sliding_window <= 0):
-        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
+    check_heads_and_window(num_q_heads, num_kv_heads, sliding_window)
     check_index("block_table", block_table, 2, kv_cache_view)
     check_index("query_start_loc", query_start_loc, 1, kv_cache_view)
     check_index("seq_lens", seq_lens, 1, kv_cache_view)

@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore_triton._checks import check_cache_view, check_index, check_tokens
+from kvcore_triton._checks import check_kv_write
 
 
 @triton.jit
@@ -54,19 +54,9 @@ def write_kv(
         (one device sync; ``ValueError`` and nothing written). With
         ``validate=False`` (CUDA graphs) out-of-range slots are skipped.
     """
-    head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
-    check_cache_view(kv_cache_view, head_size, head_size_v)
-    check_index("slot_mapping", slot_mapping, 1, kv_cache_view)
+    num_slots = check_kv_write(kv_cache_view, key, value, slot_mapping, head_size, check_slots=validate)
     num_tokens = slot_mapping.shape[0]
-    num_blocks, num_heads, block_size, _ = kv_cache_view.shape
-    check_tokens("key", key, num_tokens, num_heads, head_size, kv_cache_view)
-    check_tokens("value", value, num_tokens, num_heads, value.shape[-1], kv_cache_view)
-    num_slots = num_blocks * block_size
-    if validate and num_tokens and int(slot_mapping.max()) >= num_slots:
-        raise ValueError(
-            f"slot_mapping holds slot {int(slot_mapping.max())} but the cache has {num_slots} "
-            f"slots ({num_blocks} blocks of {block_size}); map block ids to kernel blocks first"
-        )
+    _, num_heads, block_size, _ = kv_cache_view.shape
     if num_tokens == 0:
         return
     key = key if key.stride(-1) == 1 else key.contiguous()
