@@ -33,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 from kvcore_triton import KernelConfig, paged_attention
-from kvcore_triton.attention import DECODE_VARIANTS
+from kvcore_triton.attention import DECODE_VARIANTS, _tma_descriptor
 
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.layout import KVCacheLayout, compute_layout_strides
@@ -170,8 +170,10 @@ class Case:
     def measure(self, variant, config, device, warmup, iters) -> dict:
         ms = _timer(self.decode(config), device, warmup, iters)
         diff = (self.out.float() - self.sdpa_out).abs().max().item()
+        tma = _tma_descriptor(self.view, config, self.args.head_size, self.args.head_size) is not None
         return {
             "block_size": self.block_size, "layout": self.layout.name, "variant": variant,
+            "path": "tma" if tma else "pointer",
             "config": _config_dict(config), "decode_ms": ms, "decode_gbps": self.kv_bytes / ms / 1e6,
             "sdpa_time_over_decode_time": self.sdpa_ms / ms, "max_abs_diff_vs_sdpa": diff,
         }
@@ -194,7 +196,7 @@ def _config_dict(config) -> dict:
 def _line(r) -> str:
     c = r["config"]
     sp = "auto" if c["num_splits"] is None else c["num_splits"]
-    return (f"bs={r['block_size']:<3} {r['layout']:6} {r['variant']:15} t{c['tile']:<3} w{c['num_warps']} "
+    return (f"bs={r['block_size']:<3} {r['layout']:6} {r['variant']:15} {r['path']:7} t{c['tile']:<3} w{c['num_warps'] or 'd'} "
             f"s{c['num_stages']} sp={sp:<4} {r['decode_ms']:8.4f} ms {r['decode_gbps']:6.0f} GB/s "
             f"sdpa/dec {r['sdpa_time_over_decode_time']:5.3f} diff {r['max_abs_diff_vs_sdpa']:.1e}")
 
@@ -272,7 +274,7 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--tile", type=int, default=64)
-    p.add_argument("--num-warps", type=int, default=4)
+    p.add_argument("--num-warps", type=int, default=None, help="default: the kernel's own (2 for decode)")
     p.add_argument("--num-stages", type=int, default=3)
     p.add_argument("--num-splits", type=int, default=None, help="default: enough to fill the device")
     p.add_argument("--variants", default=None,
@@ -280,7 +282,7 @@ def main(argv=None) -> int:
     p.add_argument("--sweep", action="store_true", help="variants at anchor configs, then a config grid")
     p.add_argument("--sweep-top", type=int, default=3, help="variants carried into the config grid")
     p.add_argument("--tiles", default="64,128,32")
-    p.add_argument("--warps", default="4,8")
+    p.add_argument("--warps", default="2,4")
     p.add_argument("--stages", default="4,3,2")
     p.add_argument("--splits", default="1,auto,2", help="'auto' fills the device")
     p.add_argument("--budget-s", type=float, default=200.0,

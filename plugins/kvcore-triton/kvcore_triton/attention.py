@@ -14,6 +14,11 @@ import torch
 import triton
 import triton.language as tl
 
+try:
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:  # NOTE: an older Triton has no host-side TMA descriptors: every tile takes the pointer path
+    TensorDescriptor = None
+
 from kvcore_triton._checks import check_cache_view, check_heads_and_window, check_index, check_tokens
 from kvcore_triton.decode import LOG2E, _decode_merge_kernel, _decode_split_kernel
 from kvcore_triton.prefill import _varlen_kernel
@@ -52,13 +57,14 @@ _KV_LOADS = ("sequential", "early", "fused")
 class KernelConfig:
     """Launch knobs: tokens per tile, warps, pipeline stages, decode splits, decode variants.
 
-    The decode-kernel variants (``kv_load``, ``table_lookup``, ``table_prefetch``, ``edge_masks``,
-    ``evict_first``, ``grid_order``) change only how the cache is read, never
-    the result; ``DECODE_VARIANTS`` names the combinations the benchmark sweeps.
+    The decode-kernel variants (``tma``, ``kv_load``, ``table_lookup``, ``table_prefetch``,
+    ``edge_masks``, ``evict_first``, ``grid_order``) change only how the cache is read,
+    never the result; ``DECODE_VARIANTS`` names the combinations the benchmark sweeps.
     """
 
     tile: int = attrs.field(default=64, validator=_power_of_two_at_least_16)
-    num_warps: int = attrs.field(default=4, validator=_positive)
+    #: Warps per program; None picks each kernel's measured default (decode 2, varlen 4).
+    num_warps: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
     num_stages: int = attrs.field(default=3, validator=_positive)
     #: None picks enough context splits to fill the device (decode only).
     num_splits: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
@@ -76,6 +82,11 @@ class KernelConfig:
     edge_masks: bool = attrs.field(default=False, validator=_bool)
     #: Mark streamed K/V loads evict-first in the caches.
     evict_first: bool = attrs.field(default=False, validator=_bool)
+    #: Decode reads K/V tiles with TMA copies where they apply: compute capability 9.0+ (or the
+    #: interpreter), tile <= kernel block size, head == head_v a power of two >= 16, 16-byte aligned
+    #: strides. Such tiles mask only a split's edges and honour ``kv_load`` and ``grid_order``;
+    #: the table and mask options above are for the pointer path, used everywhere else.
+    tma: bool = attrs.field(default=True, validator=_bool)
     #: "request": grid (request, kv head, split); "head": 1-D grid with the KV head fastest.
     grid_order: str = attrs.field(default="request", validator=_one_of("request", "head"))
 
@@ -84,19 +95,21 @@ class KernelConfig:
 DECODE_VARIANTS: dict[str, dict] = {
     "base": {},
     "early_v": {"kv_load": "early"},
-    "fused_kv": {"kv_load": "fused"},
-    "table_block": {"table_lookup": "block"},
-    "table_prefetch": {"table_prefetch": True},
-    "prefetch_block": {"table_prefetch": True, "table_lookup": "block"},
-    "edge_masks": {"edge_masks": True},
-    "evict": {"evict_first": True},
     "head_grid": {"grid_order": "head"},
-    "combo": {"kv_load": "early", "table_lookup": "block", "table_prefetch": True, "edge_masks": True,
-              "grid_order": "head"},
-    "combo_fused": {"kv_load": "fused", "table_lookup": "block", "table_prefetch": True, "edge_masks": True,
-                    "grid_order": "head"},
-    "combo_evict": {"kv_load": "early", "table_lookup": "block", "table_prefetch": True, "edge_masks": True,
-                    "grid_order": "head", "evict_first": True},
+    # The pointer path (every tile when tma=False; tiles longer than a kernel block otherwise).
+    "pointer": {"tma": False},
+    "fused_kv": {"tma": False, "kv_load": "fused"},
+    "table_block": {"tma": False, "table_lookup": "block"},
+    "table_prefetch": {"tma": False, "table_prefetch": True},
+    "prefetch_block": {"tma": False, "table_prefetch": True, "table_lookup": "block"},
+    "edge_masks": {"tma": False, "edge_masks": True},
+    "evict": {"tma": False, "evict_first": True},
+    "combo": {"tma": False, "kv_load": "early", "table_lookup": "block", "table_prefetch": True,
+              "edge_masks": True, "grid_order": "head"},
+    "combo_fused": {"tma": False, "kv_load": "fused", "table_lookup": "block", "table_prefetch": True,
+                    "edge_masks": True, "grid_order": "head"},
+    "combo_evict": {"tma": False, "kv_load": "early", "table_lookup": "block", "table_prefetch": True,
+                    "edge_masks": True, "grid_order": "head", "evict_first": True},
 }
 
 
@@ -121,6 +134,37 @@ def _num_splits(config: KernelConfig, programs: int, context: int, device: torch
     # heads (512 programs) decoded fastest unsplit (bench_decode.py --sweep).
     wanted = triton.cdiv(2 * sms, programs)
     return max(1, min(wanted, triton.cdiv(context, config.min_split_tokens), 64))
+
+
+#: Warps per program when ``KernelConfig.num_warps`` is None (bench_decode.py, H200: 2 warps
+#: decoded 0.3-0.9% faster than 4 in every run; the varlen kernel keeps 4).
+DECODE_WARPS, VARLEN_WARPS = 2, 4
+
+
+@functools.cache
+def _has_tma(device: torch.device) -> bool:
+    if device.type == "cpu":
+        return True  # NOTE: the interpreter runs descriptor loads, so CPU tests cover this path
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _tma_descriptor(view: torch.Tensor, config: KernelConfig, head_size: int, head_size_v: int):
+    """A descriptor of ``[1, 1, tile, head]`` boxes over the cache view, or None where TMA cannot read it."""
+    size = view.element_size()
+    fits = (
+        config.tma
+        and TensorDescriptor is not None
+        and _has_tma(view.device)
+        and config.tile <= view.shape[2]
+        and head_size == head_size_v == triton.next_power_of_2(head_size)
+        and 16 <= head_size <= 256  # NOTE: a TMA box side is at most 256 elements
+        and view.stride(-1) == 1
+        and all(stride * size % 16 == 0 for stride in view.stride()[:-1])
+        and view.data_ptr() % 16 == 0
+    )
+    if not fits:
+        return None
+    return TensorDescriptor(view, list(view.shape), list(view.stride()), [1, 1, config.tile, head_size])
 
 
 def paged_attention(
@@ -184,7 +228,7 @@ def paged_attention(
         BLOCK_N=block_size, TILE=config.tile,
         DOT_DTYPE=_dot_dtype(query),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_stages=config.num_stages,
     )
     strides = (
         query.stride(0), query.stride(1), *kv_cache_view.stride(),
@@ -198,7 +242,7 @@ def paged_attention(
         grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
         _varlen_kernel[grid](
             query, kv_cache_view, block_table, query_start_loc, seq_lens, out, qk_scale, window, *strides,
-            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, **common,
+            GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, num_warps=config.num_warps or VARLEN_WARPS, **common,
         )
         return out
     group_pad = max(16, triton.next_power_of_2(group))
@@ -217,13 +261,17 @@ def paged_attention(
     grid = (num_reqs * num_kv_heads * splits,) if head_major else (num_reqs, num_kv_heads, splits)
     fusable = head_size == head_size_v == common["D_PAD"]
     kv_load = _KV_LOADS.index("early" if config.kv_load == "fused" and not fusable else config.kv_load)
+    kv_desc = _tma_descriptor(kv_cache_view, config, head_size, head_size_v)
     _decode_split_kernel[grid](
-        query, kv_cache_view, block_table, query_start_loc, seq_lens, part_ml, part_acc, out,
+        # NOTE: the pointer path never reads kv_desc; the view stands in for it there.
+        query, kv_cache_view, kv_cache_view if kv_desc is None else kv_desc, block_table, query_start_loc, seq_lens,
+        part_ml, part_acc, out,
         qk_scale, window, tokens_per_split, splits, num_kv_heads, block_table.shape[1] * block_size, *strides,
         GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1, WINDOWED=window > 0,
         KV_LOAD=kv_load, TABLE_PER_BLOCK=config.table_lookup == "block",
-        PREFETCH_TABLE=config.table_prefetch, EDGE_MASKS=config.edge_masks,
-        EVICT="evict_first" if config.evict_first else "", HEAD_MAJOR=head_major, **common,
+        PREFETCH_TABLE=config.table_prefetch, EDGE_MASKS=config.edge_masks or kv_desc is not None,
+        EVICT="evict_first" if config.evict_first else "", HEAD_MAJOR=head_major, TMA=kv_desc is not None,
+        num_warps=config.num_warps or DECODE_WARPS, **common,
     )
     if splits > 1:
         _decode_merge_kernel[(num_reqs, num_q_heads)](

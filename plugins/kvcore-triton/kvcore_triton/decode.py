@@ -6,9 +6,17 @@ table ``TILE`` tokens at a time (a tile may span several kernel blocks), and
 keeps an online softmax in float32. A second small kernel merges the splits.
 The cache is read through its four strides, so every layout works.
 
+Two read paths. Where a tile lies inside one kernel block (``TILE <= BLOCK_N``)
+and the device has TMA (sm_90+; the interpreter emulates it), K and V come in
+by TMA copies of ``[TILE, HEAD]`` boxes of a host-built descriptor over the
+cache view; only a split's edge tiles are masked, and their V rows past the
+context are zeroed (they may hold anything, even NaN). Everywhere else the
+pointer path below gathers rows by address.
+
 Tiles start at multiples of ``TILE`` (tokens before the split's first one are
 masked), so a tile covers whole kernel blocks or lies inside one. Variants,
-all chosen by constexpr flags (see ``KernelConfig``):
+all chosen by constexpr flags (see ``KernelConfig``); ``KV_LOAD`` (0 or not)
+and ``HEAD_MAJOR`` also steer the TMA path, the others only the pointer path:
 
 - ``KV_LOAD``: 0 loads V after the softmax, 1 issues the V load next to the
   K load, 2 loads K and V of a row as one ``[TILE, 2 * HEAD]`` gather and
@@ -117,34 +125,69 @@ def _decode_tile(
 
 
 @triton.jit
+def _decode_tile_tma(
+    q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale,
+    HEAD: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_LOAD: tl.constexpr,
+):
+    """``_decode_tile`` for a tile inside one kernel block, read by two TMA copies (K, V)."""
+    block = tl.load(table_row + start // BLOCK_N)
+    n0 = start % BLOCK_N
+    k = tl.reshape(kv_desc.load([block, kv_head, n0, 0]), [TILE, HEAD])
+    if KV_LOAD != 0:
+        v = tl.reshape(kv_desc.load([block, kv_head, n0, HEAD]), [TILE, HEAD_V])
+    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    if MASKED:
+        tok = start + tl.arange(0, TILE)
+        t_ok = (tok >= lo) & (tok < hi)
+        s = tl.where(t_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if KV_LOAD == 0:
+        v = tl.reshape(kv_desc.load([block, kv_head, n0, HEAD]), [TILE, HEAD_V])
+    if MASKED:
+        # NOTE: rows past the context may hold anything (even NaN); p is 0 there, so zero them.
+        v = tl.where(t_ok[:, None], v, 0.0)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def _decode_tiles(
     q, m_i, l_i, acc, begin, end, lo, hi, table_row, table_hi, head_base, qk_scale, stride_kb, stride_kn, stride_kc,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     MASKED: tl.constexpr, KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
-    EVICT: tl.constexpr,
+    EVICT: tl.constexpr, TMA: tl.constexpr, kv_desc, kv_head,
 ):
     """Tiles starting at ``begin, begin + TILE, ... < end``; tokens outside ``[lo, hi)`` masked if MASKED."""
-    if PREFETCH_TABLE:
-        tok = begin + tl.arange(0, TILE)
-        row_next = _row_offsets(table_row, begin, tok, table_hi, stride_kb, stride_kn,
-                                BLOCK_N, TILE, True, TABLE_PER_BLOCK)
-    for start in range(begin, end, TILE):
-        tok = start + tl.arange(0, TILE)
-        t_ok = (tok >= lo) & (tok < hi)
+    if TMA:
+        for start in range(begin, end, TILE):
+            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale,
+                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, MASKED, KV_LOAD)
+    else:
         if PREFETCH_TABLE:
-            # NOTE: the next tile's rows come from this iteration, so the K/V address of a
-            # tile never waits on a table read of the same iteration (deeper pipelining).
-            row = row_next
-            nxt = tok + TILE
-            row_next = _row_offsets(table_row, start + TILE, nxt, table_hi, stride_kb, stride_kn,
+            tok = begin + tl.arange(0, TILE)
+            row_next = _row_offsets(table_row, begin, tok, table_hi, stride_kb, stride_kn,
                                     BLOCK_N, TILE, True, TABLE_PER_BLOCK)
-        else:
-            row = _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn,
-                               BLOCK_N, TILE, MASKED, TABLE_PER_BLOCK)
-        m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
-                                     HEAD, HEAD_V, D_PAD, DV_PAD, TILE, DOT_DTYPE, DOT_PRECISION,
-                                     MASKED, KV_LOAD, EVICT)
+        for start in range(begin, end, TILE):
+            tok = start + tl.arange(0, TILE)
+            t_ok = (tok >= lo) & (tok < hi)
+            if PREFETCH_TABLE:
+                # NOTE: the next tile's rows come from this iteration, so the K/V address of a
+                # tile never waits on a table read of the same iteration (deeper pipelining).
+                row = row_next
+                nxt = tok + TILE
+                row_next = _row_offsets(table_row, start + TILE, nxt, table_hi, stride_kb, stride_kn,
+                                        BLOCK_N, TILE, True, TABLE_PER_BLOCK)
+            else:
+                row = _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn,
+                                   BLOCK_N, TILE, MASKED, TABLE_PER_BLOCK)
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
+                                         HEAD, HEAD_V, D_PAD, DV_PAD, TILE, DOT_DTYPE, DOT_PRECISION,
+                                         MASKED, KV_LOAD, EVICT)
     return m_i, l_i, acc
 
 
@@ -153,19 +196,25 @@ def _edge_tile(
     q, m_i, l_i, acc, start, lo, hi, table_row, table_hi, head_base, qk_scale, stride_kb, stride_kn, stride_kc,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, EVICT: tl.constexpr,
+    KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, EVICT: tl.constexpr, TMA: tl.constexpr, kv_desc, kv_head,
 ):
     """The masked tile at ``start`` outside any loop (a split's first or last, partial tile)."""
-    tok = start + tl.arange(0, TILE)
-    t_ok = (tok >= lo) & (tok < hi)
-    row = _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn, BLOCK_N, TILE, True, TABLE_PER_BLOCK)
-    return _decode_tile(q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
-                        HEAD, HEAD_V, D_PAD, DV_PAD, TILE, DOT_DTYPE, DOT_PRECISION, True, KV_LOAD, EVICT)
+    if TMA:
+        m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale,
+                                         HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True, KV_LOAD)
+    else:
+        tok = start + tl.arange(0, TILE)
+        t_ok = (tok >= lo) & (tok < hi)
+        row = _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn, BLOCK_N, TILE, True,
+                           TABLE_PER_BLOCK)
+        m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
+                                     HEAD, HEAD_V, D_PAD, DV_PAD, TILE, DOT_DTYPE, DOT_PRECISION, True, KV_LOAD, EVICT)
+    return m_i, l_i, acc
 
 
 @triton.jit
 def _decode_split_kernel(
-    q_ptr, kv_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    q_ptr, kv_ptr, kv_desc, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     part_ml_ptr, part_acc_ptr, out_ptr,
     qk_scale, window, tokens_per_split, num_splits, num_kv_heads, table_hi,
     stride_qt, stride_qh,
@@ -176,7 +225,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr, TILE: tl.constexpr, SINGLE: tl.constexpr, WINDOWED: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
     KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
-    EDGE_MASKS: tl.constexpr, EVICT: tl.constexpr, HEAD_MAJOR: tl.constexpr,
+    EDGE_MASKS: tl.constexpr, EVICT: tl.constexpr, HEAD_MAJOR: tl.constexpr, TMA: tl.constexpr,
 ):
     if HEAD_MAJOR:
         pid = tl.program_id(0)
@@ -226,18 +275,18 @@ def _decode_split_kernel(
         if (lo != first) & (lo < hi):
             m_i, l_i, acc = _edge_tile(
                 q, m_i, l_i, acc, first, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
-                DOT_DTYPE, DOT_PRECISION, KV_LOAD, TABLE_PER_BLOCK, EVICT)
+                DOT_DTYPE, DOT_PRECISION, KV_LOAD, TABLE_PER_BLOCK, EVICT, TMA, kv_desc, kv_head)
         m_i, l_i, acc = _decode_tiles(
             q, m_i, l_i, acc, full_lo, full_hi, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
-            DOT_DTYPE, DOT_PRECISION, False, KV_LOAD, TABLE_PER_BLOCK, PREFETCH_TABLE, EVICT)
+            DOT_DTYPE, DOT_PRECISION, False, KV_LOAD, TABLE_PER_BLOCK, PREFETCH_TABLE, EVICT, TMA, kv_desc, kv_head)
         if full_hi < hi:
             m_i, l_i, acc = _edge_tile(
                 q, m_i, l_i, acc, full_hi, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
-                DOT_DTYPE, DOT_PRECISION, KV_LOAD, TABLE_PER_BLOCK, EVICT)
+                DOT_DTYPE, DOT_PRECISION, KV_LOAD, TABLE_PER_BLOCK, EVICT, TMA, kv_desc, kv_head)
     else:
         m_i, l_i, acc = _decode_tiles(
             q, m_i, l_i, acc, first, hi, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
-            DOT_DTYPE, DOT_PRECISION, True, KV_LOAD, TABLE_PER_BLOCK, PREFETCH_TABLE, EVICT)
+            DOT_DTYPE, DOT_PRECISION, True, KV_LOAD, TABLE_PER_BLOCK, PREFETCH_TABLE, EVICT, TMA, kv_desc, kv_head)
 
     if SINGLE:
         o_off = q_row.to(tl.int64) * stride_ot + (kv_head * GROUP + g)[:, None] * stride_oh + dv[None, :]

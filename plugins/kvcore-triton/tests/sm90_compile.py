@@ -18,8 +18,13 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvcore_triton.attention import _KV_LOADS, DECODE_VARIANTS, KernelConfig
+from kvcore_triton.attention import _KV_LOADS, DECODE_VARIANTS, DECODE_WARPS, KernelConfig
 from kvcore_triton.decode import _decode_split_kernel
+
+
+def uses_tma(config: KernelConfig, block_size: int) -> bool:
+    """Whether the launcher would read this shape's K/V tiles with TMA on an sm_90 device."""
+    return config.tma and config.tile <= block_size
 
 
 def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layout_strides=None):
@@ -36,8 +41,9 @@ def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layou
         TILE=config.tile, SINGLE=splits == 1, WINDOWED=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION=None,
         KV_LOAD=_KV_LOADS.index(config.kv_load), TABLE_PER_BLOCK=config.table_lookup == "block",
         PREFETCH_TABLE=config.table_prefetch,
-        EDGE_MASKS=config.edge_masks, EVICT="evict_first" if config.evict_first else "",
-        HEAD_MAJOR=config.grid_order == "head",
+        EDGE_MASKS=config.edge_masks or uses_tma(config, block_size),
+        EVICT="evict_first" if config.evict_first else "",
+        HEAD_MAJOR=config.grid_order == "head", TMA=uses_tma(config, block_size),
     )
     return runtime, constexprs
 
@@ -47,9 +53,15 @@ def compile_decode(config: KernelConfig, block_size: int, *, splits: int = 1, ca
     runtime, constexprs = decode_args(config, block_size, splits=splits)
     pointers = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "part_ml_ptr": "*fp32", "part_acc_ptr": "*fp32", "out_ptr": "*bf16"}
+    if uses_tma(config, block_size):
+        pointers["kv_desc"] = f"tensordesc<bf16[1, 1, {config.tile}, 128]>"
+    else:
+        pointers["kv_desc"] = "*bf16"  # NOTE: an unused placeholder on the pointer path
     signature, attrs = {}, {}
     for i, name in enumerate(_decode_split_kernel.arg_names):
-        if name in pointers:
+        if name == "kv_desc" and uses_tma(config, block_size):
+            signature[name] = pointers[name]
+        elif name in pointers:
             signature[name] = pointers[name]
             attrs[(i,)] = [["tt.divisibility", 16]]
         elif name in constexprs:
@@ -64,7 +76,7 @@ def compile_decode(config: KernelConfig, block_size: int, *, splits: int = 1, ca
             if runtime[name] % 16 == 0:
                 attrs[(i,)] = [["tt.divisibility", 16]]
     src = ASTSource(_decode_split_kernel, signature, constexprs=constexprs, attrs=attrs)
-    options = dict(num_warps=config.num_warps, num_stages=config.num_stages)
+    options = dict(num_warps=config.num_warps or DECODE_WARPS, num_stages=config.num_stages)
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
@@ -77,6 +89,7 @@ def summary(kernel) -> dict:
         "cp_async": ptx.count("cp.async.cg") + ptx.count("cp.async.ca"),
         "ld_v4": ptx.count("ld.global.v4") + ptx.count("ld.global.L1::evict_first.v4"),
         "evict_first": ptx.count("evict_first"),
+        "tma_copies": ptx.count("cp.async.bulk.tensor"),
     }
 
 

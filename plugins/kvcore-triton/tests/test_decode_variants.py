@@ -91,11 +91,8 @@ def test_gpu_variant_bf16(name, block_size):
     _close(out, ref, tol=3e-2)
 
 
-@pytest.mark.parametrize(("name", "tile", "block_size"),
-                         [("table_prefetch", 64, 16), ("combo_evict", 32, 64)])
-def test_variant_lowers_for_sm90(name, tile, block_size):
-    """The CUDA path compiles (in a subprocess: the interpreter may be on here) and K/V
-    tiles are double-buffered through async copies at num_stages=3."""
+def _lower_for_sm90(name, tile, block_size):
+    """Compile a variant for sm_90 in a subprocess (the interpreter may be on here); its summary."""
     pytest.importorskip("triton.backends.nvidia.compiler")
     script = Path(__file__).with_name("sm90_compile.py")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
@@ -104,7 +101,21 @@ def test_variant_lowers_for_sm90(name, tile, block_size):
     if done.returncode and "ptxas" in done.stderr.lower():
         pytest.skip(f"no usable ptxas: {done.stderr.strip()[-200:]}")
     assert done.returncode == 0, done.stderr[-2000:]
-    info = json.loads(done.stdout.splitlines()[0])
-    assert info["async_copies"] > 0 and info["cp_async"] > 0
+    return json.loads(done.stdout.splitlines()[0])
+
+
+@pytest.mark.parametrize(("name", "tile", "block_size"),
+                         [("table_prefetch", 64, 16), ("combo_evict", 32, 64)])
+def test_pointer_variant_lowers_for_sm90(name, tile, block_size):
+    """K/V tiles are double-buffered through async copies at num_stages=3."""
+    info = _lower_for_sm90(name, tile, block_size)
+    assert info["async_copies"] > 0 and info["cp_async"] > 0 and info["tma_copies"] == 0
     kv_tile_bytes = 2 * tile * 128 * 2
     assert info["shared"] >= 2 * kv_tile_bytes, info  # two K/V buffers: the table read is prefetched
+
+
+@pytest.mark.parametrize(("tile", "block_size", "tma"), [(64, 64, True), (32, 64, True), (64, 16, False)])
+def test_default_config_lowers_to_tma_where_the_tile_fits_a_block(tile, block_size, tma):
+    info = _lower_for_sm90("base", tile, block_size)
+    assert (info["tma_copies"] > 0) == tma, info
+    assert (info["cp_async"] > 8) != tma, info  # the pointer path streams K/V with cp.async

@@ -198,3 +198,31 @@ def test_gpu_bf16_matches_reference(layout):
     out, ref, *_ = _run(layout, 64, reqs, q_heads=8, head_size=128, dtype=torch.bfloat16, device="cuda",
                         config=KernelConfig(), sliding_window=128)
     _close(out, ref, tol=3e-2)
+
+
+def test_tma_descriptor_only_where_a_tile_fits_one_block():
+    from kvcore_triton.attention import _tma_descriptor
+
+    view, *_ = _small_batch(0, "BLNHC", 4, [[0]], [0, 1], [5])
+    assert _tma_descriptor(view, KernelConfig(tile=16), 16, 16) is not None
+    assert _tma_descriptor(view, KernelConfig(tile=32), 16, 16) is None  # spans two 16-token blocks
+    assert _tma_descriptor(view, KernelConfig(tile=16, tma=False), 16, 16) is None
+    assert _tma_descriptor(view[..., :24], KernelConfig(tile=16), 12, 12) is None  # head not a power of two
+
+
+@pytest.mark.parametrize("tma", [True, False])
+@pytest.mark.parametrize(("num_splits", "window"), [(1, None), (3, None), (2, 9)])
+def test_rows_past_the_context_may_hold_nan(tma, num_splits, window):
+    """Unused slots of a request's last block (and unused blocks) are never mixed into the output."""
+    kvcore_torch = pytest.importorskip("kvcore_torch")
+    view, table, q, qsl, lens = _small_batch(7, "LBNHC", 6, [[4, 1, 0], [2, 5, 3]], [0, 1, 2], [23, 40])
+    clean = view.clone()
+    for row, length in zip(table.tolist(), lens.tolist()):
+        for i, block in enumerate(row):
+            view[block, :, max(0, length - 16 * i):] = float("nan")
+    kwargs = {"head_size": 16, "scale": 0.3, "sliding_window": window}
+    ours = paged_attention(q, view, table, qsl, lens, **kwargs,
+                           config=KernelConfig(tile=16, num_splits=num_splits, tma=tma))
+    theirs = kvcore_torch.paged_attention(q, clean, table, qsl, lens, **kwargs)
+    assert torch.isfinite(ours).all()
+    torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-5)
