@@ -137,7 +137,7 @@ def _num_splits(config: KernelConfig, programs: int, context: int, device: torch
 
 
 #: Warps per program when ``KernelConfig.num_warps`` is None (bench_decode.py, H200: 2 warps
-#: decoded 0.3-0.9% faster than 4 in every run; the varlen kernel keeps 4).
+#: decoded the benchmark shape 0.1-0.9% faster than 4 in every run; the varlen kernel keeps 4).
 DECODE_WARPS, VARLEN_WARPS = 2, 4
 
 
