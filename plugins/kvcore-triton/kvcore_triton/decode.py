@@ -91,6 +91,15 @@ def _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn,
 
 
 @triton.jit
+def _softmax_step(s, m_i, l_i):
+    """Online softmax over one tile's base-2 scores ``s``: (new max, rescale factor, p, new sum)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    return m_new, alpha, p, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _decode_tile(
     q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
@@ -113,10 +122,7 @@ def _decode_tile(
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         s = tl.where(t_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
     if KV_LOAD == 0:
         v = _load_rows(head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc, t_ok, dv < HEAD_V,
                        MASKED, HEAD_V != DV_PAD, EVICT)
@@ -141,10 +147,7 @@ def _decode_tile_tma(
         tok = start + tl.arange(0, TILE)
         t_ok = (tok >= lo) & (tok < hi)
         s = tl.where(t_ok[None, :], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
-    l_i = l_i * alpha + tl.sum(p, 1)
+    m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
     if KV_LOAD == 0:
         v = tl.reshape(kv_desc.load([block, kv_head, n0, HEAD]), [TILE, HEAD_V])
     if MASKED:
