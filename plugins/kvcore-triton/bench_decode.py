@@ -33,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 from kvcore_triton import KernelConfig, paged_attention
-from kvcore_triton.attention import DECODE_VARIANTS, _tma_descriptor
+from kvcore_triton.attention import DECODE_VARIANTS, _head_major, _tma_descriptor
 
 from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.layout import KVCacheLayout, compute_layout_strides
@@ -173,7 +173,7 @@ class Case:
         tma = _tma_descriptor(self.view, config, self.args.head_size, self.args.head_size) is not None
         return {
             "block_size": self.block_size, "layout": self.layout.name, "variant": variant,
-            "path": "tma" if tma else "pointer",
+            "path": "tma" if tma else "pointer", "grid": "head" if _head_major(config, tma=tma) else "request",
             "config": _config_dict(config), "decode_ms": ms, "decode_gbps": self.kv_bytes / ms / 1e6,
             "sdpa_time_over_decode_time": self.sdpa_ms / ms, "max_abs_diff_vs_sdpa": diff,
         }
@@ -196,7 +196,8 @@ def _config_dict(config) -> dict:
 def _line(r) -> str:
     c = r["config"]
     sp = "auto" if c["num_splits"] is None else c["num_splits"]
-    return (f"bs={r['block_size']:<3} {r['layout']:6} {r['variant']:15} {r['path']:7} t{c['tile']:<3} w{c['num_warps'] or 'd'} "
+    return (f"bs={r['block_size']:<3} {r['layout']:6} {r['variant']:15} {r['path']:7} {r['grid']:7} "
+            f"t{c['tile']:<3} w{c['num_warps'] or 'd'} "
             f"s{c['num_stages']} sp={sp:<4} {r['decode_ms']:8.4f} ms {r['decode_gbps']:6.0f} GB/s "
             f"sdpa/dec {r['sdpa_time_over_decode_time']:5.3f} diff {r['max_abs_diff_vs_sdpa']:.1e}")
 

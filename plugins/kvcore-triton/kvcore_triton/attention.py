@@ -87,8 +87,10 @@ class KernelConfig:
     #: strides. Such tiles mask only a split's edges and honour ``kv_load`` and ``grid_order``;
     #: the table and mask options above are for the pointer path, used everywhere else.
     tma: bool = attrs.field(default=True, validator=_bool)
-    #: "request": grid (request, kv head, split); "head": 1-D grid with the KV head fastest.
-    grid_order: str = attrs.field(default="request", validator=_one_of("request", "head"))
+    #: "request": grid (request, kv head, split); "head": 1-D grid with the KV head fastest, so the
+    #: heads of one request run side by side. None picks "head" for TMA reads and "request" for the
+    #: pointer path (bench_decode.py, H200: measured best for each).
+    grid_order: str | None = attrs.field(default=None, validator=attrs.validators.optional(_one_of("request", "head")))
 
 
 #: Named decode-kernel variants (KernelConfig overrides) swept by bench_decode.py and tested.
@@ -96,6 +98,7 @@ DECODE_VARIANTS: dict[str, dict] = {
     "base": {},
     "early_v": {"kv_load": "early"},
     "head_grid": {"grid_order": "head"},
+    "request_grid": {"grid_order": "request"},
     # The pointer path (every tile when tma=False; tiles longer than a kernel block otherwise).
     "pointer": {"tma": False},
     "fused_kv": {"tma": False, "kv_load": "fused"},
@@ -146,6 +149,13 @@ def _has_tma(device: torch.device) -> bool:
     if device.type == "cpu":
         return True  # NOTE: the interpreter runs descriptor loads, so CPU tests cover this path
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _head_major(config: KernelConfig, *, tma: bool) -> bool:
+    """Whether the decode grid runs the KV heads of a request side by side (``grid_order``, or its default)."""
+    # NOTE: side-by-side interleaved runs on an H200: "head" was 0.4-0.7% faster than "request" with TMA
+    # reads and within +-0.2% of it on the pointer path, where "request" stays (the first session's choice).
+    return config.grid_order == "head" if config.grid_order is not None else tma
 
 
 def _tma_descriptor(view: torch.Tensor, config: KernelConfig, head_size: int, head_size_v: int):
@@ -257,11 +267,11 @@ def paged_attention(
         part_acc = torch.empty(partials * common["DV_PAD"], dtype=torch.float32, device=query.device)
     else:
         part_ml = part_acc = out  # NOTE: never touched by an unsplit launch (SINGLE); saves two allocations
-    head_major = config.grid_order == "head"
-    grid = (num_reqs * num_kv_heads * splits,) if head_major else (num_reqs, num_kv_heads, splits)
     fusable = head_size == head_size_v == common["D_PAD"]
     kv_load = _KV_LOADS.index("early" if config.kv_load == "fused" and not fusable else config.kv_load)
     kv_desc = _tma_descriptor(kv_cache_view, config, head_size, head_size_v)
+    head_major = _head_major(config, tma=kv_desc is not None)
+    grid = (num_reqs * num_kv_heads * splits,) if head_major else (num_reqs, num_kv_heads, splits)
     _decode_split_kernel[grid](
         # NOTE: the pointer path never reads kv_desc; the view stands in for it there.
         query, kv_cache_view, kv_cache_view if kv_desc is None else kv_desc, block_table, query_start_loc, seq_lens,

@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvcore_triton.attention import _KV_LOADS, DECODE_VARIANTS, DECODE_WARPS, KernelConfig
+from kvcore_triton.attention import _KV_LOADS, DECODE_VARIANTS, DECODE_WARPS, KernelConfig, _head_major
 from kvcore_triton.decode import _decode_split_kernel
 
 
@@ -43,7 +43,7 @@ def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layou
         PREFETCH_TABLE=config.table_prefetch,
         EDGE_MASKS=config.edge_masks or uses_tma(config, block_size),
         EVICT="evict_first" if config.evict_first else "",
-        HEAD_MAJOR=config.grid_order == "head", TMA=uses_tma(config, block_size),
+        HEAD_MAJOR=_head_major(config, tma=uses_tma(config, block_size)), TMA=uses_tma(config, block_size),
     )
     return runtime, constexprs
 
@@ -90,6 +90,8 @@ def summary(kernel) -> dict:
         "ld_v4": ptx.count("ld.global.v4") + ptx.count("ld.global.L1::evict_first.v4"),
         "evict_first": ptx.count("evict_first"),
         "tma_copies": ptx.count("cp.async.bulk.tensor"),
+        # NOTE: the head-major grid is 1-D; the request-major one reads its KV head from ctaid.y.
+        "grid_dims": 1 + ("%ctaid.y" in ptx) + ("%ctaid.z" in ptx),
     }
 
 

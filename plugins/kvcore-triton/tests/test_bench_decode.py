@@ -33,6 +33,7 @@ def test_tiny_run_agrees_with_sdpa_and_torch(bench, capsys):
     for row in result["rows"]:
         assert row["decode_ms"] > 0 and row["max_abs_diff_vs_sdpa"] < 1e-3
         assert row["path"] == "tma"  # tile 16 fits every kernel block here
+        assert row["grid"] == "head"  # the default grid order of TMA reads
     assert len(result["best"]) == 4
     for best in result["best"]:
         assert best["max_abs_diff_vs_torch_backend"] < 1e-3 and best["decode_host_us"] > 0

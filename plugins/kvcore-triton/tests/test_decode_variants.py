@@ -69,6 +69,7 @@ def test_variant_options_are_validated():
         KernelConfig(kv_load="both")
     with pytest.raises(ValueError, match="grid_order"):
         KernelConfig(grid_order="split")
+    assert KernelConfig().grid_order is None  # picked per read path at launch
     with pytest.raises(ValueError, match="table_lookup"):
         KernelConfig(table_lookup="row")
     with pytest.raises(TypeError, match="edge_masks"):
@@ -119,3 +120,10 @@ def test_default_config_lowers_to_tma_where_the_tile_fits_a_block(tile, block_si
     info = _lower_for_sm90("base", tile, block_size)
     assert (info["tma_copies"] > 0) == tma, info
     assert (info["cp_async"] > 8) != tma, info  # the pointer path streams K/V with cp.async
+    # The default grid order: KV heads side by side (1-D grid) with TMA, request-major (3-D) otherwise.
+    assert info["grid_dims"] == (1 if tma else 3), info
+
+
+@pytest.mark.parametrize(("name", "dims"), [("head_grid", 1), ("request_grid", 3)])
+def test_explicit_grid_order_wins_over_the_default(name, dims):
+    assert _lower_for_sm90(name, 64, 64)["grid_dims"] == dims
