@@ -153,7 +153,7 @@ def _has_tma(device: torch.device) -> bool:
 
 def _head_major(config: KernelConfig, *, tma: bool) -> bool:
     """Whether the decode grid runs the KV heads of a request side by side (``grid_order``, or its default)."""
-    # NOTE: side-by-side interleaved runs on an H200: "head" was 0.4-0.7% faster than "request" with TMA
+    # NOTE: side-by-side interleaved runs on an H200: "head" was 0.2-0.7% faster than "request" with TMA
     # reads and within +-0.2% of it on the pointer path, where "request" stays (the first session's choice).
     return config.grid_order == "head" if config.grid_order is not None else tma
 
