@@ -8,13 +8,13 @@ launch. Every public name is importable from here.
 
 from __future__ import annotations
 
-from kvcore.attn_group import AttentionGroup
-from kvcore.backend import (
+from kvcore.runtime.attn_group import AttentionGroup
+from kvcore.plugins.backend import (
     AttentionBackend,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
-from kvcore.batch import (
+from kvcore.model_runner.batch import (
     EncoderTimingStats,
     gather_mm_placeholders,
     get_uniform_decode_token_count,
@@ -22,7 +22,7 @@ from kvcore.batch import (
     sanity_check_mm_encoder_outputs,
     scatter_mm_placeholders,
 )
-from kvcore.binding import (
+from kvcore.model_runner.binding import (
     add_kv_sharing_layers_to_kv_cache_groups,
     bind_kv_cache,
     bind_kv_cache_to_layers,
@@ -30,37 +30,37 @@ from kvcore.binding import (
     extract_layer_index,
     initialize_kv_cache_for_kv_sharing,
 )
-from kvcore.block_pool import BlockPool
-from kvcore.block_sizes import (
+from kvcore.runtime.block_pool import BlockPool
+from kvcore.plugins.block_sizes import (
     customize_attention_spec,
     prepare_kernel_block_sizes,
     select_common_block_size,
 )
-from kvcore.config import (
+from kvcore.memory.config import (
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
 )
-from kvcore.group_builder import (
+from kvcore.runtime.group_builder import (
     build_attention_groups,
     map_kv_caches_to_kernel_blocks,
 )
-from kvcore.hookspecs import (
+from kvcore.plugins.hookspecs import (
     hookimpl,
     hookspec,
 )
-from kvcore.layout import (
+from kvcore.memory.layout import (
     compute_layout_strides,
     KVCacheLayout,
 )
-from kvcore.layout_resolution import resolve_kv_cache_layout
-from kvcore.memory import (
+from kvcore.plugins.layouts import resolve_kv_cache_layout
+from kvcore.memory.budget import (
     MemorySnapshot,
     request_memory,
 )
-from kvcore.planner import plan_kv_cache
-from kvcore.plugins import get_plugin_manager
-from kvcore.runtime import KVCache
+from kvcore.memory.planner import plan_kv_cache
+from kvcore.plugins.registry import get_plugin_manager
+from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -74,11 +74,11 @@ from kvcore.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvcore.views import (
+from kvcore.memory.views import (
     allocate_kv_cache,
     create_kv_cache_views,
 )
-from kvcore.zeroer import KVBlockZeroer
+from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore import distributed, errors
 
 __version__ = "0.1.0"

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from kvcore._validate import as_int, positive_int
-from kvcore.layout import KVCacheLayout
+from kvcore.memory.layout import KVCacheLayout
 from kvcore.specs import (
     AttentionSpec,
     KVCacheSpec,
@@ -210,7 +210,7 @@ def agree_layout(
     list. Without an initialized process group this rank's list is resolved
     alone.
     """
-    from kvcore.layout_resolution import resolve_kv_cache_layout
+    from kvcore.plugins.layouts import resolve_kv_cache_layout
 
     specs = tuple(specs)
     if not _initialized():

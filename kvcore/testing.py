@@ -16,10 +16,10 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec
-from kvcore.views import allocate_kv_cache
+from kvcore.memory.views import allocate_kv_cache
 
 #: Where kit caches live by default: CUDA when present (CPU Triton kernels need TRITON_INTERPRET=1).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.layout import compute_layout_strides
+from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.memory.layout import compute_layout_strides
 from kvcore.specs import (
     FullAttentionSpec,
     KVCacheSpec,
@@ -14,7 +14,7 @@ from kvcore.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvcore.views import allocate_kv_cache
+from kvcore.memory.views import allocate_kv_cache
 
 
 class RawPageSpec(KVCacheSpec):

@@ -11,8 +11,8 @@ import torch
 from _plugin_dists import clean_plugin_env  # noqa: F401
 
 import kvcore
-from kvcore.group_builder import build_attention_groups, map_kv_caches_to_kernel_blocks
-from kvcore.layout import compute_layout_strides
+from kvcore.runtime.group_builder import build_attention_groups, map_kv_caches_to_kernel_blocks
+from kvcore.memory.layout import compute_layout_strides
 from kvcore.specs import KVCacheSpec, MultipleOf
 
 

@@ -12,7 +12,7 @@ from kvcore import (
     plan_kv_cache,
     select_common_block_size,
 )
-from kvcore.backend import AttentionBackend
+from kvcore.plugins.backend import AttentionBackend
 
 SPEC = FullAttentionSpec(16, 2, 8, torch.float32)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.batch import (
+from kvcore.model_runner.batch import (
     EncoderTimingStats,
     gather_mm_placeholders,
     get_uniform_decode_token_count,

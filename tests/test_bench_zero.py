@@ -11,7 +11,7 @@ import torch
 
 from kvcore.bench import zero
 from kvcore.cli import build_parser, main
-from kvcore.layout import KVCacheLayout
+from kvcore.memory.layout import KVCacheLayout
 
 
 def _parse(*argv: str):

@@ -15,9 +15,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcore
-from kvcore.block_sizes import supported_kernel_block_sizes
+from kvcore.plugins.block_sizes import supported_kernel_block_sizes
 from kvcore.errors import PluginError
-from kvcore.layout import compute_layout_strides
+from kvcore.memory.layout import compute_layout_strides
 from kvcore.specs import KVCacheSpec, MultipleOf
 
 

@@ -25,7 +25,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.distributed import agree_layout, agree_num_blocks, kv_head_range, shard_spec
-from kvcore.layout import KVCacheLayout
+from kvcore.memory.layout import KVCacheLayout
 from kvcore.specs import (
     FullAttentionSpec,
     MambaSpec,
@@ -40,7 +40,7 @@ DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.int8]
 
 
 def _resolve(lists, requested=None):
-    from kvcore.layout_resolution import resolve_kv_cache_layout
+    from kvcore.plugins.layouts import resolve_kv_cache_layout
 
     return resolve_kv_cache_layout(lists, (), requested)
 

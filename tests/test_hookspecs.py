@@ -10,9 +10,9 @@ import torch
 from _plugin_dists import clean_plugin_env  # noqa: F401
 
 import kvcore
-from kvcore import hookspecs
-from kvcore.layout import KVCacheLayout
-from kvcore.layout_resolution import supported_layouts
+from kvcore.plugins import hookspecs
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins.layouts import supported_layouts
 from kvcore.specs import MultipleOf
 
 HOOKS = {

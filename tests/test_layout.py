@@ -7,7 +7,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from kvcore.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 
 ALL = list(KVCacheLayout)

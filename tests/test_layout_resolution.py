@@ -15,8 +15,8 @@ from hypothesis import strategies as st
 
 import kvcore
 from kvcore.errors import PluginError
-from kvcore.layout import KVCacheLayout as KL
-from kvcore.layout_resolution import local_supported_layouts, resolve_kv_cache_layout, supported_layouts
+from kvcore.memory.layout import KVCacheLayout as KL
+from kvcore.plugins.layouts import local_supported_layouts, resolve_kv_cache_layout, supported_layouts
 
 FULL = kvcore.FullAttentionSpec(16, 8, 64, torch.bfloat16)
 SLIDING = kvcore.SlidingWindowSpec(16, 8, 64, torch.bfloat16, sliding_window=128)

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from kvcore.memory import MemorySnapshot, request_memory
+from kvcore.memory.budget import MemorySnapshot, request_memory
 
 GIB = 1 << 30
 

@@ -7,7 +7,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from kvcore.binding import extract_layer_index
+from kvcore.model_runner.binding import extract_layer_index
 from kvcore.models import find_model, load_model, parse_model, preset_names
 from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, MultipleOf, SlidingWindowSpec
 

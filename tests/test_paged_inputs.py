@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcore.paged_inputs import check_batch, check_cache_view, check_index, check_tokens
+from kvcore.plugins.paged_inputs import check_batch, check_cache_view, check_index, check_tokens
 
 VIEW = torch.randn(4, 2, 16, 64)
 

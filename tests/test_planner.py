@@ -9,9 +9,9 @@ import torch
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
-from kvcore.layout import KVCacheLayout
+from kvcore.memory.layout import KVCacheLayout
 from kvcore.models import load_model, preset_names
-from kvcore.planner import plan_kv_cache
+from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import (
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
@@ -21,7 +21,7 @@ from kvcore.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvcore.views import allocate_kv_cache
+from kvcore.memory.views import allocate_kv_cache
 
 F32 = torch.float32
 

@@ -170,7 +170,7 @@ def test_hook_failure_in_entry_point_names_distribution_and_hook(two_dists, monk
     make_dist(two_dists, "flaky-dist", "4.2", {"flaky": "fakeplug_flaky"},
               {"fakeplug_flaky": backend_plugin_source("flaky-attn", "[8]", extra)})
     monkeypatch.setenv("KVCORE_PLUGINS", "flaky")
-    from kvcore.layout_resolution import supported_layouts
+    from kvcore.plugins.layouts import supported_layouts
 
     with pytest.raises(PluginError) as exc:
         supported_layouts("flaky-attn")

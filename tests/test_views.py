@@ -10,10 +10,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.config import KVCacheTensor
-from kvcore.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.config import KVCacheTensor
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec
-from kvcore.views import create_kv_cache_views
+from kvcore.memory.views import create_kv_cache_views
 
 
 def make_tensor(spec, num_blocks, num_layers, layout, offset=0, slack=0):

@@ -17,13 +17,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.attn_group import AttentionGroup
-from kvcore.backend import AttentionBackend
-from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.layout import KVCacheLayout, compute_layout_strides
+from kvcore.runtime.attn_group import AttentionGroup
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
-from kvcore.views import allocate_kv_cache
-from kvcore.zeroer import KVBlockZeroer
+from kvcore.memory.views import allocate_kv_cache
+from kvcore.runtime.zeroer import KVBlockZeroer
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -263,7 +263,7 @@ def test_layers_without_views_or_tensors_are_skipped():
 @needs_interpreter
 @pytest.mark.parametrize("vec", [1, 2, 4])
 def test_kernel_matches_reference_and_skips_ids_out_of_range(vec):
-    from kvcore.zeroer.kernel import ROWS, launch_zero_blocks
+    from kvcore.runtime.zeroer.kernel import ROWS, launch_zero_blocks
 
     gen = torch.Generator().manual_seed(vec)
     num_blocks, stride = 5, ROWS * 3 + 7  # runs longer than one inner step, odd tails
@@ -285,7 +285,7 @@ def test_kernel_matches_reference_and_skips_ids_out_of_range(vec):
 
 @needs_interpreter
 def test_launcher_rejects_bad_tables():
-    from kvcore.zeroer.kernel import launch_zero_blocks
+    from kvcore.runtime.zeroer.kernel import launch_zero_blocks
 
     base = torch.ones(64, dtype=torch.int32)
     table = torch.zeros(1, dtype=torch.int64)

@@ -17,8 +17,8 @@ import torch
 
 from kvcore.cli._args import layout_arg
 from kvcore.cli.plan import parse_memory
-from kvcore.layout import KVCacheLayout
-from kvcore.planner import plan_kv_cache
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 TARGET_MS = 20.0

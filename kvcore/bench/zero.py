@@ -16,15 +16,15 @@ from typing import Any
 
 import torch
 
-from kvcore.attn_group import AttentionGroup
-from kvcore.backend import AttentionBackend
+from kvcore.runtime.attn_group import AttentionGroup
+from kvcore.plugins.backend import AttentionBackend
 from kvcore.bench._timing import Timer, empty_launch, find_memset
 from kvcore.cli._args import layouts_arg
-from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec
-from kvcore.views import allocate_kv_cache
-from kvcore.zeroer import KVBlockZeroer
+from kvcore.memory.views import allocate_kv_cache
+from kvcore.runtime.zeroer import KVBlockZeroer
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -199,8 +199,8 @@ def run(args: argparse.Namespace) -> int:
         values = getattr(args, name) if name == "blocks" else [getattr(args, name)]
         if not values or min(values) <= 0:
             raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    from kvcore.zeroer import kernel as zero_kernel
-    from kvcore.zeroer import zeroer as zero_module
+    from kvcore.runtime.zeroer import kernel as zero_kernel
+    from kvcore.runtime.zeroer import zeroer as zero_module
 
     # NOTE: tuning knobs override the library's module defaults for this process only.
     if args.programs_per_sm:

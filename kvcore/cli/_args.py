@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvcore.layout import KVCacheLayout
+from kvcore.memory.layout import KVCacheLayout
 
 
 def plain(doc: str | None) -> str:

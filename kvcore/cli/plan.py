@@ -8,13 +8,13 @@ import re
 from fractions import Fraction
 from typing import Any
 
-from kvcore.binding import extract_layer_index
+from kvcore.model_runner.binding import extract_layer_index
 from kvcore.cli._args import layout_arg
-from kvcore.config import KVCacheConfig
-from kvcore.layout import KVCacheLayout
+from kvcore.memory.config import KVCacheConfig
+from kvcore.memory.layout import KVCacheLayout
 from kvcore.models import ModelDescription, load_model, preset_names
-from kvcore.plan_groups import is_encoder_only
-from kvcore.planner import plan_kv_cache
+from kvcore.memory.plan_groups import is_encoder_only
+from kvcore.memory.planner import plan_kv_cache
 
 _UNITS = {
     "": 1, "B": 1,

@@ -9,7 +9,7 @@ import warnings
 import attrs
 
 from kvcore.errors import PluginWarning
-from kvcore.plugins import PluginSettings, build_plugin_manager, list_plugins
+from kvcore.plugins.registry import PluginSettings, build_plugin_manager, list_plugins
 
 _STATUS_STYLE = {"loaded": "green", "failed": "bold red", "blocked": "yellow", "disabled": "dim"}
 

@@ -35,10 +35,10 @@ import torch.nn.functional as F
 from kvcore_triton import KernelConfig, paged_attention
 from kvcore_triton.attention import DECODE_VARIANTS, _head_major, _tma_descriptor
 
-from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec
-from kvcore.views import allocate_kv_cache
+from kvcore.memory.views import allocate_kv_cache
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

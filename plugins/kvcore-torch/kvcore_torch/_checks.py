@@ -1,6 +1,6 @@
 """Input checks of the torch backend's entry points (kvcore's shared paged-input checks)."""
 
-from kvcore.paged_inputs import (
+from kvcore.plugins.paged_inputs import (
     check_batch,
     check_cache_view,
     check_heads_and_window,

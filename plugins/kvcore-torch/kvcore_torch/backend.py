@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcore.backend import AttentionBackend, CommonAttentionMetadata
+from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore_torch.attention import paged_attention
 from kvcore_torch.cache_write import write_kv
 

@@ -7,9 +7,9 @@ import importlib.metadata
 import pytest
 import torch
 
-from kvcore.block_sizes import select_common_block_size
-from kvcore.layout import KVCacheLayout
-from kvcore.plugin_manager import collect_backends
+from kvcore.plugins.block_sizes import select_common_block_size
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins.manager import collect_backends
 from kvcore.plugins import get_plugin_manager
 from kvcore.specs import FullAttentionSpec, MultipleOf
 from kvcore_torch import TorchAttentionBackend

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcore.paged_inputs import check_cache_view as _check_cache_view
-from kvcore.paged_inputs import check_heads_and_window, check_index, check_tokens
-from kvcore.paged_inputs import check_kv_write as _check_kv_write
+from kvcore.plugins.paged_inputs import check_cache_view as _check_cache_view
+from kvcore.plugins.paged_inputs import check_heads_and_window, check_index, check_tokens
+from kvcore.plugins.paged_inputs import check_kv_write as _check_kv_write
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 

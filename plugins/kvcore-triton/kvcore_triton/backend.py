@@ -6,7 +6,7 @@ from typing import ClassVar
 
 import torch
 
-from kvcore.backend import AttentionBackend, CommonAttentionMetadata
+from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore_triton.attention import KernelConfig, paged_attention
 from kvcore_triton.store import write_kv
 

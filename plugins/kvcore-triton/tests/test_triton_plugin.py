@@ -8,11 +8,11 @@ import pytest
 import torch
 from triton_paged_cases import DEVICE, build_cache, dense_reference, make_batch
 
-from kvcore.attn_group import AttentionGroup
-from kvcore.backend import CommonAttentionMetadata
-from kvcore.block_sizes import customize_attention_spec, select_common_block_size
-from kvcore.layout import KVCacheLayout
-from kvcore.plugin_manager import collect_backends
+from kvcore.runtime.attn_group import AttentionGroup
+from kvcore.plugins.backend import CommonAttentionMetadata
+from kvcore.plugins.block_sizes import customize_attention_spec, select_common_block_size
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins.manager import collect_backends
 from kvcore.plugins import get_plugin_manager
 from kvcore.specs import FullAttentionSpec, MultipleOf
 from kvcore_triton import KernelConfig, TritonAttentionBackend

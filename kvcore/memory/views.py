@@ -7,8 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from kvcore._validate import positive_int
-from kvcore.config import KVCacheConfig, KVCacheTensor
-from kvcore.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.config import KVCacheConfig, KVCacheTensor
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import KVCacheSpec
 
 _BYTE_DTYPES = (torch.int8, torch.uint8)

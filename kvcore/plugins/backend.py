@@ -2,7 +2,7 @@
 
 A backend is a class (never instantiated by kvcore) with a unique ``name``.
 What it accepts — kernel block sizes, layouts, spec changes — is declared
-through the plugin hooks in :mod:`kvcore.hookspecs`, not through attributes.
+through the plugin hooks in :mod:`kvcore.plugins.hookspecs`, not through attributes.
 """
 
 from __future__ import annotations

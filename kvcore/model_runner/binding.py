@@ -13,7 +13,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from kvcore._validate import positive_int
-from kvcore.config import KVCacheGroupSpec
+from kvcore.memory.config import KVCacheGroupSpec
 
 
 @runtime_checkable

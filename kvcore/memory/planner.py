@@ -39,9 +39,9 @@ from collections.abc import Mapping
 import attrs
 
 from kvcore._validate import non_negative_int, positive_int
-from kvcore.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.layout import KVCacheLayout, compute_layout_strides
-from kvcore.plan_groups import group_layers, is_encoder_only
+from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.plan_groups import group_layers, is_encoder_only
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 # NOTE: the order in which a refusal suggests the layouts that can plan a model
@@ -219,7 +219,7 @@ def plan_kv_cache(
 
     Give exactly one of ``available_memory`` (bytes; the most blocks that fit,
     at least 2) or ``num_blocks``. Groups come from
-    :func:`kvcore.plan_groups.group_layers`; every cache group gets one tensor
+    :func:`kvcore.memory.plan_groups.group_layers`; every cache group gets one tensor
     per distinct layer spec, all of size ``bytes_per_block * num_blocks`` and
     overlaid from byte 0 (see the module docstring for the memory model).
     Raises ``ValueError`` when the budget holds fewer than 2 blocks or when

@@ -8,11 +8,11 @@ from typing import Any
 import pluggy
 import torch
 
-from kvcore.attn_group import AttentionGroup, flatten_attention_groups
-from kvcore.backend import AttentionBackend
-from kvcore.block_sizes import customize_attention_spec
-from kvcore.config import KVCacheConfig
-from kvcore.plugins import resolve_backend, resolve_plugin_manager
+from kvcore.runtime.attn_group import AttentionGroup, flatten_attention_groups
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.block_sizes import customize_attention_spec
+from kvcore.memory.config import KVCacheConfig
+from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
 from kvcore.specs import AttentionSpec
 
 

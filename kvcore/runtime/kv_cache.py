@@ -16,15 +16,15 @@ import pluggy
 import torch
 
 from kvcore._validate import positive_int
-from kvcore.attn_group import AttentionGroup
-from kvcore.backend import AttentionBackend, CommonAttentionMetadata
-from kvcore.block_pool import BlockPool
-from kvcore.config import KVCacheConfig
-from kvcore.layout import KVCacheLayout
+from kvcore.runtime.attn_group import AttentionGroup
+from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
+from kvcore.runtime.block_pool import BlockPool
+from kvcore.memory.config import KVCacheConfig
+from kvcore.memory.layout import KVCacheLayout
 from kvcore.specs import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec
 
 if TYPE_CHECKING:
-    from kvcore.zeroer import KVBlockZeroer
+    from kvcore.runtime.zeroer import KVBlockZeroer
 
 
 def _backend_classes(
@@ -33,7 +33,7 @@ def _backend_classes(
     pm: pluggy.PluginManager,
 ) -> dict[str, type[AttentionBackend]]:
     """``layer_backends`` with registered backend names replaced by their classes."""
-    from kvcore.plugins import resolve_backend
+    from kvcore.plugins.registry import resolve_backend
 
     if not isinstance(layer_specs, Mapping):
         raise TypeError(f"layer_specs must map layer names to KVCacheSpecs, got {layer_specs!r}")
@@ -97,13 +97,13 @@ class KVCache:
         (bytes) and ``num_blocks``. With a ``torch.distributed`` process
         ``group``, all ranks agree on one layout and one block count.
         """
-        from kvcore.block_sizes import customize_attention_spec, prepare_kernel_block_sizes
-        from kvcore.group_builder import build_attention_groups, map_kv_caches_to_kernel_blocks
-        from kvcore.layout_resolution import local_supported_layouts, resolve_kv_cache_layout
-        from kvcore.planner import plan_kv_cache
-        from kvcore.plugins import resolve_plugin_manager
-        from kvcore.views import allocate_kv_cache
-        from kvcore.zeroer import KVBlockZeroer
+        from kvcore.plugins.block_sizes import customize_attention_spec, prepare_kernel_block_sizes
+        from kvcore.runtime.group_builder import build_attention_groups, map_kv_caches_to_kernel_blocks
+        from kvcore.plugins.layouts import local_supported_layouts, resolve_kv_cache_layout
+        from kvcore.memory.planner import plan_kv_cache
+        from kvcore.plugins.registry import resolve_plugin_manager
+        from kvcore.memory.views import allocate_kv_cache
+        from kvcore.runtime.zeroer import KVBlockZeroer
 
         device = torch.device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)

@@ -8,10 +8,10 @@ from typing import Any
 
 import pluggy
 
-from kvcore.backend import AttentionBackend
-from kvcore.layout import KVCacheLayout
-from kvcore.plugin_manager import call_first
-from kvcore.plugins import resolve_backend, resolve_plugin_manager
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins.manager import call_first
+from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
 from kvcore.specs import EncoderOnlyAttentionSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 
 ALL_LAYOUTS: tuple[KVCacheLayout, ...] = tuple(KVCacheLayout)

@@ -16,8 +16,8 @@ from typing import Any
 import attrs
 import pluggy
 
-from kvcore import hookspecs
-from kvcore.backend import AttentionBackend
+from kvcore.plugins import hookspecs
+from kvcore.plugins.backend import AttentionBackend
 from kvcore.errors import PluginError
 
 logger = logging.getLogger("kvcore.plugins")

@@ -20,10 +20,10 @@ from typing import Any
 import attrs
 import pluggy
 
-from kvcore.backend import AttentionBackend
+from kvcore.plugins.backend import AttentionBackend
 from kvcore.errors import PluginError, PluginWarning
-from kvcore.hookspecs import CORE_PLUGIN_NAME, ENTRY_POINT_GROUP
-from kvcore.plugin_manager import (
+from kvcore.plugins.hookspecs import CORE_PLUGIN_NAME, ENTRY_POINT_GROUP
+from kvcore.plugins.manager import (
     KVCorePluginManager,
     PluginInfo,
     collect_backends,

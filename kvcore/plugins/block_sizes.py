@@ -15,10 +15,10 @@ import attrs
 import pluggy
 
 from kvcore._validate import positive_int
-from kvcore.backend import AttentionBackend
-from kvcore.config import KVCacheConfig
-from kvcore.plugin_manager import call_first
-from kvcore.plugins import resolve_backend, resolve_plugin_manager
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.memory.config import KVCacheConfig
+from kvcore.plugins.manager import call_first
+from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
 from kvcore.specs import (
     AttentionSpec,
     EncoderOnlyAttentionSpec,

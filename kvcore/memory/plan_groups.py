@@ -23,7 +23,7 @@ from collections.abc import Mapping
 
 import attrs
 
-from kvcore.config import KVCacheGroupSpec
+from kvcore.memory.config import KVCacheGroupSpec
 from kvcore.specs import (
     EncoderOnlyAttentionSpec,
     KVCacheSpec,

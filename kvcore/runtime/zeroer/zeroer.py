@@ -9,9 +9,9 @@ from typing import Any
 import torch
 
 from kvcore._validate import non_negative_int, positive_int
-from kvcore.attn_group import AttentionGroup, flatten_attention_groups
-from kvcore.zeroer.ids import device_ids, host_ids
-from kvcore.zeroer.segments import (
+from kvcore.runtime.attn_group import AttentionGroup, flatten_attention_groups
+from kvcore.runtime.zeroer.ids import device_ids, host_ids
+from kvcore.runtime.zeroer.segments import (
     Segment,
     check_segments,
     chunk_segments,
@@ -54,7 +54,7 @@ class KVBlockZeroer:
 
     Built once after the caches are allocated: each layer view of ``kv_caches``
     (layer name -> tensor) served by ``attn_groups`` (flat or one list per KV
-    cache group) becomes segments (see :mod:`kvcore.zeroer.segments`), merged
+    cache group) becomes segments (see :mod:`kvcore.runtime.zeroer.segments`), merged
     per allocation. Attention and state caches are zeroed; runner-only layers,
     layers without a tensor and specs without layer views are skipped. Runs,
     offsets and strides must be multiples of 4 bytes (``ValueError`` here).
@@ -143,7 +143,7 @@ class KVBlockZeroer:
             return "torch" if backend == "torch" else "triton"
         runnable = self.device.type == "cuda" or (self.device.type == "cpu" and _interpreting())
         try:
-            from kvcore.zeroer import kernel  # noqa: F401
+            from kvcore.runtime.zeroer import kernel  # noqa: F401
         except ImportError:
             runnable = False
         if backend == "triton" and not runnable:
@@ -207,7 +207,7 @@ class KVBlockZeroer:
                     rows = alloc.bytes.as_strided((self.num_blocks, seg.page), (seg.block_stride, 1), seg.offset)
                     rows.index_fill_(0, keep, 0)
             return
-        from kvcore.zeroer.kernel import launch_zero_blocks, max_programs
+        from kvcore.runtime.zeroer.kernel import launch_zero_blocks, max_programs
 
         programs = max_programs(self.device)
         for alloc in self._allocations:

@@ -14,7 +14,7 @@ import pluggy
 import torch
 
 from kvcore._validate import non_negative_int, positive_int
-from kvcore.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
+from kvcore.plugins.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
 from kvcore.specs import AttentionSpec, KVCacheSpec
 
 
@@ -62,7 +62,7 @@ class AttentionGroup:
         still need smaller blocks (in a packed group), in which case this
         group maps its own block tables to kernel blocks.
         """
-        from kvcore.block_sizes import select_common_block_size
+        from kvcore.plugins.block_sizes import select_common_block_size
 
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)

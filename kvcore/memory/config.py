@@ -8,7 +8,7 @@ from typing import Any
 import attrs
 
 from kvcore._validate import attrs_non_negative, attrs_positive
-from kvcore.layout import KVCacheLayout
+from kvcore.memory.layout import KVCacheLayout
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 

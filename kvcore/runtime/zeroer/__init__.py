@@ -1,5 +1,5 @@
 """Block zeroing: clear newly allocated KV cache blocks in one kernel launch."""
 
-from kvcore.zeroer.zeroer import KVBlockZeroer
+from kvcore.runtime.zeroer.zeroer import KVBlockZeroer
 
 __all__ = ["KVBlockZeroer"]

@@ -1,0 +1,33 @@
+"""Stage 3 of the pipeline: negotiation with attention-backend plugins.
+
+The backend protocol (``backend``), the hook specifications (``hookspecs``),
+the plugin manager and its loading (``manager``, ``registry``), and the
+modules that ask the hooks (``block_sizes``, ``layouts``). Backend authors
+also use ``paged_inputs`` to check a step's K/V inputs.
+"""
+
+from kvcore.plugins.registry import (
+    PluginSettings,
+    build_plugin_manager,
+    default_plugin_manager,
+    get_backend,
+    get_backends,
+    get_plugin_manager,
+    list_plugins,
+    reset_default_plugin_manager,
+    resolve_backend,
+    resolve_plugin_manager,
+)
+
+__all__ = [
+    "PluginSettings",
+    "build_plugin_manager",
+    "default_plugin_manager",
+    "get_backend",
+    "get_backends",
+    "get_plugin_manager",
+    "list_plugins",
+    "reset_default_plugin_manager",
+    "resolve_backend",
+    "resolve_plugin_manager",
+]

@@ -1,0 +1,105 @@
+"""The hooks through which kvcore consults attention-backend plugins.
+
+A plugin is a module (or object) with functions marked ``@kvcore.hookimpl``
+and named after the hooks below. kvcore never reads block sizes, layouts or
+spec changes off a backend class: it asks these hooks.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable
+
+import pluggy
+
+from kvcore.specs import MultipleOf
+
+if TYPE_CHECKING:
+    from kvcore.plugins.backend import AttentionBackend
+    from kvcore.memory.layout import KVCacheLayout
+    from kvcore.specs import KVCacheSpec
+
+PROJECT_NAME = "kvcore"
+ENTRY_POINT_GROUP = "kvcore.plugins"
+
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def kvcore_register_backends(register: Callable[[type[AttentionBackend]], None]) -> None:
+    """Register the attention backends this plugin provides.
+
+    Every plugin's implementation is called (a collecting hook); each calls
+    ``register(BackendClass)`` once per backend it ships.
+
+    :param register: callback taking an ``AttentionBackend`` subclass with a
+        unique str ``name``; it refuses other types and names already taken.
+    :returns: nothing; return values are ignored.
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_supported_kernel_block_sizes(
+    backend: type[AttentionBackend], spec: KVCacheSpec | None
+) -> list[int | MultipleOf] | None:
+    """Kernel block sizes (in tokens) a backend's kernels accept for a spec.
+
+    Stops at the first non-None result. The core default, tried last,
+    accepts any size (``[MultipleOf(1)]``).
+
+    :param backend: the backend class kvcore is asking about.
+    :param spec: the layer's KV cache spec, or None when no spec is known.
+    :returns: a list of ``int`` (that size only) and ``MultipleOf(base)`` (any
+        multiple of ``base``) for a backend this plugin owns, else None.
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_customize_spec(
+    backend: type[AttentionBackend], spec: KVCacheSpec
+) -> KVCacheSpec | None:
+    """Adjust a layer's KV cache spec to what a backend stores (e.g. head padding).
+
+    Stops at the first non-None result. The core default returns ``spec``
+    unchanged.
+
+    :param backend: the backend class that will serve the layer.
+    :param spec: the spec the engine described for the layer.
+    :returns: a new spec (specs are immutable; use ``attrs.evolve``) for a
+        backend this plugin owns, else None.
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_supported_layouts(
+    backend: type[AttentionBackend], spec: KVCacheSpec | None
+) -> list[KVCacheLayout] | None:
+    """Physical KV cache layouts a backend's kernels can read.
+
+    Stops at the first non-None result. With no answer (the core default),
+    every layout is accepted.
+
+    :param backend: the backend class kvcore is asking about.
+    :param spec: the layer's KV cache spec, or None when no spec is known.
+    :returns: layouts (``KVCacheLayout`` members or their names), most
+        preferred first, for a backend this plugin owns; None for any layout.
+    """
+
+
+class CoreDefaults:
+    """kvcore's own answers, registered ``trylast`` so every plugin comes first."""
+
+    @hookimpl(trylast=True)
+    def kvcore_supported_kernel_block_sizes(self, backend: Any, spec: Any) -> list[MultipleOf]:
+        return [MultipleOf(1)]
+
+    @hookimpl(trylast=True)
+    def kvcore_customize_spec(self, backend: Any, spec: KVCacheSpec) -> KVCacheSpec:
+        return spec
+
+    @hookimpl(trylast=True)
+    def kvcore_supported_layouts(self, backend: Any, spec: Any) -> None:
+        return None
+
+
+CORE_PLUGIN_NAME = "kvcore-core"
