@@ -17,7 +17,9 @@ $(STAMP): $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	# torch==2.13.0 is the local CPU wheel; an existing torch>=2.4 is reused.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e ".[test]" $(addprefix -e ,$(wildcard $(PLUGINS)))
+	# transformers==5.23.0 is known to work here; an existing transformers>=5 is reused.
+	$(PY) -c "import transformers" 2>/dev/null || $(PIP) install -q transformers==5.23.0
+	$(PIP) install -q -e ".[test,hf,nixl]" $(addprefix -e ,$(wildcard $(PLUGINS)))
 	touch $(STAMP)
 
 venv: $(STAMP)
