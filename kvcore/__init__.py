@@ -31,6 +31,7 @@ from kvcore.model_runner.binding import (
     initialize_kv_cache_for_kv_sharing,
 )
 from kvcore.runtime.block_pool import BlockPool
+from kvcore.runtime.prefix_hash import block_hashes, sliding_window_blocks
 from kvcore.plugins.block_sizes import (
     customize_attention_spec,
     prepare_kernel_block_sizes,
@@ -93,6 +94,8 @@ __all__ = [
     "bind_kv_cache",
     "bind_kv_cache_to_layers",
     "BlockPool",
+    "block_hashes",
+    "sliding_window_blocks",
     "build_attention_groups",
     "ChunkedLocalAttentionSpec",
     "clear_layer_kv_caches",
