@@ -1,0 +1,30 @@
+"""KV transfer: describe where every block lives, plan exact byte runs, move blocks.
+
+``describe(kv_cache)`` gives a JSON-serializable :class:`KVCacheDescriptor`;
+``plan_transfer`` turns manager block ids into the fewest contiguous
+:class:`Region` runs; :class:`HostKVPool` offloads blocks to a host mirror
+and :class:`NixlAgent` moves them between processes through NIXL.
+"""
+
+from kvcore.transfer.describe import describe
+from kvcore.transfer.descriptor import (
+    Allocation,
+    ContentMap,
+    GroupDescriptor,
+    KVCacheDescriptor,
+    LayerDescriptor,
+    StateSlice,
+)
+from kvcore.transfer.plan import Region, plan_transfer
+
+__all__ = [
+    "Allocation",
+    "ContentMap",
+    "describe",
+    "GroupDescriptor",
+    "KVCacheDescriptor",
+    "LayerDescriptor",
+    "plan_transfer",
+    "Region",
+    "StateSlice",
+]

@@ -1,0 +1,74 @@
+"""Checks on the block ids handed to plans and transfers (before any byte moves)."""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+
+import torch
+
+
+def _refuse(value: Any, num_blocks: int, what: str, low: int) -> ValueError:
+    return ValueError(
+        f"{what} {value!r} is not an integer in [{low}, {num_blocks}); pass manager block "
+        "ids from the block pool" + (" (block 0 is the null block and holds no data)" if low else "")
+        + "; nothing was transferred"
+    )
+
+
+def block_id_tensor(block_ids: Any, num_blocks: int, *, what: str = "block id", null_ok: bool = True) -> torch.Tensor:
+    """``block_ids`` (ints, a sequence of ints or an integer tensor) as a CPU int64 tensor.
+
+    Every id must be an integer in ``[0, num_blocks)`` (``[1, num_blocks)``
+    when ``null_ok`` is False), else ``ValueError``; bools are refused.
+    """
+    low = 0 if null_ok else 1
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
+            raise ValueError(f"{what}s must be an integer tensor, got {block_ids.dtype}; pass int32/int64 ids")
+        ids = block_ids.detach().reshape(-1).to("cpu", torch.int64)
+        if ids.numel():
+            bad = ids[(ids < low) | (ids >= num_blocks)]
+            if bad.numel():
+                raise _refuse(int(bad[0]), num_blocks, what, low)
+        return ids
+    if isinstance(block_ids, (str, bytes)) or block_ids is None:
+        raise ValueError(f"{what}s must be a sequence of integers, got {block_ids!r}")
+    if isinstance(block_ids, int) and not isinstance(block_ids, bool):
+        block_ids = [block_ids]
+    try:
+        items = list(block_ids)
+    except TypeError:
+        raise _refuse(block_ids, num_blocks, what, low) from None
+    values = []
+    for value in items:
+        if isinstance(value, bool) or "bool" in type(value).__name__:
+            raise _refuse(value, num_blocks, what, low)
+        try:
+            value = operator.index(value)
+        except TypeError:
+            raise _refuse(value, num_blocks, what, low) from None
+        if not low <= value < num_blocks:
+            raise _refuse(value, num_blocks, what, low)
+        values.append(value)
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def paired_ids(
+    src_ids: Any, src_blocks: int, dst_ids: Any, dst_blocks: int, *, src_what: str, dst_what: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validated source and destination ids of one transfer (no null block, one source per destination)."""
+    src = block_id_tensor(src_ids, src_blocks, what=src_what, null_ok=False)
+    dst = block_id_tensor(dst_ids, dst_blocks, what=dst_what, null_ok=False)
+    if src.numel() != dst.numel():
+        raise ValueError(
+            f"got {src.numel()} {src_what}s and {dst.numel()} {dst_what}s; pass one "
+            f"{dst_what} per {src_what} (nothing was transferred)"
+        )
+    if torch.unique(dst).numel() != dst.numel():
+        values, counts = torch.unique(dst, return_counts=True)
+        raise ValueError(
+            f"{dst_what} {int(values[counts > 1][0])} is listed twice; each destination "
+            "block takes one source block (nothing was transferred)"
+        )
+    return src, dst
