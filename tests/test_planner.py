@@ -115,6 +115,60 @@ def test_encoder_only_layers_get_a_group_but_no_tensor():
     assert only.kv_cache_tensors == [] and only.kv_cache_groups[0].layer_names == ["e.0"]
 
 
+@pytest.mark.parametrize("budget", [{"available_memory": 0}, {"available_memory": 1 << 30}, {"num_blocks": 7}])
+def test_encoder_only_model_plans_a_usable_pool(budget):
+    # regression (#14): an encoder-only model planned one block, which no block pool takes
+    enc = EncoderOnlyAttentionSpec(16, num_kv_heads=2, head_size=64, dtype=F32)
+    config = plan_kv_cache({"e.0": enc, "e.1": enc}, "BLNHC", **budget)
+    assert config.num_blocks == budget.get("num_blocks", 2)
+    assert config.kv_cache_tensors == [] and allocate_kv_cache(config, "cpu") == {}
+
+
+def test_no_memory_for_a_cached_model_says_what_one_block_needs():
+    with pytest.raises(ValueError, match=r"available_memory=0 bytes holds 0 KV cache blocks.*16384 bytes.*32768"):
+        plan_kv_cache({"l.0": full()}, "LBNHC", available_memory=0)
+
+
+_F16 = torch.float16
+
+
+@pytest.mark.parametrize("layout", list(KVCacheLayout))
+@pytest.mark.parametrize("num_blocks", [2, 4, 5, 7])
+@pytest.mark.parametrize(
+    "specs",
+    [
+        # the unified page (10 bytes of float16 state) must not leave float32 pages mid-element
+        {"m": MambaSpec(1, [(5,)], [_F16]), "a": FullAttentionSpec(1, 1, 1, F32)},
+        # a uniform-type group: the float32 tensor must not start after an odd number of halves
+        {"m.0": MambaSpec(16, [(1,)], [_F16]), "m.1": MambaSpec(16, [(2,)], [F32])},
+        # mixed element sizes inside one state: 6 bytes, padded to a multiple of 4
+        {"m.0": MambaSpec(16, [(1,), (1,)], [F32, _F16]), "a.1": FullAttentionSpec(1, 1, 1, _F16)},
+    ],
+    ids=["mamba-f16-and-f32-attention", "uniform-f16-f32-states", "mixed-state"],
+)
+def test_mixed_element_sizes_plan_and_allocate_aligned(specs, layout, num_blocks):
+    # regression (#14): these plans were accepted and then refused by allocate_kv_cache
+    try:
+        config = plan_kv_cache(specs, layout, num_blocks=num_blocks)
+    except ValueError as exc:
+        able = re.search(r"all that can: ([A-Z, ]+)\)$", str(exc))
+        assert able, f"a refusal must name the layouts that can: {exc}"
+        for name in able.group(1).split(", "):
+            _check_views(plan_kv_cache(specs, name, num_blocks=num_blocks))
+        return
+    for tensor in config.kv_cache_tensors:
+        group = config.group_of(tensor.layers[0])[1]
+        align = group.spec_of(tensor.layers[0]).dtype_alignment
+        assert tensor.offset % align == tensor.layer_stride % align == tensor.block_stride % align == 0
+    views = allocate_kv_cache(config, "cpu")
+    _check_views(config)
+    for name, spec in specs.items():
+        if isinstance(spec, MambaSpec):
+            planned = config.group_of(name)[1].spec_of(name)
+            states = planned.split_states(views[name])  # every state aligned to its dtype
+            assert [s.dtype for s in states] == list(spec.dtypes)
+
+
 @pytest.mark.parametrize("layout", list(KVCacheLayout))
 def test_uniform_type_layers_of_different_shapes_share_one_group(layout):
     specs = {"l.0": full(heads=2), "l.1": full(heads=1), "l.2": full(heads=2)}
@@ -305,7 +359,7 @@ def test_plan_properties(layers, layout, memory):
             with pytest.raises(ValueError, match="MLA layer"):
                 plan_kv_cache(specs, "BLNHC", num_blocks=2)
             return
-        if "KV cache block(s)" in message:  # budget too small: 2 blocks do not fit
+        if re.search(r"holds \d+ KV cache blocks?;", message):  # budget too small: 2 blocks do not fit
             event("refused: budget")
             two = plan_kv_cache(specs, layout, num_blocks=2)
             assert two.kv_cache_tensors[0].size > memory

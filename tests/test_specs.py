@@ -187,6 +187,37 @@ def test_padded_attention_page():
         FullAttentionSpec(8, 1, 8, torch.float16, page_size_padded=200)
 
 
+def test_padded_page_must_hold_whole_elements():
+    # regression (#14): a 2050-byte float32 page was accepted, and no layout could allocate it
+    with pytest.raises(ValueError, match=r"page_size_padded=2050 is not a multiple of the 4-byte torch.float32.*2052"):
+        FullAttentionSpec(16, 2, 8, torch.float32, page_size_padded=2050)
+    assert FullAttentionSpec(16, 2, 8, torch.float32, page_size_padded=2052).page_size_bytes == 2052
+    with pytest.raises(ValueError, match=r"page_size_padded=14 is not a multiple of 4 bytes.*16"):
+        MambaSpec(16, [(1,), (3,)], [torch.float32, torch.float16], page_size_padded=14)
+    assert MambaSpec(16, [(3,)], [torch.float16], page_size_padded=14).page_size_bytes == 14
+
+
+def test_dtype_alignment_is_the_largest_element():
+    assert FullAttentionSpec(16, 2, 8, torch.bfloat16).dtype_alignment == 2
+    mixed = MambaSpec(16, [(3,), (1,)], [torch.float16, torch.float32])
+    assert mixed.view_dtype is torch.int8 and mixed.dtype_alignment == 4
+    group = UniformTypeKVCacheSpecs(16, {"a": MambaSpec(16, [(3,)], [torch.int8]), "b": mixed})
+    assert group.dtype_alignment == 4
+
+
+@pytest.mark.parametrize("heads", [0, 2, 8])
+def test_mla_has_one_latent_vector_per_token(heads):
+    # regression (#15): MLAAttentionSpec(num_kv_heads=2) was accepted
+    with pytest.raises(ValueError, match=f"num_kv_heads.*{heads}"):
+        MLAAttentionSpec(16, heads, 576, torch.bfloat16)
+    if heads:
+        with pytest.raises(ValueError, match="one latent vector per token.*num_kv_heads must be 1"):
+            MLAAttentionSpec(16, heads, 576, torch.bfloat16)
+    spec = MLAAttentionSpec(16, 1, 576, torch.bfloat16)
+    with pytest.raises(ValueError, match="num_kv_heads must be 1"):
+        attrs.evolve(spec, num_kv_heads=heads or 3)
+
+
 def test_mamba_spec():
     spec = MambaSpec(16, [(3, 4), (2, 8)], [torch.float32, torch.float32])
     assert spec.state_bytes == (48, 64)

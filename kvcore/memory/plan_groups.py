@@ -10,6 +10,10 @@ page size for every layer, the largest:
 - otherwise state caches and non-MLA attention pad their page
   (``page_size_padded``); MLA cannot be padded and is refused.
 
+The common page is rounded up to a multiple of every layer's element size
+(``dtype_alignment``), and a state cache whose states mix element sizes is
+padded to a multiple of its largest one, so no block starts mid-element.
+
 Then each spec's layers, in model order, are cut into groups of the smallest
 spec's layer count (Gemma-3 with 10 full and 52 sliding layers: one full
 group of 10, sliding groups of 10, 10, 10, 10, 10 and 2). Encoder-only layers
@@ -19,6 +23,7 @@ so that cache group ids do not depend on them.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import attrs
@@ -56,11 +61,12 @@ def unify_page_size(spec: KVCacheSpec, page: int, layer_name: str) -> KVCacheSpe
     if isinstance(spec, MLAAttentionSpec):
         raise ValueError(
             f"MLA layer {layer_name!r} has a {current}-byte page (block size "
-            f"{spec.block_size}) that does not divide the model's largest page of "
-            f"{page} bytes, and MLA pages cannot be padded; choose block sizes whose "
+            f"{spec.block_size}) that does not divide the model's common page of "
+            f"{page} bytes (the largest page, rounded up to a multiple of every "
+            "element size), and MLA pages cannot be padded; choose block sizes whose "
             "pages divide the largest page"
         )
-    if not attrs.has(type(spec)) or "page_size_padded" not in attrs.fields_dict(type(spec)):
+    if not _paddable(spec):
         raise ValueError(
             f"layer {layer_name!r} ({type(spec).__name__}) has a {current}-byte page "
             f"that neither divides the model's largest page of {page} bytes nor can "
@@ -69,7 +75,25 @@ def unify_page_size(spec: KVCacheSpec, page: int, layer_name: str) -> KVCacheSpe
     return attrs.evolve(spec, page_size_padded=page)
 
 
+def _paddable(spec: KVCacheSpec) -> bool:
+    return attrs.has(type(spec)) and "page_size_padded" in attrs.fields_dict(type(spec))
+
+
+def align_page(spec: KVCacheSpec) -> KVCacheSpec:
+    """``spec`` padded so that its page is a multiple of its largest element size.
+
+    Only state caches whose states mix element sizes (a 6-byte page of one
+    float16 and one float32) need it: their next block would otherwise start
+    mid-element. Specs that cannot be padded are returned unchanged.
+    """
+    page, align = spec.page_size_bytes, spec.dtype_alignment
+    if page % align == 0 or not _paddable(spec):
+        return spec
+    return attrs.evolve(spec, page_size_padded=-(-page // align) * align)
+
+
 def _cache_groups(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    specs = {name: align_page(spec) for name, spec in specs.items()}
     distinct = dict.fromkeys(specs.values())
     if len(distinct) == 1:
         return [KVCacheGroupSpec(list(specs), next(iter(distinct)))]
@@ -77,7 +101,10 @@ def _cache_groups(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
         block_size = next(iter(distinct)).block_size
         return [KVCacheGroupSpec(list(specs), UniformTypeKVCacheSpecs(block_size, specs))]
 
-    page = max(s.page_size_bytes for s in distinct)
+    # NOTE: the common page is a multiple of every element size, so that a
+    # padded page never makes the next block start mid-element.
+    align = math.lcm(*(s.dtype_alignment for s in distinct))
+    page = -(-max(s.page_size_bytes for s in distinct) // align) * align
     first_layer = {}
     for name, spec in specs.items():
         first_layer.setdefault(spec, name)

@@ -49,6 +49,10 @@ from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 _PREFERRED = tuple(KVCacheLayout[n] for n in ("LBNHC", "BLNHC", "LBHNC", "BLHNC", "LHBNC", "BHLNC"))
 
 
+# Block 0 is the null block, so a pool needs at least one more.
+_MIN_BLOCKS = 2
+
+
 class _Refusal(ValueError):
     """The layout cannot express the model's pages (internal; re-raised with a remedy)."""
 
@@ -98,7 +102,12 @@ def _parts(groups: list[KVCacheGroupSpec], layer_compact: bool) -> list[_Part]:
         by_spec: dict[KVCacheSpec, list[str]] = {}
         for name in group.layer_names:
             by_spec.setdefault(group.spec_of(name), []).append(name)
-        for spec, names in by_spec.items():
+        # NOTE: parts of one group sit one after another; placing those with
+        # the largest element size first keeps every part's start aligned
+        # (element sizes are powers of two and each footprint is a multiple
+        # of its own element size).
+        ordered = sorted(by_spec.items(), key=lambda item: -item[0].dtype_alignment)
+        for spec, names in ordered:
             stride = spec.page_size_bytes
             if layer_compact:
                 stride = _round_up(stride, spec.get_block_stride_alignment())
@@ -122,7 +131,7 @@ def _bytes_per_block(parts: list[_Part], layout: KVCacheLayout) -> int:
     alignment = 1
     for part in parts:
         alignment = math.lcm(
-            alignment, part.spec.get_block_stride_alignment(), part.spec.view_dtype.itemsize
+            alignment, part.spec.get_block_stride_alignment(), part.spec.dtype_alignment
         )
     return _round_up(largest, alignment)
 
@@ -176,8 +185,31 @@ def _tensors(
         offset = offsets.get(part.group_id, 0)
         extent = part.footprint * (num_blocks if layout.is_layer_compact else 1)
         offsets[part.group_id] = offset + extent
+        _check_fits(part, strides, offset, num_blocks, size)
         tensors.append(KVCacheTensor(size, part.layers, strides[0], strides[1], offset))
     return tensors
+
+
+def _check_fits(part: _Part, strides: tuple[int, ...], offset: int, num_blocks: int, size: int) -> None:
+    """``_Refusal`` unless every layer's view starts aligned and ends inside the allocation.
+
+    What ``allocate_kv_cache`` will demand of the tensor, checked here so that
+    a layout the planner accepts (or names as able) really allocates.
+    """
+    spec, layer = part.spec, part.layers[0]
+    align = spec.dtype_alignment
+    itemsize = spec.view_dtype.itemsize
+    if offset % align or strides[0] % align or strides[1] % align or any(s % itemsize for s in strides[2:4]):
+        raise _Refusal(
+            f"layer {layer!r} would start at byte {offset} with strides {strides}, not "
+            f"multiples of its {align}-byte elements"
+        )
+    extents = (len(part.layers), num_blocks, spec.num_heads, spec.num_states, spec.state_content_size_bytes)
+    end = offset + sum((n - 1) * st for n, st in zip(extents, strides)) + 1
+    if end > size:
+        raise _Refusal(
+            f"layer {layer!r} would end at byte {end}, past the {size}-byte allocation"
+        )
 
 
 def _checked(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> tuple[list[_Part], int]:
@@ -224,6 +256,8 @@ def plan_kv_cache(
     overlaid from byte 0 (see the module docstring for the memory model).
     Raises ``ValueError`` when the budget holds fewer than 2 blocks or when
     ``layout`` cannot express the model's mixed pages (naming one that can).
+    A model of encoder-only layers keeps no cache: it gets no tensors and
+    ``num_blocks`` blocks, or 2 for any ``available_memory``.
     """
     layout = KVCacheLayout.parse(layout)
     specs = _check_specs(kv_cache_specs)
@@ -234,7 +268,7 @@ def plan_kv_cache(
         )
     if num_blocks is not None:
         num_blocks = positive_int("num_blocks", num_blocks)
-        if num_blocks < 2:
+        if num_blocks < _MIN_BLOCKS:
             raise ValueError(
                 f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
                 "plan at least 2 blocks"
@@ -243,20 +277,25 @@ def plan_kv_cache(
         available_memory = non_negative_int("available_memory", available_memory)
 
     groups = group_layers(specs)
-    if all(is_encoder_only(g) for g in groups):  # nothing to allocate
-        return KVCacheConfig(num_blocks or 1, [], groups, layout)
+    if all(is_encoder_only(g) for g in groups):
+        # NOTE: encoder-only layers keep no cache, so no byte is allocated and
+        # any budget (0 included) holds the pool's minimum: the null block and
+        # one block.
+        return KVCacheConfig(num_blocks or _MIN_BLOCKS, [], groups, layout)
     try:
         parts, bytes_per_block = _checked(groups, layout)
     except _Refusal as exc:  # NOTE: checked before the budget: the layout error is more useful
         raise _refused(groups, layout, exc) from None
     if num_blocks is None:
         num_blocks = available_memory // bytes_per_block
-        if num_blocks < 2:
+        if num_blocks < _MIN_BLOCKS:
+            layers = f"{len(specs)} layer" + ("s" if len(specs) != 1 else "")
             raise ValueError(
                 f"available_memory={available_memory} bytes holds {num_blocks} KV cache "
-                f"block(s); one block of all {len(specs)} layers needs {bytes_per_block} "
-                f"bytes, so plan with at least {2 * bytes_per_block} bytes, a smaller "
-                "block size or a smaller model"
+                f"block{'s' if num_blocks != 1 else ''}; one block of the model's {layers} needs "
+                f"{bytes_per_block} bytes and a pool needs {_MIN_BLOCKS} (block 0 is the null "
+                f"block), so plan with at least {_MIN_BLOCKS * bytes_per_block} bytes, a "
+                "smaller block size or a smaller model"
             )
     tensors = _tensors(parts, layout, num_blocks, bytes_per_block)
     return KVCacheConfig(num_blocks, tensors, groups, layout)

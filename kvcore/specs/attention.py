@@ -96,6 +96,13 @@ class AttentionSpec(KVCacheSpec):
                 f"page it pads ({self.real_page_size_bytes} bytes); pass at least "
                 f"{self.real_page_size_bytes} or None"
             )
+        if self.page_size_padded is not None and self.page_size_padded % itemsize:
+            raise ValueError(
+                f"{name}.page_size_padded={self.page_size_padded} is not a multiple of the "
+                f"{itemsize}-byte {self.dtype}, so blocks after the first would start "
+                f"mid-element; pass a multiple of {itemsize} (e.g. "
+                f"{-(-self.page_size_padded // itemsize) * itemsize}) or None"
+            )
 
     @property
     def num_heads(self) -> int:
@@ -157,6 +164,15 @@ class MLAAttentionSpec(FullAttentionSpec):
         kw_only=True,
         validator=attrs.validators.optional(attrs_non_negative),
     )
+
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        if self.num_kv_heads != 1:
+            raise ValueError(
+                f"MLAAttentionSpec.num_kv_heads={self.num_kv_heads}: MLA stores one latent "
+                "vector per token, shared by all heads, so num_kv_heads must be 1 (put the "
+                "latent size in head_size)"
+            )
 
 
 @attrs.frozen

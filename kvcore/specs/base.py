@@ -86,6 +86,15 @@ class KVCacheSpec:
         return torch.int8
 
     @property
+    def dtype_alignment(self) -> int:
+        """Bytes every block (and every layer) of this spec must start at a multiple of.
+
+        The largest element size among the spec's dtypes, so that every view
+        and every state tensor inside a block is aligned to its element size.
+        """
+        return self.view_dtype.itemsize
+
+    @property
     def real_page_size_bytes(self) -> int:
         """``H * N * C``: the page without padding."""
         return self.num_heads * self.num_states * self.state_content_size_bytes

@@ -74,6 +74,14 @@ class MambaSpec(KVCacheSpec):
                 f"{name}.page_size_padded={self.page_size_padded} is smaller than the "
                 f"state bytes ({self.real_page_size_bytes}); pass at least that or None"
             )
+        align = self.dtype_alignment
+        if self.page_size_padded is not None and self.page_size_padded % align:
+            raise ValueError(
+                f"{name}.page_size_padded={self.page_size_padded} is not a multiple of "
+                f"{align} bytes (its largest state element), so blocks after the first "
+                f"would start mid-element; pass a multiple of {align} (e.g. "
+                f"{-(-self.page_size_padded // align) * align}) or None"
+            )
 
     @property
     def tokens_per_state(self) -> int:
@@ -93,6 +101,11 @@ class MambaSpec(KVCacheSpec):
         if self.page_size_padded is not None:
             return self.page_size_padded
         return self.real_page_size_bytes
+
+    @property
+    def dtype_alignment(self) -> int:
+        """The largest element size among the states (each state must stay aligned)."""
+        return max(d.itemsize for d in self.dtypes)
 
     @property
     def view_dtype(self) -> torch.dtype:

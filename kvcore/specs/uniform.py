@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
@@ -74,6 +75,10 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     @property
     def page_size_bytes(self) -> int:
         return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
+
+    @property
+    def dtype_alignment(self) -> int:
+        return math.lcm(*(s.dtype_alignment for s in self.kv_cache_specs.values()))
 
     @property
     def real_page_size_bytes(self) -> int:
