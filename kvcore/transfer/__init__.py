@@ -15,6 +15,7 @@ from kvcore.transfer.descriptor import (
     LayerDescriptor,
     StateSlice,
 )
+from kvcore.transfer.host_pool import HostKVPool
 from kvcore.transfer.plan import Region, plan_transfer
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "ContentMap",
     "describe",
     "GroupDescriptor",
+    "HostKVPool",
     "KVCacheDescriptor",
     "LayerDescriptor",
     "plan_transfer",

@@ -55,11 +55,15 @@ def block_id_tensor(block_ids: Any, num_blocks: int, *, what: str = "block id", 
 
 
 def paired_ids(
-    src_ids: Any, src_blocks: int, dst_ids: Any, dst_blocks: int, *, src_what: str, dst_what: str
+    src_ids: Any, src_blocks: int, dst_ids: Any, dst_blocks: int, *, src_what: str, dst_what: str,
+    src_null_ok: bool = False, dst_null_ok: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Validated source and destination ids of one transfer (no null block, one source per destination)."""
-    src = block_id_tensor(src_ids, src_blocks, what=src_what, null_ok=False)
-    dst = block_id_tensor(dst_ids, dst_blocks, what=dst_what, null_ok=False)
+    """Validated source and destination ids of one transfer (one source per destination).
+
+    Block 0 of a KV cache is the null block, refused unless ``*_null_ok``.
+    """
+    src = block_id_tensor(src_ids, src_blocks, what=src_what, null_ok=src_null_ok)
+    dst = block_id_tensor(dst_ids, dst_blocks, what=dst_what, null_ok=dst_null_ok)
     if src.numel() != dst.numel():
         raise ValueError(
             f"got {src.numel()} {src_what}s and {dst.numel()} {dst_what}s; pass one "

@@ -1,0 +1,159 @@
+"""HostKVPool: a host mirror of KV cache blocks, filled and drained by exact plans.
+
+Host block ``h`` is a slot of ``block_bytes`` bytes holding one manager
+block's runs back to back (no padding). Offload and restore copy the paired
+runs of :func:`~kvcore.transfer.pairs.pair_runs`: one copy per block in a
+block-outermost layout (one per streak of consecutive ids on both sides), one
+per layer and block in a layer-compact one. On CUDA the mirror is pinned and
+copies are asynchronous on the current stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore._validate import positive_int
+from kvcore.runtime.kv_cache import KVCache
+from kvcore.transfer.describe import describe
+from kvcore.transfer.ids import paired_ids
+from kvcore.transfer.pairs import PairedRuns, packed_patterns, pair_runs
+from kvcore.transfer.plan import BlockPattern, block_patterns
+
+
+class CopyHandle:
+    """Completion of a batch of copies issued on one stream; :meth:`wait` blocks until done."""
+
+    def __init__(self, event: torch.cuda.Event | None, runs: int, nbytes: int) -> None:
+        self._event, self.num_runs, self.nbytes = event, runs, nbytes
+
+    def done(self) -> bool:
+        return self._event is None or self._event.query()
+
+    def wait(self) -> None:
+        if self._event is not None:
+            self._event.synchronize()
+
+
+def raw_allocation(kv_cache: KVCache) -> torch.Tensor:
+    """The KV cache's one backing allocation as a flat int8 tensor."""
+    view = next(iter(kv_cache.kv_caches.values()))
+    return torch.empty(0, dtype=torch.int8, device=view.device).set_(view.untyped_storage())
+
+
+def group_selection(kv_cache: KVCache, descriptor, group_id: int | None) -> tuple[int, ...]:
+    """Group ids moved by one call: ``group_id``, or every group with cache views."""
+    if group_id is not None:
+        if not descriptor.group(group_id).layers:
+            raise ValueError(f"KV cache group {group_id} has no cache pages to move")
+        return (group_id,)
+    return tuple(g.group_id for g in descriptor.groups if g.layers)
+
+
+def whole_block_patterns(descriptor, group_ids: tuple[int, ...]) -> tuple[BlockPattern, ...]:
+    """Patterns of all selected groups; refuses groups whose blocks repeat at different strides."""
+    patterns = block_patterns(descriptor, group_ids, None)
+    if len({p.block_stride for p in patterns}) > 1:
+        raise ValueError(
+            "the KV cache groups store blocks at different strides "
+            f"({sorted({p.block_stride for p in patterns})} bytes), so a block id means "
+            "different bytes in each; pass group_id= to move one group's blocks"
+        )
+    return patterns
+
+
+class HostKVPool:
+    """``num_host_blocks`` host slots mirroring manager blocks of ``kv_cache``.
+
+    ``offload(device_ids, host_ids)`` copies device blocks into host slots,
+    ``restore(host_ids, device_ids)`` copies them back; ``group_id`` limits a
+    call to one KV cache group's layers (default: every group, the whole
+    block). Restore with the ``group_id`` used to offload.
+    """
+
+    def __init__(self, kv_cache: KVCache, num_host_blocks: int, *, pin_memory: bool | None = None) -> None:
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(f"HostKVPool needs a kvcore.KVCache, got {type(kv_cache).__name__}")
+        self.num_host_blocks = positive_int("num_host_blocks", num_host_blocks)
+        self.kv_cache = kv_cache
+        self.descriptor = describe(kv_cache)
+        self.device = kv_cache.device
+        self._device_buf = raw_allocation(kv_cache)
+        selections = [None, *(g.group_id for g in self.descriptor.groups if g.layers)]
+        self.block_bytes = max(self._host_side(g)[1] for g in selections if self._safe(g))
+        pin = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
+        self.host = torch.zeros(self.num_host_blocks * self.block_bytes, dtype=torch.int8, pin_memory=pin)
+
+    def _safe(self, group_id: int | None) -> bool:
+        try:
+            self._device_side(group_id)
+        except ValueError:
+            return False
+        return True
+
+    def _device_side(self, group_id: int | None) -> tuple[BlockPattern, ...]:
+        return whole_block_patterns(self.descriptor, group_selection(self.kv_cache, self.descriptor, group_id))
+
+    def _host_side(self, group_id: int | None) -> tuple[tuple[BlockPattern, ...], int]:
+        return packed_patterns(self._device_side(group_id))
+
+    def host_block(self, host_id: int) -> torch.Tensor:
+        """The bytes of host slot ``host_id`` (a view of the mirror)."""
+        if type(host_id) is not int or not 0 <= host_id < self.num_host_blocks:
+            raise ValueError(f"host block {host_id!r} is not an integer in [0, {self.num_host_blocks})")
+        return self.host[host_id * self.block_bytes : (host_id + 1) * self.block_bytes]
+
+    def plan(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
+             to_host: bool = True) -> list[PairedRuns]:
+        """Validated copies between device blocks and host slots (device side = ``src``).
+
+        Device ids exclude the null block 0; host ids are ``[0, num_host_blocks)``;
+        the destination side (host when ``to_host``) may not repeat an id.
+        """
+        n_dev, n_host = self.descriptor.num_blocks, self.num_host_blocks
+        if to_host:
+            dev, host = paired_ids(device_ids, n_dev, host_ids, n_host, src_what="device block id",
+                                   dst_what="host block id", dst_null_ok=True)
+        else:
+            host, dev = paired_ids(host_ids, n_host, device_ids, n_dev, src_what="host block id",
+                                   dst_what="device block id", src_null_ok=True)
+        host_patterns, _ = self._host_side(group_id)
+        return pair_runs(self._device_side(group_id), dev, host_patterns, host)
+
+    def offload(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
+                non_blocking: bool = False) -> CopyHandle:
+        """Copy device blocks ``device_ids`` into host slots ``host_ids`` (pairwise).
+
+        Returns once the copies are done unless ``non_blocking`` (then call
+        ``wait()`` on the handle before reading the host slots).
+        """
+        plan = self.plan(device_ids, host_ids, group_id=group_id, to_host=True)
+        return self._copy(plan, to_host=True, non_blocking=non_blocking)
+
+    def restore(self, host_ids: Any, device_ids: Any, *, group_id: int | None = None,
+                non_blocking: bool = False) -> CopyHandle:
+        """Copy host slots ``host_ids`` back into device blocks ``device_ids`` (pairwise)."""
+        plan = self.plan(device_ids, host_ids, group_id=group_id, to_host=False)
+        return self._copy(plan, to_host=False, non_blocking=non_blocking)
+
+    def _copy(self, plan: list[PairedRuns], *, to_host: bool, non_blocking: bool) -> CopyHandle:
+        device_buf, host_buf = self._device_buf, self.host
+        asynchronous = self.device.type == "cuda"
+        runs = nbytes = 0
+        for part in plan:
+            for d, h, n in zip(part.src_offsets.tolist(), part.dst_offsets.tolist(), part.lengths.tolist()):
+                if to_host:
+                    host_buf[h : h + n].copy_(device_buf[d : d + n], non_blocking=asynchronous)
+                else:
+                    device_buf[d : d + n].copy_(host_buf[h : h + n], non_blocking=asynchronous)
+            runs, nbytes = runs + part.num_runs, nbytes + part.nbytes
+        event = None
+        if asynchronous:
+            event = torch.cuda.Event()
+            event.record()
+        handle = CopyHandle(event, runs, nbytes)
+        if not non_blocking:
+            handle.wait()
+        return handle
+
