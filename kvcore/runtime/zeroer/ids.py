@@ -1,4 +1,11 @@
-"""Checks on the block ids handed to the zeroer."""
+"""Checks on the block ids handed to the zeroer.
+
+A block id is an integer in ``[0, num_blocks)``: a Python ``int`` (or an
+object with ``__index__`` that is not a bool), a 0-d integer tensor on the CPU,
+a NumPy integer. Bools of every kind (``True``, ``numpy.bool_``, bool tensors
+of any rank), floats, strings and tensors of more than one element inside a
+list are refused with ``ValueError`` before anything is written.
+"""
 
 from __future__ import annotations
 
@@ -7,52 +14,104 @@ from typing import Any
 
 import torch
 
+#: The one element type of the fast path (``bool`` is a subclass of ``int``, not ``int``).
+_PLAIN_INT = frozenset({int})
 
-def _refuse(value: Any, num_blocks: int) -> ValueError:
+
+def _refuse(value: Any, num_blocks: int, why: str = "is not an integer") -> ValueError:
     return ValueError(
-        f"block id {value!r} is not an integer in [0, {num_blocks}); pass manager block "
-        "ids from the block pool (nothing was zeroed)"
+        f"block id {value!r} {why} in [0, {num_blocks}); pass manager block ids (ints) "
+        "from the block pool (nothing was zeroed)"
     )
 
 
-def host_ids(block_ids: Any, num_blocks: int) -> torch.Tensor:
-    """``block_ids`` (an int, a sequence of ints or a CPU integer tensor) as a CPU int64 tensor.
+def _out_of_range(values: list[int], num_blocks: int) -> ValueError:
+    bad = next(v for v in values if not 0 <= v < num_blocks)
+    return _refuse(bad, num_blocks, "is not")
 
-    Every id must be an integer in ``[0, num_blocks)``, else ``ValueError``.
+
+def _is_boolish(value: Any) -> bool:
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    return isinstance(value, bool) or kind == "b" or "bool" in type(value).__name__.lower()
+
+
+def _one_id(value: Any, num_blocks: int) -> int:
+    """One element of an id list as an ``int`` (range checked by the caller)."""
+    if _is_boolish(value):
+        raise _refuse(value, num_blocks, "is a bool, not an integer")
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0 or value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
+            raise _refuse(value, num_blocks, "is not a 0-d integer tensor")
+        if value.device.type != "cpu":
+            raise _refuse(value, num_blocks, "lives on the device (pass one device id tensor instead)")
+        return int(value)
+    kind = getattr(getattr(value, "dtype", None), "kind", None)
+    if kind is not None and kind not in "iu":
+        raise _refuse(value, num_blocks)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise _refuse(value, num_blocks) from None
+
+
+def id_list(values: list | tuple, num_blocks: int) -> list[int]:
+    """A list or tuple of ids as a list of ints in ``[0, num_blocks)``.
+
+    Plain ints are checked in bulk (one C-level type scan, then ``min``/``max``).
+    """
+    if _PLAIN_INT.issuperset(map(type, values)):
+        ints = values if isinstance(values, list) else list(values)
+    else:
+        ints = [_one_id(v, num_blocks) for v in values]
+    if ints and (min(ints) < 0 or max(ints) >= num_blocks):
+        raise _out_of_range(ints, num_blocks)
+    return ints
+
+
+def host_tensor(ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    """A CPU integer tensor of any shape as a flat int64 tensor, range checked."""
+    if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
+        raise ValueError(
+            f"block id tensor has dtype {ids.dtype}, not an integer dtype; pass int32/int64 "
+            "ids (nothing was zeroed)"
+        )
+    flat = ids.reshape(-1).to(torch.int64).contiguous()
+    if flat.numel():
+        low, high = int(flat.min()), int(flat.max())
+        if low < 0:
+            raise _refuse(low, num_blocks, "is not")
+        if high >= num_blocks:
+            raise _refuse(high, num_blocks, "is not")
+    return flat
+
+
+def host_ids(block_ids: Any, num_blocks: int) -> list[int] | torch.Tensor:
+    """Any host form of ids as a checked list of ints or a flat CPU int64 tensor.
+
+    Accepts one integer, a list/tuple/iterable of integers, a CPU integer
+    tensor or a NumPy integer array; refuses everything else (``ValueError``).
     """
     if isinstance(block_ids, torch.Tensor):
-        if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
-            raise ValueError(
-                f"block ids must be an integer tensor, got {block_ids.dtype}; pass int32/int64 ids"
-            )
-        flat = block_ids.reshape(-1).to(torch.int64)
-        if flat.numel():
-            low, high = int(flat.min()), int(flat.max())
-            if low < 0:
-                raise _refuse(low, num_blocks)
-            if high >= num_blocks:
-                raise _refuse(high, num_blocks)
-        return flat.contiguous()
-    if isinstance(block_ids, (str, bytes)) or block_ids is None:
-        raise ValueError(f"block ids must be integers, got {block_ids!r}")
-    if not isinstance(block_ids, (list, tuple)):
-        try:
-            block_ids = [block_ids] if not hasattr(block_ids, "__iter__") else list(block_ids)
-        except TypeError:
-            raise _refuse(block_ids, num_blocks) from None
-    values = []
-    for value in block_ids:
-        if type(value) is not int:
-            if isinstance(value, bool) or "bool" in type(value).__name__:
-                raise _refuse(value, num_blocks)
-            try:
-                value = operator.index(value)
-            except TypeError:
-                raise _refuse(value, num_blocks) from None
-        if not 0 <= value < num_blocks:
-            raise _refuse(value, num_blocks)
-        values.append(value)
-    return torch.tensor(values, dtype=torch.int64)
+        return host_tensor(block_ids, num_blocks)
+    if isinstance(block_ids, (list, tuple)):
+        return id_list(block_ids, num_blocks)
+    if _is_boolish(block_ids):
+        raise _refuse(block_ids, num_blocks, "is a bool, not an integer")
+    if isinstance(block_ids, (str, bytes)) or block_ids is None or isinstance(block_ids, float):
+        raise _refuse(block_ids, num_blocks)
+    kind = getattr(getattr(block_ids, "dtype", None), "kind", None)
+    if kind is not None and getattr(block_ids, "ndim", 0):
+        # NOTE: a NumPy array (or alike): integer dtypes only, then as a tensor.
+        if kind not in "iu":
+            raise _refuse(block_ids, num_blocks, f"array has dtype {block_ids.dtype}, not an integer dtype;")
+        return host_tensor(torch.as_tensor(block_ids.astype("int64")), num_blocks)
+    if hasattr(block_ids, "__index__"):
+        return id_list([block_ids], num_blocks)
+    try:
+        values = list(block_ids)
+    except TypeError:
+        raise _refuse(block_ids, num_blocks) from None
+    return id_list(values, num_blocks)
 
 
 def device_ids(block_ids: torch.Tensor, device: torch.device, num_blocks: int, validate: bool) -> torch.Tensor:
@@ -66,12 +125,14 @@ def device_ids(block_ids: torch.Tensor, device: torch.device, num_blocks: int, v
             f"block ids live on {block_ids.device}, the caches on {device}; move the ids there"
         )
     if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
-        raise ValueError(f"block ids must be an integer tensor, got {block_ids.dtype}; pass int32/int64 ids")
+        raise ValueError(
+            f"block id tensor has dtype {block_ids.dtype}, not an integer dtype; pass int32/int64 ids"
+        )
     ids = block_ids.reshape(-1)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.to(torch.int64)
     if validate and ids.numel():
         bad = ids[(ids < 0) | (ids >= num_blocks)]
         if bad.numel():
-            raise _refuse(int(bad[0]), num_blocks)
+            raise _refuse(int(bad[0]), num_blocks, "is not")
     return ids.contiguous()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -9,8 +10,8 @@ from typing import Any
 import torch
 
 from kvcore._validate import non_negative_int, positive_int
-from kvcore.runtime.attn_group import AttentionGroup, flatten_attention_groups
-from kvcore.runtime.zeroer.ids import device_ids, host_ids
+from kvcore.runtime.zeroer.from_groups import views_of_groups
+from kvcore.runtime.zeroer.ids import device_ids, host_ids, id_list
 from kvcore.runtime.zeroer.segments import (
     Segment,
     check_segments,
@@ -19,18 +20,38 @@ from kvcore.runtime.zeroer.segments import (
     merge_segments,
     vector_bytes,
 )
+from kvcore.runtime.zeroer.staging import HostIdStaging
 
-#: Largest run one kernel work item zeroes.
-CHUNK_BYTES = 32 * 1024
+#: Largest run one kernel work item zeroes, and the finer chunks used when few ids leave SMs idle.
+CHUNK_BYTES, FINE_CHUNK_BYTES = 32 * 1024, 4 * 1024
 _BACKENDS = ("auto", "triton", "torch")
+#: ``KVCORE_ZEROER_STAGING``: how host ids reach the kernel on CUDA ("copy" or "mapped").
+STAGING_ENV = "KVCORE_ZEROER_STAGING"
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+@functools.cache
+def _kernel_module():
+    """The Triton kernel module, or None without Triton (imported late: TRITON_INTERPRET is read then)."""
+    try:
+        from kvcore.runtime.zeroer import kernel
+    except ImportError:  # NOTE: optional heavy dependency: the torch fallback serves without it
+        return None
+    return kernel
+
+
+def _current_stream_getter():
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    if raw is not None:
+        return raw
+    return lambda index: torch.cuda.current_stream(index).cuda_stream
+
+
 class _Allocation:
-    """Device tables of one allocation's chunks (one kernel launch)."""
+    """One allocation's merged segments and, per chunk size, its kernel tables."""
 
     def __init__(self, storage: torch.UntypedStorage, segments: list[Segment], device: torch.device) -> None:
         whole = torch.empty(0, dtype=torch.uint8, device=device).set_(storage)
@@ -38,113 +59,122 @@ class _Allocation:
         self.base = whole[: storage.nbytes() // 4 * 4].view(torch.int32)
         self.segments = segments
         self.vec_bytes = vector_bytes(segments, storage.data_ptr())
-        chunks = chunk_segments(segments, CHUNK_BYTES)
         width = self.vec_bytes
-
-        def column(values: list[int]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        self.chunk_start = column([c.offset // width for c in chunks])
-        self.chunk_stride = column([c.block_stride // width for c in chunks])
-        self.chunk_len = column([c.page // width for c in chunks])
+        self.tables = []
+        for chunk_bytes in (CHUNK_BYTES, FINE_CHUNK_BYTES):
+            chunks = chunk_segments(segments, chunk_bytes)
+            self.tables.append(tuple(
+                torch.tensor(values, dtype=torch.int64, device=device)
+                for values in (
+                    [c.offset // width for c in chunks],
+                    [c.block_stride // width for c in chunks],
+                    [c.page // width for c in chunks],
+                )
+            ))
 
 
 class KVBlockZeroer:
     """Zero listed manager blocks in every layer's cache with one kernel launch.
 
-    Built once after the caches are allocated: each layer view of ``kv_caches``
-    (layer name -> tensor) served by ``attn_groups`` (flat or one list per KV
-    cache group) becomes segments (see :mod:`kvcore.runtime.zeroer.segments`), merged
-    per allocation. Attention and state caches are zeroed; runner-only layers,
-    layers without a tensor and specs without layer views are skipped. Runs,
-    offsets and strides must be multiples of 4 bytes (``ValueError`` here).
+    Built once after the caches are allocated, from each layer's view and how
+    many consecutive view rows form one manager block (:meth:`from_views`), or
+    from the seed's arguments: attention groups (flat or one list per KV cache
+    group), kernel block sizes and ``kv_caches`` (layer name -> tensor). Every
+    view becomes segments (see :mod:`kvcore.runtime.zeroer.segments`), merged
+    per allocation: layers overlaid at one address keep the widest page.
+    Runs, offsets and strides must be multiples of 4 bytes (``ValueError``).
 
     ``backend``: ``"triton"`` (the kernel; on CPU only under
     ``TRITON_INTERPRET=1``), ``"torch"`` (one indexed fill per segment, slow,
     for machines without Triton), or ``"auto"`` (Triton when it can run).
+    On CUDA, host ids go through a persistent pinned staging ring (see
+    :mod:`kvcore.runtime.zeroer.staging`; ``KVCORE_ZEROER_STAGING=mapped``
+    lets the kernel read them from pinned memory instead of a device copy).
     """
 
     def __init__(
         self,
         device: torch.device | str,
         attn_groups: Iterable[Any],
-        kernel_block_sizes: list[int],
+        kernel_block_sizes: list[int | None],
         kv_caches: Mapping[str, torch.Tensor],
         num_blocks: int,
         runner_only_attn_layers: Iterable[str] | None = None,
         *,
         backend: str = "auto",
     ) -> None:
+        num_blocks = positive_int("num_blocks", num_blocks)
+        views = views_of_groups(attn_groups, kernel_block_sizes, kv_caches, num_blocks, runner_only_attn_layers)
+        self._build(device, views, num_blocks, backend)
+
+    @classmethod
+    def from_views(
+        cls,
+        device: torch.device | str,
+        views: Mapping[str, tuple[torch.Tensor, int]],
+        num_blocks: int,
+        *,
+        backend: str = "auto",
+    ) -> KVBlockZeroer:
+        """A zeroer over ``views``: layer name -> ``(view, rows_per_block)``.
+
+        Each view is a layer's view as allocated (``allocate_kv_cache``,
+        ``KVCache.kv_caches``), attention and state caches alike, with
+        ``view.shape[0] == num_blocks * rows_per_block``: ``rows_per_block`` is
+        the split ratio of a dense group split into kernel blocks at
+        allocation, 1 otherwise. Pass only layers with layer views (no raw
+        buffers) and no runner-only layers.
+        """
+        num_blocks = positive_int("num_blocks", num_blocks)
+        if not isinstance(views, Mapping):
+            raise TypeError(f"views must map layer names to (view, rows_per_block), got {type(views).__name__}")
+        checked = {name: _checked_view(name, entry, num_blocks) for name, entry in views.items()}
+        zeroer = cls.__new__(cls)
+        zeroer._build(device, checked, num_blocks, backend)
+        return zeroer
+
+    def _build(self, device: Any, views: Mapping[str, tuple[torch.Tensor, int]], num_blocks: int, backend: str) -> None:
         self.device = torch.device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
-        self.num_blocks = positive_int("num_blocks", num_blocks)
+        self.num_blocks = num_blocks
         if backend not in _BACKENDS:
             raise ValueError(f"Unsupported zeroer backend: {backend!r}. Supported: {list(_BACKENDS)}")
-        skip = set(runner_only_attn_layers or ())
         per_storage: dict[int, tuple[torch.UntypedStorage, list[Segment]]] = {}
-        for group in flatten_attention_groups(attn_groups):
-            spec = group.kv_cache_spec
-            if not spec.has_layer_views:
-                continue
-            ratio = self._ratio(group, kernel_block_sizes)
-            for name in group.layer_names:
-                view = kv_caches.get(name)
-                if name in skip or not isinstance(view, torch.Tensor):
-                    continue
-                if view.device != self.device:
-                    raise ValueError(
-                        f"layer {name!r} lives on {view.device}, the zeroer on {self.device}; "
-                        "build the zeroer on the caches' device"
-                    )
-                if group.kernel_block_stride:
-                    # NOTE: packed kernel-block views: zero by manager block instead.
-                    view = group.map_kv_cache_to_manager_blocks(view, self.num_blocks)
-                rows = self._rows_per_block(name, view, ratio)
-                storage = view.untyped_storage()
-                entry = per_storage.setdefault(storage.data_ptr(), (storage, []))
-                entry[1].extend(layer_segments(view, self.num_blocks, rows))
+        for name, (view, rows) in views.items():
+            if view.device != self.device:
+                raise ValueError(
+                    f"layer {name!r} lives on {view.device}, the zeroer on {self.device}; "
+                    "build the zeroer on the caches' device"
+                )
+            storage = view.untyped_storage()
+            entry = per_storage.setdefault(storage.data_ptr(), (storage, []))
+            entry[1].extend(layer_segments(view, num_blocks, rows))
         self._allocations = []
         for storage, segments in per_storage.values():
             segments = merge_segments(segments)
-            check_segments(segments, self.num_blocks, storage.nbytes(), "KVBlockZeroer")
+            check_segments(segments, num_blocks, storage.nbytes(), "KVBlockZeroer")
             self._allocations.append(_Allocation(storage, segments, self.device))
         self.backend = self._pick_backend(backend)
         self._ids = torch.empty(0, dtype=torch.int64, device=self.device)
-
-    @staticmethod
-    def _ratio(group: AttentionGroup, kernel_block_sizes: list[int]) -> int:
-        block_size = group.kv_cache_spec.block_size
-        kernel = group.kernel_block_size
-        if kernel is None and group.kv_cache_group_id < len(kernel_block_sizes):
-            kernel = kernel_block_sizes[group.kv_cache_group_id]
-        kernel = block_size if kernel is None else positive_int("kernel block size", kernel)
-        if block_size % kernel:
-            raise ValueError(
-                f"group {group.kv_cache_group_id}: block size {block_size} is not divisible by "
-                f"kernel block size {kernel}; pass kernel_block_sizes that divide the block sizes"
-            )
-        return block_size // kernel
-
-    def _rows_per_block(self, name: str, view: torch.Tensor, ratio: int) -> int:
-        """View rows per manager block: ``ratio`` for a kernel-block view, else 1."""
-        if ratio == 1 or view.shape[0] == self.num_blocks * ratio:
-            return ratio
-        if view.shape[0] == self.num_blocks:
-            return 1
-        raise ValueError(
-            f"layer {name!r} has {view.shape[0]} rows, neither {self.num_blocks} manager "
-            f"blocks nor {self.num_blocks * ratio} kernel blocks; pass the num_blocks and "
-            "kernel_block_sizes the caches were allocated with"
-        )
+        self._launchers = []
+        self._staging: HostIdStaging | None = None
+        self._stream = _current_stream_getter() if self.device.type == "cuda" else None
+        if self.backend == "triton" and self._allocations:
+            kernel = _kernel_module()
+            programs = kernel.max_programs(self.device)
+            self._launchers = [
+                kernel.ZeroLauncher(a.base, a.tables, num_blocks, a.vec_bytes // 4, programs)
+                for a in self._allocations
+            ]
+            if self.device.type == "cuda":
+                self._staging = HostIdStaging(self.device, os.environ.get(STAGING_ENV) or "copy")
 
     def _pick_backend(self, backend: str) -> str:
         if backend == "torch" or not self._allocations:
             return "torch" if backend == "torch" else "triton"
         runnable = self.device.type == "cuda" or (self.device.type == "cpu" and _interpreting())
-        try:
-            from kvcore.runtime.zeroer import kernel  # noqa: F401
-        except ImportError:
+        if _kernel_module() is None:
             runnable = False
         if backend == "triton" and not runnable:
             raise ValueError(
@@ -179,25 +209,44 @@ class KVBlockZeroer:
         """Zero manager blocks ``block_ids`` in every layer, in one launch per allocation.
 
         Ints, lists, tuples and CPU integer tensors are checked on the host:
-        integers in ``[0, num_blocks)``, else ``ValueError`` and nothing written.
+        integers in ``[0, num_blocks)`` (bools, floats and bool tensors are
+        refused), else ``ValueError`` and nothing written. On CUDA they are
+        staged through a persistent pinned ring: no allocation, no device sync.
         An integer tensor on the zeroer's CUDA device is used as is (no host
         sync, graph-capturable); the kernel skips ids out of range, and
         ``validate=True`` checks them on the host first (one sync).
         """
+        if type(block_ids) is list and self._staging is not None:
+            # NOTE: the hot path: a scheduler's list of new blocks.
+            ids = id_list(block_ids, self.num_blocks)
+            if ids:
+                self._launch_host(ids)
+            return
         if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
             ids = device_ids(block_ids, self.device, self.num_blocks, validate)
-        else:
-            values = host_ids(block_ids, self.num_blocks)
-            if values.numel() == 0:
-                return
-            if self.device.type == "cpu":
-                ids = values
-            else:
-                ids = self.block_id_buffer(values.numel())[: values.numel()]
-                ids.copy_(values.pin_memory(), non_blocking=True)
-        if ids.numel() == 0:
+            if ids.numel():
+                self._launch(ids)
             return
-        self._launch(ids)
+        ids = host_ids(block_ids, self.num_blocks)
+        if len(ids) == 0:
+            return
+        if self._staging is not None:
+            self._launch_host(ids)
+            return
+        tensor = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64)
+        self._launch(tensor.to(self.device))
+
+    def _launch_host(self, ids: list[int] | torch.Tensor) -> None:
+        """Stage checked host ids into the pinned ring and launch on them."""
+        staging = self._staging
+        if len(ids) > staging.max_ids:
+            tensor = ids if isinstance(ids, torch.Tensor) else torch.tensor(ids, dtype=torch.int64)
+            self._launch(tensor.pin_memory().to(self.device, non_blocking=True))
+            return
+        stream = self._stream(self.device.index)
+        offset = staging.stage(ids, stream)
+        for launcher in self._launchers:
+            launcher.launch(staging.buffer, offset, len(ids), stream)
 
     def _launch(self, ids: torch.Tensor) -> None:
         if self.backend == "torch":
@@ -207,14 +256,9 @@ class KVBlockZeroer:
                     rows = alloc.bytes.as_strided((self.num_blocks, seg.page), (seg.block_stride, 1), seg.offset)
                     rows.index_fill_(0, keep, 0)
             return
-        from kvcore.runtime.zeroer.kernel import launch_zero_blocks, max_programs
-
-        programs = max_programs(self.device)
-        for alloc in self._allocations:
-            launch_zero_blocks(
-                alloc.base, ids, self.num_blocks, alloc.chunk_start, alloc.chunk_stride,
-                alloc.chunk_len, alloc.vec_bytes // 4, programs,
-            )
+        stream = self._stream(self.device.index) if self._stream is not None else None
+        for launcher in self._launchers:
+            launcher.launch(ids, 0, ids.numel(), stream)
 
     def warmup(self, num_kv_blocks: int) -> None:
         """Compile the kernel; zero block 0 only when ``num_kv_blocks > 0``."""
@@ -223,4 +267,30 @@ class KVBlockZeroer:
             self.zero_block_ids([0])
         elif self.backend == "triton" and self._allocations:
             # An empty id list: the launch compiles the kernel and stores nothing.
-            self._launch(self.block_id_buffer(1)[:0])
+            kernel = _kernel_module()
+            empty = self.block_id_buffer(1)[:0]
+            for alloc in self._allocations:
+                kernel.launch_zero_blocks(
+                    alloc.base, empty, self.num_blocks, *alloc.tables[0], alloc.vec_bytes // 4, 1
+                )
+
+
+def _checked_view(name: Any, entry: Any, num_blocks: int) -> tuple[torch.Tensor, int]:
+    """One ``(view, rows_per_block)`` entry of :meth:`KVBlockZeroer.from_views`, checked."""
+    if not isinstance(entry, tuple) or len(entry) != 2 or not isinstance(entry[0], torch.Tensor):
+        raise TypeError(
+            f"views[{name!r}] must be a (tensor view, rows_per_block) tuple, got {type(entry).__name__}"
+        )
+    view, rows = entry
+    rows = positive_int(f"rows_per_block of layer {name!r}", rows)
+    if view.dim() < 2:
+        raise ValueError(
+            f"layer {name!r}: a {view.dim()}-D tensor is no layer view [blocks, ...]; pass the views "
+            "allocate_kv_cache makes (raw buffers of specs without layer views cannot be zeroed by block)"
+        )
+    if view.shape[0] != num_blocks * rows:
+        raise ValueError(
+            f"layer {name!r} has {view.shape[0]} rows, not num_blocks * rows_per_block = "
+            f"{num_blocks} * {rows}; pass the views as allocated with their split ratio"
+        )
+    return view, rows

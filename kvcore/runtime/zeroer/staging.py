@@ -1,0 +1,96 @@
+"""A persistent pinned staging ring for host block ids (CUDA).
+
+``zero_block_ids(list)`` must neither allocate pinned memory nor wait for the
+device on every call. Ids are written into a ring of page-locked host memory
+and copied, asynchronously, into a device mirror of that ring; the kernel
+reads them there (``mode="copy"``) or straight from the pinned ring
+(``mode="mapped"``: no copy, the GPU reads host memory over the bus).
+
+A region of the ring is written again only after the device has finished with
+it: the ring has ``PARTS`` parts; leaving a part records a CUDA event on the
+stream, and entering a part waits for the event recorded when it was last left
+(a wait that only blocks when the device runs a whole ring behind the host).
+A change of stream ends the part on the old stream first. Host ids are never
+staged during CUDA graph capture (they would be baked into the graph).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from array import array
+
+import torch
+
+#: Ids per slot: a list of at most this many ids is one 512-byte copy.
+SLOT = 64
+#: Slots in the ring, and parts (event granularity) it is split into.
+SLOTS, PARTS = 256, 4
+MODES = ("copy", "mapped")
+
+
+class HostIdStaging:
+    """The ring of one zeroer; ``stage(ids)`` returns ``(buffer, offset)`` for the kernel."""
+
+    def __init__(self, device: torch.device, mode: str = "copy") -> None:
+        if mode not in MODES:
+            raise ValueError(f"Unsupported id staging mode: {mode!r}. Supported: {list(MODES)}")
+        self.device, self.mode = device, mode
+        capacity = SLOT * SLOTS
+        self.pinned = torch.zeros(capacity, dtype=torch.int64, pin_memory=True)
+        self._host_address = self.pinned.data_ptr()
+        self.mirror = torch.zeros(capacity, dtype=torch.int64, device=device) if mode == "copy" else None
+        self.buffer = self.mirror if mode == "copy" else self.pinned
+        self._pinned_slots = list(self.pinned.split(SLOT))
+        self._mirror_slots = list(self.mirror.split(SLOT)) if self.mirror is not None else []
+        self._slots_per_part = SLOTS // PARTS
+        self._events = [torch.cuda.Event() for _ in range(PARTS)]
+        self._recorded = [False] * PARTS
+        self._part = self._slot = 0
+        self._stream_id = None
+        self._stream: torch.cuda.Stream | None = None
+        self.max_ids = SLOT * self._slots_per_part
+
+    def stage(self, ids: list[int] | torch.Tensor, stream_id: int) -> int:
+        """Write ``ids`` (checked already; at most ``max_ids``) into the ring; return their offset."""
+        if torch.cuda.is_current_stream_capturing():
+            raise ValueError(
+                "host block ids cannot be zeroed inside CUDA graph capture (the graph would keep "
+                "stale ids); write them into zeroer.block_id_buffer(n) and capture zero_block_ids(buf[:n])"
+            )
+        n = len(ids)
+        slots = -(-n // SLOT)
+        if stream_id != self._stream_id:
+            self._change_stream(stream_id)
+        if self._slot + slots > (self._part + 1) * self._slots_per_part:
+            self._enter_part((self._part + 1) % PARTS)
+        first = self._slot
+        self._slot = first + slots
+        offset = first * SLOT
+        if isinstance(ids, torch.Tensor):
+            self.pinned[offset : offset + n].copy_(ids)
+        else:
+            packed = array("q", ids)
+            ctypes.memmove(self._host_address + 8 * offset, packed.buffer_info()[0], 8 * n)
+        if self.mirror is not None:
+            if slots == 1:
+                self._mirror_slots[first].copy_(self._pinned_slots[first], non_blocking=True)
+            else:
+                span = slots * SLOT
+                self.mirror[offset : offset + span].copy_(self.pinned[offset : offset + span], non_blocking=True)
+        return offset
+
+    def _enter_part(self, part: int) -> None:
+        """Close the current part (event on the stream in use) and wait until ``part`` is free."""
+        self._events[self._part].record(self._stream)
+        self._recorded[self._part] = True
+        if self._recorded[part]:
+            # NOTE: blocks only while the device still runs the launches of a whole ring ago.
+            self._events[part].synchronize()
+        self._part, self._slot = part, part * self._slots_per_part
+
+    def _change_stream(self, stream_id: int) -> None:
+        if self._stream is not None:
+            # Launches so far ran on the old stream: close their part there, start a new one.
+            self._enter_part((self._part + 1) % PARTS)
+        self._stream = torch.cuda.current_stream(self.device)
+        self._stream_id = stream_id
