@@ -122,7 +122,7 @@ def shard_model(model: PreTrainedModel, group: Any = None) -> PreTrainedModel:
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"shard_model needs a transformers PreTrainedModel, got {type(model).__name__}")
-    tp_rank, tp_size = tp_group_size(group)
+    _, tp_size = tp_group_size(group)
     if tp_size == 1:
         return model
     if (getattr(model, "_tp_size", None) or 1) > 1:
@@ -130,8 +130,18 @@ def shard_model(model: PreTrainedModel, group: Any = None) -> PreTrainedModel:
             f"{type(model).__name__} is already sharded over {model._tp_size} ranks; "
             "pass the unsharded model"
         )
-    sums: list[Any] = [None] * tp_size
-    dist.all_gather_object(sums, _checksum(model), group=group)
+    # NOTE: local refusals travel through the gather, so every rank raises
+    # instead of some ranks waiting in transformers' collectives.
+    try:
+        dist_config, error = _distributed_config(model.config, tp_size), None
+    except (ImportError, ValueError) as err:
+        dist_config, error = None, f"{type(err).__name__}: {err}"
+    gathered: list[Any] = [None] * tp_size
+    dist.all_gather_object(gathered, (_checksum(model), error), group=group)
+    errors = list(dict.fromkeys(e for _, e in gathered if e is not None))
+    if errors:
+        raise ValueError("cannot shard the model over the group: " + " | ".join(errors))
+    sums = [s for s, _ in gathered]
     if len(set(sums)) != 1:
         raise ValueError(
             f"the ranks' models have different weights (checksums {sums}); build the model "
@@ -143,7 +153,7 @@ def shard_model(model: PreTrainedModel, group: Any = None) -> PreTrainedModel:
         state_dict=model.state_dict(),
         dtype=model.dtype,
         attn_implementation=model.config._attn_implementation,
-        distributed_config=_distributed_config(model.config, tp_size),
+        distributed_config=dist_config,
     )
     sharded.generation_config = copy.deepcopy(model.generation_config)
     return sharded
