@@ -1,0 +1,20 @@
+"""Serve HF ``transformers`` causal LMs through kvcore's paged KV cache (``pip install kvcore[hf]``).
+
+transformers' own modeling code runs unchanged; its attention calls reach
+kvcore's backends through a function registered with transformers'
+``AttentionInterface`` (:mod:`kvcore.hf.attention`). ``import kvcore`` never
+imports transformers: only ``import kvcore.hf`` does.
+"""
+
+from __future__ import annotations
+
+try:
+    import transformers  # noqa: F401
+except ImportError as err:  # NOTE: the optional extra is missing
+    raise ImportError("kvcore.hf needs HF transformers >= 5: pip install 'kvcore[hf]'") from err
+
+from kvcore.hf.engine import Engine
+from kvcore.hf.specs import SERVED_MODEL_TYPES, specs_from_config, unsupported_features
+from kvcore.hf.stats import EngineStats
+
+__all__ = ["Engine", "EngineStats", "SERVED_MODEL_TYPES", "specs_from_config", "unsupported_features"]

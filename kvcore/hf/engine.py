@@ -1,0 +1,281 @@
+"""``kvcore.hf.Engine``: serve a transformers causal LM from a kvcore paged KV cache.
+
+Construction plans one :class:`~kvcore.KVCache` for the model's layers
+(``specs_from_config``), binds every attention module to its backend and
+cache view, and builds the scheduler. Each step schedules requests
+(:mod:`kvcore.hf.scheduler`), packs their tokens and metadata
+(:mod:`kvcore.hf.batch`), zeroes new blocks (``KVCache.begin_step``), runs
+the model once with kvcore's attention function and samples greedily.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore import BlockPool, ChunkedLocalAttentionSpec, KVCache, SlidingWindowSpec
+from kvcore._validate import positive_int
+from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
+from kvcore.hf.batch import StepInputs, build_step_inputs
+from kvcore.hf.requests import Request, check_prompt
+from kvcore.hf.scheduler import Scheduler
+from kvcore.hf.specs import SERVED_MODEL_TYPES, check_servable, specs_from_config
+from kvcore.hf.stats import PHASES, EngineStats
+from kvcore.hf.tp import resolve_tp, shard_specs
+
+#: KV cache memory when neither ``num_blocks`` nor ``available_memory`` is given, on a CPU.
+CPU_DEFAULT_MEMORY = 256 << 20
+#: Fraction of the free device memory the cache takes by default on a GPU.
+GPU_MEMORY_FRACTION = 0.9
+
+
+@attrs.define
+class _Counts:
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    requests_finished: int = 0
+    blocks_zeroed: int = 0
+    times: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(PHASES, 0.0))
+
+
+def _check_model(model: Any) -> None:
+    config = getattr(model, "config", None)
+    model_type = getattr(config, "model_type", None)
+    if not isinstance(model, torch.nn.Module) or config is None:
+        raise TypeError(f"model must be a transformers causal LM (a torch.nn.Module with a config), got {model!r}")
+    check_servable(config)
+    if model_type not in SERVED_MODEL_TYPES:
+        raise ValueError(
+            f"kvcore.hf serves the model types {list(SERVED_MODEL_TYPES)}; {type(model).__name__} is "
+            f"{model_type!r}, whose modeling code kvcore has not verified token for token"
+        )
+
+
+def _attention_modules(model: torch.nn.Module, names: Sequence[str]) -> dict[str, torch.nn.Module]:
+    modules = dict(model.named_modules())
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules {missing[:2]}...; pass the "
+            "*ForCausalLM model (its decoder layers are model.layers.<i>)"
+        )
+    for name in names:
+        if getattr(modules[name], "sinks", None) is not None:
+            raise ValueError(f"{name} has attention sinks, which no kvcore backend implements")
+    return {n: modules[n] for n in names}
+
+
+def _default_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0] * GPU_MEMORY_FRACTION)
+    return CPU_DEFAULT_MEMORY
+
+
+def _eos_ids(model: Any) -> frozenset[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+class Engine:
+    """Continuous batching of greedy generation for a transformers model over one KV cache.
+
+    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``), on its device.
+    :param backend: registered attention backend name (``"torch"``, ``"triton"``) or class.
+    :param block_size: tokens per manager block.
+    :param layout: KV cache layout (default: the backend's preference).
+    :param num_blocks: blocks to plan; or ``available_memory`` bytes (default: 90% of the
+        free GPU memory, or 256 MiB on a CPU).
+    :param max_num_seqs: requests running at once; others wait.
+    :param max_num_batched_tokens: tokens per step (prefill chunks and decodes together).
+    :param enable_prefix_caching: share cached blocks of common prompt prefixes.
+    :param group: a ``torch.distributed`` group for a tensor-parallel model (``kvcore.hf.tp``).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        *,
+        backend: Any = "torch",
+        block_size: int = 16,
+        layout: Any = None,
+        num_blocks: int | None = None,
+        available_memory: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        enable_prefix_caching: bool = False,
+        group: Any = None,
+    ) -> None:
+        _check_model(model)
+        if not isinstance(enable_prefix_caching, bool):
+            raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
+        max_num_batched_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
+        config = model.config
+        self.model = model
+        self.device = torch.device(model.device)
+        self.vocab_size = positive_int("config.vocab_size", config.vocab_size)
+        self.max_model_len = positive_int("config.max_position_embeddings", config.max_position_embeddings)
+        tp_rank, tp_size = resolve_tp(model, group)
+        specs = shard_specs(specs_from_config(config, dtype=model.dtype, block_size=block_size), tp_rank, tp_size)
+        chunked = [n for n, s in specs.items() if isinstance(s, ChunkedLocalAttentionSpec)]
+        if chunked:
+            raise ValueError(f"{chunked[0]} uses chunked local attention, which no kvcore backend implements")
+        modules = _attention_modules(model, list(specs))
+        if num_blocks is None and available_memory is None:
+            available_memory = _default_memory(self.device)
+        self.kv = KVCache.create(
+            specs, dict.fromkeys(specs, backend), device=self.device, layout=layout,
+            num_blocks=num_blocks, available_memory=available_memory,
+            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
+        )
+        if enable_prefix_caching:
+            self.kv.block_pool = BlockPool(self.kv.num_blocks, enable_caching=True)
+        self.scheduler = Scheduler(
+            self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            prefix_caching=enable_prefix_caching,
+        )
+        self._layers = {module: self._bind(name) for name, module in modules.items()}
+        self._block_sizes = [self.kv.block_size(g) for g in range(self.kv.num_groups)]
+        self._eos = _eos_ids(model)
+        self._counts = _Counts()
+        self._next_id = 0
+        self._done: dict[int, list[int]] = {}
+        register_attention()
+
+    def _bind(self, name: str) -> LayerBinding:
+        attn_group = self.kv.group_of(name)
+        spec = attn_group.kv_cache_spec
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        return LayerBinding(name, attn_group.backend, self.kv.layer_kv_caches[name], spec.head_size, window)
+
+    # -- requests --------------------------------------------------------------------------
+
+    def _request(self, index: int, prompt: Any, max_new_tokens: Any) -> Request:
+        tokens = check_prompt(index, prompt, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        total = len(tokens) + max_new_tokens
+        need, have = self.scheduler.peak_blocks(total), self.kv.num_blocks - 1
+        if need > have:
+            raise ValueError(
+                f"prompt {index} ({len(tokens)} tokens, max_new_tokens={max_new_tokens}) needs up to "
+                f"{need} KV cache blocks but the whole cache has {have}; plan more blocks "
+                "(num_blocks / available_memory) or shorten the request"
+            )
+        return Request(self._next_id + index, tokens, len(tokens), max_new_tokens, [])
+
+    def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
+        """Queue one request; returns its id. A bad request raises and queues nothing."""
+        request = self._request(0, prompt, max_new_tokens)
+        self._next_id += 1
+        self.scheduler.add(request)
+        return request.req_id
+
+    def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
+        """Greedy generation for every prompt; the generated token ids of each, in prompt order.
+
+        Every prompt is checked before anything runs: an empty prompt, ids
+        outside the vocabulary, ``max_new_tokens < 1``, or a request longer
+        than the model or than the whole cache raises ``ValueError`` naming
+        that prompt, and nothing is queued. A request stops after
+        ``max_new_tokens`` or at the generation config's EOS token (kept).
+        """
+        if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+            raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+        requests = [self._request(i, p, max_new_tokens) for i, p in enumerate(prompts)]
+        self._next_id += len(requests)
+        for request in requests:
+            self.scheduler.add(request)
+        done = self.run()
+        return [done[r.req_id] for r in requests]
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until every queued request is done; returns the tokens of those finished meanwhile, by id."""
+        with self.serving():
+            while self.scheduler.has_work:
+                self._step()
+        done, self._done = self._done, {}
+        return done
+
+    @contextlib.contextmanager
+    def serving(self) -> Iterator[None]:
+        """Route the model's attention through kvcore for the duration (restored afterwards)."""
+        previous = self.model.config._attn_implementation
+        if previous == ATTENTION_NAME:
+            yield
+            return
+        self.model.set_attn_implementation(ATTENTION_NAME)
+        try:
+            yield
+        finally:
+            self.model.set_attn_implementation(previous)
+
+    # -- one step ----------------------------------------------------------------------------
+
+    def step(self) -> int:
+        """Run one step (inside :meth:`serving` when called in a loop); returns the tokens it computed."""
+        with self.serving():
+            return self._step()
+
+    def _step(self) -> int:
+        times, clock = self._counts.times, time.perf_counter
+        t0 = clock()
+        batch = self.scheduler.schedule()
+        if not batch:
+            raise RuntimeError("the scheduler found nothing to run although requests are waiting")
+        t1 = clock()
+        inputs = build_step_inputs(batch, self.scheduler.tables, self._block_sizes, self.device)
+        metadata = self.kv.build_metadata(inputs.common)
+        t2 = clock()
+        self._counts.blocks_zeroed += len(self.kv.begin_step())
+        t3 = clock()
+        next_tokens = self._forward(inputs, metadata)
+        t4 = clock()
+        sampled = next_tokens.tolist()
+        t5 = clock()
+        self._account(batch)
+        self.scheduler.finish_step(batch)
+        for request, token in zip(inputs.sampled, sampled):
+            request.tokens.append(token)
+            if token in self._eos or len(request.tokens) - request.prompt_len >= request.max_new_tokens:
+                self.scheduler.finish(request)
+                self._done[request.req_id] = request.output
+                self._counts.requests_finished += 1
+        for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
+            times[phase] += seconds
+        return inputs.num_tokens
+
+    def _forward(self, inputs: StepInputs, metadata: dict[str, Any]) -> torch.Tensor:
+        step = StepContext(self._layers, metadata)
+        with torch.inference_mode():
+            out = self.model(
+                input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
+                logits_to_keep=inputs.logits_indices, **{STEP_KWARG: step},
+            )
+            return out.logits[0].argmax(-1)
+
+    def _account(self, batch: list[tuple[Request, int]]) -> None:
+        counts = self._counts
+        counts.steps += 1
+        for request, n in batch:
+            if n == 1 and request.num_computed >= request.prompt_len:
+                counts.decode_tokens += 1
+            else:
+                counts.prefill_tokens += n
+
+    def stats(self) -> EngineStats:
+        """Counts since construction: steps, tokens, blocks, preemptions, prefix-cache hits, phase times."""
+        c, s, prefix = self._counts, self.scheduler.counters, self.scheduler.prefix
+        return EngineStats(
+            steps=c.steps, prefill_tokens=c.prefill_tokens, decode_tokens=c.decode_tokens,
+            requests_finished=c.requests_finished, blocks_allocated=s.blocks_allocated,
+            blocks_zeroed=c.blocks_zeroed, window_freed_blocks=s.window_freed_blocks, preemptions=s.preemptions,
+            prefix_cache_hits=prefix.hits if prefix else 0, prefix_cache_hit_tokens=prefix.hit_tokens if prefix else 0,
+            **{f"{phase}_s": c.times[phase] for phase in PHASES},
+        )

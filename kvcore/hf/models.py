@@ -1,0 +1,77 @@
+"""Models to serve: small random-weight ones built from configs, or a local checkpoint.
+
+The random models are for tests, demos and benchmarks (no download). Their
+output embeddings are scaled so that logits are peaky: the greedy token then
+wins by a wide margin, and float rounding that differs between two exact
+attention implementations cannot flip it. Weights are drawn wider than
+transformers' default initializer so that attention, not only the last
+token, decides the next token.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+#: Architecture name -> (config class, keyword arguments beyond the common small shape).
+ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama": ("LlamaConfig", {}),
+    "qwen2": ("Qwen2Config", {}),
+    "qwen3": ("Qwen3Config", {}),
+    "mistral": ("MistralConfig", {"sliding_window": 24}),
+    "gemma3": (
+        "Gemma3TextConfig",
+        {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24},
+    ),
+}
+
+
+def model_config(arch: str, **overrides: Any) -> transformers.PretrainedConfig:
+    """A small config of ``arch`` (hidden 64, 2 layers, 4 query / 2 KV heads of 16, vocab 256)."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown architecture {arch!r}; choose one of {sorted(ARCHITECTURES)}")
+    class_name, extra = ARCHITECTURES[arch]
+    kwargs: dict[str, Any] = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+        initializer_range=0.1, tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    )
+    kwargs.update(extra)
+    kwargs.update(overrides)
+    if "layer_types" in kwargs and kwargs["num_hidden_layers"] != len(kwargs["layer_types"]):
+        pattern = kwargs["layer_types"]
+        kwargs["layer_types"] = [pattern[i % len(pattern)] for i in range(kwargs["num_hidden_layers"])]
+    return getattr(transformers, class_name)(**kwargs)
+
+
+def random_model(
+    config: transformers.PretrainedConfig,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    seed: int = 0,
+    logit_std: float = 8.0,
+) -> transformers.PreTrainedModel:
+    """A random-weight causal LM for ``config`` with logits of about ``logit_std`` spread."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    head = model.get_output_embeddings().weight
+    with torch.no_grad():
+        head.normal_(0.0, logit_std / config.hidden_size**0.5, generator=torch.Generator().manual_seed(seed))
+    model.generation_config.eos_token_id = config.eos_token_id
+    model.generation_config.pad_token_id = config.pad_token_id
+    return model.to(device).eval()
+
+
+def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str = "cpu") -> Any:
+    """A local checkpoint directory (``from_pretrained`` with local files only)."""
+    if not os.path.isdir(path):
+        raise ValueError(f"model path {str(path)!r} is not a directory; pass a local checkpoint directory")
+    kwargs: dict[str, Any] = {"local_files_only": True, "attn_implementation": "sdpa"}
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()

@@ -1,0 +1,91 @@
+"""Prefix caching for the engine: reuse the cached blocks of a request's prompt prefix.
+
+On admission a request looks its full blocks up in every KV cache group's
+cache (a sliding-window group needs only the blocks inside the window before
+the first token it computes). All groups must agree on one prefix length, so
+the hit is the longest prefix every group holds, at a boundary of every
+group's blocks, and short of the last token (whose logits the step needs).
+After each step, blocks that became full are recorded under their chained
+hashes, generated tokens included.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from kvcore import BlockPool, block_hashes, sliding_window_blocks
+from kvcore.hf.requests import Request
+
+if TYPE_CHECKING:
+    from kvcore.hf.scheduler import GroupInfo
+
+
+class PrefixCache:
+    """Hit lookup and block recording over a caching :class:`~kvcore.BlockPool`."""
+
+    def __init__(self, pool: BlockPool, groups: list[GroupInfo]) -> None:
+        if not pool.enable_caching:
+            raise ValueError("prefix caching needs a BlockPool built with enable_caching=True")
+        self.pool = pool
+        self.groups = groups
+        self.lcm = math.lcm(*(g.block_size for g in groups))
+        self.windows = [
+            None if g.sliding_window is None else sliding_window_blocks(g.sliding_window, g.block_size)
+            for g in groups
+        ]
+        self.hits = 0
+        self.hit_tokens = 0
+
+    def _hashes(self, request: Request, block_size: int, num_blocks: int) -> list[bytes]:
+        """The first ``num_blocks`` chained hashes of ``request``'s tokens (kept on the request)."""
+        hashes = request.block_hashes.setdefault(block_size, [])
+        if len(hashes) < num_blocks:
+            start = len(hashes) * block_size
+            parent = hashes[-1] if hashes else None
+            hashes.extend(block_hashes(request.tokens[start : num_blocks * block_size], block_size, parent=parent))
+        return hashes[:num_blocks]
+
+    def admit(self, request: Request, tables: list[np.ndarray]) -> None:
+        """Start ``request`` at its longest cached prefix: shared blocks, no prefill for them."""
+        groups, pool = self.groups, self.pool
+        tokens = (request.num_tokens - 1) // self.lcm * self.lcm
+        hashes = [self._hashes(request, g.block_size, tokens // g.block_size) for g in groups]
+        while tokens > 0:
+            found = min(
+                pool.find_cached_prefix(h[: tokens // g.block_size], group_id=i, window=self.windows[i]) * g.block_size
+                for i, (g, h) in enumerate(zip(groups, hashes))
+            )
+            found = found // self.lcm * self.lcm
+            if found == tokens:
+                break
+            tokens = found
+        if tokens == 0:
+            return
+        for i, (g, h) in enumerate(zip(groups, hashes)):
+            ids = pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=self.windows[i])
+            if len(ids) * g.block_size != tokens:
+                raise RuntimeError(f"group {i}: prefix cache returned {len(ids)} blocks for {tokens} tokens")
+            request.block_tables[i] = ids
+            request.window_start[i] = next((j for j, b in enumerate(ids) if b), len(ids))
+            request.num_cached_blocks[i] = len(ids)
+            tables[i][request.row, : len(ids)] = ids
+        request.num_computed = tokens
+        self.hits += 1
+        self.hit_tokens += tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Record the blocks of ``request`` that the last step filled."""
+        for i, g in enumerate(self.groups):
+            full = request.num_computed // g.block_size
+            done = request.num_cached_blocks[i]
+            if full <= done:
+                continue
+            hashes = self._hashes(request, g.block_size, full)[done:full]
+            ids = request.block_tables[i][done:full]
+            pairs = [(h, b) for h, b in zip(hashes, ids) if b]
+            if pairs:
+                self.pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=i)
+            request.num_cached_blocks[i] = full

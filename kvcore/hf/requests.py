@@ -1,0 +1,84 @@
+"""A generation request as the engine tracks it, and the checks a new request must pass."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import attrs
+
+from kvcore._validate import as_int
+
+
+@attrs.define(eq=False)
+class Request:
+    """One prompt being served: its tokens so far and its blocks in every KV cache group.
+
+    ``tokens`` holds the prompt followed by the generated tokens;
+    ``num_computed`` counts the leading tokens whose K/V are in the cache.
+    ``block_tables[g]`` lists group ``g``'s manager block ids (0, the null
+    block, where a sliding window dropped a block); ``row`` is the request's
+    row in the scheduler's block-table arrays while it runs (-1 otherwise).
+    """
+
+    req_id: int
+    tokens: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    block_tables: list[list[int]]
+    num_computed: int = 0
+    row: int = -1
+    #: Per group: index of the first block a sliding window still needs.
+    window_start: list[int] = attrs.field(factory=list)
+    #: Chained hashes of the full blocks of ``tokens``, by block size (prefix caching only).
+    block_hashes: dict[int, list[bytes]] = attrs.field(factory=dict)
+    #: Per group: blocks already recorded in the prefix cache.
+    num_cached_blocks: list[int] = attrs.field(factory=list)
+    finished: bool = False
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_new_tokens(self) -> int:
+        """Tokens whose K/V still have to be computed."""
+        return len(self.tokens) - self.num_computed
+
+    def reset(self, num_groups: int) -> None:
+        """Forget every block (a new request, or a preempted one to be recomputed)."""
+        self.block_tables = [[] for _ in range(num_groups)]
+        self.window_start = [0] * num_groups
+        self.num_cached_blocks = [0] * num_groups
+        self.num_computed = 0
+        self.row = -1
+
+
+def check_prompt(index: int, prompt: Any, max_new_tokens: Any, *, vocab_size: int, max_model_len: int) -> list[int]:
+    """``prompt`` as a list of ints, or ``ValueError``/``TypeError`` naming prompt ``index`` and the fix."""
+    where = f"prompt {index}"
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"{where} must be a list of token ids, got {type(prompt).__name__}; tokenize it first")
+    tokens = [as_int(f"{where} token", t) for t in prompt]
+    if not tokens:
+        raise ValueError(f"{where} is empty; give at least one token id")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{where} holds token ids {sorted(set(bad))[:8]} outside the vocabulary 0..{vocab_size - 1}; "
+            "use the model's own tokenizer"
+        )
+    new = as_int("max_new_tokens", max_new_tokens)
+    if new < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {new}")
+    if len(tokens) + new > max_model_len:
+        raise ValueError(
+            f"{where} has {len(tokens)} tokens; with max_new_tokens={new} it needs {len(tokens) + new} "
+            f"positions but the model takes at most {max_model_len} (max_position_embeddings); "
+            "shorten the prompt or lower max_new_tokens"
+        )
+    return tokens

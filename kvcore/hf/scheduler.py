@@ -1,0 +1,189 @@
+"""Continuous batching: which requests run this step, with how many tokens, in which blocks.
+
+Each step has a token budget. Running requests come first, oldest first: a
+decoding request takes one token, a prefilling one the next chunk of its
+prompt. Waiting requests are then admitted while the budget, ``max_num_seqs``
+and the free blocks last. Blocks are allocated per KV cache group as a
+request grows; a sliding-window group hands back blocks no query can see
+any more. When the pool runs dry, the newest running request is preempted:
+its blocks are freed and it is recomputed later from its tokens (greedy
+decoding makes the result identical). A request that could never fit alone
+is refused when it is added, so the oldest request can always progress.
+"""
+
+from __future__ import annotations
+
+import collections
+
+import attrs
+import numpy as np
+
+from kvcore import BlockPool, KVCache, SlidingWindowSpec
+from kvcore.hf.prefix import PrefixCache
+from kvcore.hf.requests import Request
+
+
+@attrs.frozen
+class GroupInfo:
+    """A KV cache group as the scheduler sees it."""
+
+    block_size: int
+    #: Tokens of the sliding window, None for full attention.
+    sliding_window: int | None
+
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """Most blocks one request of ``num_tokens`` ever holds in this group at once."""
+        full = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return full
+        return min(full, (self.sliding_window - 1 + max_chunk) // self.block_size + 2)
+
+
+@attrs.define
+class SchedulerCounters:
+    blocks_allocated: int = 0
+    preemptions: int = 0
+    window_freed_blocks: int = 0
+
+
+class Scheduler:
+    """Queues, admission and block bookkeeping for one :class:`~kvcore.KVCache`."""
+
+    def __init__(self, kv: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool) -> None:
+        self.pool: BlockPool = kv.block_pool
+        self.groups = [
+            GroupInfo(g.kv_cache_spec.block_size, getattr(g.kv_cache_spec, "sliding_window", None)
+                      if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None)
+            for g in kv.config.kv_cache_groups
+        ]
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = kv.max_model_len
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.counters = SchedulerCounters()
+        self.prefix = PrefixCache(self.pool, self.groups) if prefix_caching else None
+        # NOTE: one row per running request and group; the batch builder slices these per step.
+        width = max(-(-min(self.max_model_len, kv.num_blocks * g.block_size) // g.block_size) for g in self.groups)
+        self.tables = [np.zeros((max_num_seqs, width), dtype=np.int32) for _ in self.groups]
+        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    # -- admission -------------------------------------------------------------------------
+
+    def peak_blocks(self, num_tokens: int) -> int:
+        """Blocks a request of ``num_tokens`` tokens may hold at once, over all groups."""
+        return sum(g.peak_blocks(num_tokens, self.max_num_batched_tokens) for g in self.groups)
+
+    def add(self, request: Request) -> None:
+        request.reset(len(self.groups))
+        self.waiting.append(request)
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> list[tuple[Request, int]]:
+        """This step's requests and token counts (running first, then admitted ones)."""
+        budget = self.max_num_batched_tokens
+        batch: list[tuple[Request, int]] = []
+        preempted = False
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            n = min(request.num_new_tokens, budget)
+            while not self._grow(request, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                batch.append((request, n))
+                budget -= n
+                index += 1
+                continue
+            break
+        while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
+            request = self.waiting[0]
+            request.row = self._free_rows.pop()
+            if self.prefix is not None:
+                self.prefix.admit(request, self.tables)
+            n = min(request.num_new_tokens, budget)
+            if not self._grow(request, n):
+                self._release(request)
+                request.reset(len(self.groups))
+                break
+            self.waiting.popleft()
+            self.running.append(request)
+            batch.append((request, n))
+            budget -= n
+        return batch
+
+    # -- blocks ----------------------------------------------------------------------------
+
+    def _grow(self, request: Request, n: int) -> bool:
+        """Give ``request`` the blocks for ``n`` more tokens in every group, or none at all."""
+        start = request.num_computed
+        needs = []
+        for g, info in enumerate(self.groups):
+            if info.sliding_window is not None:
+                self._drop_out_of_window(request, g, start - info.sliding_window + 1)
+            needs.append(-(-(start + n) // info.block_size) - len(request.block_tables[g]))
+        if sum(needs) > self.pool.num_free_blocks:
+            return False
+        for g, need in enumerate(needs):
+            if need > 0:
+                table = request.block_tables[g]
+                new = self.pool.allocate(need)
+                self.tables[g][request.row, len(table) : len(table) + need] = new
+                table.extend(new)
+                self.counters.blocks_allocated += need
+        return True
+
+    def _drop_out_of_window(self, request: Request, g: int, first_visible: int) -> None:
+        """Free group ``g``'s blocks wholly before position ``first_visible``."""
+        size, table = self.groups[g].block_size, request.block_tables[g]
+        end = min(max(first_visible, 0) // size, len(table))
+        begin = request.window_start[g]
+        if end <= begin:
+            return
+        gone = [b for b in table[begin:end] if b]
+        table[begin:end] = [0] * (end - begin)
+        self.tables[g][request.row, begin:end] = 0
+        request.window_start[g] = end
+        if gone:
+            self.pool.free(gone)
+            self.counters.window_freed_blocks += len(gone)
+
+    def _release(self, request: Request) -> None:
+        """Free every block of ``request`` (last block first) and its row."""
+        for table in request.block_tables:
+            held = [b for b in reversed(table) if b]
+            if held:
+                self.pool.free(held)
+        if request.row >= 0:
+            for rows in self.tables:
+                rows[request.row] = 0
+            self._free_rows.append(request.row)
+        request.row = -1
+
+    def _preempt(self, request: Request) -> None:
+        self._release(request)
+        request.reset(len(self.groups))
+        self.waiting.appendleft(request)
+        self.counters.preemptions += 1
+
+    # -- after the step ----------------------------------------------------------------------
+
+    def finish_step(self, batch: list[tuple[Request, int]]) -> None:
+        """Record computed tokens and cache newly full blocks."""
+        for request, n in batch:
+            request.num_computed += n
+            if self.prefix is not None:
+                self.prefix.cache_full_blocks(request)
+
+    def finish(self, request: Request) -> None:
+        """``request`` is done: free its blocks."""
+        request.finished = True
+        self.running.remove(request)
+        self._release(request)

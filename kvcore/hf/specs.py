@@ -1,0 +1,136 @@
+"""KV cache specs of a transformers decoder config, and what kvcore cannot serve exactly.
+
+Every decoder layer gets one spec named after its attention module
+(``model.layers.<i>.self_attn``): full attention, a sliding window (from
+``layer_types`` / ``sliding_window``) or chunked local attention, with the
+config's KV heads and head dim. Attention features that no kvcore backend
+implements are refused with a ``ValueError`` naming the feature, so a model is
+never served approximately.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from kvcore import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvcore._validate import positive_int
+
+#: ``model_type`` values whose transformers modeling code the engine serves (tested for exactness).
+SERVED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+
+_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+
+
+def layer_name(index: int) -> str:
+    """Module path of decoder layer ``index``'s attention in a ``*ForCausalLM`` model."""
+    return f"model.layers.{index}.self_attn"
+
+
+def unsupported_features(config: Any) -> list[str]:
+    """Attention features of ``config`` that kvcore's backends do not implement, in words."""
+    found = []
+    cap = getattr(config, "attn_logit_softcapping", None)
+    if cap is not None:
+        found.append(f"attention logit soft-capping (attn_logit_softcapping={cap})")
+    if getattr(config, "model_type", None) == "gpt_oss" or getattr(config, "attention_sinks", None):
+        found.append("attention sinks (learned per-head sink logits)")
+    shared = getattr(config, "num_kv_shared_layers", 0) or 0
+    if shared:
+        found.append(f"cross-layer KV sharing (num_kv_shared_layers={shared})")
+    if getattr(config, "use_bidirectional_attention", False):
+        found.append("bidirectional attention (use_bidirectional_attention=True)")
+    if getattr(config, "kv_lora_rank", None):
+        found.append(f"multi-head latent attention (kv_lora_rank={config.kv_lora_rank})")
+    others = sorted({t for t in (getattr(config, "layer_types", None) or ()) if t not in _LAYER_TYPES})
+    if others:
+        found.append(f"layer types {others} (kvcore serves {list(_LAYER_TYPES)})")
+    return found
+
+
+def check_servable(config: Any) -> None:
+    """Raise ``ValueError`` naming every attention feature of ``config`` kvcore cannot serve exactly."""
+    found = unsupported_features(config)
+    if found:
+        kind = getattr(config, "model_type", type(config).__name__)
+        raise ValueError(
+            f"kvcore cannot serve this {kind} config exactly: it uses {'; '.join(found)}. "
+            "No kvcore backend implements that; use a model without it"
+        )
+
+
+def layer_kinds(config: Any) -> list[tuple[str, int | None]]:
+    """Per decoder layer: ``("full", None)``, ``("sliding", window)`` or ``("chunked", chunk)``."""
+    num_layers = positive_int("config.num_hidden_layers", getattr(config, "num_hidden_layers", None))
+    window = getattr(config, "sliding_window", None)
+    chunk = getattr(config, "attention_chunk_size", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        # NOTE: configs without layer_types (Llama, Mistral) apply their window, if any, to every layer.
+        kind = "chunked_attention" if chunk else "sliding_attention" if window else "full_attention"
+        types = [kind] * num_layers
+    if len(types) != num_layers:
+        raise ValueError(
+            f"config.layer_types lists {len(types)} layers but num_hidden_layers={num_layers}; "
+            "give one type per layer"
+        )
+    kinds: list[tuple[str, int | None]] = []
+    for i, layer_type in enumerate(types):
+        if layer_type == "full_attention":
+            kinds.append(("full", None))
+        elif layer_type == "sliding_attention" and window:
+            kinds.append(("sliding", positive_int("config.sliding_window", window)))
+        elif layer_type == "chunked_attention" and chunk:
+            kinds.append(("chunked", positive_int("config.attention_chunk_size", chunk)))
+        else:
+            raise ValueError(
+                f"layer {i} is {layer_type!r} but the config sets no "
+                f"{'sliding_window' if layer_type == 'sliding_attention' else 'attention_chunk_size'}; "
+                "set it or change config.layer_types"
+            )
+    return kinds
+
+
+def resolve_dtype(config: Any, dtype: torch.dtype | str | None) -> torch.dtype:
+    """``dtype``, else the config's, else float32; strings such as ``"bfloat16"`` are accepted."""
+    value = dtype if dtype is not None else getattr(config, "dtype", None) or torch.float32
+    if isinstance(value, str):
+        value = getattr(torch, value.removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        raise TypeError(f"dtype must be a floating torch.dtype or its name, got {dtype!r}")
+    return value
+
+
+def head_shape(config: Any) -> tuple[int, int, int]:
+    """``(query heads, KV heads, head dim)`` of ``config``."""
+    num_heads = positive_int("config.num_attention_heads", getattr(config, "num_attention_heads", None))
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or num_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+    return num_heads, positive_int("config.num_key_value_heads", num_kv_heads), positive_int("head_dim", head_dim)
+
+
+def specs_from_config(
+    config: Any, dtype: torch.dtype | str | None = None, block_size: int = 16
+) -> dict[str, KVCacheSpec]:
+    """One KV cache spec per decoder layer of ``config``, in model order, keyed by module path.
+
+    :param config: a transformers ``PretrainedConfig`` of a decoder-only model.
+    :param dtype: the cache dtype; None takes the config's ``dtype`` (float32 if unset).
+    :param block_size: tokens per manager block.
+    :raises ValueError: the config uses an attention feature kvcore cannot serve exactly.
+    """
+    check_servable(config)
+    block_size = positive_int("block_size", block_size)
+    dtype = resolve_dtype(config, dtype)
+    _, num_kv_heads, head_dim = head_shape(config)
+    specs: dict[str, KVCacheSpec] = {}
+    for i, (kind, size) in enumerate(layer_kinds(config)):
+        if kind == "sliding":
+            spec: KVCacheSpec = SlidingWindowSpec(block_size, num_kv_heads, head_dim, dtype, sliding_window=size)
+        elif kind == "chunked":
+            spec = ChunkedLocalAttentionSpec(block_size, num_kv_heads, head_dim, dtype, attention_chunk_size=size)
+        else:
+            spec = FullAttentionSpec(block_size, num_kv_heads, head_dim, dtype)
+        specs[layer_name(i)] = spec
+    return specs
