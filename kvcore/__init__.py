@@ -4,139 +4,93 @@ Engines describe each layer's KV cache with a spec; kvcore plans one backing
 allocation, gives every layer a strided view in one of six layouts, negotiates
 kernel block sizes with attention-backend plugins, and zeroes new blocks in one
 launch. Every public name is importable from here.
+
+Names load on first use (PEP 562): ``import kvcore`` alone does not import
+torch, so ``kvcore --help`` and ``kvcore --version`` start fast. ``_EXPORTS``
+below is the one list of public names, grouped by the module that defines them
+(in the package's pipeline order); add a new public name there.
 """
 
 from __future__ import annotations
 
-from kvcore.runtime.attn_group import AttentionGroup
-from kvcore.plugins.backend import (
-    AttentionBackend,
-    AttentionMetadataBuilder,
-    CommonAttentionMetadata,
-)
-from kvcore.model_runner.batch import (
-    EncoderTimingStats,
-    gather_mm_placeholders,
-    get_uniform_decode_token_count,
-    is_uniform_query_len,
-    sanity_check_mm_encoder_outputs,
-    scatter_mm_placeholders,
-)
-from kvcore.model_runner.binding import (
-    add_kv_sharing_layers_to_kv_cache_groups,
-    bind_kv_cache,
-    bind_kv_cache_to_layers,
-    clear_layer_kv_caches,
-    extract_layer_index,
-    initialize_kv_cache_for_kv_sharing,
-)
-from kvcore.runtime.block_pool import BlockPool
-from kvcore.runtime.prefix_hash import block_hashes, sliding_window_blocks
-from kvcore.plugins.block_sizes import (
-    customize_attention_spec,
-    prepare_kernel_block_sizes,
-    select_common_block_size,
-)
-from kvcore.memory.config import (
-    KVCacheConfig,
-    KVCacheGroupSpec,
-    KVCacheTensor,
-)
-from kvcore.runtime.group_builder import (
-    build_attention_groups,
-    map_kv_caches_to_kernel_blocks,
-)
-from kvcore.plugins.hookspecs import (
-    hookimpl,
-    hookspec,
-)
-from kvcore.memory.layout import (
-    compute_layout_strides,
-    KVCacheLayout,
-)
-from kvcore.plugins.layouts import resolve_kv_cache_layout
-from kvcore.memory.budget import (
-    MemorySnapshot,
-    request_memory,
-)
-from kvcore.memory.planner import plan_kv_cache
-from kvcore.plugins.registry import get_plugin_manager
-from kvcore.runtime.kv_cache import KVCache
-from kvcore.specs import (
-    AttentionSpec,
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    MultipleOf,
-    SlidingWindowSpec,
-    UniformTypeKVCacheSpecs,
-)
-from kvcore.memory.views import (
-    allocate_kv_cache,
-    create_kv_cache_views,
-)
-from kvcore.runtime.zeroer import KVBlockZeroer
-from kvcore import distributed, errors
+import importlib
+import importlib.util
+from typing import Any
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "add_kv_sharing_layers_to_kv_cache_groups",
-    "allocate_kv_cache",
-    "AttentionBackend",
-    "AttentionGroup",
-    "AttentionMetadataBuilder",
-    "AttentionSpec",
-    "bind_kv_cache",
-    "bind_kv_cache_to_layers",
-    "BlockPool",
-    "block_hashes",
-    "sliding_window_blocks",
-    "build_attention_groups",
-    "ChunkedLocalAttentionSpec",
-    "clear_layer_kv_caches",
-    "CommonAttentionMetadata",
-    "compute_layout_strides",
-    "create_kv_cache_views",
-    "CrossAttentionSpec",
-    "customize_attention_spec",
-    "EncoderOnlyAttentionSpec",
-    "EncoderTimingStats",
-    "extract_layer_index",
-    "FullAttentionSpec",
-    "gather_mm_placeholders",
-    "get_plugin_manager",
-    "get_uniform_decode_token_count",
-    "hookimpl",
-    "hookspec",
-    "initialize_kv_cache_for_kv_sharing",
-    "is_uniform_query_len",
-    "KVBlockZeroer",
-    "KVCache",
-    "KVCacheConfig",
-    "KVCacheGroupSpec",
-    "KVCacheLayout",
-    "KVCacheSpec",
-    "KVCacheTensor",
-    "MambaSpec",
-    "map_kv_caches_to_kernel_blocks",
-    "MemorySnapshot",
-    "MLAAttentionSpec",
-    "MultipleOf",
-    "plan_kv_cache",
-    "prepare_kernel_block_sizes",
-    "request_memory",
-    "resolve_kv_cache_layout",
-    "sanity_check_mm_encoder_outputs",
-    "scatter_mm_placeholders",
-    "select_common_block_size",
-    "SlidingWindowSpec",
-    "UniformTypeKVCacheSpecs",
-    "distributed",
-    "errors",
-    "__version__",
-]
+_EXPORTS: dict[str, tuple[str, ...]] = {
+    "kvcore.specs": (
+        "AttentionSpec",
+        "ChunkedLocalAttentionSpec",
+        "CrossAttentionSpec",
+        "EncoderOnlyAttentionSpec",
+        "FullAttentionSpec",
+        "KVCacheSpec",
+        "MambaSpec",
+        "MLAAttentionSpec",
+        "MultipleOf",
+        "SlidingWindowSpec",
+        "UniformTypeKVCacheSpecs",
+    ),
+    "kvcore.memory.layout": ("compute_layout_strides", "KVCacheLayout"),
+    "kvcore.memory.config": ("KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor"),
+    "kvcore.memory.planner": ("plan_kv_cache",),
+    "kvcore.memory.views": ("allocate_kv_cache", "create_kv_cache_views"),
+    "kvcore.memory.budget": ("MemorySnapshot", "request_memory"),
+    "kvcore.plugins.backend": (
+        "AttentionBackend",
+        "AttentionMetadataBuilder",
+        "CommonAttentionMetadata",
+    ),
+    "kvcore.plugins.hookspecs": ("hookimpl", "hookspec"),
+    "kvcore.plugins.registry": ("get_backend", "get_plugin_manager"),
+    "kvcore.plugins.block_sizes": (
+        "customize_attention_spec",
+        "get_block_table_width",
+        "prepare_kernel_block_sizes",
+        "select_common_block_size",
+    ),
+    "kvcore.plugins.layouts": ("resolve_kv_cache_layout", "supported_layouts"),
+    "kvcore.runtime.attn_group": ("AttentionGroup",),
+    "kvcore.runtime.group_builder": ("build_attention_groups", "map_kv_caches_to_kernel_blocks"),
+    "kvcore.runtime.block_pool": ("BlockPool",),
+    "kvcore.runtime.prefix_hash": ("block_hashes", "sliding_window_blocks"),
+    "kvcore.runtime.kv_cache": ("KVCache",),
+    "kvcore.runtime.zeroer": ("KVBlockZeroer",),
+    "kvcore.model_runner.batch": (
+        "EncoderTimingStats",
+        "gather_mm_placeholders",
+        "get_uniform_decode_token_count",
+        "is_uniform_query_len",
+        "sanity_check_mm_encoder_outputs",
+        "scatter_mm_placeholders",
+    ),
+    "kvcore.model_runner.binding": (
+        "add_kv_sharing_layers_to_kv_cache_groups",
+        "bind_kv_cache",
+        "bind_kv_cache_to_layers",
+        "clear_layer_kv_caches",
+        "extract_layer_index",
+        "initialize_kv_cache_for_kv_sharing",
+    ),
+}
+_ORIGIN = {name: module for module, names in _EXPORTS.items() for name in names}
+
+__all__ = [*_ORIGIN, "distributed", "errors", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name (or a submodule such as ``kvcore.errors``) on first use."""
+    if name in _ORIGIN:
+        value = getattr(importlib.import_module(_ORIGIN[name]), name)
+    elif not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        value = importlib.import_module(f"{__name__}.{name}")
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value  # NOTE: later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
