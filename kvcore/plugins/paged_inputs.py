@@ -3,15 +3,40 @@
 Backends validate their arguments on the host before any kernel runs, so a
 bad call raises ``TypeError``/``ValueError`` naming the argument and the
 accepted form, and nothing is half-written.
+
+Two kinds of checks:
+- shapes, dtypes and devices: always on (they read no device data);
+- values held in tensors (slot ranges, query offsets, block ids): they read
+  device memory, a host sync that would stall every layer of a GPU step and
+  break CUDA graph capture. They run only where :func:`value_checks` says so:
+  an explicit ``validate=True``/``False`` argument wins; else
+  ``KVCORE_DEBUG_CHECKS=1`` turns them on everywhere; else they run for CPU
+  tensors (no device to wait for) and are off on GPUs, where kernels skip
+  out-of-range slots instead of storing out of bounds.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Collection
 
 import torch
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
+#: Environment switch of the value checks (read on every call, so tests and debuggers can flip it).
+DEBUG_CHECKS_ENV = "KVCORE_DEBUG_CHECKS"
+
+
+def value_checks(validate: bool | None, device: torch.device) -> bool:
+    """Whether checks that read tensor values (a device sync on GPUs) run for this call."""
+    if validate is not None:
+        if not isinstance(validate, bool):
+            raise TypeError(f"validate must be True, False or None, got {validate!r}")
+        return validate
+    flag = os.environ.get(DEBUG_CHECKS_ENV, "").strip().lower()
+    if flag:
+        return flag not in ("0", "false", "no", "off")
+    return device.type == "cpu"
 
 
 def check_cache_view(
@@ -82,8 +107,8 @@ def check_kv_write(
 ) -> int:
     """Validate a write of ``key``/``value`` through ``slot_mapping``; return the view's slot count.
 
-    With ``check_slots`` every slot must be below ``B * N`` (one device sync);
-    negative slots mark padding and always pass.
+    With ``check_slots`` every slot must be below ``B * N`` (a device sync on
+    GPUs: pass ``value_checks(...)``); negative slots mark padding and always pass.
     """
     head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
     check_cache_view(kv_cache_view, head_size, head_size_v, dtypes)
@@ -115,16 +140,11 @@ def check_heads_and_window(num_q_heads: int, num_kv_heads: int, sliding_window: 
 def check_batch(
     query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, num_tokens: int
 ) -> tuple[list[int], list[int]]:
-    """Validate a varlen batch on the host; return ``(query_start_loc, seq_lens)`` as lists."""
-    check_index("query_start_loc", query_start_loc, 1)
-    check_index("seq_lens", seq_lens, 1)
-    check_index("block_table", block_table, 2)
-    num_reqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
-        raise ValueError(
-            f"{num_reqs} requests need query_start_loc of length {num_reqs + 1} and a block "
-            f"table of at least {num_reqs} rows, got {query_start_loc.shape[0]} and {block_table.shape[0]}"
-        )
+    """Validate a varlen batch's values on the host; return ``(query_start_loc, seq_lens)`` as lists.
+
+    Reads the tensors (a device sync on GPUs): a value check, see :func:`value_checks`.
+    """
+    check_batch_shapes(query_start_loc, seq_lens, block_table)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens:
@@ -139,3 +159,35 @@ def check_batch(
                 "be non-decreasing and seq_lens must count the new tokens too"
             )
     return starts, lens
+
+
+def check_batch_shapes(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
+                       like: torch.Tensor | None = None) -> int:
+    """Index dtypes, dims and lengths of a varlen batch (no sync); return the request count."""
+    check_index("block_table", block_table, 2, like)
+    check_index("query_start_loc", query_start_loc, 1, like)
+    check_index("seq_lens", seq_lens, 1, like)
+    num_reqs = seq_lens.shape[0]
+    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
+        raise ValueError(
+            f"{num_reqs} requests need query_start_loc of length {num_reqs + 1} and a block "
+            f"table of at least {num_reqs} rows, got {query_start_loc.shape[0]} and {block_table.shape[0]}"
+        )
+    return num_reqs
+
+
+def check_block_ids(block_table: torch.Tensor, seq_lens: list[int], block_size: int, num_blocks: int) -> None:
+    """Every block a request reads must exist: a value check (reads the table)."""
+    needed = max((-(-n // block_size) for n in seq_lens), default=0)
+    if needed > block_table.shape[1]:
+        raise ValueError(
+            f"a sequence of {max(seq_lens)} tokens needs {needed} blocks of {block_size}, but the "
+            f"block table has {block_table.shape[1]} columns"
+        )
+    for i, seq_len in enumerate(seq_lens):
+        ids = block_table[i, : -(-seq_len // block_size)]
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= num_blocks):
+            raise ValueError(
+                f"request {i} reads block ids {ids.tolist()} but the cache has {num_blocks} "
+                "kernel blocks; map manager block tables to kernel blocks first"
+            )

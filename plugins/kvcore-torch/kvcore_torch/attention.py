@@ -1,17 +1,33 @@
-"""Causal paged attention over varlen batches, in plain PyTorch.
+"""Causal paged attention over varlen batches, in plain PyTorch, with no device sync.
 
 Prefill chunks and decode tokens share one batch: request ``i`` owns query
 rows ``query_start_loc[i]:query_start_loc[i + 1]``, which are the last tokens
 of its ``seq_lens[i]``-token sequence. Its keys and values are gathered page
 by page through ``block_table[i]`` (kernel block ids), so any block size and
 any layout work; math runs in float32.
+
+Requests are processed in chunks whose shapes depend only on the host-known
+``max_query_len``/``max_seq_len`` (queries padded to ``max_query_len``), so
+no step reads a tensor value on the host: the computation can be captured in
+a CUDA graph. Value checks (offsets, lengths, block ids) are opt-in, see
+:func:`kvcore.plugins.paged_inputs.value_checks`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from kvcore_torch._checks import check_batch, check_cache_view, check_heads_and_window
+from kvcore_torch._checks import (
+    check_batch,
+    check_batch_shapes,
+    check_block_ids,
+    check_cache_view,
+    check_heads_and_window,
+    value_checks,
+)
+
+#: Float32 elements of scores and pages one request chunk may hold (256 MiB).
+CHUNK_ELEMENTS = 1 << 26
 
 
 def paged_attention(
@@ -26,6 +42,9 @@ def paged_attention(
     sliding_window: int | None = None,
     head_size_v: int | None = None,
     out: torch.Tensor | None = None,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    validate: bool | None = None,
 ) -> torch.Tensor:
     """Attention of each new token over its request's cached tokens.
 
@@ -38,6 +57,13 @@ def paged_attention(
     :param sliding_window: a token at position ``p`` sees keys at positions
         ``p - sliding_window < k <= p``; None for full causal attention.
     :param head_size_v: V elements per head; None means ``C - head_size``.
+    :param max_query_len: / ``max_seq_len``: upper bounds of the batch's
+        query and sequence lengths (the metadata's); None reads them from the
+        tensors (one device sync).
+    :param validate: check offsets, lengths and block ids on the host
+        (``ValueError``). None: on for CPU tensors or under
+        ``KVCORE_DEBUG_CHECKS=1``; off on GPUs, where block ids are clamped
+        into the cache instead (never read out of bounds).
     :returns: ``[T, Hq, head_size_v]`` in ``query``'s dtype (``out`` if given).
     """
     head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v)
@@ -47,45 +73,70 @@ def paged_attention(
     num_tokens, num_q_heads, _ = query.shape
     num_blocks, num_kv_heads, block_size, _ = kv_cache_view.shape
     check_heads_and_window(num_q_heads, num_kv_heads, sliding_window)
-    starts, lens = check_batch(query_start_loc, seq_lens, block_table, num_tokens)
-    needed = max((-(-n // block_size) for n in lens), default=0)
-    if needed > block_table.shape[1]:
-        raise ValueError(
-            f"a sequence of {max(lens)} tokens needs {needed} blocks of {block_size}, but the "
-            f"block table has {block_table.shape[1]} columns"
-        )
+    num_reqs = check_batch_shapes(query_start_loc, seq_lens, block_table)
+    if value_checks(validate, kv_cache_view.device):
+        _, lens = check_batch(query_start_loc, seq_lens, block_table, num_tokens)
+        check_block_ids(block_table, lens, block_size, num_blocks)
     if out is None:
         out = query.new_empty(num_tokens, num_q_heads, head_size_v)
     elif tuple(out.shape) != (num_tokens, num_q_heads, head_size_v):
         raise ValueError(f"out must have shape {(num_tokens, num_q_heads, head_size_v)}, got {tuple(out.shape)}")
-    group = num_q_heads // num_kv_heads
+    if num_tokens == 0 or num_reqs == 0:
+        return out
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max())
+    if max_query_len <= 0 or max_seq_len <= 0:
+        return out
     device = kv_cache_view.device
-    for i, seq_len in enumerate(lens):
-        q_begin, q_end = starts[i], starts[i + 1]
-        q_len = q_end - q_begin
-        if q_len == 0:
-            continue
-        ids = block_table[i, : -(-seq_len // block_size)].to(device=device, dtype=torch.int64)
-        if int(ids.min()) < 0 or int(ids.max()) >= num_blocks:
-            raise ValueError(
-                f"request {i} reads block ids {ids.tolist()} but the cache has {num_blocks} "
-                "kernel blocks; map manager block tables to kernel blocks first"
-            )
-        # [nb, H, N, C] -> [H, nb * N, C], then drop the unused tail of the last page.
-        pages = kv_cache_view[ids].permute(1, 0, 2, 3).reshape(num_kv_heads, -1, kv_cache_view.shape[-1])
-        pages = pages[:, :seq_len].float()
-        keys = pages[..., :head_size].unsqueeze(1)
-        values = pages[..., head_size : head_size + head_size_v].unsqueeze(1)
-        q = query[q_begin:q_end].to(device=device, dtype=torch.float32)
-        q = q.view(q_len, num_kv_heads, group, head_size).permute(1, 2, 0, 3)
-        scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [H, G, q_len, seq_len]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=device).unsqueeze(1)
-        k_pos = torch.arange(seq_len, device=device).unsqueeze(0)
-        visible = k_pos <= q_pos
-        if sliding_window is not None:
-            visible &= q_pos - k_pos < sliding_window
-        scores.masked_fill_(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        result = torch.matmul(probs, values)  # [H, G, q_len, head_size_v]
-        out[q_begin:q_end] = result.permute(2, 0, 1, 3).reshape(q_len, num_q_heads, head_size_v).to(out.dtype)
+    starts = query_start_loc.to(device=device, dtype=torch.int64)
+    lens = seq_lens.to(device=device, dtype=torch.int64)
+    cols = min(block_table.shape[1], -(-max_seq_len // block_size))
+    context = cols * block_size
+    per_request = num_q_heads * max_query_len * context + num_kv_heads * context * kv_cache_view.shape[-1]
+    chunk = max(1, CHUNK_ELEMENTS // per_request)
+    tokens = torch.arange(num_tokens, device=device)
+    # Request of every query row (rows past query_start_loc[-1] belong to none and stay untouched).
+    request = torch.searchsorted(starts[1:], tokens, right=True)
+    for first in range(0, num_reqs, chunk):
+        last = min(num_reqs, first + chunk)
+        rows = _attend_requests(
+            query, kv_cache_view, block_table, starts, lens, first, last, cols, max_query_len,
+            head_size, head_size_v, scale, sliding_window,
+        )  # [R, max_query_len, Hq, Dv]
+        mine = (request >= first) & (request < last)
+        which = (request - first).clamp(0, last - first - 1)
+        row = (tokens - starts[request.clamp(max=num_reqs - 1)]).clamp(0, max_query_len - 1)
+        out.copy_(torch.where(mine[:, None, None], rows[which, row].to(out.dtype), out))
     return out
+
+
+def _attend_requests(query, view, block_table, starts, lens, first, last, cols, width,
+                     head_size, head_size_v, scale, sliding_window) -> torch.Tensor:
+    """Padded attention of requests ``first:last``: ``[R, width, Hq, head_size_v]`` in float32."""
+    device = view.device
+    num_reqs = last - first
+    num_tokens, num_q_heads, _ = query.shape
+    num_blocks, num_kv_heads, block_size, content = view.shape
+    group = num_q_heads // num_kv_heads
+    ids = block_table[first:last, :cols].to(device=device, dtype=torch.int64).clamp(0, num_blocks - 1)
+    # [R, cols, H, N, C] -> [R, H, cols * N, C]
+    pages = view[ids].permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, cols * block_size, content).float()
+    keys = pages[..., :head_size].unsqueeze(2)  # [R, H, 1, S, D]
+    values = pages[..., head_size : head_size + head_size_v].unsqueeze(2)
+    offset = torch.arange(width, device=device)
+    q_lens = starts[first + 1 : last + 1] - starts[first:last]
+    token = (starts[first:last, None] + offset).clamp(0, num_tokens - 1)  # [R, W]
+    q = query.to(device)[token].float()  # [R, W, Hq, D]
+    q = q.view(num_reqs, width, num_kv_heads, group, head_size).permute(0, 2, 3, 1, 4)  # [R, H, G, W, D]
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [R, H, G, W, S]
+    q_pos = (lens[first:last] - q_lens)[:, None] + offset  # [R, W]
+    k_pos = torch.arange(cols * block_size, device=device)
+    visible = (k_pos <= q_pos[..., None]) & (k_pos < lens[first:last, None, None])  # [R, W, S]
+    if sliding_window is not None:
+        visible &= q_pos[..., None] - k_pos < sliding_window
+    scores.masked_fill_(~visible[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    result = torch.matmul(probs, values)  # [R, H, G, W, Dv]
+    return result.permute(0, 3, 1, 2, 4).reshape(num_reqs, width, num_q_heads, head_size_v)

@@ -36,7 +36,11 @@ class TorchAttentionBackend(AttentionBackend):
         sliding_window: int | None = None,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Write this step's K/V, then attend; rows past ``num_actual_tokens`` are padding."""
+        """Write this step's K/V, then attend; rows past ``num_actual_tokens`` are padding.
+
+        Uses the metadata's ``max_query_len``/``max_seq_len`` and runs no value
+        check on GPUs (``KVCORE_DEBUG_CHECKS=1`` turns them on): no device sync.
+        """
         n = metadata.num_actual_tokens
         write_kv(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size)
         return paged_attention(
@@ -50,4 +54,6 @@ class TorchAttentionBackend(AttentionBackend):
             sliding_window=sliding_window,
             head_size_v=value.shape[-1],
             out=None if out is None else out[:n],
+            max_query_len=metadata.max_query_len,
+            max_seq_len=metadata.max_seq_len,
         )

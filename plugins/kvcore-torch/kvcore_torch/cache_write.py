@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore_torch._checks import check_kv_write
+from kvcore_torch._checks import check_kv_write, value_checks
 
 
 def write_kv(
@@ -13,6 +13,8 @@ def write_kv(
     value: torch.Tensor,
     slot_mapping: torch.Tensor,
     head_size: int,
+    *,
+    validate: bool | None = None,
 ) -> None:
     """Store ``key``/``value`` of each new token at its slot of ``kv_cache_view``.
 
@@ -23,16 +25,31 @@ def write_kv(
     :param value: ``[T, H, head_size_v]`` in the cache's dtype.
     :param slot_mapping: ``[T]`` int slots ``block_id * N + offset`` in kernel
         blocks; a negative slot marks a padding token that is skipped.
-    :raises ValueError: a slot beyond the cache (nothing is written).
+    :param validate: check on the host that every slot is below ``B * N``
+        (``ValueError``, nothing written). None: on for CPU tensors or under
+        ``KVCORE_DEBUG_CHECKS=1``, off on GPUs (no device sync; out-of-range
+        slots are then skipped, never written).
     """
-    # NOTE: one host sync (the slot range); the torch backend trades it for a clear error.
-    check_kv_write(kv_cache_view, key, value, slot_mapping, head_size)
-    block_size = kv_cache_view.shape[2]
-    slots = slot_mapping.to(dtype=torch.int64)
-    keep = slots >= 0
-    slots, key, value = slots[keep], key[keep], value[keep]
-    blocks = slots // block_size
-    offsets = slots % block_size
+    num_slots = check_kv_write(
+        kv_cache_view, key, value, slot_mapping, head_size,
+        check_slots=value_checks(validate, kv_cache_view.device),
+    )
+    num_tokens = slot_mapping.shape[0]
+    if num_tokens == 0:
+        return
+    block_size, head_size_v = kv_cache_view.shape[2], value.shape[-1]
+    slots = slot_mapping.to(device=kv_cache_view.device, dtype=torch.int64)
+    keep = (slots >= 0) & (slots < num_slots)
+    # NOTE: no boolean indexing (its output size needs a device sync). A skipped
+    # token repeats the write of the first kept token (same slot, same data);
+    # with no kept token at all, every token writes a slot's own bytes back.
+    tokens = torch.arange(num_tokens, device=slots.device)
+    src = torch.where(keep, tokens, keep.to(torch.int32).argmax())
+    kept = keep[src][:, None, None]
+    slot = slots[src].clamp(0, num_slots - 1)
+    blocks, offsets = slot // block_size, slot % block_size
+    k_rows = kv_cache_view[blocks, :, offsets, :head_size]
+    v_rows = kv_cache_view[blocks, :, offsets, head_size : head_size + head_size_v]
     # Advanced indices on dims 0 and 2 put the token dim first: [T, H, C].
-    kv_cache_view[blocks, :, offsets, :head_size] = key
-    kv_cache_view[blocks, :, offsets, head_size : head_size + value.shape[-1]] = value
+    kv_cache_view[blocks, :, offsets, :head_size] = torch.where(kept, key[src], k_rows)
+    kv_cache_view[blocks, :, offsets, head_size : head_size + head_size_v] = torch.where(kept, value[src], v_rows)

@@ -5,12 +5,23 @@ from __future__ import annotations
 import torch
 
 from kvcore.plugins.paged_inputs import check_cache_view as _check_cache_view
-from kvcore.plugins.paged_inputs import check_heads_and_window, check_index, check_tokens
+from kvcore.plugins.paged_inputs import (
+    check_batch,
+    check_batch_shapes,
+    check_block_ids,
+    check_heads_and_window,
+    check_index,
+    check_tokens,
+    value_checks,
+)
 from kvcore.plugins.paged_inputs import check_kv_write as _check_kv_write
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
-__all__ = ["DTYPES", "check_cache_view", "check_heads_and_window", "check_index", "check_kv_write", "check_tokens"]
+__all__ = [
+    "DTYPES", "check_batch", "check_batch_shapes", "check_block_ids", "check_cache_view", "check_heads_and_window",
+    "check_index", "check_kv_write", "check_tokens", "value_checks",
+]
 
 
 def check_cache_view(kv_cache_view: torch.Tensor, head_size: int, head_size_v: int | None) -> int:

@@ -19,7 +19,15 @@ try:
 except ImportError:  # NOTE: an older Triton has no host-side TMA descriptors: every tile takes the pointer path
     TensorDescriptor = None
 
-from kvcore_triton._checks import check_cache_view, check_heads_and_window, check_index, check_tokens
+from kvcore_triton._checks import (
+    check_batch,
+    check_batch_shapes,
+    check_block_ids,
+    check_cache_view,
+    check_heads_and_window,
+    check_tokens,
+    value_checks,
+)
 from kvcore_triton.decode import LOG2E, _decode_merge_kernel, _decode_split_kernel
 from kvcore_triton.prefill import _varlen_kernel
 
@@ -192,6 +200,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     config: KernelConfig | None = None,
+    validate: bool | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its request's paged K/V.
 
@@ -200,7 +209,10 @@ def paged_attention(
     block ids (which must be valid: they are not checked on the device),
     request ``i`` owns rows ``query_start_loc[i]:query_start_loc[i + 1]``,
     the last of its ``seq_lens[i]`` tokens. Pass ``max_query_len`` and
-    ``max_seq_len`` to avoid a device sync. Returns ``[T, Hq, head_size_v]``.
+    ``max_seq_len`` to avoid a device sync. ``validate`` checks offsets,
+    lengths and block ids on the host (``ValueError``); None: on for CPU
+    tensors or under ``KVCORE_DEBUG_CHECKS=1``, off on GPUs (no sync).
+    Returns ``[T, Hq, head_size_v]``.
     """
     config = config or KernelConfig()
     head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v)
@@ -210,15 +222,10 @@ def paged_attention(
     num_tokens, num_q_heads, _ = query.shape
     check_tokens("query", query, num_tokens, num_q_heads, head_size, kv_cache_view)
     check_heads_and_window(num_q_heads, num_kv_heads, sliding_window)
-    check_index("block_table", block_table, 2, kv_cache_view)
-    check_index("query_start_loc", query_start_loc, 1, kv_cache_view)
-    check_index("seq_lens", seq_lens, 1, kv_cache_view)
-    num_reqs = seq_lens.shape[0]
-    if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
-        raise ValueError(
-            f"{num_reqs} requests need query_start_loc of length {num_reqs + 1} and a block "
-            f"table of at least {num_reqs} rows, got {query_start_loc.shape[0]} and {block_table.shape[0]}"
-        )
+    num_reqs = check_batch_shapes(query_start_loc, seq_lens, block_table, kv_cache_view)
+    if value_checks(validate, kv_cache_view.device):
+        _, lens = check_batch(query_start_loc, seq_lens, block_table, num_tokens)
+        check_block_ids(block_table, lens, block_size, num_blocks)
     if out is None:
         out = query.new_empty(num_tokens, num_q_heads, head_size_v)
     elif tuple(out.shape) != (num_tokens, num_q_heads, head_size_v) or out.stride(-1) != 1:

@@ -40,8 +40,10 @@ class TritonAttentionBackend(AttentionBackend):
     ) -> torch.Tensor:
         """Write this step's K/V, then attend; rows past ``num_actual_tokens`` are padding.
 
-        Uses the metadata's ``max_query_len``/``max_seq_len``, so no device sync
-        happens beyond the slot range check of ``write_kv``.
+        Uses the metadata's ``max_query_len``/``max_seq_len`` and runs no value
+        check on GPUs (``KVCORE_DEBUG_CHECKS=1`` turns them on), so nothing
+        here synchronizes the device and a whole step can be captured in a
+        CUDA graph.
         """
         n = metadata.num_actual_tokens
         write_kv(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size)

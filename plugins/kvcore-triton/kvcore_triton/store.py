@@ -6,7 +6,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcore_triton._checks import check_kv_write
+from kvcore_triton._checks import check_kv_write, value_checks
 
 
 @triton.jit
@@ -41,7 +41,7 @@ def write_kv(
     slot_mapping: torch.Tensor,
     head_size: int,
     *,
-    validate: bool = True,
+    validate: bool | None = None,
 ) -> None:
     """Store each new token's ``key``/``value`` at its slot of ``kv_cache_view``.
 
@@ -51,10 +51,14 @@ def write_kv(
     :param slot_mapping: ``[T]`` slots ``block_id * N + offset``; negative
         slots mark padding tokens and are skipped.
     :param validate: check on the host that every slot is below ``B * N``
-        (one device sync; ``ValueError`` and nothing written). With
-        ``validate=False`` (CUDA graphs) out-of-range slots are skipped.
+        (``ValueError`` and nothing written; a device sync on GPUs). None: on
+        for CPU tensors or under ``KVCORE_DEBUG_CHECKS=1``, off on GPUs (no
+        sync, CUDA-graph safe), where out-of-range slots are skipped.
     """
-    num_slots = check_kv_write(kv_cache_view, key, value, slot_mapping, head_size, check_slots=validate)
+    num_slots = check_kv_write(
+        kv_cache_view, key, value, slot_mapping, head_size,
+        check_slots=value_checks(validate, kv_cache_view.device),
+    )
     num_tokens = slot_mapping.shape[0]
     _, num_heads, block_size, _ = kv_cache_view.shape
     if num_tokens == 0:
