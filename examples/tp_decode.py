@@ -10,6 +10,10 @@ every step's logits and every generated token.
 Run (CPU, gloo):   python -m torch.distributed.run --nproc-per-node 2 examples/tp_decode.py
 Run (GPUs, NCCL):  torchrun --nproc-per-node 2 examples/tp_decode.py
 Options: --tiny (fast smoke run), --backend torch|triton, --layout BLNHC, --num-kv-heads 2 ...
+
+This one shards the home-made tiny model by hand and needs nothing beyond torch;
+examples/tp_hf.py serves a real transformers architecture sharded by
+transformers' own tensor-parallel plan.
 """
 
 from __future__ import annotations

@@ -30,25 +30,22 @@ import torch.distributed as dist
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedModel  # noqa: E402
+from transformers import PreTrainedModel  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from kvcore.hf import Engine  # noqa: E402
+from kvcore.hf.models import ARCHITECTURES, load_model, model_config, random_model  # noqa: E402
 from kvcore.hf.tp import load_tp_model, shard_model  # noqa: E402
 
 
-def random_llama(args: argparse.Namespace, dtype: torch.dtype) -> PreTrainedModel:
-    """The same random-weight Llama on every rank (one seed); logits made peaky so greedy ties cannot flip."""
-    config = LlamaConfig(
-        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
-        num_hidden_layers=args.layers, num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads, max_position_embeddings=4096,
+def random_model_of(args: argparse.Namespace, dtype: torch.dtype) -> PreTrainedModel:
+    """The same random-weight model on every rank (one seed), logits peaky so greedy ties cannot flip."""
+    config = model_config(
+        args.arch, vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.hidden * 3,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        head_dim=args.hidden // args.heads,
     )
-    torch.manual_seed(args.seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)
-    return model
+    return random_model(config, dtype=dtype, seed=args.seed)
 
 
 def make_prompts(args: argparse.Namespace, vocab: int) -> list[list[int]]:
@@ -81,7 +78,8 @@ def _free_port() -> int:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default=None, help="a local checkpoint directory (default: a random Llama)")
+    p.add_argument("--model", default=None, help="a local checkpoint directory (default: a random-weight --arch)")
+    p.add_argument("--arch", default="llama", choices=sorted(ARCHITECTURES))
     p.add_argument("--backend", default="triton" if cuda else "torch", help="registered backend name")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--hidden", type=int, default=256)
@@ -119,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         model = load_tp_model(args.model, group=group, dtype=dtype)
         full = None
     else:
-        full = random_llama(args, dtype)
+        full = random_model_of(args, dtype)
         model = shard_model(full, group)
     engine = Engine(model, backend=args.backend, max_num_seqs=args.max_num_seqs,
                     num_blocks=args.num_blocks, group=group)
@@ -139,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  prompt {i}: {toks}", flush=True)
         if not args.no_check and world > 1:
             if full is None:
-                full = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype, local_files_only=True)
+                full = load_model(args.model, dtype=dtype, device=str(device))
             full = full.to(device)
             single = Engine(full, backend=args.backend, max_num_seqs=args.max_num_seqs,
                             num_blocks=args.num_blocks)

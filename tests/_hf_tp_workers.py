@@ -5,8 +5,9 @@ Spawned by tests/test_hf_tp.py. Usage:
 
 Joins a CPU (gloo) group through ``file://INIT_FILE``, runs every case of the
 plan in order and writes, per case, ``{"value": ...}`` or ``{"error": message,
-"type": exception name}`` to OUT_JSON. Every rank builds the same random-weight
-tiny Llama (one seed); transformers shards it with its own tensor-parallel plan.
+"type": exception name}`` to OUT_JSON. Every rank builds the same small
+random-weight model (``kvcore.hf.models``, one seed); transformers shards it with
+its own tensor-parallel plan and ``kvcore.hf.Engine(..., group=WORLD)`` serves it.
 """
 
 from __future__ import annotations
@@ -18,37 +19,28 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 import transformers
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from kvcore.hf import Engine
+from kvcore.hf.models import model_config, random_model
 from kvcore.hf.tp import load_tp_model, resolve_tp, shard_model, tp_group_size
 
-#: Tiny Llama: hidden 64, 4 query heads and 2 KV heads of 16, 2 layers.
-CONFIG = dict(
-    vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-    bos_token_id=1, eos_token_id=2, pad_token_id=0,
-)
+
+def tiny(arch: str, seed: int, **overrides):
+    """kvcore.hf.models' small random-weight model of ``arch`` (hidden 64, 2 layers, 4 query / 2 KV heads of 16)."""
+    return random_model(model_config(arch, **overrides), seed=seed)
 
 
-def tiny_llama(seed: int, **overrides) -> LlamaForCausalLM:
-    """Random weights with peaky logits (so float32 rounding cannot flip a greedy token)."""
-    torch.manual_seed(seed)
-    model = LlamaForCausalLM(LlamaConfig(**{**CONFIG, **overrides})).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(40.0)
-    model.generation_config.eos_token_id = model.config.eos_token_id
-    model.generation_config.pad_token_id = model.config.pad_token_id
-    return model
+#: Prompt lengths: one block or less up to three blocks of 16 tokens.
+PROMPT_LENS = [5, 40, 17, 33, 9]
 
 
 def prompts(seed: int, vocab: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    lengths = [int(x) for x in torch.randint(3, 40, (5,), generator=gen)]
+    lengths = PROMPT_LENS
     return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def _reference(model: LlamaForCausalLM, ps: list[list[int]], n: int) -> tuple[list, float]:
+def _reference(model, ps: list[list[int]], n: int) -> tuple[list, float]:
     """``model.generate`` on each prompt alone, and the smallest top-1/top-2 logit margin seen."""
     out, margin = [], float("inf")
     for p in ps:
@@ -74,8 +66,8 @@ def _engine(model, group, case: dict, rank: int) -> Engine:
 
 
 def _serve(case: dict, rank: int, world: int) -> object:
-    full = tiny_llama(case["seed"])
-    ps = prompts(case["seed"] + 1, CONFIG["vocab_size"])
+    full = tiny(case.get("arch", "llama"), case["seed"])
+    ps = prompts(case["seed"] + 1, full.config.vocab_size)
     n = case["max_new_tokens"]
     group = dist.group.WORLD
     if case.get("from_dir"):
@@ -83,7 +75,6 @@ def _serve(case: dict, rank: int, world: int) -> object:
             full.save_pretrained(case["from_dir"])
         dist.barrier()
         tp_model = load_tp_model(case["from_dir"], group=group, dtype=torch.float32)
-        tp_model.generation_config.eos_token_id = full.config.eos_token_id
     else:
         tp_model = shard_model(full, group)
     local = tp_model.model.layers[0].self_attn.k_proj.weight
@@ -95,6 +86,7 @@ def _serve(case: dict, rank: int, world: int) -> object:
         "tp": resolve_tp(tp_model, group),
         "local_kv_rows": int(local.shape[0]),
         "num_blocks": engine.kv.num_blocks,
+        "num_groups": engine.kv.num_groups,
         "layout": engine.kv.layout.name,
         "kv_heads_in_cache": int(next(iter(engine.kv.layer_kv_caches.values())).shape[1]),
         "tokens": tokens,
@@ -117,14 +109,14 @@ def _run_case(case: dict, rank: int, world: int) -> object:
         sub = dist.new_group([0], backend="gloo")
         return list(tp_group_size(sub)) if rank == 0 else None
     if kind == "unsharded":
-        return resolve_tp(tiny_llama(0), dist.group.WORLD)
+        return resolve_tp(tiny("llama", 0), dist.group.WORLD)
     if kind == "sharded_without_group":
-        return resolve_tp(shard_model(tiny_llama(0), dist.group.WORLD), None)
+        return resolve_tp(shard_model(tiny("llama", 0), dist.group.WORLD), None)
     if kind == "odd_heads":
-        model = tiny_llama(0, num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
+        model = tiny("llama", 0, num_attention_heads=6, num_key_value_heads=3, hidden_size=96)
         return shard_model(model, dist.group.WORLD) is not None
     if kind == "different_weights":
-        return shard_model(tiny_llama(rank), dist.group.WORLD) is not None
+        return shard_model(tiny("llama", rank), dist.group.WORLD) is not None
     raise ValueError(f"unknown case kind {kind!r}")
 
 

@@ -134,8 +134,10 @@ def served():
         pytest.skip("transformers' tensor-parallel loading needs accelerate (pip install accelerate)")
     plan = {
         # rank r offers a different memory budget: both must plan the smaller one
-        "shard": {**SERVE, "available_memory": [9 * BLOCK_BYTES, 12 * BLOCK_BYTES]},
-        "checkpoint": {**SERVE, "num_blocks": 9, "from_dir": True},
+        "shard": {**SERVE, "available_memory": [7 * BLOCK_BYTES, 10 * BLOCK_BYTES]},
+        "checkpoint": {**SERVE, "num_blocks": 6, "from_dir": True},
+        # sliding and full layers: two KV cache groups, each with its own block tables
+        "gemma3": {**SERVE, "arch": "gemma3", "num_blocks": 12},
         "subgroup": {"kind": "subgroup"},
         "unsharded": {"kind": "unsharded"},
         "sharded_without_group": {"kind": "sharded_without_group"},
@@ -145,7 +147,7 @@ def served():
     return _run(plan)
 
 
-@pytest.mark.parametrize("case", ["shard", "checkpoint"])
+@pytest.mark.parametrize("case", ["shard", "checkpoint", "gemma3"])
 def test_tp2_tokens_equal_one_process_and_generate(served, case):
     r0, r1 = served[0][case], served[1][case]
     assert "value" in r0 and "value" in r1, (r0, r1)
@@ -164,11 +166,14 @@ def test_tp2_tokens_equal_one_process_and_generate(served, case):
     assert v0["stats"] == v1["stats"]
     assert v0["stats"]["blocks_allocated"] > v0["num_blocks"]
     assert v0["stats"]["requests_finished"] == 5
+    assert v0["num_groups"] == v1["num_groups"] == (2 if case == "gemma3" else 1)
+    if case == "gemma3":
+        assert v0["stats"]["window_freed_blocks"] > 0
 
 
 def test_ranks_agree_on_the_smaller_block_budget(served):
     v0, v1 = served[0]["shard"]["value"], served[1]["shard"]["value"]
-    assert v0["num_blocks"] == v1["num_blocks"] == 9
+    assert v0["num_blocks"] == v1["num_blocks"] == 7
 
 
 def test_a_group_that_is_not_the_world_is_refused(served):
