@@ -60,7 +60,14 @@ def _encode_extra_keys(extra_keys: ExtraKey | Iterable[ExtraKey] | None) -> byte
 
 def _token_array(token_ids: Sequence[int]) -> array:
     """The ids as little-endian uint64, each checked to be an int in [0, 2**64)."""
-    ids = token_ids if isinstance(token_ids, (list, tuple)) else list(token_ids)
+    if isinstance(token_ids, (list, tuple)):
+        ids = token_ids
+    elif hasattr(token_ids, "tolist"):  # NOTE: torch tensors and numpy arrays, in one C call
+        ids = token_ids.tolist()
+        if not isinstance(ids, list):
+            raise TypeError(f"token_ids must be one-dimensional, got the scalar {token_ids!r}")
+    else:
+        ids = list(token_ids)
     if set(map(type, ids)) <= {int}:
         try:
             tokens = array("Q", ids)
