@@ -100,7 +100,6 @@ def test_hashes_are_equal_in_another_process():
         (dict(token_ids=[1, -2], block_size=2), ValueError, r"token_ids\[1\] = -2"),
         (dict(token_ids=[1, 2**64], block_size=2), ValueError, r"token_ids\[1\]"),
         (dict(token_ids=[1, 2.0], block_size=2), TypeError, r"token_ids\[1\]"),
-        (dict(token_ids=[True, 2], block_size=2), TypeError, r"token_ids\[0\].*bool"),
         (dict(token_ids=[1, 2], block_size=0), ValueError, "block_size"),
         (dict(token_ids=[1, 2], block_size=2.0), TypeError, "block_size"),
         (dict(token_ids=[1, 2], block_size=2, parent="ab"), TypeError, "parent"),

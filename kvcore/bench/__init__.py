@@ -8,4 +8,5 @@ installed are left out of the command line.
 BENCHMARKS: dict[str, str] = {
     "zero": "kvcore.bench.zero",
     "plan": "kvcore.bench.plan",
+    "pool": "kvcore.bench.pool",
 }

@@ -68,14 +68,11 @@ def _token_array(token_ids: Sequence[int]) -> array:
             raise TypeError(f"token_ids must be one-dimensional, got the scalar {token_ids!r}")
     else:
         ids = list(token_ids)
-    if set(map(type, ids)) <= {int}:
-        try:
-            tokens = array("Q", ids)
-        except OverflowError:
-            tokens = None
-    else:
+    try:
+        tokens = array("Q", ids)  # NOTE: refuses non-integers and ids outside [0, 2**64) in C
+    except (TypeError, OverflowError):
         tokens = None
-    if tokens is None:  # slow path: find the offending id, or accept int-like values
+    if tokens is None:  # slow path: name the offending id, or accept other int-like values
         checked = []
         for i, t in enumerate(ids):
             t = as_int(f"token_ids[{i}]", t)
@@ -116,14 +113,14 @@ def block_hashes(
         )
     keys = _encode_extra_keys(extra_keys)
     tokens = _token_array(token_ids)
-    raw = tokens.tobytes()
+    raw = memoryview(tokens).cast("B")
     step = 8 * block_size
     tail = keys + _U32.pack(block_size)
-    digest = xxhash.xxh3_128_digest
+    digest, join, pack = xxhash.xxh3_128_digest, b"".join, _U32.pack
     out: list[bytes] = []
     prev = parent or b""
     for start in range(0, (len(tokens) // block_size) * step, step):
-        prev = digest(b"".join((_DOMAIN, _U32.pack(len(prev)), prev, tail, raw[start : start + step])))
+        prev = digest(join((_DOMAIN, pack(len(prev)), prev, tail, raw[start : start + step])))
         out.append(prev)
     return out
 

@@ -1,0 +1,128 @@
+"""``kvcore bench pool``: host cost per block of the block pool, prefix caching off vs on.
+
+One run times both pools on the same traffic: ``--requests`` requests of
+``--blocks`` blocks each are allocated, zeroed (``take_new_blocks``) and freed.
+The caching pool also runs what a prefix cache adds: recording the blocks
+(``cache_blocks``), freeing them into the evictable list, hitting them again
+(``get_cached_blocks``), allocating with every block evicted, and hashing the
+tokens (``block_hashes``). Figures are nanoseconds per block, medians of
+``--repeat`` rounds, on the CPU that runs the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import statistics
+import time
+from collections.abc import Callable
+
+from kvcore.runtime.block_pool import BlockPool
+from kvcore.runtime.prefix_hash import block_hashes
+
+_ROWS = (
+    ("allocate", "allocate (plain free blocks)"),
+    ("take_new", "take_new_blocks"),
+    ("free", "free (to plain)"),
+    ("cache", "cache_blocks"),
+    ("free_evictable", "free (cached: to evictable)"),
+    ("hit", "get_cached_blocks (hit)"),
+    ("allocate_evict", "allocate (evicting)"),
+    ("hash", "block_hashes"),
+)
+
+
+def _time(fn: Callable[[], object]) -> int:
+    start = time.perf_counter_ns()
+    fn()
+    return time.perf_counter_ns() - start
+
+
+def _round(off: BlockPool, on: BlockPool, hashes: list[list[bytes]], tokens: list[list[int]],
+           block_size: int, n: int) -> dict[str, dict[str, int]]:  # fmt: skip
+    """One round of every operation; total ns per operation and pool."""
+    k = len(hashes)
+    out: dict[str, dict[str, int]] = {"off": {}, "on": {}}
+    for name, pool in (("off", off), ("on", on)):
+        held: list[list[int]] = []
+        out[name]["allocate"] = _time(lambda: [held.append(pool.allocate(n)) for _ in range(k)])
+        out[name]["take_new"] = _time(pool.take_new_blocks)
+        out[name]["free"] = _time(lambda: [pool.free(ids) for ids in held])
+    t = out["on"]
+    held = [on.allocate(n) for _ in range(k)]
+    on.take_new_blocks()
+    t["cache"] = _time(lambda: [on.cache_blocks(h, ids) for h, ids in zip(hashes, held)])
+    t["free_evictable"] = _time(lambda: [on.free(ids[::-1]) for ids in held])
+    hits: list[list[int]] = []
+    t["hit"] = _time(lambda: [hits.append(on.get_cached_blocks(h)) for h in hashes])
+    for ids in hits:
+        on.free(ids)
+    evicted: list[list[int]] = []
+    t["allocate_evict"] = _time(lambda: [evicted.append(on.allocate(n)) for _ in range(k)])
+    on.take_new_blocks()
+    for ids in evicted:
+        on.free(ids)
+    t["hash"] = _time(lambda: [block_hashes(tok, block_size) for tok in tokens])
+    return out
+
+
+def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat: int) -> list[dict]:
+    """Rows of ``{"op", "label", "off_ns", "on_ns", "on_over_off"}``, ns per block (medians)."""
+    k, n = num_requests, blocks_per_request
+    rng = random.Random(0)
+    tokens = [[rng.randrange(150_000) for _ in range(n * block_size)] for _ in range(k)]
+    hashes = [block_hashes(tok, block_size) for tok in tokens]
+    off = BlockPool(k * n + 1)
+    on = BlockPool(k * n + 1, enable_caching=True)
+    samples: dict[tuple[str, str], list[float]] = {}
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        _round(off, on, hashes, tokens, block_size, n)  # warm-up
+        for _ in range(max(1, repeat)):
+            for name, ops in _round(off, on, hashes, tokens, block_size, n).items():
+                for op, ns in ops.items():
+                    samples.setdefault((name, op), []).append(ns / (k * n))
+    finally:
+        if enabled:
+            gc.enable()
+    rows = []
+    for op, label in _ROWS:
+        off_ns = statistics.median(samples[("off", op)]) if ("off", op) in samples else None
+        on_ns = statistics.median(samples[("on", op)])
+        ratio = on_ns / off_ns if off_ns else None
+        rows.append({"op": op, "label": label, "off_ns": off_ns, "on_ns": on_ns, "on_over_off": ratio})
+    return rows
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--requests", type=int, default=64, help="requests per round (default 64)")
+    parser.add_argument("--blocks", type=int, default=32, help="blocks per request (default 32)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block, for hashing (default 16)")
+    parser.add_argument("--repeat", type=int, default=50, help="timed rounds (default 50)")
+    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    for name in ("requests", "blocks", "block_size", "repeat"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
+    rows = measure(args.requests, args.blocks, args.block_size, args.repeat)
+    if args.json:
+        print(json.dumps({"requests": args.requests, "blocks_per_request": args.blocks,
+                          "block_size": args.block_size, "repeat": args.repeat, "rows": rows}, indent=2))  # fmt: skip
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"BlockPool, ns per block ({args.requests} requests x {args.blocks} blocks, this CPU)")
+    for column in ("operation", "caching off", "caching on", "on / off"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        off = "-" if row["off_ns"] is None else f"{row['off_ns']:.0f}"
+        ratio = "-" if row["on_over_off"] is None else f"{row['on_over_off']:.2f}x"
+        table.add_row(row["label"], off, f"{row['on_ns']:.0f}", ratio)
+    Console().print(table)
+    return 0
