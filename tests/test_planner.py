@@ -143,8 +143,9 @@ _F16 = torch.float16
         {"m.0": MambaSpec(16, [(1,)], [_F16]), "m.1": MambaSpec(16, [(2,)], [F32])},
         # mixed element sizes inside one state: 6 bytes, padded to a multiple of 4
         {"m.0": MambaSpec(16, [(1,), (1,)], [F32, _F16]), "a.1": FullAttentionSpec(1, 1, 1, _F16)},
+        {"m.0": MambaSpec(16, [(1,), (1,)], [F32, _F16]), "m.1": MambaSpec(16, [(1,), (1,)], [F32, _F16])},
     ],
-    ids=["mamba-f16-and-f32-attention", "uniform-f16-f32-states", "mixed-state"],
+    ids=["mamba-f16-and-f32-attention", "uniform-f16-f32-states", "mixed-state", "mixed-state-only"],
 )
 def test_mixed_element_sizes_plan_and_allocate_aligned(specs, layout, num_blocks):
     # regression (#14): these plans were accepted and then refused by allocate_kv_cache
