@@ -400,3 +400,17 @@ def test_mixed_element_sizes_keep_the_memory_model(layout):
     check_layout(kv.config, blocks)
     check_kernel_blocks(kv, blocks)
     check_zeroing(kv, blocks, [1, 4], seed=2)
+
+
+@pytest.mark.parametrize("budget", [{"available_memory": 0}, {"num_blocks": 3}])
+def test_encoder_only_model_creates_a_usable_pool(budget):
+    # #14 item 4: an encoder-only model planned one block and KVCache.create failed in BlockPool
+    enc = kvcore.EncoderOnlyAttentionSpec(16, 2, 8, torch.float16)
+    specs = {"enc.0": enc, "enc.1": enc}
+    kv = KVCache.create(
+        specs, dict.fromkeys(specs, "torch"), device="cpu", max_num_seqs=2, max_model_len=64,
+        plugin_manager=plugin_manager(), **budget,
+    )
+    assert kv.num_blocks == budget.get("num_blocks", 2) and kv.kv_caches == {}
+    ids = kv.block_pool.allocate(kv.num_blocks - 1)
+    assert kv.begin_step() == ids  # nothing to zero, and nothing fails
