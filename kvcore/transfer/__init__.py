@@ -16,6 +16,13 @@ from kvcore.transfer.descriptor import (
     StateSlice,
 )
 from kvcore.transfer.host_pool import HostKVPool
+from kvcore.transfer.nixl import (
+    IncompatiblePeerError,
+    NixlAgent,
+    NixlUnavailableError,
+    TransferError,
+    TransferHandle,
+)
 from kvcore.transfer.plan import Region, plan_transfer
 
 __all__ = [
@@ -24,9 +31,14 @@ __all__ = [
     "describe",
     "GroupDescriptor",
     "HostKVPool",
+    "IncompatiblePeerError",
     "KVCacheDescriptor",
     "LayerDescriptor",
+    "NixlAgent",
+    "NixlUnavailableError",
     "plan_transfer",
     "Region",
     "StateSlice",
+    "TransferError",
+    "TransferHandle",
 ]

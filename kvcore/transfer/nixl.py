@@ -1,0 +1,233 @@
+"""NixlAgent: move KV cache blocks between processes through NIXL.
+
+The agent registers the KV cache's one allocation with NIXL once. Peers
+exchange :meth:`NixlAgent.metadata` (NIXL's agent metadata plus the kvcore
+descriptor) by any local channel; :meth:`connect` refuses a peer whose cache
+is laid out differently. Transfers are planned with the paired plans of
+:mod:`kvcore.transfer.pairs`, so only the listed blocks' bytes move.
+NIXL is optional: ``pip install kvcore[nixl]``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import struct
+import time
+from typing import Any
+
+import torch
+
+from kvcore.errors import KVCoreError
+from kvcore.runtime.kv_cache import KVCache
+from kvcore.transfer.compat import incompatibility
+from kvcore.transfer.descriptor import KVCacheDescriptor
+from kvcore.transfer.describe import describe
+from kvcore.transfer.host_pool import group_selection, raw_allocation, whole_block_patterns
+from kvcore.transfer.ids import paired_ids
+from kvcore.transfer.pairs import PairedRuns, pair_runs
+
+_MAGIC = b"kvcore-nixl/1\n"
+
+
+class NixlUnavailableError(ImportError):
+    """NIXL is not installed (or does not import)."""
+
+
+class IncompatiblePeerError(KVCoreError):
+    """A peer's KV cache cannot exchange blocks with this one; the message says why."""
+
+
+class TransferError(RuntimeError):
+    """NIXL reported a failed transfer."""
+
+
+def nixl_api() -> tuple[Any, Any]:
+    """``(nixl_agent, nixl_agent_config)`` from ``nixl`` or, failing that, ``nixl_cu12``."""
+    errors = []
+    for module in ("nixl._api", "nixl_cu12._api"):
+        try:
+            # NOTE: NIXL is an optional dependency, imported only when an agent is made.
+            api = importlib.import_module(module)
+            return api.nixl_agent, api.nixl_agent_config
+        except ImportError as exc:
+            errors.append(f"{module}: {exc}")
+    raise NixlUnavailableError(
+        "NixlAgent needs NIXL, which does not import here (" + "; ".join(errors) + "); "
+        "install it with `pip install kvcore[nixl]`"
+    )
+
+
+def _mem_type(device: str) -> tuple[str, int]:
+    if device.startswith("cuda"):
+        return "VRAM", int(device.partition(":")[2] or 0)
+    return "DRAM", 0
+
+
+def _pack(name: str, descriptor: KVCacheDescriptor, agent_metadata: bytes) -> bytes:
+    name_b, desc_b = name.encode(), descriptor.to_json().encode()
+    return _MAGIC + struct.pack(">QQ", len(name_b), len(desc_b)) + name_b + desc_b + agent_metadata
+
+
+def _unpack(data: bytes) -> tuple[str, KVCacheDescriptor, bytes]:
+    if not isinstance(data, (bytes, bytearray)) or not data.startswith(_MAGIC):
+        raise ValueError("peer metadata is not from kvcore's NixlAgent.metadata(); pass those bytes unchanged")
+    head = len(_MAGIC) + 16
+    n_name, n_desc = struct.unpack(">QQ", data[len(_MAGIC) : head])
+    name = bytes(data[head : head + n_name]).decode()
+    desc = KVCacheDescriptor.from_json(bytes(data[head + n_name : head + n_name + n_desc]))
+    return name, desc, bytes(data[head + n_name + n_desc :])
+
+
+class TransferHandle:
+    """One NIXL transfer in flight; :meth:`wait` returns when its bytes have moved."""
+
+    def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int) -> None:
+        self._agent, self._handle = agent, handle
+        self.num_runs, self.nbytes = num_runs, nbytes
+
+    def done(self) -> bool:
+        if self._handle is None:
+            return True
+        state = self._agent.check_xfer_state(self._handle)
+        if state == "ERR":
+            self._release()
+            raise TransferError("NIXL reported an error for this transfer")
+        if state == "DONE":
+            self._release()
+            return True
+        return False
+
+    def wait(self, timeout: float | None = None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self.done():
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"NIXL transfer not done after {timeout} s")
+            time.sleep(0)
+
+    def _release(self) -> None:
+        if self._handle is not None:
+            self._agent.release_xfer_handle(self._handle)
+            self._handle = None
+
+
+class NixlAgent:
+    """A NIXL agent named ``name`` serving ``kv_cache``'s blocks (UCX by default)."""
+
+    def __init__(self, name: str, kv_cache: KVCache, *, backends: tuple[str, ...] = ("UCX",)) -> None:
+        if not isinstance(name, str) or not name:
+            raise ValueError(f"agent name must be a non-empty str, got {name!r}")
+        if not isinstance(kv_cache, KVCache):
+            raise TypeError(f"NixlAgent needs a kvcore.KVCache, got {type(kv_cache).__name__}")
+        agent_cls, config_cls = nixl_api()
+        self.name, self.kv_cache = name, kv_cache
+        self.descriptor = describe(kv_cache)
+        self._raw = raw_allocation(kv_cache)
+        self._agent = agent_cls(name, config_cls(backends=list(backends)))
+        self._registered = self._agent.register_memory([self._raw])
+        self._peers: dict[str, KVCacheDescriptor] = {}
+
+    def metadata(self) -> bytes:
+        """What a peer passes to :meth:`connect`: NIXL's agent metadata and this cache's descriptor."""
+        return _pack(self.name, self.descriptor, self._agent.get_agent_metadata())
+
+    def connect(self, peer_metadata: bytes) -> str:
+        """Add a peer from its :meth:`metadata`; returns its name.
+
+        Raises :class:`IncompatiblePeerError` (a ``ValueError``) saying why when
+        the peer's cache differs in layout, block size, dtype, heads or block runs.
+        """
+        name, desc, agent_md = _unpack(peer_metadata)
+        if name == self.name:
+            raise ValueError(f"peer metadata names this agent itself ({name!r}); pass the other process's")
+        reason = incompatibility(self.descriptor, desc)
+        if reason is not None:
+            raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {name!r}: {reason}")
+        added = self._agent.add_remote_agent(agent_md)
+        added = added.decode() if isinstance(added, bytes) else str(added)
+        self._peers[added] = desc
+        return added
+
+    @property
+    def peers(self) -> list[str]:
+        return list(self._peers)
+
+    def write_blocks(self, peer: str, local_ids: Any, remote_ids: Any, *, group_id: int | None = None) -> TransferHandle:
+        """Write local blocks ``local_ids`` into the peer's blocks ``remote_ids`` (pairwise)."""
+        return self._transfer("WRITE", peer, local_ids, remote_ids, group_id, local_is_dst=False)
+
+    def read_blocks(self, peer: str, remote_ids: Any, local_ids: Any, *, group_id: int | None = None) -> TransferHandle:
+        """Read the peer's blocks ``remote_ids`` into local blocks ``local_ids`` (pairwise)."""
+        return self._transfer("READ", peer, remote_ids, local_ids, group_id, local_is_dst=True)
+
+    def plan(self, peer: str, local_ids: Any, remote_ids: Any, *, group_id: int | None = None,
+             local_is_dst: bool = False) -> list[PairedRuns]:
+        """Validated copies between local blocks (``src`` side) and the peer's."""
+        remote = self._peer(peer)
+        local_n, remote_n = self.descriptor.num_blocks, remote.num_blocks
+        if local_is_dst:
+            rem, loc = paired_ids(remote_ids, remote_n, local_ids, local_n,
+                                  src_what=f"block id of peer {peer!r}", dst_what="local block id")
+        else:
+            loc, rem = paired_ids(local_ids, local_n, remote_ids, remote_n,
+                                  src_what="local block id", dst_what=f"block id of peer {peer!r}")
+        groups = group_selection(self.kv_cache, self.descriptor, group_id)
+        return pair_runs(whole_block_patterns(self.descriptor, groups), loc,
+                         whole_block_patterns(remote, groups), rem)
+
+    def _peer(self, peer: str) -> KVCacheDescriptor:
+        if peer not in self._peers:
+            raise ValueError(f"peer {peer!r} is not connected; connected peers: {self.peers}. Call connect() first")
+        return self._peers[peer]
+
+    def _transfer(self, op: str, peer: str, src_ids: Any, dst_ids: Any, group_id: int | None,
+                  *, local_is_dst: bool) -> TransferHandle:
+        local_ids, remote_ids = (dst_ids, src_ids) if local_is_dst else (src_ids, dst_ids)
+        plan = self.plan(peer, local_ids, remote_ids, group_id=group_id, local_is_dst=local_is_dst)
+        remote = self._peers[peer]
+        runs = sum(p.num_runs for p in plan)
+        if not runs:
+            return TransferHandle(self._agent, None, 0, 0)
+        local_rows, remote_rows = [], []
+        for part in plan:
+            la, ra = self.descriptor.allocations[part.src_allocation], remote.allocations[part.dst_allocation]
+            local_rows.append(_rows(la.base_ptr, part.src_offsets, part.lengths, _mem_type(la.device)[1]))
+            remote_rows.append(_rows(ra.base_ptr, part.dst_offsets, part.lengths, _mem_type(ra.device)[1]))
+        local_type = _mem_type(self.descriptor.allocations[0].device)[0]
+        remote_type = _mem_type(remote.allocations[0].device)[0]
+        try:
+            local = self._agent.get_xfer_descs(_concat(local_rows), local_type)
+            far = self._agent.get_xfer_descs(_concat(remote_rows), remote_type)
+            handle = self._agent.initialize_xfer(op, local, far, peer)
+            state = self._agent.transfer(handle)
+        except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
+            raise TransferError(f"NIXL could not start the {op} with peer {peer!r}: {exc}") from exc
+        if state == "ERR":
+            self._agent.release_xfer_handle(handle)
+            raise TransferError(f"NIXL refused the {op} with peer {peer!r}")
+        return TransferHandle(self._agent, handle, runs, sum(p.nbytes for p in plan))
+
+    def close(self) -> None:
+        """Forget the peers and deregister the allocation."""
+        for peer in list(self._peers):
+            self._agent.remove_remote_agent(peer)
+        self._peers.clear()
+        if self._registered is not None:
+            self._agent.deregister_memory(self._registered)
+            self._registered = None
+
+    def __enter__(self) -> NixlAgent:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rows(base: int, offsets, lengths, device_id: int):
+    """``[address, length, device id]`` rows (int64, CPU) of one allocation's runs."""
+    return torch.stack([offsets + base, lengths, torch.full_like(lengths, device_id)], dim=1)
+
+
+def _concat(rows):
+    """NIXL's Nx3 descriptor array (numpy comes with NIXL, so it is imported only here)."""
+    np = importlib.import_module("numpy")
+    return torch.cat(rows).numpy().astype(np.uint64)
