@@ -77,13 +77,30 @@ def test_preempted_requests_are_recomputed_exactly(models):
     assert engine.stats().preemptions > 0
 
 
-def test_triton_backend_through_the_interpreter(models):
-    model = models["gemma3"]
+def test_triton_backend_through_the_interpreter():
+    # NOTE: Triton needs CUDA tensors, or CPU tensors under the interpreter (TRITON_INTERPRET=1).
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = random_model(model_config("gemma3"), seed=1, device=device)
     prompts = prompts_for([21, 6, 30], seed=3)
     expected = reference(model, prompts, 4)
-    engine = Engine(model, backend="triton", num_blocks=7, max_num_seqs=2, max_num_batched_tokens=16)
+    engine = Engine(model, backend="triton", num_blocks=7, max_num_seqs=2, max_num_batched_tokens=16,
+                    cuda_graphs=False)
     assert engine.generate(prompts, 4) == expected
     assert engine.stats().blocks_allocated > engine.kv.num_blocks - 1
+
+
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_cuda_graph_decode_steps_match_model_generate(backend):
+    model = random_model(model_config("gemma3", num_hidden_layers=4), seed=2, device="cuda")
+    prompts = prompts_for([5, 40, 17, 33, 9, 26, 70, 3])
+    expected = reference(model, prompts, 12)
+    engine = Engine(model, backend=backend, num_blocks=12, max_num_seqs=3, max_num_batched_tokens=32,
+                    cuda_graphs=True)
+    assert engine.generate(prompts, 12) == expected
+    stats = engine.stats()
+    assert stats.graph_steps > 0 and stats.preemptions + stats.window_freed_blocks > 0
 
 
 def test_generation_stops_at_eos_like_model_generate(models, references):
@@ -156,3 +173,18 @@ def test_model_without_kvcore_context_refuses_kvcore_attention(models):
     with engine.serving(), pytest.raises(RuntimeError, match="only runs inside kvcore.hf.Engine"):
         model(torch.tensor([[3, 4, 5]]))
     assert model.config._attn_implementation == "sdpa"
+
+
+def test_padded_static_decode_step_of_the_cuda_graph_path(models, references):
+    # The inputs a CUDA graph replays (static buffers, batches padded to a bucket, slot -1
+    # padding, max_seq_len = max_model_len), run eagerly so that CPU tests cover them.
+    from kvcore.hf.graphs import DecodeGraphs
+
+    prompts, expected = references
+    engine = Engine(models["mistral"], num_blocks=10, max_num_seqs=3, max_num_batched_tokens=24)
+    widths = [t.shape[1] for t in engine.scheduler.tables]
+    engine.graphs = DecodeGraphs(engine.model, engine.kv, engine._layers, widths, engine._block_sizes,
+                                 max_num_seqs=3, capture=False)
+    assert engine.graphs.sizes == [1, 2, 3]
+    assert engine.generate(prompts, MAX_NEW) == expected["mistral"]
+    assert engine.stats().graph_steps > 0

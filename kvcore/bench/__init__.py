@@ -8,5 +8,6 @@ installed are left out of the command line.
 BENCHMARKS: dict[str, str] = {
     "zero": "kvcore.bench.zero",
     "plan": "kvcore.bench.plan",
+    "hf": "kvcore.bench.hf",
     "pool": "kvcore.bench.pool",
 }

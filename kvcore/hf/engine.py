@@ -22,6 +22,7 @@ from kvcore import BlockPool, ChunkedLocalAttentionSpec, KVCache, SlidingWindowS
 from kvcore._validate import positive_int
 from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.batch import StepInputs, build_step_inputs
+from kvcore.hf.graphs import DecodeGraphs, graphs_wanted
 from kvcore.hf.requests import Request, check_prompt
 from kvcore.hf.scheduler import Scheduler
 from kvcore.hf.specs import SERVED_MODEL_TYPES, check_servable, specs_from_config
@@ -41,6 +42,7 @@ class _Counts:
     decode_tokens: int = 0
     requests_finished: int = 0
     blocks_zeroed: int = 0
+    graph_steps: int = 0
     times: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(PHASES, 0.0))
 
 
@@ -97,6 +99,8 @@ class Engine:
     :param max_num_batched_tokens: tokens per step (prefill chunks and decodes together).
     :param enable_prefix_caching: share cached blocks of common prompt prefixes.
     :param group: a ``torch.distributed`` group for a tensor-parallel model (``kvcore.hf.tp``).
+    :param cuda_graphs: replay decode steps from CUDA graphs (``kvcore.hf.graphs``); None: on
+        for the ``triton`` backend on a CUDA device.
     """
 
     def __init__(
@@ -112,6 +116,7 @@ class Engine:
         max_num_batched_tokens: int = 2048,
         enable_prefix_caching: bool = False,
         group: Any = None,
+        cuda_graphs: bool | None = None,
     ) -> None:
         _check_model(model)
         if not isinstance(enable_prefix_caching, bool):
@@ -148,6 +153,14 @@ class Engine:
         self._counts = _Counts()
         self._next_id = 0
         self._done: dict[int, list[int]] = {}
+        #: Synchronize the device at every phase boundary so that ``stats()`` times are device-true.
+        self.sync_timing = False
+        self.graphs: DecodeGraphs | None = None
+        backend_name = self.kv.group_of(next(iter(specs))).backend.get_name()
+        if graphs_wanted(cuda_graphs, self.device, backend_name):
+            widths = [t.shape[1] for t in self.scheduler.tables]
+            self.graphs = DecodeGraphs(model, self.kv, self._layers, widths, self._block_sizes,
+                                       max_num_seqs=max_num_seqs)
         register_attention()
 
     def _bind(self, name: str) -> LayerBinding:
@@ -224,24 +237,31 @@ class Engine:
             return self._step()
 
     def _step(self) -> int:
-        times, clock = self._counts.times, time.perf_counter
+        times, clock = self._counts.times, self._clock
         t0 = clock()
         batch = self.scheduler.schedule()
         if not batch:
             raise RuntimeError("the scheduler found nothing to run although requests are waiting")
         t1 = clock()
-        inputs = build_step_inputs(batch, self.scheduler.tables, self._block_sizes, self.device)
-        metadata = self.kv.build_metadata(inputs.common)
+        graphed = self.graphs is not None and all(r.num_new_tokens == 1 for r, _ in batch)
+        if graphed:
+            size = self.graphs.prepare(batch, self.scheduler.tables)
+            sampling, num_tokens = [r for r, _ in batch], len(batch)
+            self._counts.graph_steps += 1
+        else:
+            inputs = build_step_inputs(batch, self.scheduler.tables, self._block_sizes, self.device)
+            metadata = self.kv.build_metadata(inputs.common)
+            sampling, num_tokens = inputs.sampled, inputs.num_tokens
         t2 = clock()
         self._counts.blocks_zeroed += len(self.kv.begin_step())
         t3 = clock()
-        next_tokens = self._forward(inputs, metadata)
+        next_tokens = self.graphs.replay(size, len(batch)) if graphed else self._forward(inputs, metadata)
         t4 = clock()
         sampled = next_tokens.tolist()
         t5 = clock()
         self._account(batch)
         self.scheduler.finish_step(batch)
-        for request, token in zip(inputs.sampled, sampled):
+        for request, token in zip(sampling, sampled):
             request.tokens.append(token)
             if token in self._eos or len(request.tokens) - request.prompt_len >= request.max_new_tokens:
                 self.scheduler.finish(request)
@@ -249,7 +269,12 @@ class Engine:
                 self._counts.requests_finished += 1
         for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             times[phase] += seconds
-        return inputs.num_tokens
+        return num_tokens
+
+    def _clock(self) -> float:
+        if self.sync_timing and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def _forward(self, inputs: StepInputs, metadata: dict[str, Any]) -> torch.Tensor:
         step = StepContext(self._layers, metadata)
@@ -277,5 +302,6 @@ class Engine:
             requests_finished=c.requests_finished, blocks_allocated=s.blocks_allocated,
             blocks_zeroed=c.blocks_zeroed, window_freed_blocks=s.window_freed_blocks, preemptions=s.preemptions,
             prefix_cache_hits=prefix.hits if prefix else 0, prefix_cache_hit_tokens=prefix.hit_tokens if prefix else 0,
+            graph_steps=c.graph_steps,
             **{f"{phase}_s": c.times[phase] for phase in PHASES},
         )

@@ -57,14 +57,16 @@ def random_model(
     logit_std: float = 8.0,
 ) -> transformers.PreTrainedModel:
     """A random-weight causal LM for ``config`` with logits of about ``logit_std`` spread."""
+    device = torch.device(device)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    with device:  # NOTE: weights are drawn where they live (a 1B model initializes in seconds on a GPU)
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     head = model.get_output_embeddings().weight
     with torch.no_grad():
-        head.normal_(0.0, logit_std / config.hidden_size**0.5, generator=torch.Generator().manual_seed(seed))
+        head.normal_(0.0, logit_std / config.hidden_size**0.5, generator=torch.Generator(device).manual_seed(seed))
     model.generation_config.eos_token_id = config.eos_token_id
     model.generation_config.pad_token_id = config.pad_token_id
-    return model.to(device).eval()
+    return model.eval()
 
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str = "cpu") -> Any:

@@ -31,6 +31,8 @@ class EngineStats(Mapping):
     preemptions: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_hit_tokens: int = 0
+    #: Decode steps replayed from CUDA graphs (``kvcore.hf.graphs``).
+    graph_steps: int = 0
     schedule_s: float = 0.0
     prepare_s: float = 0.0
     zero_s: float = 0.0

@@ -1,0 +1,236 @@
+"""``kvcore bench hf``: kvcore.hf.Engine against transformers' generate_batch and static generate (GPU).
+
+A random-weight Llama-style model (default: hidden 2048, 16 layers, 32 query
+/ 8 KV heads, vocab 32,000, bf16) serves the same requests (default 256
+prompts of 256 tokens, 128 new tokens each, no EOS) through
+``kvcore.hf.Engine`` (Triton backend, CUDA graphs for decode steps), through
+``model.generate_batch`` (transformers' paged continuous batching) and
+through one batched ``model.generate`` (static batch, dense cache), in one
+run: output tokens/s, ratios, the fraction of a roofline (prefill at the
+matrix peak, every decode step reading the weights and the KV cache once),
+and where kvcore's step time goes. Then a shared-prefix workload (every
+prompt behind one common prefix) with prefix caching off and on, and a
+smaller float32 model whose greedy tokens must equal ``model.generate``'s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+_PARTS = ("generate_batch", "static", "prefix", "check", "profile")
+
+
+def positive_int_arg(text: str) -> int:
+    """argparse type: an integer of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _parts(text: str) -> list[str]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    bad = sorted(set(parts) - set(_PARTS))
+    if bad:
+        raise argparse.ArgumentTypeError(f"unknown parts {bad}; choose from {list(_PARTS)}")
+    return parts
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_argument_group("model (random weights, Llama architecture)")
+    model.add_argument("--hidden", type=positive_int_arg, default=2048)
+    model.add_argument("--intermediate", type=positive_int_arg, default=5632)
+    model.add_argument("--layers", type=positive_int_arg, default=16)
+    model.add_argument("--heads", type=positive_int_arg, default=32)
+    model.add_argument("--kv-heads", type=positive_int_arg, default=8)
+    model.add_argument("--vocab", type=positive_int_arg, default=32000)
+    model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    work = parser.add_argument_group("workload")
+    work.add_argument("--requests", type=positive_int_arg, default=256)
+    work.add_argument("--prompt-len", type=positive_int_arg, default=256)
+    work.add_argument("--new-tokens", type=positive_int_arg, default=128)
+    work.add_argument("--shared-prefix", type=int, default=1024, help="common prefix tokens (0: no prefix run)")
+    engine = parser.add_argument_group("kvcore engine")
+    engine.add_argument("--backend", default="triton")
+    engine.add_argument("--block-size", type=positive_int_arg, default=64)
+    engine.add_argument("--max-num-seqs", type=positive_int_arg, default=256)
+    engine.add_argument("--max-batched-tokens", type=positive_int_arg, default=4096)
+    engine.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
+    check = parser.add_argument_group("float32 token check (a smaller model)")
+    check.add_argument("--check-requests", type=positive_int_arg, default=16)
+    check.add_argument("--check-prompt-len", type=positive_int_arg, default=64)
+    check.add_argument("--check-new-tokens", type=positive_int_arg, default=32)
+    parser.add_argument("--skip", type=_parts, default=[], help=f"parts to leave out: {','.join(_PARTS)}")
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="matrix peak for the roofline")
+    parser.add_argument("--hbm-tbps", type=float, default=4.8, help="memory bandwidth for the roofline")
+    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH")
+
+
+def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
+
+
+def _blocks(requests: int, tokens: int, block_size: int) -> int:
+    return requests * -(-tokens // block_size) + 2 * requests + 1
+
+
+def collect(args: argparse.Namespace) -> dict[str, Any]:
+    """Run every part; the result is what ``--json`` prints."""
+    # NOTE: imported here, when the benchmark runs: transformers is an optional extra.
+    import transformers
+
+    from kvcore.bench import _hf_runs as runs
+    from kvcore.hf.models import random_model
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    skip = set(args.skip)
+    n, p, m, prefix = args.requests, args.prompt_len, args.new_tokens, max(args.shared_prefix, 0)
+    config = transformers.LlamaConfig(
+        vocab_size=args.vocab, hidden_size=args.hidden, intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers, num_attention_heads=args.heads, num_key_value_heads=args.kv_heads,
+        max_position_embeddings=max(2048, prefix + p + m), tie_word_embeddings=False,
+        bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    )
+    model = random_model(config, dtype=_DTYPES[args.dtype], device=device, seed=0)
+    prompts, warm = _prompts(n, p, args.vocab, 1), _prompts(n, p, args.vocab, 2)
+    engine_kwargs = dict(
+        backend=args.backend, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_batched_tokens, num_blocks=_blocks(n, p + m, args.block_size),
+        cuda_graphs=False if args.no_cuda_graphs else None,
+    )
+    out: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
+        "workload": {"requests": n, "prompt_len": p, "new_tokens": m, "dtype": args.dtype},
+        "engine": {k: v for k, v in engine_kwargs.items()},
+    }
+    kv = runs.run_kvcore(model, prompts, warm, m, engine_kwargs, profile="profile" not in skip)
+    kv.pop("outputs")
+    out["kvcore"] = kv
+    if "generate_batch" not in skip:
+        out["generate_batch"] = runs.run_generate_batch(model, prompts, warm[: min(n, 16)], m)
+    if "static" not in skip:
+        out["static_generate"] = runs.run_static_generate(model, prompts, m)
+    out["roofline"] = runs.roofline(model, n, p, m, peak_tflops=args.peak_tflops, hbm_tbps=args.hbm_tbps)
+    if prefix and "prefix" not in skip:
+        common, other = _prompts(1, prefix, args.vocab, 3)[0], _prompts(1, prefix, args.vocab, 4)[0]
+        shared = [common + q for q in prompts]
+        shared_warm = [other + q for q in warm]
+        kwargs = {**engine_kwargs, "num_blocks": _blocks(n, prefix + p + m, args.block_size)}
+        runs_by = {
+            caching: runs.run_kvcore(model, shared, shared_warm, m, {**kwargs, "enable_prefix_caching": caching})
+            for caching in (False, True)
+        }
+        out["prefix"] = {"prefix_len": prefix, "same_tokens": runs_by[True]["outputs"] == runs_by[False]["outputs"]}
+        for caching, result in runs_by.items():
+            result.pop("outputs")
+            out["prefix"]["on" if caching else "off"] = result
+    del model
+    if "check" not in skip:
+        small = transformers.LlamaConfig(
+            vocab_size=4096, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
+            num_key_value_heads=2, max_position_embeddings=1024, initializer_range=0.05,
+            tie_word_embeddings=False, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+        )
+        model = random_model(small, dtype=torch.float32, device=device, seed=5)
+        checks = _prompts(args.check_requests, args.check_prompt_len, 4096, 6)
+        want = runs.run_reference(model, checks, args.check_new_tokens)
+        got = runs.run_kvcore(model, checks, checks[:2], args.check_new_tokens,
+                              {**engine_kwargs, "num_blocks": None, "available_memory": 1 << 30})["outputs"]
+        out["check"] = {"requests": len(checks), "equal": sum(a == b for a, b in zip(got, want)),
+                        "new_tokens": args.check_new_tokens, "prompt_len": args.check_prompt_len}
+    return out
+
+
+def _tps(result: dict[str, Any]) -> float:
+    return result["output_tokens"] / result["seconds"]
+
+
+def report(out: dict[str, Any], console: Console) -> None:
+    w = out["workload"]
+    console.print(
+        f"[bold]kvcore bench hf[/] on {out['device']} (torch {out['versions']['torch']}, transformers "
+        f"{out['versions']['transformers']}): {w['requests']} requests x ({w['prompt_len']} prompt + "
+        f"{w['new_tokens']} new) tokens, {w['dtype']}, {out['roofline']['params'] / 1e9:.2f} B parameters"
+    )
+    kv_tps = _tps(out["kvcore"])
+    table = Table(title="output tokens/s (timed pass after a warm-up pass)")
+    for col in ("engine", "output tokens", "seconds", "tokens/s", "kvcore is x faster"):
+        table.add_column(col, justify="right" if col != "engine" else "left")
+    for name, key in (("kvcore.hf.Engine", "kvcore"), ("model.generate_batch", "generate_batch"),
+                      ("static model.generate", "static_generate")):
+        if key in out:
+            r = out[key]
+            table.add_row(name, f"{r['output_tokens']:,}", f"{r['seconds']:.2f}", f"{_tps(r):,.0f}",
+                          f"{kv_tps / _tps(r):.2f}")
+    roof = out["roofline"]
+    table.add_row("roofline", "", f"{roof['prefill_s'] + roof['decode_s']:.3f}", f"{roof['tokens_per_s']:,.0f}",
+                  f"{kv_tps / roof['tokens_per_s']:.1%} of it")
+    console.print(table)
+    _report_steps(out["kvcore"], console)
+    if "prefix" in out:
+        pre = out["prefix"]
+        t = Table(title=f"shared prefix of {pre['prefix_len']} tokens (tokens equal: {pre['same_tokens']})")
+        for col in ("prefix caching", "tokens/s", "prefill tokens", "hits", "prefill skipped", "blocks zeroed"):
+            t.add_column(col, justify="right")
+        for key in ("off", "on"):
+            r = pre[key]
+            s = r["stats"]
+            t.add_row(key, f"{_tps(r):,.0f}", f"{s['prefill_tokens']:,}", f"{s['prefix_cache_hits']:,}",
+                      f"{s['prefix_cache_hit_tokens']:,}", f"{s['blocks_zeroed']:,}")
+        console.print(t)
+    if "check" in out:
+        c = out["check"]
+        colour = "green" if c["equal"] == c["requests"] else "red"
+        console.print(f"float32 check: [{colour}]{c['equal']}/{c['requests']}[/] requests' greedy tokens equal "
+                      f"model.generate ({c['prompt_len']} prompt + {c['new_tokens']} new tokens each)")
+
+
+def _report_steps(kv: dict[str, Any], console: Console) -> None:
+    s = kv["stats"]
+    steps = max(s["steps"], 1)
+    table = Table(title=f"kvcore step time: {s['steps']} steps ({s['graph_steps']} replayed from CUDA graphs)")
+    table.add_column("phase")
+    table.add_column("ms/step (async)", justify="right")
+    if "profile" in kv:
+        table.add_column("ms/step (synced)", justify="right")
+        table.add_column("share (synced)", justify="right")
+    prof = kv.get("profile")
+    total = sum(prof[f"{ph}_s"] for ph in ("schedule", "prepare", "zero", "forward", "sample")) if prof else 0
+    names = {"schedule": "scheduler", "prepare": "inputs, metadata, block tables", "zero": "zeroing new blocks",
+             "forward": "model forward (launch / replay)", "sample": "sampling (waits for the device)"}
+    for phase, label in names.items():
+        row = [label, f"{1e3 * s[f'{phase}_s'] / steps:.3f}"]
+        if prof:
+            row += [f"{1e3 * prof[f'{phase}_s'] / max(prof['steps'], 1):.3f}", f"{prof[f'{phase}_s'] / total:.1%}"]
+        table.add_row(*row)
+    console.print(table)
+
+
+def run(args: argparse.Namespace) -> int:
+    out = collect(args)
+    text = json.dumps(out, indent=2, default=str)
+    if args.json_out:
+        with open(args.json_out, "w") as fh:
+            fh.write(text)
+    if args.json:
+        print(text)
+    else:
+        report(out, Console())
+    check_ok = "check" not in out or out["check"]["equal"] == out["check"]["requests"]
+    prefix_ok = "prefix" not in out or out["prefix"]["same_tokens"]
+    return 0 if check_ok and prefix_ok else 1
