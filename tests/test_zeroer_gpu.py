@@ -127,3 +127,69 @@ def test_large_pages_use_wide_stores_and_stay_exact():
         ids = list(range(1, num_blocks, 3))
         zeroer.zero_block_ids(ids)
         assert torch.equal(raw, expected_after(before, {k: (v, 1) for k, v in kv.items()}, ids)), layout
+
+
+@pytest.fixture(params=["copy", "mapped"])
+def staging(request, monkeypatch):
+    monkeypatch.setenv("KVCORE_ZEROER_STAGING", request.param)
+    return request.param
+
+
+def test_host_lists_through_the_ring_keep_their_ids_while_the_device_lags(staging):
+    """The host runs a whole ring ahead of a sleeping device: every launch still reads its own ids."""
+    case = Case(random.Random(7), "cuda", max_blocks=40)
+    zeroer = case.zeroer("triton", "cuda")
+    assert zeroer._staging.mode == staging
+    rng = random.Random(3)
+    calls = [[rng.randrange(case.num_blocks) for _ in range(rng.choice([1, 2, 70]))] for _ in range(300)]
+    before = fill_random(case.raw, 21)
+    snapshots = torch.empty(len(calls), case.raw.numel(), dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda._sleep(50_000_000)  # NOTE: the device sleeps while the host stages every call
+    for k, ids in enumerate(calls):
+        zeroer.zero_block_ids(ids)
+        snapshots[k].copy_(case.raw)
+    torch.cuda.synchronize()
+    done: list[int] = []
+    for k, ids in enumerate(calls):
+        done.extend(ids)
+        if k % 37 == 0 or k == len(calls) - 1:
+            assert torch.equal(snapshots[k], case.expected_after(before, done)), f"call {k}"
+
+
+def test_host_lists_on_two_streams_and_longer_than_a_ring_part(staging):
+    case = Case(random.Random(8), "cuda", max_blocks=40)
+    zeroer = case.zeroer("triton", "cuda")
+    before = fill_random(case.raw, 22)
+    side = torch.cuda.Stream()
+    zeroer.zero_block_ids([1])
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        zeroer.zero_block_ids([2, 3])
+    torch.cuda.current_stream().wait_stream(side)
+    many = [4] * (zeroer._staging.max_ids + 5)  # past a ring part: staged once, apart from the ring
+    zeroer.zero_block_ids(many)
+    torch.cuda.synchronize()
+    assert torch.equal(case.raw, case.expected_after(before, [1, 2, 3, 4]))
+
+
+def test_host_ids_are_refused_inside_graph_capture():
+    case = Case(random.Random(9), "cuda", max_blocks=12)
+    zeroer = case.zeroer("triton", "cuda")
+    zeroer.warmup(0)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(ValueError, match="block_id_buffer"):
+        with torch.cuda.graph(graph):
+            zeroer.zero_block_ids([1])
+
+
+def test_from_views_on_gpu_matches_the_seed_constructor():
+    for seed, case in _cases(10):
+        a = case.zeroer("triton", "cuda", from_views=True)
+        b = case.zeroer("triton", "cuda")
+        assert a.segments == b.segments, f"seed {seed}"
+        ids = list(range(0, case.num_blocks, 2))
+        before = fill_random(case.raw, seed)
+        a.zero_block_ids(ids)
+        torch.cuda.synchronize()
+        assert torch.equal(case.raw, case.expected_after(before, ids)), f"seed {seed}"

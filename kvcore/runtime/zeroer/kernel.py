@@ -135,6 +135,9 @@ class ZeroLauncher:
         self.base, self.tables, self.num_blocks = base, tables, num_blocks
         self.vec, self.programs = vec, programs
         self._compiled: dict[tuple, object] = {}
+        self._runners: dict[tuple, object] = {}
+        #: Why direct launches of the compiled kernel were given up (None while they work).
+        self.direct_launch_error: str | None = None
 
     def table_for(self, num_ids: int) -> tuple[torch.Tensor, ...]:
         """Coarse chunks when they fill the grid, else the finest (few ids still use every SM)."""
@@ -150,15 +153,19 @@ class ZeroLauncher:
         key = (id(start), ids.data_ptr() % 16 == 0, ids.dtype)
         compiled = self._compiled.get(key)
         if compiled is not None and stream is not None:
-            grid = (min(self.programs, num_ids * num_chunks),)
+            grid = min(self.programs, num_ids * num_chunks)
+            runner = self._runners.get((key, grid))
+            if runner is None:
+                runner = self._runners[key, grid] = compiled[(grid, 1, 1)]
             try:
-                compiled[grid](
+                runner(
                     self.base, ids, ids_offset, num_ids, self.num_blocks, start, stride, length, num_chunks,
                     self.vec, ROWS, stream=stream,
                 )
                 return
-            except Exception:  # NOTE: a Triton whose compiled-kernel call differs: keep the JIT path
-                self._compiled[key] = None
+            except Exception as exc:  # NOTE: a Triton whose compiled-kernel call differs: keep the JIT path
+                self.direct_launch_error = f"{type(exc).__name__}: {exc}"
+                self._compiled = dict.fromkeys(self._compiled)
         result = launch_zero_blocks(
             self.base, ids, self.num_blocks, *table, self.vec, self.programs, ids_offset=ids_offset, num_ids=num_ids
         )

@@ -1,0 +1,157 @@
+"""Host microseconds per ``zero_block_ids(list)`` call and one-block device time (GPU only).
+
+Times, on one CUDA device, for a 32-layer model (8 KV heads x 128, 16-token
+blocks, bf16) in each layout family:
+- ``host_us``: the call until it returns to the caller, the device idle before
+  each call (median of ``--repeats``), for each id-staging mode of the zeroer
+  (``copy``: pinned ring + async copy, ``mapped``: the kernel reads the pinned
+  ring) and for the previous path (a fresh pinned tensor per call, an async
+  copy, the validating Triton launch), all in one run;
+- ``list_device_us``: CUDA-event time of the same call (the id copy or the
+  kernel's reads of pinned memory included), and ``part_*_us``: each step of
+  the host path timed alone;
+- ``device_us``: CUDA-event time of zeroing one block from device ids, with the
+  fine chunk table the zeroer picks for few ids and with the coarse one, beside
+  ``cudaMemsetAsync`` of the same bytes.
+
+Usage: ``python scripts/zeroer_host_us.py [--json-out PATH]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import triton
+
+from kvcore.bench._timing import find_memset
+from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.memory.layout import compute_layout_strides
+from kvcore.memory.views import allocate_kv_cache
+from kvcore.runtime.zeroer import KVBlockZeroer
+from kvcore.runtime.zeroer import kernel as zero_kernel
+from kvcore.runtime.zeroer.ids import id_list
+from kvcore.specs import FullAttentionSpec
+
+LAYERS, POOL = 32, 1024
+
+def _caches(layout: str):
+    spec = FullAttentionSpec(16, 8, 128, torch.bfloat16)
+    names = [f"layers.{i}.attn" for i in range(LAYERS)]
+    s = compute_layout_strides(spec, POOL, LAYERS, layout)
+    tensor = KVCacheTensor(POOL * LAYERS * spec.page_size_bytes, names, s[0], s[1])
+    return allocate_kv_cache(KVCacheConfig(POOL, [tensor], [KVCacheGroupSpec(names, spec)], layout), "cuda")
+
+def host_us(fn, repeats: int) -> tuple[float, float]:
+    for _ in range(20):
+        fn()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        start = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - start) / 1e3)
+    torch.cuda.synchronize()
+    times.sort()
+    return statistics.median(times), times[int(0.9 * len(times))]
+
+def device_us(fn, repeats: int) -> float:
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(10):
+        fn()
+    pairs = []
+    for _ in range(repeats):
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    torch.cuda.synchronize()
+    return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+
+def _parts(zeroer: KVBlockZeroer, ids: list[int], repeats: int) -> dict[str, float]:
+    """Host time of each step of the hot path, each timed alone (median us)."""
+    staging, launcher = zeroer._staging, zeroer._launchers[0]
+    stream = zeroer._stream(zeroer.device.index)
+    offset = staging.stage(ids, stream)
+    return {
+        "part_check_us": host_us(lambda: id_list(ids, zeroer.num_blocks), repeats)[0],
+        "part_stream_us": host_us(lambda: zeroer._stream(zeroer.device.index), repeats)[0],
+        "part_capturing_us": host_us(torch.cuda.is_current_stream_capturing, repeats)[0],
+        "part_stage_us": host_us(lambda: staging.stage(ids, stream), repeats)[0],
+        "part_launch_us": host_us(lambda: launcher.launch(staging.buffer, offset, len(ids), stream), repeats)[0],
+    }
+
+
+def _old_path(zeroer: KVBlockZeroer):
+    """The previous host path: pinned allocation per call, async copy, validating JIT launch."""
+    alloc = zeroer._allocations[0]
+    buf = torch.empty(4096, dtype=torch.int64, device="cuda")
+    programs = zero_kernel.max_programs(zeroer.device)
+
+    def call(ids: list[int]) -> None:
+        values = torch.tensor(ids, dtype=torch.int64)
+        dev = buf[: len(ids)]
+        dev.copy_(values.pin_memory(), non_blocking=True)
+        zero_kernel.launch_zero_blocks(alloc.base, dev, zeroer.num_blocks, *alloc.tables[0], alloc.vec_bytes // 4, programs)
+
+    return call
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=300)
+    parser.add_argument("--json-out", default=None)
+    args = parser.parse_args()
+    memset = find_memset()
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "triton": triton.__version__,
+              "rows": []}
+    gen = torch.Generator().manual_seed(0)
+    for layout in ("LBNHC", "BLNHC", "LHBNC"):
+        kv = _caches(layout)
+        views = {n: (v, 1) for n, v in kv.items()}
+        for mode in ("copy", "mapped"):
+            os.environ["KVCORE_ZEROER_STAGING"] = mode
+            zeroer = KVBlockZeroer.from_views("cuda", views, POOL)
+            zeroer.warmup(1)
+            old = _old_path(zeroer)
+            for n in (1, 8, 64, 512):
+                ids = torch.randperm(POOL, generator=gen)[:n].tolist()
+                med, p90 = host_us(lambda: zeroer.zero_block_ids(ids), args.repeats)
+                row = {"layout": layout, "mode": mode, "ids": n, "host_us": med, "host_us_p90": p90}
+                if mode == "copy":
+                    row["old_host_us"], row["old_host_us_p90"] = host_us(lambda: old(ids), args.repeats)
+                launcher = zeroer._launchers[0]
+                row["direct_launches"] = any(v is not None for v in launcher._compiled.values())
+                row["direct_launch_error"] = launcher.direct_launch_error
+                if n in (1, 64):
+                    row.update(_parts(zeroer, ids, args.repeats))
+                    row["list_device_us"] = device_us(lambda: zeroer.zero_block_ids(ids), 100)
+                result["rows"].append(row)
+                print(json.dumps(row), flush=True)
+        zeroer = KVBlockZeroer.from_views("cuda", views, POOL)
+        one = torch.tensor([7], device="cuda")
+        nbytes = zeroer.bytes_per_block
+        launcher = zeroer._launchers[0]
+        dev = {"layout": layout, "bytes": nbytes, "fine_us": device_us(lambda: zeroer.zero_block_ids(one), 200)}
+        launcher.table_for = lambda num_ids: launcher.tables[0]
+        dev["coarse_us"] = device_us(lambda: zeroer.zero_block_ids(one), 200)
+        raw = zeroer._allocations[0].bytes
+        if memset:
+            dev["memset_us"] = device_us(lambda: memset[0](raw.data_ptr(), nbytes), 200)
+            dev["fine_vs_memset"] = dev["fine_us"] / dev["memset_us"]
+            dev["coarse_vs_memset"] = dev["coarse_us"] / dev["memset_us"]
+        result.setdefault("one_block", []).append(dev)
+        print(json.dumps(dev), flush=True)
+        del kv, zeroer, views
+        torch.cuda.empty_cache()
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(result, f, indent=1)
+
+if __name__ == "__main__":
+    main()
