@@ -71,7 +71,8 @@ def layer_specs(kind: str, dtype: torch.dtype = torch.float16) -> dict:
 
 def make_cache(kind: str, layout: str, num_blocks: int = 7, device: str = "cpu", dtype=torch.float16) -> KVCache:
     specs = layer_specs(kind, dtype)
-    backend = "transfer-fixed8" if kind == "split" else "torch"
+    # NOTE: classes, not names, so no installed entry point is needed (the GPU machine has none).
+    backend = Fixed8Backend if kind == "split" else TorchAttentionBackend
     return KVCache.create(
         specs, {n: backend for n, s in specs.items() if not isinstance(s, MambaSpec)},
         device=device, layout=layout, num_blocks=num_blocks, max_num_seqs=2, max_model_len=64,

@@ -21,7 +21,7 @@ CASES = [(kind, layout) for kind, layouts in KINDS.items() for layout in layouts
 def fill_random(kv, seed: int) -> None:
     raw = raw_buffer(kv)
     gen = torch.Generator().manual_seed(seed)
-    raw.copy_(torch.randint(-128, 128, raw.shape, generator=gen, dtype=torch.int8))
+    raw.copy_(torch.randint(-128, 128, raw.shape, generator=gen, dtype=torch.int8).to(raw.device))
 
 
 def bits(view: torch.Tensor) -> torch.Tensor:
@@ -108,3 +108,22 @@ def test_bad_input_moves_nothing():
         HostKVPool(kv, 0)
     with pytest.raises(TypeError):
         HostKVPool(raw, 2)
+
+
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("layout", ["BLNHC", "LBNHC", "LHBNC"])
+def test_cuda_round_trip_through_pinned_host_memory(layout):
+    kv = make_cache("uniform", layout, device="cuda")
+    pool = HostKVPool(kv, num_host_blocks=4)
+    assert pool.host.is_pinned()
+    fill_random(kv, seed=11)
+    before = {name: bits(view).clone() for name, view in kv.kv_caches.items()}
+    pool.offload([1, 2, 5], [3, 0, 1], non_blocking=True).wait()
+    kv_raw = raw_buffer(kv)
+    kv_raw.zero_()
+    pool.restore([3, 0, 1], [4, 6, 2]).wait()
+    for name, view in kv.kv_caches.items():
+        got = bits(view)[block_rows(kv, name, [4, 6, 2]).cuda()]
+        assert torch.equal(got, before[name][block_rows(kv, name, [1, 2, 5]).cuda()]), name
+    assert int(kv_raw.count_nonzero()) <= 3 * pool.block_bytes

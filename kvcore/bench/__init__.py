@@ -8,6 +8,7 @@ installed are left out of the command line.
 BENCHMARKS: dict[str, str] = {
     "zero": "kvcore.bench.zero",
     "plan": "kvcore.bench.plan",
+    "transfer": "kvcore.bench.transfer",
     "hf": "kvcore.bench.hf",
     "pool": "kvcore.bench.pool",
 }

@@ -1,0 +1,190 @@
+"""``kvcore bench transfer``: host offload / restore and NIXL loopback against the memcpy ceiling.
+
+For each layout, moves random (non-consecutive) blocks of a model's KV cache:
+``HostKVPool.offload`` (device to pinned host) and ``restore`` (back), each
+against one pinned ``cudaMemcpyAsync`` (``copy_(non_blocking=True)``) of the
+same byte count measured in the same run; and, where NIXL imports, a write
+between two agents of one process (UCX loopback, host memory) against a host
+``copy_`` of the same bytes. Prints the runs each block takes per layout.
+Device times come from CUDA events (median of repeats); on CPU all times are
+wall times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+import torch
+
+from kvcore.bench._timing import Timer
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.registry import get_plugin_manager
+from kvcore.runtime.kv_cache import KVCache
+from kvcore.specs import FullAttentionSpec
+from kvcore.transfer import HostKVPool, NixlUnavailableError, describe, plan_transfer
+from kvcore.transfer.nixl import NixlAgent
+
+_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+class _LayoutOnlyBackend(AttentionBackend):
+    """Takes any block size and layout; the benchmark never runs attention."""
+
+    name = "bench-transfer"
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        raise NotImplementedError("the transfer benchmark does not run attention")
+
+
+def _ints(text: str) -> list[int]:
+    return [int(v) for v in text.split(",") if v.strip()]
+
+
+def _layouts(text: str) -> list[KVCacheLayout]:
+    try:
+        return [KVCacheLayout.parse(v.strip()) for v in text.split(",") if v.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--layouts", type=_layouts, default=_layouts("BLNHC,BHLNC,LBNHC,LHBNC"))
+    parser.add_argument("--blocks", type=_ints, default=[16, 128, 512], help="blocks moved per call")
+    parser.add_argument("--layers", type=int, default=32)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-size", type=int, default=128)
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16: 2 MiB blocks)")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
+    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
+    parser.add_argument("--nixl-blocks", type=int, default=64, help="blocks per NIXL write (host memory)")
+    parser.add_argument("--no-nixl", action="store_true", help="skip the NIXL loopback rows")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH")
+
+
+def _cache(args: argparse.Namespace, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> KVCache:
+    spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, _DTYPES[args.dtype])
+    specs = {f"layers.{i}.attn": spec for i in range(args.layers)}
+    return KVCache.create(
+        specs, dict.fromkeys(specs, _LayoutOnlyBackend), device=device, layout=layout, num_blocks=num_blocks,
+        max_num_seqs=1, max_model_len=args.block_size, plugin_manager=get_plugin_manager(autoload=False),
+    )
+
+
+def _gbps(nbytes: int, us: float) -> float:
+    return nbytes / us / 1e3
+
+
+def _host_rows(args, layout, device, timer, gen) -> list[dict[str, Any]]:
+    most = max(args.blocks)
+    kv = _cache(args, layout, 2 * most + 1, device)
+    pool = HostKVPool(kv, most)
+    desc = describe(kv)
+    device_buf = torch.empty(pool.host.numel(), dtype=torch.int8, device=device)
+    rows = []
+    for n in args.blocks:
+        # NOTE: odd ids only, so no two blocks are neighbours: runs per block is the layout's.
+        ids = (torch.randperm(most, generator=gen)[:n] * 2 + 1).tolist()
+        slots = torch.randperm(most, generator=gen)[:n].tolist()
+        regions = plan_transfer(desc, ids)
+        nbytes = sum(r.length for r in regions)
+        host, dev = pool.host[:nbytes], device_buf[:nbytes]
+        row = {"layout": layout.name, "blocks": n, "bytes": nbytes, "block_bytes": nbytes // n,
+               "runs": len(regions), "runs_per_block": len(regions) / n,
+               "copies": sum(p.num_runs for p in pool.plan(ids, slots))}
+        row["offload_us"] = timer.gpu_us(lambda: pool.offload(ids, slots, non_blocking=True))
+        row["restore_us"] = timer.gpu_us(lambda: pool.restore(slots, ids, non_blocking=True))
+        row["d2h_memcpy_us"] = timer.gpu_us(lambda: host.copy_(dev, non_blocking=True))
+        row["h2d_memcpy_us"] = timer.gpu_us(lambda: dev.copy_(host, non_blocking=True))
+        for key in ("offload", "restore", "d2h_memcpy", "h2d_memcpy"):
+            row[f"{key}_gbps"] = _gbps(nbytes, row[f"{key}_us"])
+        row["offload_vs_memcpy"] = row["d2h_memcpy_us"] / row["offload_us"]
+        row["restore_vs_memcpy"] = row["h2d_memcpy_us"] / row["restore_us"]
+        rows.append(row)
+    del kv, pool, device_buf
+    return rows
+
+
+def _nixl_row(args, layout, timer, gen) -> dict[str, Any]:
+    n = args.nixl_blocks
+    a, b = (_cache(args, layout, n + 1, torch.device("cpu")) for _ in range(2))
+    agent_a, agent_b = NixlAgent("bench-a", a), NixlAgent("bench-b", b)
+    try:
+        agent_a.connect(agent_b.metadata())
+        ids = (torch.randperm(n // 2, generator=gen) * 2 + 1).tolist()
+        regions = plan_transfer(describe(a), ids)
+        nbytes = sum(r.length for r in regions)
+        src, dst = torch.ones(nbytes, dtype=torch.int8), torch.empty(nbytes, dtype=torch.int8)
+        row = {"layout": layout.name, "blocks": n, "bytes": nbytes, "runs": len(regions)}
+        row["nixl_write_us"] = timer.wall_us(lambda: agent_a.write_blocks("bench-b", ids, ids).wait())
+        row["host_copy_us"] = timer.wall_us(lambda: dst.copy_(src))
+        row["nixl_gbps"] = _gbps(nbytes, row["nixl_write_us"])
+        row["host_copy_gbps"] = _gbps(nbytes, row["host_copy_us"])
+        row["nixl_vs_copy"] = row["host_copy_us"] / row["nixl_write_us"]
+        return row
+    finally:
+        agent_a.close()
+        agent_b.close()
+
+
+def collect(args: argparse.Namespace) -> dict[str, Any]:
+    """Measure every layout; the result is what ``--json`` prints."""
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    timer = Timer(device, args.repeats, args.warmup)
+    cpu_timer = Timer(torch.device("cpu"), args.repeats, args.warmup)
+    gen = torch.Generator().manual_seed(0)
+    result: dict[str, Any] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "model": {k: getattr(args, k) for k in ("layers", "kv_heads", "head_size", "block_size", "dtype")},
+        "host": [], "nixl": [], "nixl_skipped": None,
+    }
+    for layout in args.layouts:
+        result["host"] += _host_rows(args, layout, device, timer, gen)
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    if args.no_nixl:
+        result["nixl_skipped"] = "--no-nixl"
+    else:
+        try:
+            result["nixl"] = [_nixl_row(args, layout, cpu_timer, gen) for layout in args.layouts]
+        except NixlUnavailableError as exc:
+            result["nixl_skipped"] = str(exc)
+    return result
+
+
+def _print(result: dict[str, Any]) -> None:
+    print(f"KV block offload / restore on {result['device']} ({result['model']})")
+    head = ("layout", "blocks", "KiB/blk", "runs/blk", "copies", "offload GB/s", "d2h memcpy",
+            "x memcpy", "restore GB/s", "h2d memcpy", "x memcpy")
+    print("  ".join(f"{h:>12}" for h in head))
+    for r in result["host"]:
+        cells = (r["layout"], r["blocks"], r["block_bytes"] // 1024, f"{r['runs_per_block']:.1f}", r["copies"],
+                 f"{r['offload_gbps']:.1f}", f"{r['d2h_memcpy_gbps']:.1f}", f"{r['offload_vs_memcpy']:.3f}",
+                 f"{r['restore_gbps']:.1f}", f"{r['h2d_memcpy_gbps']:.1f}", f"{r['restore_vs_memcpy']:.3f}")
+        print("  ".join(f"{c:>12}" for c in cells))
+    if result["nixl_skipped"]:
+        print(f"NIXL loopback skipped: {result['nixl_skipped']}")
+        return
+    print("NIXL loopback write (UCX, host memory) vs a host copy_ of the same bytes (wall times)")
+    for r in result["nixl"]:
+        print(f"{r['layout']:>8}  {r['blocks']} blocks  {r['runs']} runs  NIXL {r['nixl_gbps']:.2f} GB/s  "
+              f"copy_ {r['host_copy_gbps']:.2f} GB/s  x copy {r['nixl_vs_copy']:.2f}")
+
+
+def run(args: argparse.Namespace) -> int:
+    result = collect(args)
+    text = json.dumps(result, indent=2)
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        sys.stdout.write(text + "\n")
+    else:
+        _print(result)
+    return 0
