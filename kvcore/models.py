@@ -29,7 +29,11 @@ of a type is a field of its spec class (``head_size_v``, ``page_size_padded``,
 ``tokens_per_state`` as an int or a ``"1/2"`` string, ``block_size``,
 ``block_stride_alignment`` as an int, ``shapes``/``dtypes`` for ``mamba``), plus
 ``module``, the last part of the layer name (``self_attn``, or ``mixer`` for
-``mamba``). Presets live in ``examples/models/`` and load by file stem.
+``mamba``); windows belong to ``sliding`` and ``chunked`` types only. Presets
+live in ``examples/models/`` and load by file stem (``kvcore models`` lists them).
+
+Errors name the file, the type table and a layer that uses it, and list only
+the keys that the type's kind takes.
 """
 
 from __future__ import annotations
@@ -71,6 +75,29 @@ _KINDS: dict[str, type[KVCacheSpec]] = {
     "mamba": MambaSpec,
 }
 _TOP_KEYS = {"name", "description", "num_layers", "block_size", "pattern", "layer_name", "types"}
+_OWN_KEYS = {"kind", "module", "block_size"}
+# NOTE: spec fields a kind does not take from a file: a full-attention spec's
+# window fields record merged layers (a file says kind = "sliding" instead),
+# and MLA keeps no separate V.
+_NOT_FOR: dict[str, set[str]] = {
+    "full": {"sliding_window", "attention_chunk_size"},
+    "mla": {"sliding_window", "attention_chunk_size", "head_size_v"},
+}
+_NOT_FOR = {kind: _NOT_FOR.get(kind, set()) for kind in _KINDS}
+_HINTS = {
+    "sliding_window": "for sliding-window layers use kind = 'sliding'",
+    "attention_chunk_size": "for chunked local attention use kind = 'chunked'",
+}
+# What each required key means, for the message when one is missing.
+_REQUIRED = {
+    "num_kv_heads": "KV heads per layer, an integer",
+    "head_size": "values per head, an integer",
+    "dtype": "a torch dtype name such as 'bfloat16'",
+    "sliding_window": "the window in tokens, an integer such as 4096",
+    "attention_chunk_size": "the chunk in tokens, an integer such as 8192",
+    "shapes": "one shape per state, such as [[3, 8192], [8192, 16]]",
+    "dtypes": "one dtype name per state, such as ['bfloat16', 'float32']",
+}
 
 
 @attrs.frozen
@@ -120,8 +147,24 @@ def _convert(where: str, key: str, value: Any) -> Any:
     return value
 
 
-def _spec(type_name: str, table: dict[str, Any], block_size: int) -> tuple[KVCacheSpec, str]:
+def _valid_keys(kind: str) -> set[str]:
+    """Keys a type table of ``kind`` takes: its spec's fields and kvcore's own keys."""
+    return set(attrs.fields_dict(_KINDS[kind])) - _NOT_FOR[kind] | _OWN_KEYS
+
+
+def _required_keys(kind: str) -> list[str]:
+    fields = attrs.fields(_KINDS[kind])
+    return [f.name for f in fields if f.default is attrs.NOTHING and f.init and f.name != "block_size"]
+
+
+def _spec(type_name: str, table: Any, block_size: int, layers: list[int]) -> tuple[KVCacheSpec, str]:
+    """The spec of one type table and its module; ``layers``: the indices that use it."""
     where = f"types.{type_name}"
+    if layers:
+        more = f" and {len(layers) - 1} more" if len(layers) > 1 else ""
+        where += f" (layer {layers[0]}{more})"
+    if not isinstance(table, dict):
+        raise ValueError(f"{where} must be a table of keys, got {table!r}")
     table = dict(table)
     kind = table.pop("kind", None)
     if kind not in _KINDS:
@@ -129,13 +172,18 @@ def _spec(type_name: str, table: dict[str, Any], block_size: int) -> tuple[KVCac
     cls = _KINDS[kind]
     module = table.pop("module", "mixer" if cls is MambaSpec else "self_attn")
     block_size = table.pop("block_size", block_size)
-    fields = set(attrs.fields_dict(cls)) - {"block_size"}
-    unknown = sorted(set(table) - fields)
+    valid = _valid_keys(kind)
+    unknown = sorted(set(table) - valid)
     if unknown:
+        hints = [f"; {_HINTS[k]}" for k in unknown if k in _HINTS]
         raise ValueError(
             f"{where} has unknown keys {unknown}; a {kind!r} type takes: "
-            f"{', '.join(sorted(fields | {'kind', 'module', 'block_size'}))}"
+            f"{', '.join(sorted(valid))}{''.join(hints)}"
         )
+    missing = [k for k in _required_keys(kind) if k not in table]
+    if missing:
+        keys = ", ".join(f"{k} ({_REQUIRED[k]})" if k in _REQUIRED else k for k in missing)
+        raise ValueError(f"{where}: a {kind!r} type needs the key{'s' * (len(missing) > 1)} {keys}")
     kwargs = {k: _convert(where, k, v) for k, v in table.items()}
     try:
         return cls(block_size, **kwargs), module
@@ -148,6 +196,8 @@ def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[
 
     ``block_size`` overrides the block size of every layer type.
     """
+    if block_size is not None:
+        block_size = _block_size_override(block_size)
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
         raise ValueError(f"unknown top-level keys {unknown}; valid: {', '.join(sorted(_TOP_KEYS))}")
@@ -160,37 +210,81 @@ def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[
     pattern = data.get("pattern", list(types) if len(types) == 1 else None)
     if not isinstance(pattern, list) or not pattern:
         raise ValueError("pattern must list the layer types in order, e.g. ['local', 'global']")
-    bad = sorted({p for p in pattern if p != NO_CACHE and p not in types})
+    bad = sorted({str(p) for p in pattern if p != NO_CACHE and p not in types})
     if bad:
         raise ValueError(f"pattern names unknown types {bad}; defined: {', '.join(types)}")
+    template = data.get("layer_name", "model.layers.{index}.{module}")
     default_bs = data.get("block_size", 16)
+    indices: dict[str, list[int]] = {name: [] for name in types}  # so errors name a layer
+    for index in range(num_layers):
+        type_name = pattern[index % len(pattern)]
+        if type_name != NO_CACHE:
+            indices[type_name].append(index)
     specs = {}
     for name, table in types.items():
-        if block_size is not None:
+        if block_size is not None and isinstance(table, dict):
             table = {**table, "block_size": block_size}
-        specs[name] = _spec(name, table, default_bs)
-    template = data.get("layer_name", "model.layers.{index}.{module}")
+        specs[name] = _spec(name, table, default_bs, indices[name])
     out: dict[str, KVCacheSpec] = {}
     for index in range(num_layers):
         type_name = pattern[index % len(pattern)]
         if type_name == NO_CACHE:
             continue
         spec, module = specs[type_name]
-        out[template.format(index=index, module=module)] = spec
-    if len(out) != sum(1 for i in range(num_layers) if pattern[i % len(pattern)] != NO_CACHE):
+        out[_layer_name(template, index, module)] = spec
+    if len(out) != sum(len(v) for v in indices.values()):
         raise ValueError(f"layer_name {template!r} gives two layers one name; include {{index}}")
     if not out:
         raise ValueError("the pattern gives no layer a cache; name at least one type")
     return out
 
 
-def load_model(model: str | Path, *, block_size: int | None = None) -> ModelDescription:
-    """Load a model description from a TOML path or a preset name."""
-    path = find_model(model)
+def _layer_name(template: Any, index: int, module: str) -> str:
     try:
-        data = tomllib.loads(path.read_text())
+        return str(template).format(index=index, module=module)
+    except (KeyError, IndexError, ValueError) as exc:
+        raise ValueError(
+            f"layer_name {template!r} is not a valid template ({exc!r}); "
+            "use the fields {index} and {module}, e.g. 'model.layers.{index}.{module}'"
+        ) from None
+
+
+def _block_size_override(block_size: Any) -> int:
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+        raise ValueError(
+            f"block_size={block_size!r} (the block size given for every layer type) must "
+            "be a positive integer number of tokens, such as 16"
+        )
+    return block_size
+
+
+def read_model_file(path: Path) -> dict[str, Any]:
+    """The parsed TOML of a model file; ``ValueError`` naming the file if it is not one."""
+    try:
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(
+            f"{path}: not a TOML model description: byte {exc.start} is not UTF-8 text "
+            "(is it a binary file?)"
+        ) from None
+    except OSError as exc:
+        raise ValueError(f"{path}: cannot read it: {exc.strerror or exc}") from None
+    try:
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{path}: not valid TOML: {exc}") from exc
+        raise ValueError(f"{path}: not valid TOML: {exc}") from None
+
+
+def load_model(model: str | Path, *, block_size: int | None = None) -> ModelDescription:
+    """Load a model description from a TOML path or a preset name.
+
+    ``block_size`` overrides every layer type's block size; a bad override is
+    reported as such, before the file is read.
+    """
+    if block_size is not None:
+        block_size = _block_size_override(block_size)
+    path = find_model(model)
+    data = read_model_file(path)
     try:
         specs = parse_model(data, block_size=block_size)
     except ValueError as exc:

@@ -54,7 +54,7 @@ def test_tiny_cpu_run_has_the_json_schema():
     ]
     for row in result["rows"]:
         assert row["bytes"] == row["blocks"] * 2 * page
-        for key in ("zeroer_us", "zeroer_wall_us", "loop_us", "loop_wall_us", "zero_us"):
+        for key in ("zeroer_us", "zeroer_host_us", "zeroer_wall_us", "loop_us", "loop_wall_us", "zero_us"):
             assert row[key] > 0
         assert row["memset_us"] is None and row["bw_vs_memset"] is None
         assert row["speedup_vs_loop"] == pytest.approx(row["loop_us"] / row["zeroer_us"])
@@ -63,12 +63,16 @@ def test_tiny_cpu_run_has_the_json_schema():
     assert {t["target"] for t in result["targets"]} >= {"bandwidth vs zero_() at >= 512 blocks"}
 
 
+def _row(blocks, zeroer_us, loop_wall_us, zero_us, memset_us, host_us=None):
+    r = {"layout": "LBNHC", "blocks": blocks, "bytes": blocks * 1000, "zeroer_us": zeroer_us,
+         "zeroer_host_us": host_us if host_us is not None else zeroer_us / 2,
+         "zeroer_wall_us": zeroer_us, "loop_us": loop_wall_us, "loop_wall_us": loop_wall_us,
+         "zero_us": zero_us, "memset_us": memset_us}
+    return zero._derive(r)
+
+
 def test_targets_report_the_worst_row():
-    def row(blocks, zeroer_us, loop_wall_us, zero_us, memset_us):
-        r = {"layout": "LBNHC", "blocks": blocks, "bytes": blocks * 1000, "zeroer_us": zeroer_us,
-             "zeroer_wall_us": zeroer_us, "loop_us": loop_wall_us, "loop_wall_us": loop_wall_us,
-             "zero_us": zero_us, "memset_us": memset_us}
-        return zero._derive(r)
+    row = _row
 
     rows = [row(1, 3.0, 600.0, 2.0, 2.5), row(64, 10.0, 900.0, 8.0, 9.0),
             row(512, 100.0, 9e4, 120.0, 95.0), row(4096, 800.0, 7e5, 850.0, 790.0)]
@@ -81,3 +85,43 @@ def test_targets_report_the_worst_row():
     assert by_name["one block: time / empty launch time"]["worst"] == pytest.approx(1.5)
     assert by_name["one block: time / empty launch time"]["met"] is True
     assert by_name["bandwidth vs memset at >= 512 blocks"]["worst"] == pytest.approx(min(95 / 100, 790 / 800))
+    host = by_name["host time per call (us) at <= 64 blocks"]
+    assert host["worst"] == pytest.approx(10.0 / 2) and host["met"] is True
+
+
+def test_host_target_fails_above_15_us():
+    rows = [_row(1, 3.0, 600.0, 2.0, 2.5, host_us=14.0), _row(64, 10.0, 900.0, 8.0, 9.0, host_us=42.0),
+            _row(512, 100.0, 9e4, 120.0, 95.0, host_us=400.0)]
+    host = {t["target"]: t for t in zero.targets({"rows": rows, "empty_launch_us": 2.0})}[
+        "host time per call (us) at <= 64 blocks"
+    ]
+    assert host["worst"] == 42.0 and host["met"] is False  # the 512-block row is not covered
+
+
+@pytest.mark.parametrize("argv", [["--blocks", "0"], ["--blocks", "1,-8"], ["--layers", "0"],
+                                  ["--kv-heads", "-1"], ["--warmup", "0"], ["--layouts", ""]])
+def test_bad_values_exit_2_naming_the_option(capsys, argv):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "zero", *argv])
+    assert exc.value.code == 2 and f"argument {argv[0]}:" in capsys.readouterr().err
+
+
+def test_a_pool_smaller_than_a_call_is_refused(capsys):
+    assert main(["bench", "zero", "--blocks", "1,8", "--pool-blocks", "4"]) == 2
+    assert "--pool-blocks 4 is fewer than the 8 blocks" in capsys.readouterr().err
+
+
+def test_tables_fit_80_columns_and_cut_nothing(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    rows = [_row(1, 6.12, 612.5, 7.5, 5.25, host_us=13.75),
+            _row(4096, 1843.25, 1.5e6, 2371.0, 1779.5, host_us=16.5)]
+    rows[1]["layout"], rows[1]["bytes"] = "BHLNC", 4096 * 2 << 20
+    result = {"device": "NVIDIA H200", "empty_launch_us": 3.5, "memset": "cudaMemsetAsync",
+              "rows": rows}
+    result["targets"] = zero.targets(result)
+    zero._print_table(result)
+    out = capsys.readouterr().out
+    assert all(len(line) <= 80 and "…" not in line for line in out.splitlines())
+    words = out.split()
+    for value in ("BHLNC", "4096", "8", "GiB", "1843.25", "16.50", "13.75", "1500000.0", "0.97"):
+        assert value in words, value

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import argparse
 import json
+import re
 
 import pytest
 
 from kvcore.cli import main
-from kvcore.cli.plan import parse_memory
 
 GIB = 1 << 30
 
@@ -44,9 +43,12 @@ def test_plan_presets_json(capsys, preset, layout):
     assert len(plan["groups"]) == want["groups"]
     assert sum(g["num_layers"] for g in plan["groups"]) == plan["num_layers"]
     assert {t["size"] for t in plan["tensors"]} == {plan["total_bytes"]}
+    # Block 0 is the null block; each state group takes one block; each attention
+    # group takes ceil(T / block) blocks of the shared pool.
     attn_groups = want["groups"] - want["fixed"]
-    capacity = (plan["num_blocks"] - want["fixed"]) * want["min_block"] // attn_groups
+    capacity = (plan["num_blocks"] - 1 - want["fixed"]) // attn_groups * want["min_block"]
     assert plan["token_capacity"] == capacity
+    assert plan["usable_blocks"] == plan["num_blocks"] - 1
     for t in plan["tensors"]:
         if layout == "BLNHC":
             assert t["block_stride"] == want["bpb"]
@@ -60,13 +62,14 @@ def test_plan_table_output(capsys):
     assert "KV cache groups (BLNHC)" in out and "SlidingWindow" in out
     assert "5,11,17,23,29,35" in out.replace("\n", "").replace("│", "").replace(" ", "")
     assert f"{40 * GIB // (10 * _page(16, 16, 128, 128, 2)):,}" in out
+    assert "token capacity:  74,896 tokens in one sequence" in out  # 7 groups x 4,681 blocks x 16
 
 
 def test_num_blocks_and_block_size(capsys):
     plan = _plan_json(capsys, "llama-3-8b", "--num-blocks", "7", "--block-size", "32")
     assert plan["num_blocks"] == 7
     assert plan["bytes_per_block"] == 32 * _page(8, 32, 128, 128, 2)
-    assert plan["token_capacity"] == 7 * 32
+    assert plan["token_capacity"] == 6 * 32  # block 0 is the null block
 
 
 def test_model_from_a_path(capsys, tmp_path):
@@ -85,6 +88,7 @@ def test_model_from_a_path(capsys, tmp_path):
     [
         (["no-such-model", "--memory", "1GiB"], "presets:"),
         (["llama-3-8b", "--memory", "1MiB"], "needs 2097152 bytes"),
+        (["llama-3-8b", "--num-blocks", "1"], "plan at least 2 blocks"),
         (["jamba-1.5-mini", "--memory", "40GiB", "--layout", "LHBNC"], "such as LBNHC"),
     ],
 )
@@ -108,15 +112,107 @@ def test_bad_arguments(capsys, argv):
     assert exc.value.code == 2
 
 
-@pytest.mark.parametrize(
-    "text, value",
-    [("40GiB", 40 * GIB), ("512MiB", 512 << 20), ("80GB", 80 * 10**9), ("1.5G", 3 * GIB // 2),
-     ("4096", 4096), ("2 kib", 2048)],
-)
-def test_parse_memory(text, value):
-    assert parse_memory(text) == value
+    assert "usage: kvcore plan" in capsys.readouterr().err
 
 
-def test_parse_memory_rejects_junk():
-    with pytest.raises(argparse.ArgumentTypeError, match="40GiB"):
-        parse_memory("12XB")
+def test_two_blocks_hold_one_block_of_tokens(capsys):
+    # Block 0 is the null block: of 2 blocks, one 16-token block is usable.
+    assert _plan_json(capsys, "llama-3-8b", "--num-blocks", "2")["token_capacity"] == 16
+    main(["plan", "llama-3-8b", "--num-blocks", "2"])
+    assert "token capacity:  16 tokens" in capsys.readouterr().out
+
+
+def test_negative_memory_is_a_kvcore_message_not_argparse_confusion(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "llama-3-8b", "--memory", "-5GiB"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2
+    assert "argument --memory: invalid size '-5GiB'" in err and "at least one byte" in err
+    assert "expected one argument" not in err
+
+
+def test_block_size_zero_blames_the_option_not_the_model_file(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "llama-3-8b", "--memory", "1GiB", "--block-size", "0"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "argument --block-size: must be a positive integer, got 0" in err
+    assert "llama-3-8b.toml" not in err
+
+
+def _mamba_only(tmp_path, layers=4):
+    path = tmp_path / "ssm.toml"
+    path.write_text(
+        f'name = "ssm"\nnum_layers = {layers}\n[types.m]\nkind = "mamba"\n'
+        'shapes = [[3, 64], [64, 16]]\ndtypes = ["bfloat16", "float32"]\n'
+    )
+    return str(path)
+
+
+def test_state_only_model_reports_sequences_not_zero_tokens(capsys, tmp_path):
+    model = _mamba_only(tmp_path)
+    plan = _plan_json(capsys, model, "--num-blocks", "9")
+    # 8 usable blocks, one group of 4 Mamba layers: one block per sequence.
+    assert plan["state_only"] and plan["sequence_capacity"] == 8
+    main(["plan", model, "--num-blocks", "9"])
+    out = capsys.readouterr().out
+    assert "8 sequences of any length" in out and "token capacity" not in out
+
+
+def _padding(capsys, block_size):
+    plan = _plan_json(capsys, "jamba-1.5-mini", "--memory", "40GiB", "--block-size", str(block_size))
+    return plan, max(g["padding_percent"] for g in plan["groups"])
+
+
+def test_padding_is_shown_per_group_and_warned_with_a_remedy_that_holds(capsys):
+    plan, worst = _padding(capsys, 16)
+    attn = next(g for g in plan["groups"] if g["kind"] == "FullAttentionSpec")
+    # 16 tokens x 8 heads x 256 values x 2 bytes = 64 KiB, padded to the 560 KiB Mamba page.
+    assert attn["padding_bytes"] == 4 * (573_440 - 65_536)
+    assert attn["padding_percent"] == pytest.approx(100 * (1 - 65_536 / 573_440), abs=0.01)
+    assert worst == attn["padding_percent"] and len(plan["warnings"]) == 1
+    main(["plan", "jamba-1.5-mini", "--memory", "40GiB", "--block-size", "16"])
+    captured = capsys.readouterr()
+    assert "88.6%" in captured.out
+    warning = " ".join(captured.err.split())
+    suggested = int(re.search(r"--block-size (\d+) pads at most", warning).group(1))
+    assert "warning: group 7 (FullAttention)" in warning and "88.6%" in warning
+    # The remedy is the smallest multiple of 16 that pads 10% or less, and it does.
+    tried = {b: _padding(capsys, b)[1] for b in range(16, suggested + 1, 16)}
+    assert tried[suggested] <= 10 and all(p > 10 for b, p in tried.items() if b < suggested)
+
+
+def test_no_padding_warning_for_the_preset_block_size(capsys):
+    plan, worst = _padding(capsys, 144)
+    assert 0 < worst <= 10 and plan["warnings"] == []
+
+
+def test_sliding_window_note_says_what_the_window_means(capsys):
+    main(["plan", "gemma-3-27b", "--memory", "40GiB"])
+    out = " ".join(capsys.readouterr().out.split())
+    # ceil((1024 - 1) / 16) + 1 blocks hold the last 1,024 tokens of a sequence.
+    assert "groups 0-5: sliding window of 1,024 tokens" in out
+    assert "keeps at most 65 blocks" in out and "no window discount" in out
+
+
+def test_sizes_print_in_human_units(capsys):
+    plan = _plan_json(capsys, "deepseek-v3", "--memory", "100TiB")
+    main(["plan", "deepseek-v3", "--memory", "100TiB"])
+    out = capsys.readouterr().out
+    assert f"total:           100 TiB ({plan['total_bytes']:,} bytes)" in out
+    for value, unit in re.findall(r"([0-9][0-9,.]*) (KiB|MiB|GiB|TiB)\b", out):
+        number = float(value.replace(",", ""))
+        assert 1 <= number < 1024 or unit == "TiB", (value, unit)
+    # Raw byte counts appear only beside the human form.
+    assert len(re.findall(r"\d bytes\b", out)) == len(re.findall(r"[KMGT]iB \([0-9,]+ bytes\)", out)) > 0
+
+
+@pytest.mark.parametrize("preset", sorted(EXPECTED))
+def test_plan_output_fits_80_columns_without_cutting_words(capsys, monkeypatch, preset):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["plan", preset, "--memory", "40GiB", "--block-size", "16"]) == 0
+    captured = capsys.readouterr()
+    for line in (captured.out + captured.err).splitlines():
+        assert len(line) <= 80 and "…" not in line, line
+    kinds = {"llama-3-8b": "FullAttention", "gemma-3-27b": "SlidingWindow",
+             "deepseek-v3": "MLAAttention", "jamba-1.5-mini": "Mamba"}
+    assert kinds[preset] in captured.out.split()

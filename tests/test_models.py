@@ -84,7 +84,7 @@ def test_pattern_skips_layers_without_cache_and_fields_convert():
         ({"num_layers": 2, "types": {"a": {"kind": "lstm"}}}, "valid kinds: full, sliding"),
         ({"num_layers": 2, "types": _types(heads=3)}, r"unknown keys \['heads'\].*num_kv_heads"),
         ({"num_layers": 2, "types": _types(dtype="float33")}, "unknown dtype 'float33'"),
-        ({"num_layers": 2, "types": _types(head_size=-1)}, "types.a:.*positive"),
+        ({"num_layers": 2, "types": _types(head_size=-1)}, r"types.a \(layer 0 and 1 more\):.*positive"),
         ({"num_layers": 0, "types": _types()}, "num_layers must be a positive integer"),
         ({"num_layers": 2, "types": _types(), "pattern": ["a", "b"]}, r"unknown types \['b'\]"),
         ({"num_layers": 2, "types": {**_types(), "b": _types()["a"]}}, "pattern must list"),
@@ -106,3 +106,45 @@ def test_bad_files(tmp_path):
         load_model(bad)
     with pytest.raises(ValueError, match="presets: .*llama-3-8b"):
         load_model("llama-9")
+
+
+def test_a_binary_file_is_named_in_the_error(tmp_path):
+    path = tmp_path / "weights.toml"
+    path.write_bytes(bytes(range(256)))
+    with pytest.raises(ValueError, match=rf"{path}: not a TOML model description.*binary"):
+        load_model(path)
+
+
+def test_a_missing_required_key_names_the_key_and_the_layer():
+    data = {"num_layers": 6, "pattern": ["local", "a"],
+            "types": {**_types(), "local": {**_types()["a"], "kind": "sliding"}}}
+    with pytest.raises(ValueError) as exc:
+        parse_model(data)
+    message = str(exc.value)
+    assert "types.local (layer 0 and 2 more)" in message and "needs the key sliding_window" in message
+    assert "__init__" not in message
+
+
+def test_unknown_keys_list_only_the_keys_of_that_kind():
+    with pytest.raises(ValueError) as exc:
+        parse_model({"num_layers": 2, "types": _types(heads=3)})
+    takes = str(exc.value).split("takes: ")[1]
+    assert "num_kv_heads" in takes and "head_size_v" in takes
+    assert "sliding_window" not in takes and "attention_chunk_size" not in takes
+    mamba = {"kind": "mamba", "shapes": [[4, 4]], "dtypes": ["float32"], "num_kv_heads": 2}
+    with pytest.raises(ValueError, match=r"unknown keys \['num_kv_heads'\]") as exc:
+        parse_model({"num_layers": 2, "types": {"m": mamba}})
+    assert "head_size" not in str(exc.value).split("takes: ")[1]
+
+
+def test_a_window_on_a_full_type_points_to_the_sliding_kind():
+    with pytest.raises(ValueError, match="use kind = 'sliding'"):
+        parse_model({"num_layers": 2, "types": _types(sliding_window=512)})
+
+
+@pytest.mark.parametrize("bad", [0, -16, True, 2.5])
+def test_a_bad_block_size_override_blames_the_override_not_the_file(bad):
+    with pytest.raises(ValueError) as exc:
+        load_model("llama-3-8b", block_size=bad)
+    assert str(exc.value).startswith(f"block_size={bad!r} (the block size given for every layer type)")
+    assert ".toml" not in str(exc.value)

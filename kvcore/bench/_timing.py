@@ -21,7 +21,9 @@ class Timer:
 
     ``gpu_us`` brackets the work with CUDA events after an L2 flush (device
     time only); ``wall_us`` times the host call up to a device sync (launch
-    overhead, validation and copies included). On CPU both are wall times.
+    overhead, validation and copies included); ``host_us`` times the host call
+    until it returns, with no sync in the timed span (what a scheduler's step
+    loop waits for). On CPU all three are wall times.
     """
 
     def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
@@ -42,6 +44,18 @@ class Timer:
             fn()
             self.sync()
             times.append((time.perf_counter() - start) * 1e6)
+        return statistics.median(times)
+
+    def host_us(self, fn: Callable[[], object]) -> float:
+        for _ in range(self.warmup):
+            fn()
+        times = []
+        for _ in range(self.repeats):
+            self.sync()  # NOTE: outside the timed span, so no call waits on a full launch queue
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e6)
+        self.sync()
         return statistics.median(times)
 
     def gpu_us(self, fn: Callable[[], object]) -> float:

@@ -8,15 +8,18 @@ so every step of the planner runs: unification, grouping and one tensor per grou
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import sys
+import textwrap
 import statistics
 import time
 from contextlib import contextmanager
 
 import torch
 
-from kvcore.cli._args import layout_arg
-from kvcore.cli.plan import parse_memory
+from kvcore._table import Column, render, terminal_width
+from kvcore.bench._args import layouts_arg, positive_int_arg, size_arg
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
@@ -56,43 +59,66 @@ def _one_core():
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=int, default=200, help="layers of the model (default 200)")
-    parser.add_argument("--repeat", type=int, default=100, help="timed plans per layout (default 100)")
-    parser.add_argument("--memory", default=80 << 30, type=parse_memory, help="budget, e.g. 80GiB (the default)")
-    parser.add_argument(
-        "--layout", action="append", type=layout_arg,
-        help="layout to time (repeatable; default: every layout)",
-    )  # fmt: skip
+    parser.add_argument("--layers", type=positive_int_arg, default=200,
+                        help="layers of the hybrid model (default: %(default)s)")
+    parser.add_argument("--repeat", type=positive_int_arg, default=100,
+                        help="timed plans per layout; the median is reported (default: %(default)s)")
+    parser.add_argument("--memory", type=size_arg, default="80GiB", metavar="SIZE",
+                        help="KV cache budget of every plan (default: %(default)s)")
+    parser.add_argument("--layouts", type=layouts_arg, default=",".join(m.name for m in KVCacheLayout),
+                        help="comma-separated layouts to time (default: %(default)s)")
+    parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
-def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.table import Table
-
+def measure(args: argparse.Namespace) -> dict:
+    """Time every layout; the result is what ``--json`` prints."""
     specs = hybrid_model_specs(args.layers)
-    layouts = args.layout or list(KVCacheLayout)
-    table = Table(title=f"plan_kv_cache, {args.layers}-layer hybrid model, one core")
-    for column in ("layout", "groups", "blocks", "median ms", "min ms", f"< {TARGET_MS:g} ms"):
-        table.add_column(column, justify="right")
-    worst = 0.0
+    rows = []
     with _one_core():
-        for layout in layouts:
+        for layout in args.layouts:
             try:
                 config = plan_kv_cache(specs, layout, available_memory=args.memory)  # warm-up
             except ValueError as exc:
                 # NOTE: e.g. LHBNC cannot overlay groups with different head counts.
-                table.add_row(layout.name, "-", "-", "-", "-", f"refused: {str(exc)[:60]}")
+                rows.append({"layout": layout.name, "refused": str(exc)})
                 continue
             times = []
-            for _ in range(max(1, args.repeat)):
+            for _ in range(args.repeat):
                 start = time.perf_counter()
                 plan_kv_cache(specs, layout, available_memory=args.memory)
                 times.append((time.perf_counter() - start) * 1e3)
-            median = statistics.median(times)
-            worst = max(worst, median)
-            table.add_row(
-                layout.name, str(len(config.kv_cache_groups)), f"{config.num_blocks:,}",
-                f"{median:.2f}", f"{min(times):.2f}", "yes" if median < TARGET_MS else "NO",
-            )  # fmt: skip
-    Console().print(table)
-    return 0 if worst < TARGET_MS else 1
+            rows.append({
+                "layout": layout.name, "groups": len(config.kv_cache_groups),
+                "num_blocks": config.num_blocks, "median_ms": statistics.median(times),
+                "min_ms": min(times), "met": statistics.median(times) < TARGET_MS,
+            })  # fmt: skip
+    return {"layers": args.layers, "memory": args.memory, "target_ms": TARGET_MS, "rows": rows}
+
+
+def _print(result: dict) -> None:
+    columns = [Column("layout"), Column("groups", right=True), Column("blocks", right=True),
+               Column("median ms", right=True), Column("min ms", right=True),
+               Column(f"< {TARGET_MS:g} ms")]
+    timed = [r for r in result["rows"] if "refused" not in r]
+    rows = [[r["layout"], str(r["groups"]), f"{r['num_blocks']:,}", f"{r['median_ms']:.2f}",
+             f"{r['min_ms']:.2f}", "yes" if r["met"] else "NO"] for r in timed]
+    title = f"plan_kv_cache, {result['layers']}-layer hybrid model, one core"
+    print(render(columns, rows, title=title))
+    width = terminal_width()
+    for r in result["rows"]:
+        if "refused" in r:
+            print(textwrap.fill(f"{r['layout']} refused: {r['refused']}", width, subsequent_indent="  "))
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit 0 when every timed layout meets the target; 1 when one misses it or none can plan."""
+    result = measure(args)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        _print(result)
+    timed = [r for r in result["rows"] if "refused" not in r]
+    if not timed:
+        print("kvcore bench plan: every layout refused the model; nothing was timed", file=sys.stderr)
+        return 1
+    return 0 if all(r["met"] for r in timed) else 1

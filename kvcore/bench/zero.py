@@ -1,10 +1,11 @@
-"""``kvcore bench zero``: the block zeroer against a per-layer loop, zero_() and memset (GPU).
+"""``kvcore bench zero``: block zeroer vs a per-layer loop, zero_() and memset (GPU).
 
 For each layout and block count, zeroes random blocks of a model's KV cache
 with: the zeroer (one launch), a per-layer torch loop (``view[ids] = 0``), a
 contiguous ``zero_()`` of the same byte count, and ``cudaMemsetAsync`` of the
 same bytes (the write ceiling). Device times come from CUDA events after an
-L2 flush (median of repeats); wall times include the host call and a sync.
+L2 flush (median of repeats); host times are the zeroer's call with a Python
+list of ids until it returns (no sync); wall times include the call and a sync.
 """
 
 from __future__ import annotations
@@ -12,19 +13,24 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from typing import Any
 
 import torch
 
-from kvcore.runtime.attn_group import AttentionGroup
-from kvcore.plugins.backend import AttentionBackend
+from kvcore._table import Column, render, terminal_width
+from kvcore._units import format_bytes
+from kvcore.bench._args import layouts_arg, positive_int_arg, positive_ints_arg
 from kvcore.bench._timing import Timer, empty_launch, find_memset
-from kvcore.cli._args import layouts_arg
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
-from kvcore.specs import FullAttentionSpec
 from kvcore.memory.views import allocate_kv_cache
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.zeroer import KVBlockZeroer
+from kvcore.runtime.zeroer import kernel as zero_kernel
+from kvcore.runtime.zeroer import zeroer as zero_module
+from kvcore.specs import FullAttentionSpec
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -33,26 +39,38 @@ class _BenchBackend(AttentionBackend):
     name = "bench"
 
 
-def _int_list(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--blocks", type=_int_list, default=[1, 8, 64, 512, 4096], help="block counts (1,8,...)")
-    parser.add_argument("--layouts", type=layouts_arg, default=layouts_arg("LBNHC,BLNHC,LHBNC"), help="layouts")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-size", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
-    parser.add_argument("--pool-blocks", type=int, default=None, help="blocks allocated (default 2x the most zeroed)")
-    parser.add_argument("--repeats", type=int, default=20, help="timed repeats (median)")
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH")
+    model = parser.add_argument_group("the model whose KV cache is zeroed")
+    model.add_argument("--layers", type=positive_int_arg, default=32,
+                       help="attention layers (default: %(default)s)")
+    model.add_argument("--kv-heads", type=positive_int_arg, default=8,
+                       help="KV heads per layer (default: %(default)s)")
+    model.add_argument("--head-size", type=positive_int_arg, default=128,
+                       help="values per head, for K and for V (default: %(default)s)")
+    model.add_argument("--block-size", type=positive_int_arg, default=16,
+                       help="tokens per block (default: %(default)s)")
+    model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+                       help="cache dtype (default: %(default)s)")
+    measured = parser.add_argument_group("what is measured")
+    measured.add_argument("--blocks", type=positive_ints_arg, default="1,8,64,512,4096",
+                     help="comma-separated counts of blocks zeroed per call (default: %(default)s)")
+    measured.add_argument("--layouts", type=layouts_arg, default="LBNHC,BLNHC,LHBNC",
+                     help="comma-separated layouts (default: %(default)s)")
+    measured.add_argument("--pool-blocks", type=positive_int_arg, default=None, metavar="N",
+                     help="blocks allocated (default: twice the largest --blocks)")
+    measured.add_argument("--repeats", type=positive_int_arg, default=20,
+                     help="timed repeats; medians are reported (default: %(default)s)")
+    measured.add_argument("--warmup", type=positive_int_arg, default=3,
+                     help="untimed calls before each measurement (default: %(default)s)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    out.add_argument("--json-out", default=None, metavar="PATH",
+                     help="also write the JSON to PATH (default: none)")
     tune = parser.add_argument_group("kernel tuning (defaults are the library's)")
-    tune.add_argument("--programs-per-sm", type=int, default=None, help="grid cap: programs per SM")
-    tune.add_argument("--chunk-kib", type=int, default=None, help="largest work item, KiB")
+    tune.add_argument("--programs-per-sm", type=positive_int_arg, default=None, metavar="N",
+                      help="grid cap: programs per SM (default: the library's)")
+    tune.add_argument("--chunk-kib", type=positive_int_arg, default=None, metavar="KIB",
+                      help="largest work item, KiB (default: the library's)")
 
 
 def _model(args: argparse.Namespace, layout: KVCacheLayout, device: torch.device):
@@ -94,6 +112,7 @@ def collect(args: argparse.Namespace, device: torch.device | str) -> dict[str, A
             nbytes = n * zeroer.bytes_per_block
             row: dict[str, Any] = {"layout": layout.name, "blocks": n, "bytes": nbytes}
             row["zeroer_us"] = timer.gpu_us(lambda: zeroer.zero_block_ids(ids))
+            row["zeroer_host_us"] = timer.host_us(lambda: zeroer.zero_block_ids(ids_list))
             row["zeroer_wall_us"] = timer.wall_us(lambda: zeroer.zero_block_ids(ids_list))
 
             def loop(index: Any) -> None:
@@ -135,6 +154,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     large = [r for r in rows if r["blocks"] >= 512]
     single = [r for r in rows if r["blocks"] == 1]
     checks = [
+        ("host time per call (us) at <= 64 blocks", small, "zeroer_host_us", "<=", 15.0),
         ("speedup vs per-layer loop (wall) at <= 64 blocks", small, "speedup_vs_loop_wall", ">=", 100.0),
         ("speedup vs per-layer loop (device) at <= 64 blocks", small, "speedup_vs_loop", ">=", 100.0),
         ("bandwidth vs zero_() at >= 512 blocks", large, "bw_vs_zero", ">=", 1.1),
@@ -151,7 +171,7 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
             elif key == "memset_us":
                 values.append(r["zeroer_us"] / r["memset_us"] if r["memset_us"] else None)
             else:
-                values.append(r[key])
+                values.append(r.get(key))
         values = [v for v in values if v is not None]
         worst = (min(values) if op == ">=" else max(values)) if values else None
         met = None if worst is None else (worst >= bound if op == ">=" else worst <= bound)
@@ -159,48 +179,55 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "-" if v is None else format(v, spec)
+
+
 def _print_table(result: dict[str, Any]) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    def fmt(v: float | None, spec: str = ".1f") -> str:
-        return "-" if v is None else format(v, spec)
-
-    console = Console()
+    width = terminal_width()
     empty = result["empty_launch_us"]
-    title = f"KV block zeroing on {result['device']} (empty Triton launch {fmt(empty, '.2f')} us)"
-    table = Table(title=title)
-    for col in ("layout", "blocks", "MiB", "zeroer us", "GB/s", "loop us", "x loop", "x loop wall",
-                "zero_() GB/s", "memset GB/s", "x zero_() bw", "x memset bw"):
-        table.add_column(col, justify="right")
-    for r in result["rows"]:
-        table.add_row(
-            r["layout"], str(r["blocks"]), fmt(r["bytes"] / 2**20), fmt(r["zeroer_us"], ".2f"),
-            fmt(r["zeroer_gbps"], ".0f"), fmt(r["loop_us"]), fmt(r["speedup_vs_loop"]),
-            fmt(r["speedup_vs_loop_wall"]), fmt(r["zero_gbps"], ".0f"), fmt(r["memset_gbps"], ".0f"),
-            fmt(r["bw_vs_zero"], ".2f"), fmt(r["bw_vs_memset"], ".2f"),
-        )
-    console.print(table)
-    checks = Table(title="Targets (worst row)")
-    for col in ("target", "bound", "measured", "met"):
-        checks.add_column(col)
-    for t in result["targets"]:
-        checks.add_row(t["target"], t["bound"], fmt(t["worst"], ".2f"), {True: "yes", False: "NO", None: "-"}[t["met"]])
-    console.print(checks)
+    rows = result["rows"]
+    times = [Column("layout"), Column("blocks", right=True), Column("size", right=True)] + [
+        Column(h, right=True) for h in ("zeroer us", "host us", "wall us", "loop us", "x loop",
+                                        "x loop wall")
+    ]
+    print(render(times, [[
+        r["layout"], str(r["blocks"]), format_bytes(r["bytes"]), _fmt(r["zeroer_us"], ".2f"),
+        _fmt(r.get("zeroer_host_us"), ".2f"), _fmt(r["zeroer_wall_us"], ".2f"), _fmt(r["loop_us"]),
+        _fmt(r["speedup_vs_loop"]), _fmt(r["speedup_vs_loop_wall"]),
+    ] for r in rows], title=f"KV block zeroing on {result['device']}: time per call "
+                            f"(empty Triton launch {_fmt(empty, '.2f')} us)", width=width))
+    print(textwrap.fill(
+        "zeroer: device time of one launch (CUDA events); host: the zeroer call with a list of "
+        "ids until it returns (no sync); wall: that call and a sync; loop: device time of "
+        "view[ids] = 0 per layer; x loop: loop time / zeroer time (device; wall)", width))
+    print()
+    bandwidth = [Column("layout"), Column("blocks", right=True)] + [
+        Column(h, right=True) for h in ("zeroer GB/s", "zero_() GB/s", "memset GB/s",
+                                        "x zero_() bw", "x memset bw")
+    ]
+    print(render(bandwidth, [[
+        r["layout"], str(r["blocks"]), _fmt(r["zeroer_gbps"], ".0f"), _fmt(r["zero_gbps"], ".0f"),
+        _fmt(r["memset_gbps"], ".0f"), _fmt(r["bw_vs_zero"], ".2f"), _fmt(r["bw_vs_memset"], ".2f"),
+    ] for r in rows], title="bandwidth (device time)", width=width))
+    print()
+    checks = [Column("target", wrap=True), Column("bound"), Column("measured", right=True), Column("met")]
+    print(render(checks, [[t["target"], t["bound"], _fmt(t["worst"], ".2f"),
+                           {True: "yes", False: "NO", None: "-"}[t["met"]]] for t in result["targets"]],
+                 title="targets (worst row)", width=width))
     if result["memset"] is None:
-        console.print("memset column skipped: no cudaMemsetAsync / cuMemsetD8Async found")
+        print("memset column skipped: no cudaMemsetAsync / cuMemsetD8Async found")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.pool_blocks is not None and args.pool_blocks < max(args.blocks):
+        raise ValueError(
+            f"--pool-blocks {args.pool_blocks} is fewer than the {max(args.blocks)} blocks "
+            "--blocks zeroes in one call; allocate at least that many"
+        )
     if not torch.cuda.is_available():
         print("kvcore bench zero: needs a CUDA GPU (none found); run it on a GPU machine", file=sys.stderr)
         return 2
-    for name in ("blocks", "layers", "kv_heads", "head_size", "block_size", "repeats"):
-        values = getattr(args, name) if name == "blocks" else [getattr(args, name)]
-        if not values or min(values) <= 0:
-            raise ValueError(f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}")
-    from kvcore.runtime.zeroer import kernel as zero_kernel
-    from kvcore.runtime.zeroer import zeroer as zero_module
 
     # NOTE: tuning knobs override the library's module defaults for this process only.
     if args.programs_per_sm:

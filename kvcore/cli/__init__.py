@@ -1,36 +1,91 @@
-"""The ``kvcore`` command line: ``kvcore plugins``, ``kvcore plan``, ``kvcore bench``."""
+"""The kvcore command line: plan a model's KV cache, list presets and plugins, benchmark.
+
+Only the module of the sub-command being run is imported, so ``kvcore --help``
+and ``kvcore --version`` never import torch.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import importlib.util
+import re
 import sys
 
-# sub-command -> module defining ``add_parser(subparsers)``; each parser sets
-# ``func`` (a callable taking the parsed args and returning an exit code).
-_COMMANDS = {
-    "plugins": "kvcore.cli.plugins",
-    "plan": "kvcore.cli.plan",
-    "bench": "kvcore.cli.bench",
+from kvcore import __version__
+
+# NOTE: name -> (module defining add_parser(subparsers), one-line help). The
+# help is here so that `kvcore --help` lists every command without importing
+# any; tests check it matches what each module registers.
+_COMMANDS: dict[str, tuple[str, str]] = {
+    "plan": ("kvcore.cli.plan", "plan a model's KV cache for a memory budget"),
+    "models": ("kvcore.cli.models", "list the model presets that kvcore plan knows"),
+    "plugins": ("kvcore.cli.plugins", "list installed kvcore plugins, their hooks and backends"),
+    "bench": ("kvcore.cli.bench", "run a micro-benchmark"),
 }
+_EPILOG = "Run 'kvcore COMMAND --help' for the options of one command."
+# A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
+_NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="kvcore", description=__doc__.replace("``", ""))
-    sub = parser.add_subparsers(dest="command", required=True)
-    for module_name in _COMMANDS.values():
-        if importlib.util.find_spec(module_name) is not None:
-            importlib.import_module(module_name).add_parser(sub)
+def _positionals(argv: list[str]) -> list[str]:
+    return [token for token in argv if not token.startswith("-")]
+
+
+def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+    """The ``kvcore`` parser.
+
+    With ``argv``, only the sub-command it names gets its arguments (and its
+    module imported); the others are listed by name and help. Without, every
+    sub-command is complete.
+    """
+    parser = argparse.ArgumentParser(prog="kvcore", description=__doc__.splitlines()[0], epilog=_EPILOG)
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    words = None if argv is None else _positionals(argv)
+    for name, (module_name, summary) in _COMMANDS.items():
+        if words is not None and words[:1] != [name]:
+            sub.add_parser(name, help=summary)
+            continue
+        module = importlib.import_module(module_name)
+        if name == "bench":
+            # NOTE: benchmarks are loaded lazily too (their modules import torch,
+            # or transformers): only the one named after "bench" is imported.
+            module.add_parser(sub, only=None if words is None else (words[1:2] or [""])[0])
+        else:
+            module.add_parser(sub)
     return parser
 
 
+def _attach_negative_values(argv: list[str]) -> list[str]:
+    """``--memory -5GiB`` as ``--memory=-5GiB``.
+
+    argparse reads a lone token that starts with ``-`` and is not a plain
+    number as an option, and would answer "expected one argument"; attached,
+    the value reaches its type, which says what is wrong with it.
+    """
+    out: list[str] = []
+    for token in argv:
+        previous = out[-1] if out else ""
+        if _NEGATIVE_WITH_UNIT.match(token) and previous.startswith("--") and "=" not in previous:
+            out[-1] = f"{previous}={token}"
+        else:
+            out.append(token)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run ``kvcore`` with ``argv`` (default: the process's arguments); the exit code.
+
+    A ``ValueError`` or ``TypeError`` from a command is a user error: printed
+    as ``kvcore COMMAND: error: ...`` with exit code 2, like argparse's own.
+    """
+    argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
+    args = build_parser(argv).parse_args(argv)
     try:
         return int(args.func(args) or 0)
     except (ValueError, TypeError) as exc:
-        print(f"kvcore {args.command}: error: {exc}", file=sys.stderr)
+        command = " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
+        print(f"kvcore {command}: error: {exc}", file=sys.stderr)
         return 2
 
 

@@ -1,0 +1,69 @@
+"""Byte sizes as people write and read them: ``40GiB`` in, ``1.25 MiB`` out.
+
+Binary units (``KiB``, ``MiB``, ``GiB``, ``TiB``, and the bare ``K``, ``M``,
+``G``, ``T`` as their short forms) are powers of 1024; decimal units (``KB``,
+``MB``, ``GB``, ``TB``) are powers of 1000, as disk and network vendors use
+them. So ``40G`` and ``40GiB`` are 40 x 2^30 bytes, while ``40GB`` is
+40 x 10^9 bytes, about 37.25 GiB.
+"""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+#: One sentence for command-line help: which units mean what.
+SIZE_UNITS_HELP = (
+    "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024 (40G = 40GiB); "
+    "KB/MB/GB/TB are powers of 1000 (40GB = 40 x 10^9 bytes, about 37.25 GiB)"
+)
+
+_UNITS = {
+    "": 1, "B": 1,
+    "K": 1 << 10, "KIB": 1 << 10, "KB": 10**3,
+    "M": 1 << 20, "MIB": 1 << 20, "MB": 10**6,
+    "G": 1 << 30, "GIB": 1 << 30, "GB": 10**9,
+    "T": 1 << 40, "TIB": 1 << 40, "TB": 10**12,
+}  # fmt: skip
+_SIZE = re.compile(r"^\s*([+-]?)\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*$")
+_BINARY = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10))
+
+
+def parse_size(text: str) -> int:
+    """Bytes in ``text``: ``40GiB``, ``512MB``, ``1.5G`` or a plain byte count.
+
+    A fraction of a byte is dropped (``1.3G`` is 1,395,864,371 bytes). Raises
+    ``ValueError`` naming the text for anything else and for a size below one
+    byte (negative, zero, ``0.5B``).
+    """
+    match = _SIZE.match(text) if isinstance(text, str) else None
+    unit = match.group(3).upper() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(
+            f"invalid size {text!r}: use a byte count or a number with a unit, such as "
+            f"40GiB, 512MiB or 80GB ({SIZE_UNITS_HELP})"
+        )
+    value = int(Fraction(match.group(2)) * _UNITS[unit])
+    if match.group(1) == "-" or value <= 0:
+        raise ValueError(f"invalid size {text!r}: a size must be at least one byte, such as 40GiB")
+    return value
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it at least 1 (``1.25 MiB``).
+
+    Two decimals at most, trailing zeros dropped (``40 GiB``, ``560 KiB``);
+    below 1 KiB the count itself (``512 B``). Never ``102400.00 GiB``: TiB is
+    the largest unit.
+    """
+    for unit, scale in _BINARY:
+        if abs(n) >= scale:
+            text = f"{n / scale:,.2f}".rstrip("0").rstrip(".")
+            return f"{text} {unit}"
+    return f"{n:,} B"
+
+
+def format_bytes_exact(n: int) -> str:
+    """The human form with the exact count beside it: ``1.25 MiB (1,310,720 bytes)``."""
+    human = format_bytes(n)
+    return human if abs(n) < 1024 else f"{human} ({n:,} bytes)"
