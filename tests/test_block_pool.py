@@ -280,3 +280,25 @@ def test_caching_off_keeps_todays_behaviour():
         pool.cache_blocks(H[:1], ids[:1])
     pool.free(ids)
     assert pool.allocate(3) == [3, *ids]  # first freed, first reused; nothing kept
+
+
+def test_common_prefix_of_a_hybrid_model_agrees_across_groups():
+    """Full attention (4-token blocks) and a sliding window (2-token blocks, 1-block window)."""
+    pool = BlockPool(16, enable_caching=True)
+    full = [b"A%d" % i for i in range(3)]
+    window = [b"B%d" % i for i in range(6)]
+    a, b = pool.allocate(2), pool.allocate(5)
+    pool.take_new_blocks()
+    pool.cache_blocks(full[:2], a, group_id=0)  # full hits 8 tokens
+    pool.cache_blocks([window[i] for i in (0, 1, 2, 4, 5)], b, group_id=1)  # B3 missing
+    groups = {0: (full, 4, None), 1: (window, 2, 1)}
+    # the window alone would hit 12 tokens, then 6 under the full group's 8; 6 is no full
+    # block of group 0, so both settle on 4 tokens
+    assert pool.find_cached_prefix(window, group_id=1, window=1) == 6
+    assert pool.find_common_prefix(groups) == 4
+    assert pool.find_common_prefix(groups, max_tokens=3) == 0
+    assert pool.find_common_prefix({0: (full, 4, None)}) == 8
+    assert pool.find_common_prefix({}) == 0
+    assert pool.get_cached_blocks(window[:2], group_id=1, window=1) == [0, b[1]]
+    with pytest.raises(ValueError, match="block_size"):
+        pool.find_common_prefix({0: (full, 0, None)})

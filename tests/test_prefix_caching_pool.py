@@ -61,14 +61,12 @@ class PoolModel:
                         del self.cache[key]
                 (self.evictable if self.key_of(block) is not None else self.plain).append(block)
 
+    def is_hit(self, group: int, hashes: list[bytes], window: int | None) -> bool:
+        start = 0 if window is None else max(0, len(hashes) - window)
+        return all((group, h) in self.cache for h in hashes[start:])
+
     def prefix(self, group: int, hashes: list[bytes], window: int | None) -> int:
-        cached = [(group, h) in self.cache for h in hashes]
-        best = 0
-        for n in range(len(hashes) + 1):
-            start = 0 if window is None else max(0, n - window)
-            if all(cached[start:n]):
-                best = n
-        return best
+        return max(n for n in range(len(hashes) + 1) if self.is_hit(group, hashes[:n], window))
 
 
 class CachingPoolMachine(RuleBasedStateMachine):
@@ -181,6 +179,16 @@ class CachingPoolMachine(RuleBasedStateMachine):
     @rule(data=st.data(), group=st.integers(0, 1), window=st.none() | st.integers(1, 3))
     def hit(self, data, group, window):
         self._hit(self._hashes(data, group), group, window)
+
+    @rule(data=st.data(), window=st.none() | st.integers(1, 3), cap=st.none() | st.integers(0, 12))
+    def common_prefix(self, data, window, cap):
+        """Group 0: full attention, 2-token blocks; group 1: 4-token blocks, maybe a window."""
+        full, other = self._hashes(data, 0), self._hashes(data, 1)
+        groups = {0: (full, 2, None), 1: (other, 4, window)}
+        top = min(2 * len(full), 4 * len(other), 99 if cap is None else cap)
+        want = max(t for t in range(0, top + 1, 4)
+                   if self.model.is_hit(0, full[: t // 2], None) and self.model.is_hit(1, other[: t // 4], window))  # fmt: skip
+        assert self.pool.find_common_prefix(groups, max_tokens=cap) == want
 
     @rule()
     def take_new(self):

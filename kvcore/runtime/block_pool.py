@@ -5,34 +5,21 @@ it as padding (or for blocks a sliding window no longer needs) and kernels
 reading it read memory no live sequence owns.
 
 With ``enable_caching=True`` a full block whose contents are written can be
-recorded under its chained hash (:func:`kvcore.block_hashes`). Later requests
-with the same prefix share it instead of recomputing it: every holder keeps a
-reference, and a cached block whose last reference is dropped stays cached
-(evictable) until ``allocate`` runs out of plain free blocks.
+recorded under its chained hash (:func:`kvcore.block_hashes`); later requests
+with the same prefix share it instead of recomputing it (see
+:mod:`kvcore.runtime.prefix_cache` for what each kind of group may cache).
 """
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict, deque
-from collections.abc import Iterable, Sequence
+from collections import Counter, deque
+from collections.abc import Iterable, Mapping, Sequence
 
 from kvcore._validate import as_int, non_negative_int, positive_int
 from kvcore.errors import OutOfBlocksError
+from kvcore.runtime.prefix_cache import PrefixCache, check_hashes, check_window
 
 NULL_BLOCK_ID = 0
-
-
-def _check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
-    if isinstance(hashes, (bytes, bytearray, str)):
-        raise TypeError("hashes must be a list of block hashes (bytes), not one value; wrap it: [h]")
-    out = list(hashes)
-    for i, h in enumerate(out):
-        if type(h) is not bytes or not h:
-            raise TypeError(
-                f"hashes[{i}] must be non-empty bytes from kvcore.block_hashes, got {h!r} "
-                f"({type(h).__name__}); a partial block has no hash and cannot be cached"
-            )
-    return out
 
 
 class BlockPool:
@@ -42,13 +29,13 @@ class BlockPool:
     free ids and a bytearray marking ids in use) and ids come back in
     first-freed, first-reused order.
 
-    With caching, every block has a reference count. Free blocks are of two
-    kinds: plain (no cached contents) and evictable (cached, no holder, kept
+    With caching, every block has a reference count, and free blocks are
+    plain (no cached contents) or evictable (cached, nobody holds them; kept
     least recently freed first). ``allocate`` takes plain blocks first and
-    evicts only when none is left; an evicted block loses its hash. Each KV
-    cache group has its own cache (``group_id``): block ids are global, so
-    one pool serves every group, and a hash cached in group 0 never hits in
-    group 1. Allocate, free, hit and evict are O(1) per block.
+    evicts only when none is left; an evicted block's hash stops hitting.
+    Each KV cache group has its own cache, named by ``group_id``: one pool
+    serves every group (block ids are global) and a hash cached in one group
+    never hits in another. Allocate, free, hit and evict are O(1) per block.
 
     :meth:`take_new_blocks` reports the blocks that need zeroing: those handed
     out by ``allocate`` (fresh or evicted) since the last call and still held;
@@ -67,13 +54,11 @@ class BlockPool:
         self._num_blocks = num_blocks
         self._caching = enable_caching
         self._free: deque[int] = deque(range(1, num_blocks))
-        # Caching off: 1 = in use. Caching on: 1 = handed out by allocate and not yet reported.
+        # Caching off: 1 = in use. Caching on: 1 = handed out by allocate, not yet reported.
         self._in_use = bytearray(num_blocks)
         self._new: list[int] = []
         self._refs = [0] * num_blocks if enable_caching else []
-        self._evictable: OrderedDict[int, None] = OrderedDict()
-        self._caches: dict[int, dict[bytes, int]] = {}
-        self._key_of: dict[int, tuple[int, bytes]] = {}
+        self._cache = PrefixCache()
 
     @property
     def num_blocks(self) -> int:
@@ -87,7 +72,7 @@ class BlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks ``allocate`` can hand out: plain free plus evictable cached blocks."""
-        return len(self._free) + len(self._evictable)
+        return len(self._free) + len(self._cache.evictable)
 
     @property
     def num_used_blocks(self) -> int:
@@ -97,12 +82,12 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         """Blocks recorded in the prefix cache (held or evictable)."""
-        return len(self._key_of)
+        return len(self._cache)
 
     @property
     def num_evictable_blocks(self) -> int:
         """Cached blocks nobody holds, kept until ``allocate`` needs them."""
-        return len(self._evictable)
+        return len(self._cache.evictable)
 
     @property
     def usage(self) -> float:
@@ -122,13 +107,13 @@ class BlockPool:
 
     def block_hash(self, block_id: int) -> tuple[int, bytes] | None:
         """``(group_id, hash)`` the block is cached under, or None."""
-        return self._key_of.get(self._check_id(block_id))
+        return self._cache.key_of(self._check_id(block_id))
 
     def allocate(self, n: int) -> list[int]:
         """Hand out ``n`` block ids, or none at all.
 
-        With caching, plain free blocks go first; then the least recently
-        freed evictable blocks are evicted (their hashes stop hitting).
+        With caching, plain free blocks go first, then the least recently
+        freed evictable blocks are evicted.
 
         :raises OutOfBlocksError: fewer than ``n`` blocks are free (the
             error carries ``requested`` and ``free``); nothing is allocated.
@@ -143,17 +128,13 @@ class BlockPool:
                 self._in_use[block_id] = 1
             self._new.extend(ids)
             return ids
-        if n > len(free) + len(self._evictable):
-            raise OutOfBlocksError(n, len(free) + len(self._evictable))
+        cache = self._cache
+        if n > len(free) + len(cache.evictable):
+            raise OutOfBlocksError(n, len(free) + len(cache.evictable))
         take = min(n, len(free))
         ids = [free.popleft() for _ in range(take)]
         if take < n:
-            popitem, key_of, caches = self._evictable.popitem, self._key_of, self._caches
-            for _ in range(n - take):
-                block_id = popitem(last=False)[0]
-                group_id, h = key_of.pop(block_id)
-                del caches[group_id][h]  # evicted: its hash no longer hits
-                ids.append(block_id)
+            ids.extend(cache.evict_oldest() for _ in range(n - take))
         refs, pending = self._refs, self._in_use
         for block_id in ids:
             refs[block_id] = 1
@@ -164,16 +145,14 @@ class BlockPool:
     def free(self, block_ids: Iterable[int] | int) -> None:
         """Drop one reference to each block (one id or an iterable of ids).
 
-        Without caching a freed block is plain free again. With caching a
-        block whose last reference goes becomes evictable if it is cached
-        (in the order given: free a request's blocks last block first so its
-        tail is evicted before its shared head) and plain free otherwise. A
-        block freed before :meth:`take_new_blocks` reported it was never
-        zeroed nor written by a step: it loses its hash and is plain free.
-        Every id is checked before any is freed: the null block, ids outside
-        the pool, ids not allocated (double frees) and ids repeated within the
-        call more often than they are held raise ``ValueError`` and leave the
-        pool unchanged.
+        With caching, a block whose last reference goes is evictable if it is
+        cached (in the order given: free a request's blocks last block first
+        so its tail is evicted before its shared head), plain free otherwise.
+        A block freed before :meth:`take_new_blocks` reported it was never
+        zeroed nor written by a step: it loses its hash. Every id is checked
+        before any is freed: the null block, ids outside the pool, ids not
+        allocated (double frees) and ids repeated within the call more often
+        than they are held raise ``ValueError`` and leave the pool unchanged.
         """
         if isinstance(block_ids, Iterable):
             ids = [as_int("block id", b) for b in block_ids]
@@ -199,8 +178,7 @@ class BlockPool:
             self._free.extend(ids)
             return
         refs = self._refs
-        counts = Counter(ids) if len(ids) > 1 else {b: 1 for b in ids}
-        for block_id, count in counts.items():
+        for block_id, count in (Counter(ids) if len(ids) > 1 else {b: 1 for b in ids}).items():
             if count > refs[block_id]:
                 if refs[block_id] == 0:
                     raise ValueError(
@@ -211,54 +189,57 @@ class BlockPool:
                     f"block {block_id} appears {count} times in one free() call but has only "
                     f"{refs[block_id]} reference(s) (double free?); free it once per holder"
                 )
-        pending, key_of = self._in_use, self._key_of
+        pending, cache, cached = self._in_use, self._cache, self._cache.keys
         for block_id in ids:
             left = refs[block_id] - 1
             refs[block_id] = left
             if left == 0:
                 if pending[block_id]:
-                    # NOTE: never reported for zeroing, so no step wrote it: forget its hash.
                     pending[block_id] = 0
-                    self._uncache(block_id)
-                if block_id in key_of:
-                    self._evictable[block_id] = None
+                    cache.drop(block_id)
+                if block_id in cached:
+                    cache.evictable[block_id] = None
                 else:
                     self._free.append(block_id)
 
     def find_cached_prefix(
         self, hashes: Sequence[bytes], *, group_id: int = 0, window: int | None = None
     ) -> int:
-        """How many leading blocks of ``hashes`` a cache hit would cover; changes nothing.
+        """How many leading blocks of ``hashes`` a hit would cover; changes nothing.
 
         ``window=None`` (full attention): the longest prefix whose blocks are
-        all cached. ``window=w`` (sliding window, ``w`` blocks, see
+        all cached. ``window=w`` (sliding window of ``w`` blocks, see
         :func:`kvcore.sliding_window_blocks`): the longest prefix whose last
-        ``w`` blocks are cached (all of it when shorter than ``w``); blocks
-        before those are not needed. Without caching: always 0.
+        ``w`` blocks are cached (all of it when shorter than ``w``). Without
+        caching: always 0.
         """
-        hashes = _check_hashes(hashes)
+        hashes = check_hashes(hashes)
         group_id = non_negative_int("group_id", group_id)
-        if window is not None:
-            window = positive_int("window (blocks)", window)
-        cache = self._caches.get(group_id)
-        if not self._caching or not cache:
+        return self._cache.hit_range(hashes, group_id, check_window(window))[1]
+
+    def find_common_prefix(
+        self, groups: Mapping[int, tuple[Sequence[bytes], int, int | None]], *, max_tokens: int | None = None
+    ) -> int:
+        """Tokens of the longest prefix that every listed group hits; changes nothing.
+
+        ``groups[group_id] = (hashes, block_size, window)`` for each group that
+        caches (a hybrid model's full and sliding-window groups; a model with
+        a state group has no hit unless its engine caches states exactly).
+        ``max_tokens`` caps the hit (say, one less than the prompt, so a step
+        still computes the last token). The answer is a multiple of every
+        block size; then call :meth:`get_cached_blocks` per group with
+        ``hashes[: tokens // block_size]``.
+        """
+        if not groups:
             return 0
-        if window is None:
-            n = 0
-            for h in hashes:
-                if h not in cache:
-                    break
-                n += 1
-            return n
-        run = 0
-        for i in range(len(hashes) - 1, -1, -1):
-            if hashes[i] in cache:
-                run += 1
-                if run == window:
-                    return i + window
-            else:
-                run = 0
-        return run  # the leading blocks are all cached but fewer than the window
+        checked = []
+        for group_id, (hashes, block_size, window) in groups.items():
+            checked.append((non_negative_int("group_id", group_id), check_hashes(hashes),
+                            positive_int("block_size", block_size), check_window(window)))  # fmt: skip
+        limit = min(len(h) * bs for _, h, bs, _ in checked)
+        if max_tokens is not None:
+            limit = min(limit, non_negative_int("max_tokens", max_tokens))
+        return self._cache.common_prefix(checked, limit)
 
     def get_cached_blocks(
         self, hashes: Sequence[bytes], *, group_id: int = 0, window: int | None = None
@@ -266,38 +247,38 @@ class BlockPool:
         """The blocks of the longest cached prefix of ``hashes``; each gains a reference.
 
         The prefix is the one :meth:`find_cached_prefix` measures. With a
-        ``window``, positions before the window's blocks hold
-        ``NULL_BLOCK_ID`` (0): they take no reference; leave them out of
-        :meth:`free`. Hit blocks are shared, never new: they are not reported
-        by :meth:`take_new_blocks` and must not be zeroed or written.
+        ``window``, the positions before the window hold ``NULL_BLOCK_ID`` (0),
+        take no reference and must be left out of :meth:`free`. Hits are
+        shared, not new: never reported by :meth:`take_new_blocks`, never to be
+        zeroed or written.
         """
-        n = self.find_cached_prefix(hashes, group_id=group_id, window=window)
-        if n == 0:
+        hashes = check_hashes(hashes)
+        group_id = non_negative_int("group_id", group_id)
+        start, end = self._cache.hit_range(hashes, group_id, check_window(window))
+        if end == 0:
             return []
-        cache, refs, evictable = self._caches[group_id], self._refs, self._evictable
-        start = 0 if window is None else max(0, n - window)
-        ids = [NULL_BLOCK_ID] * start
-        for h in hashes[start:n]:
-            block_id = cache[h]
+        ids = self._cache.blocks(hashes[start:end], group_id)
+        refs, evictable = self._refs, self._cache.evictable
+        for block_id in ids:
             if refs[block_id] == 0:
                 del evictable[block_id]
             refs[block_id] += 1
-            ids.append(block_id)
-        return ids
+        return [NULL_BLOCK_ID] * start + ids
 
     def cache_blocks(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, group_id: int = 0) -> None:
-        """Record held, full, written blocks under their hashes: ``hashes[i]`` is ``block_ids[i]``'s.
+        """Record held, full blocks under their hashes: ``hashes[i]`` is ``block_ids[i]``'s.
 
-        A block already cached under the same key is left as it is (callers
-        may re-cache a request's whole prefix every step). A hash the group
-        already caches in another block keeps that block; this block stays
-        uncached. Refused, pool unchanged: caching off, lists of different
-        lengths (a partial block has no hash), ids not allocated or repeated,
-        a block cached under another hash or group.
+        Call it once a block is full and its contents are (or, within the same
+        step, will be) written. A block already cached under the same key is
+        left as it is, so a request's whole prefix may be re-cached each step;
+        a hash the group already caches keeps its first block and this one
+        stays uncached. Refused, pool unchanged: caching off, lists of
+        different lengths (a partial block has no hash), ids not allocated or
+        repeated, a block cached under another hash or group.
         """
         if not self._caching:
             raise ValueError("this BlockPool was built without prefix caching; pass enable_caching=True")
-        hashes = _check_hashes(hashes)
+        hashes = check_hashes(hashes)
         ids = [as_int("block id", b) for b in block_ids]
         group_id = non_negative_int("group_id", group_id)
         if len(hashes) != len(ids):
@@ -312,19 +293,16 @@ class BlockPool:
             if self._refs[block_id] == 0:
                 raise ValueError(
                     f"block {block_id} is not allocated; cache only blocks you hold, "
-                    "after their contents are written"
+                    "once their contents are written"
                 )
-            key = self._key_of.get(block_id)
+            key = self._cache.key_of(block_id)
             if key is not None and key != (group_id, h):
                 raise ValueError(
                     f"block {block_id} is already cached under another hash (group {key[0]}); "
                     "a block's contents are fixed once it is full: cache each block once"
                 )
-        cache = self._caches.setdefault(group_id, {})
         for h, block_id in zip(hashes, ids):
-            if h not in cache:
-                cache[h] = block_id
-                self._key_of[block_id] = (group_id, h)
+            self._cache.add(group_id, h, block_id)
 
     def take_new_blocks(self) -> list[int]:
         """Ids handed out by ``allocate`` since the last call and still held, each once.
@@ -339,11 +317,6 @@ class BlockPool:
             for b in out:
                 pending[b] = 0
         return out
-
-    def _uncache(self, block_id: int) -> None:
-        key = self._key_of.pop(block_id, None)
-        if key is not None:
-            del self._caches[key[0]][key[1]]
 
     def _check_id(self, block_id: int) -> int:
         block_id = as_int("block id", block_id)
@@ -360,5 +333,5 @@ class BlockPool:
         return block_id
 
     def __repr__(self) -> str:
-        cached = f", cached={len(self._key_of)}" if self._caching else ""
+        cached = f", cached={len(self._cache)}" if self._caching else ""
         return f"BlockPool(num_blocks={self._num_blocks}, free={self.num_free_blocks}{cached})"
