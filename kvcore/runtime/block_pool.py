@@ -288,14 +288,16 @@ class BlockPool:
             )
         if len(set(ids)) != len(ids):
             raise ValueError(f"cache_blocks got a block id twice in {ids}; list each block once")
+        refs, keys, num_blocks = self._refs, self._cache.keys, self._num_blocks
         for h, block_id in zip(hashes, ids):
-            self._check_id(block_id)
-            if self._refs[block_id] == 0:
+            if not 0 < block_id < num_blocks:
+                self._check_id(block_id)  # raises
+            if refs[block_id] == 0:
                 raise ValueError(
                     f"block {block_id} is not allocated; cache only blocks you hold, "
                     "once their contents are written"
                 )
-            key = self._cache.key_of(block_id)
+            key = keys.get(block_id)
             if key is not None and key != (group_id, h):
                 raise ValueError(
                     f"block {block_id} is already cached under another hash (group {key[0]}); "
