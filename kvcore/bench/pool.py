@@ -57,6 +57,8 @@ def _round(off: BlockPool, on: BlockPool, hashes: list[list[bytes]], tokens: lis
     t["free_evictable"] = _time(lambda: [on.free(ids[::-1]) for ids in held])
     hits: list[list[int]] = []
     t["hit"] = _time(lambda: [hits.append(on.get_cached_blocks(h)) for h in hashes])
+    if sum(map(len, hits)) != k * n:
+        raise RuntimeError(f"the benchmark's cached prefixes hit {sum(map(len, hits))} of {k * n} blocks")
     for ids in hits:
         on.free(ids)
     evicted: list[list[int]] = []
@@ -97,18 +99,26 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
     return rows
 
 
+def _count(text: str) -> int:
+    """argparse type: an integer of at least 1 (argparse names the option on refusal)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=int, default=64, help="requests per round (default 64)")
-    parser.add_argument("--blocks", type=int, default=32, help="blocks per request (default 32)")
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block, for hashing (default 16)")
-    parser.add_argument("--repeat", type=int, default=50, help="timed rounds (default 50)")
+    parser.add_argument("--requests", type=_count, default=64, help="requests per round (default 64)")
+    parser.add_argument("--blocks", type=_count, default=32, help="blocks per request (default 32)")
+    parser.add_argument("--block-size", type=_count, default=16, help="tokens per block, for hashing (default 16)")
+    parser.add_argument("--repeat", type=_count, default=50, help="timed rounds (default 50)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
-    for name in ("requests", "blocks", "block_size", "repeat"):
-        if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     rows = measure(args.requests, args.blocks, args.block_size, args.repeat)
     if args.json:
         print(json.dumps({"requests": args.requests, "blocks_per_request": args.blocks,
