@@ -11,7 +11,6 @@ hashes, generated tokens included.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -31,7 +30,6 @@ class PrefixCache:
             raise ValueError("prefix caching needs a BlockPool built with enable_caching=True")
         self.pool = pool
         self.groups = groups
-        self.lcm = math.lcm(*(g.block_size for g in groups))
         self.windows = [
             None if g.sliding_window is None else sliding_window_blocks(g.sliding_window, g.block_size)
             for g in groups
@@ -51,17 +49,12 @@ class PrefixCache:
     def admit(self, request: Request, tables: list[np.ndarray]) -> None:
         """Start ``request`` at its longest cached prefix: shared blocks, no prefill for them."""
         groups, pool = self.groups, self.pool
-        tokens = (request.num_tokens - 1) // self.lcm * self.lcm
-        hashes = [self._hashes(request, g.block_size, tokens // g.block_size) for g in groups]
-        while tokens > 0:
-            found = min(
-                pool.find_cached_prefix(h[: tokens // g.block_size], group_id=i, window=self.windows[i]) * g.block_size
-                for i, (g, h) in enumerate(zip(groups, hashes))
-            )
-            found = found // self.lcm * self.lcm
-            if found == tokens:
-                break
-            tokens = found
+        limit = request.num_tokens - 1
+        hashes = [self._hashes(request, g.block_size, limit // g.block_size) for g in groups]
+        tokens = pool.find_common_prefix(
+            {i: (h, g.block_size, self.windows[i]) for i, (g, h) in enumerate(zip(groups, hashes))},
+            max_tokens=limit,
+        )
         if tokens == 0:
             return
         for i, (g, h) in enumerate(zip(groups, hashes)):
