@@ -302,3 +302,5 @@ def test_common_prefix_of_a_hybrid_model_agrees_across_groups():
     assert pool.get_cached_blocks(window[:2], group_id=1, window=1) == [0, b[1]]
     with pytest.raises(ValueError, match="block_size"):
         pool.find_common_prefix({0: (full, 0, None)})
+    with pytest.raises(TypeError, match=r"groups\[1\] must be \(hashes, block_size, window\)"):
+        pool.find_common_prefix({0: (full, 4, None), 1: (window, 2)})

@@ -233,7 +233,13 @@ class BlockPool:
         if not groups:
             return 0
         checked = []
-        for group_id, (hashes, block_size, window) in groups.items():
+        for group_id, entry in groups.items():
+            if not isinstance(entry, (tuple, list)) or len(entry) != 3:
+                raise TypeError(
+                    f"groups[{group_id!r}] must be (hashes, block_size, window), got {entry!r}; "
+                    "window is None for full attention"
+                )
+            hashes, block_size, window = entry
             checked.append((non_negative_int("group_id", group_id), check_hashes(hashes),
                             positive_int("block_size", block_size), check_window(window)))  # fmt: skip
         limit = min(len(h) * bs for _, h, bs, _ in checked)
