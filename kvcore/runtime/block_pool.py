@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from kvcore._validate import as_int, non_negative_int, positive_int
 from kvcore.errors import OutOfBlocksError
-from kvcore.runtime.prefix_cache import PrefixCache, check_hashes, check_window
+from kvcore.runtime.prefix_cache import PrefixCache, check_groups, check_hashes, check_window
 
 NULL_BLOCK_ID = 0
 
@@ -230,18 +230,9 @@ class BlockPool:
         block size; then call :meth:`get_cached_blocks` per group with
         ``hashes[: tokens // block_size]``.
         """
-        if not groups:
+        checked = check_groups(groups)
+        if not checked:
             return 0
-        checked = []
-        for group_id, entry in groups.items():
-            if not isinstance(entry, (tuple, list)) or len(entry) != 3:
-                raise TypeError(
-                    f"groups[{group_id!r}] must be (hashes, block_size, window), got {entry!r}; "
-                    "window is None for full attention"
-                )
-            hashes, block_size, window = entry
-            checked.append((non_negative_int("group_id", group_id), check_hashes(hashes),
-                            positive_int("block_size", block_size), check_window(window)))  # fmt: skip
         limit = min(len(h) * bs for _, h, bs, _ in checked)
         if max_tokens is not None:
             limit = min(limit, non_negative_int("max_tokens", max_tokens))

@@ -16,9 +16,12 @@ per block. Which blocks a group may cache is the engine's choice:
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
-from kvcore._validate import positive_int
+from kvcore._validate import non_negative_int, positive_int
+
+#: ``(group_id, hashes, block_size, window)`` of one KV cache group in a hit lookup.
+GroupQuery = tuple[int, list[bytes], int, "int | None"]
 
 
 def check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
@@ -37,6 +40,21 @@ def check_hashes(hashes: Sequence[bytes]) -> list[bytes]:
 
 def check_window(window: int | None) -> int | None:
     return None if window is None else positive_int("window (blocks)", window)
+
+
+def check_groups(groups: Mapping[int, tuple[Sequence[bytes], int, int | None]]) -> list[GroupQuery]:
+    """``{group_id: (hashes, block_size, window)}`` checked, as a list of :data:`GroupQuery`."""
+    checked = []
+    for group_id, entry in groups.items():
+        if not isinstance(entry, (tuple, list)) or len(entry) != 3:
+            raise TypeError(
+                f"groups[{group_id!r}] must be (hashes, block_size, window), got {entry!r}; "
+                "window is None for full attention"
+            )
+        hashes, block_size, window = entry
+        checked.append((non_negative_int("group_id", group_id), check_hashes(hashes),
+                        positive_int("block_size", block_size), check_window(window)))  # fmt: skip
+    return checked
 
 
 class PrefixCache:
@@ -75,7 +93,7 @@ class PrefixCache:
                 run = 0
         return 0, run  # the leading blocks are all cached, fewer than the window
 
-    def common_prefix(self, groups: list[tuple[int, list[bytes], int, int | None]], limit: int) -> int:
+    def common_prefix(self, groups: list[GroupQuery], limit: int) -> int:
         """Longest prefix, at most ``limit`` tokens, that every ``(group_id, hashes, block_size, window)`` hits."""
         changed = True
         while changed and limit:  # NOTE: a sliding window's hit may shrink; repeat until all agree
