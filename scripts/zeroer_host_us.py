@@ -98,7 +98,7 @@ def _old_path(zeroer: KVBlockZeroer):
         values = torch.tensor(ids, dtype=torch.int64)
         dev = buf[: len(ids)]
         dev.copy_(values.pin_memory(), non_blocking=True)
-        zero_kernel.launch_zero_blocks(alloc.base, dev, zeroer.num_blocks, *alloc.tables[0], alloc.vec_bytes // 4, programs)
+        zero_kernel.launch_table(alloc.base, dev, zeroer.num_blocks, alloc.tables[0], alloc.vec_bytes // 4, programs)
 
     return call
 

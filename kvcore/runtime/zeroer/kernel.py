@@ -1,4 +1,4 @@
-"""The Triton kernel that zeroes listed blocks, and its validating launcher.
+"""The Triton kernel that zeroes listed blocks, its validating launcher and the hot-path launcher.
 
 All offsets are in *vectors* of ``vec`` int32 words (4, 8 or 16 bytes) relative
 to one base tensor spanning a whole allocation, so the kernel never builds a
@@ -31,9 +31,7 @@ def _zero_blocks_kernel(
     ids_offset,
     num_ids,
     num_blocks,
-    chunk_start_ptr,  # int64 [num_chunks]: chunk start, in vectors
-    chunk_stride_ptr,  # int64 [num_chunks]: manager block stride, in vectors
-    chunk_len_ptr,  # int64 [num_chunks]: chunk length, in vectors
+    table_ptr,  # int64 [3, num_chunks]: chunk start, manager block stride, chunk length (in vectors)
     num_chunks,
     VEC: tl.constexpr,
     ROWS: tl.constexpr,
@@ -51,8 +49,8 @@ def _zero_blocks_kernel(
         block = tl.load(ids_ptr + ids_offset + which).to(tl.int64)
         # NOTE: ids outside [0, num_blocks) store nothing: never out of bounds.
         valid = (block >= 0) & (block < num_blocks)
-        length = tl.where(valid, tl.load(chunk_len_ptr + chunk), 0)
-        start = tl.load(chunk_start_ptr + chunk) + block * tl.load(chunk_stride_ptr + chunk)
+        length = tl.where(valid, tl.load(table_ptr + 2 * num_chunks + chunk), 0)
+        start = tl.load(table_ptr + chunk) + block * tl.load(table_ptr + num_chunks + chunk)
         for step in range(0, length, ROWS):
             row = step + rows
             # Offsets are whole vectors (start * VEC), so stores can be VEC words wide.
@@ -69,6 +67,17 @@ def max_programs(device: torch.device) -> int:
 @functools.lru_cache(maxsize=None)
 def _multiprocessors(index: int | None) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def chunk_table(chunk_start: torch.Tensor, chunk_stride: torch.Tensor, chunk_len: torch.Tensor) -> torch.Tensor:
+    """The kernel's ``[3, num_chunks]`` int64 table from its three columns (checked)."""
+    num_chunks = chunk_start.numel()
+    for t in (chunk_start, chunk_stride, chunk_len):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.int64 or t.dim() != 1 or t.numel() != num_chunks:
+            raise ValueError("chunk tables must be 1-D int64 tensors of one length")
+        if t.device != chunk_start.device:
+            raise ValueError(f"all tensors must live on {chunk_start.device}, got one on {t.device}")
+    return torch.stack([chunk_start, chunk_stride, chunk_len]).contiguous()
 
 
 def launch_zero_blocks(
@@ -90,6 +99,12 @@ def launch_zero_blocks(
     kernel skips ids outside ``[0, num_blocks)``). ``programs`` caps the grid.
     Returns what the Triton launch returns (the compiled kernel on GPUs).
     """
+    table = chunk_table(chunk_start, chunk_stride, chunk_len)
+    return launch_table(base, ids, num_blocks, table, vec, programs, ids_offset=ids_offset, num_ids=num_ids)
+
+
+def launch_table(base, ids, num_blocks, table, vec, programs, *, ids_offset=0, num_ids=None):
+    """:func:`launch_zero_blocks` with the chunk table already stacked ``[3, num_chunks]``."""
     if base.dtype != torch.int32 or base.dim() != 1 or not base.is_contiguous():
         raise ValueError(f"base must be a contiguous 1-D int32 tensor, got {base.dtype} {tuple(base.shape)}")
     if vec not in (1, 2, 4):
@@ -101,73 +116,78 @@ def launch_zero_blocks(
     num_ids = ids.numel() - ids_offset if num_ids is None else num_ids
     if ids_offset < 0 or num_ids < 0 or ids_offset + num_ids > ids.numel():
         raise ValueError(f"ids[{ids_offset}:{ids_offset + num_ids}] is outside the {ids.numel()} ids given")
-    table = (chunk_start, chunk_stride, chunk_len)
-    num_chunks = chunk_start.numel()
-    for t in table:
-        if t.dtype != torch.int64 or t.dim() != 1 or t.numel() != num_chunks:
-            raise ValueError("chunk tables must be 1-D int64 tensors of one length")
-    for t in (*table,):
-        if t.device != base.device:
-            raise ValueError(f"all tensors must live on {base.device}, got one on {t.device}")
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[0] != 3 or not table.is_contiguous():
+        raise ValueError(f"the chunk table must be a contiguous [3, chunks] int64 tensor, got {tuple(table.shape)}")
+    if table.device != base.device:
+        raise ValueError(f"all tensors must live on {base.device}, got one on {table.device}")
     if ids.device != base.device and not (ids.is_pinned() and base.device.type == "cuda"):
         raise ValueError(f"ids must live on {base.device} (or in pinned host memory), got {ids.device}")
+    num_chunks = table.shape[1]
     if num_chunks == 0:
         return None
     grid = (max(1, min(programs, num_ids * num_chunks)),)
     return _zero_blocks_kernel[grid](
-        base, ids, ids_offset, num_ids, num_blocks, chunk_start, chunk_stride, chunk_len, num_chunks,
-        VEC=vec, ROWS=ROWS, num_warps=NUM_WARPS,
+        base, ids, ids_offset, num_ids, num_blocks, table, num_chunks, VEC=vec, ROWS=ROWS, num_warps=NUM_WARPS,
     )
+
+
+def _launch_hooks():
+    """Triton's launch hooks (profilers set them), read on every direct launch."""
+    knobs = getattr(triton, "knobs", None)
+    runtime = getattr(knobs, "runtime", None)
+    if runtime is None:
+        return lambda: (None, None)
+    return lambda: (runtime.launch_enter_hook, runtime.launch_exit_hook)
 
 
 class ZeroLauncher:
     """Launches over one allocation's chunk tables, which are checked once, when built.
 
     ``launch`` trusts its tables and takes ids its caller has checked (a
-    contiguous 1-D int32/int64 tensor). The first launch of each argument
-    specialization (table, ids dtype, ids 16-byte alignment) goes through the
-    validating launcher and Triton's JIT; later ones call the compiled kernel
-    directly, skipping the JIT's per-call argument binding.
+    contiguous 1-D int32/int64 tensor, or pinned host memory). The first
+    launch of each argument specialization (table, ids dtype, ids 16-byte
+    alignment) goes through the validating launcher and Triton's JIT; later
+    ones call the compiled kernel directly, skipping the JIT's per-call
+    argument binding (the compiled kernel's own launcher, or its ``run`` with
+    the same arguments when no launch hook is set).
     """
 
-    def __init__(self, base: torch.Tensor, tables: list[tuple[torch.Tensor, ...]], num_blocks: int,
-                 vec: int, programs: int) -> None:
+    def __init__(self, base: torch.Tensor, tables: list[torch.Tensor], num_blocks: int, vec: int, programs: int) -> None:
         self.base, self.tables, self.num_blocks = base, tables, num_blocks
         self.vec, self.programs = vec, programs
         self._compiled: dict[tuple, object] = {}
-        self._runners: dict[tuple, object] = {}
+        self._hooks = _launch_hooks()
         #: Why direct launches of the compiled kernel were given up (None while they work).
         self.direct_launch_error: str | None = None
 
-    def table_for(self, num_ids: int) -> tuple[torch.Tensor, ...]:
+    def table_for(self, num_ids: int) -> torch.Tensor:
         """Coarse chunks when they fill the grid, else the finest (few ids still use every SM)."""
         coarse = self.tables[0]
-        return coarse if num_ids * coarse[0].numel() >= self.programs else self.tables[-1]
+        return coarse if num_ids * coarse.shape[1] >= self.programs else self.tables[-1]
 
     def launch(self, ids: torch.Tensor, ids_offset: int, num_ids: int, stream: int | None) -> None:
         table = self.table_for(num_ids)
-        start, stride, length = table
-        num_chunks = start.numel()
+        num_chunks = table.shape[1]
         if num_chunks == 0 or num_ids == 0:
             return
-        key = (id(start), ids.data_ptr() % 16 == 0, ids.dtype)
+        key = (id(table), ids.data_ptr() % 16 == 0, ids.dtype)
         compiled = self._compiled.get(key)
         if compiled is not None and stream is not None:
             grid = min(self.programs, num_ids * num_chunks)
-            runner = self._runners.get((key, grid))
-            if runner is None:
-                runner = self._runners[key, grid] = compiled[(grid, 1, 1)]
+            args = (self.base, ids, ids_offset, num_ids, self.num_blocks, table, num_chunks, self.vec, ROWS)
             try:
-                runner(
-                    self.base, ids, ids_offset, num_ids, self.num_blocks, start, stride, length, num_chunks,
-                    self.vec, ROWS, stream=stream,
-                )
+                enter, leave = self._hooks()
+                if enter is None and leave is None:
+                    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+                else:
+                    compiled[(grid, 1, 1)](*args, stream=stream)
                 return
             except Exception as exc:  # NOTE: a Triton whose compiled-kernel call differs: keep the JIT path
                 self.direct_launch_error = f"{type(exc).__name__}: {exc}"
                 self._compiled = dict.fromkeys(self._compiled)
-        result = launch_zero_blocks(
-            self.base, ids, self.num_blocks, *table, self.vec, self.programs, ids_offset=ids_offset, num_ids=num_ids
+        result = launch_table(
+            self.base, ids, self.num_blocks, table, self.vec, self.programs, ids_offset=ids_offset, num_ids=num_ids
         )
         if key not in self._compiled and callable(getattr(result, "__getitem__", None)):
+            result[(1, 1, 1)]  # NOTE: loads the module and function handles that run needs
             self._compiled[key] = result

@@ -12,6 +12,10 @@ stream, and entering a part waits for the event recorded when it was last left
 (a wait that only blocks when the device runs a whole ring behind the host).
 A change of stream ends the part on the old stream first. Host ids are never
 staged during CUDA graph capture (they would be baked into the graph).
+
+The copy is one ``cuMemcpyHtoDAsync`` through the CUDA driver (a few
+microseconds of host time less than ``Tensor.copy_``); where the driver
+library cannot be loaded or refuses the call, ``Tensor.copy_`` does it.
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ SLOTS, PARTS = 256, 4
 MODES = ("copy", "mapped")
 
 
+def _driver_copy():
+    """``cuMemcpyHtoDAsync(dst, src, nbytes, stream) -> CUresult``, or None without the driver library."""
+    try:
+        fn = ctypes.CDLL("libcuda.so.1").cuMemcpyHtoDAsync_v2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
 class HostIdStaging:
     """The ring of one zeroer; ``stage(ids)`` returns ``(buffer, offset)`` for the kernel."""
 
@@ -42,6 +57,8 @@ class HostIdStaging:
         self.buffer = self.mirror if mode == "copy" else self.pinned
         self._pinned_slots = list(self.pinned.split(SLOT))
         self._mirror_slots = list(self.mirror.split(SLOT)) if self.mirror is not None else []
+        self._mirror_address = self.mirror.data_ptr() if self.mirror is not None else 0
+        self._driver_copy = _driver_copy() if self.mirror is not None else None
         self._slots_per_part = SLOTS // PARTS
         self._events = [torch.cuda.Event() for _ in range(PARTS)]
         self._recorded = [False] * PARTS
@@ -72,12 +89,23 @@ class HostIdStaging:
             packed = array("q", ids)
             ctypes.memmove(self._host_address + 8 * offset, packed.buffer_info()[0], 8 * n)
         if self.mirror is not None:
-            if slots == 1:
-                self._mirror_slots[first].copy_(self._pinned_slots[first], non_blocking=True)
-            else:
-                span = slots * SLOT
-                self.mirror[offset : offset + span].copy_(self.pinned[offset : offset + span], non_blocking=True)
+            self._copy(first, slots, stream_id)
         return offset
+
+    def _copy(self, first: int, slots: int, stream_id: int) -> None:
+        """Enqueue the copy of ring slots ``first : first + slots`` to the device mirror."""
+        offset, nbytes = first * SLOT, slots * SLOT * 8
+        if self._driver_copy is not None:
+            status = self._driver_copy(self._mirror_address + 8 * offset, self._host_address + 8 * offset, nbytes,
+                                       stream_id)
+            if status == 0:
+                return
+            self._driver_copy = None  # NOTE: e.g. no current context on this thread: torch copies from now on
+        if slots == 1:
+            self._mirror_slots[first].copy_(self._pinned_slots[first], non_blocking=True)
+        else:
+            span = slots * SLOT
+            self.mirror[offset : offset + span].copy_(self.pinned[offset : offset + span], non_blocking=True)
 
     def _enter_part(self, part: int) -> None:
         """Close the current part (event on the stream in use) and wait until ``part`` is free."""
@@ -87,6 +115,17 @@ class HostIdStaging:
             # NOTE: blocks only while the device still runs the launches of a whole ring ago.
             self._events[part].synchronize()
         self._part, self._slot = part, part * self._slots_per_part
+
+    def __del__(self) -> None:
+        # NOTE: the pinned ring goes back to torch's host allocator, which knows nothing of the
+        # driver copies still queued from it: wait for them once, here, never on the hot path.
+        stream = getattr(self, "_stream", None)
+        if stream is not None:
+            try:
+                self._events[self._part].record(stream)
+                self._events[self._part].synchronize()
+            except Exception:  # noqa: BLE001 - interpreter shutdown: CUDA may be gone already
+                pass
 
     def _change_stream(self, stream_id: int) -> None:
         if self._stream is not None:

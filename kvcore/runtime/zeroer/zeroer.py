@@ -60,17 +60,16 @@ class _Allocation:
         self.segments = segments
         self.vec_bytes = vector_bytes(segments, storage.data_ptr())
         width = self.vec_bytes
+        #: Per chunk size, the kernel's [3, chunks] table: start, block stride, length (in vectors).
         self.tables = []
         for chunk_bytes in (CHUNK_BYTES, FINE_CHUNK_BYTES):
             chunks = chunk_segments(segments, chunk_bytes)
-            self.tables.append(tuple(
-                torch.tensor(values, dtype=torch.int64, device=device)
-                for values in (
-                    [c.offset // width for c in chunks],
-                    [c.block_stride // width for c in chunks],
-                    [c.page // width for c in chunks],
-                )
-            ))
+            columns = [
+                [c.offset // width for c in chunks],
+                [c.block_stride // width for c in chunks],
+                [c.page // width for c in chunks],
+            ]
+            self.tables.append(torch.tensor(columns, dtype=torch.int64, device=device).reshape(3, len(chunks)))
 
 
 class KVBlockZeroer:
@@ -270,9 +269,7 @@ class KVBlockZeroer:
             kernel = _kernel_module()
             empty = self.block_id_buffer(1)[:0]
             for alloc in self._allocations:
-                kernel.launch_zero_blocks(
-                    alloc.base, empty, self.num_blocks, *alloc.tables[0], alloc.vec_bytes // 4, 1
-                )
+                kernel.launch_table(alloc.base, empty, self.num_blocks, alloc.tables[0], alloc.vec_bytes // 4, 1)
 
 
 def _checked_view(name: Any, entry: Any, num_blocks: int) -> tuple[torch.Tensor, int]:
