@@ -1,6 +1,11 @@
-"""Lay out a small KV cache by hand in every layout; print the strides and one layer's view.
+"""Lay out a small KV cache by hand in every layout; print its strides and one layer's view.
 
 Run: python examples/quickstart.py
+
+The cache is logically [L, B, H, N, C]: 4 layers, 32 blocks, 8 KV heads, 16
+tokens per block, 256 values per (head, token) (K then V, 128 each, bf16). A
+layout only changes the order in memory, so each dimension's stride (how far
+apart two neighbours are) changes with it.
 """
 
 import torch
@@ -18,6 +23,11 @@ from kvcore import (
 spec = FullAttentionSpec(16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
 layers = [f"model.layers.{i}.attn" for i in range(4)]
 num_blocks = 32
+DIMS = ("layer", "block", "head", "token", "value")
+dtype = str(spec.dtype).removeprefix("torch.")
+print(f"{len(layers)} layers x {num_blocks} blocks x {spec.num_kv_heads} heads x {spec.block_size} tokens "
+      f"x {2 * spec.head_size} values (K then V, {dtype})")
+print(f"one block of one layer: {spec.page_size_bytes:,} bytes")
 for layout in KVCacheLayout:
     strides = compute_layout_strides(spec, num_blocks, len(layers), layout)
     tensor = KVCacheTensor(
@@ -29,7 +39,9 @@ for layout in KVCacheLayout:
     config = KVCacheConfig(num_blocks, [tensor], [KVCacheGroupSpec(layers, spec)], layout)
     views = allocate_kv_cache(config, "cpu")
     view = views[layers[1]]
-    print(
-        f"{layout.name}: byte strides [L,B,H,N,C]={strides}  "
-        f"layer view {tuple(view.shape)} {view.dtype} strides={view.stride()}"
-    )
+    order = ", ".join(DIMS["LBHNC".index(d)] for d in layout.name)
+    print(f"\n{layout.name}: in memory, outermost first: {order}")
+    print("  bytes to the next " + ", ".join(f"{d}: {s:,}" for d, s in zip(DIMS, strides)))
+    shape = " x ".join(str(n) for n in view.shape)
+    print(f"  layer 1 sees a [block, head, token, value] view of {shape} {dtype} elements;")
+    print("  elements to the next " + ", ".join(f"{d}: {s:,}" for d, s in zip(DIMS[1:], view.stride())))

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import ast
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 import kvcore
+import kvcore.bench
 from kvcore.cli import _COMMANDS, build_parser, main
 from kvcore.models import load_model, preset_names
 
@@ -106,3 +109,12 @@ def test_a_value_error_is_printed_as_a_kvcore_error(capsys):
     assert main(["plan", "llama-3-8b", "--memory", "1KiB"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("kvcore plan: error: ") and "Traceback" not in err
+
+
+def test_benchmarks_never_import_the_command_line():
+    """Imports point down the package: kvcore.bench sits below kvcore.cli (issue #13)."""
+    for path in Path(kvcore.bench.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+            assert not any(n == "kvcore.cli" or n.startswith("kvcore.cli.") for n in names), path.name

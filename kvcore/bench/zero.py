@@ -25,18 +25,12 @@ from kvcore.bench._timing import Timer, empty_launch, find_memset
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.memory.views import allocate_kv_cache
-from kvcore.plugins.backend import AttentionBackend
-from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.runtime.zeroer import kernel as zero_kernel
 from kvcore.runtime.zeroer import zeroer as zero_module
 from kvcore.specs import FullAttentionSpec
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-class _BenchBackend(AttentionBackend):
-    name = "bench"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -81,8 +75,7 @@ def _model(args: argparse.Namespace, layout: KVCacheLayout, device: torch.device
     tensor = KVCacheTensor(pool * len(layers) * spec.page_size_bytes, layers, strides[0], strides[1])
     config = KVCacheConfig(pool, [tensor], [KVCacheGroupSpec(layers, spec)], layout)
     kv = allocate_kv_cache(config, device)
-    group = AttentionGroup(_BenchBackend, layers, spec, 0)
-    zeroer = KVBlockZeroer(device, [group], [spec.block_size], kv, pool)
+    zeroer = KVBlockZeroer.from_views(device, {name: (kv[name], 1) for name in layers}, pool)
     zeroer.warmup(1)
     raw = torch.empty(0, dtype=torch.uint8, device=device).set_(kv[layers[0]].untyped_storage())
     return pool, kv, zeroer, raw

@@ -19,7 +19,7 @@ from kvcore import __version__
 _COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvcore.cli.plan", "plan a model's KV cache for a memory budget"),
     "models": ("kvcore.cli.models", "list the model presets that kvcore plan knows"),
-    "plugins": ("kvcore.cli.plugins", "list installed kvcore plugins, their hooks and backends"),
+    "plugins": ("kvcore.cli.plugins", "list and health-check installed kvcore plugins"),
     "bench": ("kvcore.cli.bench", "run a micro-benchmark"),
 }
 _EPILOG = "Run 'kvcore COMMAND --help' for the options of one command."

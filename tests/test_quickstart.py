@@ -1,0 +1,35 @@
+"""examples/quickstart.py says what each stride it prints is, and the numbers are the layout's."""
+
+from __future__ import annotations
+
+import re
+import runpy
+from pathlib import Path
+
+import torch
+
+from kvcore import FullAttentionSpec, KVCacheLayout, compute_layout_strides
+
+SCRIPT = Path(__file__).resolve().parents[1] / "examples" / "quickstart.py"
+
+
+def _numbers(line: str) -> dict[str, int]:
+    return {k: int(v.replace(",", "")) for k, v in re.findall(r"(\w+): ([0-9,]+)", line)}
+
+
+def test_quickstart_names_every_stride(capsys):
+    runpy.run_path(str(SCRIPT), run_name="__main__")
+    out = capsys.readouterr().out
+    spec = FullAttentionSpec(16, num_kv_heads=8, head_size=128, dtype=torch.bfloat16)
+    dims = ("layer", "block", "head", "token", "value")
+    for layout in KVCacheLayout:
+        section = out.split(f"\n{layout.name}: ")[1].split("\n\n")[0].splitlines()
+        order = [d.strip() for d in section[0].split("outermost first:")[1].split(",")]
+        assert order == [dims["LBHNC".index(c)] for c in layout.name]
+        byte_line = next(line for line in section if "bytes to the next" in line)
+        want = compute_layout_strides(spec, 32, 4, layout)
+        assert _numbers(byte_line) == dict(zip(dims, want))
+        element_line = next(line for line in section if "elements to the next" in line)
+        # Element strides of a layer's [B, H, N, C] view: its byte strides over 2 (bf16),
+        # values next to each other.
+        assert _numbers(element_line) == {**{d: s // 2 for d, s in zip(dims[1:4], want[1:4])}, "value": 1}
