@@ -118,3 +118,16 @@ def test_benchmarks_never_import_the_command_line():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
             assert not any(n == "kvcore.cli" or n.startswith("kvcore.cli.") for n in names), path.name
+
+
+def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
+    """``kvcore plan ... --json | head``: a closed pipe ends the command quietly."""
+    model = tmp_path / "deep.toml"
+    model.write_text('num_layers = 2000\n[types.a]\nkind = "full"\nnum_kv_heads = 1\n'
+                     'head_size = 8\ndtype = "float16"\n')
+    proc = subprocess.Popen([sys.executable, "-m", "kvcore", "plan", str(model), "--num-blocks", "4",
+                             "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(100).startswith(b"{")
+    proc.stdout.close()  # more than a pipe buffer is still to come
+    err = proc.stderr.read().decode()
+    assert proc.wait() == 1 and "Traceback" not in err and "BrokenPipe" not in err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 
@@ -82,11 +83,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     args = build_parser(argv).parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+        return code
     except (ValueError, TypeError) as exc:
         command = " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
         print(f"kvcore {command}: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:
+        # NOTE: the reader left (`kvcore plan ... | head`): not an error of ours;
+        # point stdout at devnull so Python's exit flush does not fail again.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
