@@ -19,3 +19,5 @@ echo "== host us per call"
 timeout 150 $PY scripts/zeroer_host_us.py --json-out "$OUT/host_us.json" 2>&1 | tail -40
 echo "== kvcore bench zero"
 timeout 200 $PY -m kvcore bench zero --json-out "$OUT/bench_zero.json" 2>&1 | tail -30
+echo "== Triton backend tests on CUDA"
+timeout 100 $PY -m pytest -q -rs -x -p no:cacheprovider plugins/kvcore-triton/tests/test_triton_backend.py 2>&1 | tee "$OUT/triton_tests.txt" | tail -8

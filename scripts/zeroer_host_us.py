@@ -128,6 +128,7 @@ def main() -> None:
                 launcher = zeroer._launchers[0]
                 row["direct_launches"] = any(v is not None for v in launcher._compiled.values())
                 row["direct_launch_error"] = launcher.direct_launch_error
+                row["driver_copy"] = zeroer._staging._driver_copy is not None
                 if n in (1, 64):
                     row.update(_parts(zeroer, ids, args.repeats))
                     row["list_device_us"] = device_us(lambda: zeroer.zero_block_ids(ids), 100)

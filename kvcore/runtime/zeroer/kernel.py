@@ -149,7 +149,10 @@ class ZeroLauncher:
     alignment) goes through the validating launcher and Triton's JIT; later
     ones call the compiled kernel directly, skipping the JIT's per-call
     argument binding (the compiled kernel's own launcher, or its ``run`` with
-    the same arguments when no launch hook is set).
+    the same arguments when no launch hook is set). Direct runs pass the
+    pointers as integer addresses, which Triton's launcher takes as they are
+    (no per-pointer driver query); a Triton that refuses them is detected on
+    the first direct launch and the JIT path serves from then on.
     """
 
     def __init__(self, base: torch.Tensor, tables: list[torch.Tensor], num_blocks: int, vec: int, programs: int) -> None:
@@ -157,6 +160,8 @@ class ZeroLauncher:
         self.vec, self.programs = vec, programs
         self._compiled: dict[tuple, object] = {}
         self._hooks = _launch_hooks()
+        self._base_address = base.data_ptr()
+        self._table_addresses = {id(t): t.data_ptr() for t in tables}
         #: Why direct launches of the compiled kernel were given up (None while they work).
         self.direct_launch_error: str | None = None
 
@@ -170,17 +175,24 @@ class ZeroLauncher:
         num_chunks = table.shape[1]
         if num_chunks == 0 or num_ids == 0:
             return
-        key = (id(table), ids.data_ptr() % 16 == 0, ids.dtype)
+        address = ids.data_ptr()
+        key = (id(table), address % 16 == 0, ids.dtype)
         compiled = self._compiled.get(key)
         if compiled is not None and stream is not None:
             grid = min(self.programs, num_ids * num_chunks)
-            args = (self.base, ids, ids_offset, num_ids, self.num_blocks, table, num_chunks, self.vec, ROWS)
             try:
                 enter, leave = self._hooks()
                 if enter is None and leave is None:
-                    compiled.run(grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None, *args)
+                    compiled.run(
+                        grid, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                        self._base_address, address, ids_offset, num_ids, self.num_blocks,
+                        self._table_addresses[id(table)], num_chunks, self.vec, ROWS,
+                    )
                 else:
-                    compiled[(grid, 1, 1)](*args, stream=stream)
+                    compiled[(grid, 1, 1)](
+                        self.base, ids, ids_offset, num_ids, self.num_blocks, table, num_chunks, self.vec, ROWS,
+                        stream=stream,
+                    )
                 return
             except Exception as exc:  # NOTE: a Triton whose compiled-kernel call differs: keep the JIT path
                 self.direct_launch_error = f"{type(exc).__name__}: {exc}"

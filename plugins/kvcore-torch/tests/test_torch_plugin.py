@@ -9,7 +9,7 @@ import torch
 
 from kvcore.plugins.block_sizes import select_common_block_size
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.plugins.manager import collect_backends
+from kvcore.plugins.registry import get_backend
 from kvcore.plugins import get_plugin_manager
 from kvcore.specs import FullAttentionSpec, MultipleOf
 from kvcore_torch import TorchAttentionBackend
@@ -29,8 +29,7 @@ def test_entry_point_is_declared():
 
 
 def test_manager_loads_the_backend(pm):
-    backends = collect_backends(pm)
-    assert backends["torch"][0] is TorchAttentionBackend
+    assert get_backend("torch", plugin_manager=pm) is TorchAttentionBackend
     assert pm.plugin_infos["torch"].status == "loaded"
 
 

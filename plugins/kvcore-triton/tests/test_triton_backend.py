@@ -164,7 +164,7 @@ def test_store_refuses_out_of_range_slots_and_writes_nothing():
     view, _ = build_cache("LBNHC", 16, 2, 2, 16, torch.float32)
     key, slots = torch.randn(2, 2, 16, device=DEVICE), torch.tensor([1, 32], device=DEVICE)
     with pytest.raises(ValueError, match="slot 32"):
-        write_kv(view, key, key, slots, 16)
+        write_kv(view, key, key, slots, 16, validate=True)
     assert torch.count_nonzero(view) == 0
     write_kv(view, key, key, slots, 16, validate=False)  # skipped, never out of bounds
     assert torch.count_nonzero(view) == 2 * 32

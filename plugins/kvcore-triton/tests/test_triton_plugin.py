@@ -12,7 +12,7 @@ from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.plugins.block_sizes import customize_attention_spec, select_common_block_size
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.plugins.manager import collect_backends
+from kvcore.plugins.registry import get_backend
 from kvcore.plugins import get_plugin_manager
 from kvcore.specs import FullAttentionSpec, MultipleOf
 from kvcore_triton import KernelConfig, TritonAttentionBackend
@@ -29,7 +29,7 @@ def pm():
 def test_entry_point_is_declared_and_loaded(pm):
     eps = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="kvcore.plugins")}
     assert eps.get("triton") == "kvcore_triton.plugin"
-    assert collect_backends(pm)["triton"][0] is TritonAttentionBackend
+    assert get_backend("triton", plugin_manager=pm) is TritonAttentionBackend
     assert pm.plugin_infos["triton"].status == "loaded"
 
 
