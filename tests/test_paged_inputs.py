@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from kvcore.plugins.paged_inputs import check_batch, check_cache_view, check_index, check_tokens
+from kvcore.plugins.paged_inputs import (
+    check_batch,
+    check_batch_shapes,
+    check_block_ids,
+    check_cache_view,
+    check_index,
+    check_tokens,
+)
 
 VIEW = torch.randn(4, 2, 16, 64)
 
@@ -39,3 +46,23 @@ def test_batch_offsets_must_cover_the_tokens():
         check_batch(torch.tensor([0, 3, 4]), torch.tensor([7, 9]), torch.zeros(2, 3, dtype=torch.int32), 5)
     with pytest.raises(ValueError, match="request 0 has 3 new tokens but seq_len 2"):
         check_batch(torch.tensor([0, 3, 4]), torch.tensor([2, 9]), torch.zeros(2, 3, dtype=torch.int32), 4)
+
+
+def test_batch_shapes_are_checked_without_reading_values():
+    table = torch.zeros(2, 3, dtype=torch.int32)
+    assert check_batch_shapes(torch.tensor([0, 3, 4]), torch.tensor([7, 9]), table) == 2
+    with pytest.raises(ValueError, match="query_start_loc of length 3"):
+        check_batch_shapes(torch.tensor([0, 3]), torch.tensor([7, 9]), table)
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        check_batch_shapes(torch.tensor([0, 3, 4]), torch.tensor([7, 9]), table[:1])
+    with pytest.raises(TypeError, match="block_table must be a 2-D"):
+        check_batch_shapes(torch.tensor([0, 3, 4]), torch.tensor([7, 9]), table.float())
+
+
+def test_block_ids_must_exist_and_cover_each_sequence():
+    table = torch.tensor([[3, 1, 9], [2, 0, 0]])
+    check_block_ids(table, [8, 4], block_size=4, num_blocks=4)  # only the blocks a request reads
+    with pytest.raises(ValueError, match=r"request 0 reads block ids \[3, 1, 9\]"):
+        check_block_ids(table, [9, 4], block_size=4, num_blocks=4)
+    with pytest.raises(ValueError, match="needs 4 blocks of 4"):
+        check_block_ids(table, [13, 4], block_size=4, num_blocks=10)
