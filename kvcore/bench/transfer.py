@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from kvcore.bench._args import layouts_arg, positive_int_arg, positive_ints_arg
 from kvcore.bench._timing import Timer
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
@@ -40,32 +41,31 @@ class _LayoutOnlyBackend(AttentionBackend):
         raise NotImplementedError("the transfer benchmark does not run attention")
 
 
-def _ints(text: str) -> list[int]:
-    return [int(v) for v in text.split(",") if v.strip()]
-
-
-def _layouts(text: str) -> list[KVCacheLayout]:
-    try:
-        return [KVCacheLayout.parse(v.strip()) for v in text.split(",") if v.strip()]
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layouts", type=_layouts, default=_layouts("BLNHC,BHLNC,LBNHC,LHBNC"))
-    parser.add_argument("--blocks", type=_ints, default=[16, 128, 512], help="blocks moved per call")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-size", type=int, default=128)
-    parser.add_argument("--block-size", type=int, default=16, help="tokens per block (16: 2 MiB blocks)")
-    parser.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16")
-    parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
-    parser.add_argument("--nixl-blocks", type=int, default=64, help="blocks per NIXL write (host memory)")
-    parser.add_argument("--no-nixl", action="store_true", help="skip the NIXL loopback rows")
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH")
+    model = parser.add_argument_group("the model whose KV cache blocks move")
+    model.add_argument("--layers", type=positive_int_arg, default=32, help="attention layers (default: %(default)s)")
+    model.add_argument("--kv-heads", type=positive_int_arg, default=8, help="KV heads per layer (default: %(default)s)")
+    model.add_argument("--head-size", type=positive_int_arg, default=128,
+                       help="values per head, for K and for V (default: %(default)s)")
+    model.add_argument("--block-size", type=positive_int_arg, default=16,
+                       help="tokens per block; 16 makes 2 MiB blocks (default: %(default)s)")
+    model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="cache dtype (default: %(default)s)")
+    measured = parser.add_argument_group("what is measured")
+    measured.add_argument("--layouts", type=layouts_arg, default="BLNHC,BHLNC,LBNHC,LHBNC",
+                          help="comma-separated layouts (default: %(default)s)")
+    measured.add_argument("--blocks", type=positive_ints_arg, default="16,128,512",
+                          help="comma-separated counts of blocks moved per call (default: %(default)s)")
+    measured.add_argument("--device", default=None, help="cache device (default: cuda when present, else cpu)")
+    measured.add_argument("--nixl-blocks", type=positive_int_arg, default=64,
+                          help="blocks per NIXL loopback write, host memory (default: %(default)s)")
+    measured.add_argument("--no-nixl", action="store_true", help="skip the NIXL loopback rows")
+    measured.add_argument("--repeats", type=positive_int_arg, default=10,
+                          help="timed repeats; medians are reported (default: %(default)s)")
+    measured.add_argument("--warmup", type=positive_int_arg, default=2,
+                          help="untimed calls before each measurement (default: %(default)s)")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    out.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH (default: none)")
 
 
 def _cache(args: argparse.Namespace, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> KVCache:

@@ -3,7 +3,8 @@
 ``describe(kv_cache)`` gives a JSON-serializable :class:`KVCacheDescriptor`;
 ``plan_transfer`` turns manager block ids into the fewest contiguous
 :class:`Region` runs; :class:`HostKVPool` offloads blocks to a host mirror
-and :class:`NixlAgent` moves them between processes through NIXL.
+and :class:`NixlAgent` moves them (or, for ranks of another tensor-parallel
+size, some of their KV heads) between processes through NIXL.
 """
 
 from kvcore.transfer.describe import describe

@@ -22,6 +22,7 @@ from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer.compat import incompatibility
 from kvcore.transfer.descriptor import KVCacheDescriptor
 from kvcore.transfer.describe import describe
+from kvcore.transfer.heads import head_slice_mismatch, pair_head_rows
 from kvcore.transfer.host_pool import group_selection, raw_allocation, whole_block_patterns
 from kvcore.transfer.ids import paired_ids
 from kvcore.transfer.pairs import PairedRuns, pair_runs
@@ -125,26 +126,39 @@ class NixlAgent:
         self._agent = agent_cls(name, config_cls(backends=list(backends)))
         self._registered = self._agent.register_memory([self._raw])
         self._peers: dict[str, KVCacheDescriptor] = {}
+        self._block_reasons: dict[str, str | None] = {}
 
     def metadata(self) -> bytes:
         """What a peer passes to :meth:`connect`: NIXL's agent metadata and this cache's descriptor."""
         return _pack(self.name, self.descriptor, self._agent.get_agent_metadata())
 
-    def connect(self, peer_metadata: bytes) -> str:
+    def connect(self, peer_metadata: bytes, *, heads_may_differ: bool = False) -> str:
         """Add a peer from its :meth:`metadata`; returns its name.
 
         Raises :class:`IncompatiblePeerError` (a ``ValueError``) saying why when
-        the peer's cache differs in layout, block size, dtype, heads or block runs.
+        the peer's cache differs in layout, block size, dtype, heads or block
+        runs. With ``heads_may_differ`` a peer of another tensor-parallel size
+        (other head counts, any layout) is accepted for :meth:`read_head_slice`;
+        whole-block transfers to it are then refused.
         """
         name, desc, agent_md = _unpack(peer_metadata)
         if name == self.name:
             raise ValueError(f"peer metadata names this agent itself ({name!r}); pass the other process's")
         reason = incompatibility(self.descriptor, desc)
-        if reason is not None:
+        if reason is not None and heads_may_differ:
+            rows = [head_slice_mismatch(self.descriptor, desc, g.group_id, None)
+                    for g in self.descriptor.groups if g.layers]
+            if len(desc.groups) != len(self.descriptor.groups) or any(rows):
+                raise IncompatiblePeerError(
+                    f"cannot exchange KV heads with peer {name!r}: "
+                    + next((r for r in rows if r), "the KV cache groups differ")
+                )
+        elif reason is not None:
             raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {name!r}: {reason}")
         added = self._agent.add_remote_agent(agent_md)
         added = added.decode() if isinstance(added, bytes) else str(added)
         self._peers[added] = desc
+        self._block_reasons[added] = reason
         return added
 
     @property
@@ -163,6 +177,11 @@ class NixlAgent:
              local_is_dst: bool = False) -> list[PairedRuns]:
         """Validated copies between local blocks (``src`` side) and the peer's."""
         remote = self._peer(peer)
+        if self._block_reasons[peer] is not None:
+            raise IncompatiblePeerError(
+                f"peer {peer!r} was connected for head slices only; whole blocks cannot move: "
+                f"{self._block_reasons[peer]}"
+            )
         local_n, remote_n = self.descriptor.num_blocks, remote.num_blocks
         if local_is_dst:
             rem, loc = paired_ids(remote_ids, remote_n, local_ids, local_n,
@@ -179,19 +198,47 @@ class NixlAgent:
             raise ValueError(f"peer {peer!r} is not connected; connected peers: {self.peers}. Call connect() first")
         return self._peers[peer]
 
+    def read_head_slice(self, peer: str, remote_ids: Any, local_ids: Any, *, head_start: int,
+                        group_id: int = 0) -> TransferHandle:
+        """Read KV heads ``head_start ...`` of the peer's blocks into all heads of local blocks.
+
+        For a decode rank whose tensor-parallel shard holds fewer KV heads than
+        the prefill rank's: only those heads' (state, head) rows move, found
+        through both descriptors' content maps (layouts may differ).
+        """
+        remote = self._peer(peer)
+        if type(head_start) is not int:
+            raise TypeError(f"head_start must be an int, got {head_start!r}")
+        reason = head_slice_mismatch(self.descriptor, remote, group_id, head_start)
+        if reason is not None:
+            raise IncompatiblePeerError(f"cannot read heads from peer {peer!r}: {reason}")
+        rem, loc = paired_ids(remote_ids, remote.num_blocks, local_ids, self.descriptor.num_blocks,
+                              src_what=f"block id of peer {peer!r}", dst_what="local block id")
+        heads = self.descriptor.group(group_id).layers[0].content.num_kv_heads
+        plan = pair_head_rows(remote, rem, head_start, self.descriptor, loc, 0, group_id=group_id, num_heads=heads)
+        return self._post("READ", peer, plan, local_is_src=False)
+
     def _transfer(self, op: str, peer: str, src_ids: Any, dst_ids: Any, group_id: int | None,
                   *, local_is_dst: bool) -> TransferHandle:
         local_ids, remote_ids = (dst_ids, src_ids) if local_is_dst else (src_ids, dst_ids)
         plan = self.plan(peer, local_ids, remote_ids, group_id=group_id, local_is_dst=local_is_dst)
+        return self._post(op, peer, plan, local_is_src=True)
+
+    def _post(self, op: str, peer: str, plan: list[PairedRuns], *, local_is_src: bool) -> TransferHandle:
+        """Start one NIXL transfer of ``plan`` (whose ``src`` side is local when ``local_is_src``)."""
         remote = self._peers[peer]
         runs = sum(p.num_runs for p in plan)
         if not runs:
             return TransferHandle(self._agent, None, 0, 0)
         local_rows, remote_rows = [], []
         for part in plan:
-            la, ra = self.descriptor.allocations[part.src_allocation], remote.allocations[part.dst_allocation]
-            local_rows.append(_rows(la.base_ptr, part.src_offsets, part.lengths, _mem_type(la.device)[1]))
-            remote_rows.append(_rows(ra.base_ptr, part.dst_offsets, part.lengths, _mem_type(ra.device)[1]))
+            l_alloc, l_off, r_alloc, r_off = (
+                (part.src_allocation, part.src_offsets, part.dst_allocation, part.dst_offsets) if local_is_src
+                else (part.dst_allocation, part.dst_offsets, part.src_allocation, part.src_offsets)
+            )
+            la, ra = self.descriptor.allocations[l_alloc], remote.allocations[r_alloc]
+            local_rows.append(_rows(la.base_ptr, l_off, part.lengths, _mem_type(la.device)[1]))
+            remote_rows.append(_rows(ra.base_ptr, r_off, part.lengths, _mem_type(ra.device)[1]))
         local_type = _mem_type(self.descriptor.allocations[0].device)[0]
         remote_type = _mem_type(remote.allocations[0].device)[0]
         try:
@@ -211,6 +258,7 @@ class NixlAgent:
         for peer in list(self._peers):
             self._agent.remove_remote_agent(peer)
         self._peers.clear()
+        self._block_reasons.clear()
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
             self._registered = None
