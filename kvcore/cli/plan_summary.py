@@ -2,8 +2,8 @@
 
 Every number here is one a user can rely on: capacities come from
 :class:`~kvcore.memory.config.KVCacheConfig` (null block excluded, whole
-blocks per group), padding is measured on the planned specs, and a remedy is
-only suggested after planning it.
+blocks per group), padding is measured on the planned specs, and a block size
+is only suggested after the model has been grouped with it.
 """
 
 from __future__ import annotations
