@@ -13,8 +13,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from kvcore_torch import TorchAttentionBackend
 
 from kvcore.plugins import reset_default_plugin_manager
+from kvcore.plugins.backend import AttentionBackend
 
 ENV_VARS = (
     "KVCORE_DISABLE_PLUGIN_AUTOLOAD",
@@ -58,15 +60,23 @@ def make_dist(
     return root
 
 
+def make_backend(name: str, **attributes: object) -> type[AttentionBackend]:
+    """A backend class named ``name`` whose ``forward`` is the torch reference."""
+    namespace = {"name": name, "forward": TorchAttentionBackend.__dict__["forward"], **attributes}
+    return type(f"B_{name}", (AttentionBackend,), namespace)
+
+
 def backend_plugin_source(backend_name: str, sizes: str = "None", extra: str = "") -> str:
     """Source of a one-module plugin that registers ``backend_name`` and declares ``sizes``."""
     return f'''
 import kvcore
 from kvcore.specs import MultipleOf
+from kvcore_torch import TorchAttentionBackend
 
 
 class Backend(kvcore.AttentionBackend):
     name = {backend_name!r}
+    forward = TorchAttentionBackend.__dict__["forward"]
 
 
 @kvcore.hookimpl

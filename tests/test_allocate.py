@@ -14,6 +14,9 @@ from kvcore.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
+from kvcore.errors import KVCoreError
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 
 
@@ -115,7 +118,7 @@ def test_state_cache_and_uniform_type_groups():
         tensor_for(mamba, 4, ["m"], "LBNHC", size),
     ]
     groups = [KVCacheGroupSpec(["a", "b"], uniform), KVCacheGroupSpec(["m"], mamba)]
-    caches = allocate_kv_cache(KVCacheConfig(4, tensors, groups), "cpu", layout="BLNHC")
+    caches = allocate_kv_cache(KVCacheConfig(4, tensors, groups, "BLNHC"), "cpu", layout="BLNHC")
     assert caches["a"].shape == (4, 2, 16, 8)
     assert caches["b"].shape == (4, 1, 16, 16) and caches["b"].storage_offset() * 2 == 2048
     assert caches["m"].shape == (4, 1, 1, 8) and caches["m"].dtype is torch.float32
@@ -142,6 +145,35 @@ def test_packed_layout_refuses_group_split():
     config, _, _ = two_group_config("BLNHC")
     with pytest.raises(ValueError, match="BLNHC does not store.*smaller manager block size.*LBNHC"):
         allocate_kv_cache(config, "cpu", kernel_block_sizes=[4, 16])
+
+
+@pytest.mark.parametrize("planned", list(KVCacheLayout), ids=lambda x: x.name)
+def test_a_layout_other_than_the_plans_is_refused(planned):
+    specs = {f"l{i}": FullAttentionSpec(16, 2, 8, torch.float16) for i in range(2)}
+    config = plan_kv_cache(specs, planned, num_blocks=4)
+    views = allocate_kv_cache(config, "cpu")  # None: the plan's layout
+    assert views == {} or all(v.shape[0] == 4 for v in views.values())
+    assert allocate_kv_cache(config, "cpu", planned.name.lower())["l1"].stride() == views["l1"].stride()
+    for other in KVCacheLayout:
+        if other is planned:
+            continue
+        with pytest.raises(ValueError, match=f"layout {other.name} is not the layout the config was planned for "
+                                             f"\\({planned.name}\\)"):
+            allocate_kv_cache(config, "cpu", other)
+
+
+def test_device_without_cuda_and_oversized_allocations_are_kvcore_errors(monkeypatch):
+    specs = {"l0": FullAttentionSpec(16, 2, 8, torch.float16)}
+    config = plan_kv_cache(specs, "LBNHC", num_blocks=4)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(KVCoreError, match="device 'cuda' was requested but this torch has no usable CUDA.*device='cpu'"):
+        allocate_kv_cache(config, "cuda")
+    with pytest.raises(KVCoreError, match="invalid device 'gpu0'"):
+        allocate_kv_cache(config, "gpu0")
+    huge = plan_kv_cache(specs, "LBNHC", available_memory=1 << 52)
+    with pytest.raises(KVCoreError, match=r"cannot allocate the 4,096 TiB KV cache on cpu") as exc:
+        allocate_kv_cache(huge, "cpu")
+    assert "less memory" in str(exc.value) and isinstance(exc.value, ValueError)
 
 
 def test_no_tensors():

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from _plugin_dists import clean_plugin_env  # noqa: F401
+from _plugin_dists import clean_plugin_env, make_backend  # noqa: F401
 
 import kvcore
 from kvcore.runtime.group_builder import build_attention_groups, map_kv_caches_to_kernel_blocks
@@ -30,8 +30,8 @@ class SizeTable:
             register(backend)
 
 
-FIXED16 = type("Fixed16", (kvcore.AttentionBackend,), {"name": "fixed16"})
-ANY = type("AnySize", (kvcore.AttentionBackend,), {"name": "any-size"})
+FIXED16 = make_backend("fixed16")
+ANY = make_backend("any-size")
 
 
 @pytest.fixture

@@ -53,9 +53,13 @@ def test_scatter_rejects_a_mask_of_the_wrong_count():
         scatter_mm_placeholders(torch.randn(3, 2), torch.tensor([1, 1, 1]))
 
 
-def test_sanity_check_accepts_lists_and_3d_tensors():
-    sanity_check_mm_encoder_outputs([torch.randn(3, 4), torch.randn(5, 4)], 2)
-    sanity_check_mm_encoder_outputs(torch.randn(2, 3, 4), 2)
+@pytest.mark.parametrize(
+    "outputs", [[torch.randn(3, 4), torch.randn(5, 4)], (torch.randn(3, 4), torch.randn(1, 4)), torch.randn(2, 3, 4)]
+)
+def test_sanity_check_accepts_one_2d_tensor_per_item_and_counts_them(outputs):
+    assert sanity_check_mm_encoder_outputs(outputs, 2) is None
+    with pytest.raises(ValueError, match="expected 3 multimodal embeddings.*got 2"):
+        sanity_check_mm_encoder_outputs(outputs, 3)
 
 
 @pytest.mark.parametrize(
@@ -72,9 +76,13 @@ def test_sanity_check_raises_value_error(outputs, expected, match):
         sanity_check_mm_encoder_outputs(outputs, expected)
 
 
-def test_encoder_timing_stats():
+def test_encoder_timing_stats_report_what_was_accumulated():
+    gen = torch.Generator().manual_seed(4)
+    durations = (torch.rand(5, generator=gen) + 0.1).tolist()
     stats = EncoderTimingStats()
-    assert stats.to_dict() == {"encoder_forward_secs": 0.0, "num_encoder_calls": 0}
-    stats.encoder_forward_secs += 0.25
-    stats.num_encoder_calls += 2
-    assert stats.to_dict() == {"encoder_forward_secs": 0.25, "num_encoder_calls": 2}
+    for seconds in durations:
+        stats.encoder_forward_secs += seconds
+        stats.num_encoder_calls += 1
+    report = stats.to_dict()
+    assert report["num_encoder_calls"] == 5
+    assert report["encoder_forward_secs"] == pytest.approx(sum(durations))

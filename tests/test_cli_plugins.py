@@ -1,4 +1,7 @@
-"""``kvcore plugins``: lists every plugin, broken ones with their error, never crashes."""
+"""``kvcore plugins``: lists and health-checks every plugin, broken ones with their error.
+
+It never crashes; it exits 1 when a plugin failed, conflicts or answers a hook badly.
+"""
 
 from __future__ import annotations
 
@@ -25,8 +28,8 @@ def dists(tmp_path, monkeypatch):
     monkeypatch.setenv("KVCORE_BLOCK_PLUGINS", "off")
 
 
-def _json(capsys):
-    assert main(["plugins", "--json"]) == 0
+def _json(capsys, code=1):
+    assert main(["plugins", "--json"]) == code
     return {item["name"]: item for item in json.loads(capsys.readouterr().out)}
 
 
@@ -41,20 +44,57 @@ def test_json_lists_loaded_failed_and_blocked(dists, capsys, monkeypatch, strict
     assert (good["distribution"], good["version"], good["status"]) == ("good-dist", "1.2", "loaded")
     assert good["backends"] == ["good-attn"] and "kvcore_register_backends" in good["hooks"]
     assert good["error"] is None
+    assert good["kernel_block_sizes"] == {"good-attn": [16, 32]} and good["layouts"] == {"good-attn": None}
     assert (bad["distribution"], bad["version"], bad["status"]) == ("bad-dist", "0.0.1", "failed")
     assert "missing kernel" in bad["error"] and bad["backends"] == [] and bad["hooks"] == []
     assert off["status"] == "blocked"
 
 
-def test_table_shows_broken_plugin_error(dists, capsys, monkeypatch):
-    monkeypatch.setenv("COLUMNS", "250")
-    assert main(["plugins"]) == 0
+@pytest.mark.parametrize("columns", ["80", "250"])
+def test_records_show_broken_plugin_error_without_cutting_words(dists, capsys, monkeypatch, columns):
+    monkeypatch.setenv("COLUMNS", columns)
+    assert main(["plugins"]) == 1
     out = capsys.readouterr().out
-    for text in ("good-dist", "good-attn", "failed", "blocked", "[bold]missing kernel[/bold]"):
-        assert text in out
+    assert max(len(line) for line in out.splitlines()) <= int(columns) and "\u2026" not in out
+    words = out.split()
+    for text in ("good-dist", "good-attn:", "[failed]", "[blocked]", "[bold]missing", "kernel[/bold])",
+                 "register_backends,", "supported_kernel_block_sizes", "fakeplug_good"):
+        assert text in words, text
+
+
+def test_wrong_type_and_raising_hooks_make_the_plugin_unhealthy(tmp_path, monkeypatch, capsys):
+    wrong = backend_plugin_source("wrong-attn", "'16, 32'")
+    raising = backend_plugin_source("raise-attn", extra=(
+        "\n@kvcore.hookimpl\ndef kvcore_supported_layouts(backend, spec):\n"
+        "    if backend is Backend:\n        raise LookupError('no layout table')\n"
+    ))
+    make_dist(tmp_path, "wrong-dist", "0.1", {"wrong": "fakeplug_wrong"}, {"fakeplug_wrong": wrong})
+    make_dist(tmp_path, "raise-dist", "0.2", {"raiser": "fakeplug_raiser"}, {"fakeplug_raiser": raising})
+    make_dist(tmp_path, "fine-dist", "1.0", {"fine": "fakeplug_fine"},
+              {"fakeplug_fine": backend_plugin_source("fine-attn", "[MultipleOf(16)]")})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "wrong,raiser,fine")
+    items = _json(capsys)
+    assert items["wrong"]["status"] == "unhealthy" and "'16, 32'" in items["wrong"]["error"]
+    assert "kvcore_supported_kernel_block_sizes" in items["wrong"]["error"]
+    assert items["raiser"]["status"] == "unhealthy" and "LookupError: no layout table" in items["raiser"]["error"]
+    assert items["fine"]["status"] == "loaded" and items["fine"]["kernel_block_sizes"] == {"fine-attn": ["multiple of 16"]}
+    monkeypatch.setenv("KVCORE_PLUGINS", "fine")
+    assert _json(capsys, code=0)["fine"]["error"] is None
+
+
+def test_conflicting_backend_names_exit_1(tmp_path, monkeypatch, capsys):
+    for dist, entry in (("one-dist", "one"), ("two-dist", "two")):
+        make_dist(tmp_path, dist, "1.0", {entry: f"fakeplug_{entry}"},
+                  {f"fakeplug_{entry}": backend_plugin_source("same-attn", "[16]")})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "one,two")
+    items = _json(capsys)
+    assert items["one"]["status"] == items["two"]["status"] == "conflict"
+    assert "two-dist" in items["one"]["error"] and "one-dist" in items["two"]["error"]
 
 
 def test_autoload_disabled_listing(dists, capsys, monkeypatch):
     monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
-    items = _json(capsys)
+    items = _json(capsys, code=0)
     assert {i["status"] for i in items.values()} == {"disabled"}

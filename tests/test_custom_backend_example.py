@@ -13,7 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcore import FullAttentionSpec, KVCache, KVCacheLayout, get_plugin_manager, select_common_block_size
+from kvcore import (
+    CommonAttentionMetadata,
+    FullAttentionSpec,
+    KVCache,
+    KVCacheLayout,
+    get_plugin_manager,
+    select_common_block_size,
+)
 from kvcore.plugins import list_plugins
 
 try:
@@ -85,3 +92,31 @@ def test_example_backend_serves_the_engine(example_pm):
         engine.step()
     assert len(engine.finished) == 3 and engine.recycled_blocks > 0
     assert engine.max_abs_error < 1e-4
+
+
+def _attend(kv, q, k, v):
+    blocks = kv.block_pool.allocate(2)
+    kv.begin_step()
+    n = q.shape[0]
+    block = kv.block_size(0)
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_table_tensor=torch.tensor([blocks], dtype=torch.int32),
+        slot_mapping=torch.tensor([blocks[p // block] * block + p % block for p in range(n)]),
+        num_reqs=1, num_actual_tokens=n, max_query_len=n, max_seq_len=n,
+    )
+    meta = kv.build_metadata([common])["a"]
+    return kv.group_of("a").backend.forward(q, k, v, kv.layer_kv_caches["a"], meta, head_size=4, scale=0.5)
+
+
+def test_customize_hook_pads_rows_and_attention_is_unchanged(example_pm):
+    specs = {"a": FullAttentionSpec(64, 2, 4, torch.float32)}  # rows of 32 bytes: padded to 64
+    made = {b: KVCache.create(specs, {"a": b}, device="cpu", num_blocks=4, max_num_seqs=1,
+                              max_model_len=128, plugin_manager=example_pm) for b in ("example", "torch")}
+    padded = made["example"].config.kv_cache_groups[0].kv_cache_spec
+    assert padded.state_content_size_bytes == 64 and made["example"].group_of("a").kv_cache_spec == padded
+    assert made["example"].layer_kv_caches["a"].shape == (16, 2, 16, 16)  # C = 16 floats, kernel blocks of 16
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(70, h, 4, generator=gen) for h in (4, 2, 2))
+    torch.testing.assert_close(_attend(made["example"], q, k, v), _attend(made["torch"], q, k, v))

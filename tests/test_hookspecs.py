@@ -15,39 +15,51 @@ from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.layouts import supported_layouts
 from kvcore.specs import MultipleOf
 
-HOOKS = {
-    "kvcore_register_backends": False,
-    "kvcore_supported_kernel_block_sizes": True,
-    "kvcore_supported_layouts": True,
-    "kvcore_customize_spec": True,
+FIRST_RESULT_ANSWERS = {
+    "kvcore_supported_kernel_block_sizes": ([16], [32]),
+    "kvcore_supported_layouts": (["LBHNC"], ["BLNHC"]),
+    "kvcore_customize_spec": ("first", "second"),
 }
 
 
-def _specs():
-    return {
-        name: fn for name, fn in vars(hookspecs).items()
-        if name.startswith("kvcore_") and callable(fn)
-    }
+def _hook_names(pm):
+    return sorted(name for name in dir(pm.hook) if name.startswith("kvcore_"))
 
 
-def test_hook_set_and_firstresult_flags():
+def test_first_result_hooks_stop_at_the_first_answer_and_say_so():
+    """What each hookspec's docstring promises ("Stops at the first non-None result") is what runs."""
     pm = kvcore.get_plugin_manager(autoload=False)
-    assert set(_specs()) == set(HOOKS)
-    for name, firstresult in HOOKS.items():
-        assert getattr(pm.hook, name).spec.opts["firstresult"] is firstresult
+    backend = type("Plain", (kvcore.AttentionBackend,), {"name": "plain"})
+    spec = kvcore.FullAttentionSpec(16, 4, 64, torch.bfloat16)
+    calls = []
+    for hook, (early, late) in FIRST_RESULT_ANSWERS.items():
+        first, second = type("First", (), {}), type("Second", (), {})
+
+        def impl(answer, label, _hook=hook):
+            def answer_fn(self, backend, spec):
+                calls.append((_hook, label))
+                return answer
+            return kvcore.hookimpl(tryfirst=label == "early")(answer_fn)
+
+        setattr(first, hook, impl(early, "early"))
+        setattr(second, hook, impl(late, "late"))
+        pm.register(second())
+        pm.register(first())
+        assert getattr(pm.hook, hook)(backend=backend, spec=spec) == early
+        assert (hook, "late") not in calls
+        assert "Stops at the first non-None result" in inspect.getdoc(getattr(hookspecs, hook))
+    assert set(FIRST_RESULT_ANSWERS) | {"kvcore_register_backends"} == set(_hook_names(pm))
 
 
-@pytest.mark.parametrize("name", sorted(HOOKS))
-def test_every_hookspec_is_documented(name):
-    fn = _specs()[name]
-    doc = inspect.getdoc(fn)
-    assert doc, f"{name} has no docstring"
-    summary = doc.splitlines()[0]
-    assert summary.endswith(".") and len(summary) < 90
-    for param in inspect.signature(fn).parameters:
-        assert f":param {param}:" in doc, f"{name} does not document {param}"
-    assert ":returns:" in doc
-    assert ("Stops at the first non-None result" in doc) is HOOKS[name]
+def test_register_backends_asks_every_plugin():
+    pm = kvcore.get_plugin_manager(autoload=False)
+    seen = []
+    for label in ("one", "two"):
+        plugin = type(label, (), {"kvcore_register_backends": kvcore.hookimpl(
+            lambda self, register, _label=label: seen.append(_label))})
+        pm.register(plugin(), name=label)
+    assert pm.hook.kvcore_register_backends(register=lambda backend: None) == []  # None answers dropped
+    assert sorted(seen) == ["one", "two"]
 
 
 def test_markers_belong_to_project_kvcore():

@@ -1,8 +1,9 @@
 """Layout resolution across workers and backends.
 
 Invariant: the chosen layout is supported by every worker, is block-compact
-when the layers' pages differ in shape, and is LBNHC whenever that is allowed
-and nothing else was requested.
+when the layers' pages differ in shape, and is the first common layout in the
+first listing worker's order (as vLLM resolves it); LBNHC only when no worker
+states a preference.
 """
 
 from __future__ import annotations
@@ -26,8 +27,10 @@ MAMBA = kvcore.MambaSpec(16, [(4, 64)], [torch.float32])
 def test_intersection_in_first_workers_order():
     workers = [[KL.BLNHC, KL.LHBNC, KL.LBHNC], [KL.LHBNC, KL.BLNHC]]
     assert resolve_kv_cache_layout(workers) == KL.BLNHC
-    assert resolve_kv_cache_layout([["blnhc", "lbnhc"], None]) == KL.LBNHC  # default preference
-    assert resolve_kv_cache_layout([]) == KL.LBNHC
+    assert resolve_kv_cache_layout([["LBHNC", "LBNHC"]]) == KL.LBHNC  # as vLLM: first common preference
+    assert resolve_kv_cache_layout([None, ["blnhc", "lbnhc"]]) == KL.BLNHC  # None states no preference
+    assert resolve_kv_cache_layout([]) == resolve_kv_cache_layout([None, None]) == KL.LBNHC
+    assert resolve_kv_cache_layout([None], [FULL, MAMBA]) == KL.LBNHC
     assert resolve_kv_cache_layout([["HND"]]) == KL.LBHNC
 
 
@@ -75,7 +78,7 @@ def test_resolution_invariants(workers, mixed):
         return
     got = resolve_kv_cache_layout(workers, specs)
     assert got in allowed
-    assert got == (KL.LBNHC if KL.LBNHC in allowed else allowed[0])
+    assert got == allowed[0]
 
 
 class Layouts:

@@ -12,7 +12,7 @@ import warnings
 
 import pytest
 import torch
-from _plugin_dists import backend_plugin_source, clean_plugin_env, make_dist  # noqa: F401
+from _plugin_dists import backend_plugin_source, clean_plugin_env, make_backend, make_dist  # noqa: F401
 
 import kvcore
 from kvcore.errors import PluginError, PluginWarning
@@ -153,16 +153,28 @@ def test_unmarked_hook_function_is_reported(two_dists, monkeypatch):
     assert pm.plugin_infos["forgot"].status == "loaded"
 
 
-def test_duplicate_backend_name_across_entry_points(two_dists, monkeypatch):
-    make_dist(two_dists, "copycat-dist", "3.0", {"copycat": "fakeplug_copycat"},
+@pytest.mark.parametrize("copycat_entry_point", ["aaa-copycat", "zzz-copycat"])
+def test_duplicate_backend_name_is_ambiguous_in_either_load_order(two_dists, monkeypatch, copycat_entry_point):
+    """Entry points load alphabetically: the copycat loads before or after bar; neither wins."""
+    make_dist(two_dists, "copycat-dist", "3.0", {copycat_entry_point: "fakeplug_copycat"},
               {"fakeplug_copycat": backend_plugin_source("bar-attn", "[8]")})
-    monkeypatch.setenv("KVCORE_PLUGINS", "bar,copycat")
-    with pytest.warns(PluginWarning) as record:
+    monkeypatch.setenv("KVCORE_PLUGINS", f"foo,bar,{copycat_entry_point}")
+    with pytest.warns(PluginWarning, match="'bar-attn' is registered by .*bar-dist.*copycat-dist|'bar-attn' is registered by .*copycat-dist.*bar-dist"):
         pm = kvcore.get_plugin_manager()
-    message = str(record[0].message)
-    assert "copycat-dist 3.0" in message and "bar-dist 2.3" in message and "'bar-attn'" in message
-    assert get_backend("bar-attn", pm).__module__ == "fakeplug_bar"
-    assert pm.plugin_infos["copycat"].status == "failed"
+    with pytest.raises(PluginError) as exc:
+        get_backend("bar-attn", pm)
+    message = str(exc.value)
+    for part in ("'bar-attn'", "bar = fakeplug_bar", "bar-dist 2.3", f"{copycat_entry_point} = fakeplug_copycat",
+                 "copycat-dist 3.0", "KVCORE_BLOCK_PLUGINS"):
+        assert part in message
+    assert set(get_backends(pm)) == {"foo-attn"}  # the other plugin keeps working
+    listed = {i.name: i for i in list_plugins(pm)}
+    for name, other in (("bar", "copycat-dist"), (copycat_entry_point, "bar-dist")):
+        assert listed[name].status == "conflict" and listed[name].backends == ["bar-attn"]
+        assert other in listed[name].error
+    assert listed["foo"].status == "loaded"
+    monkeypatch.setenv("KVCORE_BLOCK_PLUGINS", copycat_entry_point)
+    assert get_backend("bar-attn", kvcore.get_plugin_manager()).__module__ == "fakeplug_bar"
 
 
 def test_hook_failure_in_entry_point_names_distribution_and_hook(two_dists, monkeypatch):
@@ -178,8 +190,7 @@ def test_hook_failure_in_entry_point_names_distribution_and_hook(two_dists, monk
         assert part in str(exc.value)
 
 
-class _Named(kvcore.AttentionBackend):
-    name = "shared-name"
+_Named = make_backend("shared-name")
 
 
 class _RegistersNamed:
@@ -191,34 +202,38 @@ class _RegistersNamed:
 class _AlsoRegistersNamed:
     @kvcore.hookimpl
     def kvcore_register_backends(self, register):
-        register(type("Other", (kvcore.AttentionBackend,), {"name": "shared-name"}))
+        register(make_backend("shared-name"))
 
 
-def test_in_process_duplicate_names_are_refused_naming_both():
+@pytest.mark.parametrize("first_is_original", [True, False])
+def test_in_process_duplicate_names_are_ambiguous_naming_both(first_is_original):
     pm = kvcore.get_plugin_manager(autoload=False)
-    first, second = _RegistersNamed(), _AlsoRegistersNamed()
-    pm.register(first, name="first-plugin")
+    plugins = [(_RegistersNamed(), "original"), (_AlsoRegistersNamed(), "copycat")]
+    for plugin, name in plugins if first_is_original else plugins[::-1]:
+        pm.register(plugin, name=name)
+    with pytest.raises(PluginError, match="'shared-name' is registered by .*(original|copycat).* and by .*(copycat|original)"):
+        get_backend("shared-name", pm)
+    statuses = {i.name: i.status for i in list_plugins(pm)}
+    assert statuses["original"] == statuses["copycat"] == "conflict"
+    pm.unregister(name="copycat")
     assert get_backend("shared-name", pm) is _Named
-    pm.register(second, name="second-plugin")
-    try:
-        with pytest.raises(PluginError, match="second-plugin.*shared-name.*first-plugin"):
-            get_backends(pm)
-        listed = {i.name: i for i in list_plugins(pm)}
-        assert listed["second-plugin"].status == "failed"
-    finally:
-        pm.unregister(second)
-    assert get_backend("shared-name", pm) is _Named
-    pm.unregister(first)
+    pm.unregister(name="original")
     with pytest.raises(ValueError, match=r"Unknown attention backend 'shared-name'. Registered: \[\]"):
         get_backend("shared-name", pm)
+
+
+_NO_FORWARD = type("NoForward", (kvcore.AttentionBackend,), {"name": "no-forward"})
 
 
 @pytest.mark.parametrize(
     "registered, problem",
     [(int, "not a kvcore.AttentionBackend subclass"),
-     (type("Nameless", (kvcore.AttentionBackend,), {}), "without a str class attribute 'name'")],
+     (type("Nameless", (kvcore.AttentionBackend,), {"forward": _Named.__dict__["forward"]}),
+      "without a non-empty str class attribute 'name'"),
+     (make_backend(""), "without a non-empty str class attribute 'name'"),
+     (_NO_FORWARD, "does not implement forward")],
 )
-def test_register_checks_the_type(registered, problem):
+def test_register_checks_the_backend_protocol(registered, problem):
     class Bad:
         @kvcore.hookimpl
         def kvcore_register_backends(self, register):
@@ -228,6 +243,21 @@ def test_register_checks_the_type(registered, problem):
     pm.register(Bad(), name="bad-plugin")
     with pytest.raises(PluginError, match=f"bad-plugin.*{problem}.*kvcore_register_backends"):
         get_backends(pm)
+
+
+def test_backend_without_forward_fails_its_plugin_only(two_dists, monkeypatch):
+    source = backend_plugin_source("lazy-attn").replace('    forward = TorchAttentionBackend.__dict__["forward"]\n', "")
+    make_dist(two_dists, "lazy-dist", "0.3", {"lazy": "fakeplug_lazy"}, {"fakeplug_lazy": source})
+    monkeypatch.setenv("KVCORE_PLUGINS", "foo,lazy")
+    with pytest.warns(PluginWarning, match=r"'lazy'.*lazy-dist 0\.3.*does not implement forward"):
+        pm = kvcore.get_plugin_manager()
+    assert pm.plugin_infos["lazy"].status == "failed" and pm.get_plugin("lazy") is None
+    assert set(get_backends(pm)) == {"foo-attn"}
+    monkeypatch.setenv("KVCORE_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginError, match="lazy-dist 0.3.*does not implement forward"):
+        kvcore.get_plugin_manager()
+    with pytest.raises(NotImplementedError, match="protocol"):
+        kvcore.AttentionBackend.forward(None, None, None, None, None, head_size=1, scale=1.0)
 
 
 class _Raises:
@@ -297,3 +327,68 @@ def test_plugin_manager_argument_is_checked():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert kvcore.get_plugin_manager(autoload=False).get_plugin("kvcore-core") is not None
+
+
+class _Sizes16:
+    @kvcore.hookimpl
+    def kvcore_supported_kernel_block_sizes(self, backend, spec):
+        return [16, 32] if backend is _Named else None
+
+
+class _HalvingWrapper:
+    """A new-style wrapper: keeps only the smallest size another plugin offered."""
+
+    @kvcore.hookimpl(wrapper=True)
+    def kvcore_supported_kernel_block_sizes(self, backend, spec):
+        sizes = yield
+        return None if sizes is None else [min(sizes)]
+
+
+class _RecordingOldWrapper:
+    def __init__(self):
+        self.seen = []
+
+    @kvcore.hookimpl(hookwrapper=True)
+    def kvcore_supported_kernel_block_sizes(self, backend, spec):
+        outcome = yield
+        if outcome.exception is None:
+            self.seen.append(outcome.get_result())
+
+
+def test_hook_wrappers_are_honoured():
+    pm = kvcore.get_plugin_manager(autoload=False)
+    pm.register(_Sizes16(), name="sizes")
+    assert kvcore.select_common_block_size(64, [_Named], plugin_manager=pm) == 32
+    recorder = _RecordingOldWrapper()
+    pm.register(recorder, name="recorder")
+    pm.register(_HalvingWrapper(), name="halving")
+    assert kvcore.select_common_block_size(64, [_Named], plugin_manager=pm) == 16
+    assert recorder.seen and all(seen in ([16], [16, 32]) for seen in recorder.seen)
+
+
+class _Explodes:
+    @kvcore.hookimpl
+    def kvcore_supported_kernel_block_sizes(self, backend, spec):
+        raise ZeroDivisionError("bad table")
+
+
+class _BreaksAnswers:
+    @kvcore.hookimpl(wrapper=True)
+    def kvcore_supported_kernel_block_sizes(self, backend, spec):
+        yield
+        return "16, 32"
+
+
+def test_errors_under_wrappers_name_the_plugin_at_fault():
+    pm = kvcore.get_plugin_manager(autoload=False)
+    pm.register(_RecordingOldWrapper(), name="innocent-wrapper")
+    pm.register(_Explodes(), name="exploder")
+    with pytest.raises(PluginError, match="exploder.*ZeroDivisionError: bad table.*kvcore_supported_kernel_block_sizes"):
+        kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)
+    pm.unregister(name="exploder")
+    pm.register(_BreaksAnswers(), name="breaker")
+    with pytest.raises(PluginError, match=r"wrong value.*16, 32.*wrappers of plugins \['breaker', 'innocent-wrapper'\]"):
+        kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)
+    pm.unregister(name="innocent-wrapper")
+    with pytest.raises(PluginError, match="'breaker'.*wrong value.*16, 32"):
+        kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)

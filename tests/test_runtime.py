@@ -7,6 +7,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 import torch.distributed as dist
+from kvcore_torch import TorchAttentionBackend
 
 from kvcore import (
     AttentionBackend,
@@ -99,8 +100,6 @@ def test_create_every_layout_and_zero_new_blocks(pm, layout, hybrid):
 
 
 def test_backend_by_class_and_available_memory(pm):
-    from kvcore_torch import TorchAttentionBackend
-
     page = specs()[LAYERS[0]].page_size_bytes
     kv = create(pm, TorchAttentionBackend, num_blocks=None, available_memory=7 * 4 * page + 5)
     assert kv.num_blocks == 7
@@ -157,6 +156,7 @@ def test_packed_layout_cannot_split_and_names_the_remedy(pm):
 
 class Fixed8Backend(AttentionBackend):
     name: ClassVar[str] = "fixed8"
+    forward = TorchAttentionBackend.__dict__["forward"]
 
 
 class Fixed8Plugin:

@@ -224,7 +224,7 @@ def view_cases(draw):
         tps = draw(st.sampled_from([1, 1, 2, 4, Fraction(1, 2), 0]))
         unit = tps if isinstance(tps, int) and tps > 0 else 1
         block_size = unit * draw(st.sampled_from([1, 2, 4, 6, 8, 8]))
-        heads = draw(st.integers(1, 3))
+        heads = 1 if kind == "mla" else draw(st.integers(1, 3))  # MLA: one latent vector
         slots = draw(st.sampled_from([None, heads + 1]))
         head_size = draw(st.sampled_from([1, 2, 4]))
         cls = MLAAttentionSpec if kind == "mla" else FullAttentionSpec
@@ -281,9 +281,9 @@ def split_cases(draw):
     unit = tps if isinstance(tps, int) else 1
     kernel = unit * draw(st.sampled_from([1, 2, 3]))
     block_size = kernel * draw(st.sampled_from([2, 3, 4]))
-    heads = draw(st.integers(1, 3))
     dtype = draw(st.sampled_from([torch.int8, torch.float16, torch.float32]))
     cls = draw(st.sampled_from([FullAttentionSpec, MLAAttentionSpec]))
+    heads = 1 if cls is MLAAttentionSpec else draw(st.integers(1, 3))
     spec = cls(block_size, heads, draw(st.sampled_from([1, 2, 4])), dtype, tokens_per_state=tps)
     layout = draw(st.sampled_from(list(KVCacheLayout)))
     if layout is KVCacheLayout.LHBNC:

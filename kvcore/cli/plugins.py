@@ -1,63 +1,102 @@
-"""``kvcore plugins``: every plugin kvcore sees, including broken ones."""
+"""``kvcore plugins``: every plugin kvcore sees, checked, including broken ones.
+
+Each plugin is one record (never a wide table), wrapped between words to the
+terminal width (80 columns when piped), so nothing is cut. The command exits
+1 when a plugin failed to load, conflicts with another or answers a hook
+badly, 0 otherwise.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shutil
+import textwrap
 import warnings
 
 import attrs
 
 from kvcore.errors import PluginWarning
-from kvcore.plugins.registry import PluginSettings, build_plugin_manager, list_plugins
+from kvcore.plugins.health import check_plugins, is_healthy
+from kvcore.plugins.manager import PluginInfo
+from kvcore.plugins.registry import PluginSettings, build_plugin_manager
 
-_STATUS_STYLE = {"loaded": "green", "failed": "bold red", "blocked": "yellow", "disabled": "dim"}
+_LABEL = 14
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "plugins",
-        help="list installed kvcore plugins, their hooks and backends",
-        description="List every kvcore plugin (entry points in group kvcore.plugins), "
-        "with its status and, for broken plugins, the error.",
+        help="list and health-check installed kvcore plugins",
+        description="List every kvcore plugin (entry points in group kvcore.plugins) with its "
+        "status, hooks and backends; ask every backend's hooks once about a representative "
+        "full-attention spec and show the kernel block sizes and layouts it declares. Exits 1 "
+        "when a plugin failed, conflicts with another or answers a hook badly.",
     )
-    parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
+    parser.add_argument("--json", action="store_true", help="print a JSON list, one object per plugin")
     parser.set_defaults(func=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     # NOTE: listing never raises for a broken plugin, even under KVCORE_STRICT_PLUGINS:
-    # failures are shown in the table instead.
+    # failures are shown in the records instead.
     settings = PluginSettings.from_env()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PluginWarning)
         pm = build_plugin_manager(attrs.evolve(settings, strict=False))
-    infos = list_plugins(pm)
+    infos = check_plugins(pm)
     if args.json:
         print(json.dumps([info.to_json() for info in infos], indent=2))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-    from rich.text import Text
+    else:
+        print(render(infos, shutil.get_terminal_size((80, 24)).columns))
+    return 0 if is_healthy(infos) else 1
 
-    console = Console()
+
+def _field(label: str, value: str, width: int) -> list[str]:
+    indent = " " * (2 + _LABEL)
+    return textwrap.wrap(
+        value or "-",
+        width=max(width, _LABEL + 20),
+        initial_indent=f"  {label:<{_LABEL}}",
+        subsequent_indent=indent,
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
+
+
+def _sizes(sizes: list[int | str]) -> str:
+    return ", ".join(str(s) for s in sizes)
+
+
+def render_one(info: PluginInfo, width: int) -> list[str]:
+    """The lines of one plugin's record."""
+    lines = [f"{info.name}  [{info.status}]"]
+    where = "in-process" if info.entry_point is None else f"{info.distribution or '?'} {info.version or '?'}"
+    lines += _field("distribution", where, width)
+    if info.entry_point is not None:
+        lines += _field("entry point", info.entry_point, width)
+    lines += _field("hooks", ", ".join(h.removeprefix("kvcore_") for h in info.hooks), width)
+    for backend in info.backends or [""]:
+        if not backend:
+            lines += _field("backends", "", width)
+            continue
+        declared = []
+        if backend in info.kernel_block_sizes:
+            declared.append(f"kernel block sizes {_sizes(info.kernel_block_sizes[backend])}")
+        if backend in info.layouts:
+            layouts = info.layouts[backend]
+            declared.append("layouts " + ("any" if layouts is None else ", ".join(layouts)))
+        lines += _field("backend", f"{backend}" + (f": {'; '.join(declared)}" if declared else ""), width)
+    if info.error:
+        lines += _field("error", info.error, width)
+    return lines
+
+
+def render(infos: list[PluginInfo], width: int) -> str:
+    """Every plugin's record, separated by blank lines."""
     if not infos:
-        console.print("No kvcore plugins installed (entry-point group kvcore.plugins).")
-        return 0
-    table = Table(title="kvcore plugins")
-    for column in ("Name", "Distribution", "Version", "Status", "Hooks", "Backends", "Error"):
-        table.add_column(column, overflow="fold")
-    for info in infos:
-        # NOTE: Text cells, so brackets in error messages are not read as rich markup.
-        table.add_row(
-            Text(info.name),
-            Text(info.distribution or "(in-process)"),
-            Text(info.version or ""),
-            Text(info.status, style=_STATUS_STYLE[info.status]),
-            Text("\n".join(h.removeprefix("kvcore_") for h in info.hooks)),
-            Text(", ".join(info.backends)),
-            Text(info.error or "", style="red"),
-        )
-    console.print(table)
-    return 0
+        return "No kvcore plugins installed (entry-point group kvcore.plugins)."
+    healthy = is_healthy(infos)
+    header = f"kvcore plugins: {len(infos)} found" + ("" if healthy else "; some need attention (exit 1)")
+    return "\n\n".join([header, *("\n".join(render_one(i, width)) for i in infos)])

@@ -6,7 +6,9 @@ from collections.abc import Sequence
 
 import torch
 
+from kvcore._units import format_bytes
 from kvcore._validate import positive_int
+from kvcore.errors import KVCoreError
 from kvcore.memory.config import KVCacheConfig, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import KVCacheSpec
@@ -109,6 +111,44 @@ def create_kv_cache_views(
     return views
 
 
+def checked_device(device: torch.device | str) -> torch.device:
+    """``device`` as a torch.device that this process can allocate on, else KVCoreError."""
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise KVCoreError(f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'") from exc
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise KVCoreError(
+                f"device {str(device)!r} was requested but this torch has no usable CUDA "
+                f"(torch {torch.__version__}, CUDA {torch.version.cuda}); pass device='cpu' or "
+                "install a CUDA build of torch on a machine with a GPU"
+            )
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise KVCoreError(
+                f"device {str(device)!r} does not exist: this machine has {count} CUDA device(s); "
+                f"pass one of cuda:0 .. cuda:{count - 1}"
+            )
+    return device
+
+
+def _zeroed_buffer(size: int, device: torch.device | str) -> torch.Tensor:
+    """The zero-filled int8 backing allocation; torch's refusals become KVCoreError."""
+    device = checked_device(device)
+    try:
+        return torch.zeros(size, dtype=torch.int8, device=device)
+    except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        raise KVCoreError(
+            f"cannot allocate the {format_bytes(size)} KV cache on {device} "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
+            "plan it with less memory (available_memory=... or fewer num_blocks) or use a "
+            "device with more free memory"
+        ) from exc
+
+
 def allocate_kv_cache(
     kv_cache_config: KVCacheConfig,
     device: torch.device | str,
@@ -119,6 +159,9 @@ def allocate_kv_cache(
 
     Every tensor of the config shares the buffer (groups overlay from byte 0).
     Layers whose spec has no layer views receive the raw buffer itself.
+    ``layout`` must be the one the config was planned for (None: that one).
+    A device torch cannot allocate on, or an allocation too large, raises
+    :class:`~kvcore.errors.KVCoreError` (a ValueError) with nothing allocated.
     ``kernel_block_sizes[g]`` splits group ``g``'s blocks into kernel blocks
     (None keeps them whole).
     """
@@ -132,7 +175,13 @@ def allocate_kv_cache(
             f"KV cache tensors must share one backing allocation, but their sizes "
             f"differ: {sizes} bytes; give every tensor the same size"
         )
-    layout = kv_cache_config.layout if layout is None else KVCacheLayout.parse(layout)
+    planned = kv_cache_config.layout
+    layout = planned if layout is None else KVCacheLayout.parse(layout)
+    if layout is not planned:
+        raise ValueError(
+            f"layout {layout.name} is not the layout the config was planned for ({planned.name}); "
+            f"pass layout=None or {planned.name!r}, or plan again with plan_kv_cache(..., {layout.name!r})"
+        )
     if kernel_block_sizes is not None:
         if isinstance(kernel_block_sizes, str) or not isinstance(kernel_block_sizes, Sequence):
             raise TypeError(
@@ -143,10 +192,17 @@ def allocate_kv_cache(
             None if k is None else positive_int(f"kernel_block_sizes[{i}]", k)
             for i, k in enumerate(kernel_block_sizes)
         ]
-    buf = torch.zeros(sizes[0], dtype=torch.int8, device=device)
+    # NOTE: views over a meta buffer first, so a refusal allocates nothing.
+    _layer_views(kv_cache_config, torch.empty(sizes[0], dtype=torch.int8, device="meta"), layout, kernel_block_sizes)
+    return _layer_views(kv_cache_config, _zeroed_buffer(sizes[0], device), layout, kernel_block_sizes)
+
+
+def _layer_views(
+    config: KVCacheConfig, buf: torch.Tensor, layout: KVCacheLayout, kernel_block_sizes: list[int | None] | None
+) -> dict[str, torch.Tensor]:
     kv_caches: dict[str, torch.Tensor] = {}
-    for tensor in kv_cache_config.kv_cache_tensors:
-        group_id, group = kv_cache_config.group_of(tensor.layers[0])
+    for tensor in config.kv_cache_tensors:
+        group_id, group = config.group_of(tensor.layers[0])
         spec = group.spec_of(tensor.layers[0])
         if not spec.has_layer_views:
             kv_caches.update((name, buf) for name in tensor.layers)
@@ -155,12 +211,7 @@ def allocate_kv_cache(
         if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
             kernel_block_size = kernel_block_sizes[group_id]
         views = create_kv_cache_views(
-            buf,
-            spec,
-            kv_cache_config.num_blocks_of(tensor),
-            layout,
-            tensor,
-            kernel_block_size=kernel_block_size,
+            buf, spec, config.num_blocks_of(tensor), layout, tensor, kernel_block_size=kernel_block_size
         )
         kv_caches.update(zip(tensor.layers, views))
     return kv_caches

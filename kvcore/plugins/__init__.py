@@ -1,9 +1,13 @@
 """Stage 3 of the pipeline: negotiation with attention-backend plugins.
 
 The backend protocol (``backend``), the hook specifications (``hookspecs``),
-the plugin manager and its loading (``manager``, ``registry``), and the
-modules that ask the hooks (``block_sizes``, ``layouts``). Backend authors
-also use ``paged_inputs`` to check a step's K/V inputs.
+the plugin manager and its loading (``manager``, ``registry``), checks of
+hook answers and pure block-size arithmetic (``checks``, ``selection``),
+``negotiation`` — the one module ``KVCache.create`` asks the hooks through,
+keeping one record per KV cache group — and the public one-shot helpers over
+it (``block_sizes``, ``layouts``) and the ``kvcore plugins`` health check
+(``health``). Backend authors also use ``paged_inputs`` to check a step's K/V
+inputs.
 """
 
 from kvcore.plugins.registry import (

@@ -7,6 +7,7 @@ through the plugin hooks in :mod:`kvcore.plugins.hookspecs`, not through attribu
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, ClassVar
 
 import attrs
@@ -72,7 +73,12 @@ class AttentionMetadataBuilder:
 
 
 class AttentionBackend:
-    """Base class of attention backends; subclasses set ``name``."""
+    """Base class of attention backends: the protocol every backend implements.
+
+    A subclass sets a non-empty str ``name`` and overrides :meth:`forward`;
+    ``register()`` refuses a class that does not. ``get_builder_cls()`` may
+    return a builder that turns the common metadata into the backend's own.
+    """
 
     name: ClassVar[str]
 
@@ -83,3 +89,41 @@ class AttentionBackend:
     @classmethod
     def get_builder_cls(cls) -> type[AttentionMetadataBuilder]:
         return AttentionMetadataBuilder
+
+    @staticmethod
+    def forward(
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_cache_view: torch.Tensor,
+        metadata: Any,
+        *,
+        head_size: int,
+        scale: float,
+        sliding_window: int | None = None,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Write this step's K/V into ``kv_cache_view``, then attend.
+
+        :param query: ``[tokens, q_heads, head_size]``; rows past
+            ``metadata.num_actual_tokens`` are padding.
+        :param key: ``[tokens, kv_heads, head_size]`` of this step.
+        :param value: ``[tokens, kv_heads, head_size_v]`` of this step.
+        :param kv_cache_view: the layer's kernel view (``KVCache.layer_kv_caches``).
+        :param metadata: what the backend's builder built (block tables in kernel blocks).
+        :param head_size: K's head size (``C`` packs K then V).
+        :param scale: softmax scale.
+        :param sliding_window: attend to at most this many past tokens, or None.
+        :param out: optional ``[tokens, q_heads, head_size_v]`` output buffer.
+        :returns: the attention output, ``[tokens, q_heads, head_size_v]``.
+        """
+        raise NotImplementedError(
+            f"{AttentionBackend.__qualname__}.forward is the protocol; an attention backend overrides it"
+        )
+
+
+def implements_forward(backend: type[AttentionBackend]) -> bool:
+    """Whether ``backend`` (or a base between it and AttentionBackend) overrides ``forward``."""
+    return inspect.getattr_static(backend, "forward", None) is not inspect.getattr_static(
+        AttentionBackend, "forward"
+    )

@@ -1,9 +1,11 @@
-"""Block-size negotiation between the scheduler and attention kernels.
+"""Block-size negotiation for standalone callers (SPEC §3).
 
 The scheduler hands out manager blocks; a kernel may only take smaller
 blocks, so each manager block is split into kernel blocks of a size every
 backend of a group accepts. What a backend accepts comes from the
 ``kvcore_supported_kernel_block_sizes`` hook, never from the backend class.
+Each function here asks the hooks afresh; ``KVCache.create`` instead asks
+once through :mod:`kvcore.plugins.negotiation` and reads its record.
 """
 
 from __future__ import annotations
@@ -11,31 +13,22 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import attrs
 import pluggy
 
 from kvcore._validate import positive_int
-from kvcore.plugins.backend import AttentionBackend
 from kvcore.memory.config import KVCacheConfig
-from kvcore.plugins.manager import call_first
-from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
-from kvcore.specs import (
-    AttentionSpec,
-    EncoderOnlyAttentionSpec,
-    KVCacheSpec,
-    MultipleOf,
-    UniformTypeKVCacheSpecs,
-)
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.negotiation import HookAnswers, label, group_kernel_block_size, splits_by_backends
+from kvcore.plugins.selection import get_block_table_width, pick_common_block_size
+from kvcore.specs import KVCacheSpec, MultipleOf
 
-def _check_sizes(value: Any) -> list[int | MultipleOf]:
-    if not isinstance(value, (list, tuple)):
-        raise TypeError(f"expected a list of int or MultipleOf, got {value!r}")
-    for size in value:
-        if isinstance(size, MultipleOf):
-            continue
-        if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
-            raise TypeError(f"expected positive ints or MultipleOf in the list, got {size!r} in {value!r}")
-    return list(value)
+__all__ = [
+    "customize_attention_spec",
+    "get_block_table_width",
+    "prepare_kernel_block_sizes",
+    "select_common_block_size",
+    "supported_kernel_block_sizes",
+]
 
 
 def supported_kernel_block_sizes(
@@ -45,18 +38,8 @@ def supported_kernel_block_sizes(
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> list[int | MultipleOf]:
     """The kernel block sizes ``backend`` accepts for ``spec``, as its plugin declares."""
-    pm = resolve_plugin_manager(plugin_manager)
-    backend = resolve_backend(backend, pm)
-    sizes = call_first(
-        pm, "kvcore_supported_kernel_block_sizes", _check_sizes, backend=backend, spec=spec
-    )
-    return [MultipleOf(1)] if sizes is None else sizes
-
-
-def _accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
-    return any(
-        s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes
-    )
+    answers = HookAnswers(plugin_manager)
+    return answers.kernel_block_sizes(answers.backend(backend), spec)
 
 
 def select_common_block_size(
@@ -74,34 +57,18 @@ def select_common_block_size(
     candidates). No backends: the manager size.
     """
     manager = positive_int("kv_manager_block_size", kv_manager_block_size)
-    pm = resolve_plugin_manager(plugin_manager)
     if isinstance(backends, (str, type)):
         raise TypeError(f"backends must be a list of backends, got {backends!r}; wrap it: [{backends!r}]")
-    backends = [resolve_backend(b, pm) for b in backends]
-    specs = [None] * len(backends) if kv_cache_specs is None else list(kv_cache_specs)
-    if len(specs) != len(backends):
+    answers = HookAnswers(plugin_manager)
+    classes = [answers.backend(b) for b in backends]
+    specs = [None] * len(classes) if kv_cache_specs is None else list(kv_cache_specs)
+    if len(specs) != len(classes):
         raise ValueError(
-            f"kv_cache_specs has {len(specs)} entries for {len(backends)} backends; "
+            f"kv_cache_specs has {len(specs)} entries for {len(classes)} backends; "
             "pass one spec (or None) per backend"
         )
-    sizes = [supported_kernel_block_sizes(b, s, plugin_manager=pm) for b, s in zip(backends, specs)]
-    if all(_accepts(s, manager) for s in sizes):
-        return manager
-    candidates = {s for ss in sizes for s in ss if not isinstance(s, MultipleOf) and manager % s == 0}
-    for size in sorted(candidates, reverse=True):
-        if all(_accepts(s, size) for s in sizes):
-            return size
-    offered = "; ".join(f"{b.get_name()}: {s}" for b, s in zip(backends, sizes))
-    raise ValueError(
-        f"No common block size for {manager} ({offered}). Use a manager block size "
-        "that every backend accepts or divides into a size they all accept."
-    )
-
-
-def _check_spec(value: Any) -> KVCacheSpec:
-    if not isinstance(value, KVCacheSpec):
-        raise TypeError(f"expected a KVCacheSpec, got {value!r}")
-    return value
+    offers = [(label(b), answers.kernel_block_sizes(b, s)) for b, s in zip(classes, specs)]
+    return pick_common_block_size(manager, offers)
 
 
 def customize_attention_spec(
@@ -119,22 +86,8 @@ def customize_attention_spec(
     """
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
-    pm = resolve_plugin_manager(plugin_manager)
-    backend = resolve_backend(backend, pm)
-    new = call_first(pm, "kvcore_customize_spec", _check_spec, backend=backend, spec=spec) or spec
-    if not _is_attention(new) or new.block_stride_alignment is not None:
-        return new
-    sizes = supported_kernel_block_sizes(backend, new, plugin_manager=pm)
-    fixed = [s for s in sizes if not isinstance(s, MultipleOf)]
-    if sizes and len(fixed) == len(sizes):
-        new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(fixed)))
-    return new
-
-
-def _is_attention(spec: KVCacheSpec) -> bool:
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        spec = next(iter(spec.kv_cache_specs.values()))
-    return isinstance(spec, AttentionSpec)
+    answers = HookAnswers(plugin_manager)
+    return answers.customized_spec(answers.backend(backend), spec)
 
 
 def prepare_kernel_block_sizes(
@@ -145,41 +98,26 @@ def prepare_kernel_block_sizes(
 ) -> list[int]:
     """The kernel block size of every KV cache group, in order.
 
-    Encoder-only groups are skipped (they hold no pages). State caches and
-    specs without layer views keep their block size. Attention groups take
-    :func:`select_common_block_size` over their backends, except groups with a
-    block-outermost packed tensor (block stride above layer stride): those keep
-    the manager size and their backends map their own kernel tables.
+    Encoder-only groups are skipped (they hold no pages). State caches, specs
+    without layer views and specs with one state per block keep their block
+    size. Attention groups take :func:`select_common_block_size` over their
+    backends, except groups with a block-outermost packed tensor (block
+    stride above layer stride): those keep the manager size and their
+    backends map their own kernel tables.
     """
+    answers = HookAnswers(plugin_manager)
     out: list[int] = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        spec = group.kv_cache_spec
-        kind = next(iter(spec.kv_cache_specs.values())) if isinstance(spec, UniformTypeKVCacheSpecs) else spec
-        if isinstance(kind, EncoderOnlyAttentionSpec):
-            continue
-        if not kind.has_layer_views or not isinstance(kind, AttentionSpec):
-            out.append(spec.block_size)
-            continue
-        names = set(group.layer_names)
-        packed = any(
-            len(t.layers) > 1 and t.block_stride > t.layer_stride
-            for t in kv_cache_config.kv_cache_tensors
-            if not names.isdisjoint(t.layers)
-        )
-        if packed:
-            out.append(spec.block_size)
-            continue
-        if gid >= len(attn_groups):
+        if gid < len(attn_groups):
+            pairs = [(g.backend, g.kv_cache_spec) for g in attn_groups[gid]]
+        elif splits_by_backends(kv_cache_config, group):
             raise ValueError(
                 f"attn_groups has {len(attn_groups)} entries but KV cache group {gid} needs "
                 "one; pass build_attention_groups(kv_cache_config, ...)"
             )
-        out.append(
-            select_common_block_size(
-                spec.block_size,
-                [g.backend for g in attn_groups[gid]],
-                [g.kv_cache_spec for g in attn_groups[gid]],
-                plugin_manager=plugin_manager,
-            )
-        )
+        else:
+            pairs = []
+        size = group_kernel_block_size(kv_cache_config, gid, pairs, answers)
+        if size is not None:
+            out.append(size)
     return out

@@ -2,21 +2,20 @@
 
 A plugin is a module (or object) with functions marked ``@kvcore.hookimpl``
 and named after the hooks below. kvcore never reads block sizes, layouts or
-spec changes off a backend class: it asks these hooks.
+spec changes off a backend class: it asks these hooks, through pluggy (so
+hook wrappers are honoured), and in ``KVCache.create`` at most once per
+distinct (backend, spec).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 import pluggy
 
-from kvcore.specs import MultipleOf
-
-if TYPE_CHECKING:
-    from kvcore.plugins.backend import AttentionBackend
-    from kvcore.memory.layout import KVCacheLayout
-    from kvcore.specs import KVCacheSpec
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.specs import KVCacheSpec, MultipleOf
 
 PROJECT_NAME = "kvcore"
 ENTRY_POINT_GROUP = "kvcore.plugins"
@@ -33,7 +32,9 @@ def kvcore_register_backends(register: Callable[[type[AttentionBackend]], None])
     ``register(BackendClass)`` once per backend it ships.
 
     :param register: callback taking an ``AttentionBackend`` subclass with a
-        unique str ``name``; it refuses other types and names already taken.
+        non-empty str ``name`` that implements ``forward``; it refuses anything
+        else (the plugin then fails to load, named). A name two plugins
+        register is ambiguous: kvcore serves neither and names both.
     :returns: nothing; return values are ignored.
     """
 

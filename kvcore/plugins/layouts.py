@@ -8,32 +8,18 @@ from typing import Any
 
 import pluggy
 
-from kvcore.plugins.backend import AttentionBackend
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.plugins.manager import call_first
-from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.checks import check_layouts
+from kvcore.plugins.negotiation import ALL_LAYOUTS, HookAnswers
 from kvcore.specs import EncoderOnlyAttentionSpec, KVCacheSpec, UniformTypeKVCacheSpecs
 
-ALL_LAYOUTS: tuple[KVCacheLayout, ...] = tuple(KVCacheLayout)
 DEFAULT_LAYOUT = KVCacheLayout.LBNHC
 LAYOUT_ENV = "KVCORE_KV_CACHE_LAYOUT"
 
 
 def _names(layouts: Iterable[KVCacheLayout]) -> str:
     return "[" + ", ".join(layout.name for layout in layouts) + "]"
-
-
-def _parse_list(value: Any) -> list[KVCacheLayout]:
-    if isinstance(value, (str, KVCacheLayout)) or not isinstance(value, Iterable):
-        raise TypeError(f"expected a list of KV cache layouts, got {value!r}")
-    out: list[KVCacheLayout] = []
-    for item in value:
-        layout = KVCacheLayout.parse(item)
-        if layout not in out:
-            out.append(layout)
-    if not out:
-        raise ValueError("expected at least one layout (return None to accept any)")
-    return out
 
 
 def supported_layouts(
@@ -43,10 +29,8 @@ def supported_layouts(
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> list[KVCacheLayout]:
     """Layouts ``backend`` reads for ``spec``, most preferred first (all six if its plugin says None)."""
-    pm = resolve_plugin_manager(plugin_manager)
-    backend = resolve_backend(backend, pm)
-    found = call_first(pm, "kvcore_supported_layouts", _parse_list, backend=backend, spec=spec)
-    return list(ALL_LAYOUTS) if found is None else found
+    answers = HookAnswers(plugin_manager)
+    return answers.layouts(answers.backend(backend), spec)
 
 
 def local_supported_layouts(
@@ -57,24 +41,15 @@ def local_supported_layouts(
 ) -> list[KVCacheLayout]:
     """Layouts every backend of this worker reads, in the first choosy backend's order.
 
-    This is one worker's entry of ``supported`` for :func:`resolve_kv_cache_layout`.
+    This is one worker's entry of ``supported`` for :func:`resolve_kv_cache_layout`
+    (all six, in enum order, when no backend is choosy).
     """
     specs = [None] * len(backends) if specs is None else list(specs)
     if len(specs) != len(backends):
         raise ValueError(f"got {len(specs)} specs for {len(backends)} backends; pass one per backend")
-    lists = [supported_layouts(b, s, plugin_manager=plugin_manager) for b, s in zip(backends, specs)]
-    # NOTE: an "any layout" answer carries no preference, so order by the first real one.
-    ordered = sorted(lists, key=lambda ls: len(ls) == len(ALL_LAYOUTS))
-    first = ordered[0] if ordered else list(ALL_LAYOUTS)
-    common = [layout for layout in first if all(layout in ls for ls in lists)]
-    if not common:
-        raise ValueError(
-            "the backends share no KV cache layout: "
-            + "; ".join(f"{resolve_backend(b, plugin_manager).get_name()}: {_names(ls)}"
-                        for b, ls in zip(backends, lists))
-            + ". Serve these layers with backends that agree on a layout."
-        )
-    return common
+    answers = HookAnswers(plugin_manager)
+    common = answers.common_layouts([(answers.backend(b), s) for b, s in zip(backends, specs)])
+    return list(ALL_LAYOUTS) if common is None else common
 
 
 def _flat_specs(specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec]) -> list[KVCacheSpec]:
@@ -99,14 +74,15 @@ def resolve_kv_cache_layout(
 
     ``supported`` holds one list per worker, most preferred first (None: any
     layout). Candidates are the layouts every worker supports, in the first
-    worker's order. When ``specs`` differ in (heads, states, page bytes) only
-    block-compact layouts can hold them, so candidates narrow to those. An
-    explicit request (``requested``, else ``KVCORE_KV_CACHE_LAYOUT``) must be a
-    candidate; otherwise LBNHC when it is one, else the first candidate.
+    listing worker's order. When ``specs`` differ in (heads, states, page
+    bytes) only block-compact layouts can hold them, so candidates narrow to
+    those. An explicit request (``requested``, else ``KVCORE_KV_CACHE_LAYOUT``)
+    must be a candidate; otherwise the first candidate wins, as vLLM resolves
+    it; LBNHC only when no worker states a preference.
     """
-    workers = [list(ALL_LAYOUTS) if w is None else _parse_list(w) for w in supported]
-    if not workers:
-        workers = [list(ALL_LAYOUTS)]
+    stated = [check_layouts(w) for w in supported if w is not None]
+    preference = bool(stated)
+    workers = stated or [list(ALL_LAYOUTS)]
     candidates = [layout for layout in workers[0] if all(layout in w for w in workers[1:])]
     if not candidates:
         raise ValueError(
@@ -138,4 +114,6 @@ def resolve_kv_cache_layout(
                 f"{_names(candidates)}. Request one of them (argument or {LAYOUT_ENV})"
             )
         return layout
-    return DEFAULT_LAYOUT if DEFAULT_LAYOUT in candidates else candidates[0]
+    if not preference and DEFAULT_LAYOUT in candidates:
+        return DEFAULT_LAYOUT
+    return candidates[0]

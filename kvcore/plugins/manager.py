@@ -1,28 +1,32 @@
-"""kvcore's plugin manager: hook calls that always name the plugin at fault.
+"""kvcore's plugin manager: pluggy's own dispatch, with errors that name the plugin.
 
-pluggy alone reports neither which plugin raised nor which one returned
-nonsense. kvcore therefore calls hook implementations itself, in pluggy's
-order (``tryfirst`` first, then the most recently registered, ``trylast``
-last), and wraps every failure in a :class:`~kvcore.errors.PluginError`
-naming the plugin, its entry point and distribution, and the hook.
+Every hook call goes through pluggy (``tryfirst``/``trylast`` order,
+``firstresult``, ``hookwrapper=True`` and ``wrapper=True`` wrappers). pluggy
+alone names no plugin when an implementation raises or answers nonsense, so
+kvcore adds the name: an exception is attributed to the deepest hook
+implementation in its traceback; a refused answer to the implementation that
+gave it. Either way the :class:`~kvcore.errors.PluginError` names the
+plugin, its entry point and distribution, and the hook.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+import types
 from collections.abc import Callable
 from typing import Any
 
 import attrs
 import pluggy
 
-from kvcore.plugins import hookspecs
-from kvcore.plugins.backend import AttentionBackend
 from kvcore.errors import PluginError
+from kvcore.plugins import hookspecs
+from kvcore.plugins.backend import AttentionBackend, implements_forward
 
 logger = logging.getLogger("kvcore.plugins")
 
-STATUSES = ("loaded", "failed", "blocked", "disabled")
+STATUSES = ("loaded", "failed", "conflict", "unhealthy", "blocked", "disabled")
 
 
 @attrs.define
@@ -37,6 +41,9 @@ class PluginInfo:
     error: str | None = None
     hooks: list[str] = attrs.field(factory=list)
     backends: list[str] = attrs.field(factory=list)
+    #: backend -> its declared kernel block sizes / layouts (filled by the health check)
+    kernel_block_sizes: dict[str, list[int | str]] = attrs.field(factory=dict)
+    layouts: dict[str, list[str] | None] = attrs.field(factory=dict)
 
     def describe(self) -> str:
         if self.entry_point is None:
@@ -59,7 +66,7 @@ class KVCorePluginManager(pluggy.PluginManager):
         self.trace_calls = trace_calls
         #: entry-point name -> info, for every entry point seen (loaded or not)
         self.plugin_infos: dict[str, PluginInfo] = {}
-        self._backends: dict[str, tuple[type[AttentionBackend], str]] | None = None
+        self._backends: BackendTable | None = None
         super().register(hookspecs.CoreDefaults(), name=hookspecs.CORE_PLUGIN_NAME)
 
     # NOTE: any (un)registration may change which backends exist.
@@ -72,8 +79,10 @@ class KVCorePluginManager(pluggy.PluginManager):
         return super().unregister(plugin, name)
 
 
-def describe_plugin(pm: pluggy.PluginManager, plugin_name: str) -> str:
+def describe_plugin(pm: pluggy.PluginManager, plugin_name: str | None) -> str:
     """A label naming a plugin, its entry point, distribution and version."""
+    if plugin_name is None:
+        return "a hook implementation"
     if isinstance(pm, KVCorePluginManager) and plugin_name in pm.plugin_infos:
         return pm.plugin_infos[plugin_name].describe()
     plugin = pm.get_plugin(plugin_name)
@@ -82,7 +91,7 @@ def describe_plugin(pm: pluggy.PluginManager, plugin_name: str) -> str:
 
 
 def plugin_error(
-    pm: pluggy.PluginManager, plugin_name: str, hook_name: str, problem: str
+    pm: pluggy.PluginManager, plugin_name: str | None, hook_name: str, problem: str
 ) -> PluginError:
     """A PluginError naming the plugin and hook; ``error.plugin_name`` is set."""
     if isinstance(pm, KVCorePluginManager) and plugin_name in pm.plugin_infos:
@@ -94,79 +103,161 @@ def plugin_error(
     return err
 
 
-def _impls(pm: pluggy.PluginManager, hook_name: str) -> list[Any]:
-    """Non-wrapper implementations of a hook, in registration order."""
-    impls = getattr(pm.hook, hook_name).get_hookimpls()
-    return [i for i in impls if not (i.hookwrapper or i.wrapper)]
+def _impl_codes(caller: pluggy.HookCaller) -> dict[int, str]:
+    """``id`` of every implementation's code object -> its plugin name.
+
+    NOTE: by identity, since code objects of equal source in two files compare equal.
+    """
+    out: dict[int, str] = {}
+    for impl in caller.get_hookimpls():
+        function = getattr(impl.function, "__func__", impl.function)
+        code = getattr(function, "__code__", None)
+        if code is not None:
+            out[id(code)] = impl.plugin_name
+    return out
 
 
-def _call_impl(pm: pluggy.PluginManager, impl: Any, hook_name: str, kwargs: dict[str, Any]) -> Any:
+def _raising_plugin(caller: pluggy.HookCaller, tb: types.TracebackType | None) -> str | None:
+    """The plugin whose implementation is deepest in ``tb`` (where the error arose)."""
+    codes, found = _impl_codes(caller), None
+    while tb is not None:
+        found = codes.get(id(tb.tb_frame.f_code), found)
+        tb = tb.tb_next
+    return found
+
+
+def calling_plugin(caller: pluggy.HookCaller) -> str | None:
+    """The plugin whose implementation of ``caller``'s hook is running on this stack."""
+    codes = _impl_codes(caller)
+    frame = sys._getframe(1)
+    while frame is not None:
+        if id(frame.f_code) in codes:
+            return codes[id(frame.f_code)]
+        frame = frame.f_back
+    return None
+
+
+def call_hook(
+    pm: pluggy.PluginManager, hook_name: str, caller: pluggy.HookCaller | None = None, **kwargs: Any
+) -> Any:
+    """Call a hook through pluggy (wrappers honoured); a raising plugin is named."""
+    caller = getattr(pm.hook, hook_name) if caller is None else caller
     try:
-        result = impl.function(*[kwargs[a] for a in impl.argnames])
+        result = caller(**kwargs)
     except PluginError:
         raise
     except Exception as exc:
-        raise plugin_error(
-            pm, impl.plugin_name, hook_name, f"raised {type(exc).__name__}: {exc}"
-        ) from exc
+        owner = _raising_plugin(caller, exc.__traceback__)
+        raise plugin_error(pm, owner, hook_name, f"raised {type(exc).__name__}: {exc}") from exc
     if isinstance(pm, KVCorePluginManager) and pm.trace_calls:
-        logger.debug("%s(%s) -> %s returned %r", hook_name, kwargs, impl.plugin_name, result)
+        asked = [i.plugin_name for i in reversed(caller.get_hookimpls())]
+        logger.debug("%s(%s) asked %s -> %r", hook_name, kwargs, asked, result)
     return result
 
 
-def call_first(
-    pm: pluggy.PluginManager,
-    hook_name: str,
-    check: Callable[[Any], Any],
-    **kwargs: Any,
-) -> Any:
-    """Call a firstresult hook; ``check`` validates and normalizes the answer.
+def _answering_plugin(
+    caller: pluggy.HookCaller, kwargs: dict[str, Any], check: Callable[[Any], Any]
+) -> tuple[str | None, str]:
+    """``(plugin, note)``: who gave a refused answer (asked again only on this error path).
+
+    The first non-None answer in pluggy's order is the one the hook returned;
+    if that one passes ``check``, a wrapper changed it: with one wrapper that
+    one is named, else ``note`` lists them.
+    """
+    impls = list(reversed(caller.get_hookimpls()))
+    for impl in impls:
+        if impl.hookwrapper or impl.wrapper:
+            continue
+        try:
+            answer = impl.function(*[kwargs[a] for a in impl.argnames])
+        except Exception:
+            continue
+        if answer is None:
+            continue
+        try:
+            check(answer)
+        except (TypeError, ValueError):
+            return impl.plugin_name, ""
+        break
+    wrappers = [i.plugin_name for i in impls if i.hookwrapper or i.wrapper]
+    if len(wrappers) == 1:
+        return wrappers[0], ""
+    return None, f" (changed by one of the wrappers of plugins {wrappers})"
+
+
+def call_first(pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], **kwargs: Any) -> Any:
+    """Call a firstresult hook; ``check`` validates and normalizes a non-None answer.
 
     ``check`` raises ``TypeError``/``ValueError`` describing what was expected;
     that becomes a PluginError naming the plugin that answered.
     """
-    for impl in reversed(_impls(pm, hook_name)):
-        result = _call_impl(pm, impl, hook_name, kwargs)
-        if result is None:
-            continue
-        try:
-            return check(result)
-        except (TypeError, ValueError) as exc:
-            raise plugin_error(
-                pm, impl.plugin_name, hook_name, f"returned a wrong value ({exc})"
-            ) from exc
-    return None
+    caller = getattr(pm.hook, hook_name)
+    result = call_hook(pm, hook_name, caller, **kwargs)
+    if result is None:
+        return None
+    try:
+        return check(result)
+    except (TypeError, ValueError) as exc:
+        owner, note = _answering_plugin(caller, kwargs, check)
+        raise plugin_error(pm, owner, hook_name, f"returned a wrong value ({exc}){note}") from exc
 
 
-def collect_backends(pm: pluggy.PluginManager) -> dict[str, tuple[type[AttentionBackend], str]]:
-    """Backend name -> (class, registering plugin name), from every plugin.
+@attrs.frozen
+class BackendTable:
+    """Every registered backend: name -> ``[(class, registering plugin), ...]``.
 
-    Plugins are asked in registration order, so a later plugin registering a
-    name already taken is the one refused.
+    A name with more than one entry is ambiguous: kvcore serves none of them.
     """
-    if isinstance(pm, KVCorePluginManager) and pm._backends is not None:
+
+    entries: dict[str, list[tuple[type[AttentionBackend], str]]]
+
+    def unambiguous(self) -> dict[str, tuple[type[AttentionBackend], str]]:
+        return {name: found[0] for name, found in self.entries.items() if len(found) == 1}
+
+    def conflicts(self) -> dict[str, list[tuple[type[AttentionBackend], str]]]:
+        return {name: found for name, found in self.entries.items() if len(found) > 1}
+
+
+def collect_backends(pm: pluggy.PluginManager, caller: pluggy.HookCaller | None = None) -> BackendTable:
+    """Ask ``kvcore_register_backends`` (all plugins, or ``caller``'s subset) once.
+
+    ``register`` knows which plugin calls it (the implementation on the
+    stack) and checks the class: an AttentionBackend subclass with a non-empty
+    str ``name`` that implements ``forward``. Two plugins registering one
+    name make it ambiguous (both kept, neither served); never "first wins".
+    """
+    full = caller is None
+    if full and isinstance(pm, KVCorePluginManager) and pm._backends is not None:
         return pm._backends
     hook_name = "kvcore_register_backends"
-    found: dict[str, tuple[type[AttentionBackend], str]] = {}
-    for impl in _impls(pm, hook_name):
-        owner = impl.plugin_name
+    caller = getattr(pm.hook, hook_name) if caller is None else caller
+    entries: dict[str, list[tuple[type[AttentionBackend], str]]] = {}
 
-        def register(backend: Any, _owner: str = owner) -> None:
-            _add_backend(pm, found, backend, _owner, hook_name)
+    def register(backend: Any) -> None:
+        owner = calling_plugin(caller)
+        if owner is None:
+            raise PluginError(
+                f"register({backend!r}) was called outside {hook_name}; call it from "
+                "your plugin's kvcore_register_backends implementation"
+            )
+        _check_backend(pm, backend, owner, hook_name)
+        found = entries.setdefault(backend.name, [])
+        if (backend, owner) in found:
+            return
+        if any(other == owner for _, other in found):
+            raise plugin_error(
+                pm, owner, hook_name, f"registered two classes named {backend.name!r}"
+            )
+        found.append((backend, owner))
 
-        _call_impl(pm, impl, hook_name, {"register": register})
-    if isinstance(pm, KVCorePluginManager):
-        pm._backends = found
-    return found
+    call_hook(pm, hook_name, caller, register=register)
+    table = BackendTable(entries)
+    if full and isinstance(pm, KVCorePluginManager):
+        pm._backends = table
+    return table
 
 
-def _add_backend(
-    pm: pluggy.PluginManager,
-    found: dict[str, tuple[type[AttentionBackend], str]],
-    backend: Any,
-    owner: str,
-    hook_name: str,
-) -> None:
+def _check_backend(pm: pluggy.PluginManager, backend: Any, owner: str, hook_name: str) -> None:
     if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
         raise plugin_error(
             pm, owner, hook_name,
@@ -176,15 +267,12 @@ def _add_backend(
     if not isinstance(name, str) or not name:
         raise plugin_error(
             pm, owner, hook_name,
-            f"registered {backend.__qualname__} without a str class attribute 'name'",
+            f"registered {backend.__qualname__} without a non-empty str class attribute 'name'",
         )
-    if name in found:
-        other_cls, other = found[name]
-        if other_cls is backend and other == owner:
-            return
+    if not implements_forward(backend):
         raise plugin_error(
             pm, owner, hook_name,
-            f"registered backend name {name!r}, already registered by "
-            f"{describe_plugin(pm, other)}; the two plugins clash",
+            f"registered {backend.__qualname__} ({name!r}), which does not implement "
+            "forward(query, key, value, kv_cache_view, metadata, *, head_size, scale, "
+            "sliding_window=None, out=None)",
         )
-    found[name] = (backend, owner)

@@ -24,6 +24,7 @@ from kvcore.plugins.backend import AttentionBackend
 from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins.hookspecs import CORE_PLUGIN_NAME, ENTRY_POINT_GROUP
 from kvcore.plugins.manager import (
+    BackendTable,
     KVCorePluginManager,
     PluginInfo,
     collect_backends,
@@ -110,6 +111,14 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
     except pluggy.PluginValidationError as exc:
         name = pm.get_name(exc.plugin) or "?"
         raise PluginError(f"{describe_plugin(pm, name)}: {exc}") from exc
+    for name, found in collect_backends(pm).conflicts().items():
+        owners = " and ".join(describe_plugin(pm, owner) for _, owner in found)
+        warnings.warn(
+            f"attention backend {name!r} is registered by {owners}; kvcore uses neither until "
+            f"one is blocked with KVCORE_BLOCK_PLUGINS",
+            PluginWarning,
+            stacklevel=3,
+        )
     return pm
 
 
@@ -150,11 +159,10 @@ def _load(pm: KVCorePluginManager, ep: Any, info: PluginInfo, strict: bool) -> N
             PluginWarning,
             stacklevel=3,
         )
+    others = [p for n, p in pm.list_name_plugin() if n != info.name]
     try:
-        collect_backends(pm)
+        collect_backends(pm, pm.subset_hook_caller("kvcore_register_backends", others))
     except PluginError as exc:
-        if getattr(exc, "plugin_name", None) != info.name:
-            raise
         return _fail(pm, info, str(exc), strict, exc, described=True)
     info.status = "loaded"
     return None
@@ -209,20 +217,32 @@ def resolve_plugin_manager(plugin_manager: pluggy.PluginManager | None) -> plugg
 
 
 def get_backends(plugin_manager: pluggy.PluginManager | None = None) -> dict[str, type[AttentionBackend]]:
-    """Every registered backend by name."""
+    """Every registered backend by name; names two plugins registered are left out."""
     pm = resolve_plugin_manager(plugin_manager)
-    return {name: cls for name, (cls, _) in collect_backends(pm).items()}
+    return {name: cls for name, (cls, _) in collect_backends(pm).unambiguous().items()}
 
 
 def get_backend(name: str, plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
-    """The backend class registered under ``name``."""
-    backends = get_backends(plugin_manager)
-    if name not in backends:
+    """The backend class registered under ``name``.
+
+    A name registered by two plugins is ambiguous: ``PluginError`` naming both.
+    """
+    pm = resolve_plugin_manager(plugin_manager)
+    table = collect_backends(pm)
+    found = table.entries.get(name, [])
+    if len(found) > 1:
+        raise PluginError(
+            f"attention backend {name!r} is registered by "
+            + " and by ".join(describe_plugin(pm, owner) for _, owner in found)
+            + "; kvcore uses neither. Block one with KVCORE_BLOCK_PLUGINS="
+            + f"{found[-1][1]} (or {found[0][1]}), or uninstall it"
+        )
+    if not found:
         raise ValueError(
-            f"Unknown attention backend {name!r}. Registered: {sorted(backends)}; "
+            f"Unknown attention backend {name!r}. Registered: {sorted(table.unambiguous())}; "
             "install the plugin that provides it or check KVCORE_PLUGINS/KVCORE_BLOCK_PLUGINS"
         )
-    return backends[name]
+    return found[0][0]
 
 
 def resolve_backend(backend: Any, plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
@@ -237,25 +257,39 @@ def resolve_backend(backend: Any, plugin_manager: pluggy.PluginManager | None = 
 
 
 def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[PluginInfo]:
-    """One record per plugin: entry points in every state, then in-process plugins."""
+    """One record per plugin: entry points in every state, then in-process plugins.
+
+    Plugins that register one backend name are both marked ``conflict``.
+    """
     pm = resolve_plugin_manager(plugin_manager)
     infos = pm.plugin_infos if isinstance(pm, KVCorePluginManager) else {}
-    out = [attrs.evolve(i, hooks=[], backends=[]) for i in infos.values()]
+    out = [attrs.evolve(i, hooks=[], backends=[], kernel_block_sizes={}, layouts={}) for i in infos.values()]
     out += [
         PluginInfo(name=name)
         for name, _ in pm.list_name_plugin()
         if name not in infos and name != CORE_PLUGIN_NAME
     ]
+    by_name = {info.name: info for info in out}
     try:
-        owners = {n: owner for n, (_, owner) in collect_backends(pm).items()}
+        table = collect_backends(pm)
     except PluginError as exc:
-        owners = {}
-        for info in out:
-            if info.name == getattr(exc, "plugin_name", None):
-                info.status, info.error = "failed", str(exc)
+        table = BackendTable({})
+        culprit = by_name.get(getattr(exc, "plugin_name", None))
+        if culprit is not None:
+            culprit.status, culprit.error = "failed", str(exc)
+    for name, found in table.conflicts().items():
+        owners = [owner for _, owner in found]
+        for owner in owners:
+            info = by_name[owner]
+            others = " and ".join(describe_plugin(pm, o) for o in owners if o != owner)
+            info.status = "conflict"
+            info.error = "; ".join(filter(None, [info.error, (
+                f"backend name {name!r} is also registered by {others}; neither is used. "
+                f"Block one with KVCORE_BLOCK_PLUGINS"
+            )]))
     for info in out:
         plugin = pm.get_plugin(info.name)
         if plugin is not None:
             info.hooks = sorted(c.name for c in pm.get_hookcallers(plugin) or [])
-            info.backends = sorted(n for n, owner in owners.items() if owner == info.name)
+            info.backends = sorted(n for n, found in table.entries.items() if any(o == info.name for _, o in found))
     return out

@@ -15,7 +15,9 @@ import torch
 
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.plugins.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
-from kvcore.specs import AttentionSpec, KVCacheSpec
+from kvcore.plugins.negotiation import BackendNegotiation, HookAnswers, backend_kernel_block_size
+from kvcore.plugins.selection import get_block_table_width
+from kvcore.specs import KVCacheSpec
 
 
 @attrs.define(eq=False)
@@ -24,9 +26,11 @@ class AttentionGroup:
 
     When the backend needs blocks smaller than the manager's, ``kernel_block_size``
     is set and block tables / cache views address kernel blocks: kernel block
-    ``j`` of manager block ``b`` is ``b * kernel_block_stride + j``, where the
-    stride is the split ratio for dense pages, or the number of kernel pages
-    between two blocks of a packed (block-outermost) cache.
+    ``j`` of manager block ``b`` is ``b * ratio + j`` for dense pages
+    (``kernel_block_stride`` 0), or ``b * kernel_block_stride + j`` where the
+    stride is the number of kernel pages between two blocks of a packed
+    (block-outermost) cache. Groups built by ``KVCache.create`` carry their
+    ``negotiated`` record and never ask the plugin hooks again.
     """
 
     backend: type[AttentionBackend]
@@ -39,6 +43,20 @@ class AttentionGroup:
     kernel_block_table: torch.Tensor | None = attrs.field(default=None, repr=False)
     kernel_block_offsets: torch.Tensor | None = attrs.field(default=None, repr=False)
     metadata_builders: list[AttentionMetadataBuilder] = attrs.field(factory=list, repr=False)
+    negotiated: BackendNegotiation | None = attrs.field(default=None, repr=False)
+
+    @classmethod
+    def from_negotiation(cls, record: BackendNegotiation, kv_cache_group_id: int) -> AttentionGroup:
+        """The group a negotiation record describes (kernel blocks already decided)."""
+        return cls(
+            record.backend,
+            list(record.layer_names),
+            record.kv_cache_spec,
+            kv_cache_group_id,
+            kernel_block_size=record.kernel_block_size,
+            kernel_block_stride=record.kernel_block_stride,
+            negotiated=record,
+        )
 
     @property
     def blocks_per_manager_block(self) -> int:
@@ -58,29 +76,42 @@ class AttentionGroup:
     ) -> None:
         """Create one metadata builder per micro-batch and the kernel block table.
 
-        ``kernel_block_size`` is the group's selected size; the backend may
-        still need smaller blocks (in a packed group), in which case this
-        group maps its own block tables to kernel blocks.
+        ``kernel_block_size`` is the KV cache group's kernel block size. A
+        negotiated group (from ``KVCache.create``) takes its own size from its
+        record; otherwise the backend is asked for the largest size it accepts
+        that divides ``kernel_block_size`` (its own, smaller one in a packed
+        group). Specs storing one state per block are never split.
         """
-        from kvcore.plugins.block_sizes import select_common_block_size
-
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
         num_metadata_builders = positive_int("num_metadata_builders", num_metadata_builders)
         spec = self.kv_cache_spec
-        if kernel_block_size is not None and isinstance(spec, AttentionSpec):
-            kernel_block_size = select_common_block_size(
-                kernel_block_size, [self.backend], [spec], plugin_manager=plugin_manager
-            )
-            if kernel_block_size != spec.block_size:
-                self.kernel_block_size = kernel_block_size
-        builder_spec = spec if kernel_block_size is None else spec.copy_with_new_block_size(kernel_block_size)
+        if self.negotiated is not None:
+            agreed = self.negotiated.group_kernel_block_size
+            if kernel_block_size is not None and kernel_block_size != agreed:
+                raise ValueError(
+                    f"attention group of {self.layer_names} was negotiated with kernel block "
+                    f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
+                )
+            own = self.negotiated.kernel_block_size
+        elif kernel_block_size is not None:
+            answers = HookAnswers(plugin_manager)
+            own = backend_kernel_block_size(answers, self.backend, spec, kernel_block_size)
+        else:
+            own = None
+        self.kernel_block_size = own
+        builder_spec = spec if own is None else spec.copy_with_new_block_size(own)
         builder_cls = self.backend.get_builder_cls()
-        width = spec.max_num_blocks_per_req(max_model_len) * self.blocks_per_manager_block
+        width = get_block_table_width(
+            spec.max_num_blocks_per_req(max_model_len),
+            spec.block_size,
+            own,
+            token_alignment=None if spec.tokens_per_state <= 0 else 128,
+        )
         kwargs: dict[str, Any] = {}
         if builder_cls.requires_block_table_width:
             kwargs["block_table_width"] = width
-        if self.kernel_block_size is not None:
+        if own is not None:
             self.kernel_block_table = torch.zeros(
                 num_metadata_builders, max_num_seqs, width, dtype=torch.int32, device=device
             )
@@ -163,17 +194,21 @@ class AttentionGroup:
         return out
 
     def map_kv_cache_to_kernel_blocks(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """View a packed cache addressed by manager blocks as kernel blocks.
+        """The kernel view of a layer's view as allocated.
 
-        Only compressed caches (``tokens_per_state > 1``, one head) whose block
-        stride is a whole number of kernel pages can be mapped; the view spans
-        other layers' pages between blocks without addressing them.
+        A dense group was split at allocation, so its view is returned as is. A
+        packed cache addressed by manager blocks is viewed as kernel blocks:
+        only compressed caches (``tokens_per_state > 1``, one head) whose block
+        stride is a whole number of kernel pages can be; the view spans other
+        layers' pages between blocks without addressing them.
         """
         if self.kernel_block_size is None:
             raise ValueError(f"group {self.kv_cache_group_id} does not split blocks")
         spec = self.kv_cache_spec
         kernel_rows = spec.get_num_kernel_states(self.kernel_block_size)
-        if kv_cache.shape[-2] == kernel_rows:
+        if self.negotiated is not None and not self.kernel_block_stride:
+            return kv_cache
+        if self.negotiated is None and kv_cache.shape[-2] == kernel_rows:
             return kv_cache
         if (
             spec.tokens_per_state <= 1
@@ -187,8 +222,15 @@ class AttentionGroup:
                 "layer-compact layout such as LBNHC"
             )
         page_stride = kernel_rows * kv_cache.stride(-2)
-        self.kernel_block_stride = kv_cache.stride(0) // page_stride
-        num_pages = (kv_cache.shape[0] - 1) * self.kernel_block_stride + kv_cache.shape[-2] // kernel_rows
+        stride = kv_cache.stride(0) // page_stride
+        if self.negotiated is not None and stride != self.kernel_block_stride:
+            raise ValueError(
+                f"a view with block stride {kv_cache.stride(0)} elements is not the view group "
+                f"{self.kv_cache_group_id} was negotiated for ({self.kernel_block_stride} kernel "
+                "pages per block); pass the views allocate_kv_cache made for this config"
+            )
+        self.kernel_block_stride = stride
+        num_pages = (kv_cache.shape[0] - 1) * stride + kv_cache.shape[-2] // kernel_rows
         return kv_cache.as_strided(
             (num_pages, *kv_cache.shape[1:-2], kernel_rows, kv_cache.shape[-1]),
             (page_stride, *kv_cache.stride()[1:]),

@@ -3,17 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import pluggy
 import torch
 
-from kvcore.runtime.attn_group import AttentionGroup, flatten_attention_groups
-from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.block_sizes import customize_attention_spec
 from kvcore.memory.config import KVCacheConfig
-from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
-from kvcore.specs import AttentionSpec
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.negotiation import HookAnswers, Negotiation, backend_groups
+from kvcore.runtime.attn_group import AttentionGroup, flatten_attention_groups
 
 
 def build_attention_groups(
@@ -26,43 +23,29 @@ def build_attention_groups(
 
     ``layer_backends`` maps every attention layer of the config to a backend
     class or a registered backend name (state-cache layers without one are
-    left out). Specs are customized here through the
-    plugin hooks; groups keep layer order (a group's layers in config order,
-    groups ordered by their first layer). KV cache groups whose spec has no
-    layer views get an empty list.
+    left out). Specs are customized here through the plugin hooks (for a
+    config planned from raw specs; ``KVCache.create`` customizes before
+    planning and builds its groups from its negotiation record instead).
+    Groups keep layer order (a group's layers in config order, groups ordered
+    by their first layer). KV cache groups whose spec has no layer views get
+    an empty list.
     """
     if not isinstance(layer_backends, Mapping):
         raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
-    pm = resolve_plugin_manager(plugin_manager)
-    out: list[list[AttentionGroup]] = []
-    customized: dict[tuple[type[AttentionBackend], Any], Any] = {}
-    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        if not group.spec_of(group.layer_names[0]).has_layer_views:
-            out.append([])
-            continue
-        by_key: dict[tuple[type[AttentionBackend], Any], AttentionGroup] = {}
-        for name in group.layer_names:
-            if name not in layer_backends:
-                # NOTE: state caches may run without a backend; attention layers may not.
-                if not isinstance(group.spec_of(name), AttentionSpec):
-                    continue
-                raise ValueError(
-                    f"attention layer {name!r} (KV cache group {gid}) has no backend in "
-                    "layer_backends; map every attention layer of the config to a backend"
-                )
-            backend = resolve_backend(layer_backends[name], pm)
-            layer_spec = group.spec_of(name)
-            if (backend, layer_spec) not in customized:
-                customized[backend, layer_spec] = customize_attention_spec(
-                    backend, layer_spec, plugin_manager=pm
-                )
-            spec = customized[backend, layer_spec]
-            if (backend, spec) in by_key:
-                by_key[backend, spec].layer_names.append(name)
-            else:
-                by_key[backend, spec] = AttentionGroup(backend, [name], spec, gid)
-        out.append(list(by_key.values()))
-    return out
+    answers = HookAnswers(plugin_manager)
+    classes = {name: answers.backend(backend) for name, backend in layer_backends.items()}
+    return [
+        [AttentionGroup(backend, names, spec, gid) for (backend, spec), names in by_key.items()]
+        for gid, by_key in enumerate(backend_groups(kv_cache_config, classes, answers, customize=True))
+    ]
+
+
+def attention_groups_from(negotiation: Negotiation) -> list[list[AttentionGroup]]:
+    """The attention groups a negotiation decided, one list per KV cache group."""
+    return [
+        [AttentionGroup.from_negotiation(record, group.group_id) for record in group.backends]
+        for group in negotiation.groups
+    ]
 
 
 def map_kv_caches_to_kernel_blocks(
@@ -71,9 +54,10 @@ def map_kv_caches_to_kernel_blocks(
 ) -> dict[str, torch.Tensor]:
     """The views kernels read: each split group's layers addressed by kernel blocks.
 
-    ``kv_caches`` (manager-block views, which KV connectors keep using) is not
-    changed; layers of groups that do not split blocks keep their view.
-    ``attn_groups`` may be flat or nested per KV cache group.
+    ``kv_caches`` (the views as allocated, which KV connectors keep using) is
+    not changed; layers of groups that do not split blocks keep their view,
+    and so do dense groups, which were split at allocation. ``attn_groups``
+    may be flat or nested per KV cache group.
     """
     mapped = dict(kv_caches)
     for group in flatten_attention_groups(attn_groups):

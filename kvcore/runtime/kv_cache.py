@@ -1,40 +1,51 @@
 """KVCache: the whole path from layer specs to zeroed, kernel-ready views.
 
-One call resolves the layout, lets each backend customize its layers' specs,
-plans the allocation, builds attention groups, picks kernel block sizes,
-allocates, maps kernel views, builds metadata builders and the zeroer. The
-result is what an engine's model runner keeps for its lifetime.
+:meth:`KVCache.create` runs, in this order: customize each layer's spec
+through its backend's hooks (once per distinct backend and spec), resolve
+the layout from the backends' stated layouts, plan, negotiate each KV cache
+group's kernel blocks from the plan and the answers already kept (one
+:class:`~kvcore.plugins.negotiation.GroupNegotiation` per group), allocate
+(dense groups split into kernel blocks there), build the attention groups
+and their metadata builders from that record, map packed groups' kernel
+views, and build the zeroer over the views as allocated. The result is what
+an engine's model runner keeps for its lifetime.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import attrs
 import pluggy
 import torch
 
 from kvcore._validate import positive_int
-from kvcore.runtime.attn_group import AttentionGroup
-from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
-from kvcore.runtime.block_pool import BlockPool
+from kvcore.distributed import agree_layout, agree_num_blocks
 from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.specs import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec
+from kvcore.memory.planner import plan_kv_cache
+from kvcore.memory.views import allocate_kv_cache, checked_device
+from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
+from kvcore.plugins.layouts import resolve_kv_cache_layout
+from kvcore.plugins.negotiation import HookAnswers, Negotiation, negotiate
+from kvcore.runtime.attn_group import AttentionGroup
+from kvcore.runtime.block_pool import BlockPool
+from kvcore.runtime.group_builder import attention_groups_from, map_kv_caches_to_kernel_blocks
+from kvcore.runtime.zeroer import KVBlockZeroer
+from kvcore.specs import AttentionSpec, KVCacheSpec
 
-if TYPE_CHECKING:
-    from kvcore.runtime.zeroer import KVBlockZeroer
 
-
-def _backend_classes(
+def _served_specs(
     layer_specs: Mapping[str, KVCacheSpec],
     layer_backends: Mapping[str, type[AttentionBackend] | str],
-    pm: pluggy.PluginManager,
-) -> dict[str, type[AttentionBackend]]:
-    """``layer_backends`` with registered backend names replaced by their classes."""
-    from kvcore.plugins.registry import resolve_backend
+    answers: HookAnswers,
+) -> tuple[dict[str, KVCacheSpec], dict[str, type[AttentionBackend]]]:
+    """Each layer's spec as its backend stores it, and each layer's backend class.
 
+    The hooks are asked once per distinct (backend, spec): eight identical
+    layers cost one ``kvcore_customize_spec`` call.
+    """
     if not isinstance(layer_specs, Mapping):
         raise TypeError(f"layer_specs must map layer names to KVCacheSpecs, got {layer_specs!r}")
     if not isinstance(layer_backends, Mapping):
@@ -45,7 +56,12 @@ def _backend_classes(
     missing = [n for n, s in layer_specs.items() if isinstance(s, AttentionSpec) and n not in layer_backends]
     if missing:
         raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
-    return {layer: resolve_backend(backend, pm) for layer, backend in layer_backends.items()}
+    backends = {layer: answers.backend(backend) for layer, backend in layer_backends.items()}
+    specs = {
+        name: answers.customized_spec(backends[name], spec) if name in backends else spec
+        for name, spec in layer_specs.items()
+    }
+    return specs, backends
 
 
 @attrs.define(eq=False)
@@ -74,6 +90,7 @@ class KVCache:
     device: torch.device
     max_num_seqs: int
     max_model_len: int
+    negotiation: Negotiation | None = attrs.field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -97,34 +114,15 @@ class KVCache:
         (bytes) and ``num_blocks``. With a ``torch.distributed`` process
         ``group``, all ranks agree on one layout and one block count.
         """
-        from kvcore.plugins.block_sizes import customize_attention_spec, prepare_kernel_block_sizes
-        from kvcore.runtime.group_builder import build_attention_groups, map_kv_caches_to_kernel_blocks
-        from kvcore.plugins.layouts import local_supported_layouts, resolve_kv_cache_layout
-        from kvcore.memory.planner import plan_kv_cache
-        from kvcore.plugins.registry import resolve_plugin_manager
-        from kvcore.memory.views import allocate_kv_cache
-        from kvcore.runtime.zeroer import KVBlockZeroer
-
-        device = torch.device(device)
+        device = checked_device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
-        pm = resolve_plugin_manager(plugin_manager)
-        specs = dict(layer_specs)
-        backends = _backend_classes(specs, layer_backends, pm)
-        # NOTE: specs are customized before planning so that the planner sees
-        # each backend's block stride alignment.
-        specs.update(
-            (name, customize_attention_spec(backends[name], spec, plugin_manager=pm))
-            for name, spec in specs.items()
-            if name in backends and isinstance(spec, AttentionSpec)
-        )
-        pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
-        supported = local_supported_layouts(
-            [b for b, _ in pairs], [s for _, s in pairs], plugin_manager=pm
-        )
+        answers = HookAnswers(plugin_manager)
+        # 1. Customize specs (before planning: the planner sees each backend's alignment).
+        specs, backends = _served_specs(layer_specs, layer_backends, answers)
+        # 2. Resolve the layout (with every rank when a process group is given).
+        supported = answers.common_layouts(list(dict.fromkeys((b, specs[n]) for n, b in backends.items())))
         if group is not None:
-            from kvcore.distributed import agree_layout, agree_num_blocks
-
             layout = agree_layout(supported, specs.values(), group, layout)
             if num_blocks is None:
                 probe = plan_kv_cache(specs, layout, available_memory=available_memory)
@@ -132,26 +130,26 @@ class KVCache:
             num_blocks = agree_num_blocks(num_blocks, group)
         else:
             layout = resolve_kv_cache_layout([supported], specs.values(), layout)
+        # 3. Plan, 4. negotiate kernel blocks once, from the plan and the answers kept in step 1.
         config = plan_kv_cache(specs, layout, available_memory=available_memory, num_blocks=num_blocks)
-        attn_groups = build_attention_groups(config, backends, plugin_manager=pm)
-        kernel_block_sizes = prepare_kernel_block_sizes(config, attn_groups, plugin_manager=pm)
-        # NOTE: kernel_block_sizes skips encoder-only groups; per_group is indexed by group id.
-        per_group = _per_group_kernel_sizes(config, kernel_block_sizes)
-        kv_caches = allocate_kv_cache(config, device, layout, per_group)
-        for group_id, groups in enumerate(attn_groups):
+        negotiation = negotiate(config, backends, answers)
+        # 5. Allocate, 6. attention groups and their builders, 7. kernel views, 8. zeroer.
+        kv_caches = allocate_kv_cache(config, device, layout, negotiation.allocation_kernel_block_sizes)
+        attn_groups = attention_groups_from(negotiation)
+        for record, groups in zip(negotiation.groups, attn_groups):
             for attn_group in groups:
                 attn_group.create_metadata_builders(
                     device,
                     max_num_seqs=max_num_seqs,
                     max_model_len=max_model_len,
-                    kernel_block_size=per_group[group_id],
-                    plugin_manager=pm,
+                    kernel_block_size=record.kernel_block_size,
                 )
-        flat = [g for groups in attn_groups for g in groups]
-        layer_kv_caches = map_kv_caches_to_kernel_blocks(kv_caches, flat)
-        zeroer = KVBlockZeroer(
-            device, flat + _unserved_groups(config, attn_groups), per_group, layer_kv_caches, config.num_blocks
+        layer_kv_caches = map_kv_caches_to_kernel_blocks(kv_caches, attn_groups)
+        rows = negotiation.rows_per_block()
+        zeroer = KVBlockZeroer.from_views(
+            device, {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}, config.num_blocks
         )
+        kernel_block_sizes = negotiation.kernel_block_sizes
         return cls(
             config=config,
             layout=layout,
@@ -164,6 +162,7 @@ class KVCache:
             device=device,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
+            negotiation=negotiation,
         )
 
     @property
@@ -212,25 +211,3 @@ class KVCache:
                 out.update(dict.fromkeys(attn_group.layer_names, metadata))
         return out
 
-
-def _unserved_groups(config: KVCacheConfig, attn_groups: list[list[AttentionGroup]]) -> list[AttentionGroup]:
-    """Zeroer-only groups for KV cache groups no backend serves (state caches).
-
-    Their blocks are handed out by the same pool and must be zeroed too.
-    """
-    return [
-        AttentionGroup(AttentionBackend, group.layer_names, group.kv_cache_spec, group_id)
-        for group_id, (group, served) in enumerate(zip(config.kv_cache_groups, attn_groups))
-        if not served
-        and group.kv_cache_spec.has_layer_views
-        and not isinstance(group.kv_cache_spec, EncoderOnlyAttentionSpec)
-    ]
-
-
-def _per_group_kernel_sizes(config: KVCacheConfig, kernel_block_sizes: list[int]) -> list[int | None]:
-    """Kernel block size per KV cache group (None for encoder-only groups, which get none)."""
-    sizes = iter(kernel_block_sizes)
-    return [
-        None if isinstance(g.spec_of(g.layer_names[0]), EncoderOnlyAttentionSpec) else next(sizes)
-        for g in config.kv_cache_groups
-    ]

@@ -1,0 +1,81 @@
+"""The plugin health check behind ``kvcore plugins``.
+
+Every hook of every registered backend is asked once about one
+representative full-attention spec; a hook that raises or answers the wrong
+type makes the plugin at fault ``unhealthy`` with that error. Each plugin's
+record also shows what its backends declare: kernel block sizes and layouts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pluggy
+import torch
+
+from kvcore.errors import PluginError
+from kvcore.plugins.manager import PluginInfo, collect_backends
+from kvcore.plugins.negotiation import HookAnswers
+from kvcore.plugins.registry import list_plugins, resolve_plugin_manager
+from kvcore.specs import FullAttentionSpec, MultipleOf
+
+#: The spec every backend is asked about: 16-token blocks, 8 KV heads of 128, bf16.
+REPRESENTATIVE_SPEC = FullAttentionSpec(16, 8, 128, torch.bfloat16)
+
+#: Statuses that make ``kvcore plugins`` exit 1.
+BAD_STATUSES = ("failed", "conflict", "unhealthy")
+
+
+def _size_json(size: int | MultipleOf) -> int | str:
+    return f"multiple of {size.base}" if isinstance(size, MultipleOf) else size
+
+
+def check_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[PluginInfo]:
+    """:func:`~kvcore.plugins.registry.list_plugins`, with every backend's hooks asked once.
+
+    Each record's ``kernel_block_sizes`` and ``layouts`` map its backends to
+    what they declare for :data:`REPRESENTATIVE_SPEC` (layouts ``None``: any).
+    """
+    pm = resolve_plugin_manager(plugin_manager)
+    infos = list_plugins(pm)
+    by_name = {info.name: info for info in infos}
+    try:
+        entries = collect_backends(pm).entries
+    except PluginError:
+        entries = {}  # NOTE: list_plugins already marked the plugin that failed
+    answers = HookAnswers(pm)
+    for name, found in entries.items():
+        for backend, owner in found:
+            info = by_name.get(owner)
+            if info is None:
+                continue
+            try:
+                sizes = answers.kernel_block_sizes(backend, REPRESENTATIVE_SPEC)
+                layouts = answers.stated_layouts(backend, REPRESENTATIVE_SPEC)
+                answers.customized_spec(backend, REPRESENTATIVE_SPEC)
+            except PluginError as exc:
+                _mark_unhealthy(by_name, getattr(exc, "plugin_name", None) or owner, str(exc))
+                continue
+            info.kernel_block_sizes[name] = [_size_json(s) for s in sizes]
+            info.layouts[name] = None if layouts is None else [x.name for x in layouts]
+    return infos
+
+
+def _mark_unhealthy(by_name: dict[str, PluginInfo], culprit: str, message: str) -> None:
+    info = by_name.get(culprit)
+    if info is None:  # several wrappers were named together
+        info = next((i for n, i in by_name.items() if n in culprit), None)
+    if info is None:
+        return
+    if info.status == "loaded":
+        info.status = "unhealthy"
+    if message not in (info.error or ""):
+        info.error = "; ".join(filter(None, [info.error, message]))
+
+
+def is_healthy(infos: list[PluginInfo]) -> bool:
+    """No plugin failed, conflicts with another or answered a hook badly."""
+    return not any(info.status in BAD_STATUSES for info in infos)
+
+
+__all__: list[Any] = ["BAD_STATUSES", "REPRESENTATIVE_SPEC", "check_plugins", "is_healthy"]
