@@ -111,15 +111,6 @@ def test_skipped_zeroing_is_caught(ex, pm):
     assert engine.recycled_blocks > 0
 
 
-def test_layout_and_block_size_do_not_change_the_tokens(ex, pm):
-    outputs = []
-    for layout, block_size in [("LBNHC", 16), ("BLHNC", 8), ("LHBNC", 32)]:
-        engine = build(ex, pm, layout=layout, block_size=block_size, num_blocks=40)
-        run(engine)
-        outputs.append(sorted((s.seq_id, s.tokens) for s in engine.finished))
-    assert outputs[0] == outputs[1] == outputs[2]
-
-
 def test_out_of_blocks_for_one_sequence_is_refused(ex, pm):
     engine = build(ex, pm, num_blocks=3, prompts=[], max_new=[])
     with pytest.raises(ValueError, match="needs 3 blocks"):

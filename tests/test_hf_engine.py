@@ -62,6 +62,33 @@ def test_tokens_equal_model_generate_with_waiting_and_recycled_blocks(models, re
         assert stats.window_freed_blocks > 0
 
 
+@pytest.mark.parametrize("layout, block_size", [("BLHNC", 8), ("LHBNC", 32)])
+def test_layout_and_block_size_change_no_token(models, references, layout, block_size):
+    prompts, expected = references
+    engine = Engine(models["gemma3"], layout=layout, block_size=block_size, num_blocks=40, max_num_seqs=4)
+    assert engine.kv.layout.name == layout
+    assert engine.generate(prompts, MAX_NEW) == expected["gemma3"]
+
+
+def test_garbage_in_recycled_blocks_never_reaches_a_token(models, references):
+    # Freed blocks are filled with NaN; a block handed out again is zeroed before the step
+    # writes it, and nothing a step reads is stale: the tokens stay exact.
+    prompts, expected = references
+    engine = Engine(models["llama"], num_blocks=8, max_num_seqs=2, max_num_batched_tokens=16)
+    pool, views = engine.kv.block_pool, engine.kv.layer_kv_caches
+    free = pool.free
+
+    def poisoning_free(block_ids):
+        ids = list(block_ids)
+        for view in views.values():
+            view[torch.tensor(ids)] = float("nan")
+        free(ids)
+
+    pool.free = poisoning_free
+    assert engine.generate(prompts, MAX_NEW) == expected["llama"]
+    assert engine.stats().blocks_allocated > engine.kv.num_blocks
+
+
 def test_gemma3_sliding_and_full_layers_get_separate_block_tables(models):
     engine = Engine(models["gemma3"], num_blocks=16)
     groups = engine.kv.config.kv_cache_groups
@@ -188,3 +215,17 @@ def test_padded_static_decode_step_of_the_cuda_graph_path(models, references):
     assert engine.graphs.sizes == [1, 2, 3]
     assert engine.generate(prompts, MAX_NEW) == expected["mistral"]
     assert engine.stats().graph_steps > 0
+
+
+def test_readme_serving_example_runs(capsys):
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = next(b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "kvcore.hf" in b)
+    namespace: dict = {}
+    exec(compile(block, "README.md", "exec"), namespace)
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].startswith("['model.layers.0.self_attn', 'model.layers.1.self_attn']")
+    assert [len(t) for t in namespace["tokens"]] == [8, 8]
+    assert namespace["tokens"] == reference(namespace["model"], [[5, 6, 7, 8], [9, 10]], 8)
