@@ -151,3 +151,27 @@ def test_map_accepts_flat_and_nested_groups_and_keeps_input(pm):
     assert kv_caches["x"].shape == (3, 1, 16, 16)
     with pytest.raises(TypeError, match="AttentionGroup"):
         map_kv_caches_to_kernel_blocks(kv_caches, [3])
+
+
+class _WidthBuilder(kvcore.AttentionMetadataBuilder):
+    requires_block_table_width = True
+
+
+WIDE = make_backend("wide", get_builder_cls=classmethod(lambda cls: _WidthBuilder))
+
+
+@pytest.mark.parametrize("spec, kernel, width", [
+    (kvcore.FullAttentionSpec(64, 2, 8, torch.float16), 16, 16 * 4),    # 1000 tokens: 16 blocks, x4 kernel blocks
+    (kvcore.FullAttentionSpec(48, 2, 8, torch.float16), None, 24),      # 21 blocks, rows of 384 tokens -> 24
+    (kvcore.MambaSpec(64, [(4, 8)], [torch.float32]), None, 1),          # state slots: no token rounding
+])
+def test_builders_and_kernel_tables_use_the_vllm_row_width(spec, kernel, width):
+    pm = kvcore.get_plugin_manager(autoload=False)
+    plugin = SizeTable({WIDE: [16] if kernel else [MultipleOf(1)]})
+    pm.register(plugin)
+    group = kvcore.AttentionGroup(WIDE, ["x"], spec, 0)
+    group.create_metadata_builders("cpu", max_num_seqs=3, max_model_len=1000, kernel_block_size=kernel,
+                                   plugin_manager=pm)
+    assert group.get_metadata_builder().block_table_width == width
+    if kernel:
+        assert group.kernel_block_table.shape == (1, 3, width)

@@ -220,3 +220,33 @@ def test_prepare_keeps_manager_size_for_block_outermost_packed(pm):
     assert kvcore.prepare_kernel_block_sizes(dense, groups, plugin_manager=pm) == [16]
     with pytest.raises(ValueError, match="attn_groups has 0 entries but KV cache group 0"):
         kvcore.prepare_kernel_block_sizes(dense, [], plugin_manager=pm)
+
+
+@pytest.mark.parametrize(
+    "args, kwargs, width",
+    [((1875, 64), {}, 1876), ((3, 64), {}, 4), ((5, 48), {}, 8), ((5, 48, 16), {}, 24),
+     ((5, 48), {"token_alignment": None}, 5), ((1, 256, 64), {}, 4)],
+)
+def test_block_table_width_worked_examples(args, kwargs, width):
+    assert kvcore.get_block_table_width(*args, **kwargs) == width
+
+
+@settings(max_examples=80, deadline=None, derandomize=True)
+@given(blocks=st.integers(1, 3000), block_size=st.sampled_from([1, 3, 16, 48, 64, 96, 128, 256]),
+       align=st.sampled_from([None, 1, 64, 128, 100]))
+def test_block_table_rows_cover_the_fewest_aligned_tokens(blocks, block_size, align):
+    width = kvcore.get_block_table_width(blocks, block_size, token_alignment=align)
+    assert width >= blocks
+    if align is None:
+        assert width == blocks
+        return
+    assert (width * block_size) % align == 0
+    smaller = [w for w in range(blocks, width) if (w * block_size) % align == 0]
+    assert not smaller  # the first width at or above `blocks` that aligns
+
+
+def test_block_table_width_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="not divisible by kernel block size 5"):
+        kvcore.get_block_table_width(4, 16, 5)
+    with pytest.raises(ValueError, match="max_num_blocks must be a positive integer, got 0"):
+        kvcore.get_block_table_width(0, 16)

@@ -264,3 +264,13 @@ def test_encoder_only_layers_get_no_pages_but_do_not_break_create(pm):
     assert kv.begin_step() == blocks
     for view in kv.kv_caches.values():
         assert torch.all(view[blocks] == 0) and torch.all(view[[b for b in range(6) if b not in blocks]] == 3.0)
+
+
+def test_create_names_a_missing_cuda_device_and_an_oversized_cache(pm, monkeypatch):
+    from kvcore.errors import KVCoreError
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(KVCoreError, match="device 'cuda' was requested but this torch has no usable CUDA"):
+        create(pm, device="cuda")
+    with pytest.raises(KVCoreError, match=r"cannot allocate the \d[\d,.]* TiB KV cache on cpu.*less memory"):
+        create(pm, num_blocks=None, available_memory=1 << 52)

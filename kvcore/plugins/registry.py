@@ -281,11 +281,12 @@ def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[Plu
         owners = [owner for _, owner in found]
         for owner in owners:
             info = by_name[owner]
-            others = " and ".join(describe_plugin(pm, o) for o in owners if o != owner)
+            rivals = [o for o in owners if o != owner]
+            others = " and ".join(describe_plugin(pm, o) for o in rivals)
             info.status = "conflict"
             info.error = "; ".join(filter(None, [info.error, (
                 f"backend name {name!r} is also registered by {others}; neither is used. "
-                f"Block one with KVCORE_BLOCK_PLUGINS"
+                f"Block one: KVCORE_BLOCK_PLUGINS={','.join(rivals)} or KVCORE_BLOCK_PLUGINS={owner}"
             )]))
     for info in out:
         plugin = pm.get_plugin(info.name)
