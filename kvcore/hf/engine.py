@@ -22,18 +22,13 @@ from kvcore import BlockPool, ChunkedLocalAttentionSpec, KVCache, SlidingWindowS
 from kvcore._validate import positive_int
 from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.batch import StepInputs, build_step_inputs
+from kvcore.hf.checks import attention_modules, check_model, default_memory, eos_ids
 from kvcore.hf.graphs import DecodeGraphs, graphs_wanted
 from kvcore.hf.requests import Request, check_prompt
 from kvcore.hf.scheduler import Scheduler
-from kvcore.hf.specs import SERVED_MODEL_TYPES, check_servable, specs_from_config
+from kvcore.hf.specs import specs_from_config
 from kvcore.hf.stats import PHASES, EngineStats
 from kvcore.hf.tp import resolve_tp, shard_specs
-
-#: KV cache memory when neither ``num_blocks`` nor ``available_memory`` is given, on a CPU.
-CPU_DEFAULT_MEMORY = 256 << 20
-#: Fraction of the free device memory the cache takes by default on a GPU.
-GPU_MEMORY_FRACTION = 0.9
-
 
 @attrs.define
 class _Counts:
@@ -44,46 +39,6 @@ class _Counts:
     blocks_zeroed: int = 0
     graph_steps: int = 0
     times: dict[str, float] = attrs.field(factory=lambda: dict.fromkeys(PHASES, 0.0))
-
-
-def _check_model(model: Any) -> None:
-    config = getattr(model, "config", None)
-    model_type = getattr(config, "model_type", None)
-    if not isinstance(model, torch.nn.Module) or config is None:
-        raise TypeError(f"model must be a transformers causal LM (a torch.nn.Module with a config), got {model!r}")
-    check_servable(config)
-    if model_type not in SERVED_MODEL_TYPES:
-        raise ValueError(
-            f"kvcore.hf serves the model types {list(SERVED_MODEL_TYPES)}; {type(model).__name__} is "
-            f"{model_type!r}, whose modeling code kvcore has not verified token for token"
-        )
-
-
-def _attention_modules(model: torch.nn.Module, names: Sequence[str]) -> dict[str, torch.nn.Module]:
-    modules = dict(model.named_modules())
-    missing = [n for n in names if n not in modules]
-    if missing:
-        raise ValueError(
-            f"{type(model).__name__} has no attention modules {missing[:2]}...; pass the "
-            "*ForCausalLM model (its decoder layers are model.layers.<i>)"
-        )
-    for name in names:
-        if getattr(modules[name], "sinks", None) is not None:
-            raise ValueError(f"{name} has attention sinks, which no kvcore backend implements")
-    return {n: modules[n] for n in names}
-
-
-def _default_memory(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0] * GPU_MEMORY_FRACTION)
-    return CPU_DEFAULT_MEMORY
-
-
-def _eos_ids(model: Any) -> frozenset[int]:
-    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 class Engine:
@@ -118,7 +73,7 @@ class Engine:
         group: Any = None,
         cuda_graphs: bool | None = None,
     ) -> None:
-        _check_model(model)
+        check_model(model)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
@@ -133,9 +88,9 @@ class Engine:
         chunked = [n for n, s in specs.items() if isinstance(s, ChunkedLocalAttentionSpec)]
         if chunked:
             raise ValueError(f"{chunked[0]} uses chunked local attention, which no kvcore backend implements")
-        modules = _attention_modules(model, list(specs))
+        modules = attention_modules(model, list(specs))
         if num_blocks is None and available_memory is None:
-            available_memory = _default_memory(self.device)
+            available_memory = default_memory(self.device)
         self.kv = KVCache.create(
             specs, dict.fromkeys(specs, backend), device=self.device, layout=layout,
             num_blocks=num_blocks, available_memory=available_memory,
@@ -149,7 +104,7 @@ class Engine:
         )
         self._layers = {module: self._bind(name) for name, module in modules.items()}
         self._block_sizes = [self.kv.block_size(g) for g in range(self.kv.num_groups)]
-        self._eos = _eos_ids(model)
+        self._eos = eos_ids(model)
         self._counts = _Counts()
         self._next_id = 0
         self._done: dict[int, list[int]] = {}
