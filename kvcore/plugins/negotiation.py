@@ -2,11 +2,11 @@
 
 :class:`HookAnswers` asks each hook at most once per distinct (backend, spec)
 and keeps the answer. :func:`negotiate` turns a plan and those answers into
-one frozen :class:`GroupNegotiation` per KV cache group — backends, the
-customized spec, the kernel block size, the split ratio of the views as
-allocated and each backend's kernel block stride — which the allocator,
-attention groups, metadata builders and zeroer then read instead of asking
-again. The public helpers of :mod:`kvcore.plugins.block_sizes` and
+one frozen :class:`~kvcore.plugins.records.GroupNegotiation` per KV cache
+group — backends, the customized spec, the kernel block size, the split
+ratio of the views as allocated and each backend's kernel block stride —
+which the allocator, attention groups, metadata builders and zeroer then
+read instead of asking again. The public helpers of :mod:`kvcore.plugins.block_sizes` and
 :mod:`kvcore.plugins.layouts` are thin one-shot wrappers over the same code.
 """
 
@@ -25,7 +25,8 @@ from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.checks import check_layouts, check_sizes, check_spec
 from kvcore.plugins.manager import call_first
 from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
-from kvcore.plugins.selection import accepts, fixed_sizes, pick_common_block_size
+from kvcore.plugins.records import BackendNegotiation, GroupNegotiation, Negotiation
+from kvcore.plugins.selection import fixed_sizes, pick_common_block_size
 from kvcore.specs import AttentionSpec, KVCacheSpec, MultipleOf, UniformTypeKVCacheSpecs
 
 ALL_LAYOUTS: tuple[KVCacheLayout, ...] = tuple(KVCacheLayout)
@@ -51,7 +52,7 @@ class HookAnswers:
         self.pm = resolve_plugin_manager(plugin_manager)
         self._sizes: dict[Any, list[int | MultipleOf]] = {}
         self._specs: dict[Any, KVCacheSpec] = {}
-        self._layouts: dict[Any, list[KVCacheLayout]] = {}
+        self._layouts: dict[Any, list[KVCacheLayout] | None] = {}
         self._keep: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
 
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
@@ -142,68 +143,6 @@ def can_split(spec: KVCacheSpec) -> bool:
     spec storing one state per block (``tokens_per_state <= 0``) keeps whole blocks.
     """
     return spec.has_layer_views and _is_attention(spec) and spec.tokens_per_state > 0
-
-
-@attrs.frozen
-class BackendNegotiation:
-    """One attention group's answer: its backend, layers, spec and kernel blocks.
-
-    ``kernel_block_size`` is None when kernel blocks equal manager blocks.
-    ``kernel_block_stride`` is 0 when the kernel blocks of manager block ``b``
-    are ``b * ratio + j`` (dense pages), else the kernel pages between two
-    blocks of a packed cache (``b * stride + j``).
-    """
-
-    backend: type[AttentionBackend]
-    layer_names: tuple[str, ...]
-    kv_cache_spec: KVCacheSpec
-    group_kernel_block_size: int | None
-    kernel_block_size: int | None = None
-    kernel_block_stride: int = 0
-
-
-@attrs.frozen
-class GroupNegotiation:
-    """What one KV cache group was negotiated to.
-
-    ``kernel_block_size`` is the group's (None for a group without pages);
-    ``ratio`` is how many consecutive rows of each view *as allocated* make one
-    manager block (> 1 only for a dense group split at allocation).
-    """
-
-    group_id: int
-    layer_names: tuple[str, ...]
-    kv_cache_spec: KVCacheSpec
-    kernel_block_size: int | None
-    ratio: int
-    has_pages: bool
-    backends: tuple[BackendNegotiation, ...]
-
-
-@attrs.frozen
-class Negotiation:
-    """One :class:`GroupNegotiation` per KV cache group of a plan, in group order."""
-
-    groups: tuple[GroupNegotiation, ...]
-
-    @property
-    def kernel_block_sizes(self) -> list[int]:
-        """One kernel block size per group that has pages (``prepare_kernel_block_sizes``' list)."""
-        return [g.kernel_block_size for g in self.groups if g.kernel_block_size is not None]
-
-    @property
-    def allocation_kernel_block_sizes(self) -> list[int | None]:
-        """Per group, what ``allocate_kv_cache`` splits views by (None: keep blocks)."""
-        return [g.kernel_block_size if g.ratio > 1 else None for g in self.groups]
-
-    def rows_per_block(self) -> dict[str, int]:
-        """Layer name -> rows of its allocated view per manager block, for layers with pages."""
-        return {
-            name: g.ratio
-            for g in self.groups
-            if g.has_pages and g.kv_cache_spec.has_layer_views
-            for name in g.layer_names
-        }
 
 
 def is_packed(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
@@ -350,7 +289,6 @@ __all__ = [
     "GroupNegotiation",
     "HookAnswers",
     "Negotiation",
-    "accepts",
     "backend_groups",
     "backend_kernel_block_size",
     "can_split",

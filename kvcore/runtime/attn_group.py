@@ -15,7 +15,8 @@ import torch
 
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.plugins.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
-from kvcore.plugins.negotiation import BackendNegotiation, HookAnswers, backend_kernel_block_size
+from kvcore.plugins.negotiation import HookAnswers, backend_kernel_block_size
+from kvcore.plugins.records import BackendNegotiation
 from kvcore.plugins.selection import get_block_table_width
 from kvcore.specs import KVCacheSpec
 

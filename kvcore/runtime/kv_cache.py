@@ -28,7 +28,8 @@ from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache, checked_device
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore.plugins.layouts import resolve_kv_cache_layout
-from kvcore.plugins.negotiation import HookAnswers, Negotiation, negotiate
+from kvcore.plugins.negotiation import HookAnswers, negotiate
+from kvcore.plugins.records import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.group_builder import attention_groups_from, map_kv_caches_to_kernel_blocks
