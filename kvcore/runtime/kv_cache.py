@@ -4,7 +4,7 @@
 through its backend's hooks (once per distinct backend and spec), resolve
 the layout from the backends' stated layouts, plan, negotiate each KV cache
 group's kernel blocks from the plan and the answers already kept (one
-:class:`~kvcore.plugins.negotiation.GroupNegotiation` per group), allocate
+:class:`~kvcore.plugins.records.GroupNegotiation` per group), allocate
 (dense groups split into kernel blocks there), build the attention groups
 and their metadata builders from that record, map packed groups' kernel
 views, and build the zeroer over the views as allocated. The result is what
