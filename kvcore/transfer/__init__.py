@@ -17,13 +17,8 @@ from kvcore.transfer.descriptor import (
     StateSlice,
 )
 from kvcore.transfer.host_pool import HostKVPool
-from kvcore.transfer.nixl import (
-    IncompatiblePeerError,
-    NixlAgent,
-    NixlUnavailableError,
-    TransferError,
-    TransferHandle,
-)
+from kvcore.transfer.nixl import IncompatiblePeerError, NixlAgent
+from kvcore.transfer.nixl_api import NixlUnavailableError, TransferError, TransferHandle
 from kvcore.transfer.plan import Region, plan_transfer
 
 __all__ = [

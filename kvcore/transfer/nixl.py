@@ -10,12 +10,8 @@ NIXL is optional: ``pip install kvcore[nixl]``.
 
 from __future__ import annotations
 
-import importlib
 import struct
-import time
 from typing import Any
-
-import torch
 
 from kvcore.errors import KVCoreError
 from kvcore.runtime.kv_cache import KVCache
@@ -25,43 +21,21 @@ from kvcore.transfer.describe import describe
 from kvcore.transfer.heads import head_slice_mismatch, pair_head_rows
 from kvcore.transfer.host_pool import group_selection, raw_allocation, whole_block_patterns
 from kvcore.transfer.ids import paired_ids
+from kvcore.transfer.nixl_api import (
+    TransferError,
+    TransferHandle,
+    descriptor_rows,
+    mem_type,
+    nixl_api,
+    xfer_array,
+)
 from kvcore.transfer.pairs import PairedRuns, pair_runs
 
 _MAGIC = b"kvcore-nixl/1\n"
 
 
-class NixlUnavailableError(ImportError):
-    """NIXL is not installed (or does not import)."""
-
-
 class IncompatiblePeerError(KVCoreError):
     """A peer's KV cache cannot exchange blocks with this one; the message says why."""
-
-
-class TransferError(RuntimeError):
-    """NIXL reported a failed transfer."""
-
-
-def nixl_api() -> tuple[Any, Any]:
-    """``(nixl_agent, nixl_agent_config)`` from ``nixl`` or, failing that, ``nixl_cu12``."""
-    errors = []
-    for module in ("nixl._api", "nixl_cu12._api"):
-        try:
-            # NOTE: NIXL is an optional dependency, imported only when an agent is made.
-            api = importlib.import_module(module)
-            return api.nixl_agent, api.nixl_agent_config
-        except ImportError as exc:
-            errors.append(f"{module}: {exc}")
-    raise NixlUnavailableError(
-        "NixlAgent needs NIXL, which does not import here (" + "; ".join(errors) + "); "
-        "install it with `pip install kvcore[nixl]`"
-    )
-
-
-def _mem_type(device: str) -> tuple[str, int]:
-    if device.startswith("cuda"):
-        return "VRAM", int(device.partition(":")[2] or 0)
-    return "DRAM", 0
 
 
 def _pack(name: str, descriptor: KVCacheDescriptor, agent_metadata: bytes) -> bytes:
@@ -77,38 +51,6 @@ def _unpack(data: bytes) -> tuple[str, KVCacheDescriptor, bytes]:
     name = bytes(data[head : head + n_name]).decode()
     desc = KVCacheDescriptor.from_json(bytes(data[head + n_name : head + n_name + n_desc]))
     return name, desc, bytes(data[head + n_name + n_desc :])
-
-
-class TransferHandle:
-    """One NIXL transfer in flight; :meth:`wait` returns when its bytes have moved."""
-
-    def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int) -> None:
-        self._agent, self._handle = agent, handle
-        self.num_runs, self.nbytes = num_runs, nbytes
-
-    def done(self) -> bool:
-        if self._handle is None:
-            return True
-        state = self._agent.check_xfer_state(self._handle)
-        if state == "ERR":
-            self._release()
-            raise TransferError("NIXL reported an error for this transfer")
-        if state == "DONE":
-            self._release()
-            return True
-        return False
-
-    def wait(self, timeout: float | None = None) -> None:
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while not self.done():
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"NIXL transfer not done after {timeout} s")
-            time.sleep(0)
-
-    def _release(self) -> None:
-        if self._handle is not None:
-            self._agent.release_xfer_handle(self._handle)
-            self._handle = None
 
 
 class NixlAgent:
@@ -237,13 +179,13 @@ class NixlAgent:
                 else (part.dst_allocation, part.dst_offsets, part.src_allocation, part.src_offsets)
             )
             la, ra = self.descriptor.allocations[l_alloc], remote.allocations[r_alloc]
-            local_rows.append(_rows(la.base_ptr, l_off, part.lengths, _mem_type(la.device)[1]))
-            remote_rows.append(_rows(ra.base_ptr, r_off, part.lengths, _mem_type(ra.device)[1]))
-        local_type = _mem_type(self.descriptor.allocations[0].device)[0]
-        remote_type = _mem_type(remote.allocations[0].device)[0]
+            local_rows.append(descriptor_rows(la.base_ptr, l_off, part.lengths, mem_type(la.device)[1]))
+            remote_rows.append(descriptor_rows(ra.base_ptr, r_off, part.lengths, mem_type(ra.device)[1]))
+        local_type = mem_type(self.descriptor.allocations[0].device)[0]
+        remote_type = mem_type(remote.allocations[0].device)[0]
         try:
-            local = self._agent.get_xfer_descs(_concat(local_rows), local_type)
-            far = self._agent.get_xfer_descs(_concat(remote_rows), remote_type)
+            local = self._agent.get_xfer_descs(xfer_array(local_rows), local_type)
+            far = self._agent.get_xfer_descs(xfer_array(remote_rows), remote_type)
             handle = self._agent.initialize_xfer(op, local, far, peer)
             state = self._agent.transfer(handle)
         except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
@@ -268,14 +210,3 @@ class NixlAgent:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _rows(base: int, offsets, lengths, device_id: int):
-    """``[address, length, device id]`` rows (int64, CPU) of one allocation's runs."""
-    return torch.stack([offsets + base, lengths, torch.full_like(lengths, device_id)], dim=1)
-
-
-def _concat(rows):
-    """NIXL's Nx3 descriptor array (numpy comes with NIXL, so it is imported only here)."""
-    np = importlib.import_module("numpy")
-    return torch.cat(rows).numpy().astype(np.uint64)
