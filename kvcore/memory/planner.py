@@ -28,7 +28,10 @@ with a dry run, so a named layout really plans the model.
 A ``UniformTypeKVCacheSpecs`` group holds layers of different shapes: each
 distinct shape becomes one tensor, placed after the previous one (at a byte
 offset in the allocation for layer-compact layouts, inside the block for
-block-outermost layouts).
+block-outermost layouts), those with the largest element size first so that
+every tensor starts at a multiple of its element size. Every tensor is
+checked as ``allocate_kv_cache`` will check it (aligned start and strides,
+last byte inside the allocation), so an accepted plan allocates.
 """
 
 from __future__ import annotations
