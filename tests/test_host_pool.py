@@ -127,3 +127,22 @@ def test_cuda_round_trip_through_pinned_host_memory(layout):
         got = bits(view)[block_rows(kv, name, [4, 6, 2]).cuda()]
         assert torch.equal(got, before[name][block_rows(kv, name, [1, 2, 5]).cuda()]), name
     assert int(kv_raw.count_nonzero()) <= 3 * pool.block_bytes
+
+
+@pytest.mark.parametrize("layout, copies", [("LBNHC", 2), ("LHBNC", 2), ("BLNHC", 3)])
+def test_staged_copies_store_the_same_slots_as_one_copy_per_run(layout, copies):
+    """Layer-compact blocks are gathered on the device first: same host bytes, one copy per slot."""
+    kv = make_cache("uniform", layout)
+    fill_random(kv, seed=13)
+    staged, direct = HostKVPool(kv, 4), HostKVPool(kv, 4, staging=False)
+    handle = staged.offload([5, 1, 3], [2, 3, 0])
+    direct.offload([5, 1, 3], [2, 3, 0])
+    assert torch.equal(staged.host, direct.host) and staged.host.count_nonzero() > 0
+    # staged: host slots 2, 3 are consecutive, one copy, slot 0 another; BLNHC has one run per block
+    assert handle.num_runs == copies
+    before = raw_buffer(kv).clone()
+    staged.restore([2, 3, 0], [2, 4, 6])
+    after_staged = raw_buffer(kv).clone()
+    raw_buffer(kv).copy_(before)
+    direct.restore([2, 3, 0], [2, 4, 6])
+    assert torch.equal(raw_buffer(kv), after_staged)

@@ -1,8 +1,9 @@
 """``kvcore bench transfer``: host offload / restore and NIXL loopback against the memcpy ceiling.
 
 For each layout, moves random (non-consecutive) blocks of a model's KV cache:
-``HostKVPool.offload`` (device to pinned host) and ``restore`` (back), each
-against one pinned ``cudaMemcpyAsync`` (``copy_(non_blocking=True)``) of the
+``HostKVPool.offload`` (device to pinned host) and ``restore`` (back), with
+layer-compact blocks gathered on the device first and, beside it, one copy
+per run (``staging=False``), each against one pinned ``cudaMemcpyAsync`` (``copy_(non_blocking=True)``) of the
 same byte count measured in the same run; and, where NIXL imports, a write
 between two agents of one process (UCX loopback, host memory) against a host
 ``copy_`` of the same bytes. Prints the runs each block takes per layout.
@@ -85,6 +86,7 @@ def _host_rows(args, layout, device, timer, gen) -> list[dict[str, Any]]:
     most = max(args.blocks)
     kv = _cache(args, layout, 2 * most + 1, device)
     pool = HostKVPool(kv, most)
+    direct = HostKVPool(kv, most, staging=False)  # one copy per run, for comparison
     desc = describe(kv)
     device_buf = torch.empty(pool.host.numel(), dtype=torch.int8, device=device)
     rows = []
@@ -97,17 +99,21 @@ def _host_rows(args, layout, device, timer, gen) -> list[dict[str, Any]]:
         host, dev = pool.host[:nbytes], device_buf[:nbytes]
         row = {"layout": layout.name, "blocks": n, "bytes": nbytes, "block_bytes": nbytes // n,
                "runs": len(regions), "runs_per_block": len(regions) / n,
-               "copies": sum(p.num_runs for p in pool.plan(ids, slots))}
+               "copies": pool.offload(ids, slots).num_runs,
+               "direct_copies": sum(p.num_runs for p in pool.plan(ids, slots))}
         row["offload_us"] = timer.gpu_us(lambda: pool.offload(ids, slots, non_blocking=True))
         row["restore_us"] = timer.gpu_us(lambda: pool.restore(slots, ids, non_blocking=True))
+        staged = row["copies"] != row["direct_copies"]
+        row["direct_offload_us"] = timer.gpu_us(lambda: direct.offload(ids, slots, non_blocking=True)) if staged else None
+        row["direct_restore_us"] = timer.gpu_us(lambda: direct.restore(slots, ids, non_blocking=True)) if staged else None
         row["d2h_memcpy_us"] = timer.gpu_us(lambda: host.copy_(dev, non_blocking=True))
         row["h2d_memcpy_us"] = timer.gpu_us(lambda: dev.copy_(host, non_blocking=True))
-        for key in ("offload", "restore", "d2h_memcpy", "h2d_memcpy"):
-            row[f"{key}_gbps"] = _gbps(nbytes, row[f"{key}_us"])
+        for key in ("offload", "restore", "d2h_memcpy", "h2d_memcpy", "direct_offload", "direct_restore"):
+            row[f"{key}_gbps"] = _gbps(nbytes, row[f"{key}_us"]) if row[f"{key}_us"] else None
         row["offload_vs_memcpy"] = row["d2h_memcpy_us"] / row["offload_us"]
         row["restore_vs_memcpy"] = row["h2d_memcpy_us"] / row["restore_us"]
         rows.append(row)
-    del kv, pool, device_buf
+    del kv, pool, direct, device_buf
     return rows
 
 
@@ -168,6 +174,12 @@ def _print(result: dict[str, Any]) -> None:
                  f"{r['offload_gbps']:.1f}", f"{r['d2h_memcpy_gbps']:.1f}", f"{r['offload_vs_memcpy']:.3f}",
                  f"{r['restore_gbps']:.1f}", f"{r['h2d_memcpy_gbps']:.1f}", f"{r['restore_vs_memcpy']:.3f}")
         print("  ".join(f"{c:>12}" for c in cells))
+    direct = [r for r in result["host"] if r["direct_offload_us"]]
+    if direct:
+        print("one copy per run instead of a device gather (staging=False): offload / restore GB/s")
+        for r in direct:
+            print(f"{r['layout']:>12}  {r['blocks']:>12}  {r['direct_copies']:>8} copies  "
+                  f"{r['direct_offload_gbps']:.1f} / {r['direct_restore_gbps']:.1f}")
     if result["nixl_skipped"]:
         print(f"NIXL loopback skipped: {result['nixl_skipped']}")
         return

@@ -3,9 +3,10 @@
 Host block ``h`` is a slot of ``block_bytes`` bytes holding one manager
 block's runs back to back (no padding). Offload and restore copy the paired
 runs of :func:`~kvcore.transfer.pairs.pair_runs`: one copy per block in a
-block-outermost layout (one per streak of consecutive ids on both sides), one
-per layer and block in a layer-compact one. On CUDA the mirror is pinned and
-copies are asynchronous on the current stream.
+block-outermost layout (one per streak of consecutive ids on both sides). A
+block of many equal runs (a layer-compact layout) is gathered on the device
+into slot order first, then moved one slot per copy (``staging``). On CUDA
+the mirror is pinned and copies are asynchronous on the current stream.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from kvcore.transfer.describe import describe
 from kvcore.transfer.ids import paired_ids
 from kvcore.transfer.pairs import PairedRuns, packed_patterns, pair_runs
 from kvcore.transfer.plan import BlockPattern, block_patterns
+from kvcore.transfer.staging import StagedPlan, run_table, staged_plan
 
 
 class CopyHandle:
@@ -72,11 +74,14 @@ class HostKVPool:
     block). Restore with the ``group_id`` used to offload.
     """
 
-    def __init__(self, kv_cache: KVCache, num_host_blocks: int, *, pin_memory: bool | None = None) -> None:
+    def __init__(self, kv_cache: KVCache, num_host_blocks: int, *, pin_memory: bool | None = None,
+                 staging: bool = True) -> None:
         if not isinstance(kv_cache, KVCache):
             raise TypeError(f"HostKVPool needs a kvcore.KVCache, got {type(kv_cache).__name__}")
         self.num_host_blocks = positive_int("num_host_blocks", num_host_blocks)
         self.kv_cache = kv_cache
+        #: Gather blocks made of many equal runs on the device first (``kvcore.transfer.staging``).
+        self.staging = bool(staging)
         self.descriptor = describe(kv_cache)
         self.device = kv_cache.device
         self._device_buf = raw_allocation(kv_cache)
@@ -104,6 +109,15 @@ class HostKVPool:
             raise ValueError(f"host block {host_id!r} is not an integer in [0, {self.num_host_blocks})")
         return self.host[host_id * self.block_bytes : (host_id + 1) * self.block_bytes]
 
+    def _ids(self, device_ids: Any, host_ids: Any, to_host: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        n_dev, n_host = self.descriptor.num_blocks, self.num_host_blocks
+        if to_host:
+            return paired_ids(device_ids, n_dev, host_ids, n_host, src_what="device block id",
+                              dst_what="host block id", dst_null_ok=True)
+        host, dev = paired_ids(host_ids, n_host, device_ids, n_dev, src_what="host block id",
+                               dst_what="device block id", src_null_ok=True)
+        return dev, host
+
     def plan(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
              to_host: bool = True) -> list[PairedRuns]:
         """Validated copies between device blocks and host slots (device side = ``src``).
@@ -111,13 +125,7 @@ class HostKVPool:
         Device ids exclude the null block 0; host ids are ``[0, num_host_blocks)``;
         the destination side (host when ``to_host``) may not repeat an id.
         """
-        n_dev, n_host = self.descriptor.num_blocks, self.num_host_blocks
-        if to_host:
-            dev, host = paired_ids(device_ids, n_dev, host_ids, n_host, src_what="device block id",
-                                   dst_what="host block id", dst_null_ok=True)
-        else:
-            host, dev = paired_ids(host_ids, n_host, device_ids, n_dev, src_what="host block id",
-                                   dst_what="device block id", src_null_ok=True)
+        dev, host = self._ids(device_ids, host_ids, to_host)
         host_patterns, _ = self._host_side(group_id)
         return pair_runs(self._device_side(group_id), dev, host_patterns, host)
 
@@ -128,14 +136,39 @@ class HostKVPool:
         Returns once the copies are done unless ``non_blocking`` (then call
         ``wait()`` on the handle before reading the host slots).
         """
-        plan = self.plan(device_ids, host_ids, group_id=group_id, to_host=True)
-        return self._copy(plan, to_host=True, non_blocking=non_blocking)
+        return self._move(device_ids, host_ids, group_id, to_host=True, non_blocking=non_blocking)
 
     def restore(self, host_ids: Any, device_ids: Any, *, group_id: int | None = None,
                 non_blocking: bool = False) -> CopyHandle:
         """Copy host slots ``host_ids`` back into device blocks ``device_ids`` (pairwise)."""
-        plan = self.plan(device_ids, host_ids, group_id=group_id, to_host=False)
-        return self._copy(plan, to_host=False, non_blocking=non_blocking)
+        return self._move(device_ids, host_ids, group_id, to_host=False, non_blocking=non_blocking)
+
+    def _move(self, device_ids: Any, host_ids: Any, group_id: int | None, *, to_host: bool,
+              non_blocking: bool) -> CopyHandle:
+        dev, host = self._ids(device_ids, host_ids, to_host)
+        patterns = self._device_side(group_id)
+        staged = staged_plan(patterns, dev, host, self.block_bytes) if self.staging else None
+        if staged is not None:
+            return self._staged_copy(staged, to_host=to_host, non_blocking=non_blocking)
+        host_patterns, _ = self._host_side(group_id)
+        return self._copy(pair_runs(patterns, dev, host_patterns, host), to_host=to_host, non_blocking=non_blocking)
+
+    def _staged_copy(self, staged: StagedPlan, *, to_host: bool, non_blocking: bool) -> CopyHandle:
+        table = run_table(self._device_buf, staged.run_bytes)
+        rows = staged.rows.to(self.device)
+        asynchronous = self.device.type == "cuda"
+        c = staged.copies
+        pieces = list(zip(c.src_offsets.tolist(), c.dst_offsets.tolist(), c.lengths.tolist()))
+        if to_host:
+            buffer = table.index_select(0, rows).view(-1)
+            for s, h, n in pieces:
+                self.host[h : h + n].copy_(buffer[s : s + n], non_blocking=asynchronous)
+        else:
+            buffer = torch.empty(staged.nbytes, dtype=torch.int8, device=self.device)
+            for s, h, n in pieces:
+                buffer[s : s + n].copy_(self.host[h : h + n], non_blocking=asynchronous)
+            table.index_copy_(0, rows, buffer.view(-1, staged.run_bytes))
+        return self._finish(CopyHandle(None, c.num_runs, staged.nbytes), non_blocking)
 
     def _copy(self, plan: list[PairedRuns], *, to_host: bool, non_blocking: bool) -> CopyHandle:
         device_buf, host_buf = self._device_buf, self.host
@@ -148,11 +181,12 @@ class HostKVPool:
                 else:
                     device_buf[d : d + n].copy_(host_buf[h : h + n], non_blocking=asynchronous)
             runs, nbytes = runs + part.num_runs, nbytes + part.nbytes
-        event = None
-        if asynchronous:
-            event = torch.cuda.Event()
-            event.record()
-        handle = CopyHandle(event, runs, nbytes)
+        return self._finish(CopyHandle(None, runs, nbytes), non_blocking)
+
+    def _finish(self, handle: CopyHandle, non_blocking: bool) -> CopyHandle:
+        if self.device.type == "cuda":
+            handle._event = torch.cuda.Event()
+            handle._event.record()
         if not non_blocking:
             handle.wait()
         return handle
