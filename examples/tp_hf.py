@@ -10,6 +10,10 @@ and compares the greedy tokens; both runs' output tokens/s are printed.
 Run (CPU, gloo):   python -m torch.distributed.run --nproc-per-node 2 examples/tp_hf.py
 Run (GPUs, NCCL):  torchrun --nproc-per-node 2 examples/tp_hf.py --dtype bfloat16
 A checkpoint:      torchrun --nproc-per-node 2 examples/tp_hf.py --model DIR
+Issue #19's ~1B Llama (bf16, tokens equal only in float32):
+    torchrun --nproc-per-node 2 examples/tp_hf.py --dtype bfloat16 --hidden 2048 --layers 16 \
+        --heads 32 --kv-heads 8 --vocab 32000 --num-prompts 256 --prompt-len 256 --max-new-tokens 128 \
+        --max-num-seqs 256
 Needs transformers and accelerate (transformers' tensor-parallel loader uses it).
 """
 

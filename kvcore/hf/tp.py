@@ -125,9 +125,9 @@ def shard_model(model: PreTrainedModel, group: Any = None) -> PreTrainedModel:
     _, tp_size = tp_group_size(group)
     if tp_size == 1:
         return model
-    if (getattr(model, "_tp_size", None) or 1) > 1:
+    if (getattr(model, "tp_size", None) or 1) > 1:
         raise ValueError(
-            f"{type(model).__name__} is already sharded over {model._tp_size} ranks; "
+            f"{type(model).__name__} is already sharded over {model.tp_size} ranks; "
             "pass the unsharded model"
         )
     # NOTE: local refusals travel through the gather, so every rank raises
@@ -194,7 +194,7 @@ def resolve_tp(model: Any, group: Any) -> tuple[int, int]:
     model (its attention modules compute only their shard of the heads).
     """
     tp_rank, tp_size = tp_group_size(group)
-    model_tp = getattr(model, "_tp_size", None) or 1
+    model_tp = getattr(model, "tp_size", None) or 1
     if model_tp != tp_size:
         if group is None:
             remedy = "pass group=dist.group.WORLD"
