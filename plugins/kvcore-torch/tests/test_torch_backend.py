@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch_paged_cases import LAYOUTS, SPLITTABLE, build_cache, dense_reference, make_batch
 
+from kvcore_torch import attention as torch_attention
 from kvcore_torch import paged_attention, write_kv
 
 # Mixed batch: full prefill, chunked prefill, decode, and an idle request.
@@ -16,7 +19,7 @@ Q_LENS = [13, 5, 1, 0]
 
 
 def _run(layout, block_size, *, ratio=1, kv_heads=2, q_heads=4, head_size=8, dtype=torch.float32,
-         sliding_window=None, seq_lens=SEQ_LENS, q_lens=Q_LENS, seed=0):
+         sliding_window=None, seq_lens=SEQ_LENS, q_lens=Q_LENS, seed=0, validate=None):
     gen = torch.Generator().manual_seed(seed)
     num_blocks = len(seq_lens) * max(-(-n // block_size) for n in seq_lens) + 3
     kernel_block_size = block_size // ratio
@@ -32,8 +35,11 @@ def _run(layout, block_size, *, ratio=1, kv_heads=2, q_heads=4, head_size=8, dty
         write_kv(view, batch.tokens(batch.keys, new_only), batch.tokens(batch.values, new_only),
                  batch.slots(kernel_block_size, new_only), head_size)
     scale = head_size**-0.5
+    # NOTE: validate=False takes the GPU path (no host reads, chunks padded to the batch's bounds).
+    bounds = {} if validate is not False else {"max_query_len": max(q_lens), "max_seq_len": max(seq_lens)}
     out = paged_attention(batch.query, view, batch.kernel_table, batch.query_start_loc, batch.seq_lens_tensor,
-                          head_size=head_size, scale=scale, sliding_window=sliding_window)
+                          head_size=head_size, scale=scale, sliding_window=sliding_window, validate=validate,
+                          **bounds)
     return out, dense_reference(batch, scale, sliding_window), view, other, batch
 
 
@@ -78,7 +84,9 @@ def test_written_bytes_land_in_their_slots():
             torch.testing.assert_close(view[block, :, offset, 8:], values[pos], rtol=0, atol=0)
 
 
-@settings(max_examples=30, deadline=None)
+@pytest.mark.parametrize("budget", [None, 1], ids=["one-chunk", "chunk-per-request"])
+@pytest.mark.parametrize("validate", [None, False], ids=["host-lengths", "no-host-reads"])
+@settings(max_examples=30, deadline=None, derandomize=True)
 @given(
     layout=st.sampled_from(LAYOUTS),
     block_size=st.integers(1, 9),
@@ -87,12 +95,18 @@ def test_written_bytes_land_in_their_slots():
     reqs=st.lists(st.tuples(st.integers(1, 20), st.integers(0, 20)), min_size=1, max_size=4),
     seed=st.integers(0, 2**16),
 )
-def test_property_any_batch_matches_reference(layout, block_size, group, window, reqs, seed):
-    """For any mixed batch, layout and block size, paged attention equals dense attention."""
+def test_property_any_batch_matches_reference(budget, validate, layout, block_size, group, window, reqs, seed):
+    """For any mixed batch, layout and block size, paged attention equals dense attention.
+
+    Both ways of chunking requests: grouped by host-known query length (value
+    checks on), and padded to the batch's bounds with no host read (checks off);
+    in one chunk, and one request per chunk (a budget of one element).
+    """
     seq_lens = [n for n, _ in reqs]
     q_lens = [min(q, n) for n, q in reqs]
-    out, ref, *_ = _run(layout, block_size, kv_heads=2, q_heads=2 * group, head_size=4,
-                        sliding_window=window, seq_lens=seq_lens, q_lens=q_lens, seed=seed)
+    with mock.patch.object(torch_attention, "CHUNK_ELEMENTS", budget or torch_attention.CHUNK_ELEMENTS):
+        out, ref, *_ = _run(layout, block_size, kv_heads=2, q_heads=2 * group, head_size=4, sliding_window=window,
+                            seq_lens=seq_lens, q_lens=q_lens, seed=seed, validate=validate)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
 
 
