@@ -112,9 +112,9 @@ def test_the_recorder_sees_the_value_checks(monkeypatch):
     assert reads.seen, "the recorder must see the host reads of the value checks"
 
 
-def test_value_checks_switch():
+def test_value_checks_switch(monkeypatch):
     cpu, meta = torch.device("cpu"), torch.device("meta")
-    os.environ.pop(DEBUG_CHECKS_ENV, None)
+    monkeypatch.delenv(DEBUG_CHECKS_ENV, raising=False)
     assert value_checks(None, cpu) and not value_checks(None, meta)
     assert not value_checks(False, cpu) and value_checks(True, meta)
     with pytest.raises(TypeError, match="validate"):
