@@ -274,7 +274,7 @@ class KVBlockZeroer:
 
 def _checked_view(name: Any, entry: Any, num_blocks: int) -> tuple[torch.Tensor, int]:
     """One ``(view, rows_per_block)`` entry of :meth:`KVBlockZeroer.from_views`, checked."""
-    if not isinstance(entry, tuple) or len(entry) != 2 or not isinstance(entry[0], torch.Tensor):
+    if not isinstance(entry, (tuple, list)) or len(entry) != 2 or not isinstance(entry[0], torch.Tensor):
         raise TypeError(
             f"views[{name!r}] must be a (tensor view, rows_per_block) tuple, got {type(entry).__name__}"
         )
