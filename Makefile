@@ -25,7 +25,7 @@ $(STAMP): $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml)
 venv: $(STAMP)
 
 demo: $(STAMP)
-	$(CPU_ENV) $(PY) examples/run_decode.py
+	$(CPU_ENV) $(PY) examples/serve_hf.py
 
 test: $(STAMP)
 	$(CPU_ENV) $(PY) -m pytest -q
