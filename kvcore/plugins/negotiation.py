@@ -103,7 +103,6 @@ class HookAnswers:
                 new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(fixed)))
                 self._sizes.setdefault(_key(backend, new), sizes)
         self._specs[key] = new
-        self._specs.setdefault(_key(backend, new), new)
         return new
 
     def common_layouts(
