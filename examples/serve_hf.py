@@ -27,8 +27,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from rich.console import Console  # noqa: E402
-from rich.table import Table  # noqa: E402
 
+from kvcore._table import Column, render  # noqa: E402
 from kvcore.hf import Engine  # noqa: E402
 from kvcore.hf.models import ARCHITECTURES, load_model, model_config, random_model  # noqa: E402
 
@@ -100,25 +100,22 @@ def serve(name: str, model, args: argparse.Namespace, console: Console) -> dict:
 
 
 def report(rows: list[dict], console: Console) -> None:
-    table = Table(title="tokens/s: kvcore.hf.Engine (warm-up, steady) and model.generate")
-    for col in ("model", "tokens", "warm-up", "steady", "generate", "equal"):
-        table.add_column(col, justify="left" if col == "model" else "right")
-    for r in rows:
-        ok = "[green]all[/]" if not r["mismatches"] else f"[red]{r['requests'] - len(r['mismatches'])}[/]"
-        table.add_row(r["name"], f"{r['generated']}", f"{r['warm_tps']:,.0f}", f"{r['steady_tps']:,.0f}",
-                      f"{r['hf_tps']:,.0f}", ok)
-    console.print(table)
-    engine_table = Table(title="what the engine did (both passes)")
-    for col in ("model", "steps", "prefill", "decode", "preempted", "zeroed", "window-freed", "prefix hits"):
-        engine_table.add_column(col, justify="left" if col == "model" else "right")
-    for r in rows:
-        s = r["stats"]
-        engine_table.add_row(r["name"], f"{s.steps}", f"{s.prefill_tokens}", f"{s.decode_tokens}",
-                             f"{s.preemptions}", f"{s.blocks_zeroed}", f"{s.window_freed_blocks}",
-                             f"{s.prefix_cache_hits}")
-    console.print(engine_table)
-    console.print("[dim]model.generate runs one prompt at a time; the engine batches them (tokens/s are "
-                  "wall-clock on this machine, including Python overhead).[/]")
+    speed = [Column("model")] + [Column(c, right=True) for c in ("tokens", "warm-up", "steady", "generate")]
+    speed.append(Column("equal"))
+    console.print(render(speed, [
+        [r["name"], f"{r['generated']}", f"{r['warm_tps']:,.0f}", f"{r['steady_tps']:,.0f}", f"{r['hf_tps']:,.0f}",
+         "all" if not r["mismatches"] else f"{r['requests'] - len(r['mismatches'])} of {r['requests']}"]
+        for r in rows
+    ], title="tokens/s: kvcore.hf.Engine (warm-up, steady) and model.generate"), highlight=False)
+    counts = ("steps", "prefill", "decode", "preempted", "zeroed", "window-freed", "prefix hits")
+    console.print(render([Column("model")] + [Column(c, right=True) for c in counts], [
+        [r["name"], *(f"{v:,}" for v in (
+            r["stats"].steps, r["stats"].prefill_tokens, r["stats"].decode_tokens, r["stats"].preemptions,
+            r["stats"].blocks_zeroed, r["stats"].window_freed_blocks, r["stats"].prefix_cache_hits))]
+        for r in rows
+    ], title="what the engine did (both passes)"), highlight=False)
+    console.print("model.generate runs one prompt at a time; the engine batches them (tokens/s are "
+                  "wall-clock on this machine, including Python overhead).", style="dim")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -23,20 +23,11 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvcore.bench._args import positive_int_arg
+
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _PARTS = ("eager", "generate_batch", "static", "prefix", "check", "profile")
-
-
-def positive_int_arg(text: str) -> int:
-    """argparse type: an integer of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
 
 
 def _parts(text: str) -> list[str]:
