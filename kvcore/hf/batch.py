@@ -15,7 +15,7 @@ import attrs
 import numpy as np
 import torch
 
-from kvcore import CommonAttentionMetadata
+from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.hf.requests import Request
 
 

@@ -18,7 +18,9 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore import BlockPool, ChunkedLocalAttentionSpec, KVCache, SlidingWindowSpec
+from kvcore.runtime.block_pool import BlockPool
+from kvcore.runtime.kv_cache import KVCache
+from kvcore.specs.attention import ChunkedLocalAttentionSpec, SlidingWindowSpec
 from kvcore._validate import positive_int
 from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.batch import StepInputs, build_step_inputs

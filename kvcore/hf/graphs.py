@@ -19,7 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from kvcore import CommonAttentionMetadata, KVCache
+from kvcore.plugins.backend import CommonAttentionMetadata
+from kvcore.runtime.kv_cache import KVCache
 from kvcore.hf.attention import STEP_KWARG, LayerBinding, StepContext
 from kvcore.hf.requests import Request
 

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvcore import BlockPool, block_hashes, sliding_window_blocks
+from kvcore.runtime.block_pool import BlockPool
+from kvcore.runtime.prefix_hash import block_hashes, sliding_window_blocks
 from kvcore.hf.requests import Request
 
 if TYPE_CHECKING:

@@ -18,7 +18,9 @@ import collections
 import attrs
 import numpy as np
 
-from kvcore import BlockPool, KVCache, SlidingWindowSpec
+from kvcore.runtime.block_pool import BlockPool
+from kvcore.runtime.kv_cache import KVCache
+from kvcore.specs.attention import SlidingWindowSpec
 from kvcore.hf.prefix import PrefixCache
 from kvcore.hf.requests import Request
 

@@ -14,7 +14,8 @@ from typing import Any
 
 import torch
 
-from kvcore import ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from kvcore.specs.attention import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
+from kvcore.specs.base import KVCacheSpec
 from kvcore._validate import positive_int
 
 #: ``model_type`` values whose transformers modeling code the engine serves (tested for exactness).
