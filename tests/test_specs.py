@@ -8,6 +8,7 @@ import attrs
 import pytest
 import torch
 
+from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import (
     AttentionSpec,
     ChunkedLocalAttentionSpec,
@@ -364,3 +365,32 @@ def test_specs_are_frozen():
     spec = FullAttentionSpec(16, 1, 8, torch.float16)
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         spec.block_size = 32
+
+
+_EVERY_KIND = [
+    FullAttentionSpec(16, 2, 8, torch.float16),
+    SlidingWindowSpec(16, 2, 8, torch.float16, sliding_window=32),
+    ChunkedLocalAttentionSpec(16, 2, 8, torch.float16, attention_chunk_size=32),
+    MLAAttentionSpec(16, 1, 8, torch.float16),
+    CrossAttentionSpec(16, 2, 8, torch.float16),
+    EncoderOnlyAttentionSpec(16, 2, 8, torch.float16),
+    MambaSpec(16, [(3, 4)], [torch.float32]),
+]
+
+
+@pytest.mark.parametrize("spec", _EVERY_KIND, ids=lambda s: type(s).__name__)
+def test_has_cache_pages_says_whether_the_plan_gives_the_layer_bytes(spec):
+    specs = {"x.0": FullAttentionSpec(16, 2, 8, torch.float16), "y.0": spec}
+    config = plan_kv_cache(specs, "LBNHC", num_blocks=4)
+    planned = {name for t in config.kv_cache_tensors for name in t.layers}
+    assert spec.has_cache_pages == ("y.0" in planned)
+    assert spec.has_cache_pages == (not isinstance(spec, EncoderOnlyAttentionSpec))
+    group = UniformTypeKVCacheSpecs(16, {"a": spec, "b": spec})
+    assert group.has_cache_pages == spec.has_cache_pages
+
+
+@pytest.mark.parametrize("spec", _EVERY_KIND, ids=lambda s: type(s).__name__)
+def test_is_attention_marks_the_layers_an_attention_backend_serves(spec):
+    assert spec.is_attention == isinstance(spec, AttentionSpec)
+    assert UniformTypeKVCacheSpecs(16, {"a": spec, "b": spec}).is_attention == spec.is_attention
+    assert KVCacheSpec(16).is_attention is False and KVCacheSpec(16).has_cache_pages is True

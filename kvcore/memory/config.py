@@ -9,7 +9,7 @@ import attrs
 
 from kvcore._validate import as_int, attrs_non_negative, attrs_positive, positive_int
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.specs import EncoderOnlyAttentionSpec, KVCacheSpec, UniformTypeKVCacheSpecs
+from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 
 def _layer_names(value: Any) -> tuple[str, ...]:
@@ -228,9 +228,7 @@ class KVCacheConfig:
 
 def _keeps_cache(spec: KVCacheSpec) -> bool:
     """Whether a group with ``spec`` keeps blocks (encoder-only groups keep none)."""
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        spec = next(iter(spec.kv_cache_specs.values()))
-    return not isinstance(spec, EncoderOnlyAttentionSpec)
+    return spec.has_cache_pages
 
 
 def _grows_with_tokens(spec: KVCacheSpec) -> bool:

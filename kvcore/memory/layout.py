@@ -74,6 +74,22 @@ class KVCacheLayout(enum.Enum):
         return self.value[2:] == "HNC"
 
 
+def split_ratio(block_size: int, kernel_block_size: int | None) -> int:
+    """Kernel blocks per manager block: ``block_size // kernel_block_size`` (None: 1).
+
+    ``ValueError`` unless ``kernel_block_size`` is a positive int dividing ``block_size``.
+    """
+    if kernel_block_size is None:
+        return 1
+    kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
+    if block_size % kernel_block_size:
+        raise ValueError(
+            f"block size {block_size} is not divisible by kernel block size "
+            f"{kernel_block_size}; pick a kernel block size that divides it"
+        )
+    return block_size // kernel_block_size
+
+
 def _inner_grid_dim(order: Sequence[int]) -> int:
     """Position in ``order`` of whichever of L and B is inner."""
     return max(order.index(L), order.index(B))
@@ -119,15 +135,7 @@ def compute_layout_strides(
     )
 
     block_size = spec.block_size
-    ratio = 1
-    if kernel_block_size is not None:
-        kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
-        if block_size % kernel_block_size:
-            raise ValueError(
-                f"block size {block_size} is not divisible by kernel block size "
-                f"{kernel_block_size}; pick a kernel block size that divides it"
-            )
-        ratio = block_size // kernel_block_size
+    ratio = split_ratio(block_size, kernel_block_size)
     padded = spec.page_size_padded
     if padded is not None and ratio > 1:
         raise ValueError(

@@ -30,7 +30,6 @@ import attrs
 
 from kvcore.memory.config import KVCacheGroupSpec
 from kvcore.specs import (
-    EncoderOnlyAttentionSpec,
     KVCacheSpec,
     MLAAttentionSpec,
     UniformTypeKVCacheSpecs,
@@ -130,7 +129,7 @@ def group_layers(kv_cache_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroup
     cached: dict[str, KVCacheSpec] = {}
     encoder: dict[KVCacheSpec, list[str]] = {}
     for name, spec in kv_cache_specs.items():
-        if isinstance(spec, EncoderOnlyAttentionSpec):
+        if not spec.has_cache_pages:
             encoder.setdefault(spec, []).append(name)
         else:
             cached[name] = spec
@@ -141,4 +140,4 @@ def group_layers(kv_cache_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroup
 
 def is_encoder_only(group: KVCacheGroupSpec) -> bool:
     """Whether a group's layers keep no KV cache."""
-    return isinstance(group.kv_cache_spec, EncoderOnlyAttentionSpec)
+    return not group.kv_cache_spec.has_cache_pages

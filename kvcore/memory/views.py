@@ -10,22 +10,10 @@ from kvcore._units import format_bytes
 from kvcore._validate import positive_int
 from kvcore.errors import KVCoreError
 from kvcore.memory.config import KVCacheConfig, KVCacheTensor
-from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, split_ratio
 from kvcore.specs import KVCacheSpec
 
 _BYTE_DTYPES = (torch.int8, torch.uint8)
-
-
-def _split_ratio(spec: KVCacheSpec, kernel_block_size: int | None) -> int:
-    if kernel_block_size is None:
-        return 1
-    kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
-    if spec.block_size % kernel_block_size:
-        raise ValueError(
-            f"block size {spec.block_size} is not divisible by kernel block size "
-            f"{kernel_block_size}; pick a kernel block size that divides it"
-        )
-    return spec.block_size // kernel_block_size
 
 
 def create_kv_cache_views(
@@ -56,7 +44,7 @@ def create_kv_cache_views(
         raise TypeError(f"kv_cache_tensor must be a KVCacheTensor, got {tensor!r}")
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
-    ratio = _split_ratio(spec, kernel_block_size)
+    ratio = split_ratio(spec.block_size, kernel_block_size)
     if ratio > 1 and tensor.block_stride != spec.real_page_size_bytes:
         padded = spec.page_size_padded
         page = f"page {spec.real_page_size_bytes} bytes" + (

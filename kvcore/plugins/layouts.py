@@ -11,7 +11,7 @@ from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.checks import check_layouts
 from kvcore.plugins.negotiation import ALL_LAYOUTS, HookAnswers
-from kvcore.specs import EncoderOnlyAttentionSpec, KVCacheSpec, UniformTypeKVCacheSpecs
+from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 DEFAULT_LAYOUT = KVCacheLayout.LBNHC
 LAYOUT_ENV = "KVCORE_KV_CACHE_LAYOUT"
@@ -92,7 +92,7 @@ def resolve_kv_cache_layout(
     shapes = {
         (s.num_heads, s.num_states, s.page_size_bytes)
         for s in _flat_specs(specs)
-        if s.has_layer_views and not isinstance(s, EncoderOnlyAttentionSpec)
+        if s.has_layer_views and s.has_cache_pages
     }
     if len(shapes) > 1:
         compact = [layout for layout in candidates if layout.is_block_compact]

@@ -27,7 +27,7 @@ from kvcore.plugins.manager import call_first
 from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
 from kvcore.plugins.records import BackendNegotiation, GroupNegotiation, Negotiation
 from kvcore.plugins.selection import fixed_sizes, pick_common_block_size
-from kvcore.specs import AttentionSpec, KVCacheSpec, MultipleOf, UniformTypeKVCacheSpecs
+from kvcore.specs import KVCacheSpec, MultipleOf
 
 ALL_LAYOUTS: tuple[KVCacheLayout, ...] = tuple(KVCacheLayout)
 
@@ -96,7 +96,7 @@ class HookAnswers:
             return self._specs[key]
         self._keep.append(spec)
         new = call_first(self.pm, "kvcore_customize_spec", check_spec, backend=backend, spec=spec) or spec
-        if _is_attention(new) and new.block_stride_alignment is None:
+        if new.is_attention and new.block_stride_alignment is None:
             sizes = self.kernel_block_sizes(backend, new)
             fixed = fixed_sizes(sizes)
             if sizes and len(fixed) == len(sizes):
@@ -129,10 +129,6 @@ class HookAnswers:
         return common
 
 
-def _is_attention(spec: KVCacheSpec) -> bool:
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        spec = next(iter(spec.kv_cache_specs.values()))
-    return isinstance(spec, AttentionSpec)
 
 
 def can_split(spec: KVCacheSpec) -> bool:
@@ -141,7 +137,7 @@ def can_split(spec: KVCacheSpec) -> bool:
     Only attention pages whose state count grows with the block size can; a
     spec storing one state per block (``tokens_per_state <= 0``) keeps whole blocks.
     """
-    return spec.has_layer_views and _is_attention(spec) and spec.tokens_per_state > 0
+    return spec.has_layer_views and spec.is_attention and spec.tokens_per_state > 0
 
 
 def is_packed(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
@@ -222,7 +218,7 @@ def backend_groups(
             for name in group.layer_names:
                 layer_spec = group.spec_of(name)
                 if name not in layer_backends:
-                    if _is_attention(layer_spec):
+                    if layer_spec.is_attention:
                         raise ValueError(
                             f"attention layer {name!r} (KV cache group {gid}) has no backend in "
                             "layer_backends; map every attention layer of the config to a backend"

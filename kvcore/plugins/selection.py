@@ -9,6 +9,7 @@ import math
 from collections.abc import Sequence
 
 from kvcore._validate import positive_int
+from kvcore.memory.layout import split_ratio
 from kvcore.specs import MultipleOf
 
 
@@ -61,15 +62,7 @@ def get_block_table_width(
     """
     max_num_blocks = positive_int("max_num_blocks", max_num_blocks)
     block_size = positive_int("block_size", block_size)
-    ratio = 1
-    if kernel_block_size is not None:
-        kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
-        if block_size % kernel_block_size:
-            raise ValueError(
-                f"block size {block_size} is not divisible by kernel block size "
-                f"{kernel_block_size}; pass a kernel block size that divides it"
-            )
-        ratio = block_size // kernel_block_size
+    ratio = split_ratio(block_size, kernel_block_size)
     if token_alignment is not None:
         token_alignment = positive_int("token_alignment", token_alignment)
         unit = math.lcm(block_size, token_alignment) // block_size

@@ -121,6 +121,10 @@ class AttentionSpec(KVCacheSpec):
         return self.real_page_size_bytes
 
     @property
+    def is_attention(self) -> bool:
+        return True
+
+    @property
     def view_dtype(self) -> torch.dtype:
         return self.dtype
 
@@ -178,6 +182,10 @@ class MLAAttentionSpec(FullAttentionSpec):
 @attrs.frozen
 class EncoderOnlyAttentionSpec(AttentionSpec):
     """Bidirectional encoder attention: no KV cache pages are allocated."""
+
+    @property
+    def has_cache_pages(self) -> bool:
+        return False
 
 
 @attrs.frozen

@@ -109,6 +109,16 @@ class KVCacheSpec:
         """False only for specs that lay out a raw buffer themselves."""
         return True
 
+    @property
+    def has_cache_pages(self) -> bool:
+        """False only for specs whose layers keep no KV cache pages (encoder-only attention)."""
+        return True
+
+    @property
+    def is_attention(self) -> bool:
+        """Whether the layers are attention layers, served by an attention backend."""
+        return False
+
     def get_num_kernel_states(self, kernel_block_size: int) -> int:
         """``N`` for a block of ``kernel_block_size`` tokens."""
         kernel_block_size = positive_int("kernel_block_size", kernel_block_size)

@@ -73,6 +73,14 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return next(iter(self.kv_cache_specs.values())).tokens_per_state
 
     @property
+    def has_cache_pages(self) -> bool:
+        return next(iter(self.kv_cache_specs.values())).has_cache_pages
+
+    @property
+    def is_attention(self) -> bool:
+        return next(iter(self.kv_cache_specs.values())).is_attention
+
+    @property
     def page_size_bytes(self) -> int:
         return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
 

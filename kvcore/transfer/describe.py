@@ -13,7 +13,7 @@ from fractions import Fraction
 import torch
 
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.specs import AttentionSpec, EncoderOnlyAttentionSpec, KVCacheSpec, MambaSpec
+from kvcore.specs import AttentionSpec, KVCacheSpec, MambaSpec
 from kvcore.transfer.descriptor import (
     Allocation,
     ContentMap,
@@ -60,7 +60,7 @@ def _kernel_sizes(kv: KVCache) -> list[int]:
     out = []
     for group in kv.config.kv_cache_groups:
         spec = group.spec_of(group.layer_names[0])
-        out.append(spec.block_size if isinstance(spec, EncoderOnlyAttentionSpec) else next(sizes))
+        out.append(next(sizes) if spec.has_cache_pages else spec.block_size)
     return out
 
 

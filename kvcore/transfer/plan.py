@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
+from kvcore.memory.runs import block_runs
 from kvcore.transfer.descriptor import KVCacheDescriptor, LayerDescriptor
 from kvcore.transfer.ids import block_id_tensor
 
@@ -45,26 +46,6 @@ class BlockPattern:
     @property
     def block_bytes(self) -> int:
         return sum(self.lengths)
-
-
-def layer_runs(layer: LayerDescriptor) -> tuple[list[int], int]:
-    """Offsets (from the layer's offset) and common length of the runs of its block 0."""
-    strides = layer.byte_strides
-    dims = [(n, s) for n, s in zip(layer.shape[1:], strides[1:]) if n > 1]
-    if layer.rows_per_block > 1:
-        dims.append((layer.rows_per_block, strides[0]))
-    dims.append((layer.itemsize, 1))
-    dims.sort(key=lambda d: d[1])
-    run, outer = 1, []
-    for extent, stride in dims:
-        if not outer and stride == run:
-            run *= extent
-        else:
-            outer.append((extent, stride))
-    offsets = [0]
-    for extent, stride in outer:
-        offsets = [o + i * stride for o in offsets for i in range(extent)]
-    return offsets, run
 
 
 def _union(starts: list[int], lengths: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -104,7 +85,7 @@ def block_patterns(
     """One merged pattern per (allocation, manager block stride) of the selected layers."""
     pieces: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
     for layer in select_layers(descriptor, group_ids, layers):
-        offsets, run = layer_runs(layer)
+        offsets, run = block_runs(layer.shape, layer.byte_strides, layer.itemsize, layer.rows_per_block)
         starts, lengths = pieces.setdefault((layer.allocation, layer.manager_block_stride), ([], []))
         starts.extend(layer.offset + o for o in offsets)
         lengths.extend([run] * len(offsets))

@@ -18,6 +18,8 @@ from collections.abc import Iterable
 import attrs
 import torch
 
+from kvcore.memory.runs import block_runs
+
 #: Refuse views that would explode into more segments than this (per allocation).
 MAX_SEGMENTS = 1 << 20
 
@@ -45,32 +47,10 @@ def layer_segments(view: torch.Tensor, num_blocks: int, ratio: int = 1) -> list[
         )
     el = view.element_size()
     start = view.data_ptr() - view.untyped_storage().data_ptr()
-    kernel_stride = view.stride(0) * el
-    # (extent, byte stride) of every dim inside a manager block; the element is the innermost.
-    dims = [(n, s * el) for n, s in zip(view.shape[1:], view.stride()[1:]) if n > 1]
-    if ratio > 1:
-        dims.append((ratio, kernel_stride))
-    dims.append((el, 1))
-    dims.sort(key=lambda d: d[1])
-    run, outer = 1, []
-    for extent, stride in dims:
-        if not outer and stride == run:
-            run *= extent
-        else:
-            outer.append((extent, stride))
-    count = 1
-    for extent, _ in outer:
-        count *= extent
-    if count > MAX_SEGMENTS:
-        raise ValueError(
-            f"a view of shape {tuple(view.shape)} and strides {view.stride()} splits into "
-            f"{count} runs per block; store each (head, state) contiguously"
-        )
-    block_stride = kernel_stride * ratio
-    offsets = [start]
-    for extent, stride in outer:
-        offsets = [o + i * stride for o in offsets for i in range(extent)]
-    return [Segment(block_stride, o, run) for o in offsets]
+    byte_strides = [s * el for s in view.stride()]
+    offsets, run = block_runs(view.shape, byte_strides, el, ratio, max_runs=MAX_SEGMENTS)
+    block_stride = byte_strides[0] * ratio
+    return [Segment(block_stride, start + o, run) for o in offsets]
 
 
 def merge_segments(segments: Iterable[Segment]) -> list[Segment]:
