@@ -19,6 +19,7 @@ import torch.distributed as dist
 
 from kvcore._validate import as_int, positive_int
 from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins.layouts import resolve_kv_cache_layout
 from kvcore.specs import (
     AttentionSpec,
     KVCacheSpec,
@@ -210,8 +211,6 @@ def agree_layout(
     list. Without an initialized process group this rank's list is resolved
     alone.
     """
-    from kvcore.plugins.layouts import resolve_kv_cache_layout
-
     specs = tuple(specs)
     if not _initialized():
         return resolve_kv_cache_layout([_parse_local(supported)], specs, requested)
