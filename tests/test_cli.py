@@ -38,7 +38,7 @@ def test_python_dash_m_kvcore_prints_the_version():
     assert done.returncode == 0 and done.stdout.strip() == f"kvcore {kvcore.__version__}"
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["bench", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["bench", "--help"], ["plugins", "--help"]])
 def test_help_and_version_do_not_import_torch(argv):
     done = _run(*argv, code="print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
     assert done.returncode == 0, done.stderr

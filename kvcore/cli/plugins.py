@@ -13,13 +13,14 @@ import json
 import shutil
 import textwrap
 import warnings
+from typing import TYPE_CHECKING
 
 import attrs
 
 from kvcore.errors import PluginWarning
-from kvcore.plugins.health import check_plugins, is_healthy
-from kvcore.plugins.manager import PluginInfo
-from kvcore.plugins.registry import PluginSettings, build_plugin_manager
+
+if TYPE_CHECKING:
+    from kvcore.plugins.manager import PluginInfo
 
 _LABEL = 14
 
@@ -39,6 +40,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 
 def run(args: argparse.Namespace) -> int:
+    # NOTE: imported when the command runs, not with its parser: the plugin
+    # machinery imports torch, and `kvcore plugins --help` stays torch-free.
+    from kvcore.plugins.health import check_plugins, is_healthy
+    from kvcore.plugins.registry import PluginSettings, build_plugin_manager
+
     # NOTE: listing never raises for a broken plugin, even under KVCORE_STRICT_PLUGINS:
     # failures are shown in the records instead.
     settings = PluginSettings.from_env()
@@ -46,11 +52,12 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", PluginWarning)
         pm = build_plugin_manager(attrs.evolve(settings, strict=False))
     infos = check_plugins(pm)
+    healthy = is_healthy(infos)
     if args.json:
         print(json.dumps([info.to_json() for info in infos], indent=2))
     else:
-        print(render(infos, shutil.get_terminal_size((80, 24)).columns))
-    return 0 if is_healthy(infos) else 1
+        print(render(infos, shutil.get_terminal_size((80, 24)).columns, healthy))
+    return 0 if healthy else 1
 
 
 def _field(label: str, value: str, width: int) -> list[str]:
@@ -93,10 +100,9 @@ def render_one(info: PluginInfo, width: int) -> list[str]:
     return lines
 
 
-def render(infos: list[PluginInfo], width: int) -> str:
-    """Every plugin's record, separated by blank lines."""
+def render(infos: list[PluginInfo], width: int, healthy: bool) -> str:
+    """Every plugin's record, separated by blank lines (``healthy``: the check passed)."""
     if not infos:
         return "No kvcore plugins installed (entry-point group kvcore.plugins)."
-    healthy = is_healthy(infos)
     header = f"kvcore plugins: {len(infos)} found" + ("" if healthy else "; some need attention (exit 1)")
     return "\n\n".join([header, *("\n".join(render_one(i, width)) for i in infos)])
