@@ -5,13 +5,14 @@ blocks, bf16) in each layout family:
 - ``host_us``: the call until it returns to the caller, the device idle before
   each call (median of ``--repeats``), for each id-staging mode of the zeroer
   (``copy``: pinned ring + async copy, ``mapped``: the kernel reads the pinned
-  ring) and for the previous path (a fresh pinned tensor per call, an async
+  ring; ``copy-triton``: the same ring with Triton's launcher instead of the driver
+  launch) and for the previous path (a fresh pinned tensor per call, an async
   copy, the validating Triton launch), all in one run;
 - ``list_device_us``: CUDA-event time of the same call (the id copy or the
   kernel's reads of pinned memory included), and ``part_*_us``: each step of
   the host path timed alone;
-- ``device_us``: CUDA-event time of zeroing one block from device ids, with the
-  fine chunk table the zeroer picks for few ids and with the coarse one, beside
+- ``one_block``: CUDA-event time of zeroing one block from device ids with fine
+  work items of 4, 8, 16 and 32 KiB, each timed in alternation with
   ``cudaMemsetAsync`` of the same bytes.
 
 Usage: ``python scripts/zeroer_host_us.py [--json-out PATH]``.
@@ -34,10 +35,12 @@ from kvcore.memory.layout import compute_layout_strides
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.runtime.zeroer import kernel as zero_kernel
+from kvcore.runtime.zeroer import zeroer as zero_module
 from kvcore.runtime.zeroer.ids import id_list
 from kvcore.specs import FullAttentionSpec
 
 LAYERS, POOL = 32, 1024
+FINE = zero_module.FINE_CHUNK_BYTES
 
 def _caches(layout: str):
     spec = FullAttentionSpec(16, 8, 128, torch.bfloat16)
@@ -73,6 +76,25 @@ def device_us(fn, repeats: int) -> float:
         pairs.append((start, end))
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+
+def pair_us(first, second, repeats: int) -> tuple[float, float]:
+    """Median CUDA-event times of ``first`` and ``second`` timed in alternation (L2 flushed before each)."""
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
+    for _ in range(10):
+        first()
+        second()
+    pairs = ([], [])
+    for _ in range(repeats):
+        for fn, out in ((first, pairs[0]), (second, pairs[1])):
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            out.append((start, end))
+    torch.cuda.synchronize()
+    return tuple(statistics.median(s.elapsed_time(e) * 1e3 for s, e in out) for out in pairs)
+
 
 def _parts(zeroer: KVBlockZeroer, ids: list[int], repeats: int) -> dict[str, float]:
     """Host time of each step of the hot path, each timed alone (median us)."""
@@ -114,9 +136,13 @@ def main() -> None:
     for layout in ("LBNHC", "BLNHC", "LHBNC"):
         kv = _caches(layout)
         views = {n: (v, 1) for n, v in kv.items()}
-        for mode in ("copy", "mapped"):
-            os.environ["KVCORE_ZEROER_STAGING"] = mode
+        for mode in ("copy", "copy-triton", "mapped"):
+            os.environ["KVCORE_ZEROER_STAGING"] = "mapped" if mode == "mapped" else "copy"
             zeroer = KVBlockZeroer.from_views("cuda", views, POOL)
+            if mode == "copy-triton":
+                # The launches before the driver launch: Triton's launcher of the compiled kernel.
+                for launcher in zeroer._launchers:
+                    launcher.driver_launch_error = "off for comparison"
             zeroer.warmup(1)
             old = _old_path(zeroer)
             for n in (1, 8, 64, 512):
@@ -128,24 +154,27 @@ def main() -> None:
                 launcher = zeroer._launchers[0]
                 row["direct_launches"] = any(v is not None for v in launcher._compiled.values())
                 row["direct_launch_error"] = launcher.direct_launch_error
+                row["driver_launches"] = bool(launcher._driver)
+                row["driver_launch_error"] = launcher.driver_launch_error
                 row["driver_copy"] = zeroer._staging._driver_copy is not None
-                if n in (1, 64):
+                if n in (1, 64) and mode != "copy-triton":
                     row.update(_parts(zeroer, ids, args.repeats))
                     row["list_device_us"] = device_us(lambda: zeroer.zero_block_ids(ids), 100)
                 result["rows"].append(row)
                 print(json.dumps(row), flush=True)
-        zeroer = KVBlockZeroer.from_views("cuda", views, POOL)
         one = torch.tensor([7], device="cuda")
-        nbytes = zeroer.bytes_per_block
-        launcher = zeroer._launchers[0]
-        dev = {"layout": layout, "bytes": nbytes, "fine_us": device_us(lambda: zeroer.zero_block_ids(one), 200)}
-        launcher.table_for = lambda num_ids: launcher.tables[0]
-        dev["coarse_us"] = device_us(lambda: zeroer.zero_block_ids(one), 200)
-        raw = zeroer._allocations[0].bytes
-        if memset:
-            dev["memset_us"] = device_us(lambda: memset[0](raw.data_ptr(), nbytes), 200)
-            dev["fine_vs_memset"] = dev["fine_us"] / dev["memset_us"]
-            dev["coarse_vs_memset"] = dev["coarse_us"] / dev["memset_us"]
+        dev = {"layout": layout}
+        for fine_kib in (4, 8, 16, 32):
+            zero_module.FINE_CHUNK_BYTES = fine_kib << 10
+            zeroer = KVBlockZeroer.from_views("cuda", views, POOL)
+            nbytes = zeroer.bytes_per_block
+            raw = zeroer._allocations[0].bytes
+            dev["bytes"] = nbytes
+            zeroer_us, memset_us = pair_us(lambda: zeroer.zero_block_ids(one),
+                                           lambda: memset[0](raw.data_ptr(), nbytes), 300)
+            dev[f"fine{fine_kib}_us"], dev[f"memset_with_fine{fine_kib}_us"] = zeroer_us, memset_us
+            dev[f"fine{fine_kib}_vs_memset"] = zeroer_us / memset_us
+        zero_module.FINE_CHUNK_BYTES = FINE
         result.setdefault("one_block", []).append(dev)
         print(json.dumps(dev), flush=True)
         del kv, zeroer, views

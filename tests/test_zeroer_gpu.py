@@ -46,6 +46,20 @@ def test_random_configs_zero_exactly_the_listed_blocks():
         assert torch.equal(case.raw, case.expected_after(before, ids)), f"seed {seed}"
 
 
+def test_repeated_launches_go_through_the_driver_and_zero_exactly_the_listed_blocks():
+    for seed, case in _cases(8):
+        zeroer = case.zeroer("triton", "cuda")
+        rng = random.Random(seed)
+        for step in range(8):
+            ids = [rng.randrange(case.num_blocks) for _ in range(rng.randint(1, 70))]
+            before = fill_random(case.raw, seed * 10 + step)
+            zeroer.zero_block_ids(ids if step % 2 else torch.tensor(ids, device="cuda", dtype=torch.int32))
+            torch.cuda.synchronize()
+            assert torch.equal(case.raw, case.expected_after(before, ids)), f"seed {seed} step {step}"
+        for launcher in zeroer._launchers:
+            assert launcher.driver_launch_error is None and launcher._driver, f"seed {seed}"
+
+
 def test_zeroing_block_b_changes_exactly_block_b():
     for seed, case in _cases(15, max_blocks=8):
         zeroer = case.zeroer("triton", "cuda")

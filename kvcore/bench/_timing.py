@@ -75,6 +75,32 @@ class Timer:
         return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
 
 
+    def gpu_pair_us(self, first: Callable[[], object], second: Callable[[], object],
+                    repeats: int | None = None) -> tuple[float, float]:
+        """Median device times of ``first`` and ``second``, timed in alternation (one pair per repeat).
+
+        Each repeat flushes L2 before each of the two, so clock or thermal drift
+        over the run weighs on both alike: their ratio is side by side.
+        """
+        if self._flush is None:
+            return self.wall_us(first), self.wall_us(second)
+        for _ in range(self.warmup):
+            first()
+            second()
+        pairs: tuple[list, list] = ([], [])
+        for _ in range(repeats or self.repeats):
+            for fn, out in ((first, pairs[0]), (second, pairs[1])):
+                self._flush.zero_()
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                out.append((start, end))
+        self.sync()
+        a, b = (statistics.median(s.elapsed_time(e) * 1e3 for s, e in out) for out in pairs)
+        return a, b
+
+
 def _cudart_candidates() -> list[str]:
     names = [ctypes.util.find_library("cudart")] + ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
     torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")

@@ -4,7 +4,8 @@ For each layout and block count, zeroes random blocks of a model's KV cache
 with: the zeroer (one launch), a per-layer torch loop (``view[ids] = 0``), a
 contiguous ``zero_()`` of the same byte count, and ``cudaMemsetAsync`` of the
 same bytes (the write ceiling). Device times come from CUDA events after an
-L2 flush (median of repeats); host times are the zeroer's call with a Python
+L2 flush (median of repeats; the zeroer and memset timed in alternation, one
+block with more repeats); host times are the zeroer's call with a Python
 list of ids until it returns (no sync); wall times include the call and a sync.
 """
 
@@ -54,6 +55,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                      help="blocks allocated (default: twice the largest --blocks)")
     measured.add_argument("--repeats", type=positive_int_arg, default=20,
                      help="timed repeats; medians are reported (default: %(default)s)")
+    measured.add_argument("--one-block-repeats", type=positive_int_arg, default=300, metavar="N",
+                     help="repeats of the one-block zeroer/memset pair, at least --repeats (default: %(default)s)")
     measured.add_argument("--warmup", type=positive_int_arg, default=3,
                      help="untimed calls before each measurement (default: %(default)s)")
     out = parser.add_argument_group("output")
@@ -104,7 +107,15 @@ def collect(args: argparse.Namespace, device: torch.device | str) -> dict[str, A
             ids = torch.tensor(ids_list, device=device)
             nbytes = n * zeroer.bytes_per_block
             row: dict[str, Any] = {"layout": layout.name, "blocks": n, "bytes": nbytes}
-            row["zeroer_us"] = timer.gpu_us(lambda: zeroer.zero_block_ids(ids))
+            # NOTE: zeroer and memset in alternation; one block, where the two differ by tenths of a
+            # microsecond, gets more repeats (--one-block-repeats).
+            repeats = max(args.repeats, args.one_block_repeats) if n == 1 else args.repeats
+            flat = raw[:nbytes]
+            if memset:
+                row["zeroer_us"], row["memset_us"] = timer.gpu_pair_us(
+                    lambda: zeroer.zero_block_ids(ids), lambda: memset[0](flat.data_ptr(), nbytes), repeats)
+            else:
+                row["zeroer_us"], row["memset_us"] = timer.gpu_us(lambda: zeroer.zero_block_ids(ids)), None
             row["zeroer_host_us"] = timer.host_us(lambda: zeroer.zero_block_ids(ids_list))
             row["zeroer_wall_us"] = timer.wall_us(lambda: zeroer.zero_block_ids(ids_list))
 
@@ -115,9 +126,7 @@ def collect(args: argparse.Namespace, device: torch.device | str) -> dict[str, A
             # NOTE: wall times take the ids as a Python list (as a scheduler hands them over).
             row["loop_us"] = timer.gpu_us(lambda: loop(ids))
             row["loop_wall_us"] = timer.wall_us(lambda: loop(ids_list))
-            flat = raw[:nbytes]
             row["zero_us"] = timer.gpu_us(flat.zero_)
-            row["memset_us"] = timer.gpu_us(lambda: memset[0](flat.data_ptr(), nbytes)) if memset else None
             result["rows"].append(_derive(row))
         del kv, zeroer, raw, views
         if device.type == "cuda":

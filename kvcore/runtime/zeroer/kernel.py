@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.runtime.zeroer.driver_launch import DriverLaunch
+
 #: Rows of ``VEC`` words one program stores per inner-loop step.
 ROWS = 256
 #: Programs per streaming multiprocessor; each loops over its share of work.
@@ -24,7 +26,9 @@ NUM_WARPS = 2
 CPU_MAX_PROGRAMS = 4
 
 
-@triton.jit(do_not_specialize=["ids_offset", "num_ids"])
+# NOTE: no integer argument is specialized, so the compiled kernel's parameters are always the
+# seven arguments (the driver launch of ZeroLauncher relies on that, and checks it).
+@triton.jit(do_not_specialize=["ids_offset", "num_ids", "num_blocks", "num_chunks"])
 def _zero_blocks_kernel(
     base_ptr,  # int32 view of the whole allocation
     ids_ptr,  # block ids (int32 or int64): num_ids of them from ids_offset on
@@ -146,37 +150,55 @@ class ZeroLauncher:
     ``launch`` trusts its tables and takes ids its caller has checked (a
     contiguous 1-D int32/int64 tensor, or pinned host memory). The first
     launch of each argument specialization (table, ids dtype, ids 16-byte
-    alignment) goes through the validating launcher and Triton's JIT; later
-    ones call the compiled kernel directly, skipping the JIT's per-call
-    argument binding (the compiled kernel's own launcher, or its ``run`` with
-    the same arguments when no launch hook is set). Direct runs pass the
-    pointers as integer addresses, which Triton's launcher takes as they are
-    (no per-pointer driver query); a Triton that refuses them is detected on
-    the first direct launch and the JIT path serves from then on.
+    alignment) goes through the validating launcher and Triton's JIT. Later
+    ones, with no Triton launch hook set, go straight to the CUDA driver
+    (:class:`~kvcore.runtime.zeroer.driver_launch.DriverLaunch`: the compiled
+    kernel, a parameter block built once, three values rewritten per call);
+    where that cannot be set up or the driver refuses a launch, the compiled
+    kernel's own Triton launcher serves, and where that fails too, the JIT.
     """
 
     def __init__(self, base: torch.Tensor, tables: list[torch.Tensor], num_blocks: int, vec: int, programs: int) -> None:
         self.base, self.tables, self.num_blocks = base, tables, num_blocks
         self.vec, self.programs = vec, programs
         self._compiled: dict[tuple, object] = {}
+        self._driver: dict[tuple, DriverLaunch] = {}
         self._hooks = _launch_hooks()
         self._base_address = base.data_ptr()
         self._table_addresses = {id(t): t.data_ptr() for t in tables}
+        self._num_chunks = {id(t): t.shape[1] for t in tables}
         #: Why direct launches of the compiled kernel were given up (None while they work).
         self.direct_launch_error: str | None = None
+        #: Why driver launches are not used (None while they work or before the first compile).
+        self.driver_launch_error: str | None = None
 
     def table_for(self, num_ids: int) -> torch.Tensor:
         """Coarse chunks when they fill the grid, else the finest (few ids still use every SM)."""
         coarse = self.tables[0]
-        return coarse if num_ids * coarse.shape[1] >= self.programs else self.tables[-1]
+        return coarse if num_ids * self._num_chunks[id(coarse)] >= self.programs else self.tables[-1]
 
     def launch(self, ids: torch.Tensor, ids_offset: int, num_ids: int, stream: int | None) -> None:
         table = self.table_for(num_ids)
-        num_chunks = table.shape[1]
+        num_chunks = self._num_chunks.get(id(table))
+        if num_chunks is None:
+            num_chunks = table.shape[1]
         if num_chunks == 0 or num_ids == 0:
             return
         address = ids.data_ptr()
         key = (id(table), address % 16 == 0, ids.dtype)
+        if stream is not None:
+            driver = self._driver.get(key)
+            if driver is not None and ids_offset + num_ids < driver.limit:
+                enter, leave = self._hooks()
+                if enter is None and leave is None:
+                    params = driver.params
+                    params[1].value, params[2].value, params[3].value = address, ids_offset, num_ids
+                    status = driver(min(self.programs, num_ids * num_chunks), stream)
+                    if status == 0:
+                        return
+                    # NOTE: nothing was launched (e.g. no current context on this thread): Triton serves.
+                    self.driver_launch_error = f"cuLaunchKernel returned CUresult {status}"
+                    self._driver.clear()
         compiled = self._compiled.get(key)
         if compiled is not None and stream is not None:
             grid = min(self.programs, num_ids * num_chunks)
@@ -203,3 +225,13 @@ class ZeroLauncher:
         if key not in self._compiled and callable(getattr(result, "__getitem__", None)):
             result[(1, 1, 1)]  # NOTE: loads the module and function handles that run needs
             self._compiled[key] = result
+            if self.driver_launch_error is None:
+                self._add_driver(key, result, address, table, num_chunks)
+
+    def _add_driver(self, key: tuple, compiled, address: int, table: torch.Tensor, num_chunks: int) -> None:
+        values = [self._base_address, address, 0, 0, self.num_blocks, self._table_addresses[id(table)], num_chunks]
+        pointers = [True, True, False, False, False, True, False]
+        try:
+            self._driver[key] = DriverLaunch(compiled, values, pointers)
+        except (ValueError, AttributeError, KeyError, TypeError) as exc:  # NOTE: Triton's launcher serves
+            self.driver_launch_error = f"{type(exc).__name__}: {exc}"

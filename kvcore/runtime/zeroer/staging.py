@@ -53,6 +53,9 @@ class HostIdStaging:
         capacity = SLOT * SLOTS
         self.pinned = torch.zeros(capacity, dtype=torch.int64, pin_memory=True)
         self._host_address = self.pinned.data_ptr()
+        #: The pinned ring as a writable int64 memoryview (ids are written with no foreign call).
+        self._ring = memoryview((ctypes.c_int64 * capacity).from_address(self._host_address)).cast("B").cast("q")
+        self._capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
         self.mirror = torch.zeros(capacity, dtype=torch.int64, device=device) if mode == "copy" else None
         self.buffer = self.mirror if mode == "copy" else self.pinned
         self._pinned_slots = list(self.pinned.split(SLOT))
@@ -69,7 +72,7 @@ class HostIdStaging:
 
     def stage(self, ids: list[int] | torch.Tensor, stream_id: int) -> int:
         """Write ``ids`` (checked already; at most ``max_ids``) into the ring; return their offset."""
-        if torch.cuda.is_current_stream_capturing():
+        if self._capturing():
             raise ValueError(
                 "host block ids cannot be zeroed inside CUDA graph capture (the graph would keep "
                 "stale ids); write them into zeroer.block_id_buffer(n) and capture zero_block_ids(buf[:n])"
@@ -86,8 +89,7 @@ class HostIdStaging:
         if isinstance(ids, torch.Tensor):
             self.pinned[offset : offset + n].copy_(ids)
         else:
-            packed = array("q", ids)
-            ctypes.memmove(self._host_address + 8 * offset, packed.buffer_info()[0], 8 * n)
+            self._ring[offset : offset + n] = array("q", ids)
         if self.mirror is not None:
             self._copy(first, slots, stream_id)
         return offset
