@@ -30,7 +30,8 @@ of a type is a field of its spec class (``head_size_v``, ``page_size_padded``,
 ``block_stride_alignment`` as an int, ``shapes``/``dtypes`` for ``mamba``), plus
 ``module``, the last part of the layer name (``self_attn``, or ``mixer`` for
 ``mamba``); windows belong to ``sliding`` and ``chunked`` types only. Presets
-live in ``examples/models/`` and load by file stem (``kvcore models`` lists them).
+ship with the package in ``kvcore/presets/`` and load by file stem (``kvcore
+models`` lists them).
 
 Errors name the file, the type table and a layer that uses it, and list only
 the keys that the type's kind takes.
@@ -63,7 +64,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-PRESET_DIR = Path(__file__).resolve().parent.parent / "examples" / "models"
+#: The model presets, shipped with the package (wheel installs included).
+PRESET_DIR = Path(__file__).resolve().parent / "presets"
 NO_CACHE = "-"
 _KINDS: dict[str, type[KVCacheSpec]] = {
     "full": FullAttentionSpec,
@@ -110,7 +112,7 @@ class ModelDescription:
 
 
 def preset_names() -> list[str]:
-    """Names of the model presets in ``examples/models``."""
+    """Names of the model presets in ``kvcore/presets``."""
     return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
 
 

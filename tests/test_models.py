@@ -1,14 +1,20 @@
-"""TOML model descriptions and the presets in examples/models."""
+"""TOML model descriptions and the presets shipped in kvcore/presets."""
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+import sys
+import zipfile
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
 
 from kvcore.model_runner.binding import extract_layer_index
-from kvcore.models import find_model, load_model, parse_model, preset_names
+from kvcore.models import PRESET_DIR, find_model, load_model, parse_model, preset_names
 from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, MultipleOf, SlidingWindowSpec
 
 
@@ -148,3 +154,33 @@ def test_a_bad_block_size_override_blames_the_override_not_the_file(bad):
         load_model("llama-3-8b", block_size=bad)
     assert str(exc.value).startswith(f"block_size={bad!r} (the block size given for every layer type)")
     assert ".toml" not in str(exc.value)
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_wheel_ships_the_presets_and_plans_them(tmp_path):
+    # regression: presets lived in examples/, outside the package, and a wheel install had none
+    pytest.importorskip("setuptools", reason="building a wheel needs setuptools")
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "kvcore", src / "kvcore", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(ROOT / name, src / name)
+    build = [sys.executable, "-m", "pip", "wheel", "--no-build-isolation", "--no-deps", "--no-index",
+             "-q", "-w", str(tmp_path / "dist"), str(src)]
+    done = subprocess.run(build, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    (wheel,) = (tmp_path / "dist").glob("kvcore-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = {Path(n).stem for n in zf.namelist() if n.startswith("kvcore/presets/") and n.endswith(".toml")}
+        zf.extractall(tmp_path / "site")
+    assert shipped == set(preset_names()) and shipped == {p.stem for p in PRESET_DIR.glob("*.toml")}
+    script = (
+        "import kvcore.models, sys\nfrom kvcore.cli import main\n"
+        "print(kvcore.models.PRESET_DIR)\nsys.exit(main(['plan', 'llama-3-8b', '--memory', '1GiB']))"
+    )
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[0] == str(tmp_path / "site" / "kvcore" / "presets")
+    assert "Llama 3 8B" in run.stdout and "0-31" in run.stdout
