@@ -1,153 +1,124 @@
-"""Disaggregated serving: prefill in one process, decode in another, KV blocks moved by NIXL.
+"""Disaggregated serving of an HF model: prefill in one process, decode in another, KV moved by NIXL.
 
-The prefill process runs every prompt through the model (the small GQA
-transformer of examples/tiny_model.py) over its own paged KV cache and samples
-each prompt's first token. It sends its NIXL metadata (which carries the KV
-cache descriptor), each prompt's block table and first token to the decode
-process over a local Pipe. The decode process connects, reads exactly the
-prompts' blocks into blocks of its own cache (``NixlAgent.read_blocks``), and
-finishes greedy generation. Its tokens equal a one-process run of the same
-model, which this script also performs and compares.
+Both processes serve the same random-weight HF model (a Llama, or a Gemma 3
+with sliding and full layers in two KV cache groups) through
+``kvcore.hf.Engine`` with prefix caching on. The prefill process runs every
+prompt (``generate(prompts, 1)``) and names each prompt's cached full
+blocks per KV cache group (``kvcore.hf.disagg.export_prefix``; a sliding
+window group only the blocks inside its window). It sends its NIXL metadata
+(which carries the KV cache descriptor) and those block lists to the decode
+process over a local Pipe. The decode process connects, reserves blocks of
+its own pool (``reserve_prefix``), reads the prompts' blocks into them
+(``NixlAgent.read_blocks``, one call per group), records them in its prefix
+cache (``import_prefix``) and generates: each prompt hits its prefix, so only
+the last partial block is computed. The decode tokens must equal a
+one-process ``Engine.generate`` and ``model.generate``, which this script
+also runs, and the decode engine's stats must show the transferred tokens
+skipped; otherwise it exits with status 1.
 
-Run: python examples/disaggregated.py [--layout BLNHC] [--prompts 3] [--new-tokens 8]
-     [--block-size 16] [--dtype float32]
+Run: python examples/disaggregated.py [--arch llama|gemma3] [--layout BLNHC] [--prompts 3]
+     [--new-tokens 8] [--block-size 16]
 """
 
 from __future__ import annotations
 
 import argparse
 import multiprocessing
-import sys
-from pathlib import Path
+import os
+from typing import Any
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+# NOTE: the triton backend plugin imports triton; without a GPU it must run interpreted.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tiny_model import ModelConfig, TinyTransformer  # noqa: E402
-
-from kvcore import CommonAttentionMetadata, KVCache  # noqa: E402
-from kvcore.transfer import NixlAgent  # noqa: E402
-
-CONFIG = ModelConfig(vocab_size=256, hidden_size=128, num_layers=4, num_q_heads=4, num_kv_heads=2, head_size=32)
+from kvcore.hf import Engine  # noqa: E402
+from kvcore.hf.disagg import PrefixBlocks, export_prefix, import_prefix, release_prefix, reserve_prefix  # noqa: E402
+from kvcore.hf.models import model_config, random_model  # noqa: E402
+from kvcore.transfer import NixlAgent  # noqa: E402  (NIXL itself: pip install kvcore[nixl])
 
 
-class PagedModel:
-    """The model over one KV cache: batched steps with one block table per sequence."""
+def build_engine(args: argparse.Namespace, num_blocks: int) -> Engine:
+    """The random-weight model of ``args.arch`` (same seed, same weights in every process) in an Engine."""
+    model = random_model(model_config(args.arch), seed=args.seed)
+    return Engine(model, block_size=args.block_size, layout=args.layout, num_blocks=num_blocks,
+                  max_num_seqs=len(args.prompt_list), enable_prefix_caching=True)
 
-    def __init__(self, args: argparse.Namespace, num_blocks: int) -> None:
-        dtype = getattr(torch, args.dtype)
-        self.model = TinyTransformer(CONFIG, dtype=dtype, device=torch.device("cpu"), seed=args.seed)
-        self.kv = KVCache.create(
-            CONFIG.kv_cache_specs(args.block_size, dtype),
-            dict.fromkeys(map(CONFIG.layer_name, range(CONFIG.num_layers)), "torch"), device="cpu", layout=args.layout, num_blocks=num_blocks, max_num_seqs=args.prompts, max_model_len=256,
-        )
-        self.block_size = self.kv.block_size(0)
-        # NOTE: an untied output head: with the tied one, this random-weight model mostly repeats
-        # its input token, which would make the tokens blind to the cached K/V.
-        gen = torch.Generator().manual_seed(args.seed + 7)
-        self.head = torch.randn(CONFIG.hidden_size, CONFIG.vocab_size, generator=gen)
 
-    def allocate(self, num_tokens: int) -> list[int]:
-        """A block table for ``num_tokens`` tokens (new blocks are zeroed by the next step)."""
-        return self.kv.block_pool.allocate(-(-num_tokens // self.block_size))
+def prefill(engine: Engine, prompts: list[list[int]]) -> list[PrefixBlocks]:
+    """Compute every prompt's KV; the cached prefix blocks of each (held until released)."""
+    engine.generate(prompts, 1)
+    return [export_prefix(engine, p) for p in prompts]
 
-    def step(self, chunks: list[list[int]], starts: list[int], tables: list[list[int]]) -> list[int]:
-        """Compute the K/V of each sequence's new tokens ``chunks[i]`` (from position ``starts[i]``); greedy next tokens."""
-        self.kv.begin_step()
-        size = self.block_size
-        lens = [len(c) for c in chunks]
-        positions = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lens)])
-        width = max(len(t) for t in tables)
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        rows = torch.repeat_interleave(torch.arange(len(chunks)), torch.tensor(lens))
-        slots = table[rows, positions // size].to(torch.int64) * size + positions % size
-        query_start = torch.tensor([0, *lens]).cumsum(0).to(torch.int32)
-        seq_lens = torch.tensor([s + n for s, n in zip(starts, lens)], dtype=torch.int32)
-        common = CommonAttentionMetadata(
-            query_start_loc=query_start, seq_lens=seq_lens, block_table_tensor=table, slot_mapping=slots,
-            num_reqs=len(chunks), num_actual_tokens=sum(lens), max_query_len=max(lens),
-            max_seq_len=int(seq_lens.max()),
-        )
-        metadata = self.kv.build_metadata([common])
 
-        def attend(index: int, q, k, v):
-            name = CONFIG.layer_name(index)
-            backend = self.kv.group_of(name).backend
-            return backend.forward(q, k, v, self.kv.layer_kv_caches[name], metadata[name],
-                                   head_size=CONFIG.head_size, scale=self.model.scale)
+def receive(engine: Engine, exported: list[PrefixBlocks], read: Any) -> tuple[list[int], int, int]:
+    """Reserve local blocks like ``exported``, fill them with ``read(group, remote_ids, local_ids)``, import them.
 
-        tokens = torch.tensor([t for c in chunks for t in c])
-        hidden = self.model.forward(tokens, positions, attend)
-        return (hidden[query_start[1:].long() - 1].float() @ self.head).argmax(-1).tolist()
-
-    def prefill(self, prompts: list[list[int]]) -> tuple[list[list[int]], list[int]]:
-        """Each prompt's block table and first generated token."""
-        tables = [self.allocate(len(p)) for p in prompts]
-        return tables, self.step(prompts, [0] * len(prompts), tables)
-
-    def decode(self, prompts: list[list[int]], first: list[int], tables: list[list[int]], new_tokens: int) -> list[list[int]]:
-        """Greedy decoding after the prompts' K/V are in the cache (``tables``, grown here as needed)."""
-        outputs = [[t] for t in first]
-        for _ in range(new_tokens - 1):
-            lengths = [len(p) + len(o) - 1 for p, o in zip(prompts, outputs)]  # tokens already cached
-            for table, n in zip(tables, lengths):
-                missing = -(-(n + 1) // self.block_size) - len(table)
-                if missing > 0:
-                    table += self.kv.block_pool.allocate(missing)
-            nxt = self.step([[o[-1]] for o in outputs], lengths, tables)
-            for out, token in zip(outputs, nxt):
-                out.append(token)
-        return outputs
+    Returns the blocks moved per KV cache group, and the runs and bytes the reads moved.
+    """
+    local = [reserve_prefix(engine, e) for e in exported]
+    blocks, runs, nbytes = [], 0, 0
+    for g in range(len(exported[0].block_ids)):
+        remote_ids = [b for e in exported for b in e.held_ids(g)]
+        local_ids = [b for x in local for b in x.held_ids(g)]
+        blocks.append(len(local_ids))
+        if remote_ids:
+            handle = read(g, remote_ids, local_ids)
+            handle.wait(timeout=60)
+            runs, nbytes = runs + handle.num_runs, nbytes + handle.nbytes
+    for prefix in local:
+        import_prefix(engine, prefix)
+    return blocks, runs, nbytes
 
 
 def prefill_process(args: argparse.Namespace, conn) -> None:
-    runner = PagedModel(args, num_blocks=args.prefill_blocks)
-    with NixlAgent("prefill", runner.kv) as agent:
-        tables, first = runner.prefill(args.prompt_list)
-        conn.send((agent.metadata(), tables, first))
-        conn.recv()  # the decode side has read every block; our cache may go now
+    engine = build_engine(args, args.prefill_blocks)
+    with NixlAgent("prefill", engine.kv) as agent:
+        exported = prefill(engine, args.prompt_list)
+        conn.send((agent.metadata(), exported))
+        conn.recv()  # the decode side has read every block: let them go (they stay cached here)
+        for blocks in exported:
+            release_prefix(engine, blocks)
 
 
 def decode_process(args: argparse.Namespace, conn, results) -> None:
-    runner = PagedModel(args, num_blocks=args.decode_blocks)
-    with NixlAgent("decode", runner.kv) as agent:
-        metadata, remote_tables, first = conn.recv()
+    engine = build_engine(args, args.decode_blocks)
+    with NixlAgent("decode", engine.kv) as agent:
+        metadata, exported = conn.recv()
         peer = agent.connect(metadata)
-        runner.allocate(2 * args.block_size)  # held by "other requests": our block ids differ from the prefill's
-        tables = [runner.allocate(len(p)) for p in args.prompt_list]
-        # NOTE: new blocks are zeroed by the next begin_step(); zero them now, before the
-        # prompts' K/V arrive, or that step would wipe what NIXL wrote.
-        runner.kv.begin_step()
-        remote = [b for t in remote_tables for b in t]
-        local = [b for t in tables for b in t]
-        handle = agent.read_blocks(peer, remote, local)
-        handle.wait(timeout=60)
+        moved = receive(engine, exported, lambda g, remote, local: agent.read_blocks(peer, remote, local, group_id=g))
         conn.send("read")
-        results.send((runner.decode(args.prompt_list, first, tables, args.new_tokens), handle.num_runs, handle.nbytes))
+    tokens = engine.generate(args.prompt_list, args.new_tokens)
+    results.send((tokens, dict(engine.stats()), [e.num_tokens for e in exported], *moved))
 
 
-def one_process(args: argparse.Namespace) -> list[list[int]]:
-    runner = PagedModel(args, num_blocks=args.prefill_blocks)
-    tables, first = runner.prefill(args.prompt_list)
-    return runner.decode(args.prompt_list, first, tables, args.new_tokens)
+def one_process(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
+    """The same prompts in one Engine, and through ``model.generate`` one prompt at a time."""
+    engine = build_engine(args, args.prefill_blocks)
+    served = engine.generate(args.prompt_list, args.new_tokens)
+    expected = [
+        engine.model.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, do_sample=False)[0, len(p):].tolist()
+        for p in args.prompt_list
+    ]
+    return served, expected
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--arch", default="llama", choices=["llama", "gemma3"], help="random-weight HF model")
     p.add_argument("--layout", default="BLNHC", help="KV cache layout of both processes")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
     gen = torch.Generator().manual_seed(args.seed + 1)
-    lengths = [int(n) for n in torch.randint(5, 40, (args.prompts,), generator=gen)]
-    args.prompt_list = [torch.randint(0, CONFIG.vocab_size, (n,), generator=gen).tolist() for n in lengths]
-    per_seq = -(-(max(lengths) + args.new_tokens) // args.block_size)
+    lengths = [int(n) for n in torch.randint(5, 70, (args.prompts,), generator=gen)]
+    args.prompt_list = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
+    per_seq = 2 * -(-(max(lengths) + args.new_tokens) // args.block_size)  # two groups at most
     args.prefill_blocks = 1 + args.prompts * per_seq
-    args.decode_blocks = 3 + args.prompts * per_seq  # a pool of another size
+    args.decode_blocks = 3 + 2 * args.prompts * per_seq  # room for the imported prefixes and the requests
     return args
 
 
@@ -160,20 +131,29 @@ def main(argv: list[str] | None = None) -> int:
              ctx.Process(target=decode_process, args=(args, from_prefill, results_out))]
     for proc in procs:
         proc.start()
-    reference = one_process(args)
+    served, expected = one_process(args)
     outcome = results_in.recv() if results_in.poll(300) else None
     for proc in procs:
         proc.join(timeout=60)
     if outcome is None or any(proc.exitcode != 0 for proc in procs):
         print("a process failed: exit codes", [proc.exitcode for proc in procs])
         return 1
-    tokens, runs, nbytes = outcome
-    print(f"layout {args.layout}: decode read {nbytes} bytes of prompt KV in {runs} runs through NIXL")
-    for i, (got, want) in enumerate(zip(tokens, reference)):
-        print(f"prompt {i} ({len(args.prompt_list[i])} tokens): {got}{'' if got == want else f'  != {want}'}")
-    same = tokens == reference
-    print("tokens equal the one-process run" if same else "MISMATCH with the one-process run")
-    return 0 if same else 1
+    tokens, stats, moved, blocks, runs, nbytes = outcome
+    prompt_tokens = sum(map(len, args.prompt_list))
+    print(f"{args.arch}, layout {args.layout}: the decode process read {sum(moved)} prompt tokens' KV "
+          f"({blocks} blocks per KV cache group, {nbytes} bytes in {runs} runs) through NIXL")
+    print(f"decode engine: computed {stats['prefill_tokens']} of {prompt_tokens} prompt tokens, "
+          f"{stats['prefix_cache_hit_tokens']} came from its prefix cache ({stats['prefix_cache_hits']} hits)")
+    for i, (got, want) in enumerate(zip(tokens, expected)):
+        print(f"prompt {i} ({len(args.prompt_list[i])} tokens, {moved[i]} transferred): "
+              f"{got}{'' if got == want else f'  != {want}'}")
+    skipped = stats["prefix_cache_hit_tokens"] == sum(moved) and stats["prefill_tokens"] == prompt_tokens - sum(moved)
+    same = tokens == expected == served
+    print("tokens equal a one-process Engine.generate and model.generate" if same
+          else "MISMATCH with the one-process run")
+    if not skipped:
+        print("the decode engine did not skip the transferred prompt tokens")
+    return 0 if same and skipped else 1
 
 
 if __name__ == "__main__":

@@ -1,0 +1,175 @@
+"""Disaggregated serving: hand a prompt's cached KV blocks from one engine to another.
+
+A prefill engine computes a prompt (``generate([prompt], 1)`` with prefix
+caching on); :func:`export_prefix` names the blocks of that prompt's cached
+prefix, per KV cache group, and holds them until :func:`release_prefix`.
+Any transport (NIXL, a host copy) moves those blocks' bytes into blocks a
+decode engine hands out with :func:`reserve_prefix`; :func:`import_prefix`
+records them in the decode engine's prefix cache under the prompt's chained
+hashes and lets them go, cached and evictable. The decode engine's
+``generate([prompt], n)`` then hits them and computes only the prompt's
+tail: ``stats().prefix_cache_hit_tokens`` counts the tokens it skipped.
+
+The prefix is the one the decode engine's prefix cache would hit: the
+longest prefix at a boundary of every group's blocks, short of the prompt's
+last token (whose logits the step needs). A sliding-window group holds only
+the blocks inside the window before that boundary; the others are the null
+block (0), which never moves. Both engines must serve the same model with
+the same block size (a NIXL peer with another cache is refused on connect).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import attrs
+
+from kvcore.runtime.block_pool import NULL_BLOCK_ID
+from kvcore.runtime.prefix_hash import block_hashes
+from kvcore.hf.requests import check_prompt
+
+if TYPE_CHECKING:
+    from kvcore.hf.engine import Engine
+    from kvcore.hf.prefix import PrefixCache
+
+
+@attrs.frozen
+class PrefixBlocks:
+    """A prompt prefix's blocks in one engine: ``block_ids[g]`` has one id per block of group ``g``.
+
+    ``tokens`` is the prefix (a multiple of every group's block size); a
+    sliding-window group's blocks before its window are 0 (not held, not moved).
+    Plain data: it pickles, so it can travel with a NIXL peer's metadata.
+    """
+
+    tokens: tuple[int, ...] = attrs.field(converter=tuple)
+    block_ids: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda ids: tuple(tuple(g) for g in ids))
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    def held_ids(self, group_id: int) -> list[int]:
+        """Group ``group_id``'s blocks that hold K/V (the ones to move), in prefix order."""
+        return [b for b in self.block_ids[group_id] if b != NULL_BLOCK_ID]
+
+
+def _prefix_cache(engine: Engine) -> PrefixCache:
+    prefix = engine.scheduler.prefix
+    if prefix is None:
+        raise ValueError("prefix hand-off needs an Engine built with enable_prefix_caching=True")
+    return prefix
+
+
+def _pattern(prefix: PrefixCache, num_tokens: int) -> list[tuple[int, int]]:
+    """Per group: (blocks in a prefix of ``num_tokens``, leading blocks outside the window)."""
+    out = []
+    for group, window in zip(prefix.groups, prefix.windows):
+        n = num_tokens // group.block_size
+        out.append((n, 0 if window is None else max(0, n - window)))
+    return out
+
+
+def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> PrefixCache:
+    """``blocks`` fits ``engine``'s groups (and, when ``held``, names blocks it holds), or ValueError."""
+    if not isinstance(blocks, PrefixBlocks):
+        raise TypeError(f"expected kvcore.hf.disagg.PrefixBlocks, got {type(blocks).__name__}")
+    prefix = _prefix_cache(engine)
+    groups = prefix.groups
+    if len(blocks.block_ids) != len(groups):
+        raise ValueError(
+            f"the prefix lists blocks of {len(blocks.block_ids)} KV cache groups but this engine has "
+            f"{len(groups)}; both engines must serve the same model"
+        )
+    sizes = [g.block_size for g in groups]
+    if any(blocks.num_tokens % s for s in sizes):
+        raise ValueError(
+            f"a prefix of {blocks.num_tokens} tokens is not a multiple of this engine's block sizes {sizes}; "
+            "both engines must use the same block_size"
+        )
+    for g, ((n, start), ids) in enumerate(zip(_pattern(prefix, blocks.num_tokens), blocks.block_ids)):
+        shape = [i != NULL_BLOCK_ID for i in ids]
+        if shape != [False] * start + [True] * (n - start):
+            raise ValueError(
+                f"group {g}: a prefix of {blocks.num_tokens} tokens needs {n - start} blocks after {start} "
+                f"null ones here, got ids {list(ids)}; both engines must serve the same model and block size"
+            )
+        if held:
+            missing = [b for b in ids if b != NULL_BLOCK_ID and not engine.kv.block_pool.is_allocated(b)]
+            if missing:
+                raise ValueError(f"group {g}: blocks {missing} are not held by this engine (released already?)")
+    return prefix
+
+
+def export_prefix(engine: Engine, prompt: Sequence[int]) -> PrefixBlocks:
+    """The blocks of ``prompt``'s cached prefix in ``engine`` (prefill side); each gains a reference.
+
+    Run the prompt first (``engine.generate([prompt], 1)``). The prefix may be
+    empty (a prompt shorter than a block and a token, or blocks evicted).
+    Call :func:`release_prefix` once the blocks' bytes have been read.
+    """
+    prefix = _prefix_cache(engine)
+    tokens = check_prompt(0, prompt, 1, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
+    pool, limit = engine.kv.block_pool, len(tokens) - 1
+    hashes = [block_hashes(tokens[: limit - limit % g.block_size], g.block_size) for g in prefix.groups]
+    num_tokens = pool.find_common_prefix(
+        {i: (h, g.block_size, prefix.windows[i]) for i, (g, h) in enumerate(zip(prefix.groups, hashes))},
+        max_tokens=limit,
+    )
+    ids = [
+        pool.get_cached_blocks(h[: num_tokens // g.block_size], group_id=i, window=prefix.windows[i])
+        for i, (g, h) in enumerate(zip(prefix.groups, hashes))
+    ]
+    blocks = PrefixBlocks(tokens[:num_tokens], ids)
+    _check(engine, blocks, held=True)
+    return blocks
+
+
+def reserve_prefix(engine: Engine, like: PrefixBlocks) -> PrefixBlocks:
+    """Fresh blocks of ``engine`` for the prefix ``like`` describes (decode side), zeroed now.
+
+    Same tokens, same positions as ``like`` (another engine's ids); fill
+    them, group by group, then :func:`import_prefix` (or :func:`release_prefix`
+    to give up). Call it between steps: the blocks are zeroed at once, so no
+    later step wipes what the transfer writes.
+
+    :raises kvcore.errors.OutOfBlocksError: the pool lacks the blocks; nothing is held.
+    """
+    prefix = _check(engine, like, held=False)
+    counts = [len(like.held_ids(g)) for g in range(len(prefix.groups))]
+    fresh = iter(engine.kv.block_pool.allocate(sum(counts)))
+    engine.kv.begin_step()
+    ids = [[next(fresh) if b != NULL_BLOCK_ID else NULL_BLOCK_ID for b in group] for group in like.block_ids]
+    return PrefixBlocks(like.tokens, ids)
+
+
+def import_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
+    """Record ``blocks`` (from :func:`reserve_prefix`, now filled) in ``engine``'s prefix cache and release them.
+
+    They stay cached and evictable: a request whose prompt starts with
+    ``blocks.tokens`` shares them instead of computing that prefix. A block
+    of a prefix the engine already caches is simply freed.
+    """
+    prefix = _check(engine, blocks, held=True)
+    pool = engine.kv.block_pool
+    plans = []
+    for g, group in enumerate(prefix.groups):
+        hashes = block_hashes(list(blocks.tokens), group.block_size)
+        pairs = [(h, b) for h, b in zip(hashes, blocks.block_ids[g]) if b != NULL_BLOCK_ID]
+        taken = [b for h, b in pairs if pool.block_hash(b) not in (None, (g, h))]
+        if taken:
+            raise ValueError(f"group {g}: blocks {taken} are cached under other contents; import only reserved blocks")
+        plans.append(pairs)
+    for g, pairs in enumerate(plans):
+        if pairs:
+            pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=g)
+    release_prefix(engine, blocks)
+
+
+def release_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
+    """Drop this holder's reference to every block of ``blocks`` (last block first, so the tail is evicted first)."""
+    _check(engine, blocks, held=True)
+    held = [b for g in range(len(blocks.block_ids)) for b in reversed(blocks.held_ids(g))]
+    if held:
+        engine.kv.block_pool.free(held)
