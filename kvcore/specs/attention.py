@@ -90,19 +90,7 @@ class AttentionSpec(KVCacheSpec):
                 f"not a multiple of the {itemsize}-byte {self.dtype}; set "
                 "state_content_bytes to a multiple of the element size"
             )
-        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
-            raise ValueError(
-                f"{name}.page_size_padded={self.page_size_padded} is smaller than the "
-                f"page it pads ({self.real_page_size_bytes} bytes); pass at least "
-                f"{self.real_page_size_bytes} or None"
-            )
-        if self.page_size_padded is not None and self.page_size_padded % itemsize:
-            raise ValueError(
-                f"{name}.page_size_padded={self.page_size_padded} is not a multiple of the "
-                f"{itemsize}-byte {self.dtype}, so blocks after the first would start "
-                f"mid-element; pass a multiple of {itemsize} (e.g. "
-                f"{-(-self.page_size_padded // itemsize) * itemsize}) or None"
-            )
+        self._check_page_padding(f"the {itemsize}-byte {self.dtype}")
 
     @property
     def num_heads(self) -> int:

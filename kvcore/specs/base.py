@@ -156,6 +156,27 @@ class KVCacheSpec:
             return 1
         return self._page_of_tokens(tokens)
 
+    def _check_page_padding(self, element: str) -> None:
+        """``ValueError`` unless ``page_size_padded`` (when set) holds the page in whole elements.
+
+        ``element`` names the unit of ``dtype_alignment`` in the message.
+        """
+        padded, real, align = self.page_size_padded, self.real_page_size_bytes, self.dtype_alignment
+        if padded is None:
+            return
+        name = type(self).__name__
+        if padded < real:
+            raise ValueError(
+                f"{name}.page_size_padded={padded} is smaller than the page it pads "
+                f"({real} bytes); pass at least {real} or None"
+            )
+        if padded % align:
+            raise ValueError(
+                f"{name}.page_size_padded={padded} is not a multiple of {element}, so "
+                f"blocks after the first would start mid-element; pass a multiple of "
+                f"{align} (e.g. {-(-padded // align) * align}) or None"
+            )
+
     def _page_of_tokens(self, tokens: int) -> int:
         """Unpadded bytes of a ``tokens``-token block."""
         return self.num_heads * self.get_num_kernel_states(tokens) * self.state_content_size_bytes

@@ -69,19 +69,7 @@ class MambaSpec(KVCacheSpec):
         for shape in self.shapes:
             if any(d <= 0 for d in shape):
                 raise ValueError(f"{name}: state shape {shape} has a non-positive dim")
-        if self.page_size_padded is not None and self.page_size_padded < self.real_page_size_bytes:
-            raise ValueError(
-                f"{name}.page_size_padded={self.page_size_padded} is smaller than the "
-                f"state bytes ({self.real_page_size_bytes}); pass at least that or None"
-            )
-        align = self.dtype_alignment
-        if self.page_size_padded is not None and self.page_size_padded % align:
-            raise ValueError(
-                f"{name}.page_size_padded={self.page_size_padded} is not a multiple of "
-                f"{align} bytes (its largest state element), so blocks after the first "
-                f"would start mid-element; pass a multiple of {align} (e.g. "
-                f"{-(-self.page_size_padded // align) * align}) or None"
-            )
+        self._check_page_padding(f"{self.dtype_alignment} bytes (its largest state element)")
 
     @property
     def tokens_per_state(self) -> int:
