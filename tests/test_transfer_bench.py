@@ -1,24 +1,55 @@
-"""``kvcore bench transfer`` runs on CPU and reports what each layout costs per block."""
+"""``kvcore bench transfer`` reports what each layout costs per block, and NIXL rows that moved real bytes."""
 
 from __future__ import annotations
 
 import argparse
 
+import pytest
+import torch
+
 from kvcore.bench import BENCHMARKS, transfer
 
+SMALL = ["--layers", "3", "--kv-heads", "2", "--head-size", "16", "--repeats", "2", "--warmup", "1"]
 
-def test_bench_transfer_reports_runs_and_bandwidth_per_layout(tmp_path):
-    assert BENCHMARKS["transfer"] == "kvcore.bench.transfer"
+
+def collect(argv):
     parser = argparse.ArgumentParser()
     transfer.add_arguments(parser)
-    args = parser.parse_args(
-        ["--layouts", "BLNHC,LBNHC,LHBNC", "--blocks", "2,4", "--layers", "3", "--kv-heads", "2",
-         "--head-size", "16", "--repeats", "2", "--warmup", "1", "--nixl-blocks", "4", "--device", "cpu"]
-    )
-    result = transfer.collect(args)
+    return transfer.collect(parser.parse_args(argv + SMALL))
+
+
+def test_bench_transfer_reports_runs_and_bandwidth_per_layout():
+    assert BENCHMARKS["transfer"] == "kvcore.bench.transfer"
+    result = collect(["--layouts", "BLNHC,LBNHC,LHBNC", "--blocks", "2,4", "--nixl-blocks", "2,4",
+                      "--device", "cpu"])
     per_block = {r["layout"]: r["runs_per_block"] for r in result["host"]}
     assert per_block == {"BLNHC": 1.0, "LBNHC": 3.0, "LHBNC": 6.0}  # one run; per layer; per layer and head
     page = 16 * 2 * 2 * 16 * 2  # tokens * heads * (K+V) * head size * bf16 bytes
     assert all(r["bytes"] == r["blocks"] * 3 * page and r["offload_gbps"] > 0 for r in result["host"])
-    assert result["nixl"] or result["nixl_skipped"]
-    assert all(r["nixl_gbps"] > 0 for r in result["nixl"])
+    if result["nixl_skipped"]:
+        pytest.skip(f"NIXL is not installed: {result['nixl_skipped']}")
+    assert result["nixl_failed"] == {}
+    nixl = {(r["layout"], r["blocks"]): r for r in result["nixl"]}
+    assert sorted(nixl) == sorted((lay, n) for lay in per_block for n in (2, 4))
+    for (layout, n), r in nixl.items():
+        assert r["memory"] == "DRAM" and r["exact"] is True
+        assert r["runs"] == n * per_block[layout] and r["bytes"] == n * 3 * page
+        assert r["nixl_write_gbps"] > 0 and r["nixl_read_gbps"] > 0 and r["copy_gbps"] > 0
+
+
+def test_bench_transfer_refuses_vram_without_cuda():
+    with pytest.raises(ValueError, match="VRAM needs a CUDA"):
+        collect(["--device", "cpu", "--nixl-memory", "VRAM", "--no-host", "--blocks", "2", "--nixl-blocks", "2"])
+    with pytest.raises(SystemExit):
+        collect(["--nixl-memory", "HBM"])
+
+
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_bench_transfer_moves_vram_blocks_over_nixl():
+    result = collect(["--device", "cuda", "--no-host", "--layouts", "BLNHC,LHBNC", "--nixl-blocks", "2,8",
+                      "--nixl-memory", "VRAM"])
+    if result["nixl_skipped"]:
+        pytest.skip(f"NIXL is not installed: {result['nixl_skipped']}")
+    assert result["nixl_failed"] == {} and len(result["nixl"]) == 4
+    assert all(r["memory"] == "VRAM" and r["exact"] is True and r["d2h_memcpy_gbps"] > 0 for r in result["nixl"])

@@ -4,9 +4,10 @@ For each layout, moves random (non-consecutive) blocks of a model's KV cache:
 ``HostKVPool.offload`` (device to pinned host) and ``restore`` (back), with
 layer-compact blocks gathered on the device first and, beside it, one copy
 per run (``staging=False``), each against one pinned ``cudaMemcpyAsync`` (``copy_(non_blocking=True)``) of the
-same byte count measured in the same run; and, where NIXL imports, a write
-between two agents of one process (UCX loopback, host memory) against a host
-``copy_`` of the same bytes. Prints the runs each block takes per layout.
+same byte count measured in the same run; and, where NIXL imports, writes
+and reads between two agents of one process (UCX loopback) in host memory and,
+on CUDA, in device memory, beside a plain copy of the same bytes
+(:mod:`kvcore.bench.transfer_nixl`). Prints the runs each block takes per layout.
 Device times come from CUDA events (median of repeats); on CPU all times are
 wall times.
 """
@@ -22,13 +23,13 @@ import torch
 
 from kvcore.bench._args import layouts_arg, positive_int_arg, positive_ints_arg
 from kvcore.bench._timing import Timer
+from kvcore.bench.transfer_nixl import memory_kinds_arg, nixl_rows, print_rows
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.registry import get_plugin_manager
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs import FullAttentionSpec
 from kvcore.transfer import HostKVPool, NixlUnavailableError, describe, plan_transfer
-from kvcore.transfer.nixl import NixlAgent
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -57,8 +58,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     measured.add_argument("--blocks", type=positive_ints_arg, default="16,128,512",
                           help="comma-separated counts of blocks moved per call (default: %(default)s)")
     measured.add_argument("--device", default=None, help="cache device (default: cuda when present, else cpu)")
-    measured.add_argument("--nixl-blocks", type=positive_int_arg, default=64,
-                          help="blocks per NIXL loopback write, host memory (default: %(default)s)")
+    measured.add_argument("--no-host", action="store_true", help="skip the host offload / restore rows")
+    measured.add_argument("--nixl-blocks", type=positive_ints_arg, default="64",
+                          help="comma-separated counts of blocks per NIXL loopback transfer (default: %(default)s)")
+    measured.add_argument("--nixl-memory", type=memory_kinds_arg, default=None,
+                          help="NIXL memory kinds, DRAM and/or VRAM (default: both on CUDA, else DRAM)")
     measured.add_argument("--no-nixl", action="store_true", help="skip the NIXL loopback rows")
     measured.add_argument("--repeats", type=positive_int_arg, default=10,
                           help="timed repeats; medians are reported (default: %(default)s)")
@@ -117,51 +121,43 @@ def _host_rows(args, layout, device, timer, gen) -> list[dict[str, Any]]:
     return rows
 
 
-def _nixl_row(args, layout, timer, gen) -> dict[str, Any]:
-    n = args.nixl_blocks
-    a, b = (_cache(args, layout, n + 1, torch.device("cpu")) for _ in range(2))
-    agent_a, agent_b = NixlAgent("bench-a", a), NixlAgent("bench-b", b)
-    try:
-        agent_a.connect(agent_b.metadata())
-        ids = (torch.randperm(n // 2, generator=gen) * 2 + 1).tolist()
-        regions = plan_transfer(describe(a), ids)
-        nbytes = sum(r.length for r in regions)
-        src, dst = torch.ones(nbytes, dtype=torch.int8), torch.empty(nbytes, dtype=torch.int8)
-        row = {"layout": layout.name, "blocks": n, "bytes": nbytes, "runs": len(regions)}
-        row["nixl_write_us"] = timer.wall_us(lambda: agent_a.write_blocks("bench-b", ids, ids).wait())
-        row["host_copy_us"] = timer.wall_us(lambda: dst.copy_(src))
-        row["nixl_gbps"] = _gbps(nbytes, row["nixl_write_us"])
-        row["host_copy_gbps"] = _gbps(nbytes, row["host_copy_us"])
-        row["nixl_vs_copy"] = row["host_copy_us"] / row["nixl_write_us"]
-        return row
-    finally:
-        agent_a.close()
-        agent_b.close()
-
-
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Measure every layout; the result is what ``--json`` prints."""
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    timer = Timer(device, args.repeats, args.warmup)
-    cpu_timer = Timer(torch.device("cpu"), args.repeats, args.warmup)
+    memories = args.nixl_memory or (["DRAM", "VRAM"] if device.type == "cuda" else ["DRAM"])
+    if "VRAM" in memories and device.type != "cuda":
+        raise ValueError(f"--nixl-memory VRAM needs a CUDA --device, got {device}; use --nixl-memory DRAM")
+    timer = Timer(device, args.repeats, args.warmup) if not args.no_host else None
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
         "model": {k: getattr(args, k) for k in ("layers", "kv_heads", "head_size", "block_size", "dtype")},
-        "host": [], "nixl": [], "nixl_skipped": None,
+        "host": [], "nixl": [], "nixl_skipped": None, "nixl_failed": {},
     }
-    for layout in args.layouts:
+    for layout in args.layouts if timer is not None else ():
         result["host"] += _host_rows(args, layout, device, timer, gen)
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
+        _release(device)
+    del timer
     if args.no_nixl:
         result["nixl_skipped"] = "--no-nixl"
-    else:
+        return result
+    for memory in memories:
         try:
-            result["nixl"] = [_nixl_row(args, layout, cpu_timer, gen) for layout in args.layouts]
+            for layout in args.layouts:
+                result["nixl"] += nixl_rows(args, lambda lay, n, on: _cache(args, lay, n, on), layout, memory,
+                                            device, gen)
+                _release(device)
         except NixlUnavailableError as exc:
             result["nixl_skipped"] = str(exc)
+            break
+        except Exception as exc:  # NOTE: NIXL/UCX raise their own types; the other rows still report
+            result["nixl_failed"][memory] = f"{type(exc).__name__}: {exc}"
     return result
+
+
+def _release(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
 
 
 def _print(result: dict[str, Any]) -> None:
@@ -182,11 +178,10 @@ def _print(result: dict[str, Any]) -> None:
                   f"{r['direct_offload_gbps']:.1f} / {r['direct_restore_gbps']:.1f}")
     if result["nixl_skipped"]:
         print(f"NIXL loopback skipped: {result['nixl_skipped']}")
-        return
-    print("NIXL loopback write (UCX, host memory) vs a host copy_ of the same bytes (wall times)")
-    for r in result["nixl"]:
-        print(f"{r['layout']:>8}  {r['blocks']} blocks  {r['runs']} runs  NIXL {r['nixl_gbps']:.2f} GB/s  "
-              f"copy_ {r['host_copy_gbps']:.2f} GB/s  x copy {r['nixl_vs_copy']:.2f}")
+    if result["nixl"]:
+        print_rows(result["nixl"])
+    for memory, error in result["nixl_failed"].items():
+        print(f"NIXL loopback in {memory} failed: {error}")
 
 
 def run(args: argparse.Namespace) -> int:
