@@ -27,12 +27,12 @@ import platform, torch, nixl
 print("python", platform.python_version(), "torch", torch.__version__, "CUDA", torch.version.cuda,
       "|", torch.cuda.get_device_name(), "x", torch.cuda.device_count(), "| NIXL from", nixl._pkg.__name__)
 EOF
-echo "== NIXL tests on CUDA tensors"
-timeout 150 $PY -m pytest -q -rs -p no:cacheprovider tests/test_nixl_gpu.py tests/test_transfer_bench.py tests/test_nixl.py \
-  2>&1 | tee "$OUT/nixl_tests.txt" | grep -v "NIXL INFO" | tail -15
 echo "== kvcore bench transfer: NIXL loopback in VRAM"
-timeout 150 $PY -m kvcore bench transfer --no-host --nixl-memory VRAM --nixl-blocks ${VRAM_BLOCKS:-16,128,512} \
-  --json-out "$OUT/bench_nixl_vram.json" 2>&1 | grep -v "NIXL INFO" | tail -16
+timeout 70 $PY -m kvcore bench transfer --no-host --nixl-memory VRAM --nixl-blocks ${VRAM_BLOCKS:-16,128,512} \
+  --json-out "$OUT/bench_nixl_vram.json" 2>&1 | tee "$OUT/bench_vram.txt" | grep -v "NIXL INFO" | tail -16
+echo "== NIXL tests on CUDA tensors"
+timeout 100 $PY -m pytest -q -rs -p no:cacheprovider tests/test_nixl_gpu.py tests/test_transfer_bench.py tests/test_nixl.py \
+  2>&1 | tee "$OUT/nixl_tests.txt" | grep -v "NIXL INFO" | tail -15
 echo "== kvcore bench transfer: NIXL loopback in DRAM"
-timeout 90 $PY -m kvcore bench transfer --no-host --nixl-memory DRAM --nixl-blocks ${DRAM_BLOCKS:-16,128} \
+timeout 40 $PY -m kvcore bench transfer --no-host --nixl-memory DRAM --nixl-blocks ${DRAM_BLOCKS:-16,128} \
   --json-out "$OUT/bench_nixl_dram.json" 2>&1 | grep -v "NIXL INFO" | tail -12
