@@ -3,8 +3,9 @@
 Times, on one CUDA device, for a 32-layer model (8 KV heads x 128, 16-token
 blocks, bf16) in each layout family:
 - ``host_us``: the call until it returns to the caller, the device idle before
-  each call (median of ``--repeats``), for each id-staging mode of the zeroer
-  (``copy``: pinned ring + async copy, ``mapped``: the kernel reads the pinned
+  each call (median of ``--repeats``), for the default (up to 16 ids by value
+  in the launch, more through the ring) and each id-staging mode of the zeroer
+  with every list staged (``copy``: pinned ring + async copy, ``mapped``: the kernel reads the pinned
   ring; ``copy-triton``: the same ring with Triton's launcher instead of the driver
   launch) and for the previous path (a fresh pinned tensor per call, an async
   copy, the validating Triton launch), all in one run;
@@ -37,6 +38,7 @@ from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.runtime.zeroer import kernel as zero_kernel
 from kvcore.runtime.zeroer import zeroer as zero_module
 from kvcore.runtime.zeroer.ids import id_list
+from kvcore.runtime.zeroer.listed import LISTED
 from kvcore.specs import FullAttentionSpec
 
 LAYERS, POOL = 32, 1024
@@ -101,13 +103,16 @@ def _parts(zeroer: KVBlockZeroer, ids: list[int], repeats: int) -> dict[str, flo
     staging, launcher = zeroer._staging, zeroer._launchers[0]
     stream = zeroer._stream(zeroer.device.index)
     offset = staging.stage(ids, stream)
-    return {
+    parts = {
         "part_check_us": host_us(lambda: id_list(ids, zeroer.num_blocks), repeats)[0],
         "part_stream_us": host_us(lambda: zeroer._stream(zeroer.device.index), repeats)[0],
         "part_capturing_us": host_us(torch.cuda.is_current_stream_capturing, repeats)[0],
         "part_stage_us": host_us(lambda: staging.stage(ids, stream), repeats)[0],
         "part_launch_us": host_us(lambda: launcher.launch(staging.buffer, offset, len(ids), stream), repeats)[0],
     }
+    if len(ids) <= LISTED and launcher.listed_launch_error is None:
+        parts["part_listed_launch_us"] = host_us(lambda: launcher.launch_list(ids, stream), repeats)[0]
+    return parts
 
 
 def _old_path(zeroer: KVBlockZeroer):
@@ -136,28 +141,31 @@ def main() -> None:
     for layout in ("LBNHC", "BLNHC", "LHBNC"):
         kv = _caches(layout)
         views = {n: (v, 1) for n, v in kv.items()}
-        for mode in ("copy", "copy-triton", "mapped"):
+        for mode in ("default", "copy", "copy-triton", "mapped"):
             os.environ["KVCORE_ZEROER_STAGING"] = "mapped" if mode == "mapped" else "copy"
             zeroer = KVBlockZeroer.from_views("cuda", views, POOL)
-            if mode == "copy-triton":
-                # The launches before the driver launch: Triton's launcher of the compiled kernel.
-                for launcher in zeroer._launchers:
+            for launcher in zeroer._launchers:
+                if mode != "default":  # every list through the ring
+                    launcher.listed_launch_error = "off for comparison"
+                if mode == "copy-triton":  # the launches before the driver launch: Triton's launcher
                     launcher.driver_launch_error = "off for comparison"
             zeroer.warmup(1)
             old = _old_path(zeroer)
-            for n in (1, 8, 64, 512):
+            for n in (1, 8, 16, 17, 64, 512):
                 ids = torch.randperm(POOL, generator=gen)[:n].tolist()
                 med, p90 = host_us(lambda: zeroer.zero_block_ids(ids), args.repeats)
                 row = {"layout": layout, "mode": mode, "ids": n, "host_us": med, "host_us_p90": p90}
-                if mode == "copy":
+                if mode == "default":
                     row["old_host_us"], row["old_host_us_p90"] = host_us(lambda: old(ids), args.repeats)
                 launcher = zeroer._launchers[0]
                 row["direct_launches"] = any(v is not None for v in launcher._compiled.values())
                 row["direct_launch_error"] = launcher.direct_launch_error
                 row["driver_launches"] = bool(launcher._driver)
                 row["driver_launch_error"] = launcher.driver_launch_error
+                row["listed_launches"] = bool(launcher._listed)
+                row["listed_launch_error"] = launcher.listed_launch_error
                 row["driver_copy"] = zeroer._staging._driver_copy is not None
-                if n in (1, 64) and mode != "copy-triton":
+                if n in (1, 64) and mode in ("default", "copy"):
                     row.update(_parts(zeroer, ids, args.repeats))
                     row["list_device_us"] = device_us(lambda: zeroer.zero_block_ids(ids), 100)
                 result["rows"].append(row)

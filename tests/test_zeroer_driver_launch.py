@@ -100,3 +100,16 @@ def test_without_the_driver_library_nothing_is_built(monkeypatch):
     monkeypatch.setattr(driver_launch, "cu_launch_kernel", lambda: None)
     with pytest.raises(ValueError, match="cuLaunchKernel"):
         DriverLaunch(_compiled(), [1, 2, 0, 0, 3, 4, 5], _POINTERS)
+
+
+def test_an_empty_triton_hook_chain_is_no_hook(monkeypatch):
+    from kvcore.runtime.zeroer import kernel
+
+    runtime = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[]), launch_exit_hook=None)
+    monkeypatch.setattr(kernel.triton, "knobs", types.SimpleNamespace(runtime=runtime), raising=False)
+    hooks = kernel._launch_hooks()
+    assert hooks() == (None, None)
+    runtime.launch_enter_hook.calls.append(print)
+    assert hooks()[0] is runtime.launch_enter_hook
+    runtime.launch_exit_hook = print  # a plain callable (older Triton) is a hook
+    assert hooks() == (runtime.launch_enter_hook, print)

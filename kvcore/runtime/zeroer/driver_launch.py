@@ -84,6 +84,21 @@ class DriverLaunch:
         self._threads = 32 * meta.num_warps
         self._shared = meta.shared
 
+    def pack_ints(self, first: int, count: int) -> ctypes.Array:
+        """Back parameters ``first : first + count`` (32-bit integers) by one ``c_int32`` array.
+
+        Writing ``array[:n] = values`` then sets ``n`` parameters in one step.
+        """
+        kept = self.params[first : first + count]
+        if len(kept) != count or any(not isinstance(p, ctypes.c_int32) for p in kept):
+            raise ValueError(f"parameters {first}..{first + count - 1} are not all 32-bit integers")
+        packed = (ctypes.c_int32 * count)(*[p.value for p in kept])
+        self.params[first : first + count] = [ctypes.c_int32.from_buffer(packed, 4 * k) for k in range(count)]
+        for k in range(count):
+            self._array[first + k] = ctypes.addressof(packed) + 4 * k
+        self._packed = packed  # NOTE: the parameter array points into it
+        return packed
+
     def __call__(self, grid: int, stream: int) -> int:
         """Enqueue ``grid`` programs on ``stream``; the driver's status (0: launched)."""
         return self._launch(self._function, grid, 1, 1, self._threads, 1, 1, self._shared, stream,

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from kvcore.runtime.zeroer.driver_launch import DriverLaunch
+from kvcore.runtime.zeroer.listed import LISTED, launch_listed
 
 #: Rows of ``VEC`` words one program stores per inner-loop step.
 ROWS = 256
@@ -135,13 +136,21 @@ def launch_table(base, ids, num_blocks, table, vec, programs, *, ids_offset=0, n
     )
 
 
+def _active(hook):
+    """``hook``, or None when it is unset or an empty chain (Triton >= 3.5 keeps a ``HookChain`` always)."""
+    if hook is None:
+        return None
+    calls = getattr(hook, "calls", None)
+    return None if calls is not None and not calls else hook
+
+
 def _launch_hooks():
-    """Triton's launch hooks (profilers set them), read on every direct launch."""
+    """Triton's launch hooks (profilers set them), read on every direct launch; None where none is set."""
     knobs = getattr(triton, "knobs", None)
     runtime = getattr(knobs, "runtime", None)
     if runtime is None:
         return lambda: (None, None)
-    return lambda: (runtime.launch_enter_hook, runtime.launch_exit_hook)
+    return lambda: (_active(runtime.launch_enter_hook), _active(runtime.launch_exit_hook))
 
 
 class ZeroLauncher:
@@ -171,6 +180,49 @@ class ZeroLauncher:
         self.direct_launch_error: str | None = None
         #: Why driver launches are not used (None while they work or before the first compile).
         self.driver_launch_error: str | None = None
+        #: Per table, the driver launch of the by-value kernel and its id parameters.
+        self._listed: dict[int, tuple[DriverLaunch, object]] = {}
+        #: Why short host lists are not passed by value (None while they are).
+        self.listed_launch_error: str | None = None if num_blocks < 1 << 31 else "num_blocks needs int64 ids"
+
+    def launch_list(self, ids: list[int], stream: int) -> bool:
+        """Zero a checked host list of at most ``LISTED`` ids passed by value; False: stage them instead.
+
+        The first call per chunk table compiles the by-value kernel (the
+        validating launcher); later ones are driver launches. False where a
+        Triton launch hook is set, the driver launch is unavailable or refused.
+        """
+        if self.listed_launch_error is not None:
+            return False
+        n = len(ids)
+        table = self.table_for(n)
+        entry = self._listed.get(id(table))
+        if entry is None:
+            result = launch_listed(self.base, ids, self.num_blocks, table, self.vec, self.programs, ROWS, NUM_WARPS)
+            self._add_listed(table, result)
+            return True
+        enter, leave = self._hooks()
+        if enter is not None or leave is not None:
+            return False
+        driver, values = entry
+        values[:n] = ids
+        driver.params[4].value = n
+        status = driver(min(self.programs, n * self._num_chunks[id(table)]), stream)
+        if status == 0:
+            return True
+        self.listed_launch_error = f"cuLaunchKernel returned CUresult {status}"
+        self._listed.clear()
+        return False
+
+    def _add_listed(self, table: torch.Tensor, compiled) -> None:
+        try:
+            compiled[(1, 1, 1)]  # NOTE: loads the module and function handles
+            values = [self._base_address, self._table_addresses[id(table)], self._num_chunks[id(table)],
+                      self.num_blocks, 0] + [0] * LISTED
+            driver = DriverLaunch(compiled, values, [True, True] + [False] * (3 + LISTED))
+            self._listed[id(table)] = (driver, driver.pack_ints(5, LISTED))
+        except (ValueError, AttributeError, KeyError, TypeError) as exc:  # NOTE: host lists are staged
+            self.listed_launch_error = f"{type(exc).__name__}: {exc}"
 
     def table_for(self, num_ids: int) -> torch.Tensor:
         """Coarse chunks when they fill the grid, else the finest (few ids still use every SM)."""

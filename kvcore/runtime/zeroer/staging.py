@@ -70,13 +70,17 @@ class HostIdStaging:
         self._stream: torch.cuda.Stream | None = None
         self.max_ids = SLOT * self._slots_per_part
 
-    def stage(self, ids: list[int] | torch.Tensor, stream_id: int) -> int:
-        """Write ``ids`` (checked already; at most ``max_ids``) into the ring; return their offset."""
+    def refuse_capture(self) -> None:
+        """``ValueError`` during CUDA graph capture: host ids would be baked into the graph."""
         if self._capturing():
             raise ValueError(
                 "host block ids cannot be zeroed inside CUDA graph capture (the graph would keep "
                 "stale ids); write them into zeroer.block_id_buffer(n) and capture zero_block_ids(buf[:n])"
             )
+
+    def stage(self, ids: list[int] | torch.Tensor, stream_id: int) -> int:
+        """Write ``ids`` (checked already; at most ``max_ids``) into the ring; return their offset."""
+        self.refuse_capture()
         n = len(ids)
         slots = -(-n // SLOT)
         if stream_id != self._stream_id:

@@ -12,6 +12,7 @@ import torch
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.runtime.zeroer.from_groups import views_of_groups
 from kvcore.runtime.zeroer.ids import device_ids, host_ids, id_list
+from kvcore.runtime.zeroer.listed import LISTED
 from kvcore.runtime.zeroer.segments import (
     Segment,
     check_segments,
@@ -86,9 +87,11 @@ class KVBlockZeroer:
     ``backend``: ``"triton"`` (the kernel; on CPU only under
     ``TRITON_INTERPRET=1``), ``"torch"`` (one indexed fill per segment, slow,
     for machines without Triton), or ``"auto"`` (Triton when it can run).
-    On CUDA, host ids go through a persistent pinned staging ring (see
-    :mod:`kvcore.runtime.zeroer.staging`; ``KVCORE_ZEROER_STAGING=mapped``
-    lets the kernel read them from pinned memory instead of a device copy).
+    On CUDA, a host list of at most 16 ids travels by value in the launch's
+    parameters (:mod:`kvcore.runtime.zeroer.listed`); longer ones go through
+    a persistent pinned staging ring (see :mod:`kvcore.runtime.zeroer.staging`;
+    ``KVCORE_ZEROER_STAGING=mapped`` lets the kernel read them from pinned
+    memory instead of a device copy).
     """
 
     def __init__(
@@ -209,8 +212,9 @@ class KVBlockZeroer:
 
         Ints, lists, tuples and CPU integer tensors are checked on the host:
         integers in ``[0, num_blocks)`` (bools, floats and bool tensors are
-        refused), else ``ValueError`` and nothing written. On CUDA they are
-        staged through a persistent pinned ring: no allocation, no device sync.
+        refused), else ``ValueError`` and nothing written. On CUDA, up to 16
+        ids are passed by value in the launch, more are staged through a
+        persistent pinned ring: no allocation, no device sync.
         An integer tensor on the zeroer's CUDA device is used as is (no host
         sync, graph-capturable); the kernel skips ids out of range, and
         ``validate=True`` checks them on the host first (one sync).
@@ -243,8 +247,15 @@ class KVBlockZeroer:
             self._launch(tensor.pin_memory().to(self.device, non_blocking=True))
             return
         stream = self._stream(self.device.index)
+        launchers = self._launchers
+        if len(ids) <= LISTED and type(ids) is list:
+            # NOTE: a short list travels in the launch's parameters: no ring, no copy.
+            staging.refuse_capture()
+            launchers = [launcher for launcher in launchers if not launcher.launch_list(ids, stream)]
+            if not launchers:
+                return
         offset = staging.stage(ids, stream)
-        for launcher in self._launchers:
+        for launcher in launchers:
             launcher.launch(staging.buffer, offset, len(ids), stream)
 
     def _launch(self, ids: torch.Tensor) -> None:

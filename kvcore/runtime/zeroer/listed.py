@@ -1,0 +1,83 @@
+"""Zeroing a short host list of blocks with the ids passed by value: no copy to the device.
+
+A list of at most ``LISTED`` ids travels in the launch's own parameters
+(``i0`` … ``i15``), so the hot path needs neither the pinned ring nor a
+host-to-device copy. Each work item picks its id by a chain of scalar selects.
+Used on CUDA through the driver launch of
+:class:`~kvcore.runtime.zeroer.kernel.ZeroLauncher`; the validating launcher
+here serves the first launch (it compiles the kernel) and the interpreter.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+#: Most ids one launch takes by value.
+LISTED = 16
+_INTS = ["num_chunks", "num_blocks", "num_ids"] + [f"i{k}" for k in range(LISTED)]
+
+
+# NOTE: no integer argument is specialized: the compiled kernel's parameters are always the arguments.
+@triton.jit(do_not_specialize=_INTS)
+def _zero_listed_kernel(
+    base_ptr,  # int32 view of the whole allocation
+    table_ptr,  # int64 [3, num_chunks]: chunk start, manager block stride, chunk length (in vectors)
+    num_chunks,
+    num_blocks,
+    num_ids,  # ids i0 .. i(num_ids - 1) are zeroed; the others are ignored
+    i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14, i15,
+    VEC: tl.constexpr,
+    ROWS: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_programs = tl.num_programs(0)
+    rows = tl.arange(0, ROWS)[:, None]
+    lanes = tl.arange(0, VEC)[None, :]
+    zeros = tl.zeros([ROWS, VEC], dtype=tl.int32)
+    total = num_ids * num_chunks
+    for item in range(pid, total, num_programs):
+        which = item // num_chunks
+        chunk = item - which * num_chunks
+        block = i0
+        block = tl.where(which == 1, i1, block)
+        block = tl.where(which == 2, i2, block)
+        block = tl.where(which == 3, i3, block)
+        block = tl.where(which == 4, i4, block)
+        block = tl.where(which == 5, i5, block)
+        block = tl.where(which == 6, i6, block)
+        block = tl.where(which == 7, i7, block)
+        block = tl.where(which == 8, i8, block)
+        block = tl.where(which == 9, i9, block)
+        block = tl.where(which == 10, i10, block)
+        block = tl.where(which == 11, i11, block)
+        block = tl.where(which == 12, i12, block)
+        block = tl.where(which == 13, i13, block)
+        block = tl.where(which == 14, i14, block)
+        block = tl.where(which == 15, i15, block)
+        block = block.to(tl.int64)
+        # NOTE: ids outside [0, num_blocks) store nothing: never out of bounds.
+        valid = (block >= 0) & (block < num_blocks)
+        length = tl.where(valid, tl.load(table_ptr + 2 * num_chunks + chunk), 0)
+        start = tl.load(table_ptr + chunk) + block * tl.load(table_ptr + num_chunks + chunk)
+        for step in range(0, length, ROWS):
+            row = step + rows
+            tl.store(base_ptr + (start + row) * VEC + lanes, zeros, mask=row < length)
+
+
+def launch_listed(base: torch.Tensor, ids: list[int], num_blocks: int, table: torch.Tensor, vec: int,
+                  programs: int, rows: int, num_warps: int):
+    """Zero blocks ``ids`` (1 to ``LISTED`` ints below 2**31) over ``table``, checked; the launch's result."""
+    if base.dtype != torch.int32 or base.dim() != 1 or not base.is_contiguous() or base.data_ptr() % (4 * vec):
+        raise ValueError(f"base must be a contiguous 1-D int32 tensor aligned for vec={vec}")
+    if table.dtype != torch.int64 or table.dim() != 2 or table.shape[0] != 3 or table.device != base.device:
+        raise ValueError(f"the chunk table must be a [3, chunks] int64 tensor on {base.device}")
+    if not 0 < len(ids) <= LISTED or any(not 0 <= i < 1 << 31 for i in ids):
+        raise ValueError(f"pass 1 to {LISTED} non-negative int32 ids, got {len(ids)}")
+    num_chunks = table.shape[1]
+    padded = list(ids) + [0] * (LISTED - len(ids))
+    grid = (max(1, min(programs, len(ids) * num_chunks)),)
+    return _zero_listed_kernel[grid](
+        base, table, num_chunks, num_blocks, len(ids), *padded, VEC=vec, ROWS=rows, num_warps=num_warps,
+    )
