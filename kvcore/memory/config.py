@@ -144,7 +144,7 @@ class KVCacheConfig:
         whose blocks grow with the tokens, and for encoder-only groups.
         """
         spec = self._check_group_id(group_id).kv_cache_spec
-        return _keeps_cache(spec) and not _grows_with_tokens(spec)
+        return spec.has_cache_pages and not _grows_with_tokens(spec)
 
     def blocks_per_sequence(self, num_tokens: int) -> int:
         """Blocks one sequence of ``num_tokens`` tokens takes over all groups.
@@ -156,7 +156,7 @@ class KVCacheConfig:
         return sum(
             spec.max_num_blocks_per_req(num_tokens)
             for spec in (g.kv_cache_spec for g in self.kv_cache_groups)
-            if _keeps_cache(spec)
+            if spec.has_cache_pages
         )
 
     def sequence_capacity(self, num_tokens: int) -> int:
@@ -184,7 +184,7 @@ class KVCacheConfig:
         growing = [
             g.kv_cache_spec.block_size
             for g in self.kv_cache_groups
-            if _keeps_cache(g.kv_cache_spec) and _grows_with_tokens(g.kv_cache_spec)
+            if g.kv_cache_spec.has_cache_pages and _grows_with_tokens(g.kv_cache_spec)
         ]
         usable = self.usable_blocks
         if not growing or self.blocks_per_sequence(1) > usable:
@@ -211,7 +211,7 @@ class KVCacheConfig:
         and :meth:`sequence_capacity`).
         """
         spec = self._check_group_id(group_id).kv_cache_spec
-        if not _keeps_cache(spec):
+        if not spec.has_cache_pages:
             raise ValueError(
                 f"group {group_id} ({type(spec).__name__}) keeps no KV cache, so it has no "
                 "token capacity; ask token_capacity for the whole model"
@@ -224,11 +224,6 @@ class KVCacheConfig:
                 "(check is_state_group(group_id) first)"
             )
         return self.usable_blocks * spec.block_size
-
-
-def _keeps_cache(spec: KVCacheSpec) -> bool:
-    """Whether a group with ``spec`` keeps blocks (encoder-only groups keep none)."""
-    return spec.has_cache_pages
 
 
 def _grows_with_tokens(spec: KVCacheSpec) -> bool:
