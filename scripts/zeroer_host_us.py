@@ -12,8 +12,9 @@ blocks, bf16) in each layout family:
 - ``list_device_us``: CUDA-event time of the same call (the id copy or the
   kernel's reads of pinned memory included), and ``part_*_us``: each step of
   the host path timed alone;
-- ``one_block``: CUDA-event time of zeroing one block from device ids with fine
-  work items of 4, 8, 16 and 32 KiB, each timed in alternation with
+- ``one_block``: CUDA-event time of zeroing one block from device ids and from
+  a host list (ids and, for affine tables, the geometry by value) with fine
+  work items of 4, 8, 16 and 32 KiB, timed in alternation with
   ``cudaMemsetAsync`` of the same bytes.
 
 Usage: ``python scripts/zeroer_host_us.py [--json-out PATH]``.
@@ -79,15 +80,15 @@ def device_us(fn, repeats: int) -> float:
     torch.cuda.synchronize()
     return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
 
-def pair_us(first, second, repeats: int) -> tuple[float, float]:
-    """Median CUDA-event times of ``first`` and ``second`` timed in alternation (L2 flushed before each)."""
+def group_us(fns, repeats: int) -> list[float]:
+    """Median CUDA-event times of ``fns`` timed in alternation (L2 flushed before each)."""
     flush = torch.empty(256 << 20, dtype=torch.uint8, device="cuda")
     for _ in range(10):
-        first()
-        second()
-    pairs = ([], [])
+        for fn in fns:
+            fn()
+    events = [[] for _ in fns]
     for _ in range(repeats):
-        for fn, out in ((first, pairs[0]), (second, pairs[1])):
+        for fn, out in zip(fns, events):
             flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -95,7 +96,7 @@ def pair_us(first, second, repeats: int) -> tuple[float, float]:
             end.record()
             out.append((start, end))
     torch.cuda.synchronize()
-    return tuple(statistics.median(s.elapsed_time(e) * 1e3 for s, e in out) for out in pairs)
+    return [statistics.median(s.elapsed_time(e) * 1e3 for s, e in out) for out in events]
 
 
 def _parts(zeroer: KVBlockZeroer, ids: list[int], repeats: int) -> dict[str, float]:
@@ -178,10 +179,12 @@ def main() -> None:
             nbytes = zeroer.bytes_per_block
             raw = zeroer._allocations[0].bytes
             dev["bytes"] = nbytes
-            zeroer_us, memset_us = pair_us(lambda: zeroer.zero_block_ids(one),
-                                           lambda: memset[0](raw.data_ptr(), nbytes), 300)
+            zeroer_us, list_us, memset_us = group_us([lambda: zeroer.zero_block_ids(one),
+                                                      lambda: zeroer.zero_block_ids([7]),
+                                                      lambda: memset[0](raw.data_ptr(), nbytes)], 300)
             dev[f"fine{fine_kib}_us"], dev[f"memset_with_fine{fine_kib}_us"] = zeroer_us, memset_us
             dev[f"fine{fine_kib}_vs_memset"] = zeroer_us / memset_us
+            dev[f"list_fine{fine_kib}_us"], dev[f"list_fine{fine_kib}_vs_memset"] = list_us, list_us / memset_us
         zero_module.FINE_CHUNK_BYTES = FINE
         result.setdefault("one_block", []).append(dev)
         print(json.dumps(dev), flush=True)

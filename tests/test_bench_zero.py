@@ -54,7 +54,8 @@ def test_tiny_cpu_run_has_the_json_schema():
     ]
     for row in result["rows"]:
         assert row["bytes"] == row["blocks"] * 2 * page
-        for key in ("zeroer_us", "zeroer_host_us", "zeroer_wall_us", "loop_us", "loop_wall_us", "zero_us"):
+        for key in ("zeroer_us", "zeroer_list_us", "zeroer_host_us", "zeroer_wall_us", "loop_us", "loop_wall_us",
+                    "zero_us"):
             assert row[key] > 0
         assert row["memset_us"] is None and row["bw_vs_memset"] is None
         assert row["speedup_vs_loop"] == pytest.approx(row["loop_us"] / row["zeroer_us"])
@@ -63,8 +64,9 @@ def test_tiny_cpu_run_has_the_json_schema():
     assert {t["target"] for t in result["targets"]} >= {"bandwidth vs zero_() at >= 512 blocks"}
 
 
-def _row(blocks, zeroer_us, loop_wall_us, zero_us, memset_us, host_us=None):
+def _row(blocks, zeroer_us, loop_wall_us, zero_us, memset_us, host_us=None, list_us=None):
     r = {"layout": "LBNHC", "blocks": blocks, "bytes": blocks * 1000, "zeroer_us": zeroer_us,
+         "zeroer_list_us": list_us if list_us is not None else zeroer_us * 0.9,
          "zeroer_host_us": host_us if host_us is not None else zeroer_us / 2,
          "zeroer_wall_us": zeroer_us, "loop_us": loop_wall_us, "loop_wall_us": loop_wall_us,
          "zero_us": zero_us, "memset_us": memset_us}
@@ -87,6 +89,11 @@ def test_targets_report_the_worst_row():
     assert by_name["bandwidth vs memset at >= 512 blocks"]["worst"] == pytest.approx(min(95 / 100, 790 / 800))
     host = by_name["host time per call (us) at <= 64 blocks"]
     assert host["worst"] == pytest.approx(10.0 / 2) and host["met"] is True
+    # One block: 3.0 us on device ids, 2.7 us through a host list, against memset's 2.5 us.
+    device = by_name["one block (device ids): time / memset time"]
+    assert device["worst"] == pytest.approx(3.0 / 2.5) and device["met"] is False
+    listed = by_name["one block (host list, as begin_step): time / memset time"]
+    assert listed["worst"] == pytest.approx(2.7 / 2.5) and listed["met"] is True
 
 
 def test_host_target_fails_above_15_us():

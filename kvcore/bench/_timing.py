@@ -75,21 +75,20 @@ class Timer:
         return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
 
 
-    def gpu_pair_us(self, first: Callable[[], object], second: Callable[[], object],
-                    repeats: int | None = None) -> tuple[float, float]:
-        """Median device times of ``first`` and ``second``, timed in alternation (one pair per repeat).
+    def gpu_group_us(self, fns: list[Callable[[], object]], repeats: int | None = None) -> list[float]:
+        """Median device times of ``fns``, timed in alternation (one round of all per repeat).
 
-        Each repeat flushes L2 before each of the two, so clock or thermal drift
-        over the run weighs on both alike: their ratio is side by side.
+        Each is preceded by an L2 flush, and clock or thermal drift over the
+        run weighs on all alike: their ratios are side by side.
         """
         if self._flush is None:
-            return self.wall_us(first), self.wall_us(second)
+            return [self.wall_us(fn) for fn in fns]
         for _ in range(self.warmup):
-            first()
-            second()
-        pairs: tuple[list, list] = ([], [])
+            for fn in fns:
+                fn()
+        events: list[list] = [[] for _ in fns]
         for _ in range(repeats or self.repeats):
-            for fn, out in ((first, pairs[0]), (second, pairs[1])):
+            for fn, out in zip(fns, events):
                 self._flush.zero_()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
@@ -97,8 +96,7 @@ class Timer:
                 end.record()
                 out.append((start, end))
         self.sync()
-        a, b = (statistics.median(s.elapsed_time(e) * 1e3 for s, e in out) for out in pairs)
-        return a, b
+        return [statistics.median(s.elapsed_time(e) * 1e3 for s, e in out) for out in events]
 
 
 def _cudart_candidates() -> list[str]:

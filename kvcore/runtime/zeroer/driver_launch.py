@@ -50,7 +50,8 @@ class DriverLaunch:
 
     ``pointers``: for each argument, whether it is a pointer (passed as an
     address). Integer arguments take the width the kernel was compiled with;
-    ``limit`` is the bound every integer argument must stay below.
+    ``limit`` is the bound of the narrowest one (what a value written per call
+    must stay below).
     """
 
     def __init__(self, compiled, values: list[int], pointers: list[bool]) -> None:
@@ -72,7 +73,7 @@ class DriverLaunch:
                 raise ValueError(f"parameter kinds {own} do not match the arguments' {pointers}")
         widths = [bits for bits, pointer in zip((b for b, _ in own), pointers) if not pointer]
         self.limit = 1 << (min(widths, default=64) - 1)
-        if any(not p and not 0 <= v < self.limit for v, p in zip(values, pointers)):
+        if any(not p and not 0 <= v < 1 << (bits - 1) for v, p, (bits, _) in zip(values, pointers, own)):
             raise ValueError("an integer argument does not fit the kernel's parameter width")
         self.params = [ctypes.c_uint64(v) if p else _C_TYPES[bits](v)
                        for v, p, (bits, _) in zip(values, pointers, own)]

@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from kvcore.runtime.zeroer.driver_launch import DriverLaunch
-from kvcore.runtime.zeroer.listed import LISTED, launch_listed
+from kvcore.runtime.zeroer.listed import LISTED, NO_AFFINE, affine_form, launch_listed
 
 #: Rows of ``VEC`` words one program stores per inner-loop step.
 ROWS = 256
@@ -184,6 +184,8 @@ class ZeroLauncher:
         self._listed: dict[int, tuple[DriverLaunch, object]] = {}
         #: Why short host lists are not passed by value (None while they are).
         self.listed_launch_error: str | None = None if num_blocks < 1 << 31 else "num_blocks needs int64 ids"
+        #: Per table, its affine form (the by-value kernel then reads no table), or None.
+        self._affine = {id(t): affine_form(t) for t in tables}
 
     def launch_list(self, ids: list[int], stream: int) -> bool:
         """Zero a checked host list of at most ``LISTED`` ids passed by value; False: stage them instead.
@@ -198,7 +200,8 @@ class ZeroLauncher:
         table = self.table_for(n)
         entry = self._listed.get(id(table))
         if entry is None:
-            result = launch_listed(self.base, ids, self.num_blocks, table, self.vec, self.programs, ROWS, NUM_WARPS)
+            result = launch_listed(self.base, ids, self.num_blocks, table, self.vec, self.programs, ROWS, NUM_WARPS,
+                                   self._affine.get(id(table)))
             self._add_listed(table, result)
             return True
         enter, leave = self._hooks()
@@ -218,9 +221,9 @@ class ZeroLauncher:
         try:
             compiled[(1, 1, 1)]  # NOTE: loads the module and function handles
             values = [self._base_address, self._table_addresses[id(table)], self._num_chunks[id(table)],
-                      self.num_blocks, 0] + [0] * LISTED
-            driver = DriverLaunch(compiled, values, [True, True] + [False] * (3 + LISTED))
-            self._listed[id(table)] = (driver, driver.pack_ints(5, LISTED))
+                      self.num_blocks, 0, *(self._affine.get(id(table)) or NO_AFFINE)] + [0] * LISTED
+            driver = DriverLaunch(compiled, values, [True, True] + [False] * (len(values) - 2))
+            self._listed[id(table)] = (driver, driver.pack_ints(len(values) - LISTED, LISTED))
         except (ValueError, AttributeError, KeyError, TypeError) as exc:  # NOTE: host lists are staged
             self.listed_launch_error = f"{type(exc).__name__}: {exc}"
 

@@ -3,9 +3,13 @@
 A list of at most ``LISTED`` ids travels in the launch's own parameters
 (``i0`` … ``i15``), so the hot path needs neither the pinned ring nor a
 host-to-device copy. Each work item picks its id by a chain of scalar selects.
-Used on CUDA through the driver launch of
-:class:`~kvcore.runtime.zeroer.kernel.ZeroLauncher`; the validating launcher
-here serves the first launch (it compiles the kernel) and the interpreter.
+Where the chunk table has an *affine form* (every chunk of one length and
+block stride, starts ``origin + i*s0 + j*s1 + k*s2`` over three nested
+counts, see :func:`affine_form`), the geometry travels by value too and the
+kernel loads nothing before it stores. Used on CUDA through the driver launch
+of :class:`~kvcore.runtime.zeroer.kernel.ZeroLauncher`; the validating
+launcher here serves the first launch (it compiles the kernel) and the
+interpreter.
 """
 
 from __future__ import annotations
@@ -16,7 +20,10 @@ import triton.language as tl
 
 #: Most ids one launch takes by value.
 LISTED = 16
-_INTS = ["num_chunks", "num_blocks", "num_ids"] + [f"i{k}" for k in range(LISTED)]
+_AFFINE = ["origin", "block_stride", "chunk_len", "n0", "s0", "n1", "s1", "s2"]
+_INTS = ["num_chunks", "num_blocks", "num_ids"] + _AFFINE + [f"i{k}" for k in range(LISTED)]
+#: The affine form's values when the table is used instead (ignored by the kernel then).
+NO_AFFINE = (0, 0, 0, 1, 0, 1, 0, 0)
 
 
 # NOTE: no integer argument is specialized: the compiled kernel's parameters are always the arguments.
@@ -27,9 +34,11 @@ def _zero_listed_kernel(
     num_chunks,
     num_blocks,
     num_ids,  # ids i0 .. i(num_ids - 1) are zeroed; the others are ignored
+    origin, block_stride, chunk_len, n0, s0, n1, s1, s2,  # the table's affine form (AFFINE only)
     i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14, i15,
     VEC: tl.constexpr,
     ROWS: tl.constexpr,
+    AFFINE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     num_programs = tl.num_programs(0)
@@ -59,25 +68,72 @@ def _zero_listed_kernel(
         block = block.to(tl.int64)
         # NOTE: ids outside [0, num_blocks) store nothing: never out of bounds.
         valid = (block >= 0) & (block < num_blocks)
-        length = tl.where(valid, tl.load(table_ptr + 2 * num_chunks + chunk), 0)
-        start = tl.load(table_ptr + chunk) + block * tl.load(table_ptr + num_chunks + chunk)
+        if AFFINE:
+            inner = chunk % n0
+            rest = chunk // n0
+            length = tl.where(valid, chunk_len, 0)
+            start = (origin + inner.to(tl.int64) * s0 + (rest % n1).to(tl.int64) * s1
+                     + (rest // n1).to(tl.int64) * s2 + block * block_stride)
+        else:
+            length = tl.where(valid, tl.load(table_ptr + 2 * num_chunks + chunk), 0)
+            start = tl.load(table_ptr + chunk) + block * tl.load(table_ptr + num_chunks + chunk)
         for step in range(0, length, ROWS):
             row = step + rows
             tl.store(base_ptr + (start + row) * VEC + lanes, zeros, mask=row < length)
 
 
+def affine_form(table: torch.Tensor) -> tuple[int, ...] | None:
+    """``(origin, block_stride, chunk_len, n0, s0, n1, s1, s2)`` that rebuilds ``table`` exactly, or None.
+
+    Chunk ``c`` starts at ``origin + (c % n0)*s0 + ((c // n0) % n1)*s1 +
+    (c // (n0*n1))*s2``; every chunk has one length and block stride. Only a
+    form that reproduces every start is returned, so the kernel stores
+    exactly where the (checked) table says.
+    """
+    starts, strides, lengths = (table[k].tolist() for k in range(3))
+    n = len(starts)
+    if n == 0 or len(set(strides)) != 1 or len(set(lengths)) != 1:
+        return None
+
+    def run(step: int, count: int) -> tuple[int, int]:
+        if count == 1:
+            return 1, 0
+        stride = starts[step] - starts[0]
+        length = 2
+        while length < count and starts[length * step] - starts[(length - 1) * step] == stride:
+            length += 1
+        return length, stride
+
+    n0, s0 = run(1, n)
+    n1, s1 = run(n0, n // n0) if n % n0 == 0 else (0, 0)
+    if n1 == 0 or (n // n0) % n1:
+        return None
+    s2 = starts[n0 * n1] - starts[0] if n > n0 * n1 else 0
+    form = (starts[0], strides[0], lengths[0], n0, s0, n1, s1, s2)
+    rebuilt = [starts[0] + (c % n0) * s0 + ((c // n0) % n1) * s1 + (c // (n0 * n1)) * s2 for c in range(n)]
+    if rebuilt != starts or min(form) < 0 or max(form) >= 1 << 63:
+        return None
+    return form
+
+
 def launch_listed(base: torch.Tensor, ids: list[int], num_blocks: int, table: torch.Tensor, vec: int,
-                  programs: int, rows: int, num_warps: int):
-    """Zero blocks ``ids`` (1 to ``LISTED`` ints below 2**31) over ``table``, checked; the launch's result."""
+                  programs: int, rows: int, num_warps: int, affine: tuple[int, ...] | None = None):
+    """Zero blocks ``ids`` (1 to ``LISTED`` ints below 2**31) over ``table``, checked; the launch's result.
+
+    ``affine``: :func:`affine_form` of ``table`` (then the kernel reads no table), or None.
+    """
     if base.dtype != torch.int32 or base.dim() != 1 or not base.is_contiguous() or base.data_ptr() % (4 * vec):
         raise ValueError(f"base must be a contiguous 1-D int32 tensor aligned for vec={vec}")
     if table.dtype != torch.int64 or table.dim() != 2 or table.shape[0] != 3 or table.device != base.device:
         raise ValueError(f"the chunk table must be a [3, chunks] int64 tensor on {base.device}")
     if not 0 < len(ids) <= LISTED or any(not 0 <= i < 1 << 31 for i in ids):
         raise ValueError(f"pass 1 to {LISTED} non-negative int32 ids, got {len(ids)}")
+    if affine is not None and affine != affine_form(table):
+        raise ValueError("affine must be affine_form(table)")
     num_chunks = table.shape[1]
     padded = list(ids) + [0] * (LISTED - len(ids))
     grid = (max(1, min(programs, len(ids) * num_chunks)),)
     return _zero_listed_kernel[grid](
-        base, table, num_chunks, num_blocks, len(ids), *padded, VEC=vec, ROWS=rows, num_warps=num_warps,
+        base, table, num_chunks, num_blocks, len(ids), *(affine or NO_AFFINE), *padded,
+        VEC=vec, ROWS=rows, AFFINE=affine is not None, num_warps=num_warps,
     )
