@@ -5,7 +5,8 @@
 # not import: the `nixl` selector package and a trimmed nixl-cu12/-cu13 wheel matching torch's
 # CUDA (made with scripts/trim_nixl_wheel.py; the lent H200's torch 2.11 is CUDA 13: nixl-cu13).
 # Logs and JSON go to ${OUT:-/tmp/kvcore-gpu}.
-#   bash scripts/gpu_nixl.sh
+#   bash scripts/gpu_nixl.sh                      # tests, then the benchmark's NIXL rows
+#   bash scripts/gpu_nixl.sh rows [bench options] # only scripts/gpu_nixl_rows.py, layout by layout
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET=
 OUT=${OUT:-/tmp/kvcore-gpu}; mkdir -p "$OUT"
@@ -20,6 +21,9 @@ fi
 CUDART_DIR=$($PY -c "import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); \
 c = sorted(glob.glob(d + '/nvidia/**/libcudart.so.' + torch.version.cuda.split('.')[0], recursive=True)); print(os.path.dirname(c[0]) if c else '')")
 [ -n "$CUDART_DIR" ] && export LD_LIBRARY_PATH=$CUDART_DIR:${LD_LIBRARY_PATH:-}
+if [ "${1:-}" = rows ]; then
+  shift; $PY scripts/gpu_nixl_rows.py "$@" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/rows.txt"; exit
+fi
 $PY -m pip install -q --no-deps --no-build-isolation -e . -e plugins/kvcore-torch -e plugins/kvcore-triton >"$OUT/pip.txt" 2>&1 \
   || { echo "editable install failed (PYTHONPATH is used instead):"; tail -3 "$OUT/pip.txt"; }
 $PY - <<'EOF'

@@ -13,6 +13,7 @@ Every row checks that the written blocks arrived bit for bit.
 from __future__ import annotations
 
 import argparse
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -70,11 +71,13 @@ def nixl_rows(args: argparse.Namespace, cache: CacheFn, layout: KVCacheLayout, m
     most = max(args.nixl_blocks)
     a, b = cache(layout, 2 * most + 1, on), cache(layout, 2 * most + 1, on)
     _fill(a, 1)
+    start = time.perf_counter()
     agent_a = NixlAgent(f"bench-{memory.lower()}-a", a)
     agent_b = NixlAgent(f"bench-{memory.lower()}-b", b)
     try:
         peer = agent_a.connect(agent_b.metadata())
         agent_b.connect(agent_a.metadata())
+        setup_s = time.perf_counter() - start  # two agents registering their caches, and connecting
         desc = describe(a)
         size = raw_allocation(a).numel() // 2  # NOTE: at most `most` of the 2 * most + 1 blocks move
         src, dst = _random_bytes(size, on, 3), _random_bytes(size, on, 4)
@@ -88,7 +91,7 @@ def nixl_rows(args: argparse.Namespace, cache: CacheFn, layout: KVCacheLayout, m
             differed = not _same_blocks(a, b, ids)
             agent_a.write_blocks(peer, ids, ids).wait(timeout=120)
             row = {"memory": memory, "layout": layout.name, "blocks": n, "bytes": nbytes, "runs": len(regions),
-                   "exact": differed and _same_blocks(a, b, ids)}
+                   "exact": differed and _same_blocks(a, b, ids), "setup_s": setup_s}
             row["nixl_write_us"] = timer.wall_us(lambda: agent_a.write_blocks(peer, ids, ids).wait(timeout=120))
             row["nixl_read_us"] = timer.wall_us(lambda: agent_a.read_blocks(peer, ids, ids).wait(timeout=120))
             s, d = src[:nbytes], dst[:nbytes]
