@@ -113,3 +113,19 @@ def test_an_empty_triton_hook_chain_is_no_hook(monkeypatch):
     assert hooks()[0] is runtime.launch_enter_hook
     runtime.launch_exit_hook = print  # a plain callable (older Triton) is a hook
     assert hooks() == (runtime.launch_enter_hook, print)
+
+
+def test_packed_id_words_hold_two_ids_each(calls):
+    ptx = _PTX.replace(".param .u32 _zero_blocks_kernel_param_6", ".param .u64 _zero_blocks_kernel_param_6")
+    ptx = ptx.replace(".param .u32 _zero_blocks_kernel_param_4", ".param .u64 _zero_blocks_kernel_param_4")
+    launch = DriverLaunch(_compiled(ptx), [1, 2, 0, 0, 0, 4, 0], _POINTERS)
+    with pytest.raises(ValueError, match="not all 64-bit"):
+        launch.pack_ints(3, 2, 2)
+    launch.params[4].value = 123  # replaced below: the packed array backs it from now on
+    words = launch.pack_ints(4, 1, 2)
+    words[:2] = [5, 9]
+    assert launch.params[4].value == 5 | 9 << 32
+    launch(1, 0)
+    array = (ctypes.c_void_p * 9).from_address(launch._array_address)
+    assert ctypes.c_uint64.from_address(array[4]).value == 5 | 9 << 32
+    assert ctypes.c_int32.from_address(array[3]).value == 0 and len(calls) == 1

@@ -85,18 +85,22 @@ class DriverLaunch:
         self._threads = 32 * meta.num_warps
         self._shared = meta.shared
 
-    def pack_ints(self, first: int, count: int) -> ctypes.Array:
-        """Back parameters ``first : first + count`` (32-bit integers) by one ``c_int32`` array.
+    def pack_ints(self, first: int, count: int, per_param: int = 1) -> ctypes.Array:
+        """Back parameters ``first : first + count`` by one ``c_int32`` array of ``count * per_param``.
 
-        Writing ``array[:n] = values`` then sets ``n`` parameters in one step.
+        Each parameter (32-bit for ``per_param=1``, 64-bit for 2) covers
+        ``per_param`` consecutive int32 values (little-endian: the first is
+        the low half). Writing ``array[:n] = values`` then sets them in one step.
         """
+        kind = {1: ctypes.c_int32, 2: ctypes.c_int64}[per_param]
         kept = self.params[first : first + count]
-        if len(kept) != count or any(not isinstance(p, ctypes.c_int32) for p in kept):
-            raise ValueError(f"parameters {first}..{first + count - 1} are not all 32-bit integers")
-        packed = (ctypes.c_int32 * count)(*[p.value for p in kept])
-        self.params[first : first + count] = [ctypes.c_int32.from_buffer(packed, 4 * k) for k in range(count)]
+        if len(kept) != count or any(not isinstance(p, kind) for p in kept):
+            raise ValueError(f"parameters {first}..{first + count - 1} are not all {32 * per_param}-bit integers")
+        packed = (ctypes.c_int32 * (count * per_param))()
+        width = 4 * per_param
+        self.params[first : first + count] = [kind.from_buffer(packed, width * k) for k in range(count)]
         for k in range(count):
-            self._array[first + k] = ctypes.addressof(packed) + 4 * k
+            self._array[first + k] = ctypes.addressof(packed) + width * k
         self._packed = packed  # NOTE: the parameter array points into it
         return packed
 

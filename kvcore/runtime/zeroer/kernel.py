@@ -221,9 +221,9 @@ class ZeroLauncher:
         try:
             compiled[(1, 1, 1)]  # NOTE: loads the module and function handles
             values = [self._base_address, self._table_addresses[id(table)], self._num_chunks[id(table)],
-                      self.num_blocks, 0, *(self._affine.get(id(table)) or NO_AFFINE)] + [0] * LISTED
+                      self.num_blocks, 0, *(self._affine.get(id(table)) or NO_AFFINE)] + [0] * (LISTED // 2)
             driver = DriverLaunch(compiled, values, [True, True] + [False] * (len(values) - 2))
-            self._listed[id(table)] = (driver, driver.pack_ints(len(values) - LISTED, LISTED))
+            self._listed[id(table)] = (driver, driver.pack_ints(len(values) - LISTED // 2, LISTED // 2, 2))
         except (ValueError, AttributeError, KeyError, TypeError) as exc:  # NOTE: host lists are staged
             self.listed_launch_error = f"{type(exc).__name__}: {exc}"
 

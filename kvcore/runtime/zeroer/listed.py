@@ -1,8 +1,9 @@
 """Zeroing a short host list of blocks with the ids passed by value: no copy to the device.
 
 A list of at most ``LISTED`` ids travels in the launch's own parameters
-(``i0`` … ``i15``), so the hot path needs neither the pinned ring nor a
-host-to-device copy. Each work item picks its id by a chain of scalar selects.
+(``p0`` … ``p31``, two int32 ids per int64 word, the even id in the low half),
+so the hot path needs neither the pinned ring nor a host-to-device copy. Each
+work item picks its word by a chain of scalar selects.
 Where the chunk table has an *affine form* (every chunk of one length and
 block stride, starts ``origin + i*s0 + j*s1 + k*s2`` over three nested
 counts, see :func:`affine_form`), the geometry travels by value too and the
@@ -18,10 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
-#: Most ids one launch takes by value.
-LISTED = 16
+#: Most ids one launch takes by value (two per 64-bit parameter).
+LISTED = 64
 _AFFINE = ["origin", "block_stride", "chunk_len", "n0", "s0", "n1", "s1", "s2"]
-_INTS = ["num_chunks", "num_blocks", "num_ids"] + _AFFINE + [f"i{k}" for k in range(LISTED)]
+_INTS = ["num_chunks", "num_blocks", "num_ids"] + _AFFINE + [f"p{k}" for k in range(LISTED // 2)]
 #: The affine form's values when the table is used instead (ignored by the kernel then).
 NO_AFFINE = (0, 0, 0, 1, 0, 1, 0, 0)
 
@@ -33,9 +34,12 @@ def _zero_listed_kernel(
     table_ptr,  # int64 [3, num_chunks]: chunk start, manager block stride, chunk length (in vectors)
     num_chunks,
     num_blocks,
-    num_ids,  # ids i0 .. i(num_ids - 1) are zeroed; the others are ignored
+    num_ids,  # the first num_ids ids are zeroed; the others are ignored
     origin, block_stride, chunk_len, n0, s0, n1, s1, s2,  # the table's affine form (AFFINE only)
-    i0, i1, i2, i3, i4, i5, i6, i7, i8, i9, i10, i11, i12, i13, i14, i15,
+    p0, p1, p2, p3, p4, p5, p6, p7,  # ids by value, two per word (see pack_words)
+    p8, p9, p10, p11, p12, p13, p14, p15,
+    p16, p17, p18, p19, p20, p21, p22, p23,
+    p24, p25, p26, p27, p28, p29, p30, p31,
     VEC: tl.constexpr,
     ROWS: tl.constexpr,
     AFFINE: tl.constexpr,
@@ -49,22 +53,41 @@ def _zero_listed_kernel(
     for item in range(pid, total, num_programs):
         which = item // num_chunks
         chunk = item - which * num_chunks
-        block = i0
-        block = tl.where(which == 1, i1, block)
-        block = tl.where(which == 2, i2, block)
-        block = tl.where(which == 3, i3, block)
-        block = tl.where(which == 4, i4, block)
-        block = tl.where(which == 5, i5, block)
-        block = tl.where(which == 6, i6, block)
-        block = tl.where(which == 7, i7, block)
-        block = tl.where(which == 8, i8, block)
-        block = tl.where(which == 9, i9, block)
-        block = tl.where(which == 10, i10, block)
-        block = tl.where(which == 11, i11, block)
-        block = tl.where(which == 12, i12, block)
-        block = tl.where(which == 13, i13, block)
-        block = tl.where(which == 14, i14, block)
-        block = tl.where(which == 15, i15, block)
+        pair = which // 2
+        word = p0
+        word = tl.where(pair == 1, p1, word)
+        word = tl.where(pair == 2, p2, word)
+        word = tl.where(pair == 3, p3, word)
+        word = tl.where(pair == 4, p4, word)
+        word = tl.where(pair == 5, p5, word)
+        word = tl.where(pair == 6, p6, word)
+        word = tl.where(pair == 7, p7, word)
+        word = tl.where(pair == 8, p8, word)
+        word = tl.where(pair == 9, p9, word)
+        word = tl.where(pair == 10, p10, word)
+        word = tl.where(pair == 11, p11, word)
+        word = tl.where(pair == 12, p12, word)
+        word = tl.where(pair == 13, p13, word)
+        word = tl.where(pair == 14, p14, word)
+        word = tl.where(pair == 15, p15, word)
+        word = tl.where(pair == 16, p16, word)
+        word = tl.where(pair == 17, p17, word)
+        word = tl.where(pair == 18, p18, word)
+        word = tl.where(pair == 19, p19, word)
+        word = tl.where(pair == 20, p20, word)
+        word = tl.where(pair == 21, p21, word)
+        word = tl.where(pair == 22, p22, word)
+        word = tl.where(pair == 23, p23, word)
+        word = tl.where(pair == 24, p24, word)
+        word = tl.where(pair == 25, p25, word)
+        word = tl.where(pair == 26, p26, word)
+        word = tl.where(pair == 27, p27, word)
+        word = tl.where(pair == 28, p28, word)
+        word = tl.where(pair == 29, p29, word)
+        word = tl.where(pair == 30, p30, word)
+        word = tl.where(pair == 31, p31, word)
+        # NOTE: 31 bits of each half: ids are below 2**31, and bit 63 may mark the word as int64.
+        block = tl.where(which % 2 == 1, word >> 32, word) & 0x7FFFFFFF
         block = block.to(tl.int64)
         # NOTE: ids outside [0, num_blocks) store nothing: never out of bounds.
         valid = (block >= 0) & (block < num_blocks)
@@ -116,6 +139,17 @@ def affine_form(table: torch.Tensor) -> tuple[int, ...] | None:
     return form
 
 
+def pack_words(ids: list[int]) -> list[int]:
+    """``ids`` (below 2**31) padded to ``LISTED``, two per int64 word, each word with bit 63 set.
+
+    The set top bit makes every word a negative int64, so Triton's JIT types
+    the parameters int64 whatever the ids (the kernel keeps 31 bits of each
+    half); the driver launch writes the ids straight into the words' halves.
+    """
+    padded = list(ids) + [0] * (LISTED - len(ids))
+    return [(padded[k] | padded[k + 1] << 32) - (1 << 63) for k in range(0, LISTED, 2)]
+
+
 def launch_listed(base: torch.Tensor, ids: list[int], num_blocks: int, table: torch.Tensor, vec: int,
                   programs: int, rows: int, num_warps: int, affine: tuple[int, ...] | None = None):
     """Zero blocks ``ids`` (1 to ``LISTED`` ints below 2**31) over ``table``, checked; the launch's result.
@@ -131,9 +165,8 @@ def launch_listed(base: torch.Tensor, ids: list[int], num_blocks: int, table: to
     if affine is not None and affine != affine_form(table):
         raise ValueError("affine must be affine_form(table)")
     num_chunks = table.shape[1]
-    padded = list(ids) + [0] * (LISTED - len(ids))
     grid = (max(1, min(programs, len(ids) * num_chunks)),)
     return _zero_listed_kernel[grid](
-        base, table, num_chunks, num_blocks, len(ids), *(affine or NO_AFFINE), *padded,
+        base, table, num_chunks, num_blocks, len(ids), *(affine or NO_AFFINE), *pack_words(ids),
         VEC=vec, ROWS=rows, AFFINE=affine is not None, num_warps=num_warps,
     )

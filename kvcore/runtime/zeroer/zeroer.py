@@ -87,7 +87,7 @@ class KVBlockZeroer:
     ``backend``: ``"triton"`` (the kernel; on CPU only under
     ``TRITON_INTERPRET=1``), ``"torch"`` (one indexed fill per segment, slow,
     for machines without Triton), or ``"auto"`` (Triton when it can run).
-    On CUDA, a host list of at most 16 ids travels by value in the launch's
+    On CUDA, a host list of at most 64 ids travels by value in the launch's
     parameters (:mod:`kvcore.runtime.zeroer.listed`); longer ones go through
     a persistent pinned staging ring (see :mod:`kvcore.runtime.zeroer.staging`;
     ``KVCORE_ZEROER_STAGING=mapped`` lets the kernel read them from pinned
@@ -212,7 +212,7 @@ class KVBlockZeroer:
 
         Ints, lists, tuples and CPU integer tensors are checked on the host:
         integers in ``[0, num_blocks)`` (bools, floats and bool tensors are
-        refused), else ``ValueError`` and nothing written. On CUDA, up to 16
+        refused), else ``ValueError`` and nothing written. On CUDA, up to 64
         ids are passed by value in the launch, more are staged through a
         persistent pinned ring: no allocation, no device sync.
         An integer tensor on the zeroer's CUDA device is used as is (no host
