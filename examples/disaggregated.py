@@ -113,6 +113,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    for name in ("block_size", "prompts", "new_tokens"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
     gen = torch.Generator().manual_seed(args.seed + 1)
     lengths = [int(n) for n in torch.randint(5, 70, (args.prompts,), generator=gen)]
     args.prompt_list = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
@@ -130,9 +133,15 @@ def main(argv: list[str] | None = None) -> int:
     procs = [ctx.Process(target=prefill_process, args=(args, to_decode)),
              ctx.Process(target=decode_process, args=(args, from_prefill, results_out))]
     for proc in procs:
+        proc.daemon = True  # NOTE: ended with this process if a peer hangs
         proc.start()
+    for end in (to_decode, from_prefill, results_out):
+        end.close()  # the children hold them: a child's death then reads as EOF, not a hang
     served, expected = one_process(args)
-    outcome = results_in.recv() if results_in.poll(300) else None
+    try:
+        outcome = results_in.recv() if results_in.poll(300) else None
+    except EOFError:
+        outcome = None
     for proc in procs:
         proc.join(timeout=60)
     if outcome is None or any(proc.exitcode != 0 for proc in procs):

@@ -132,7 +132,8 @@ def reserve_prefix(engine: Engine, like: PrefixBlocks) -> PrefixBlocks:
     Same tokens, same positions as ``like`` (another engine's ids); fill
     them, group by group, then :func:`import_prefix` (or :func:`release_prefix`
     to give up). Call it between steps: the blocks are zeroed at once, so no
-    later step wipes what the transfer writes.
+    later step wipes what the transfer writes (``stats().blocks_zeroed``
+    counts only the zeroing of steps).
 
     :raises kvcore.errors.OutOfBlocksError: the pool lacks the blocks; nothing is held.
     """
@@ -168,7 +169,11 @@ def import_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
 
 
 def release_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
-    """Drop this holder's reference to every block of ``blocks`` (last block first, so the tail is evicted first)."""
+    """Drop this holder's reference to every block of ``blocks`` (last block first, so the tail is evicted first).
+
+    Release (or import) each :class:`PrefixBlocks` once: a block others still
+    share cannot tell a second release from theirs.
+    """
     _check(engine, blocks, held=True)
     held = [b for g in range(len(blocks.block_ids)) for b in reversed(blocks.held_ids(g))]
     if held:
