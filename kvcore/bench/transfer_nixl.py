@@ -120,6 +120,6 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         memcpy = f"{r['d2h_memcpy_gbps']:.1f}" if "d2h_memcpy_gbps" in r else "-"
         cells = (r["memory"], r["layout"], r["blocks"], r["runs"], r["exact"], f"{r['nixl_write_gbps']:.2f}",
-                 f"{r['nixl_read_gbps']:.2f}", f"{r['copy_gbps']:.2f}", f"{r['write_vs_copy']:.3f}", memcpy)
+                 f"{r['nixl_read_gbps']:.2f}", f"{r['copy_gbps']:.2f}", f"{r['write_vs_copy']:.3g}", memcpy)
         print("  ".join(f"{c!s:>10}" for c in cells))
     print("copy_: host copy_ for DRAM, device-to-device copy_ for VRAM; d2h memcpy: pinned, non_blocking")
