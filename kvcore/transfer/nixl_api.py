@@ -22,9 +22,13 @@ class TransferError(RuntimeError):
 
 
 def nixl_api() -> tuple[Any, Any]:
-    """``(nixl_agent, nixl_agent_config)`` from ``nixl`` or, failing that, ``nixl_cu12``."""
+    """``(nixl_agent, nixl_agent_config)`` from ``nixl``, else a single CUDA build of it.
+
+    The ``nixl`` meta package picks its CUDA 12 or 13 build at import; where only one
+    build is installed (``nixl-cu12`` or ``nixl-cu13``) that build is imported directly.
+    """
     errors = []
-    for module in ("nixl._api", "nixl_cu12._api"):
+    for module in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         try:
             # NOTE: NIXL is an optional dependency, imported only when an agent is made.
             api = importlib.import_module(module)
