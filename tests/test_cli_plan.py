@@ -216,3 +216,15 @@ def test_plan_output_fits_80_columns_without_cutting_words(capsys, monkeypatch, 
     kinds = {"llama-3-8b": "FullAttention", "gemma-3-27b": "SlidingWindow",
              "deepseek-v3": "MLAAttention", "jamba-1.5-mini": "Mamba"}
     assert kinds[preset] in captured.out.split()
+
+
+def test_spec_command_with_a_model_file_path(capsys, monkeypatch):
+    """SPEC §6's command: a TOML path under examples/models/ plans like the preset of that name."""
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    by_path = _plan_json(capsys, "examples/models/llama-3-8b.toml", "--memory", "40GiB", "--layout", "BLNHC")
+    by_name = _plan_json(capsys, "llama-3-8b", "--memory", "40GiB", "--layout", "BLNHC")
+    assert Path(by_path.pop("source")).resolve() == Path(by_name.pop("source")).resolve()
+    assert by_path == by_name
+    assert by_path["num_blocks"] == 40 * GIB // EXPECTED["llama-3-8b"]["bpb"]
