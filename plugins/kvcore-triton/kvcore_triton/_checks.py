@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kvcore.plugins.paged_inputs import check_cache_view as _check_cache_view
@@ -19,16 +21,28 @@ from kvcore.plugins.paged_inputs import check_kv_write as _check_kv_write
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 __all__ = [
-    "DTYPES", "check_batch", "check_batch_shapes", "check_block_ids", "check_cache_view", "check_heads_and_window",
+    "DTYPES", "check_batch", "check_device", "check_batch_shapes", "check_block_ids", "check_cache_view", "check_heads_and_window",
     "check_index", "check_kv_write", "check_tokens", "value_checks",
 ]
 
 
+def check_device(kv_cache_view: torch.Tensor) -> None:
+    """Triton kernels run on CUDA tensors, or on CPU tensors through the Triton interpreter only."""
+    if kv_cache_view.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(
+            "kvcore-triton got CPU tensors, but the Triton interpreter is off: set "
+            "TRITON_INTERPRET=1 before triton is first imported to run its kernels on the CPU, "
+            "or use a CUDA device, or the 'torch' backend"
+        )
+
+
 def check_cache_view(kv_cache_view: torch.Tensor, head_size: int, head_size_v: int | None) -> int:
     """Validate a kernel-block view ``[B, H, N, C]`` of a dtype the kernels take; return ``head_size_v``."""
+    check_device(kv_cache_view)
     return _check_cache_view(kv_cache_view, head_size, head_size_v, DTYPES)
 
 
 def check_kv_write(kv_cache_view, key, value, slot_mapping, head_size: int, *, check_slots: bool) -> int:
     """Validate a K/V write into a view of a dtype the kernels take; return the slot count."""
+    check_device(kv_cache_view)
     return _check_kv_write(kv_cache_view, key, value, slot_mapping, head_size, DTYPES, check_slots=check_slots)
