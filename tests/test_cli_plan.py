@@ -87,7 +87,7 @@ def test_model_from_a_path(capsys, tmp_path):
     "argv, message",
     [
         (["no-such-model", "--memory", "1GiB"], "presets:"),
-        (["llama-3-8b", "--memory", "1MiB"], "needs 2097152 bytes"),
+        (["llama-3-8b", "--memory", "1MiB"], "needs 2 MiB (2,097,152 bytes)"),
         (["llama-3-8b", "--num-blocks", "1"], "plan at least 2 blocks"),
         (["jamba-1.5-mini", "--memory", "40GiB", "--layout", "LHBNC"], "such as LBNHC"),
     ],

@@ -125,7 +125,7 @@ def test_encoder_only_model_plans_a_usable_pool(budget):
 
 
 def test_no_memory_for_a_cached_model_says_what_one_block_needs():
-    with pytest.raises(ValueError, match=r"available_memory=0 bytes holds 0 KV cache blocks.*16384 bytes.*32768"):
+    with pytest.raises(ValueError, match=r"available_memory=0 B holds 0 KV cache blocks.*16 KiB \(16,384 bytes\).*32 KiB \(32,768 bytes\)"):
         plan_kv_cache({"l.0": full()}, "LBNHC", available_memory=0)
 
 
@@ -253,7 +253,7 @@ def test_budget_must_be_exactly_one():
 
 
 def test_too_little_memory_says_what_one_block_needs():
-    with pytest.raises(ValueError, match=r"holds 1 KV cache block.*needs 32768 bytes.*65536 bytes"):
+    with pytest.raises(ValueError, match=r"holds 1 KV cache block.*needs 32 KiB \(32,768 bytes\).*64 KiB \(65,536 bytes\)"):
         plan_kv_cache({"l.0": full(), "l.1": full()}, "BLNHC", available_memory=65535)
 
 

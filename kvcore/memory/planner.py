@@ -41,6 +41,7 @@ from collections.abc import Mapping
 
 import attrs
 
+from kvcore._units import format_bytes_exact
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
@@ -294,10 +295,10 @@ def plan_kv_cache(
         if num_blocks < _MIN_BLOCKS:
             layers = f"{len(specs)} layer" + ("s" if len(specs) != 1 else "")
             raise ValueError(
-                f"available_memory={available_memory} bytes holds {num_blocks} KV cache "
+                f"available_memory={format_bytes_exact(available_memory)} holds {num_blocks} KV cache "
                 f"block{'s' if num_blocks != 1 else ''}; one block of the model's {layers} needs "
-                f"{bytes_per_block} bytes and a pool needs {_MIN_BLOCKS} (block 0 is the null "
-                f"block), so plan with at least {_MIN_BLOCKS * bytes_per_block} bytes, a "
+                f"{format_bytes_exact(bytes_per_block)} and a pool needs {_MIN_BLOCKS} (block 0 is the "
+                f"null block), so plan with at least {format_bytes_exact(_MIN_BLOCKS * bytes_per_block)}, a "
                 "smaller block size or a smaller model"
             )
     tensors = _tensors(parts, layout, num_blocks, bytes_per_block)
