@@ -98,3 +98,15 @@ def test_autoload_disabled_listing(dists, capsys, monkeypatch):
     monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
     items = _json(capsys, code=0)
     assert {i["status"] for i in items.values()} == {"disabled"}
+
+
+def test_an_allow_list_that_matches_nothing_is_not_healthy(dists, capsys, monkeypatch):
+    """KVCORE_PLUGINS=typo disables every plugin: the check says so and exits 1."""
+    monkeypatch.setenv("KVCORE_PLUGINS", "good,typo")
+    monkeypatch.delenv("KVCORE_BLOCK_PLUGINS")
+    assert main(["plugins"]) == 1
+    captured = capsys.readouterr()
+    assert "typo" in captured.err and "good" in captured.out
+    monkeypatch.setenv("KVCORE_PLUGINS", "good")
+    assert main(["plugins"]) == 0
+    assert capsys.readouterr().err == ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 import textwrap
 import warnings
 from typing import TYPE_CHECKING
@@ -48,11 +49,18 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: listing never raises for a broken plugin, even under KVCORE_STRICT_PLUGINS:
     # failures are shown in the records instead.
     settings = PluginSettings.from_env()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PluginWarning)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", PluginWarning)
         pm = build_plugin_manager(attrs.evolve(settings, strict=False))
     infos = check_plugins(pm)
-    healthy = is_healthy(infos)
+    # NOTE: a failed plugin's warning is in its record already; what is left names settings
+    # that match nothing (say KVCORE_PLUGINS=typo), which must not pass as healthy.
+    listed = [i.error for i in infos if i.error]
+    unmatched = [str(w.message) for w in caught if issubclass(w.category, PluginWarning)
+                 and not any(error and error in str(w.message) for error in listed)]
+    for message in unmatched:
+        print(f"kvcore plugins: warning: {message}", file=sys.stderr)
+    healthy = is_healthy(infos) and not unmatched
     if args.json:
         print(json.dumps([info.to_json() for info in infos], indent=2))
     else:
