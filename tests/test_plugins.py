@@ -392,3 +392,20 @@ def test_errors_under_wrappers_name_the_plugin_at_fault():
     pm.unregister(name="innocent-wrapper")
     with pytest.raises(PluginError, match="'breaker'.*wrong value.*16, 32"):
         kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)
+
+
+def test_three_plugins_with_one_name_are_told_to_block_all_but_one(two_dists, monkeypatch):
+    """With three owners of a name, blocking one still conflicts: the remedy names the other two."""
+    for entry_point in ("copy1", "copy2"):
+        make_dist(two_dists, f"{entry_point}-dist", "1.0", {entry_point: f"fakeplug_{entry_point}"},
+                  {f"fakeplug_{entry_point}": backend_plugin_source("bar-attn", "[8]")})
+    monkeypatch.setenv("KVCORE_PLUGINS", "foo,bar,copy1,copy2")
+    with pytest.warns(PluginWarning):
+        pm = kvcore.get_plugin_manager()
+    with pytest.raises(PluginError) as exc:
+        get_backend("bar-attn", pm)
+    blocked = str(exc.value).split("KVCORE_BLOCK_PLUGINS=")[1].split(" ")[0].split(",")
+    assert len(blocked) == 2 and set(blocked) < {"bar", "copy1", "copy2"}
+    monkeypatch.setenv("KVCORE_BLOCK_PLUGINS", ",".join(blocked))
+    kept = ({"bar", "copy1", "copy2"} - set(blocked)).pop()
+    assert get_backend("bar-attn", kvcore.get_plugin_manager()).__module__ == f"fakeplug_{kept}"

@@ -234,8 +234,12 @@ def get_backend(name: str, plugin_manager: pluggy.PluginManager | None = None) -
         raise PluginError(
             f"attention backend {name!r} is registered by "
             + " and by ".join(describe_plugin(pm, owner) for _, owner in found)
-            + "; kvcore uses neither. Block one with KVCORE_BLOCK_PLUGINS="
-            + f"{found[-1][1]} (or {found[0][1]}), or uninstall it"
+            + ("; kvcore uses neither. Block one with KVCORE_BLOCK_PLUGINS="
+               + f"{found[-1][1]} (or {found[0][1]}), or uninstall it"
+               if len(found) == 2 else
+               f"; kvcore uses none of them. Keep one: block the other {len(found) - 1} with "
+               f"KVCORE_BLOCK_PLUGINS={','.join(owner for _, owner in found[1:])} (or another choice), "
+               "or uninstall them")
         )
     if not found:
         raise ValueError(
