@@ -19,6 +19,7 @@ import statistics
 import time
 from collections.abc import Callable
 
+from kvcore.bench._args import positive_int_arg
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
 
@@ -99,22 +100,11 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
     return rows
 
 
-def _count(text: str) -> int:
-    """argparse type: an integer of at least 1 (argparse names the option on refusal)."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=_count, default=64, help="requests per round (default 64)")
-    parser.add_argument("--blocks", type=_count, default=32, help="blocks per request (default 32)")
-    parser.add_argument("--block-size", type=_count, default=16, help="tokens per block, for hashing (default 16)")
-    parser.add_argument("--repeat", type=_count, default=50, help="timed rounds (default 50)")
+    parser.add_argument("--requests", type=positive_int_arg, default=64, help="requests per round (default 64)")
+    parser.add_argument("--blocks", type=positive_int_arg, default=32, help="blocks per request (default 32)")
+    parser.add_argument("--block-size", type=positive_int_arg, default=16, help="tokens per block, for hashing (default 16)")
+    parser.add_argument("--repeat", type=positive_int_arg, default=50, help="timed rounds (default 50)")
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 

@@ -66,6 +66,8 @@ class KVCorePluginManager(pluggy.PluginManager):
         self.trace_calls = trace_calls
         #: entry-point name -> info, for every entry point seen (loaded or not)
         self.plugin_infos: dict[str, PluginInfo] = {}
+        #: what the settings asked for that no entry point provides (say ``KVCORE_PLUGINS=typo``)
+        self.settings_problems: list[str] = []
         self._backends: BackendTable | None = None
         super().register(hookspecs.CoreDefaults(), name=hookspecs.CORE_PLUGIN_NAME)
 

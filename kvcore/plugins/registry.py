@@ -100,12 +100,11 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
             _load(pm, ep, info, settings.strict)
     missing = sorted((settings.allow or frozenset()) - set(pm.plugin_infos))
     if settings.autoload and missing:
-        warnings.warn(
+        pm.settings_problems.append(
             f"KVCORE_PLUGINS names {missing} but no installed plugin has that entry point; "
-            f"installed: {sorted(pm.plugin_infos)}",
-            PluginWarning,
-            stacklevel=3,
+            f"installed: {sorted(pm.plugin_infos)}"
         )
+        warnings.warn(pm.settings_problems[-1], PluginWarning, stacklevel=3)
     try:
         pm.check_pending()
     except pluggy.PluginValidationError as exc:
@@ -114,8 +113,8 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
     for name, found in collect_backends(pm).conflicts().items():
         owners = " and ".join(describe_plugin(pm, owner) for _, owner in found)
         warnings.warn(
-            f"attention backend {name!r} is registered by {owners}; kvcore uses neither until "
-            f"one is blocked with KVCORE_BLOCK_PLUGINS",
+            f"attention backend {name!r} is registered by {owners}; kvcore uses none of them until "
+            f"all but one are blocked with KVCORE_BLOCK_PLUGINS",
             PluginWarning,
             stacklevel=3,
         )
