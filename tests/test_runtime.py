@@ -274,3 +274,32 @@ def test_create_names_a_missing_cuda_device_and_an_oversized_cache(pm, monkeypat
         create(pm, device="cuda")
     with pytest.raises(KVCoreError, match=r"cannot allocate the \d[\d,.]* TiB KV cache on cpu.*less memory"):
         create(pm, num_blocks=None, available_memory=1 << 52)
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_begin_step_is_all_or_nothing_when_zeroing_fails(pm, caching):
+    """A failed zeroing leaves the blocks pending: the next step zeroes them."""
+    kv = create(pm)
+    if caching:
+        kv.block_pool = type(kv.block_pool)(kv.num_blocks, enable_caching=True)
+    for view in kv.kv_caches.values():
+        view.copy_(torch.randn_like(view).abs() + 1)
+    blocks = kv.block_pool.allocate(3)
+    real_zero = kv.zeroer.zero_block_ids
+    calls = []
+
+    def failing(ids):
+        calls.append(list(ids))
+        raise KeyboardInterrupt
+
+    kv.zeroer.zero_block_ids = failing
+    with pytest.raises(KeyboardInterrupt):
+        kv.begin_step()
+    assert all(kv.layer_kv_caches[n][rows_of(kv, n, blocks)].abs().min() > 0 for n in LAYERS)
+    kv.zeroer.zero_block_ids = real_zero
+    kv.block_pool.free(blocks[:1])  # freed before it was zeroed: left out, zeroed when reused
+    assert sorted(kv.begin_step()) == sorted(blocks[1:])
+    assert calls == [blocks]
+    for name in LAYERS:
+        assert torch.count_nonzero(kv.layer_kv_caches[name][rows_of(kv, name, blocks[1:])]) == 0
+    assert kv.begin_step() == []

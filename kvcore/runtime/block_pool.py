@@ -317,6 +317,22 @@ class BlockPool:
                 pending[b] = 0
         return out
 
+    def requeue_new_blocks(self, block_ids: Sequence[int]) -> None:
+        """Put ids that :meth:`take_new_blocks` returned back in front of the pending list.
+
+        For a caller whose zeroing failed after the take: the blocks stay
+        pending, so the next :meth:`take_new_blocks` reports them again
+        (those freed in between are left out, as always).
+        """
+        ids = [as_int("block id", b) for b in block_ids]
+        for block_id in ids:
+            self._check_id(block_id)
+        if self._caching:
+            for block_id in ids:
+                if self._refs[block_id] > 0:
+                    self._in_use[block_id] = 1
+        self._new[:0] = ids
+
     def _check_id(self, block_id: int) -> int:
         block_id = as_int("block id", block_id)
         if block_id == NULL_BLOCK_ID:

@@ -188,10 +188,18 @@ class KVCache:
         raise ValueError(f"layer {layer_name!r} is in no attention group; layers: {self.config.layer_names}")
 
     def begin_step(self) -> list[int]:
-        """Zero every block allocated since the last step, in one launch; returns their ids."""
+        """Zero every block allocated since the last step, in one launch; returns their ids.
+
+        All or nothing: when zeroing raises (a failed launch, Ctrl-C) the
+        blocks stay pending and the next call zeroes them.
+        """
         new_blocks = self.block_pool.take_new_blocks()
         if new_blocks:
-            self.zeroer.zero_block_ids(new_blocks)
+            try:
+                self.zeroer.zero_block_ids(new_blocks)
+            except BaseException:
+                self.block_pool.requeue_new_blocks(new_blocks)
+                raise
         return new_blocks
 
     def build_metadata(self, common: list[CommonAttentionMetadata], ubatch_idx: int = 0) -> dict[str, Any]:
