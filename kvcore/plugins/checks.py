@@ -10,6 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins.requirements import KernelRequirements
 from kvcore.specs import KVCacheSpec, MultipleOf
 
 
@@ -44,3 +45,17 @@ def check_layouts(value: Any) -> list[KVCacheLayout]:
     if not out:
         raise ValueError("expected at least one layout (return None to accept any)")
     return out
+
+
+def check_requirements(value: Any) -> KernelRequirements:
+    """An answer of ``kvcore_kernel_requirements``: a KernelRequirements."""
+    if not isinstance(value, KernelRequirements):
+        raise TypeError(f"expected a kvcore.KernelRequirements, got {value!r}")
+    return value
+
+
+def check_priority(value: Any) -> int:
+    """An answer of ``kvcore_backend_priority``: an int (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"expected an int priority, got {value!r}")
+    return int(value)

@@ -22,10 +22,11 @@ from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.plan_groups import is_encoder_only
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.checks import check_layouts, check_sizes, check_spec
+from kvcore.plugins.checks import check_layouts, check_priority, check_requirements, check_sizes, check_spec
 from kvcore.plugins.manager import call_first
 from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
 from kvcore.plugins.records import BackendNegotiation, GroupNegotiation, Negotiation
+from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.plugins.selection import fixed_sizes, pick_common_block_size
 from kvcore.specs import KVCacheSpec, MultipleOf
 
@@ -53,6 +54,7 @@ class HookAnswers:
         self._sizes: dict[Any, list[int | MultipleOf]] = {}
         self._specs: dict[Any, KVCacheSpec] = {}
         self._layouts: dict[Any, list[KVCacheLayout] | None] = {}
+        self._requirements: dict[Any, KernelRequirements] = {}
         self._keep: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
 
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
@@ -78,6 +80,24 @@ class HookAnswers:
                 self.pm, "kvcore_supported_layouts", check_layouts, backend=backend, spec=spec
             )
         return self._layouts[key]
+
+    def requirements(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> KernelRequirements:
+        """``kvcore_kernel_requirements`` for (backend, spec) (no requirements when unanswered)."""
+        key = _key(backend, spec)
+        if key not in self._requirements:
+            self._keep.append(spec)
+            found = call_first(
+                self.pm, "kvcore_kernel_requirements", check_requirements, backend=backend, spec=spec
+            )
+            self._requirements[key] = NO_REQUIREMENTS if found is None else found
+        return self._requirements[key]
+
+    def priority(self, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: Any) -> int:
+        """``kvcore_backend_priority`` for (backend, spec, device) (0 when unanswered)."""
+        found = call_first(
+            self.pm, "kvcore_backend_priority", check_priority, backend=backend, spec=spec, device=device
+        )
+        return 0 if found is None else found
 
     def layouts(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[KVCacheLayout]:
         """:meth:`stated_layouts`, with all six layouts for "any"."""
