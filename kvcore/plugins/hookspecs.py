@@ -52,8 +52,11 @@ def kvcore_supported_kernel_block_sizes(
 
     :param backend: the backend class kvcore is asking about.
     :param spec: the layer's KV cache spec, or None when no spec is known.
-    :returns: a list of ``int`` (that size only) and ``MultipleOf(base)`` (any
-        multiple of ``base``) for a backend this plugin owns, else None.
+    :returns: a non-empty list of ``int`` (that size only) and
+        ``MultipleOf(base)`` (any multiple of ``base``) for a backend this
+        plugin owns, else None. The first ``int`` of the list is the block
+        size the backend prefers (``kvcore.plugins.auto.preferred_block_size``);
+        a list of only ``MultipleOf`` states no preference.
     """
 
 
