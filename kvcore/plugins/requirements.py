@@ -99,6 +99,11 @@ class KernelRequirements:
     max_stride_elements: int | None = attrs.field(default=None, validator=_check_optional_positive)
     alignment_bytes: int = attrs.field(default=1, validator=_check_positive)
 
+    @property
+    def has_memory_rules(self) -> bool:
+        """Whether kernel views must be checked (a stride limit or an alignment above 1)."""
+        return self.max_stride_elements is not None or self.alignment_bytes > 1
+
     def why_not(self, device_type: str | None, dtype: torch.dtype | None, head_size: int | None) -> str | None:
         """Why kernels with these requirements cannot serve the case; None when they can.
 
