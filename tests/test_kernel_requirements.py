@@ -162,3 +162,19 @@ def test_preferred_block_size_is_the_first_explicit_int():
     assert preferred_block_size("bb", SPEC, plugin_manager=pm) is None
     assert preferred_block_size(c, plugin_manager=pm) is None  # core default: any size
     assert preferred_block_size("triton", SPEC, plugin_manager=kvcore.get_plugin_manager()) == 64
+
+
+def test_kvcore_plugins_shows_requirements_and_what_auto_picks(capsys):
+    import json
+
+    from kvcore.cli import main
+
+    main(["plugins", "--json"])
+    items = {item["name"]: item for item in json.loads(capsys.readouterr().out)}
+    assert items["torch"]["auto"] == {"torch": ["cpu"]}
+    assert items["torch"]["requirements"]["torch"]["devices"] is None
+    triton = items["triton"]["requirements"]["triton"]
+    assert "bfloat16" in triton["dtypes"] and 128 in triton["head_sizes"] and triton["alignment_bytes"] == 1
+    main(["plugins"])
+    out = capsys.readouterr().out
+    assert "auto picks    cpu: torch" in out and "head sizes 1-256" in out

@@ -59,10 +59,11 @@ def select_backend(
     """
     if spec is not None and not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
-    return _select(HookAnswers(plugin_manager), spec, parse_device(device))
+    return choose_backend(HookAnswers(plugin_manager), spec, parse_device(device))
 
 
-def _select(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device) -> type[AttentionBackend]:
+def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device) -> type[AttentionBackend]:
+    """:func:`select_backend` over answers already kept (a parsed device, a checked spec)."""
     table = collect_backends(answers.pm)
     reasons: dict[str, str] = {
         name: "its name is registered by several plugins (block all but one with KVCORE_BLOCK_PLUGINS)"
@@ -88,7 +89,7 @@ def _select(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device
 def resolve_auto(answers: HookAnswers, backend: Any, spec: KVCacheSpec | None, device: torch.device) -> Any:
     """``backend`` itself, or the backend :func:`select_backend` picks when it is ``"auto"``."""
     if isinstance(backend, str) and backend == AUTO:
-        return _select(answers, spec, device)
+        return choose_backend(answers, spec, device)
     return backend
 
 
@@ -108,4 +109,4 @@ def preferred_block_size(
     return fixed[0] if fixed else None
 
 
-__all__ = ["AUTO", "parse_device", "preferred_block_size", "resolve_auto", "select_backend", "serves"]
+__all__ = ["AUTO", "choose_backend", "parse_device", "preferred_block_size", "resolve_auto", "select_backend", "serves"]

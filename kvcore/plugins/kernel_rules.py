@@ -23,7 +23,7 @@ from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
-from kvcore.plugins.auto import _select
+from kvcore.plugins.auto import choose_backend
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.kernel_views import to_kernel_blocks
 from kvcore.plugins.layouts import layout_candidates, requested_layout, resolve_kv_cache_layout
@@ -63,7 +63,7 @@ def check_abilities(
         if why is None:
             continue
         try:
-            remedy = f"serve it with backend {label(_select(answers, spec, device))!r} (or 'auto')"
+            remedy = f"serve it with backend {label(choose_backend(answers, spec, device))!r} (or 'auto')"
         except ValueError:
             remedy = "no registered backend can serve it there; use another device or dtype"
         raise KernelRequirementError(f"backend {label(backend)!r} cannot serve layer {layer!r}: it {why}; {remedy}")
