@@ -9,6 +9,7 @@ layouts already measured. Takes ``kvcore bench transfer``'s options.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -21,16 +22,16 @@ from kvcore.bench.transfer_nixl import nixl_rows, print_rows
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     transfer.add_arguments(parser)
-    args = parser.parse_args()
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    memories = args.nixl_memory or (["VRAM"] if device.type == "cuda" else ["DRAM"])
+    args = transfer.resolve(parser.parse_args())
+    memories = args.nixl_memory or (["VRAM"] if args.device.type == "cuda" else ["DRAM"])
     gen = torch.Generator().manual_seed(0)
     every = []
     for memory in memories:
         for layout in args.layouts:
             start = time.perf_counter()
-            rows = nixl_rows(args, lambda lay, n, on: transfer._cache(args, lay, n, on), layout, memory, device, gen)
-            print_rows(rows)
+            make = functools.partial(transfer._make, transfer.model_of(args), layout.name)
+            rows = nixl_rows(args, make, memory, args.device, gen, args.nixl_peer)
+            print_rows(rows, 80)
             print(f"({memory} {layout.name}: {time.perf_counter() - start:.1f} s with setup)", flush=True)
             every += rows
             if args.json_out:

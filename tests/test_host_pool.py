@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from _transfer_caches import KINDS, _SAME_SIZE_INT, block_rows, brute_force_bytes, make_cache, raw_buffer
-from kvcore.transfer import HostKVPool
+from kvcore import KVCacheLayout
+from kvcore.transfer import HostKVPool, staging
 
 CASES = [(kind, layout) for kind, layouts in KINDS.items() for layout in layouts]
 
@@ -112,16 +113,20 @@ def test_bad_input_moves_nothing():
 
 @pytest.mark.kvcore_gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("layout", ["BLNHC", "LBNHC", "LHBNC"])
-def test_cuda_round_trip_through_pinned_host_memory(layout):
+@pytest.mark.parametrize("layout", ["BLNHC", "LBNHC", "LHBNC", "BHLNC"])
+@pytest.mark.parametrize("chunk_blocks", [1, 64])
+def test_cuda_round_trip_through_pinned_host_memory(layout, chunk_blocks, monkeypatch):
+    """Gather and copy overlap on two streams (one block per chunk: three chunks in flight)."""
     kv = make_cache("uniform", layout, device="cuda")
     pool = HostKVPool(kv, num_host_blocks=4)
+    monkeypatch.setattr(staging, "CHUNK_BYTES", chunk_blocks * pool.block_bytes)
     assert pool.host.is_pinned()
     fill_random(kv, seed=11)
     before = {name: bits(view).clone() for name, view in kv.kv_caches.items()}
     pool.offload([1, 2, 5], [3, 0, 1], non_blocking=True).wait()
     kv_raw = raw_buffer(kv)
     kv_raw.zero_()
+    torch.cuda.synchronize()
     pool.restore([3, 0, 1], [4, 6, 2]).wait()
     for name, view in kv.kv_caches.items():
         got = bits(view)[block_rows(kv, name, [4, 6, 2]).cuda()]
@@ -129,16 +134,16 @@ def test_cuda_round_trip_through_pinned_host_memory(layout):
     assert int(kv_raw.count_nonzero()) <= 3 * pool.block_bytes
 
 
-@pytest.mark.parametrize("layout, copies", [("LBNHC", 2), ("LHBNC", 2), ("BLNHC", 3)])
+@pytest.mark.parametrize("layout, copies", [("LBNHC", 2), ("LHBNC", 2), ("BLNHC", 2), ("BHLNC", 2)])
 def test_staged_copies_store_the_same_slots_as_one_copy_per_run(layout, copies):
-    """Layer-compact blocks are gathered on the device first: same host bytes, one copy per slot."""
+    """Blocks are gathered on the device in host-slot order first: same host bytes, one copy per streak of slots."""
     kv = make_cache("uniform", layout)
     fill_random(kv, seed=13)
     staged, direct = HostKVPool(kv, 4), HostKVPool(kv, 4, staging=False)
     handle = staged.offload([5, 1, 3], [2, 3, 0])
     direct.offload([5, 1, 3], [2, 3, 0])
     assert torch.equal(staged.host, direct.host) and staged.host.count_nonzero() > 0
-    # staged: host slots 2, 3 are consecutive, one copy, slot 0 another; BLNHC has one run per block
+    # staged: host slots 2, 3 are consecutive, one copy, slot 0 another
     assert handle.num_runs == copies
     before = raw_buffer(kv).clone()
     staged.restore([2, 3, 0], [2, 4, 6])
@@ -146,3 +151,27 @@ def test_staged_copies_store_the_same_slots_as_one_copy_per_run(layout, copies):
     raw_buffer(kv).copy_(before)
     direct.restore([2, 3, 0], [2, 4, 6])
     assert torch.equal(raw_buffer(kv), after_staged)
+
+
+@pytest.mark.parametrize("layout", [layout.name for layout in KVCacheLayout])
+@pytest.mark.parametrize("chunk_blocks", [1, 2, 64])
+def test_staged_chunks_move_the_same_bytes_as_one_copy_per_run(layout, chunk_blocks, monkeypatch):
+    """Any chunking (one block per chunk, a few, all): offload and restore bytes equal the direct path's."""
+    kv = make_cache("uniform", layout, num_blocks=9)
+    fill_random(kv, seed=17 + chunk_blocks)
+    staged, direct = HostKVPool(kv, 6), HostKVPool(kv, 6, staging=False)
+    monkeypatch.setattr(staging, "CHUNK_BYTES", chunk_blocks * staged.block_bytes)
+    gen = torch.Generator().manual_seed(len(layout) + chunk_blocks)
+    src = (torch.randperm(8, generator=gen)[:5] + 1).tolist()
+    slots = torch.randperm(6, generator=gen)[:5].tolist()
+    handle = staged.offload(src, slots)
+    direct.offload(src, slots)
+    assert torch.equal(staged.host, direct.host) and staged.host.count_nonzero() > 0
+    assert handle.num_runs <= -(-5 // chunk_blocks) + 1  # merged: about one copy per chunk
+    dst = (torch.randperm(8, generator=gen)[:5] + 1).tolist()
+    before = raw_buffer(kv).clone()
+    staged.restore(slots, dst)
+    after_staged = raw_buffer(kv).clone()
+    raw_buffer(kv).copy_(before)
+    direct.restore(slots, dst)
+    assert torch.equal(raw_buffer(kv), after_staged) and not torch.equal(after_staged, before)

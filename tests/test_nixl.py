@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 
+import attrs
 import pytest
 import torch
 
@@ -75,10 +76,43 @@ def test_incompatible_peers_are_refused_with_the_reason():
         assert agent.peers == []
         with pytest.raises(ValueError, match="itself"):
             agent.connect(agent.metadata())
-        with pytest.raises(ValueError, match="not from kvcore"):
+        with pytest.raises(ValueError, match="not from this kvcore"):
             agent.connect(b"garbage")
+        with pytest.raises(ValueError, match="damaged"):
+            agent.connect(agent.metadata()[:40])
     finally:
         agent.close()
+
+
+def _tampered_metadata(peer, **changes):
+    """The peer's real NIXL metadata with its kvcore descriptor altered (no check on the way)."""
+    from kvcore.transfer import nixl
+
+    name, desc, _, agent_md = nixl._unpack(peer.metadata())
+    alloc = attrs.evolve(desc.allocations[0], **changes.pop("allocation", {}))
+    layers = tuple(attrs.evolve(layer, **changes.pop("layer", {})) for layer in desc.groups[0].layers)
+    groups = (attrs.evolve(desc.groups[0], layers=layers), *desc.groups[1:])
+    return nixl._pack(name, attrs.evolve(desc, allocations=(alloc,), groups=groups, **changes), agent_md)
+
+
+def test_a_peer_whose_descriptor_is_tampered_is_refused_before_nixl_sees_it():
+    a, b = make_cache("uniform", "LBNHC"), make_cache("uniform", "LBNHC")
+    agent, peer = agent_or_skip("a", a), agent_or_skip("b", b)
+    try:
+        size = raw_buffer(b).numel()
+        for changes, field in [
+            ({"num_blocks": 10**6}, "shape\\[0\\]"),
+            ({"layer": {"offset": size}}, "offset"),
+            ({"allocation": {"base_ptr": -4096}}, "base_ptr"),
+            ({"allocation": {"size": 100}}, "holds 100 bytes"),
+        ]:
+            with pytest.raises(transfer.IncompatiblePeerError, match=f"peer 'b' sent .*{field}"):
+                agent.connect(_tampered_metadata(peer, **changes))
+        assert agent.peers == []
+        assert agent.connect(peer.metadata()) == "b"  # the untouched metadata is accepted
+    finally:
+        agent.close()
+        peer.close()
 
 
 def test_bad_transfer_input_moves_nothing():
@@ -98,6 +132,8 @@ def test_bad_transfer_input_moves_nothing():
         for call in bad:
             with pytest.raises(ValueError):
                 call()
+        with pytest.raises(ValueError, match="got 2 block ids of peer 'b' and 1 local block id;"):
+            agent_a.read_blocks("b", [1, 2], [3])
         assert torch.equal(raw_buffer(a), before_a) and torch.equal(raw_buffer(b), before_b)
         assert agent_a.write_blocks("b", [], []).nbytes == 0
     finally:
@@ -116,7 +152,8 @@ def test_two_processes_exchange_blocks_over_nixl():
     try:
         if not here.poll(120):
             pytest.fail("the peer process sent no metadata")
-        name = agent.connect(here.recv())
+        peer_metadata = here.recv()
+        name = agent.connect(peer_metadata)
         here.send(agent.metadata())
         sent = rows(kv, [2, 5])
         agent.write_blocks(name, [2, 5], [7, 1]).wait(timeout=30)
@@ -132,8 +169,18 @@ def test_two_processes_exchange_blocks_over_nixl():
         pulled = here.recv()
         assert all(torch.equal(pulled[n], sent[n][: len(theirs[n])]) for n in sent)
         assert torch.equal(raw_buffer(kv), before)  # a read by the peer changes nothing here
+        transport = agent.transport(name)
+        assert (transport.name, transport.source) == ("cma", "inferred")
+        assert "two processes on one host" in transport.detail
         here.send(("stop", None))
         assert here.recv() == "closed"
+        proc.join(timeout=60)
+        late = agent_or_skip("late", make_cache("uniform", "BHLNC", num_blocks=5))
+        try:  # the peer has exited: NIXL's raw error becomes kvcore's, naming the peer and the remedy
+            with pytest.raises(transfer.TransferError, match="peer 'peer'.*restart the peer"):
+                late.connect(peer_metadata)
+        finally:
+            late.close()
     finally:
         proc.join(timeout=60)
         if proc.is_alive():

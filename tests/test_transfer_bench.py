@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
 
 from kvcore.bench import BENCHMARKS, transfer
+from kvcore.cli import main
 
 SMALL = ["--layers", "3", "--kv-heads", "2", "--head-size", "16", "--repeats", "2", "--warmup", "1"]
 
@@ -32,7 +34,8 @@ def test_bench_transfer_reports_runs_and_bandwidth_per_layout():
     nixl = {(r["layout"], r["blocks"]): r for r in result["nixl"]}
     assert sorted(nixl) == sorted((lay, n) for lay in per_block for n in (2, 4))
     for (layout, n), r in nixl.items():
-        assert r["memory"] == "DRAM" and r["exact"] is True
+        assert r["memory"] == "DRAM" and r["exact"] is True and r["peer"] == "local"
+        assert r["transport"] == "cma" and "one process" in r["transport_detail"]
         assert r["runs"] == n * per_block[layout] and r["bytes"] == n * 3 * page
         assert r["nixl_write_gbps"] > 0 and r["nixl_read_gbps"] > 0 and r["copy_gbps"] > 0
 
@@ -48,8 +51,42 @@ def test_bench_transfer_refuses_vram_without_cuda():
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bench_transfer_moves_vram_blocks_over_nixl():
     result = collect(["--device", "cuda", "--no-host", "--layouts", "BLNHC,LHBNC", "--nixl-blocks", "2,8",
-                      "--nixl-memory", "VRAM"])
+                      "--nixl-memory", "VRAM", "--nixl-peer", "process"])
     if result["nixl_skipped"]:
         pytest.skip(f"NIXL is not installed: {result['nixl_skipped']}")
     assert result["nixl_failed"] == {} and len(result["nixl"]) == 4
-    assert all(r["memory"] == "VRAM" and r["exact"] is True and r["d2h_memcpy_gbps"] > 0 for r in result["nixl"])
+    assert all(r["memory"] == "VRAM" and r["exact"] is True and r["h2d_memcpy_gbps"] > 0 for r in result["nixl"])
+    assert {r["transport"] for r in result["nixl"]} <= {"cuda_ipc", "cuda_copy+tcp"}
+
+
+def test_bench_transfer_cli_prints_tables_within_80_columns_and_no_raw_dict(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    argv = ["bench", "transfer", "--device", "cpu", "--layouts", "BHLNC", "--blocks", "2", "--nixl-blocks", "2",
+            *SMALL]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "offload" in out and "x memcpy" in out and "3 layers, 2 KV heads of 16" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert "{" not in out and "NIXL INFO" not in out
+    if "NIXL rows skipped" not in out:
+        assert "transport" in out and "cma" in out
+    assert main([*argv, "--json", "--no-nixl"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]["layers"] == 3
+
+
+def test_bench_transfer_bad_device_is_a_usage_error(capsys):
+    for device in ("banana", "tpu", *([] if torch.cuda.is_available() else ["cuda"])):
+        with pytest.raises(SystemExit) as info:
+            main(["bench", "transfer", "--device", device])
+        assert info.value.code == 2
+        assert f"argument --device: {device!r}" in capsys.readouterr().err
+
+
+def test_bench_transfer_defaults_are_cpu_sized_without_cuda():
+    parser = argparse.ArgumentParser()
+    transfer.add_arguments(parser)
+    args = transfer.resolve(parser.parse_args(["--device", "cpu"]))
+    assert (args.layers, args.blocks, args.nixl_blocks, args.nixl_peer) == (4, [4, 32], [8], "local")
+    assert len(args.layouts) == 6
+    args = transfer.resolve(parser.parse_args(["--device", "cpu", "--layers", "7", "--nixl-peer", "process"]))
+    assert (args.layers, args.nixl_peer) == (7, "process")

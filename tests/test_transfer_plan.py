@@ -33,7 +33,7 @@ def plan_inputs(draw):
     group_id = draw(st.integers(0, kv.num_groups - 1))
     names = [n for n in kv.config.kv_cache_groups[group_id].layer_names if n in kv.kv_caches]
     layers = draw(st.none() | st.lists(st.sampled_from(names), min_size=1, unique=True))
-    ids = draw(st.lists(st.integers(0, kv.num_blocks - 1), max_size=kv.num_blocks + 2))
+    ids = draw(st.lists(st.integers(1, kv.num_blocks - 1), max_size=kv.num_blocks + 2))
     return kv, group_id, layers, ids
 
 
@@ -84,9 +84,12 @@ def test_split_group_states_the_manager_stride_not_the_kernel_stride():
 def test_bad_ids_and_arguments_are_refused():
     desc = describe(cached_cache("hybrid", "LBNHC"))
     n = desc.num_blocks
-    for bad in ([n], [-1], [True], [1.0], ["1"], "12", None, torch.tensor([0.5]), torch.tensor([n])):
-        with pytest.raises(ValueError):
+    for bad in ([n], [-1], [True], [1.0], ["1"], "12", None, torch.tensor([0.5]), torch.tensor([n]),
+                [0], [2, 0], torch.tensor([3, 0]), {1: "a", 2: "b"}, {1, 2}):
+        with pytest.raises(ValueError, match="block ids|block id"):
             plan_transfer(desc, bad)
+    with pytest.raises(ValueError, match="null block"):
+        plan_transfer(desc, [1, 0])
     with pytest.raises(ValueError, match="group_id"):
         plan_transfer(desc, [1], group_id=2)
     with pytest.raises(ValueError, match="no cache view"):

@@ -1,29 +1,37 @@
 """``kvcore bench transfer``: host offload / restore and NIXL loopback against the memcpy ceiling.
 
 For each layout, moves random (non-consecutive) blocks of a model's KV cache:
-``HostKVPool.offload`` (device to pinned host) and ``restore`` (back), with
-layer-compact blocks gathered on the device first and, beside it, one copy
-per run (``staging=False``), each against one pinned ``cudaMemcpyAsync`` (``copy_(non_blocking=True)``) of the
-same byte count measured in the same run; and, where NIXL imports, writes
-and reads between two agents of one process (UCX loopback) in host memory and,
-on CUDA, in device memory, beside a plain copy of the same bytes
-(:mod:`kvcore.bench.transfer_nixl`). Prints the runs each block takes per layout.
-Device times come from CUDA events (median of repeats); on CPU all times are
-wall times.
+``HostKVPool.offload`` (device to pinned host) and ``restore`` (back), each
+against one pinned ``copy_(non_blocking=True)`` of the same byte count
+measured in the same run; and, where NIXL imports, writes and reads to a
+peer agent (in a spawned process on CUDA, so UCX may use ``cuda_ipc``; in
+this process on CPU) in host memory and, on CUDA, in device memory, beside a
+plain copy of the same bytes, with the transport each row used
+(:mod:`kvcore.bench.transfer_nixl`). Device times come from CUDA events
+(median of repeats); on CPU all times are wall times. Without CUDA the
+defaults are CPU-sized (a few seconds); a progress bar shows on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import logging
+import os
 import sys
+import textwrap
 from typing import Any
 
 import torch
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvcore.bench._args import layouts_arg, positive_int_arg, positive_ints_arg
 from kvcore.bench._timing import Timer
-from kvcore.bench.transfer_nixl import memory_kinds_arg, nixl_rows, print_rows
+from kvcore._table import Column, render, terminal_width
+from kvcore._units import format_bytes
+from kvcore.bench.transfer_nixl import PEER_KINDS, memory_kinds_arg, nixl_rows, print_rows, rate
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.registry import get_plugin_manager
@@ -43,54 +51,106 @@ class _LayoutOnlyBackend(AttentionBackend):
         raise NotImplementedError("the transfer benchmark does not run attention")
 
 
+#: Model and measurement sizes on a GPU (2 MiB blocks) and, so a run takes seconds, on a CPU.
+GPU_DEFAULTS = {"layers": 32, "kv_heads": 8, "head_size": 128, "blocks": [16, 256], "nixl_blocks": [64, 256],
+                "repeats": 10, "warmup": 2}
+CPU_DEFAULTS = {"layers": 4, "kv_heads": 2, "head_size": 32, "blocks": [4, 32], "nixl_blocks": [8],
+                "repeats": 3, "warmup": 1}
+ALL_LAYOUTS = ",".join(layout.name for layout in KVCacheLayout)
+
+
+def device_arg(text: str) -> torch.device:
+    """argparse type: a torch device that exists here (``cpu``, ``cuda``, ``cuda:1``)."""
+    try:
+        device = torch.device(text)
+    except (RuntimeError, ValueError):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu or cuda[:N]") from None
+    if device.type not in ("cpu", "cuda"):
+        raise argparse.ArgumentTypeError(f"{text!r}: the transfer benchmark runs on cpu or cuda[:N]")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here; use --device cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return device
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    size = "(default: {gpu} on CUDA, {cpu} on CPU)"
+
+    def sized(key: str) -> str:
+        pick = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in GPU_DEFAULTS.items()}
+        small = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in CPU_DEFAULTS.items()}
+        return size.format(gpu=pick[key], cpu=small[key])
+
     model = parser.add_argument_group("the model whose KV cache blocks move")
-    model.add_argument("--layers", type=positive_int_arg, default=32, help="attention layers (default: %(default)s)")
-    model.add_argument("--kv-heads", type=positive_int_arg, default=8, help="KV heads per layer (default: %(default)s)")
-    model.add_argument("--head-size", type=positive_int_arg, default=128,
-                       help="values per head, for K and for V (default: %(default)s)")
+    model.add_argument("--layers", type=positive_int_arg, default=None, help=f"attention layers {sized('layers')}")
+    model.add_argument("--kv-heads", type=positive_int_arg, default=None, help=f"KV heads per layer {sized('kv_heads')}")
+    model.add_argument("--head-size", type=positive_int_arg, default=None,
+                       help=f"values per head, for K and for V {sized('head_size')}")
     model.add_argument("--block-size", type=positive_int_arg, default=16,
-                       help="tokens per block; 16 makes 2 MiB blocks (default: %(default)s)")
+                       help="tokens per block; with the GPU defaults 16 makes 2 MiB blocks (default: %(default)s)")
     model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="cache dtype (default: %(default)s)")
     measured = parser.add_argument_group("what is measured")
-    measured.add_argument("--layouts", type=layouts_arg, default="BLNHC,BHLNC,LBNHC,LHBNC",
-                          help="comma-separated layouts (default: %(default)s)")
-    measured.add_argument("--blocks", type=positive_ints_arg, default="16,128,512",
-                          help="comma-separated counts of blocks moved per call (default: %(default)s)")
-    measured.add_argument("--device", default=None, help="cache device (default: cuda when present, else cpu)")
+    measured.add_argument("--layouts", type=layouts_arg, default=ALL_LAYOUTS,
+                          help="comma-separated layouts (default: all six)")
+    measured.add_argument("--blocks", type=positive_ints_arg, default=None,
+                          help=f"comma-separated counts of blocks moved per host call {sized('blocks')}")
+    measured.add_argument("--device", type=device_arg, default=None, help="cache device (default: cuda when present, else cpu)")
     measured.add_argument("--no-host", action="store_true", help="skip the host offload / restore rows")
-    measured.add_argument("--nixl-blocks", type=positive_ints_arg, default="64",
-                          help="comma-separated counts of blocks per NIXL loopback transfer (default: %(default)s)")
+    measured.add_argument("--nixl-blocks", type=positive_ints_arg, default=None,
+                          help=f"comma-separated counts of blocks per NIXL transfer {sized('nixl_blocks')}")
     measured.add_argument("--nixl-memory", type=memory_kinds_arg, default=None,
-                          help="NIXL memory kinds, DRAM and/or VRAM (default: both on CUDA, else DRAM)")
-    measured.add_argument("--no-nixl", action="store_true", help="skip the NIXL loopback rows")
-    measured.add_argument("--repeats", type=positive_int_arg, default=10,
-                          help="timed repeats; medians are reported (default: %(default)s)")
-    measured.add_argument("--warmup", type=positive_int_arg, default=2,
-                          help="untimed calls before each measurement (default: %(default)s)")
+                          help="NIXL memory kinds, DRAM and/or VRAM (default: VRAM and DRAM on CUDA, else DRAM)")
+    measured.add_argument("--nixl-peer", choices=PEER_KINDS, default=None,
+                          help="the NIXL peer: a second agent of this process, or one in a spawned process "
+                               "(default: process on CUDA, local on CPU)")
+    measured.add_argument("--no-nixl", action="store_true", help="skip the NIXL rows")
+    measured.add_argument("--repeats", type=positive_int_arg, default=None, help=f"timed repeats; medians are reported {sized('repeats')}")
+    measured.add_argument("--warmup", type=positive_int_arg, default=None, help=f"untimed calls before each measurement {sized('warmup')}")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     out.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH (default: none)")
 
 
-def _cache(args: argparse.Namespace, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> KVCache:
-    spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, _DTYPES[args.dtype])
-    specs = {f"layers.{i}.attn": spec for i in range(args.layers)}
+def resolve(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the options left unset with the GPU or the CPU defaults (a copy; ``args`` is unchanged)."""
+    args = argparse.Namespace(**vars(args))
+    args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    defaults = GPU_DEFAULTS if args.device.type == "cuda" else CPU_DEFAULTS
+    for key, value in defaults.items():
+        if getattr(args, key, None) is None:
+            setattr(args, key, value)
+    if args.nixl_peer is None:
+        args.nixl_peer = "process" if args.device.type == "cuda" else "local"
+    return args
+
+
+def model_of(args: argparse.Namespace) -> dict[str, Any]:
+    return {k: getattr(args, k) for k in ("layers", "kv_heads", "head_size", "block_size", "dtype")}
+
+
+def build_cache(model: dict[str, Any], layout: str, num_blocks: int, device: str) -> KVCache:
+    """The benchmark's cache (a module function, so a spawned NIXL peer can build it too)."""
+    spec = FullAttentionSpec(model["block_size"], model["kv_heads"], model["head_size"], _DTYPES[model["dtype"]])
+    specs = {f"layers.{i}.attn": spec for i in range(model["layers"])}
     return KVCache.create(
         specs, dict.fromkeys(specs, _LayoutOnlyBackend), device=device, layout=layout, num_blocks=num_blocks,
-        max_num_seqs=1, max_model_len=args.block_size, plugin_manager=get_plugin_manager(autoload=False),
+        max_num_seqs=1, max_model_len=model["block_size"], plugin_manager=get_plugin_manager(autoload=False),
     )
+
+
+def _cache(args: argparse.Namespace, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> KVCache:
+    return build_cache(model_of(args), layout.name, num_blocks, str(device))
 
 
 def _gbps(nbytes: int, us: float) -> float:
     return nbytes / us / 1e3
 
 
-def _host_rows(args, layout, device, timer, gen) -> list[dict[str, Any]]:
+def _host_rows(args, layout, device, timer, gen, tick) -> list[dict[str, Any]]:
     most = max(args.blocks)
     kv = _cache(args, layout, 2 * most + 1, device)
     pool = HostKVPool(kv, most)
-    direct = HostKVPool(kv, most, staging=False)  # one copy per run, for comparison
     desc = describe(kv)
     device_buf = torch.empty(pool.host.numel(), dtype=torch.int8, device=device)
     rows = []
@@ -103,49 +163,55 @@ def _host_rows(args, layout, device, timer, gen) -> list[dict[str, Any]]:
         host, dev = pool.host[:nbytes], device_buf[:nbytes]
         row = {"layout": layout.name, "blocks": n, "bytes": nbytes, "block_bytes": nbytes // n,
                "runs": len(regions), "runs_per_block": len(regions) / n,
-               "copies": pool.offload(ids, slots).num_runs,
-               "direct_copies": sum(p.num_runs for p in pool.plan(ids, slots))}
+               "copies": pool.offload(ids, slots).num_runs}
         row["offload_us"] = timer.gpu_us(lambda: pool.offload(ids, slots, non_blocking=True))
         row["restore_us"] = timer.gpu_us(lambda: pool.restore(slots, ids, non_blocking=True))
-        staged = row["copies"] != row["direct_copies"]
-        row["direct_offload_us"] = timer.gpu_us(lambda: direct.offload(ids, slots, non_blocking=True)) if staged else None
-        row["direct_restore_us"] = timer.gpu_us(lambda: direct.restore(slots, ids, non_blocking=True)) if staged else None
         row["d2h_memcpy_us"] = timer.gpu_us(lambda: host.copy_(dev, non_blocking=True))
         row["h2d_memcpy_us"] = timer.gpu_us(lambda: dev.copy_(host, non_blocking=True))
-        for key in ("offload", "restore", "d2h_memcpy", "h2d_memcpy", "direct_offload", "direct_restore"):
-            row[f"{key}_gbps"] = _gbps(nbytes, row[f"{key}_us"]) if row[f"{key}_us"] else None
+        for key in ("offload", "restore", "d2h_memcpy", "h2d_memcpy"):
+            row[f"{key}_gbps"] = _gbps(nbytes, row[f"{key}_us"])
         row["offload_vs_memcpy"] = row["d2h_memcpy_us"] / row["offload_us"]
         row["restore_vs_memcpy"] = row["h2d_memcpy_us"] / row["restore_us"]
         rows.append(row)
-    del kv, pool, direct, device_buf
+        tick()
+    del kv, pool, device_buf
     return rows
 
 
-def collect(args: argparse.Namespace) -> dict[str, Any]:
-    """Measure every layout; the result is what ``--json`` prints."""
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    memories = args.nixl_memory or (["DRAM", "VRAM"] if device.type == "cuda" else ["DRAM"])
+def _steps(args, memories) -> int:
+    host = 0 if args.no_host else len(args.layouts) * len(args.blocks)
+    nixl = 0 if args.no_nixl else len(memories) * len(args.layouts) * len(args.nixl_blocks)
+    return host + nixl
+
+
+def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
+    """Measure every layout; the result is what ``--json`` prints. ``progress(total)`` returns a tick."""
+    args = resolve(args)
+    device = args.device
+    memories = args.nixl_memory or (["VRAM", "DRAM"] if device.type == "cuda" else ["DRAM"])
     if "VRAM" in memories and device.type != "cuda":
         raise ValueError(f"--nixl-memory VRAM needs a CUDA --device, got {device}; use --nixl-memory DRAM")
+    tick = progress(_steps(args, memories)) if progress is not None else (lambda: None)
     timer = Timer(device, args.repeats, args.warmup) if not args.no_host else None
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-        "model": {k: getattr(args, k) for k in ("layers", "kv_heads", "head_size", "block_size", "dtype")},
+        "model": model_of(args), "nixl_peer": args.nixl_peer,
         "host": [], "nixl": [], "nixl_skipped": None, "nixl_failed": {},
     }
     for layout in args.layouts if timer is not None else ():
-        result["host"] += _host_rows(args, layout, device, timer, gen)
+        result["host"] += _host_rows(args, layout, device, timer, gen, tick)
         _release(device)
     del timer
     if args.no_nixl:
         result["nixl_skipped"] = "--no-nixl"
         return result
+    make = functools.partial(_make, model_of(args))
     for memory in memories:
         try:
             for layout in args.layouts:
-                result["nixl"] += nixl_rows(args, lambda lay, n, on: _cache(args, lay, n, on), layout, memory,
-                                            device, gen)
+                result["nixl"] += nixl_rows(args, functools.partial(make, layout.name), memory, device, gen,
+                                            args.nixl_peer, tick)
                 _release(device)
         except NixlUnavailableError as exc:
             result["nixl_skipped"] = str(exc)
@@ -155,37 +221,60 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def _make(model: dict[str, Any], layout: str, num_blocks: int, device: str) -> KVCache:
+    return build_cache(model, layout, num_blocks, device)
+
+
 def _release(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.empty_cache()
 
 
 def _print(result: dict[str, Any]) -> None:
-    print(f"KV block offload / restore on {result['device']} ({result['model']})")
-    head = ("layout", "blocks", "KiB/blk", "runs/blk", "copies", "offload GB/s", "d2h memcpy",
-            "x memcpy", "restore GB/s", "h2d memcpy", "x memcpy")
-    print("  ".join(f"{h:>12}" for h in head))
-    for r in result["host"]:
-        cells = (r["layout"], r["blocks"], r["block_bytes"] // 1024, f"{r['runs_per_block']:.1f}", r["copies"],
-                 f"{r['offload_gbps']:.1f}", f"{r['d2h_memcpy_gbps']:.1f}", f"{r['offload_vs_memcpy']:.3f}",
-                 f"{r['restore_gbps']:.1f}", f"{r['h2d_memcpy_gbps']:.1f}", f"{r['restore_vs_memcpy']:.3f}")
-        print("  ".join(f"{c:>12}" for c in cells))
-    direct = [r for r in result["host"] if r["direct_offload_us"]]
-    if direct:
-        print("one copy per run instead of a device gather (staging=False): offload / restore GB/s")
-        for r in direct:
-            print(f"{r['layout']:>12}  {r['blocks']:>12}  {r['direct_copies']:>8} copies  "
-                  f"{r['direct_offload_gbps']:.1f} / {r['direct_restore_gbps']:.1f}")
+    width = terminal_width()
+    m = result["model"]
+    title = (f"KV block offload / restore on {result['device']}: {m['layers']} layers, {m['kv_heads']} KV heads "
+             f"of {m['head_size']}, {m['block_size']}-token blocks, {m['dtype']}")
+    columns = [Column("layout"), Column("blocks", right=True), Column("block", right=True),
+               Column("runs/blk", right=True), Column("copies", right=True),
+               Column("offload GB/s", right=True), Column("x memcpy", right=True),
+               Column("restore GB/s", right=True), Column("x memcpy", right=True)]
+    if result["host"]:
+        print(render(columns, [[
+            r["layout"], r["blocks"], format_bytes(r["block_bytes"]), f"{r['runs_per_block']:.0f}", r["copies"],
+            rate(r["offload_gbps"]), f"{r['offload_vs_memcpy']:.3f}", rate(r["restore_gbps"]),
+            f"{r['restore_vs_memcpy']:.3f}",
+        ] for r in result["host"]], title=title, width=width))
+        first = result["host"][0]
+        print(textwrap.fill("x memcpy: one pinned copy_(non_blocking=True) of the same bytes, device to host "
+                            "for offload and host to device for restore, measured in the same run "
+                            f"({first['d2h_memcpy_gbps']:.1f} / {first['h2d_memcpy_gbps']:.1f} GB/s in the "
+                            "first row).", width))
+        print()
     if result["nixl_skipped"]:
-        print(f"NIXL loopback skipped: {result['nixl_skipped']}")
+        print(textwrap.fill(f"NIXL rows skipped: {result['nixl_skipped']}", width))
     if result["nixl"]:
-        print_rows(result["nixl"])
+        print_rows(result["nixl"], width)
     for memory, error in result["nixl_failed"].items():
-        print(f"NIXL loopback in {memory} failed: {error}")
+        print(textwrap.fill(f"NIXL in {memory} failed: {error}", width))
+
+
+def _quiet_nixl() -> None:
+    """Keep NIXL's and UCX's INFO lines out of the report (a user's own setting wins)."""
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
+    os.environ.setdefault("UCX_LOG_LEVEL", "error")
+    logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
 def run(args: argparse.Namespace) -> int:
-    result = collect(args)
+    _quiet_nixl()
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  console=Console(stderr=True), transient=True) as bar:
+        def progress(total: int):
+            task = bar.add_task("kvcore bench transfer", total=total)
+            return lambda: bar.advance(task)
+
+        result = collect(args, progress)
     text = json.dumps(result, indent=2)
     if args.json_out:
         with open(args.json_out, "w") as f:

@@ -20,6 +20,7 @@ from kvcore.transfer.host_pool import HostKVPool
 from kvcore.transfer.nixl import IncompatiblePeerError, NixlAgent
 from kvcore.transfer.nixl_api import NixlUnavailableError, TransferError, TransferHandle
 from kvcore.transfer.plan import Region, plan_transfer
+from kvcore.transfer.transport import Transport
 
 __all__ = [
     "Allocation",
@@ -37,4 +38,5 @@ __all__ = [
     "StateSlice",
     "TransferError",
     "TransferHandle",
+    "Transport",
 ]

@@ -13,6 +13,8 @@ from typing import Any
 
 import attrs
 
+from kvcore.transfer.checks import check_bounds, check_fields
+
 #: Format version written by :meth:`KVCacheDescriptor.to_json`; readers refuse others.
 DESCRIPTOR_VERSION = 1
 
@@ -151,21 +153,29 @@ class KVCacheDescriptor:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> KVCacheDescriptor:
-        """Parse :meth:`to_json` output; ``ValueError`` on malformed text or another version."""
+        """Parse and check :meth:`to_json` output (text from another process is not trusted).
+
+        Every field is checked (:mod:`kvcore.transfer.checks`): a wrong type raises
+        ``TypeError``, a wrong value ``ValueError``, each naming the field and the
+        value; so does a layer whose blocks would address bytes outside its
+        allocation. Malformed JSON or another ``version`` raises ``ValueError``.
+        """
+        if not isinstance(text, (str, bytes, bytearray)):
+            raise TypeError(f"from_json needs the str or bytes of to_json(), got {type(text).__name__}")
         try:
             data = json.loads(text)
-        except (TypeError, json.JSONDecodeError) as exc:
+        except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"not a KV cache descriptor (invalid JSON: {exc})") from None
-        if not isinstance(data, dict) or data.get("version") != DESCRIPTOR_VERSION:
-            found = data.get("version") if isinstance(data, dict) else None
+        found = data.get("version") if isinstance(data, dict) else None
+        if type(found) is not int or found != DESCRIPTOR_VERSION:
             raise ValueError(
                 f"KV cache descriptor version {found!r} is not supported (this kvcore reads "
                 f"version {DESCRIPTOR_VERSION}); describe the cache with a matching kvcore"
             )
-        try:
-            return _descriptor(data)
-        except (KeyError, TypeError, IndexError) as exc:
-            raise ValueError(f"malformed KV cache descriptor: {exc!r}") from None
+        check_fields(data)
+        descriptor = _descriptor(data)
+        check_bounds(descriptor)
+        return descriptor
 
 
 def _content(data: dict[str, Any]) -> ContentMap:

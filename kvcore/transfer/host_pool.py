@@ -11,6 +11,8 @@ the mirror is pinned and copies are asynchronous on the current stream.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -22,6 +24,18 @@ from kvcore.transfer.ids import paired_ids
 from kvcore.transfer.pairs import PairedRuns, packed_patterns, pair_runs
 from kvcore.transfer.plan import BlockPattern, block_patterns
 from kvcore.transfer.staging import StagedPlan, run_table, staged_plan
+
+
+@contextlib.contextmanager
+def _on(stream: torch.cuda.Stream | None, *, after: torch.cuda.Stream | None = None) -> Iterator[None]:
+    """Issue work on ``stream`` (after the work queued so far on ``after``); no-op on CPU."""
+    if stream is None:
+        yield
+        return
+    if after is not None:
+        stream.wait_stream(after)
+    with torch.cuda.stream(stream):
+        yield
 
 
 class CopyHandle:
@@ -89,6 +103,7 @@ class HostKVPool:
         self.block_bytes = max(self._host_side(g)[1] for g in selections if self._safe(g))
         pin = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
         self.host = torch.zeros(self.num_host_blocks * self.block_bytes, dtype=torch.int8, pin_memory=pin)
+        self._stream: torch.cuda.Stream | None = None
 
     def _safe(self, group_id: int | None) -> bool:
         try:
@@ -153,22 +168,49 @@ class HostKVPool:
         host_patterns, _ = self._host_side(group_id)
         return self._copy(pair_runs(patterns, dev, host_patterns, host), to_host=to_host, non_blocking=non_blocking)
 
+    def _copy_stream(self) -> torch.cuda.Stream:
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(self.device)
+        return self._stream
+
     def _staged_copy(self, staged: StagedPlan, *, to_host: bool, non_blocking: bool) -> CopyHandle:
         table = run_table(self._device_buf, staged.run_bytes)
-        rows = staged.rows.to(self.device)
-        asynchronous = self.device.type == "cuda"
-        c = staged.copies
-        pieces = list(zip(c.src_offsets.tolist(), c.dst_offsets.tolist(), c.lengths.tolist()))
-        if to_host:
-            buffer = table.index_select(0, rows).view(-1)
-            for s, h, n in pieces:
-                self.host[h : h + n].copy_(buffer[s : s + n], non_blocking=asynchronous)
-        else:
-            buffer = torch.empty(staged.nbytes, dtype=torch.int8, device=self.device)
-            for s, h, n in pieces:
-                buffer[s : s + n].copy_(self.host[h : h + n], non_blocking=asynchronous)
-            table.index_copy_(0, rows, buffer.view(-1, staged.run_bytes))
-        return self._finish(CopyHandle(None, c.num_runs, staged.nbytes), non_blocking)
+        cuda = self.device.type == "cuda"
+        rows = torch.cat([c.rows for c in staged.chunks])
+        # NOTE: one pinned upload of every chunk's row ids; a pageable one would sync the stream.
+        rows = rows.pin_memory().to(self.device, non_blocking=True) if cuda else rows
+        main = torch.cuda.current_stream(self.device) if cuda else None
+        side = self._copy_stream() if cuda else None
+        buffer = None if to_host else torch.empty(staged.nbytes, dtype=torch.int8, device=self.device)
+        if cuda:
+            side.wait_stream(main)  # the caller's writes to the cache, and the buffer's earlier users
+        first = base = 0
+        for chunk in staged.chunks:
+            ids = rows[first : first + chunk.rows.numel()]
+            first += chunk.rows.numel()
+            pieces = zip(chunk.copies.src_offsets.tolist(), chunk.copies.dst_offsets.tolist(),
+                         chunk.copies.lengths.tolist())
+            if to_host:
+                packed = table.index_select(0, ids)  # on the caller's stream: overlaps the previous copy
+                flat = packed.view(-1).view(torch.int8)
+                with _on(side, after=main):
+                    for s, h, n in pieces:
+                        self.host[h : h + n].copy_(flat[s : s + n], non_blocking=cuda)
+                if cuda:
+                    packed.record_stream(side)
+            else:
+                flat = buffer[base : base + chunk.nbytes]
+                with _on(side):
+                    for s, h, n in pieces:
+                        flat[s : s + n].copy_(self.host[h : h + n], non_blocking=cuda)
+                if cuda:
+                    main.wait_stream(side)
+                table.index_copy_(0, ids, flat.view(table.dtype).view(-1, table.shape[1]))
+            base += chunk.nbytes
+        if cuda and buffer is not None:
+            buffer.record_stream(side)
+        handle = CopyHandle(None, staged.num_copies, staged.nbytes)
+        return self._finish(handle, non_blocking, stream=side if to_host else main)
 
     def _copy(self, plan: list[PairedRuns], *, to_host: bool, non_blocking: bool) -> CopyHandle:
         device_buf, host_buf = self._device_buf, self.host
@@ -183,10 +225,10 @@ class HostKVPool:
             runs, nbytes = runs + part.num_runs, nbytes + part.nbytes
         return self._finish(CopyHandle(None, runs, nbytes), non_blocking)
 
-    def _finish(self, handle: CopyHandle, non_blocking: bool) -> CopyHandle:
+    def _finish(self, handle: CopyHandle, non_blocking: bool, stream: torch.cuda.Stream | None = None) -> CopyHandle:
         if self.device.type == "cuda":
             handle._event = torch.cuda.Event()
-            handle._event.record()
+            handle._event.record(stream)
         if not non_blocking:
             handle.wait()
         return handle

@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping, Set
 from typing import Any
 
 import torch
+
+
+def plural(what: str) -> str:
+    """``"block id of peer 'x'"`` -> ``"block ids of peer 'x'"``: the noun, not the name, takes the s."""
+    noun, sep, rest = what.partition(" of ")
+    return f"{noun}s{sep}{rest}"
 
 
 def _refuse(value: Any, num_blocks: int, what: str, low: int) -> ValueError:
@@ -25,15 +32,18 @@ def block_id_tensor(block_ids: Any, num_blocks: int, *, what: str = "block id", 
     low = 0 if null_ok else 1
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
-            raise ValueError(f"{what}s must be an integer tensor, got {block_ids.dtype}; pass int32/int64 ids")
+            raise ValueError(f"{plural(what)} must be an integer tensor, got {block_ids.dtype}; pass int32/int64 ids")
         ids = block_ids.detach().reshape(-1).to("cpu", torch.int64)
         if ids.numel():
             bad = ids[(ids < low) | (ids >= num_blocks)]
             if bad.numel():
                 raise _refuse(int(bad[0]), num_blocks, what, low)
         return ids
-    if isinstance(block_ids, (str, bytes)) or block_ids is None:
-        raise ValueError(f"{what}s must be a sequence of integers, got {block_ids!r}")
+    if isinstance(block_ids, (str, bytes, Mapping, Set)) or block_ids is None:
+        raise ValueError(
+            f"{plural(what)} must be a sequence of integers (a list, tuple or integer tensor), got "
+            f"{block_ids!r}; nothing was transferred"
+        )
     if isinstance(block_ids, int) and not isinstance(block_ids, bool):
         block_ids = [block_ids]
     try:
@@ -54,6 +64,10 @@ def block_id_tensor(block_ids: Any, num_blocks: int, *, what: str = "block id", 
     return torch.tensor(values, dtype=torch.int64)
 
 
+def _count(n: int, what: str) -> str:
+    return what if n == 1 else plural(what)
+
+
 def paired_ids(
     src_ids: Any, src_blocks: int, dst_ids: Any, dst_blocks: int, *, src_what: str, dst_what: str,
     src_null_ok: bool = False, dst_null_ok: bool = False,
@@ -66,7 +80,8 @@ def paired_ids(
     dst = block_id_tensor(dst_ids, dst_blocks, what=dst_what, null_ok=dst_null_ok)
     if src.numel() != dst.numel():
         raise ValueError(
-            f"got {src.numel()} {src_what}s and {dst.numel()} {dst_what}s; pass one "
+            f"got {src.numel()} {_count(src.numel(), src_what)} and {dst.numel()} "
+            f"{_count(dst.numel(), dst_what)}; pass one "
             f"{dst_what} per {src_what} (nothing was transferred)"
         )
     if torch.unique(dst).numel() != dst.numel():

@@ -10,8 +10,11 @@ NIXL is optional: ``pip install kvcore[nixl]``.
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import Any
+
+import torch
 
 from kvcore.errors import KVCoreError
 from kvcore.runtime.kv_cache import KVCache
@@ -30,8 +33,9 @@ from kvcore.transfer.nixl_api import (
     xfer_array,
 )
 from kvcore.transfer.pairs import PairedRuns, pair_runs
+from kvcore.transfer.transport import Transport, process_info, transport_between
 
-_MAGIC = b"kvcore-nixl/1\n"
+_MAGIC = b"kvcore-nixl/2\n"
 
 
 class IncompatiblePeerError(KVCoreError):
@@ -39,18 +43,41 @@ class IncompatiblePeerError(KVCoreError):
 
 
 def _pack(name: str, descriptor: KVCacheDescriptor, agent_metadata: bytes) -> bytes:
-    name_b, desc_b = name.encode(), descriptor.to_json().encode()
-    return _MAGIC + struct.pack(">QQ", len(name_b), len(desc_b)) + name_b + desc_b + agent_metadata
+    parts = [name.encode(), descriptor.to_json().encode(), json.dumps(process_info()).encode()]
+    return _MAGIC + struct.pack(">QQQ", *map(len, parts)) + b"".join(parts) + agent_metadata
 
 
-def _unpack(data: bytes) -> tuple[str, KVCacheDescriptor, bytes]:
+def _unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
     if not isinstance(data, (bytes, bytearray)) or not data.startswith(_MAGIC):
-        raise ValueError("peer metadata is not from kvcore's NixlAgent.metadata(); pass those bytes unchanged")
-    head = len(_MAGIC) + 16
-    n_name, n_desc = struct.unpack(">QQ", data[len(_MAGIC) : head])
-    name = bytes(data[head : head + n_name]).decode()
-    desc = KVCacheDescriptor.from_json(bytes(data[head + n_name : head + n_name + n_desc]))
-    return name, desc, bytes(data[head + n_name + n_desc :])
+        raise ValueError(
+            "peer metadata is not from this kvcore version's NixlAgent.metadata(); pass those bytes "
+            "unchanged, from a peer running the same kvcore"
+        )
+    head = len(_MAGIC) + 24
+    try:
+        sizes = struct.unpack(">QQQ", data[len(_MAGIC) : head])
+        if head + sum(sizes) > len(data):
+            raise ValueError("truncated")
+        ends = [head + sum(sizes[: i + 1]) for i in range(3)]
+        name = bytes(data[head : ends[0]]).decode()
+        desc_text, info = bytes(data[ends[0] : ends[1]]), json.loads(data[ends[1] : ends[2]])
+    except (struct.error, ValueError) as exc:
+        raise ValueError(f"peer metadata is damaged ({exc}); pass the bytes of metadata() unchanged") from None
+    try:
+        desc = KVCacheDescriptor.from_json(desc_text)
+    except (TypeError, ValueError) as exc:
+        raise IncompatiblePeerError(
+            f"peer {name!r} sent a KV cache descriptor kvcore refuses, so no block moves to or from it: {exc}"
+        ) from None
+    return name, desc, info if isinstance(info, dict) else {}, bytes(data[ends[2] :])
+
+
+def _backend_of(agent: Any, handle: TransferHandle) -> str | None:
+    """The NIXL backend that carries a posted transfer (``"UCX"``), None where NIXL cannot say."""
+    try:
+        return agent.query_xfer_backend(handle._handle)
+    except Exception:  # NOTE: older NIXL builds lack the query; the report then says None
+        return None
 
 
 class NixlAgent:
@@ -65,10 +92,23 @@ class NixlAgent:
         self.name, self.kv_cache = name, kv_cache
         self.descriptor = describe(kv_cache)
         self._raw = raw_allocation(kv_cache)
-        self._agent = agent_cls(name, config_cls(backends=list(backends)))
-        self._registered = self._agent.register_memory([self._raw])
+        self._registered = None
+        if self._raw.device.type == "cuda":
+            # UCX's CUDA transports read the calling thread's CUDA context when the agent is
+            # made: make the cache's device current (its primary context exists: the cache does).
+            torch.cuda.set_device(self._raw.device)
+            torch.cuda.synchronize(self._raw.device)
+        try:
+            self._agent = agent_cls(name, config_cls(backends=list(backends)))
+            self._registered = self._agent.register_memory([self._raw])
+        except Exception as exc:  # NOTE: NIXL raises its own binding exceptions (nixlBackendError, ...)
+            raise TransferError(
+                f"NIXL could not start agent {name!r} with backends {list(backends)} on {self._raw.device}: "
+                f"{exc!r}; check that NIXL's UCX plugin loads (UCX_LOG_LEVEL=info shows why it does not)"
+            ) from exc
         self._peers: dict[str, KVCacheDescriptor] = {}
         self._block_reasons: dict[str, str | None] = {}
+        self._transports: dict[str, Transport] = {}
 
     def metadata(self) -> bytes:
         """What a peer passes to :meth:`connect`: NIXL's agent metadata and this cache's descriptor."""
@@ -83,7 +123,7 @@ class NixlAgent:
         (other head counts, any layout) is accepted for :meth:`read_head_slice`;
         whole-block transfers to it are then refused.
         """
-        name, desc, agent_md = _unpack(peer_metadata)
+        name, desc, info, agent_md = _unpack(peer_metadata)
         if name == self.name:
             raise ValueError(f"peer metadata names this agent itself ({name!r}); pass the other process's")
         reason = incompatibility(self.descriptor, desc)
@@ -97,11 +137,23 @@ class NixlAgent:
                 )
         elif reason is not None:
             raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {name!r}: {reason}")
-        added = self._agent.add_remote_agent(agent_md)
+        try:
+            added = self._agent.add_remote_agent(agent_md)
+        except Exception as exc:  # NOTE: NIXL raises its own binding exceptions (nixlBackendError, ...)
+            raise TransferError(
+                f"NIXL could not connect to peer {name!r} ({exc!r}); the peer process may have exited "
+                "or its metadata is stale: restart the peer and pass its fresh metadata()"
+            ) from exc
         added = added.decode() if isinstance(added, bytes) else str(added)
         self._peers[added] = desc
         self._block_reasons[added] = reason
+        self._transports[added] = transport_between(self.descriptor, desc, info)
         return added
+
+    def transport(self, peer: str) -> Transport:
+        """How UCX moves bytes to and from ``peer`` (see :mod:`kvcore.transfer.transport`)."""
+        self._peer(peer)
+        return self._transports[peer]
 
     @property
     def peers(self) -> list[str]:
@@ -170,8 +222,9 @@ class NixlAgent:
         """Start one NIXL transfer of ``plan`` (whose ``src`` side is local when ``local_is_src``)."""
         remote = self._peers[peer]
         runs = sum(p.num_runs for p in plan)
+        transport = self._transports[peer]
         if not runs:
-            return TransferHandle(self._agent, None, 0, 0)
+            return TransferHandle(self._agent, None, 0, 0, transport)
         local_rows, remote_rows = [], []
         for part in plan:
             l_alloc, l_off, r_alloc, r_off = (
@@ -189,18 +242,27 @@ class NixlAgent:
             handle = self._agent.initialize_xfer(op, local, far, peer)
             state = self._agent.transfer(handle)
         except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
-            raise TransferError(f"NIXL could not start the {op} with peer {peer!r}: {exc}") from exc
+            raise TransferError(
+                f"NIXL could not start the {op} with peer {peer!r} ({exc!r}); if the peer process "
+                "exited, reconnect to a live one (connect() with its fresh metadata())"
+            ) from exc
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
-            raise TransferError(f"NIXL refused the {op} with peer {peer!r}")
-        return TransferHandle(self._agent, handle, runs, sum(p.nbytes for p in plan))
+            raise TransferError(f"NIXL refused the {op} with peer {peer!r}; is the peer process still running?")
+        handle = TransferHandle(self._agent, handle, runs, sum(p.nbytes for p in plan), transport)
+        handle.backend = _backend_of(self._agent, handle)
+        return handle
 
     def close(self) -> None:
-        """Forget the peers and deregister the allocation."""
+        """Forget the peers and deregister the allocation (errors of a dead peer are ignored)."""
         for peer in list(self._peers):
-            self._agent.remove_remote_agent(peer)
+            try:
+                self._agent.remove_remote_agent(peer)
+            except Exception:  # NOTE: a peer that died cannot be told; forgetting it is enough
+                pass
         self._peers.clear()
         self._block_reasons.clear()
+        self._transports.clear()
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
             self._registered = None

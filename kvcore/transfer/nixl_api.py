@@ -50,9 +50,11 @@ def mem_type(device: str) -> tuple[str, int]:
 class TransferHandle:
     """One NIXL transfer in flight; :meth:`wait` returns when its bytes have moved."""
 
-    def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int) -> None:
+    def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int, transport: Any = None) -> None:
         self._agent, self._handle = agent, handle
         self.num_runs, self.nbytes = num_runs, nbytes
+        #: How the bytes travel (:class:`kvcore.transfer.transport.Transport`), and NIXL's backend name.
+        self.transport, self.backend = transport, None
 
     def done(self) -> bool:
         if self._handle is None:
@@ -60,7 +62,10 @@ class TransferHandle:
         state = self._agent.check_xfer_state(self._handle)
         if state == "ERR":
             self._release()
-            raise TransferError("NIXL reported an error for this transfer")
+            raise TransferError(
+                "NIXL reported an error for this transfer; the peer process may have exited: "
+                "reconnect to a live peer and move the blocks again"
+            )
         if state == "DONE":
             self._release()
             return True

@@ -128,13 +128,14 @@ def plan_transfer(
     Covers every byte the views of group ``group_id``'s layers (all, or those
     in ``layers``) address for the listed manager blocks, and nothing else
     (page padding excluded). Runs are sorted, disjoint and never touch.
-    Ids must be integers in ``[0, num_blocks)``; block 0 (the null block) is
-    accepted, since a plan only describes bytes.
+    Ids must be integers in ``[1, num_blocks)`` in a list, tuple or integer
+    tensor (``ValueError`` otherwise, dicts and sets included): block 0 is the
+    null block, which holds no data and is never moved.
     """
     if not isinstance(descriptor, KVCacheDescriptor):
         raise TypeError(f"plan_transfer needs a KVCacheDescriptor, got {type(descriptor).__name__}")
     descriptor.group(group_id)
-    ids = block_id_tensor(block_ids, descriptor.num_blocks)
+    ids = block_id_tensor(block_ids, descriptor.num_blocks, null_ok=False)
     patterns = block_patterns(descriptor, (group_id,), None if layers is None else tuple(layers))
     regions = []
     for alloc in sorted({p.allocation for p in patterns}):
