@@ -19,7 +19,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvcore.bench._args import positive_int_arg
+from kvcore.bench.options import POOL_MAX_BLOCKS
+from kvcore.bench.options import pool_arguments as add_arguments
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
 
@@ -98,14 +99,6 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
         ratio = on_ns / off_ns if off_ns else None
         rows.append({"op": op, "label": label, "off_ns": off_ns, "on_ns": on_ns, "on_over_off": ratio})
     return rows
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=positive_int_arg, default=64, help="requests per round (default 64)")
-    parser.add_argument("--blocks", type=positive_int_arg, default=32, help="blocks per request (default 32)")
-    parser.add_argument("--block-size", type=positive_int_arg, default=16, help="tokens per block, for hashing (default 16)")
-    parser.add_argument("--repeat", type=positive_int_arg, default=50, help="timed rounds (default 50)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
 
 
 def run(args: argparse.Namespace) -> int:
