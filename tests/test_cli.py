@@ -186,3 +186,27 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     proc.stdout.close()  # more than a pipe buffer is still to come
     err = proc.stderr.read().decode()
     assert proc.wait() == 1 and "Traceback" not in err and "BrokenPipe" not in err
+
+
+@pytest.mark.parametrize("argv, kind, text", [
+    (["plan", "llama-3-8b", "--memory", "1KiB", "--json"], "ValueError", "plan with at least"),
+    (["plan", "llama-3-8b", "--memory", "banana", "--json"], "usage", "argument --memory: invalid size"),
+    (["bench", "hf", "--json", "--device", "banana"], "usage", "'banana' is not a device"),
+    (["models", "--json", "--bogus"], "usage", "unrecognized arguments: --bogus"),
+])  # fmt: skip
+def test_errors_under_json_are_a_json_object_and_exit_2(argv, kind, text, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr().out
+    error = json.loads(out)["error"]
+    assert code == 2 and error["type"] == kind and text in error["message"]
+    assert error["command"].startswith("kvcore")
+
+
+def test_without_json_a_usage_error_stays_argparse_text(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "llama-3-8b", "--memory", "banana"])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == "" and "usage: kvcore plan" in captured.err
