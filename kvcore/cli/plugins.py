@@ -3,13 +3,15 @@
 Each plugin is one record (never a wide table), wrapped between words to the
 terminal width (80 columns when piped), so nothing is cut. The command exits
 1 when a plugin failed to load, conflicts with another or answers a hook
-badly, 0 otherwise.
+badly, or when no attention backend is usable (none installed, or all kept
+from loading), 0 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import textwrap
@@ -61,7 +63,10 @@ def run(args: argparse.Namespace) -> int:
     # record, and must not pass as healthy.
     for problem in pm.settings_problems:
         print(f"kvcore plugins: warning: {problem}", file=sys.stderr)
-    healthy = is_healthy(infos) and not pm.settings_problems
+    unusable = no_backend_reason(infos)
+    if unusable:
+        print(f"kvcore plugins: error: {unusable}", file=sys.stderr)
+    healthy = is_healthy(infos) and not pm.settings_problems and not unusable
     if args.json:
         print(json.dumps([_json(info, declared, picks) for info in infos], indent=2))
     else:
@@ -98,6 +103,22 @@ def _json(info: PluginInfo, declared: dict[str, object], picks: dict[str, str | 
     return item
 
 
+def no_backend_reason(infos: list[PluginInfo]) -> str | None:
+    """Why no attention backend can be used, or None when a loaded plugin registers one."""
+    if any(info.backends for info in infos if info.status == "loaded"):
+        return None
+    reason = "no attention backend is usable: "
+    if os.environ.get("KVCORE_DISABLE_PLUGIN_AUTOLOAD") == "1":
+        return reason + (
+            f"KVCORE_DISABLE_PLUGIN_AUTOLOAD=1 keeps the {len(infos)} installed plugin"
+            f"{'s' * (len(infos) != 1)} from loading; unset it, or register a backend in-process "
+            "(get_plugin_manager(autoload=False).register(...))"
+        )
+    if not infos:
+        return reason + "no kvcore plugin is installed; install one, such as kvcore-torch"
+    return reason + "no loaded plugin registers a backend; see each plugin's status and error"
+
+
 def _field(label: str, value: str, width: int) -> list[str]:
     indent = " " * (2 + _LABEL)
     return textwrap.wrap(
@@ -110,8 +131,8 @@ def _field(label: str, value: str, width: int) -> list[str]:
     )
 
 
-def _sizes(sizes: list[int | str]) -> str:
-    return ", ".join(str(s) for s in sizes)
+def _sizes(sizes: list[int | dict[str, int]]) -> str:
+    return ", ".join(f"multiple of {s['multiple_of']}" if isinstance(s, dict) else str(s) for s in sizes)
 
 
 def render_one(info: PluginInfo, width: int, requirements: dict[str, object] | None = None) -> list[str]:

@@ -30,8 +30,9 @@ REPRESENTATIVE_SPEC = FullAttentionSpec(16, 8, 128, torch.bfloat16)
 BAD_STATUSES = ("failed", "conflict", "unhealthy")
 
 
-def _size_json(size: int | MultipleOf) -> int | str:
-    return f"multiple of {size.base}" if isinstance(size, MultipleOf) else size
+def _size_json(size: int | MultipleOf) -> int | dict[str, int]:
+    """A declared kernel block size as JSON: ``16``, or ``{"multiple_of": 16}``."""
+    return {"multiple_of": size.base} if isinstance(size, MultipleOf) else size
 
 
 def check_plugins(
