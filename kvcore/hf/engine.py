@@ -28,7 +28,7 @@ from kvcore.specs.state import MambaSpec
 from kvcore._validate import positive_int
 from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.batch import StepInputs, build_step_inputs
-from kvcore.hf.checks import attention_modules, check_model, default_memory, eos_ids
+from kvcore.hf.checks import attention_modules, check_hybrid_options, check_model, default_memory, eos_ids
 from kvcore.hf.graphs import DecodeGraphs, graphs_wanted
 from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.requests import Request, check_prompt
@@ -98,7 +98,7 @@ class Engine:
         attention = [n for n, s in specs.items() if not isinstance(s, MambaSpec)]
         mixers = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
         if mixers:
-            cuda_graphs = _check_hybrid(config, enable_prefix_caching, tp_size, cuda_graphs)
+            cuda_graphs = check_hybrid_options(config, enable_prefix_caching, tp_size, cuda_graphs)
         modules = attention_modules(model, attention)
         attention_modules(model, mixers)
         if num_blocks is None and available_memory is None:
@@ -265,13 +265,17 @@ class Engine:
         return time.perf_counter()
 
     def _forward(self, inputs: StepInputs, metadata: dict[str, Any]) -> torch.Tensor:
+        return self._logits(inputs, metadata).argmax(-1)
+
+    def _logits(self, inputs: StepInputs, metadata: dict[str, Any]) -> torch.Tensor:
+        """``[sampling requests, vocab]`` logits of one eager step (``inputs.sampled`` order)."""
         step = StepContext(self._layers, metadata)
         with torch.inference_mode():
             out = self.model(
                 input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
                 logits_to_keep=inputs.logits_indices, **{STEP_KWARG: step},
             )
-            return out.logits[0].argmax(-1)
+            return out.logits[0]
 
     def _account(self, batch: list[tuple[Request, int]]) -> None:
         counts = self._counts
@@ -294,20 +298,3 @@ class Engine:
             **{f"{phase}_s": c.times[phase] for phase in PHASES},
         )
 
-
-def _check_hybrid(config: Any, prefix_caching: bool, tp_size: int, cuda_graphs: bool | None) -> bool:
-    """Refuse what a hybrid model cannot be served with; returns ``cuda_graphs`` resolved (off)."""
-    kind = config.model_type
-    if prefix_caching:
-        raise ValueError(
-            f"prefix caching cannot serve the hybrid {kind!r}: its mixer states are kept per sequence, not per "
-            "block, so no cached block names the state after a prefix; pass enable_prefix_caching=False"
-        )
-    if tp_size > 1:
-        raise ValueError(f"kvcore.hf serves the hybrid {kind!r} on one device only; its mixer states are not sharded")
-    if cuda_graphs:
-        raise ValueError(
-            f"CUDA graphs cannot capture the hybrid {kind!r}: its mixers run per request with shapes that "
-            "change every step; pass cuda_graphs=False (or None)"
-        )
-    return False
