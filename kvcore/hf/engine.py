@@ -5,7 +5,10 @@ Construction plans one :class:`~kvcore.KVCache` for the model's layers
 cache view, and builds the scheduler. Each step schedules requests
 (:mod:`kvcore.hf.scheduler`), packs their tokens and metadata
 (:mod:`kvcore.hf.batch`), zeroes new blocks (``KVCache.begin_step``), runs
-the model once with kvcore's attention function and samples greedily.
+the model once with kvcore's attention function and samples greedily. A
+hybrid model's mixers run per request on their state slots
+(:mod:`kvcore.hf.mixers`). When anything raises inside a step, every queued
+request is dropped and its blocks freed before the exception propagates.
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ import torch
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.attention import ChunkedLocalAttentionSpec, SlidingWindowSpec
+from kvcore.specs.state import MambaSpec
 from kvcore._validate import positive_int
 from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.batch import StepInputs, build_step_inputs
-from kvcore.hf.checks import attention_modules, check_model, default_memory, eos_ids
+from kvcore.hf.checks import attention_modules, check_hybrid_options, check_model, default_memory, eos_ids
 from kvcore.hf.graphs import DecodeGraphs, graphs_wanted
+from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.requests import Request, check_prompt
 from kvcore.hf.scheduler import Scheduler
 from kvcore.hf.specs import specs_from_config
@@ -90,11 +95,16 @@ class Engine:
         chunked = [n for n, s in specs.items() if isinstance(s, ChunkedLocalAttentionSpec)]
         if chunked:
             raise ValueError(f"{chunked[0]} uses chunked local attention, which no kvcore backend implements")
-        modules = attention_modules(model, list(specs))
+        attention = [n for n, s in specs.items() if not isinstance(s, MambaSpec)]
+        mixers = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
+        if mixers:
+            cuda_graphs = check_hybrid_options(config, enable_prefix_caching, tp_size, cuda_graphs)
+        modules = attention_modules(model, attention)
+        attention_modules(model, mixers)
         if num_blocks is None and available_memory is None:
             available_memory = default_memory(self.device)
         self.kv = KVCache.create(
-            specs, dict.fromkeys(specs, backend), device=self.device, layout=layout,
+            specs, dict.fromkeys(attention, backend), device=self.device, layout=layout,
             num_blocks=num_blocks, available_memory=available_memory,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
         )
@@ -106,6 +116,9 @@ class Engine:
         )
         self._layers = {module: self._bind(name) for name, module in modules.items()}
         self._block_sizes = [self.kv.block_size(g) for g in range(self.kv.num_groups)]
+        #: The hybrid model's mixers on their state groups (None for attention-only models).
+        self.mixers = MixerRunner(model, self.kv, mixers) if mixers else None
+        self._state_groups = [info.state for info in self.scheduler.groups]
         self._eos = eos_ids(model)
         self._counts = _Counts()
         self._next_id = 0
@@ -113,7 +126,7 @@ class Engine:
         #: Synchronize the device at every phase boundary so that ``stats()`` times are device-true.
         self.sync_timing = False
         self.graphs: DecodeGraphs | None = None
-        backend_name = self.kv.group_of(next(iter(specs))).backend.get_name()
+        backend_name = self.kv.group_of(attention[0]).backend.get_name()
         if graphs_wanted(cuda_graphs, self.device, backend_name):
             widths = [t.shape[1] for t in self.scheduler.tables]
             self.graphs = DecodeGraphs(model, self.kv, self._layers, widths, self._block_sizes,
@@ -182,7 +195,8 @@ class Engine:
             return
         self.model.set_attn_implementation(ATTENTION_NAME)
         try:
-            yield
+            with self.mixers.installed() if self.mixers is not None else contextlib.nullcontext():
+                yield
         finally:
             self.model.set_attn_implementation(previous)
 
@@ -194,6 +208,18 @@ class Engine:
             return self._step()
 
     def _step(self) -> int:
+        try:
+            return self._run_step()
+        except BaseException:
+            # NOTE: a step that raised may have written part of its K/V and mixer states; no
+            # request can resume from that, so every queued one is dropped with its blocks.
+            self.scheduler.abort_all()
+            self._done = {}
+            if self.mixers is not None:
+                self.mixers.step = None
+            raise
+
+    def _run_step(self) -> int:
         times, clock = self._counts.times, self._clock
         t0 = clock()
         batch = self.scheduler.schedule()
@@ -206,13 +232,18 @@ class Engine:
             sampling, num_tokens = [r for r, _ in batch], len(batch)
             self._counts.graph_steps += 1
         else:
-            inputs = build_step_inputs(batch, self.scheduler.tables, self._block_sizes, self.device)
+            inputs = build_step_inputs(batch, self.scheduler.tables, self._block_sizes, self.device,
+                                       self._state_groups)
+            if self.mixers is not None:
+                self.mixers.step = self.mixers.plan(batch)
             metadata = self.kv.build_metadata(inputs.common)
             sampling, num_tokens = inputs.sampled, inputs.num_tokens
         t2 = clock()
         self._counts.blocks_zeroed += len(self.kv.begin_step())
         t3 = clock()
         next_tokens = self.graphs.replay(size, len(batch)) if graphed else self._forward(inputs, metadata)
+        if self.mixers is not None:
+            self.mixers.step = None
         t4 = clock()
         sampled = next_tokens.tolist()
         t5 = clock()
@@ -234,13 +265,17 @@ class Engine:
         return time.perf_counter()
 
     def _forward(self, inputs: StepInputs, metadata: dict[str, Any]) -> torch.Tensor:
+        return self._logits(inputs, metadata).argmax(-1)
+
+    def _logits(self, inputs: StepInputs, metadata: dict[str, Any]) -> torch.Tensor:
+        """``[sampling requests, vocab]`` logits of one eager step (``inputs.sampled`` order)."""
         step = StepContext(self._layers, metadata)
         with torch.inference_mode():
             out = self.model(
                 input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
                 logits_to_keep=inputs.logits_indices, **{STEP_KWARG: step},
             )
-            return out.logits[0].argmax(-1)
+            return out.logits[0]
 
     def _account(self, batch: list[tuple[Request, int]]) -> None:
         counts = self._counts
@@ -262,3 +297,4 @@ class Engine:
             graph_steps=c.graph_steps,
             **{f"{phase}_s": c.times[phase] for phase in PHASES},
         )
+
