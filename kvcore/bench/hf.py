@@ -55,10 +55,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--shared-prefix", type=int, default=1024,
                       help="common prefix of the prefix-caching run, tokens; 0 skips that run" + d)
     engine = parser.add_argument_group("kvcore engine")
-    engine.add_argument("--backend", default="triton", help="attention backend" + d)
-    engine.add_argument("--block-size", type=positive_int_arg, default=64, help="tokens per block" + d)
+    engine.add_argument("--backend", default="auto",
+                        help="attention backend: auto, flashinfer, triton, torch, or any registered name" + d)
+    engine.add_argument("--block-size", type=positive_int_arg, default=None,
+                        help="tokens per block (default: the backend's preference, as kvcore.hf.Engine)")
     engine.add_argument("--max-num-seqs", type=positive_int_arg, default=256, help="requests at once" + d)
-    engine.add_argument("--max-batched-tokens", type=positive_int_arg, default=4096, help="tokens per step" + d)
+    engine.add_argument("--max-batched-tokens", type=positive_int_arg, default=None,
+                        help="tokens per step (default: kvcore.hf.Engine's, 4096 on a GPU)")
     engine.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     check = parser.add_argument_group("float32 token check (a smaller model)")
     check.add_argument("--check-requests", type=positive_int_arg, default=16, help="prompts checked" + d)
@@ -101,6 +104,12 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     )
     model = random_model(config, dtype=_DTYPES[args.dtype], device=device, seed=0)
     prompts, warm = _prompts(n, p, args.vocab, 1), _prompts(n, p, args.vocab, 2)
+    if args.block_size is None:  # NOTE: the engine's own default, to size the cache below
+        from kvcore.hf.defaults import resolve
+        from kvcore.hf.specs import specs_from_config
+
+        args.block_size = resolve(lambda size: specs_from_config(config, dtype=model.dtype, block_size=size),
+                                  device, args.backend, None, None).block_size
     engine_kwargs = dict(
         backend=args.backend, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens, num_blocks=_blocks(n, p + m, args.block_size),
@@ -192,6 +201,12 @@ def report(out: dict[str, Any], console: Console) -> None:
     table.add_row("roofline", "", f"{roof['prefill_s'] + roof['decode_s']:.3f}", f"{roof['tokens_per_s']:,.0f}",
                   f"{kv_tps / roof['tokens_per_s']:.1%} of it")
     console.print(table)
+    k = out["kvcore"]
+    console.print(
+        f"kvcore: backend {k['backend']}, {k['layout']}, block {out['engine']['block_size']}; engine built in "
+        f"{k['build_s']:.1f} s; first generate {k['warmup_s']:.2f} s, second {k['seconds']:.2f} s "
+        f"(first runs at {k['first_vs_second']:.2f}x the second's speed)"
+    )
     _report_steps(out["kvcore"], console)
     if "prefix" in out:
         pre = out["prefix"]
