@@ -113,6 +113,12 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     )
     model = random_model(config, dtype=_DTYPES[args.dtype], device=device, seed=0)
     prompts, warm = _prompts(n, p, args.vocab, 1), _prompts(n, p, args.vocab, 2)
+    if args.block_size is None:  # NOTE: the engine's own default, to size the cache below
+        from kvcore.hf.defaults import resolve
+        from kvcore.hf.specs import specs_from_config
+
+        args.block_size = resolve(lambda size: specs_from_config(config, dtype=model.dtype, block_size=size),
+                                  device, args.backend, None, None).block_size
     engine_kwargs = dict(
         backend=args.backend, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens, num_blocks=_blocks(n, p + m, args.block_size),
@@ -204,6 +210,12 @@ def report(out: dict[str, Any], console: Console) -> None:
     table.add_row("roofline", "", f"{roof['prefill_s'] + roof['decode_s']:.3f}", f"{roof['tokens_per_s']:,.0f}",
                   f"{kv_tps / roof['tokens_per_s']:.1%} of it")
     console.print(table)
+    k = out["kvcore"]
+    console.print(
+        f"kvcore: backend {k['backend']}, {k['layout']}, block {out['engine']['block_size']}; engine built in "
+        f"{k['build_s']:.1f} s; first generate {k['warmup_s']:.2f} s, second {k['seconds']:.2f} s "
+        f"(first runs at {k['first_vs_second']:.2f}x the second's speed)"
+    )
     _report_steps(out["kvcore"], console)
     if "prefix" in out:
         pre = out["prefix"]

@@ -107,10 +107,13 @@ def hf_arguments(parser: argparse.ArgumentParser) -> None:
     work.add_argument("--shared-prefix", type=int, default=1024,
                       help="common prefix of the prefix-caching run, tokens; 0 skips that run" + _D)
     engine = parser.add_argument_group("kvcore engine")
-    engine.add_argument("--backend", default="triton", help="attention backend" + _D)
-    engine.add_argument("--block-size", type=positive_int_arg, default=64, help="tokens per block" + _D)
+    engine.add_argument("--backend", default="auto",
+                        help="attention backend: auto, flashinfer, triton, torch, or any registered name" + _D)
+    engine.add_argument("--block-size", type=positive_int_arg, default=None,
+                        help="tokens per block (default: the backend's preference, as kvcore.hf.Engine)")
     engine.add_argument("--max-num-seqs", type=positive_int_arg, default=256, help="requests at once" + _D)
-    engine.add_argument("--max-batched-tokens", type=positive_int_arg, default=4096, help="tokens per step" + _D)
+    engine.add_argument("--max-batched-tokens", type=positive_int_arg, default=None,
+                        help="tokens per step (default: kvcore.hf.Engine's, 4096 on a GPU)")
     engine.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
     check = parser.add_argument_group("float32 token check (a smaller model)")
     check.add_argument("--check-requests", type=positive_int_arg, default=16, help="prompts checked" + _D)

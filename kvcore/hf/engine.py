@@ -29,6 +29,8 @@ from kvcore._validate import positive_int
 from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.batch import StepInputs, build_step_inputs
 from kvcore.hf.checks import attention_modules, check_hybrid_options, check_model, default_memory, eos_ids
+from kvcore.hf.defaults import resolve as resolve_defaults
+from kvcore.hf.defaults import warm_up
 from kvcore.hf.graphs import DecodeGraphs, graphs_wanted
 from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.requests import Request, check_prompt
@@ -52,30 +54,33 @@ class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
     :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``), on its device.
-    :param backend: registered attention backend name (``"torch"``, ``"triton"``) or class.
-    :param block_size: tokens per manager block.
+    :param backend: registered attention backend name (``"torch"``, ``"triton"``, ``"flashinfer"``),
+        class, or ``"auto"``: :func:`kvcore.select_backend`'s pick per layer (``kvcore.hf.defaults``).
+    :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
     :param layout: KV cache layout (default: the backend's preference).
     :param num_blocks: blocks to plan; or ``available_memory`` bytes (default: 90% of the
         free GPU memory, or 256 MiB on a CPU).
     :param max_num_seqs: requests running at once; others wait.
-    :param max_num_batched_tokens: tokens per step (prefill chunks and decodes together).
+    :param max_num_batched_tokens: tokens per step (prefill chunks and decodes together); None:
+        4,096 on a GPU, 2,048 elsewhere.
     :param enable_prefix_caching: share cached blocks of common prompt prefixes.
     :param group: a ``torch.distributed`` group for a tensor-parallel model (``kvcore.hf.tp``).
     :param cuda_graphs: replay decode steps from CUDA graphs (``kvcore.hf.graphs``); None: on
-        for the ``triton`` backend on a CUDA device.
+        for the ``triton`` and ``flashinfer`` backends on a CUDA device. Every batch size is
+        captured when the engine is built (:meth:`warmup`), not in the first ``generate``.
     """
 
     def __init__(
         self,
         model: Any,
         *,
-        backend: Any = "torch",
-        block_size: int = 16,
+        backend: Any = "auto",
+        block_size: int | None = None,
         layout: Any = None,
         num_blocks: int | None = None,
         available_memory: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = False,
         group: Any = None,
         cuda_graphs: bool | None = None,
@@ -84,14 +89,21 @@ class Engine:
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
-        max_num_batched_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
         config = model.config
         self.model = model
         self.device = torch.device(model.device)
         self.vocab_size = positive_int("config.vocab_size", config.vocab_size)
         self.max_model_len = positive_int("config.max_position_embeddings", config.max_position_embeddings)
         tp_rank, tp_size = resolve_tp(model, group)
-        specs = shard_specs(specs_from_config(config, dtype=model.dtype, block_size=block_size), tp_rank, tp_size)
+        settings = resolve_defaults(
+            lambda size: shard_specs(specs_from_config(config, dtype=model.dtype, block_size=size), tp_rank, tp_size),
+            self.device, backend, None if block_size is None else positive_int("block_size", block_size),
+            max_num_batched_tokens,
+        )
+        max_num_batched_tokens = positive_int("max_num_batched_tokens", settings.max_num_batched_tokens)
+        specs = shard_specs(
+            specs_from_config(config, dtype=model.dtype, block_size=settings.block_size), tp_rank, tp_size
+        )
         chunked = [n for n, s in specs.items() if isinstance(s, ChunkedLocalAttentionSpec)]
         if chunked:
             raise ValueError(f"{chunked[0]} uses chunked local attention, which no kvcore backend implements")
@@ -104,7 +116,7 @@ class Engine:
         if num_blocks is None and available_memory is None:
             available_memory = default_memory(self.device)
         self.kv = KVCache.create(
-            specs, dict.fromkeys(attention, backend), device=self.device, layout=layout,
+            specs, settings.layer_backends, device=self.device, layout=layout,
             num_blocks=num_blocks, available_memory=available_memory,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
         )
@@ -132,6 +144,13 @@ class Engine:
             self.graphs = DecodeGraphs(model, self.kv, self._layers, widths, self._block_sizes,
                                        max_num_seqs=max_num_seqs)
         register_attention()
+        self.warmup()
+
+    def warmup(self, *, progress: bool = True) -> None:
+        """Capture every decode CUDA graph now (a progress bar), so no ``generate`` pays for it."""
+        if self.graphs is not None and self.graphs.capture:
+            with self.serving():
+                warm_up(self.graphs, progress=progress)
 
     def _bind(self, name: str) -> LayerBinding:
         attn_group = self.kv.group_of(name)
