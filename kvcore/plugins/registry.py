@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import os
 import warnings
 from typing import Any
 
@@ -20,7 +19,7 @@ import attrs
 import pluggy
 
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.settings import env_flag
+from kvcore.settings import env_flag, env_names
 from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins.hookspecs import CORE_PLUGIN_NAME, ENTRY_POINT_GROUP
 from kvcore.plugins.manager import (
@@ -30,11 +29,6 @@ from kvcore.plugins.manager import (
     collect_backends,
     describe_plugin,
 )
-
-def _env_names(name: str) -> frozenset[str] | None:
-    value = os.environ.get(name, "").strip()
-    return frozenset(n.strip() for n in value.split(",") if n.strip()) if value else None
-
 
 @attrs.frozen
 class PluginSettings:
@@ -50,8 +44,8 @@ class PluginSettings:
     def from_env(cls, *, autoload: bool = True) -> PluginSettings:
         return cls(
             autoload=autoload and not env_flag("KVCORE_DISABLE_PLUGIN_AUTOLOAD"),
-            allow=_env_names("KVCORE_PLUGINS"),
-            block=_env_names("KVCORE_BLOCK_PLUGINS") or frozenset(),
+            allow=env_names("KVCORE_PLUGINS"),
+            block=env_names("KVCORE_BLOCK_PLUGINS") or frozenset(),
             strict=bool(env_flag("KVCORE_STRICT_PLUGINS")),
             trace=bool(env_flag("KVCORE_TRACE_PLUGINS")),
         )
