@@ -459,3 +459,26 @@ def test_later_launches_pass_every_kernel_argument_in_order_to_the_compiled_laun
     assert passed["ids_ptr"] == (table.data_ptr() if by_value else ids.data_ptr())
     assert [passed[f"p{k}"] for k in range(32)] == list(words or kernel.NO_WORDS)
     assert (passed["VEC"], passed["ROWS"], passed["BY_VALUE"]) == (1, kernel.ROWS, by_value)
+
+
+@needs_interpreter
+def test_a_triton_launch_hook_sends_launches_through_the_jit_and_an_empty_hook_chain_does_not(monkeypatch):
+    import types
+
+    from kvcore.runtime.zeroer import kernel
+
+    calls = []
+    compiled = type("Compiled", (), {"function": "fn", "packed_metadata": "meta", "__getitem__": lambda self, g: None,
+                                     "run": lambda self, *a: calls.append("run")})()
+    monkeypatch.setattr(kernel, "launch_table", lambda *a, **k: calls.append("jit") or compiled)
+    runtime = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[]), launch_exit_hook=None)
+    monkeypatch.setattr(kernel.triton, "knobs", types.SimpleNamespace(runtime=runtime), raising=False)
+    table = torch.tensor([[0], [8], [2]])
+    launcher = kernel.ZeroLauncher(torch.zeros(64, dtype=torch.int32), [table, table], 8, 1, 4)
+    ids = torch.tensor([3])
+    for hook_set in (False, False, True, False):
+        runtime.launch_exit_hook = print if hook_set else None  # a profiler's hook, then none again
+        launcher.launch(ids, 1, 99)
+    runtime.launch_enter_hook.calls.append(print)  # a chain with a hook in it
+    launcher.launch(ids, 1, 99)
+    assert calls == ["jit", "run", "jit", "run", "jit"]
