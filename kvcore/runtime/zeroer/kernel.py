@@ -7,6 +7,8 @@ integer). A bounded grid walks (id, chunk) work items. Ids come from ``ids_ptr``
 
 from __future__ import annotations
 
+from array import array
+
 import torch
 import triton
 import triton.language as tl
@@ -14,13 +16,13 @@ import triton.language as tl
 #: Ids one launch takes by value; rows of ``VEC`` words stored per step; programs per SM (a few on CPU); warps.
 LISTED, ROWS, PROGRAMS_PER_SM, CPU_MAX_PROGRAMS, NUM_WARPS = 64, 256, 8, 4, 2
 NO_WORDS = (0,) * (LISTED // 2)  # NOTE: the words of a launch that reads its ids from memory
+_ZERO_IDS = array("i", bytes(4 * LISTED))
 
 
 # NOTE: no integer is specialized, so one compiled kernel serves every count, id and table.
 @triton.jit(do_not_specialize=["num_ids", "num_blocks", "num_chunks"] + [f"p{k}" for k in range(LISTED // 2)])
 def _zero_blocks_kernel(
-    base_ptr,  # int32 view of the whole allocation
-    ids_ptr, num_ids, num_blocks,  # num_ids block ids (int32 or int64), unless BY_VALUE
+    base_ptr, ids_ptr, num_ids, num_blocks,  # int32 view of the allocation; int32/int64 ids unless BY_VALUE
     table_ptr, num_chunks,  # int64 [3, num_chunks]: chunk start, manager block stride, chunk length (vectors)
     p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15,  # ids by value (pack_words)
     p16, p17, p18, p19, p20, p21, p22, p23, p24, p25, p26, p27, p28, p29, p30, p31,
@@ -38,23 +40,23 @@ def _zero_blocks_kernel(
             word = p0
             for k in tl.static_range(1, 32):
                 word = tl.where(which // 2 == k, words[k], word)
-            # NOTE: 31 bits of each half: bit 63 only makes the word a negative int64 (see pack_words).
+            # NOTE: 31 bits of each half (bit 63 may be set, see launch_table).
             block = (tl.where(which % 2 == 1, word >> 32, word) & 0x7FFFFFFF).to(tl.int64)
         else:
             block = tl.load(ids_ptr + which).to(tl.int64)
         # NOTE: ids outside [0, num_blocks) store nothing: never out of bounds.
-        valid = (block >= 0) & (block < num_blocks)
-        length = tl.where(valid, tl.load(table_ptr + 2 * num_chunks + chunk), 0)
+        length = tl.where((block >= 0) & (block < num_blocks), tl.load(table_ptr + 2 * num_chunks + chunk), 0)
         start = tl.load(table_ptr + chunk) + block * tl.load(table_ptr + num_chunks + chunk)
         for step in range(0, length, ROWS):
             row = step + rows
             tl.store(base_ptr + (start + row) * VEC + lanes, zeros, mask=row < length)
 
 
-def pack_words(ids: list[int]) -> tuple[int, ...]:
-    """1 to ``LISTED`` checked ids below 2**31 as the kernel's 32 words (bit 63 set: Triton types them int64)."""
-    padded = list(ids) + [0] * (LISTED - len(ids))
-    return tuple((padded[k] | padded[k + 1] << 32) - (1 << 63) for k in range(0, LISTED, 2))
+def pack_words(ids: list[int]) -> list[int]:
+    """1 to ``LISTED`` checked ids below 2**31 as the kernel's 32 words: ids ``2k``, ``2k + 1`` in word ``k``."""
+    buf = array("i", ids)
+    buf.extend(_ZERO_IDS[len(ids):])
+    return memoryview(buf).cast("B").cast("q").tolist()  # NOTE: little-endian: the even id is the low half
 
 
 def max_programs(device: torch.device) -> int:
@@ -67,8 +69,7 @@ def max_programs(device: torch.device) -> int:
 def launch_table(base, ids, num_blocks, table, vec, programs, *, num_ids=None, words=None):
     """Zero ``num_ids`` blocks (``ids[:num_ids]``, or ``words`` by value) over ``table`` ``[3, chunks]``.
 
-    Checks shapes, dtypes, devices and alignment, never id values (the kernel
-    skips ids outside ``[0, num_blocks)``). Returns the compiled kernel on GPUs.
+    Checks shapes, dtypes, devices, alignment, never id values (the kernel skips those out of range).
     """
     if base.dtype != torch.int32 or base.dim() != 1 or not base.is_contiguous() or base.data_ptr() % (4 * vec):
         raise ValueError(f"base must be a contiguous 1-D int32 tensor, {4 * vec}-byte aligned for vec={vec}; got "
@@ -87,6 +88,8 @@ def launch_table(base, ids, num_blocks, table, vec, programs, *, num_ids=None, w
     if table.shape[1] == 0:
         return None
     grid = (max(1, min(programs, num_ids * table.shape[1])),)
+    # NOTE: bit 63 set: the JIT types every word int64 whatever the ids (the kernel keeps 31 bits of each half).
+    words = None if words is None else [w | -(1 << 63) for w in words]
     return _zero_blocks_kernel[grid](
         base, ids, num_ids, num_blocks, table, table.shape[1], *(words or NO_WORDS),
         VEC=vec, ROWS=ROWS, BY_VALUE=words is not None, num_warps=NUM_WARPS,
@@ -112,10 +115,9 @@ class ZeroLauncher:
         self.base, self.tables, self.num_blocks, self.vec, self.programs = base, tables, num_blocks, vec, programs
         self._base_address = base.data_ptr()
         self._shapes = [(t.data_ptr(), t.shape[1]) for t in tables]  # NOTE: read on every launch
-        #: Specialization -> compiled kernel; None once the compiled launcher failed.
-        self._compiled: dict[tuple, object] | None = {}
+        self._compiled: dict[tuple, object] | None = {}  # NOTE: None once the compiled launcher failed
 
-    def launch(self, ids: torch.Tensor, num_ids: int, stream: int | None, words: tuple[int, ...] | None = None) -> None:
+    def launch(self, ids: torch.Tensor, num_ids: int, stream: int | None, words: list[int] | None = None) -> None:
         """Zero blocks ``ids[:num_ids]``, or ``num_ids`` blocks of ``words`` by value (``ids`` unused then)."""
         which = 0 if num_ids * self._shapes[0][1] >= self.programs else -1  # NOTE: few ids: fine chunks fill the SMs
         table_address, num_chunks = self._shapes[which]

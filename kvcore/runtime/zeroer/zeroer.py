@@ -134,10 +134,11 @@ class KVBlockZeroer:
         kernel = _kernel() if self.backend == "triton" else None
         if kernel is not None and len(ids) <= kernel.LISTED and type(ids) is list and self.num_blocks <= 1 << 31:
             return self._launch(None, len(ids), kernel.pack_words(ids))
-        staged = self._id_buffer.stage(ids) if self._id_buffer is not None else torch.as_tensor(ids, dtype=torch.int64)
-        return self._launch(staged.to(self.device), len(ids))
+        if self._id_buffer is not None:
+            return self._launch(self._id_buffer.stage(ids), len(ids))
+        return self._launch(torch.as_tensor(ids, dtype=torch.int64).to(self.device), len(ids))
 
-    def _launch(self, ids: torch.Tensor | None, num_ids: int, words: tuple[int, ...] | None = None) -> None:
+    def _launch(self, ids: torch.Tensor | None, num_ids: int, words: list[int] | None = None) -> None:
         if self.backend == "torch":  # NOTE: the fallback: one indexed fill per segment, ids out of range skipped
             keep = ids[(ids >= 0) & (ids < self.num_blocks)].long()
             for alloc in self._allocations:
@@ -151,9 +152,8 @@ class KVBlockZeroer:
     def warmup(self, num_kv_blocks: int) -> None:
         """Compile the kernel (ids by value and from memory); zero block 0 only when ``num_kv_blocks > 0``."""
         if non_negative_int("num_kv_blocks", num_kv_blocks) > 0:
-            return self.zero_block_ids([0])
-        for alloc in self._allocations if self._launchers else ():
+            self.zero_block_ids([0])
+        for alloc in self._allocations if self._launchers and not num_kv_blocks else ():
             for words in (None, _kernel().pack_words([0])):  # NOTE: no ids: each launch compiles, stores nothing
                 _kernel().launch_table(alloc.base, self.block_id_buffer(1)[:1], self.num_blocks, alloc.tables[0],
                                        alloc.vec_bytes // 4, 1, num_ids=0, words=words)
-        return None
