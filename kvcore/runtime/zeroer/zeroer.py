@@ -68,7 +68,7 @@ class KVBlockZeroer:
         if backend == "triton" and self._allocations and not runnable:
             raise ValueError(f"the Triton zeroing kernel cannot run on {self.device} here; install triton, set "
                              "TRITON_INTERPRET=1 before importing triton to run it on CPU, or pass backend='torch'")
-        self.backend = backend if backend != "auto" else "triton" if runnable or not self._allocations else "torch"
+        self.backend = backend if backend != "auto" else ("triton" if runnable or not self._allocations else "torch")
         self.max_num_blocks = num_blocks
         self._ids = torch.empty(0, dtype=torch.int64, device=self.device)
         cuda = self.backend == "triton" and self.device.type == "cuda"
