@@ -4,8 +4,9 @@ The scheduler hands out manager blocks; a kernel may only take smaller
 blocks, so each manager block is split into kernel blocks of a size every
 backend of a group accepts. What a backend accepts comes from the
 ``kvcore_supported_kernel_block_sizes`` hook, never from the backend class.
-Each function here asks the hooks afresh; ``KVCache.create`` instead asks
-once through :mod:`kvcore.plugins.negotiation` and reads its record.
+Each function here negotiates through :mod:`kvcore.plugins.negotiation`
+(one ``HookAnswers`` per call), then reads the answer; ``KVCache.create``
+negotiates once for its whole plan and keeps the record.
 """
 
 from __future__ import annotations

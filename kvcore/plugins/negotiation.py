@@ -12,12 +12,13 @@ read instead of asking again. The public helpers of :mod:`kvcore.plugins.block_s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
 import pluggy
 
+from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.plan_groups import is_encoder_only
@@ -315,14 +316,31 @@ def negotiate(
     return Negotiation(tuple(records))
 
 
-def backend_kernel_block_size(
-    answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec, kernel_block_size: int
-) -> int | None:
-    """A standalone group's own kernel block size for a group size (None: no split)."""
-    if not can_split(spec):
-        return None
-    own = pick_common_block_size(kernel_block_size, [(label(backend), answers.kernel_block_sizes(backend, spec))])
-    return None if own == spec.block_size else own
+def settle_kernel_block_size(
+    record: BackendNegotiation, kernel_block_size: int, answers: Callable[[], HookAnswers]
+) -> BackendNegotiation:
+    """``record`` for a KV cache group whose kernel block size is ``kernel_block_size``.
+
+    A negotiated record must agree (``ValueError`` otherwise) and is returned
+    as is; an unsettled one (a group made by hand) gets the backend's own
+    size: the largest it accepts that divides ``kernel_block_size`` (None when
+    that is the manager block size, or the spec keeps whole blocks).
+    """
+    kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
+    agreed = record.group_kernel_block_size
+    if agreed is not None:
+        if kernel_block_size != agreed:
+            raise ValueError(
+                f"attention group of {list(record.layer_names)} was negotiated with kernel block "
+                f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
+            )
+        return record
+    spec, own = record.kv_cache_spec, None
+    if can_split(spec):
+        offer = [(label(record.backend), answers().kernel_block_sizes(record.backend, spec))]
+        own = pick_common_block_size(kernel_block_size, offer)
+        own = None if own == spec.block_size else own
+    return attrs.evolve(record, group_kernel_block_size=kernel_block_size, kernel_block_size=own)
 
 
 __all__ = [
@@ -331,10 +349,10 @@ __all__ = [
     "HookAnswers",
     "Negotiation",
     "backend_groups",
-    "backend_kernel_block_size",
     "can_split",
     "group_kernel_block_size",
     "is_packed",
     "negotiate",
+    "settle_kernel_block_size",
     "splits_by_backends",
 ]
