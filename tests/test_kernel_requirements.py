@@ -178,3 +178,33 @@ def test_kvcore_plugins_shows_requirements_and_what_auto_picks(capsys):
     main(["plugins"])
     out = capsys.readouterr().out
     assert "auto picks    cpu: torch" in out and "head sizes 1-256" in out
+
+
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_on_cuda_serves_with_triton_and_attends_right():
+    from kvcore import CommonAttentionMetadata
+
+    spec = kvcore.FullAttentionSpec(128, 2, 64, torch.bfloat16)
+    kv = kvcore.KVCache.create({"l0": spec}, {"l0": "auto"}, device="cuda", num_blocks=6,
+                               max_num_seqs=1, max_model_len=256)
+    group = kv.group_of("l0")
+    assert group.backend.name == "triton" and kv.kernel_block_sizes == [64]
+    (block,) = kv.block_pool.allocate(1)
+    kv.begin_step()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(70, h, 64, generator=gen).to("cuda", torch.bfloat16) for h in (4, 2, 2))
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 70], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([70], dtype=torch.int32, device="cuda"),
+        block_table_tensor=torch.tensor([[block]], dtype=torch.int32, device="cuda"),
+        slot_mapping=block * 128 + torch.arange(70, device="cuda"),
+        num_reqs=1, num_actual_tokens=70, max_query_len=70, max_seq_len=70,
+    )
+    out = group.backend.forward(q, k, v, kv.layer_kv_caches["l0"], kv.build_metadata([common])["l0"],
+                                head_size=64, scale=0.125)
+    qf, kf, vf = (t.float().cpu() for t in (q, k, v))
+    scores = torch.einsum("thd,shd->hts", qf, kf.repeat_interleave(2, dim=1)) * 0.125
+    causal = torch.ones(70, 70, dtype=torch.bool).tril()
+    ref = torch.einsum("hts,shd->thd", scores.masked_fill(~causal, -torch.inf).softmax(-1), vf.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
