@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: imported when the command runs, not with its parser: the plugin
     # machinery imports torch, and `kvcore plugins --help` stays torch-free.
     from kvcore.plugins.health import auto_picks, check_plugins, is_healthy
-    from kvcore.plugins.negotiation import HookAnswers
+    from kvcore.plugins.answers import HookAnswers
     from kvcore.plugins.registry import PluginSettings, build_plugin_manager
 
     # NOTE: listing never raises for a broken plugin, even under KVCORE_STRICT_PLUGINS:

@@ -14,9 +14,9 @@ from typing import Any
 import pluggy
 import torch
 
+from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import collect_backends
-from kvcore.plugins.negotiation import HookAnswers
 from kvcore.plugins.selection import fixed_sizes
 from kvcore.specs import KVCacheSpec
 

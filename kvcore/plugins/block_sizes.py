@@ -18,8 +18,9 @@ import pluggy
 
 from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig
+from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.negotiation import HookAnswers, label, group_kernel_block_size, splits_by_backends
+from kvcore.plugins.negotiation import group_kernel_block_size, splits_by_backends
 from kvcore.plugins.selection import get_block_table_width, pick_common_block_size
 from kvcore.specs import KVCacheSpec, MultipleOf
 

@@ -23,11 +23,12 @@ from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
+from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.auto import choose_backend
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.kernel_views import to_kernel_blocks
 from kvcore.plugins.layouts import layout_candidates, requested_layout, resolve_kv_cache_layout
-from kvcore.plugins.negotiation import HookAnswers, label, negotiate
+from kvcore.plugins.negotiation import negotiate
 from kvcore.plugins.records import Negotiation
 from kvcore.specs import AttentionSpec, KVCacheSpec
 

@@ -18,9 +18,10 @@ import pluggy
 import torch
 
 from kvcore._validate import non_negative_int, positive_int
+from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
 from kvcore.plugins.kernel_views import packed_kernel_stride, to_kernel_blocks, to_manager_blocks
-from kvcore.plugins.negotiation import HookAnswers, label, settle_kernel_block_size
+from kvcore.plugins.negotiation import settle_kernel_block_size
 from kvcore.plugins.records import BackendNegotiation
 from kvcore.plugins.selection import get_block_table_width
 from kvcore.specs import KVCacheSpec
