@@ -132,7 +132,8 @@ def test_select_backend_refuses_bad_arguments_and_bad_answers():
         kvcore.select_backend(SPEC, "cpu", plugin_manager=pm)
 
 
-def test_first_party_backends_triton_on_cuda_torch_on_cpu():
+def test_first_party_backends_triton_on_cuda_torch_on_cpu(monkeypatch):
+    monkeypatch.setenv("KVCORE_PLUGINS", "torch,triton")  # NOTE: other installed plugins may outbid
     pm = kvcore.get_plugin_manager()
     spec = kvcore.FullAttentionSpec(16, 8, 128, torch.bfloat16)
     assert kvcore.select_backend(spec, "cuda", plugin_manager=pm).name == "triton"
@@ -144,6 +145,7 @@ def test_triton_runs_on_cuda_only_unless_interpreted(monkeypatch):
     from kvcore_triton import TritonAttentionBackend
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("KVCORE_PLUGINS", "torch,triton")
     req = triton_plugin.kvcore_kernel_requirements(backend=TritonAttentionBackend, spec=SPEC)
     assert req.devices == ("cuda",) and torch.bfloat16 in req.dtypes and 128 in req.head_sizes
     pm = kvcore.get_plugin_manager()
@@ -182,8 +184,10 @@ def test_kvcore_plugins_shows_requirements_and_what_auto_picks(capsys):
 
 @pytest.mark.kvcore_gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_auto_on_cuda_serves_with_triton_and_attends_right():
+def test_auto_on_cuda_serves_with_triton_and_attends_right(monkeypatch):
     from kvcore import CommonAttentionMetadata
+
+    monkeypatch.setenv("KVCORE_PLUGINS", "torch,triton")
 
     spec = kvcore.FullAttentionSpec(128, 2, 64, torch.bfloat16)
     kv = kvcore.KVCache.create({"l0": spec}, {"l0": "auto"}, device="cuda", num_blocks=6,
