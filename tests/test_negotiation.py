@@ -49,6 +49,14 @@ class CountingPlugin:
         return ["LBHNC", "LBNHC"]
 
     @kvcore.hookimpl
+    def kvcore_kernel_requirements(self, backend, spec):
+        if backend is not COUNTED:
+            return None
+        self.calls["requirements"] += 1
+        # NOTE: a stride limit makes KVCache.create check (and try) the layouts' kernel views.
+        return kvcore.KernelRequirements(max_stride_elements=2**31, alignment_bytes=4)
+
+    @kvcore.hookimpl
     def kvcore_customize_spec(self, backend, spec):
         if backend is not COUNTED:
             return None
@@ -75,13 +83,13 @@ def test_eight_identical_layers_ask_each_hook_once(counting):
     pm, plugin = counting
     specs = {f"layers.{i}.attn": FullAttentionSpec(32, 2, 8, torch.float32) for i in range(8)}
     kv = _create(pm, specs)
-    assert plugin.calls == {"customize": 1, "sizes": 1, "layouts": 1}
+    assert plugin.calls == {"customize": 1, "sizes": 1, "layouts": 1, "requirements": 1}
     assert kv.kernel_block_sizes == [16] and kv.layout is kvcore.KVCacheLayout.LBHNC
     # two distinct specs: each hook once per (backend, spec)
     plugin.calls.clear()
     specs = {f"layers.{i}.attn": FullAttentionSpec(32, 2 + i % 2, 8, torch.float32) for i in range(8)}
     _create(pm, specs)
-    assert plugin.calls == {"customize": 2, "sizes": 2, "layouts": 2}
+    assert plugin.calls == {"customize": 2, "sizes": 2, "layouts": 2, "requirements": 2}
 
 
 def test_a_non_idempotent_customize_hook_gives_one_spec_everywhere(counting):
