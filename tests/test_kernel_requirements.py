@@ -55,6 +55,7 @@ def test_requirements_are_keyword_only_frozen_and_normalized():
                                     max_stride_elements=2**31, alignment_bytes=16)
     assert req.devices == ("cuda",) and req.dtypes == (torch.float16,) and req.head_sizes == (64, 128)
     assert kvcore.KernelRequirements() == kvcore.KernelRequirements(alignment_bytes=1)
+    assert kvcore.KernelRequirements(devices=(torch.device("cuda"), "cpu")).devices == ("cuda", "cpu")
     with pytest.raises(TypeError):
         kvcore.KernelRequirements(("cuda",))  # keyword-only
     with pytest.raises(AttributeError):
@@ -63,6 +64,7 @@ def test_requirements_are_keyword_only_frozen_and_normalized():
 
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"devices": ("cuda:0",)}, ValueError, "no index"),
+    ({"devices": (torch.device("cuda", 0),)}, TypeError, "device type names"),
     ({"devices": ("banana",)}, ValueError, "'banana'"),
     ({"devices": (1,)}, TypeError, "device type names"),
     ({"devices": ()}, ValueError, "None for any"),
