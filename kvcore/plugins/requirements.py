@@ -30,7 +30,7 @@ def _tuple_or_none(value: Any) -> tuple[Any, ...] | None:
 
 
 def _device_types(value: Any) -> tuple[Any, ...] | None:
-    items = _tuple_or_none(value.type if isinstance(value, torch.device) and value.index is None else value)
+    items = _tuple_or_none(value)
     if items is None:
         return None
     return tuple(d.type if isinstance(d, torch.device) and d.index is None else d for d in items)
