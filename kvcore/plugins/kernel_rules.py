@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore.errors import KernelRequirementError
+from kvcore.errors import KernelRequirementError, PluginError
 from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
@@ -111,6 +111,8 @@ def _plan(
 def _meets(specs: Mapping[str, KVCacheSpec], backends: Backends, answers: HookAnswers, layout: KVCacheLayout, budget: dict[str, Any]) -> bool:
     try:
         return first_violation(*_plan(specs, backends, answers, layout, budget)) is None
+    except PluginError:
+        raise
     except ValueError:
         return False
 
@@ -177,6 +179,8 @@ def plan_meeting_rules(
     for candidate in candidates:
         try:
             config, negotiation = _plan(specs, backends, answers, candidate, budget)
+        except PluginError:
+            raise
         except ValueError as exc:
             error = error or exc
             continue
