@@ -93,7 +93,9 @@ def _json(info: PluginInfo, declared: dict[str, object], picks: dict[str, str | 
     from kvcore.plugins.health import requirements_json
 
     item = info.to_json()
-    item["requirements"] = {b: requirements_json(declared[b]) for b in info.backends if b in declared}  # type: ignore[arg-type]
+    item["requirements"] = {
+        b: requirements_json(declared[b]) for b in info.backends if b in declared  # type: ignore[arg-type]
+    }
     item["auto"] = {b: [d for d, pick in picks.items() if pick == b] for b in info.backends}
     return item
 

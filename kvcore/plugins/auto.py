@@ -37,7 +37,9 @@ def parse_device(device: Any) -> torch.device:
         raise ValueError(f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'") from None
 
 
-def serves(answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: torch.device) -> str | None:
+def serves(
+    answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: torch.device
+) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device`` by its requirements; None when it can."""
     return answers.requirements(backend, spec).why_not(
         device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None)

@@ -24,7 +24,7 @@ from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.plugins.answers import HookAnswers, label
-from kvcore.plugins.auto import choose_backend
+from kvcore.plugins.auto import choose_backend, serves
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.kernel_views import to_kernel_blocks
 from kvcore.plugins.layouts import layout_candidates, requested_layout, resolve_kv_cache_layout
@@ -58,9 +58,7 @@ def check_abilities(
     """Refuse a layer whose backend's requirements exclude the device, its dtype or head size."""
     for layer, backend in backends.items():
         spec = specs[layer]
-        why = answers.requirements(backend, spec).why_not(
-            device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None)
-        )
+        why = serves(answers, backend, spec, device)
         if why is None:
             continue
         try:
@@ -102,13 +100,23 @@ def first_violation(config: KVCacheConfig, negotiation: Negotiation) -> Violatio
 
 
 def _plan(
-    specs: Mapping[str, KVCacheSpec], backends: Backends, answers: HookAnswers, layout: KVCacheLayout, budget: dict[str, Any]
+    specs: Mapping[str, KVCacheSpec],
+    backends: Backends,
+    answers: HookAnswers,
+    layout: KVCacheLayout,
+    budget: dict[str, Any],
 ) -> tuple[KVCacheConfig, Negotiation]:
     config = plan_kv_cache(specs, layout, **budget)
     return config, negotiate(config, backends, answers)
 
 
-def _meets(specs: Mapping[str, KVCacheSpec], backends: Backends, answers: HookAnswers, layout: KVCacheLayout, budget: dict[str, Any]) -> bool:
+def _meets(
+    specs: Mapping[str, KVCacheSpec],
+    backends: Backends,
+    answers: HookAnswers,
+    layout: KVCacheLayout,
+    budget: dict[str, Any],
+) -> bool:
     try:
         return first_violation(*_plan(specs, backends, answers, layout, budget)) is None
     except PluginError:
@@ -192,7 +200,9 @@ def plan_meeting_rules(
         raise error  # type: ignore[misc]
     remedy = _remedy(layer_specs, backends, answers, candidates, None, budget)
     names = ", ".join(c.name for c in candidates)
-    raise KernelRequirementError(f"no layout of [{names}] meets every kernel rule: {first[1].describe(first[0])}; {remedy}")
+    raise KernelRequirementError(
+        f"no layout of [{names}] meets every kernel rule: {first[1].describe(first[0])}; {remedy}"
+    )
 
 
 def layouts_meeting_rules(
