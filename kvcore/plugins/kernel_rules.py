@@ -99,6 +99,11 @@ def first_violation(config: KVCacheConfig, negotiation: Negotiation) -> Violatio
     return None
 
 
+def _has_memory_rules(specs: Mapping[str, KVCacheSpec], backends: Backends, answers: HookAnswers) -> bool:
+    """Whether any layer's backend limits strides or alignment (its views must then be checked)."""
+    return any(answers.requirements(b, specs[n]).has_memory_rules for n, b in backends.items())
+
+
 def _plan(
     specs: Mapping[str, KVCacheSpec],
     backends: Backends,
@@ -171,9 +176,7 @@ def plan_meeting_rules(
     """
     candidates = layout_candidates([supported], specs.values())
     explicit = requested_layout(layout)
-    strict = any(
-        answers.requirements(b, specs[n]).has_memory_rules for n, b in backends.items()
-    )
+    strict = _has_memory_rules(specs, backends, answers)
     if explicit is not None or not strict:
         chosen = resolve_kv_cache_layout([supported], specs.values(), layout)
         config, negotiation = _plan(specs, backends, answers, chosen, budget)
@@ -213,7 +216,7 @@ def layouts_meeting_rules(
     budget: dict[str, Any],
 ) -> Sequence[KVCacheLayout] | None:
     """``supported`` narrowed to layouts whose plan meets every rule (for a distributed agreement)."""
-    if not any(answers.requirements(b, specs[n]).has_memory_rules for n, b in backends.items()):
+    if not _has_memory_rules(specs, backends, answers):
         return supported
     good = [c for c in layout_candidates([supported], specs.values()) if _meets(specs, backends, answers, c, budget)]
     return good or supported
