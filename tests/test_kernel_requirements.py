@@ -214,3 +214,27 @@ def test_auto_on_cuda_serves_with_triton_and_attends_right(monkeypatch):
     causal = torch.ones(70, 70, dtype=torch.bool).tril()
     ref = torch.einsum("hts,shd->thd", scores.masked_fill(~causal, -torch.inf).softmax(-1), vf.repeat_interleave(2, dim=1))
     torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_ambiguous_names_are_never_picked_and_spec_none_skips_dtype_and_head_size():
+    solo = make_backend("solo")
+
+    # NOTE: two plugins with hooks of their own: the manager tells plugins apart by their hook code.
+    class TwinA:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register(make_backend("twin"))
+
+    class TwinB:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register(make_backend("twin"))
+
+    pm = manager(TwinA(), TwinB(), Declares(solo, kvcore.KernelRequirements(devices=("cuda",), head_sizes=(128,))))
+    with pytest.raises(ValueError) as info:
+        kvcore.select_backend(SPEC, "cpu", plugin_manager=pm)
+    assert "twin: its name is registered by several plugins" in str(info.value)
+    assert "solo: runs on cuda only" in str(info.value)
+    # With no spec, only the device is checked: solo's head sizes do not rule it out.
+    assert kvcore.select_backend(None, "cuda", plugin_manager=pm) is solo
+
