@@ -106,3 +106,26 @@ def test_graph_steps_plan_fixed_size_wrappers_from_host_tensors():
     assert wrapper.use_cuda_graph and wrapper.plans == 2
     assert wrapper.indptr.tolist() == [0, 1, 5] and wrapper.last.tolist() == [5, 12]
     assert len(wrapper.buffers["paged_kv_indices_buffer"]) == 2 * 32  # batch x pages of max_model_len
+
+
+def test_engine_tokens_equal_the_torch_backend_with_graph_step_plans():
+    # Gemma 3: a sliding and a full KV cache group, scale 24**-0.5; the padded decode steps of
+    # the CUDA-graph path run eagerly (capture=False) and plan their fixed-size wrappers too.
+    pytest.importorskip("transformers")
+    from kvcore.hf import Engine
+    from kvcore.hf.graphs import DecodeGraphs
+    from kvcore.hf.models import model_config, random_model
+
+    model = random_model(model_config("gemma3"), seed=1)
+    gen = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (21, 6, 30)]
+    expected = Engine(model, backend="torch", num_blocks=12, max_num_seqs=3).generate(prompts, 5)
+    engine = Engine(model, backend="flashinfer", num_blocks=12, max_num_seqs=3, max_num_batched_tokens=24)
+    widths = [t.shape[1] for t in engine.scheduler.tables]
+    engine.graphs = DecodeGraphs(engine.model, engine.kv, engine._layers, widths, engine._block_sizes,
+                                 max_num_seqs=3, capture=False)
+    assert engine.generate(prompts, 5) == expected
+    assert engine.stats().graph_steps > 0
+    builders = [g.metadata_builders[0] for groups in engine.kv.attn_groups for g in groups]
+    assert len(builders) == 2 and all(b._graph for b in builders)
+    assert {k.window_left for b in builders for k in b.keys} == {-1, 23}
