@@ -9,7 +9,7 @@ read + written, the device's copy ceiling) and the ratio; torch SDPA on
 contiguous K/V (``enable_gqa``) and the time ratio; and the max difference
 against the torch backend and SDPA.
 
-The sweep (``--sweep``) times decode-kernel variants (``DECODE_VARIANTS``)
+The sweep (``--sweep``) times the decode read paths (``DECODE_VARIANTS``: TMA, pointers)
 and launch configs in two stages: every variant at a few anchor configs,
 then the best ``--sweep-top`` variants over tile x warps x stages x splits,
 most promising points first, until ``--budget-s`` seconds have passed. Each
@@ -33,7 +33,7 @@ import time
 import torch
 import torch.nn.functional as F
 from kvcore_triton import KernelConfig, paged_attention
-from kvcore_triton.attention import DECODE_VARIANTS, _head_major, _tma_descriptor
+from kvcore_triton.attention import DECODE_VARIANTS, _tma_descriptor
 
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
@@ -173,7 +173,7 @@ class Case:
         tma = _tma_descriptor(self.view, config, self.args.head_size, self.args.head_size) is not None
         return {
             "block_size": self.block_size, "layout": self.layout.name, "variant": variant,
-            "path": "tma" if tma else "pointer", "grid": "head" if _head_major(config, tma=tma) else "request",
+            "path": "tma" if tma else "pointer", "grid": "head" if tma else "request",
             "config": _config_dict(config), "decode_ms": ms, "decode_gbps": self.kv_bytes / ms / 1e6,
             "sdpa_time_over_decode_time": self.sdpa_ms / ms, "max_abs_diff_vs_sdpa": diff,
         }
