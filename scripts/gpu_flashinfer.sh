@@ -43,7 +43,9 @@ import kvcore; spec = kvcore.FullAttentionSpec(16, 8, 128, torch.bfloat16)
 print('auto on cuda ->', kvcore.select_backend(spec, 'cuda').name)"
 step plugins 60 $PY -m kvcore plugins
 # 2. Decode: FlashInfer through kvcore's views vs its own contiguous paged tensor, kvcore-triton, SDPA.
-step bench_decode 120 $PY plugins/kvcore-flashinfer/bench_flashinfer_decode.py --json-out "$OUT/bench_decode.json"
+# (64 x 4,096 tokens, GQA 32/8, head 128, bf16; kernel blocks 16 and 64; JSON in bench_decode.txt's last line.)
+TAIL=20 step bench_decode 150 $PY plugins/kvcore-triton/bench_decode.py --flashinfer --block-size 16,64 \
+  --layouts LBNHC,LBHNC,BLNHC --skip-torch-check --iters 30 --json
 # 3. Engine tokens against the torch backend (compiles the prefill module: ~90 s the first time).
 step engine_agreement 200 $PY scripts/gpu_flashinfer_engine.py llama gemma3 --json-out "$OUT/engine_agreement.json"
 # 4. kvcore bench hf: auto vs flashinfer vs triton, first vs second generate.

@@ -26,6 +26,8 @@ class _Wrapper:
             window_left, sm_scale
 
     def run(self, q, paged_kv_cache, out=None):
+        if isinstance(paged_kv_cache, torch.Tensor):  # one [pages, 2, ...] tensor
+            paged_kv_cache = (paged_kv_cache[:, 0], paged_kv_cache[:, 1])
         k_cache, v_cache = paged_kv_cache
         assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
         if self.kv_layout == "HND":

@@ -15,6 +15,7 @@ from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.specs import FullAttentionSpec
 from kvcore.testing import LAYOUTS, SPLITTABLE, build_cache, dense_reference, make_batch
 from kvcore_flashinfer import FlashInferAttentionBackend, FlashInferMetadataBuilder, _runtime
+from kvcore_flashinfer import bench as fi_bench
 
 MIXED = ([17, 40, 9], [17, 6, 1])  # prefill, chunked prefill, decode
 DECODE = ([23, 40], [1, 1])
@@ -25,6 +26,7 @@ def fake(monkeypatch):
     monkeypatch.setattr(_runtime, "flashinfer", lambda: fake_flashinfer)
     monkeypatch.setattr("kvcore_flashinfer.builder.flashinfer", lambda: fake_flashinfer)
     monkeypatch.setattr("kvcore_flashinfer.backend.flashinfer", lambda: fake_flashinfer)
+    monkeypatch.setattr("kvcore_flashinfer.bench.flashinfer", lambda: fake_flashinfer)
     # NOTE: the CUDA-only rule is tested in test_flashinfer_plugin.py; these views live on the CPU.
     monkeypatch.setattr("kvcore_flashinfer.backend.check_view", lambda view, head_size, head_size_v: None)
     monkeypatch.setattr("kvcore_flashinfer.builder._workspace", lambda device: None)
@@ -129,3 +131,16 @@ def test_engine_tokens_equal_the_torch_backend_with_graph_step_plans():
     builders = [g.metadata_builders[0] for groups in engine.kv.attn_groups for g in groups]
     assert len(builders) == 2 and all(b._graph for b in builders)
     assert {k.window_left for b in builders for k in b.keys} == {-1, 23}
+
+
+@pytest.mark.parametrize("layout", ["LBNHC", "BHLNC"])
+def test_bench_rows_read_the_view_and_a_native_copy_alike(layout):
+    gen = torch.Generator().manual_seed(4)
+    view, _ = build_cache(layout, 16, 9, 2, 16, torch.float32, device="cpu")
+    view.copy_(torch.randn(view.shape, generator=gen))
+    table = torch.tensor([[3, 7, 1], [8, 2, 5]], dtype=torch.int32)
+    lens = torch.tensor([40, 33], dtype=torch.int32)
+    query = torch.randn(2, 4, 16, generator=gen)
+    rows = fi_bench.decode_rows(view, table, lens, query, scale=0.25, time_ms=lambda fn: (fn(), 2.0)[1])
+    assert [r["path"].split(" (")[0] for r in rows] == ["flashinfer via kvcore views", "flashinfer native NHD"]
+    assert rows[1]["max_abs_diff"] < 1e-6 and rows[0]["native_time_over_time"] == 1.0
