@@ -14,9 +14,9 @@ from typing import Any
 import pluggy
 import torch
 
+from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import collect_backends
-from kvcore.plugins.negotiation import HookAnswers
 from kvcore.plugins.selection import fixed_sizes
 from kvcore.specs import KVCacheSpec
 
@@ -37,7 +37,9 @@ def parse_device(device: Any) -> torch.device:
         raise ValueError(f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'") from None
 
 
-def serves(answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: torch.device) -> str | None:
+def serves(
+    answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: torch.device
+) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device`` by its requirements; None when it can."""
     return answers.requirements(backend, spec).why_not(
         device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None)
@@ -59,10 +61,11 @@ def select_backend(
     """
     if spec is not None and not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
-    return _select(HookAnswers(plugin_manager), spec, parse_device(device))
+    return choose_backend(HookAnswers(plugin_manager), spec, parse_device(device))
 
 
-def _select(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device) -> type[AttentionBackend]:
+def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device) -> type[AttentionBackend]:
+    """:func:`select_backend` over answers already kept (a parsed device, a checked spec)."""
     table = collect_backends(answers.pm)
     reasons: dict[str, str] = {
         name: "its name is registered by several plugins (block all but one with KVCORE_BLOCK_PLUGINS)"
@@ -88,7 +91,7 @@ def _select(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device
 def resolve_auto(answers: HookAnswers, backend: Any, spec: KVCacheSpec | None, device: torch.device) -> Any:
     """``backend`` itself, or the backend :func:`select_backend` picks when it is ``"auto"``."""
     if isinstance(backend, str) and backend == AUTO:
-        return _select(answers, spec, device)
+        return choose_backend(answers, spec, device)
     return backend
 
 
@@ -108,4 +111,4 @@ def preferred_block_size(
     return fixed[0] if fixed else None
 
 
-__all__ = ["AUTO", "parse_device", "preferred_block_size", "resolve_auto", "select_backend", "serves"]
+__all__ = ["AUTO", "choose_backend", "parse_device", "preferred_block_size", "resolve_auto", "select_backend", "serves"]

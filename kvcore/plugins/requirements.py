@@ -29,6 +29,13 @@ def _tuple_or_none(value: Any) -> tuple[Any, ...] | None:
     return tuple(value)
 
 
+def _device_types(value: Any) -> tuple[Any, ...] | None:
+    items = _tuple_or_none(value)
+    if items is None:
+        return None
+    return tuple(d.type if isinstance(d, torch.device) and d.index is None else d for d in items)
+
+
 def _check_devices(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
     if value is None:
         return
@@ -89,7 +96,7 @@ class KernelRequirements:
         view's byte offset in its allocation, must be a multiple of this.
     """
 
-    devices: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none, validator=_check_devices)
+    devices: tuple[str, ...] | None = attrs.field(default=None, converter=_device_types, validator=_check_devices)
     dtypes: tuple[torch.dtype, ...] | None = attrs.field(
         default=None, converter=_tuple_or_none, validator=_check_dtypes
     )
@@ -98,6 +105,11 @@ class KernelRequirements:
     )
     max_stride_elements: int | None = attrs.field(default=None, validator=_check_optional_positive)
     alignment_bytes: int = attrs.field(default=1, validator=_check_positive)
+
+    @property
+    def has_memory_rules(self) -> bool:
+        """Whether kernel views must be checked (a stride limit or an alignment above 1)."""
+        return self.max_stride_elements is not None or self.alignment_bytes > 1
 
     def why_not(self, device_type: str | None, dtype: torch.dtype | None, head_size: int | None) -> str | None:
         """Why kernels with these requirements cannot serve the case; None when they can.

@@ -26,9 +26,10 @@ from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache, checked_device
+from kvcore.plugins.answers import HookAnswers
+from kvcore.plugins.auto import resolve_auto
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
-from kvcore.plugins.layouts import resolve_kv_cache_layout
-from kvcore.plugins.negotiation import HookAnswers, negotiate
+from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, plan_meeting_rules
 from kvcore.plugins.records import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
@@ -41,27 +42,43 @@ def _served_specs(
     layer_specs: Mapping[str, KVCacheSpec],
     layer_backends: Mapping[str, type[AttentionBackend] | str],
     answers: HookAnswers,
+    device: torch.device,
 ) -> tuple[dict[str, KVCacheSpec], dict[str, type[AttentionBackend]]]:
     """Each layer's spec as its backend stores it, and each layer's backend class.
 
-    The hooks are asked once per distinct (backend, spec): eight identical
-    layers cost one ``kvcore_customize_spec`` call.
+    ``"auto"`` picks a backend per layer (:func:`kvcore.select_backend`). The
+    hooks are asked once per distinct (backend, spec): eight identical layers
+    cost one ``kvcore_customize_spec`` call.
     """
     if not isinstance(layer_specs, Mapping):
         raise TypeError(f"layer_specs must map layer names to KVCacheSpecs, got {layer_specs!r}")
     if not isinstance(layer_backends, Mapping):
         raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
+    for name, spec in layer_specs.items():
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(
+                f"layer_specs[{name!r}] is {spec!r} ({type(spec).__name__}), not a KVCacheSpec; "
+                "describe the layer with a spec such as kvcore.FullAttentionSpec(...)"
+            )
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
         raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
     missing = [n for n, s in layer_specs.items() if isinstance(s, AttentionSpec) and n not in layer_backends]
     if missing:
         raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
-    backends = {layer: answers.backend(backend) for layer, backend in layer_backends.items()}
+    backends = {}
+    for layer, backend in layer_backends.items():
+        if not isinstance(backend, (str, type)):
+            raise TypeError(
+                f"layer_backends[{layer!r}] is {backend!r}; pass a backend class, a registered "
+                "backend name or 'auto'"
+            )
+        backends[layer] = answers.backend(resolve_auto(answers, backend, layer_specs[layer], device))
     specs = {
         name: answers.customized_spec(backends[name], spec) if name in backends else spec
         for name, spec in layer_specs.items()
     }
+    check_abilities(answers, specs, backends, device)
     return specs, backends
 
 
@@ -110,8 +127,11 @@ class KVCache:
     ) -> KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
-        ``layer_backends`` maps each attention layer to its backend class or
-        registered backend name. Give exactly one of ``available_memory``
+        ``layer_backends`` maps each attention layer to its backend class, a
+        registered backend name, or ``"auto"`` (:func:`kvcore.select_backend`
+        for the layer's spec and ``device``). Every layer's kernel view is
+        checked against its backend's ``KernelRequirements`` before anything
+        is allocated (:mod:`kvcore.plugins.kernel_rules`). Give exactly one of ``available_memory``
         (bytes) and ``num_blocks``. With a ``torch.distributed`` process
         ``group``, all ranks agree on one layout and one block count.
         """
@@ -120,20 +140,22 @@ class KVCache:
         max_model_len = positive_int("max_model_len", max_model_len)
         answers = HookAnswers(plugin_manager)
         # 1. Customize specs (before planning: the planner sees each backend's alignment).
-        specs, backends = _served_specs(layer_specs, layer_backends, answers)
-        # 2. Resolve the layout (with every rank when a process group is given).
+        specs, backends = _served_specs(layer_specs, layer_backends, answers, device)
+        # 2. Resolve the layout (with every rank when a process group is given), skipping
+        # layouts whose kernel views break a backend's rules; 3. plan; 4. negotiate kernel
+        # blocks once, from the plan and the answers kept in step 1.
         supported = answers.common_layouts(list(dict.fromkeys((b, specs[n]) for n, b in backends.items())))
+        budget = {"available_memory": available_memory, "num_blocks": num_blocks}
         if group is not None:
+            supported = layouts_meeting_rules(specs, backends, answers, supported, budget)
             layout = agree_layout(supported, specs.values(), group, layout)
             if num_blocks is None:
                 probe = plan_kv_cache(specs, layout, available_memory=available_memory)
                 num_blocks, available_memory = probe.num_blocks, None
-            num_blocks = agree_num_blocks(num_blocks, group)
-        else:
-            layout = resolve_kv_cache_layout([supported], specs.values(), layout)
-        # 3. Plan, 4. negotiate kernel blocks once, from the plan and the answers kept in step 1.
-        config = plan_kv_cache(specs, layout, available_memory=available_memory, num_blocks=num_blocks)
-        negotiation = negotiate(config, backends, answers)
+            budget = {"available_memory": None, "num_blocks": agree_num_blocks(num_blocks, group)}
+        layout, config, negotiation = plan_meeting_rules(
+            layer_specs, specs, backends, answers, supported, layout, budget
+        )
         # 5. Allocate, 6. attention groups and their builders, 7. kernel views, 8. zeroer.
         kv_caches = allocate_kv_cache(config, device, layout, negotiation.allocation_kernel_block_sizes)
         attn_groups = attention_groups_from(negotiation)
