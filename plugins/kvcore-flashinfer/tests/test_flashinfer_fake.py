@@ -27,7 +27,12 @@ def fake(monkeypatch):
     monkeypatch.setattr("kvcore_flashinfer.builder.flashinfer", lambda: fake_flashinfer)
     monkeypatch.setattr("kvcore_flashinfer.backend.flashinfer", lambda: fake_flashinfer)
     monkeypatch.setattr("kvcore_flashinfer.bench.flashinfer", lambda: fake_flashinfer)
-    # NOTE: the CUDA-only rule is tested in test_flashinfer_plugin.py; these views live on the CPU.
+    # NOTE: the CUDA-only rules are tested in test_flashinfer_plugin.py; these views live on the CPU
+    # (and the tiny models are float32 with head size 16).
+    from kvcore.plugins.requirements import KernelRequirements
+    from kvcore_flashinfer import plugin as fi_plugin
+
+    monkeypatch.setattr(fi_plugin, "REQUIREMENTS", KernelRequirements())
     monkeypatch.setattr("kvcore_flashinfer.backend.check_view", lambda view, head_size, head_size_v: None)
     monkeypatch.setattr("kvcore_flashinfer.builder._workspace", lambda device: None)
 
