@@ -24,7 +24,10 @@ step() {  # step NAME TIMEOUT CMD...: run when time is left, log to $OUT/NAME.tx
 }
 : >"$OUT/summary.txt"
 # 1. FlashInfer from the carried wheels; the plugins' entry points (editable installs, else dist-info stubs).
-$PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >"$OUT/pip.txt" 2>&1 \
+shopt -s nullglob
+WHEELS=(.whl/flashinfer_python-*.whl .whl/apache_tvm_ffi-*.whl .whl/cuda_tile-*.whl .whl/ninja-*.whl)
+echo "wheels: ${WHEELS[*]:-NONE (expected in .whl/)}"
+$PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${WHEELS[@]}" >"$OUT/pip.txt" 2>&1 \
   || { echo "wheel install failed:"; tail -3 "$OUT/pip.txt"; }
 $PY -m pip install -q --no-deps --no-build-isolation -e plugins/kvcore-flashinfer -e plugins/kvcore-triton \
   -e plugins/kvcore-torch >>"$OUT/pip.txt" 2>&1 || {
@@ -34,7 +37,9 @@ $PY -m pip install -q --no-deps --no-build-isolation -e plugins/kvcore-flashinfe
     printf 'Metadata-Version: 2.1\nName: kvcore-%s\nVersion: 0.1.0\n' "$p" >"$d/METADATA"
     printf '[kvcore.plugins]\n%s = kvcore_%s.plugin\n' "$p" "$p" >"$d/entry_points.txt"
   done; }
+# FlashInfer's JIT runs `ninja` from PATH: the carried ninja wheel's when the machine has none.
 command -v ninja >/dev/null || export PATH=/tmp/site/bin:$PATH
+echo "ninja: $(command -v ninja || echo MISSING)  nvcc: $(command -v nvcc || ls /usr/local/cuda/bin/nvcc 2>/dev/null || echo MISSING)"
 step import 90 $PY -c "
 import time, torch; t = time.time(); import flashinfer
 print('flashinfer', flashinfer.__version__, 'imported in %.1f s' % (time.time() - t), '| torch', torch.__version__,
