@@ -100,10 +100,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     measured.add_argument("--nixl-blocks", type=positive_ints_arg, default=None,
                           help=f"comma-separated counts of blocks per NIXL transfer {sized('nixl_blocks')}")
     measured.add_argument("--nixl-memory", type=memory_kinds_arg, default=None,
-                          help="NIXL memory kinds, DRAM and/or VRAM (default: VRAM and DRAM on CUDA, else DRAM)")
+                          help="NIXL memory kinds: DRAM, VRAM, VRAM-DRAM (this cache on the GPU, the peer's in host "
+                               "memory) (default: all three on CUDA, else DRAM)")
     measured.add_argument("--nixl-peer", choices=PEER_KINDS, default=None,
                           help="the NIXL peer: a second agent of this process, or one in a spawned process "
                                "(default: process on CUDA, local on CPU)")
+    measured.add_argument("--nixl-no-progress-thread", dest="nixl_progress_thread", action="store_false",
+                          help="let NIXL progress transfers only when polled, in the caller's thread")
     measured.add_argument("--no-nixl", action="store_true", help="skip the NIXL rows")
     measured.add_argument("--repeats", type=positive_int_arg, default=None, help=f"timed repeats; medians are reported {sized('repeats')}")
     measured.add_argument("--warmup", type=positive_int_arg, default=None, help=f"untimed calls before each measurement {sized('warmup')}")
@@ -188,15 +191,17 @@ def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     """Measure every layout; the result is what ``--json`` prints. ``progress(total)`` returns a tick."""
     args = resolve(args)
     device = args.device
-    memories = args.nixl_memory or (["VRAM", "DRAM"] if device.type == "cuda" else ["DRAM"])
-    if "VRAM" in memories and device.type != "cuda":
-        raise ValueError(f"--nixl-memory VRAM needs a CUDA --device, got {device}; use --nixl-memory DRAM")
+    memories = args.nixl_memory or (["VRAM", "VRAM-DRAM", "DRAM"] if device.type == "cuda" else ["DRAM"])
+    gpu_kinds = [m for m in memories if "VRAM" in m]
+    if gpu_kinds and device.type != "cuda":
+        raise ValueError(f"--nixl-memory {','.join(gpu_kinds)} needs a CUDA --device, got {device}; "
+                         "use --nixl-memory DRAM")
     tick = progress(_steps(args, memories)) if progress is not None else (lambda: None)
     timer = Timer(device, args.repeats, args.warmup) if not args.no_host else None
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-        "model": model_of(args), "nixl_peer": args.nixl_peer,
+        "model": model_of(args), "nixl_peer": args.nixl_peer, "nixl_progress_thread": args.nixl_progress_thread,
         "host": [], "nixl": [], "nixl_skipped": None, "nixl_failed": {},
     }
     for layout in args.layouts if timer is not None else ():

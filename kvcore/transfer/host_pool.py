@@ -4,9 +4,10 @@ Host block ``h`` is a slot of ``block_bytes`` bytes holding one manager
 block's runs back to back (no padding). Offload and restore copy the paired
 runs of :func:`~kvcore.transfer.pairs.pair_runs`: one copy per block in a
 block-outermost layout (one per streak of consecutive ids on both sides). A
-block of many equal runs (a layer-compact layout) is gathered on the device
-into slot order first, then moved one slot per copy (``staging``). On CUDA
-the mirror is pinned and copies are asynchronous on the current stream.
+block of equal runs (every layout of a plain attention model) is gathered on
+the device into host-slot order first, then moved in large copies that
+overlap the gather (``staging``). On CUDA the mirror is pinned and copies are
+asynchronous; work queued later on the caller's stream runs after them.
 """
 
 from __future__ import annotations
@@ -207,10 +208,12 @@ class HostKVPool:
                     main.wait_stream(side)
                 table.index_copy_(0, ids, flat.view(table.dtype).view(-1, table.shape[1]))
             base += chunk.nbytes
-        if cuda and buffer is not None:
-            buffer.record_stream(side)
+        if cuda:
+            if buffer is not None:
+                buffer.record_stream(side)
+            main.wait_stream(side)  # later work on the caller's stream runs after the copies, as after a copy_
         handle = CopyHandle(None, staged.num_copies, staged.nbytes)
-        return self._finish(handle, non_blocking, stream=side if to_host else main)
+        return self._finish(handle, non_blocking)
 
     def _copy(self, plan: list[PairedRuns], *, to_host: bool, non_blocking: bool) -> CopyHandle:
         device_buf, host_buf = self._device_buf, self.host
@@ -225,10 +228,10 @@ class HostKVPool:
             runs, nbytes = runs + part.num_runs, nbytes + part.nbytes
         return self._finish(CopyHandle(None, runs, nbytes), non_blocking)
 
-    def _finish(self, handle: CopyHandle, non_blocking: bool, stream: torch.cuda.Stream | None = None) -> CopyHandle:
+    def _finish(self, handle: CopyHandle, non_blocking: bool) -> CopyHandle:
         if self.device.type == "cuda":
             handle._event = torch.cuda.Event()
-            handle._event.record(stream)
+            handle._event.record()
         if not non_blocking:
             handle.wait()
         return handle

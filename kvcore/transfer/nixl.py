@@ -81,9 +81,15 @@ def _backend_of(agent: Any, handle: TransferHandle) -> str | None:
 
 
 class NixlAgent:
-    """A NIXL agent named ``name`` serving ``kv_cache``'s blocks (UCX by default)."""
+    """A NIXL agent named ``name`` serving ``kv_cache``'s blocks (UCX by default).
 
-    def __init__(self, name: str, kv_cache: KVCache, *, backends: tuple[str, ...] = ("UCX",)) -> None:
+    ``progress_thread=False`` makes NIXL progress transfers only when a handle
+    is polled (``wait()``/``done()``), in the caller's thread, which holds the
+    cache's CUDA context; by default NIXL's own progress thread does it.
+    """
+
+    def __init__(self, name: str, kv_cache: KVCache, *, backends: tuple[str, ...] = ("UCX",),
+                 progress_thread: bool = True) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"agent name must be a non-empty str, got {name!r}")
         if not isinstance(kv_cache, KVCache):
@@ -99,7 +105,8 @@ class NixlAgent:
             torch.cuda.set_device(self._raw.device)
             torch.cuda.synchronize(self._raw.device)
         try:
-            self._agent = agent_cls(name, config_cls(backends=list(backends)))
+            config = config_cls(backends=list(backends), enable_prog_thread=bool(progress_thread))
+            self._agent = agent_cls(name, config)
             self._registered = self._agent.register_memory([self._raw])
         except Exception as exc:  # NOTE: NIXL raises its own binding exceptions (nixlBackendError, ...)
             raise TransferError(
