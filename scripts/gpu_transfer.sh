@@ -5,7 +5,8 @@
 #   2. the GPU transfer tests (NIXL on VRAM, two processes on one GPU, host tier streams)
 #   3. NIXL VRAM->VRAM between two processes on one GPU vs a d2d copy_ of the same bytes, and
 #      VRAM<->host (VRAM-DRAM) vs pinned memcpy: 2 MiB blocks, BLNHC and LBNHC, 64 and 256 blocks
-#   4. the host tier (HostKVPool offload / restore) in all six layouts vs pinned memcpy
+#   4. the host tier (HostKVPool offload / restore) in all six layouts vs pinned memcpy, and the
+#      NIXL descriptor count / build time per layout for 32 layers x 1,000 blocks
 #   5. the disaggregated example with both engines on CUDA (two processes on one GPU)
 #   6. UCX's own diagnostics (UCX_LOG_LEVEL, UCX_PROTO_INFO) for UCX_TLS variants, one process vs
 #      two, with and without NIXL's progress thread: which transport carried the bytes, and why
@@ -85,6 +86,10 @@ show "$OUT/nixl_vram.json"
 # --- 4. host tier, six layouts --------------------------------------------------------------------
 step host_tier 100 $BENCH --no-nixl --blocks 16,256 --repeats 5 --warmup 2 --json-out "$OUT/host_tier.json"
 show "$OUT/host_tier.json"
+
+# NIXL descriptor counts and build time, 32 layers x 1,000 blocks (CPU work; this host is idle)
+step descriptors 40 $BENCH --descriptors 1000 --layers 32 --kv-heads 8 --json-out "$OUT/descriptors.json"
+tail -16 "$OUT/descriptors.log" | tee -a "$SUMMARY"
 
 # --- 5. the disaggregated example on CUDA ---------------------------------------------------------
 step example_llama 100 $PY examples/disaggregated.py --device cuda --arch llama --layout BLNHC --prompts 3

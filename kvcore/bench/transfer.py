@@ -31,6 +31,7 @@ from kvcore.bench._args import layouts_arg, positive_int_arg, positive_ints_arg
 from kvcore.bench._timing import Timer
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
+from kvcore.bench.transfer_descs import descriptor_rows_of, print_descriptor_rows
 from kvcore.bench.transfer_nixl import PEER_KINDS, memory_kinds_arg, nixl_rows, print_rows, rate
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
@@ -108,6 +109,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     measured.add_argument("--nixl-no-progress-thread", dest="nixl_progress_thread", action="store_false",
                           help="let NIXL progress transfers only when polled, in the caller's thread")
     measured.add_argument("--no-nixl", action="store_true", help="skip the NIXL rows")
+    measured.add_argument("--descriptors", type=positive_int_arg, default=None, metavar="N",
+                          help="instead of moving bytes, count the NIXL descriptors of N blocks per layout "
+                               "and time building them (runs on a CPU; head size 1)")
     measured.add_argument("--repeats", type=positive_int_arg, default=None, help=f"timed repeats; medians are reported {sized('repeats')}")
     measured.add_argument("--warmup", type=positive_int_arg, default=None, help=f"untimed calls before each measurement {sized('warmup')}")
     out = parser.add_argument_group("output")
@@ -271,8 +275,24 @@ def _quiet_nixl() -> None:
     logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
+def _descriptors(args: argparse.Namespace) -> int:
+    args = resolve(args)
+    model = {**model_of(args), "head_size": 1}
+    rows = descriptor_rows_of(args, lambda layout, n: build_cache(model, layout, n, "cpu"))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rows, f, indent=2)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print_descriptor_rows(rows, model, terminal_width())
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     _quiet_nixl()
+    if args.descriptors:
+        return _descriptors(args)
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
         def progress(total: int):
