@@ -24,7 +24,7 @@ from kvcore.transfer.describe import describe
 from kvcore.transfer.ids import paired_ids
 from kvcore.transfer.pairs import PairedRuns, packed_patterns, pair_runs
 from kvcore.transfer.plan import BlockPattern, block_patterns
-from kvcore.transfer.staging import StagedPlan, run_table, staged_plan
+from kvcore.transfer.staging import RING_BUFFERS, StagedPlan, run_table, staged_plan
 
 
 @contextlib.contextmanager
@@ -37,6 +37,15 @@ def _on(stream: torch.cuda.Stream | None, *, after: torch.cuda.Stream | None = N
         stream.wait_stream(after)
     with torch.cuda.stream(stream):
         yield
+
+
+def _event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event recorded on ``stream`` now (None on CPU, where every copy is done on return)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 class CopyHandle:
@@ -175,6 +184,13 @@ class HostKVPool:
         return self._stream
 
     def _staged_copy(self, staged: StagedPlan, *, to_host: bool, non_blocking: bool) -> CopyHandle:
+        """Gather (or scatter) chunk by chunk through a ring of device buffers, overlapped with the copies.
+
+        Offload: chunk ``k`` is gathered into ring buffer ``k % R`` on the caller's
+        stream while the copy stream moves chunk ``k - 1`` to the host; a buffer is
+        gathered into again only after the copy stream is done with it (an event,
+        waited on by the stream, never by the host). Restore mirrors it.
+        """
         table = run_table(self._device_buf, staged.run_bytes)
         cuda = self.device.type == "cuda"
         rows = torch.cat([c.rows for c in staged.chunks])
@@ -182,34 +198,40 @@ class HostKVPool:
         rows = rows.pin_memory().to(self.device, non_blocking=True) if cuda else rows
         main = torch.cuda.current_stream(self.device) if cuda else None
         side = self._copy_stream() if cuda else None
-        buffer = None if to_host else torch.empty(staged.nbytes, dtype=torch.int8, device=self.device)
+        size = max(c.nbytes for c in staged.chunks)
+        ring = [torch.empty(size, dtype=torch.int8, device=self.device)
+                for _ in range(min(RING_BUFFERS, len(staged.chunks)))]
+        free: list[torch.cuda.Event | None] = [None] * len(ring)
         if cuda:
-            side.wait_stream(main)  # the caller's writes to the cache, and the buffer's earlier users
-        first = base = 0
-        for chunk in staged.chunks:
+            side.wait_stream(main)  # the caller's writes to the cache, and the ring's earlier users
+        first = 0
+        for k, chunk in enumerate(staged.chunks):
             ids = rows[first : first + chunk.rows.numel()]
             first += chunk.rows.numel()
-            pieces = zip(chunk.copies.src_offsets.tolist(), chunk.copies.dst_offsets.tolist(),
-                         chunk.copies.lengths.tolist())
+            flat = ring[k % len(ring)][: chunk.nbytes]
+            packed = flat.view(table.dtype).view(-1, table.shape[1])
+            pieces = list(zip(chunk.copies.src_offsets.tolist(), chunk.copies.dst_offsets.tolist(),
+                              chunk.copies.lengths.tolist()))
             if to_host:
-                packed = table.index_select(0, ids)  # on the caller's stream: overlaps the previous copy
-                flat = packed.view(-1).view(torch.int8)
+                if free[k % len(ring)] is not None:
+                    main.wait_event(free[k % len(ring)])  # the copy out of this buffer is done
+                torch.index_select(table, 0, ids, out=packed)  # overlaps the previous chunk's copy
                 with _on(side, after=main):
                     for s, h, n in pieces:
                         self.host[h : h + n].copy_(flat[s : s + n], non_blocking=cuda)
-                if cuda:
-                    packed.record_stream(side)
+                free[k % len(ring)] = _event(side)
             else:
-                flat = buffer[base : base + chunk.nbytes]
                 with _on(side):
+                    if free[k % len(ring)] is not None:
+                        side.wait_event(free[k % len(ring)])  # the scatter out of this buffer is done
                     for s, h, n in pieces:
                         flat[s : s + n].copy_(self.host[h : h + n], non_blocking=cuda)
                 if cuda:
                     main.wait_stream(side)
-                table.index_copy_(0, ids, flat.view(table.dtype).view(-1, table.shape[1]))
-            base += chunk.nbytes
+                table.index_copy_(0, ids, packed)  # overlaps the next chunk's copy
+                free[k % len(ring)] = _event(main)
         if cuda:
-            if buffer is not None:
+            for buffer in ring:
                 buffer.record_stream(side)
             main.wait_stream(side)  # later work on the caller's stream runs after the copies, as after a copy_
         handle = CopyHandle(None, staged.num_copies, staged.nbytes)
