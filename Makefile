@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvcore-installed
-PLUGINS := plugins/kvcore-torch plugins/kvcore-triton
+PLUGINS := plugins/kvcore-torch plugins/kvcore-triton plugins/kvcore-flashinfer
 # The Triton kernels run on CPU tensors through the interpreter when no GPU is present.
 CPU_ENV := $(shell $(PYTHON) -c "import shutil,sys; sys.stdout.write('' if shutil.which('nvidia-smi') else 'TRITON_INTERPRET=1')")
 

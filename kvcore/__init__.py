@@ -44,6 +44,8 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
         "CommonAttentionMetadata",
     ),
     "kvcore.plugins.hookspecs": ("hookimpl", "hookspec"),
+    "kvcore.plugins.requirements": ("KernelRequirements",),
+    "kvcore.plugins.auto": ("select_backend",),
     "kvcore.plugins.registry": ("get_backend", "get_plugin_manager"),
     "kvcore.plugins.block_sizes": (
         "customize_attention_spec",

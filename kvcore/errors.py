@@ -19,6 +19,14 @@ class PluginError(KVCoreError):
     """
 
 
+class KernelRequirementError(KVCoreError):
+    """A kernel view of a plan breaks a rule its backend declared (``KernelRequirements``).
+
+    Raised before anything is allocated; the message names the backend, the
+    layer, the rule, the value and a remedy when one exists.
+    """
+
+
 class PluginWarning(UserWarning):
     """A plugin was skipped (for example, its entry point failed to import)."""
 

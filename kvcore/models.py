@@ -76,6 +76,12 @@ _KINDS: dict[str, type[KVCacheSpec]] = {
     "encoder_only": EncoderOnlyAttentionSpec,
     "mamba": MambaSpec,
 }
+#: Most layers a description may name: real models have a few hundred; a
+#: typo such as 100000000 would otherwise build specs for minutes.
+MAX_LAYERS = 10_000
+#: Largest page (one block of one layer) a description may give: 1 TiB, more
+#: than any device holds; a larger one comes from a typo in a size.
+MAX_PAGE_BYTES = 1 << 40
 _TOP_KEYS = {"name", "description", "num_layers", "block_size", "pattern", "layer_name", "types"}
 _OWN_KEYS = {"kind", "module", "block_size"}
 # NOTE: spec fields a kind does not take from a file: a full-attention spec's
@@ -188,9 +194,15 @@ def _spec(type_name: str, table: Any, block_size: int, layers: list[int]) -> tup
         raise ValueError(f"{where}: a {kind!r} type needs the key{'s' * (len(missing) > 1)} {keys}")
     kwargs = {k: _convert(where, k, v) for k, v in table.items()}
     try:
-        return cls(block_size, **kwargs), module
+        spec = cls(block_size, **kwargs)
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
+    if spec.page_size_bytes > MAX_PAGE_BYTES:
+        raise ValueError(
+            f"{where}: one block of one layer takes {spec.page_size_bytes:,} bytes, more than "
+            f"{MAX_PAGE_BYTES:,} (1 TiB); check block_size, num_kv_heads, head_size and shapes"
+        )
+    return spec, module
 
 
 def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[str, KVCacheSpec]:
@@ -209,6 +221,11 @@ def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[
     num_layers = data.get("num_layers")
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
+    if num_layers > MAX_LAYERS:
+        raise ValueError(
+            f"num_layers = {num_layers:,} is more than the {MAX_LAYERS:,} layers kvcore plans "
+            "(real models have a few hundred); check the value"
+        )
     pattern = data.get("pattern", list(types) if len(types) == 1 else None)
     if not isinstance(pattern, list) or not pattern:
         raise ValueError("pattern must list the layer types in order, e.g. ['local', 'global']")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import importlib
 import json
 import subprocess
 import sys
@@ -13,6 +14,7 @@ import pytest
 
 import kvcore
 import kvcore.bench
+import kvcore.bench.options
 from kvcore.cli import _COMMANDS, build_parser, main
 from kvcore.models import load_model, preset_names
 
@@ -38,19 +40,72 @@ def test_python_dash_m_kvcore_prints_the_version():
     assert done.returncode == 0 and done.stdout.strip() == f"kvcore {kvcore.__version__}"
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["--version"], ["bench", "--help"], ["plugins", "--help"]])
+@pytest.mark.parametrize("argv", [
+    ["--help"], ["--version"], ["bench", "--help"], ["plugins", "--help"], ["plan", "--help"],
+    ["models", "--help"], ["bench", "zero", "--help"], ["bench", "plan", "--help"], ["bench", "hf", "--help"],
+    ["bench", "pool", "--help"],
+])  # fmt: skip
 def test_help_and_version_do_not_import_torch(argv):
     done = _run(*argv, code="print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip().splitlines()[-1] == "NO-TORCH"
 
 
-def test_a_benchmark_imports_only_its_own_module():
+def test_a_benchmark_module_is_imported_only_when_it_runs():
     code = "print(sorted(m for m in sys.modules if m.startswith('kvcore.bench.')))"
     done = _run("bench", "plan", "--help", code=code)
     assert done.returncode == 0
     loaded = done.stdout.strip().splitlines()[-1]
+    assert "kvcore.bench.options" in loaded and "kvcore.bench.plan" not in loaded
+    done = _run("bench", "plan", "--layers", "4", "--repeat", "1", "--layouts", "LBNHC", "--json", code=code)
+    loaded = done.stdout.strip().splitlines()[-1]
     assert "kvcore.bench.plan" in loaded and "kvcore.bench.zero" not in loaded
+
+
+@pytest.mark.parametrize("name", sorted(kvcore.bench.options.ARGUMENTS))
+def test_each_benchmark_module_adds_the_options_the_command_line_shows(name):
+    """The module's own add_arguments (for callers that import it) is the one in options."""
+    module = importlib.import_module(kvcore.bench.BENCHMARKS[name])
+    assert module.add_arguments is kvcore.bench.options.ARGUMENTS[name]
+
+
+def test_layout_names_for_help_are_the_enum_members():
+    from kvcore.bench._args import LAYOUT_NAMES
+    from kvcore.memory.layout import KVCacheLayout
+
+    assert LAYOUT_NAMES == tuple(m.name for m in KVCacheLayout)
+
+
+def test_models_help_names_the_preset_directory_of_kvcore_models():
+    from kvcore.cli.models import _PRESET_DIR
+    from kvcore.models import PRESET_DIR
+
+    assert _PRESET_DIR == PRESET_DIR
+
+
+@pytest.mark.parametrize("device", ["banana", "cuda:x", "meta", "cuda:99"])
+def test_a_bad_device_is_a_usage_error(device, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["bench", "hf", "--device", device])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "Traceback" not in err
+    assert "argument --device" in err and repr(device) in err
+
+
+def test_device_arg_takes_the_cpu_and_refuses_cuda_without_a_gpu(monkeypatch):
+    import torch
+
+    from kvcore.bench._args import device_arg
+
+    assert device_arg("cpu") == torch.device("cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(argparse.ArgumentTypeError, match="no CUDA device; use --device cpu"):
+        device_arg("cuda")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert device_arg("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(argparse.ArgumentTypeError, match=r"has 1 CUDA device \(cuda:0\)"):
+        device_arg("cuda:1")
 
 
 def _parsers(parser: argparse.ArgumentParser, prog: str = "kvcore"):
@@ -131,3 +186,27 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     proc.stdout.close()  # more than a pipe buffer is still to come
     err = proc.stderr.read().decode()
     assert proc.wait() == 1 and "Traceback" not in err and "BrokenPipe" not in err
+
+
+@pytest.mark.parametrize("argv, kind, text", [
+    (["plan", "llama-3-8b", "--memory", "1KiB", "--json"], "ValueError", "plan with at least"),
+    (["plan", "llama-3-8b", "--memory", "banana", "--json"], "usage", "argument --memory: invalid size"),
+    (["bench", "hf", "--json", "--device", "banana"], "usage", "'banana' is not a device"),
+    (["models", "--json", "--bogus"], "usage", "unrecognized arguments: --bogus"),
+])  # fmt: skip
+def test_errors_under_json_are_a_json_object_and_exit_2(argv, kind, text, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr().out
+    error = json.loads(out)["error"]
+    assert code == 2 and error["type"] == kind and text in error["message"]
+    assert error["command"].startswith("kvcore")
+
+
+def test_without_json_a_usage_error_stays_argparse_text(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["plan", "llama-3-8b", "--memory", "banana"])
+    captured = capsys.readouterr()
+    assert exc.value.code == 2 and captured.out == "" and "usage: kvcore plan" in captured.err

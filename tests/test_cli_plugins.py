@@ -78,7 +78,7 @@ def test_wrong_type_and_raising_hooks_make_the_plugin_unhealthy(tmp_path, monkey
     assert items["wrong"]["status"] == "unhealthy" and "'16, 32'" in items["wrong"]["error"]
     assert "kvcore_supported_kernel_block_sizes" in items["wrong"]["error"]
     assert items["raiser"]["status"] == "unhealthy" and "LookupError: no layout table" in items["raiser"]["error"]
-    assert items["fine"]["status"] == "loaded" and items["fine"]["kernel_block_sizes"] == {"fine-attn": ["multiple of 16"]}
+    assert items["fine"]["status"] == "loaded" and items["fine"]["kernel_block_sizes"] == {"fine-attn": [{"multiple_of": 16}]}
     monkeypatch.setenv("KVCORE_PLUGINS", "fine")
     assert _json(capsys, code=0)["fine"]["error"] is None
 
@@ -94,10 +94,25 @@ def test_conflicting_backend_names_exit_1(tmp_path, monkeypatch, capsys):
     assert "two-dist" in items["one"]["error"] and "one-dist" in items["two"]["error"]
 
 
-def test_autoload_disabled_listing(dists, capsys, monkeypatch):
+def test_autoload_disabled_listing_is_not_healthy(dists, capsys, monkeypatch):
+    """With every plugin kept from loading no backend is usable: exit 1, saying why."""
     monkeypatch.setenv("KVCORE_DISABLE_PLUGIN_AUTOLOAD", "1")
-    items = _json(capsys, code=0)
+    items = _json(capsys, code=1)
     assert {i["status"] for i in items.values()} == {"disabled"}
+    assert main(["plugins"]) == 1
+    captured = capsys.readouterr()
+    assert "no attention backend is usable" in captured.err and "unset it" in captured.err
+    assert "KVCORE_DISABLE_PLUGIN_AUTOLOAD=1" in captured.err and "need attention (exit 1)" in captured.out
+
+
+def test_sizes_are_ints_or_multiple_of_objects_in_json_and_words_in_text(tmp_path, monkeypatch, capsys):
+    make_dist(tmp_path, "mix-dist", "1.0", {"mix": "fakeplug_mix"},
+              {"fakeplug_mix": backend_plugin_source("mix-attn", "[16, MultipleOf(8)]")})
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "mix")
+    assert _json(capsys, code=0)["mix"]["kernel_block_sizes"] == {"mix-attn": [16, {"multiple_of": 8}]}
+    assert main(["plugins"]) == 0
+    assert "kernel block sizes 16, multiple of 8;" in " ".join(capsys.readouterr().out.split())
 
 
 def test_an_allow_list_that_matches_nothing_is_not_healthy(dists, capsys, monkeypatch):

@@ -110,7 +110,7 @@ def test_triton_backend_through_the_interpreter():
     model = random_model(model_config("gemma3"), seed=1, device=device)
     prompts = prompts_for([21, 6, 30], seed=3)
     expected = reference(model, prompts, 4)
-    engine = Engine(model, backend="triton", num_blocks=7, max_num_seqs=2, max_num_batched_tokens=16,
+    engine = Engine(model, backend="triton", block_size=16, num_blocks=7, max_num_seqs=2, max_num_batched_tokens=16,
                     cuda_graphs=False)
     assert engine.generate(prompts, 4) == expected
     assert engine.stats().blocks_allocated > engine.kv.num_blocks - 1

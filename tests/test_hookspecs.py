@@ -19,6 +19,8 @@ FIRST_RESULT_ANSWERS = {
     "kvcore_supported_kernel_block_sizes": ([16], [32]),
     "kvcore_supported_layouts": (["LBHNC"], ["BLNHC"]),
     "kvcore_customize_spec": ("first", "second"),
+    "kvcore_kernel_requirements": ("first", "second"),
+    "kvcore_backend_priority": (3, 7),
 }
 
 
@@ -39,13 +41,18 @@ def test_first_result_hooks_stop_at_the_first_answer_and_say_so():
             def answer_fn(self, backend, spec):
                 calls.append((_hook, label))
                 return answer
-            return kvcore.hookimpl(tryfirst=label == "early")(answer_fn)
+
+            def answer_dev(self, backend, spec, device):
+                return answer_fn(self, backend, spec)
+            fn = answer_dev if _hook == "kvcore_backend_priority" else answer_fn
+            return kvcore.hookimpl(tryfirst=label == "early")(fn)
 
         setattr(first, hook, impl(early, "early"))
         setattr(second, hook, impl(late, "late"))
         pm.register(second())
         pm.register(first())
-        assert getattr(pm.hook, hook)(backend=backend, spec=spec) == early
+        extra = {"device": torch.device("cpu")} if hook == "kvcore_backend_priority" else {}
+        assert getattr(pm.hook, hook)(backend=backend, spec=spec, **extra) == early
         assert (hook, "late") not in calls
         assert "Stops at the first non-None result" in inspect.getdoc(getattr(hookspecs, hook))
     assert set(FIRST_RESULT_ANSWERS) | {"kvcore_register_backends"} == set(_hook_names(pm))
@@ -88,5 +95,7 @@ def test_core_defaults_accept_anything():
     assert pm.hook.kvcore_supported_kernel_block_sizes(backend=backend, spec=spec) == [MultipleOf(1)]
     assert pm.hook.kvcore_customize_spec(backend=backend, spec=spec) is spec
     assert pm.hook.kvcore_supported_layouts(backend=backend, spec=spec) is None
+    assert pm.hook.kvcore_kernel_requirements(backend=backend, spec=spec) == kvcore.KernelRequirements()
+    assert pm.hook.kvcore_backend_priority(backend=backend, spec=spec, device=torch.device("cpu")) == 0
     assert supported_layouts(backend, spec, plugin_manager=pm) == list(KVCacheLayout)
     assert kvcore.customize_attention_spec(backend, spec, plugin_manager=pm) == spec

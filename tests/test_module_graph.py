@@ -16,10 +16,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1] / "kvcore"
 
 STAGES = [
-    {"_validate", "errors", "_units", "_table"},
+    {"_validate", "errors", "_units", "_table", "settings"},
     {"specs"},
     {"memory"},
-    {"plugins", "distributed", "hookspecs"},
+    {"plugins", "distributed"},
     {"runtime", "model_runner"},
     {"hf", "transfer"},
     {"cli", "bench", "models", "testing", "__init__", "__main__"},

@@ -33,3 +33,19 @@ def test_non_positive_counts_exit_2(capsys, argv):
     with pytest.raises(SystemExit) as exc:
         main(["bench", "pool", *argv])
     assert exc.value.code == 2 and f"argument {argv[0]}:" in capsys.readouterr().err
+
+
+def test_a_round_too_large_is_refused_at_once(capsys):
+    from kvcore.bench.options import POOL_MAX_BLOCKS
+
+    assert main(["bench", "pool", "--requests", "100000"]) == 2
+    err = capsys.readouterr().err
+    assert "3,200,000 blocks per round" in err and f"{POOL_MAX_BLOCKS:,}" in err and "lower --requests" in err
+
+
+def test_progress_is_reported_after_every_round():
+    from kvcore.bench.pool import measure
+
+    calls = []
+    measure(2, 2, 4, 3, progress=lambda: calls.append(1))
+    assert len(calls) == 3 + 2

@@ -193,6 +193,40 @@ def test_every_integer_form_zeroes_its_blocks(backend, good, expected):
     assert torch.equal(case.raw, case.expected_after(before, expected))
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("mapping", [{0: 1}, {}, {"a": 2}], ids=repr)
+def test_a_mapping_is_no_id_list(backend, mapping):
+    case = _fixed_case(6)
+    zeroer = case.zeroer(backend)
+    before = fill_random(case.raw, 13)
+    with pytest.raises(TypeError, match="block ids must be integers.*dict"):
+        zeroer.zero_block_ids(mapping)
+    assert torch.equal(case.raw, before)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_num_blocks_can_shrink_and_grow_back_without_new_segments(backend):
+    case = _fixed_case(6)
+    zeroer = case.zeroer(backend)
+    segments = zeroer.segments
+    zeroer.num_blocks = 3
+    before = fill_random(case.raw, 14)
+    with pytest.raises(ValueError, match=r"block id 4 is not in \[0, 3\)"):
+        zeroer.zero_block_ids([1, 4])
+    assert torch.equal(case.raw, before)
+    zeroer.zero_block_ids([2])
+    assert torch.equal(case.raw, case.expected_after(before, [2]))
+    zeroer.num_blocks = 6
+    after_two = case.raw.clone()
+    zeroer.zero_block_ids([5])
+    assert torch.equal(case.raw, case.expected_after(after_two, [5]))
+    assert zeroer.segments == segments and zeroer.max_num_blocks == 6
+    for bad, error in ((7, ValueError), (0, ValueError), (2.0, TypeError)):
+        with pytest.raises(error, match="num_blocks"):
+            zeroer.num_blocks = bad
+    assert zeroer.num_blocks == 6
+
+
 def _fixed_case(num_blocks: int) -> Case:
     for seed in range(100):
         case = Case(random.Random(seed), "cpu")
@@ -291,20 +325,23 @@ def test_layers_without_views_or_tensors_are_skipped():
 
 
 @needs_interpreter
+@pytest.mark.parametrize("by_value", [False, True], ids=["ids in memory", "ids by value"])
 @pytest.mark.parametrize("vec", [1, 2, 4])
-def test_kernel_matches_reference_and_skips_ids_out_of_range(vec):
-    from kvcore.runtime.zeroer.kernel import ROWS, launch_zero_blocks
+def test_kernel_matches_reference_and_skips_ids_out_of_range(vec, by_value):
+    from kvcore.runtime.zeroer.kernel import ROWS, launch_table, pack_words
 
     gen = torch.Generator().manual_seed(vec)
     num_blocks, stride = 5, ROWS * 3 + 7  # runs longer than one inner step, odd tails
     base = torch.randint(1, 1 << 30, ((num_blocks * stride + 2) * vec,), generator=gen, dtype=torch.int32)
     before = base.clone()
     runs = [(0, ROWS + 1), (ROWS + 3, 1), (2 * ROWS + 4, ROWS + 3)]  # (start, length) in vectors
-    start = torch.tensor([r[0] for r in runs])
-    length = torch.tensor([r[1] for r in runs])
-    strides = torch.full((len(runs),), stride)
-    ids = torch.tensor([4, -1, 1, num_blocks, 2**40, -(2**40)], dtype=torch.int64)
-    launch_zero_blocks(base, ids, num_blocks, start, strides, length, vec, programs=3)
+    table = torch.tensor([[r[0] for r in runs], [stride] * len(runs), [r[1] for r in runs]])
+    if by_value:  # ids below 2**31 only; 5 and 7 are out of range
+        listed = [4, 5, 1, 7, 1]
+        launch_table(base, table, num_blocks, table, vec, 3, num_ids=len(listed), words=pack_words(listed))
+    else:
+        ids = torch.tensor([4, -1, 1, num_blocks, 2**40, -(2**40)], dtype=torch.int64)
+        launch_table(base, ids, num_blocks, table, vec, programs=3)
     expected = before.clone()
     for block in (4, 1):
         for s, n in runs:
@@ -315,21 +352,23 @@ def test_kernel_matches_reference_and_skips_ids_out_of_range(vec):
 
 @needs_interpreter
 def test_launcher_rejects_bad_tables():
-    from kvcore.runtime.zeroer.kernel import launch_zero_blocks
+    from kvcore.runtime.zeroer.kernel import launch_table
 
     base = torch.ones(64, dtype=torch.int32)
-    table = torch.zeros(1, dtype=torch.int64)
+    table = torch.zeros(3, 1, dtype=torch.int64)
     ids = torch.zeros(1, dtype=torch.int64)
     with pytest.raises(ValueError, match="int32"):
-        launch_zero_blocks(base.view(torch.float32), ids, 1, table, table, table, 1, 1)
+        launch_table(base.view(torch.float32), ids, 1, table, 1, 1)
     with pytest.raises(ValueError, match="vec"):
-        launch_zero_blocks(base, ids, 1, table, table, table, 3, 1)
+        launch_table(base, ids, 1, table, 3, 1)
     with pytest.raises(ValueError, match="ids"):
-        launch_zero_blocks(base, ids.float(), 1, table, table, table, 1, 1)
+        launch_table(base, ids.float(), 1, table, 1, 1)
     with pytest.raises(ValueError, match="aligned"):
-        launch_zero_blocks(base[1:], ids, 1, table, table, table, 4, 1)
-    with pytest.raises(ValueError, match="one length"):
-        launch_zero_blocks(base, ids, 1, table, table, torch.zeros(2, dtype=torch.int64), 1, 1)
+        launch_table(base[1:], ids, 1, table, 4, 1)
+    with pytest.raises(ValueError, match="chunk table"):
+        launch_table(base, ids, 1, table[:2], 1, 1)
+    with pytest.raises(ValueError, match="ids to zero"):
+        launch_table(base, ids, 1, table, 1, 1, num_ids=2)
     assert torch.equal(base, torch.ones(64, dtype=torch.int32))
 
 

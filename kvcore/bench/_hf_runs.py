@@ -39,15 +39,20 @@ def stats_delta(after: Any, before: Any) -> dict[str, float]:
 def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int,
                engine_kwargs: dict[str, Any], *, profile: bool = False) -> dict[str, Any]:
     """kvcore.hf.Engine: warm up on ``warmup``, then time ``prompts``; optionally a synced pass."""
+    start = time.perf_counter()
     engine = Engine(model, **engine_kwargs)
+    build_s = time.perf_counter() - start
     warm_s, _ = timed(engine.device, lambda: engine.generate(warmup, new_tokens))
     before = engine.stats()
     seconds, outputs = timed(engine.device, lambda: engine.generate(prompts, new_tokens))
     result = {
-        "seconds": seconds, "warmup_s": warm_s, "outputs": outputs,
+        "seconds": seconds, "warmup_s": warm_s, "build_s": build_s, "outputs": outputs,
         "output_tokens": sum(len(o) for o in outputs), "stats": stats_delta(engine.stats(), before),
         "num_blocks": engine.kv.num_blocks, "layout": engine.kv.layout.name,
         "kernel_block_sizes": list(engine.kv.kernel_block_sizes),
+        "backend": engine.kv.group_of(next(iter(engine.kv.layer_kv_caches))).backend.get_name(),
+        # Same-sized first and second generate: 1.0 when the first pays no compilation or capture.
+        "first_vs_second": seconds / warm_s if warm_s else None,
     }
     if profile:
         engine.sync_timing = True

@@ -23,54 +23,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvcore.bench._args import positive_int_arg
+from kvcore.bench.options import hf_arguments as add_arguments
 
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-_PARTS = ("eager", "generate_batch", "static", "prefix", "check", "profile")
-
-
-def _parts(text: str) -> list[str]:
-    parts = [p.strip() for p in text.split(",") if p.strip()]
-    bad = sorted(set(parts) - set(_PARTS))
-    if bad:
-        raise argparse.ArgumentTypeError(f"unknown parts {bad}; choose from {list(_PARTS)}")
-    return parts
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    d = " (default: %(default)s)"
-    model = parser.add_argument_group("model (random weights, Llama architecture)")
-    model.add_argument("--hidden", type=positive_int_arg, default=2048, help="hidden size" + d)
-    model.add_argument("--intermediate", type=positive_int_arg, default=5632, help="MLP size" + d)
-    model.add_argument("--layers", type=positive_int_arg, default=16, help="decoder layers" + d)
-    model.add_argument("--heads", type=positive_int_arg, default=32, help="query heads" + d)
-    model.add_argument("--kv-heads", type=positive_int_arg, default=8, help="KV heads" + d)
-    model.add_argument("--vocab", type=positive_int_arg, default=32000, help="vocabulary size" + d)
-    model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="weights and cache" + d)
-    work = parser.add_argument_group("workload")
-    work.add_argument("--requests", type=positive_int_arg, default=256, help="prompts served" + d)
-    work.add_argument("--prompt-len", type=positive_int_arg, default=256, help="tokens per prompt" + d)
-    work.add_argument("--new-tokens", type=positive_int_arg, default=128, help="tokens generated per prompt" + d)
-    work.add_argument("--shared-prefix", type=int, default=1024,
-                      help="common prefix of the prefix-caching run, tokens; 0 skips that run" + d)
-    engine = parser.add_argument_group("kvcore engine")
-    engine.add_argument("--backend", default="triton", help="attention backend" + d)
-    engine.add_argument("--block-size", type=positive_int_arg, default=64, help="tokens per block" + d)
-    engine.add_argument("--max-num-seqs", type=positive_int_arg, default=256, help="requests at once" + d)
-    engine.add_argument("--max-batched-tokens", type=positive_int_arg, default=4096, help="tokens per step" + d)
-    engine.add_argument("--no-cuda-graphs", action="store_true", help="run decode steps eagerly")
-    check = parser.add_argument_group("float32 token check (a smaller model)")
-    check.add_argument("--check-requests", type=positive_int_arg, default=16, help="prompts checked" + d)
-    check.add_argument("--check-prompt-len", type=positive_int_arg, default=64, help="tokens per prompt" + d)
-    check.add_argument("--check-new-tokens", type=positive_int_arg, default=32, help="tokens generated" + d)
-    parser.add_argument("--skip", type=_parts, default=[],
-                        help=f"comma-separated parts to leave out: {','.join(_PARTS)} (default: none)")
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="matrix peak of the roofline" + d)
-    parser.add_argument("--hbm-tbps", type=float, default=4.8, help="memory bandwidth of the roofline, TB/s" + d)
-    parser.add_argument("--device", default=None, help="torch device (default: cuda when present, else cpu)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    parser.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH")
 
 
 def _prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -82,6 +38,61 @@ def _blocks(requests: int, tokens: int, block_size: int) -> int:
     return requests * -(-tokens // block_size) + 2 * requests + 1
 
 
+#: A workload that runs in seconds on a CPU, for the message that refuses the GPU-sized defaults.
+CPU_EXAMPLE = (
+    "--device cpu --backend torch --hidden 128 --intermediate 256 --layers 2 --heads 4 --kv-heads 2 "
+    "--vocab 512 --requests 4 --prompt-len 16 --new-tokens 4 --shared-prefix 0 --block-size 16 "
+    "--skip generate_batch,static,check"
+)
+
+
+def resolve_device(device: torch.device | None) -> torch.device:
+    """``--device``, or CUDA; without CUDA the GPU-sized defaults are refused at once."""
+    if device is not None:
+        return device
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    raise ValueError(
+        "no CUDA device here, and the default workload (a 0.85 B model serving 256 requests) is sized "
+        f"for a GPU; run it on a GPU machine, or try a CPU-sized run: kvcore bench hf {CPU_EXAMPLE}"
+    )
+
+
+def preflight(backend: str, device: torch.device, block_size: int) -> None:
+    """Serve one token of a tiny random model through ``backend`` on ``device``, before the real model.
+
+    A backend that cannot run there (an unknown name, Triton on CPU without
+    ``TRITON_INTERPRET=1``) is refused in about a second, with its own reason,
+    instead of after minutes of building the benchmark's model.
+    """
+    import transformers
+
+    from kvcore.hf import Engine
+    from kvcore.hf.models import random_model
+
+    tiny = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, max_position_embeddings=64, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+    )
+    model = random_model(tiny, dtype=torch.float32, device=device, seed=0)
+    try:
+        engine = Engine(model, backend=backend, block_size=block_size, num_blocks=4, max_num_seqs=1,
+                        max_num_batched_tokens=64, cuda_graphs=False)
+        engine.generate([[2, 3, 4]], 1)
+    except Exception as exc:  # NOTE: any failure here means the benchmark cannot run; say why, at once
+        raise ValueError(
+            f"--backend {backend} cannot serve a tiny model on {device}: {exc}"
+        ) from exc
+
+
+def format_count(n: float) -> str:
+    """A parameter count as people write it: ``851.4 M``, ``1.24 B``, ``96.3 K``."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.3g} {unit}" if n < 100 * scale else f"{n / scale:,.0f} {unit}"
+    return f"{n:.0f}"
+
+
 def collect(args: argparse.Namespace) -> dict[str, Any]:
     """Run every part; the result is what ``--json`` prints."""
     # NOTE: imported here, when the benchmark runs: transformers is an optional extra.
@@ -90,7 +101,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     from kvcore.bench import _hf_runs as runs
     from kvcore.hf.models import random_model
 
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = resolve_device(args.device)
+    preflight(args.backend, device, args.block_size)
     skip = set(args.skip)
     n, p, m, prefix = args.requests, args.prompt_len, args.new_tokens, max(args.shared_prefix, 0)
     config = transformers.LlamaConfig(
@@ -101,6 +113,12 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     )
     model = random_model(config, dtype=_DTYPES[args.dtype], device=device, seed=0)
     prompts, warm = _prompts(n, p, args.vocab, 1), _prompts(n, p, args.vocab, 2)
+    if args.block_size is None:  # NOTE: the engine's own default, to size the cache below
+        from kvcore.hf.defaults import resolve
+        from kvcore.hf.specs import specs_from_config
+
+        args.block_size = resolve(lambda size: specs_from_config(config, dtype=model.dtype, block_size=size),
+                                  device, args.backend, None, None).block_size
     engine_kwargs = dict(
         backend=args.backend, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens, num_blocks=_blocks(n, p + m, args.block_size),
@@ -176,12 +194,12 @@ def report(out: dict[str, Any], console: Console) -> None:
     console.print(
         f"[bold]kvcore bench hf[/] on {out['device']} (torch {out['versions']['torch']}, transformers "
         f"{out['versions']['transformers']}): {w['requests']} requests x ({w['prompt_len']} prompt + "
-        f"{w['new_tokens']} new) tokens, {w['dtype']}, {out['roofline']['params'] / 1e9:.2f} B parameters"
+        f"{w['new_tokens']} new) tokens, {w['dtype']}, {format_count(out['roofline']['params'])} parameters"
     )
     kv_tps = _tps(out["kvcore"])
     table = Table(title="output tokens/s (timed pass after a warm-up pass)")
     for col in ("engine", "output tokens", "seconds", "tokens/s", "kvcore is x faster"):
-        table.add_column(col, justify="right" if col != "engine" else "left")
+        table.add_column(col, justify="right" if col != "engine" else "left", no_wrap=col == "engine")
     for name, key in (("kvcore.hf.Engine", "kvcore"), ("kvcore, no CUDA graphs", "kvcore_eager"),
                       ("model.generate_batch", "generate_batch"), ("static model.generate", "static_generate")):
         if key in out:
@@ -192,6 +210,12 @@ def report(out: dict[str, Any], console: Console) -> None:
     table.add_row("roofline", "", f"{roof['prefill_s'] + roof['decode_s']:.3f}", f"{roof['tokens_per_s']:,.0f}",
                   f"{kv_tps / roof['tokens_per_s']:.1%} of it")
     console.print(table)
+    k = out["kvcore"]
+    console.print(
+        f"kvcore: backend {k['backend']}, {k['layout']}, block {out['engine']['block_size']}; engine built in "
+        f"{k['build_s']:.1f} s; first generate {k['warmup_s']:.2f} s, second {k['seconds']:.2f} s "
+        f"(first runs at {k['first_vs_second']:.2f}x the second's speed)"
+    )
     _report_steps(out["kvcore"], console)
     if "prefix" in out:
         pre = out["prefix"]
@@ -217,7 +241,7 @@ def _report_steps(kv: dict[str, Any], console: Console) -> None:
     s = kv["stats"]
     steps = max(s["steps"], 1)
     table = Table(title=f"kvcore step time: {s['steps']} steps ({s['graph_steps']} replayed from CUDA graphs)")
-    table.add_column("phase")
+    table.add_column("phase", no_wrap=True)  # NOTE: labels stay whole; number headers wrap instead
     table.add_column("ms/step (async)", justify="right")
     if "profile" in kv:
         table.add_column("ms/step (synced)", justify="right")

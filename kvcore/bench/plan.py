@@ -19,10 +19,11 @@ from contextlib import contextmanager
 import torch
 
 from kvcore._table import Column, render, terminal_width
-from kvcore.bench._args import layouts_arg, positive_int_arg, size_arg
-from kvcore.memory.layout import KVCacheLayout
+from kvcore.bench.options import plan_arguments as add_arguments
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
+
+__all__ = ["add_arguments", "hybrid_model_specs", "measure", "run"]
 
 TARGET_MS = 20.0
 
@@ -56,18 +57,6 @@ def _one_core():
         yield
     finally:
         os.sched_setaffinity(0, before)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--layers", type=positive_int_arg, default=200,
-                        help="layers of the hybrid model (default: %(default)s)")
-    parser.add_argument("--repeat", type=positive_int_arg, default=100,
-                        help="timed plans per layout; the median is reported (default: %(default)s)")
-    parser.add_argument("--memory", type=size_arg, default="80GiB", metavar="SIZE",
-                        help="KV cache budget of every plan (default: %(default)s)")
-    parser.add_argument("--layouts", type=layouts_arg, default=",".join(m.name for m in KVCacheLayout),
-                        help="comma-separated layouts to time (default: %(default)s)")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
 
 
 def measure(args: argparse.Namespace) -> dict:

@@ -19,7 +19,8 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvcore.bench._args import positive_int_arg
+from kvcore.bench.options import POOL_MAX_BLOCKS
+from kvcore.bench.options import pool_arguments as add_arguments
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
 
@@ -71,12 +72,25 @@ def _round(off: BlockPool, on: BlockPool, hashes: list[list[bytes]], tokens: lis
     return out
 
 
-def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat: int) -> list[dict]:
-    """Rows of ``{"op", "label", "off_ns", "on_ns", "on_over_off"}``, ns per block (medians)."""
+def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat: int,
+            progress: Callable[[], object] | None = None) -> list[dict]:
+    """Rows of ``{"op", "label", "off_ns", "on_ns", "on_over_off"}``, ns per block (medians).
+
+    ``progress`` is called after the traffic is made and after every round
+    (``repeat + 2`` calls in all).
+    """
     k, n = num_requests, blocks_per_request
+    if k * n > POOL_MAX_BLOCKS:
+        raise ValueError(
+            f"{k:,} requests x {n:,} blocks = {k * n:,} blocks per round, more than the "
+            f"{POOL_MAX_BLOCKS:,} this benchmark takes (a larger round runs for minutes and measures "
+            "the same ns per block); lower --requests or --blocks"
+        )
+    tick = progress or (lambda: None)
     rng = random.Random(0)
     tokens = [[rng.randrange(150_000) for _ in range(n * block_size)] for _ in range(k)]
     hashes = [block_hashes(tok, block_size) for tok in tokens]
+    tick()
     off = BlockPool(k * n + 1)
     on = BlockPool(k * n + 1, enable_caching=True)
     samples: dict[tuple[str, str], list[float]] = {}
@@ -84,10 +98,12 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
     gc.disable()
     try:
         _round(off, on, hashes, tokens, block_size, n)  # warm-up
+        tick()
         for _ in range(max(1, repeat)):
             for name, ops in _round(off, on, hashes, tokens, block_size, n).items():
                 for op, ns in ops.items():
                     samples.setdefault((name, op), []).append(ns / (k * n))
+            tick()
     finally:
         if enabled:
             gc.enable()
@@ -100,21 +116,19 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
     return rows
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--requests", type=positive_int_arg, default=64, help="requests per round (default 64)")
-    parser.add_argument("--blocks", type=positive_int_arg, default=32, help="blocks per request (default 32)")
-    parser.add_argument("--block-size", type=positive_int_arg, default=16, help="tokens per block, for hashing (default 16)")
-    parser.add_argument("--repeat", type=positive_int_arg, default=50, help="timed rounds (default 50)")
-    parser.add_argument("--json", action="store_true", help="print the rows as JSON")
-
-
 def run(args: argparse.Namespace) -> int:
-    rows = measure(args.requests, args.blocks, args.block_size, args.repeat)
+    from rich.console import Console
+    from rich.progress import Progress
+
+    # NOTE: progress goes to stderr (stdout stays the table or the JSON) and is erased when done.
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task("traffic, warm-up and timed rounds", total=args.repeat + 2)
+        rows = measure(args.requests, args.blocks, args.block_size, args.repeat,
+                       progress=lambda: bar.advance(task))
     if args.json:
         print(json.dumps({"requests": args.requests, "blocks_per_request": args.blocks,
                           "block_size": args.block_size, "repeat": args.repeat, "rows": rows}, indent=2))  # fmt: skip
         return 0
-    from rich.console import Console
     from rich.table import Table
 
     table = Table(title=f"BlockPool, ns per block ({args.requests} requests x {args.blocks} blocks, this CPU)")

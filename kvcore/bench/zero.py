@@ -21,8 +21,8 @@ import torch
 
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
-from kvcore.bench._args import layouts_arg, positive_int_arg, positive_ints_arg
 from kvcore.bench._timing import Timer, empty_launch, find_memset
+from kvcore.bench.options import zero_arguments as add_arguments
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.memory.views import allocate_kv_cache
@@ -31,43 +31,9 @@ from kvcore.runtime.zeroer import kernel as zero_kernel
 from kvcore.runtime.zeroer import zeroer as zero_module
 from kvcore.specs import FullAttentionSpec
 
+__all__ = ["add_arguments", "collect", "run", "targets"]
+
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    model = parser.add_argument_group("the model whose KV cache is zeroed")
-    model.add_argument("--layers", type=positive_int_arg, default=32,
-                       help="attention layers (default: %(default)s)")
-    model.add_argument("--kv-heads", type=positive_int_arg, default=8,
-                       help="KV heads per layer (default: %(default)s)")
-    model.add_argument("--head-size", type=positive_int_arg, default=128,
-                       help="values per head, for K and for V (default: %(default)s)")
-    model.add_argument("--block-size", type=positive_int_arg, default=16,
-                       help="tokens per block (default: %(default)s)")
-    model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
-                       help="cache dtype (default: %(default)s)")
-    measured = parser.add_argument_group("what is measured")
-    measured.add_argument("--blocks", type=positive_ints_arg, default="1,8,64,512,4096",
-                     help="comma-separated counts of blocks zeroed per call (default: %(default)s)")
-    measured.add_argument("--layouts", type=layouts_arg, default="LBNHC,BLNHC,LHBNC",
-                     help="comma-separated layouts (default: %(default)s)")
-    measured.add_argument("--pool-blocks", type=positive_int_arg, default=None, metavar="N",
-                     help="blocks allocated (default: twice the largest --blocks)")
-    measured.add_argument("--repeats", type=positive_int_arg, default=20,
-                     help="timed repeats; medians are reported (default: %(default)s)")
-    measured.add_argument("--one-block-repeats", type=positive_int_arg, default=300, metavar="N",
-                     help="repeats of the one-block zeroer/memset pair, at least --repeats (default: %(default)s)")
-    measured.add_argument("--warmup", type=positive_int_arg, default=3,
-                     help="untimed calls before each measurement (default: %(default)s)")
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
-    out.add_argument("--json-out", default=None, metavar="PATH",
-                     help="also write the JSON to PATH (default: none)")
-    tune = parser.add_argument_group("kernel tuning (defaults are the library's)")
-    tune.add_argument("--programs-per-sm", type=positive_int_arg, default=None, metavar="N",
-                      help="grid cap: programs per SM (default: the library's)")
-    tune.add_argument("--chunk-kib", type=positive_int_arg, default=None, metavar="KIB",
-                      help="largest work item, KiB (default: the library's)")
 
 
 def _model(args: argparse.Namespace, layout: KVCacheLayout, device: torch.device):

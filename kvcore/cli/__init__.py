@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import re
 import sys
@@ -28,6 +29,25 @@ _EPILOG = "Run 'kvcore COMMAND --help' for the options of one command."
 _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser; with ``json_errors`` set, a usage error is a JSON object on stdout (exit 2)."""
+
+    json_errors = False
+
+    def error(self, message: str):  # type: ignore[override]
+        if self.json_errors:
+            _print_json_error(self.prog, "usage", message)
+            self.exit(2)
+        super().error(message)
+
+
+def _print_json_error(command: str, kind: str, message: str) -> None:
+    """The error object ``--json`` prints instead of output: ``{"error": {...}}``."""
+    error = {"command": command, "type": kind, "message": message}
+    print(json.dumps({"error": error}, indent=2))
+    sys.stdout.flush()
+
+
 def _positionals(argv: list[str]) -> list[str]:
     return [token for token in argv if not token.startswith("-")]
 
@@ -39,7 +59,7 @@ def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
     module imported); the others are listed by name and help. Without, every
     sub-command is complete.
     """
-    parser = argparse.ArgumentParser(prog="kvcore", description=__doc__.splitlines()[0], epilog=_EPILOG)
+    parser = _Parser(prog="kvcore", description=__doc__.splitlines()[0], epilog=_EPILOG)
     parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     words = None if argv is None else _positionals(argv)
@@ -79,16 +99,26 @@ def main(argv: list[str] | None = None) -> int:
 
     A ``ValueError`` or ``TypeError`` from a command is a user error: printed
     as ``kvcore COMMAND: error: ...`` with exit code 2, like argparse's own.
+    Under ``--json`` every error, usage errors included, is printed on stdout
+    as ``{"error": {"command", "type", "message"}}`` instead (exit code 2).
     """
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
-    args = build_parser(argv).parse_args(argv)
+    # NOTE: with --json anywhere, errors come back as a JSON object on stdout, usage errors too.
+    _Parser.json_errors = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
+    try:
+        args = build_parser(argv).parse_args(argv)
+    finally:
+        _Parser.json_errors = False
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code
     except (ValueError, TypeError) as exc:
-        command = " ".join(filter(None, (args.command, getattr(args, "benchmark", None))))
-        print(f"kvcore {command}: error: {exc}", file=sys.stderr)
+        command = " ".join(filter(None, ("kvcore", args.command, getattr(args, "benchmark", None))))
+        if getattr(args, "json", False):
+            _print_json_error(command, type(exc).__name__, str(exc))
+        else:
+            print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
     except BrokenPipeError:
         # NOTE: the reader left (`kvcore plan ... | head`): not an error of ours;

@@ -5,17 +5,21 @@ from __future__ import annotations
 import argparse
 import json
 from collections import Counter
+from pathlib import Path
 from typing import Any
 
 from kvcore._table import Column, render
-from kvcore.models import PRESET_DIR, find_model, load_model, preset_names
+
+# NOTE: where kvcore.models keeps the presets (a test checks they agree); that
+# module imports torch, so it is imported only when the command runs.
+_PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "models",
         help="list the model presets that kvcore plan knows",
-        description=f"List the model presets (TOML files in {PRESET_DIR}) that "
+        description=f"List the model presets (TOML files in {_PRESET_DIR}) that "
         "'kvcore plan NAME' takes by name: their layers and layer kinds. Any other "
         "model is a TOML file in the same format (see kvcore/models.py).",
     )
@@ -26,6 +30,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def describe(name: str) -> dict[str, Any]:
     """One preset: its name, title, layer count, layer kinds and file."""
+    from kvcore.models import find_model, load_model
+
     model = load_model(name)
     kinds = Counter(type(s).__name__.removesuffix("Spec") for s in model.kv_cache_specs.values())
     return {
@@ -38,6 +44,8 @@ def describe(name: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvcore.models import PRESET_DIR, preset_names
+
     presets = [describe(name) for name in preset_names()]
     if args.json:
         print(json.dumps(presets, indent=2))

@@ -11,10 +11,9 @@ from typing import Any
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import SIZE_UNITS_HELP, format_bytes, format_bytes_exact
 from kvcore.bench._args import layout_arg, layout_names, positive_int_arg, size_arg
-from kvcore.cli.plan_summary import summarize
-from kvcore.memory.planner import plan_kv_cache
-from kvcore.model_runner.binding import extract_layer_index
-from kvcore.models import load_model
+
+# NOTE: the planner, the model loader and the summary import torch: they are
+# imported in run(), so that 'kvcore plan --help' and usage errors are quick.
 
 _DESCRIPTION = """\
 Plan the KV cache of a model described in TOML (a file, or a preset: see
@@ -44,6 +43,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def span(layers: list[str]) -> str:
     """Layer indices as ranges (``0-4, 6-10``), or the first and last name."""
+    from kvcore.model_runner.binding import extract_layer_index
+
     try:
         indices = [extract_layer_index(name) for name in layers]
     except ValueError:
@@ -138,6 +139,10 @@ def print_plan(summary: dict[str, Any], out=None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from kvcore.cli.plan_summary import summarize
+    from kvcore.memory.planner import plan_kv_cache
+    from kvcore.models import load_model
+
     model = load_model(args.model, block_size=args.block_size)
     config = plan_kv_cache(
         model.kv_cache_specs, args.layout, available_memory=args.memory, num_blocks=args.num_blocks

@@ -3,13 +3,15 @@
 Each plugin is one record (never a wide table), wrapped between words to the
 terminal width (80 columns when piped), so nothing is cut. The command exits
 1 when a plugin failed to load, conflicts with another or answers a hook
-badly, 0 otherwise.
+badly, or when no attention backend is usable (none installed, or all kept
+from loading), 0 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import sys
 import textwrap
@@ -43,7 +45,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 def run(args: argparse.Namespace) -> int:
     # NOTE: imported when the command runs, not with its parser: the plugin
     # machinery imports torch, and `kvcore plugins --help` stays torch-free.
-    from kvcore.plugins.health import check_plugins, is_healthy
+    from kvcore.plugins.health import auto_picks, check_plugins, is_healthy
+    from kvcore.plugins.negotiation import HookAnswers
     from kvcore.plugins.registry import PluginSettings, build_plugin_manager
 
     # NOTE: listing never raises for a broken plugin, even under KVCORE_STRICT_PLUGINS:
@@ -52,17 +55,68 @@ def run(args: argparse.Namespace) -> int:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PluginWarning)
         pm = build_plugin_manager(attrs.evolve(settings, strict=False))
-    infos = check_plugins(pm)
+    answers = HookAnswers(pm)
+    infos = check_plugins(pm, answers)
+    picks = auto_picks(answers)
+    declared = _requirements(pm, answers)
     # NOTE: settings that match no entry point (say KVCORE_PLUGINS=typo) are in no plugin's
     # record, and must not pass as healthy.
     for problem in pm.settings_problems:
         print(f"kvcore plugins: warning: {problem}", file=sys.stderr)
-    healthy = is_healthy(infos) and not pm.settings_problems
+    unusable = no_backend_reason(infos)
+    if unusable:
+        print(f"kvcore plugins: error: {unusable}", file=sys.stderr)
+    healthy = is_healthy(infos) and not pm.settings_problems and not unusable
     if args.json:
-        print(json.dumps([info.to_json() for info in infos], indent=2))
+        print(json.dumps([_json(info, declared, picks) for info in infos], indent=2))
     else:
-        print(render(infos, shutil.get_terminal_size((80, 24)).columns, healthy))
+        print(render(infos, shutil.get_terminal_size((80, 24)).columns, healthy, declared, picks))
     return 0 if healthy else 1
+
+
+def _requirements(pm: object, answers: object) -> dict[str, object]:
+    """Backend name -> the KernelRequirements it declared to the health check."""
+    from kvcore.errors import PluginError
+    from kvcore.plugins.health import REPRESENTATIVE_SPEC
+    from kvcore.plugins.manager import collect_backends
+
+    out: dict[str, object] = {}
+    try:
+        table = collect_backends(pm).unambiguous()  # type: ignore[arg-type]
+    except PluginError:
+        return out
+    for name, (backend, _) in table.items():
+        try:
+            out[name] = answers.requirements(backend, REPRESENTATIVE_SPEC)  # type: ignore[attr-defined]
+        except PluginError:
+            continue  # NOTE: check_plugins already marked the plugin unhealthy
+    return out
+
+
+def _json(info: PluginInfo, declared: dict[str, object], picks: dict[str, str | None]) -> dict[str, object]:
+    """One plugin's JSON object: its record, each backend's requirements and where "auto" picks it."""
+    from kvcore.plugins.health import requirements_json
+
+    item = info.to_json()
+    item["requirements"] = {b: requirements_json(declared[b]) for b in info.backends if b in declared}  # type: ignore[arg-type]
+    item["auto"] = {b: [d for d, pick in picks.items() if pick == b] for b in info.backends}
+    return item
+
+
+def no_backend_reason(infos: list[PluginInfo]) -> str | None:
+    """Why no attention backend can be used, or None when a loaded plugin registers one."""
+    if any(info.backends for info in infos if info.status == "loaded"):
+        return None
+    reason = "no attention backend is usable: "
+    if os.environ.get("KVCORE_DISABLE_PLUGIN_AUTOLOAD") == "1":
+        return reason + (
+            f"KVCORE_DISABLE_PLUGIN_AUTOLOAD=1 keeps the {len(infos)} installed plugin"
+            f"{'s' * (len(infos) != 1)} from loading; unset it, or register a backend in-process "
+            "(get_plugin_manager(autoload=False).register(...))"
+        )
+    if not infos:
+        return reason + "no kvcore plugin is installed; install one, such as kvcore-torch"
+    return reason + "no loaded plugin registers a backend; see each plugin's status and error"
 
 
 def _field(label: str, value: str, width: int) -> list[str]:
@@ -77,12 +131,12 @@ def _field(label: str, value: str, width: int) -> list[str]:
     )
 
 
-def _sizes(sizes: list[int | str]) -> str:
-    return ", ".join(str(s) for s in sizes)
+def _sizes(sizes: list[int | dict[str, int]]) -> str:
+    return ", ".join(f"multiple of {s['multiple_of']}" if isinstance(s, dict) else str(s) for s in sizes)
 
 
-def render_one(info: PluginInfo, width: int) -> list[str]:
-    """The lines of one plugin's record."""
+def render_one(info: PluginInfo, width: int, requirements: dict[str, object] | None = None) -> list[str]:
+    """The lines of one plugin's record (``declared``: backend -> its KernelRequirements)."""
     lines = [f"{info.name}  [{info.status}]"]
     where = "in-process" if info.entry_point is None else f"{info.distribution or '?'} {info.version or '?'}"
     lines += _field("distribution", where, width)
@@ -93,21 +147,39 @@ def render_one(info: PluginInfo, width: int) -> list[str]:
         if not backend:
             lines += _field("backends", "", width)
             continue
-        declared = []
+        declared: list[str] = []
         if backend in info.kernel_block_sizes:
             declared.append(f"kernel block sizes {_sizes(info.kernel_block_sizes[backend])}")
         if backend in info.layouts:
             layouts = info.layouts[backend]
             declared.append("layouts " + ("any" if layouts is None else ", ".join(layouts)))
         lines += _field("backend", f"{backend}" + (f": {'; '.join(declared)}" if declared else ""), width)
+        if requirements and backend in requirements:
+            from kvcore.plugins.health import describe_requirements
+
+            lines += _field("requires", describe_requirements(requirements[backend]), width)  # type: ignore[arg-type]
     if info.error:
         lines += _field("error", info.error, width)
     return lines
 
 
-def render(infos: list[PluginInfo], width: int, healthy: bool) -> str:
-    """Every plugin's record, separated by blank lines (``healthy``: the check passed)."""
+def render(
+    infos: list[PluginInfo],
+    width: int,
+    healthy: bool,
+    requirements: dict[str, object] | None = None,
+    picks: dict[str, str | None] | None = None,
+) -> str:
+    """Every plugin's record, separated by blank lines (``healthy``: the check passed).
+
+    ``picks`` (device type -> backend name or None) ends the listing with what
+    ``"auto"`` picks for the representative spec.
+    """
     if not infos:
         return "No kvcore plugins installed (entry-point group kvcore.plugins)."
     header = f"kvcore plugins: {len(infos)} found" + ("" if healthy else "; some need attention (exit 1)")
-    return "\n\n".join([header, *("\n".join(render_one(i, width)) for i in infos)])
+    blocks = [header, *("\n".join(render_one(i, width, requirements)) for i in infos)]
+    if picks:
+        text = "; ".join(f"{device}: {name or 'no backend can serve it'}" for device, name in picks.items())
+        blocks.append("\n".join(_field("auto picks", text + " (bf16, 8 KV heads of 128)", width)))
+    return "\n\n".join(blocks)

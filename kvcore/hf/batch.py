@@ -3,13 +3,15 @@
 All tokens of a step are packed into one row (``input_ids``/``position_ids``
 of shape ``[1, T]``); request ``i`` owns columns
 ``query_start_loc[i]:query_start_loc[i + 1]``. Each KV cache group gets its
-own block table (rows sliced from the scheduler's arrays) and slot mapping.
-Host arrays are built with numpy and moved in two copies (int64, int32).
+own block table (rows sliced from the scheduler's arrays) and slot mapping;
+a state group's table is each request's one state slot (its mixers read the
+slots themselves; no attention backend reads that group's metadata). Host arrays are built with numpy and moved in two copies (int64, int32).
 """
 
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import attrs
 import numpy as np
@@ -37,8 +39,12 @@ def build_step_inputs(
     tables: list[np.ndarray],
     block_sizes: list[int],
     device: torch.device,
+    state_groups: Sequence[bool] = (),
 ) -> StepInputs:
-    """Pack ``batch`` (requests and their token counts) into model inputs and per-group metadata."""
+    """Pack ``batch`` (requests and their token counts) into model inputs and per-group metadata.
+
+    ``state_groups[g]`` is true for a state group (one block per request).
+    """
     num_reqs = len(batch)
     counts = np.fromiter((n for _, n in batch), dtype=np.int64, count=num_reqs)
     computed = np.fromiter((r.num_computed for r, _ in batch), dtype=np.int64, count=num_reqs)
@@ -57,7 +63,12 @@ def build_step_inputs(
     logits_indices = starts[1:][sampling] - 1
     max_seq_len = int(seq_lens.max())
     group_tables, slots = [], []
-    for table, size in zip(tables, block_sizes):
+    for g, (table, size) in enumerate(zip(tables, block_sizes)):
+        if g < len(state_groups) and state_groups[g]:
+            rows_table = table[rows, :1]
+            group_tables.append(rows_table)
+            slots.append(rows_table[owner, 0].astype(np.int64) * size)
+            continue
         rows_table = table[rows, : -(-max_seq_len // size)]
         group_tables.append(rows_table)
         slots.append(rows_table[owner, positions // size].astype(np.int64) * size + positions % size)

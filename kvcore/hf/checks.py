@@ -53,3 +53,21 @@ def eos_ids(model: Any) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
+
+
+def check_hybrid_options(config: Any, prefix_caching: bool, tp_size: int, cuda_graphs: bool | None) -> bool:
+    """Refuse what a hybrid model cannot be served with; returns ``cuda_graphs`` resolved (off)."""
+    kind = config.model_type
+    if prefix_caching:
+        raise ValueError(
+            f"prefix caching cannot serve the hybrid {kind!r}: its mixer states are kept per sequence, not per "
+            "block, so no cached block names the state after a prefix; pass enable_prefix_caching=False"
+        )
+    if tp_size > 1:
+        raise ValueError(f"kvcore.hf serves the hybrid {kind!r} on one device only; its mixer states are not sharded")
+    if cuda_graphs:
+        raise ValueError(
+            f"CUDA graphs cannot capture the hybrid {kind!r}: its mixers run per request with shapes that "
+            "change every step; pass cuda_graphs=False (or None)"
+        )
+    return False

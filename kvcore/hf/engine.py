@@ -5,7 +5,10 @@ Construction plans one :class:`~kvcore.KVCache` for the model's layers
 cache view, and builds the scheduler. Each step schedules requests
 (:mod:`kvcore.hf.scheduler`), packs their tokens and metadata
 (:mod:`kvcore.hf.batch`), zeroes new blocks (``KVCache.begin_step``), runs
-the model once with kvcore's attention function and samples greedily.
+the model once with kvcore's attention function and samples greedily. A
+hybrid model's mixers run per request on their state slots
+(:mod:`kvcore.hf.mixers`). When anything raises inside a step, every queued
+request is dropped and its blocks freed before the exception propagates.
 """
 
 from __future__ import annotations
@@ -21,11 +24,15 @@ import torch
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.attention import ChunkedLocalAttentionSpec, SlidingWindowSpec
+from kvcore.specs.state import MambaSpec
 from kvcore._validate import positive_int
 from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.batch import StepInputs, build_step_inputs
-from kvcore.hf.checks import attention_modules, check_model, default_memory, eos_ids
+from kvcore.hf.checks import attention_modules, check_hybrid_options, check_model, default_memory, eos_ids
+from kvcore.hf.defaults import resolve as resolve_defaults
+from kvcore.hf.defaults import warm_up
 from kvcore.hf.graphs import DecodeGraphs, graphs_wanted
+from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.requests import Request, check_prompt
 from kvcore.hf.scheduler import Scheduler
 from kvcore.hf.specs import specs_from_config
@@ -47,30 +54,33 @@ class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
     :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``), on its device.
-    :param backend: registered attention backend name (``"torch"``, ``"triton"``) or class.
-    :param block_size: tokens per manager block.
+    :param backend: registered attention backend name (``"torch"``, ``"triton"``, ``"flashinfer"``),
+        class, or ``"auto"``: :func:`kvcore.select_backend`'s pick per layer (``kvcore.hf.defaults``).
+    :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
     :param layout: KV cache layout (default: the backend's preference).
     :param num_blocks: blocks to plan; or ``available_memory`` bytes (default: 90% of the
         free GPU memory, or 256 MiB on a CPU).
     :param max_num_seqs: requests running at once; others wait.
-    :param max_num_batched_tokens: tokens per step (prefill chunks and decodes together).
+    :param max_num_batched_tokens: tokens per step (prefill chunks and decodes together); None:
+        4,096 on a GPU, 2,048 elsewhere.
     :param enable_prefix_caching: share cached blocks of common prompt prefixes.
     :param group: a ``torch.distributed`` group for a tensor-parallel model (``kvcore.hf.tp``).
     :param cuda_graphs: replay decode steps from CUDA graphs (``kvcore.hf.graphs``); None: on
-        for the ``triton`` backend on a CUDA device.
+        for the ``triton`` and ``flashinfer`` backends on a CUDA device. Every batch size is
+        captured when the engine is built (:meth:`warmup`), not in the first ``generate``.
     """
 
     def __init__(
         self,
         model: Any,
         *,
-        backend: Any = "torch",
-        block_size: int = 16,
+        backend: Any = "auto",
+        block_size: int | None = None,
         layout: Any = None,
         num_blocks: int | None = None,
         available_memory: int | None = None,
         max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
+        max_num_batched_tokens: int | None = None,
         enable_prefix_caching: bool = False,
         group: Any = None,
         cuda_graphs: bool | None = None,
@@ -79,22 +89,34 @@ class Engine:
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
-        max_num_batched_tokens = positive_int("max_num_batched_tokens", max_num_batched_tokens)
         config = model.config
         self.model = model
         self.device = torch.device(model.device)
         self.vocab_size = positive_int("config.vocab_size", config.vocab_size)
         self.max_model_len = positive_int("config.max_position_embeddings", config.max_position_embeddings)
         tp_rank, tp_size = resolve_tp(model, group)
-        specs = shard_specs(specs_from_config(config, dtype=model.dtype, block_size=block_size), tp_rank, tp_size)
+        settings = resolve_defaults(
+            lambda size: shard_specs(specs_from_config(config, dtype=model.dtype, block_size=size), tp_rank, tp_size),
+            self.device, backend, None if block_size is None else positive_int("block_size", block_size),
+            max_num_batched_tokens,
+        )
+        max_num_batched_tokens = positive_int("max_num_batched_tokens", settings.max_num_batched_tokens)
+        specs = shard_specs(
+            specs_from_config(config, dtype=model.dtype, block_size=settings.block_size), tp_rank, tp_size
+        )
         chunked = [n for n, s in specs.items() if isinstance(s, ChunkedLocalAttentionSpec)]
         if chunked:
             raise ValueError(f"{chunked[0]} uses chunked local attention, which no kvcore backend implements")
-        modules = attention_modules(model, list(specs))
+        attention = [n for n, s in specs.items() if not isinstance(s, MambaSpec)]
+        mixers = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
+        if mixers:
+            cuda_graphs = check_hybrid_options(config, enable_prefix_caching, tp_size, cuda_graphs)
+        modules = attention_modules(model, attention)
+        attention_modules(model, mixers)
         if num_blocks is None and available_memory is None:
             available_memory = default_memory(self.device)
         self.kv = KVCache.create(
-            specs, dict.fromkeys(specs, backend), device=self.device, layout=layout,
+            specs, settings.layer_backends, device=self.device, layout=layout,
             num_blocks=num_blocks, available_memory=available_memory,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
         )
@@ -106,6 +128,9 @@ class Engine:
         )
         self._layers = {module: self._bind(name) for name, module in modules.items()}
         self._block_sizes = [self.kv.block_size(g) for g in range(self.kv.num_groups)]
+        #: The hybrid model's mixers on their state groups (None for attention-only models).
+        self.mixers = MixerRunner(model, self.kv, mixers) if mixers else None
+        self._state_groups = [info.state for info in self.scheduler.groups]
         self._eos = eos_ids(model)
         self._counts = _Counts()
         self._next_id = 0
@@ -113,12 +138,19 @@ class Engine:
         #: Synchronize the device at every phase boundary so that ``stats()`` times are device-true.
         self.sync_timing = False
         self.graphs: DecodeGraphs | None = None
-        backend_name = self.kv.group_of(next(iter(specs))).backend.get_name()
+        backend_name = self.kv.group_of(attention[0]).backend.get_name()
         if graphs_wanted(cuda_graphs, self.device, backend_name):
             widths = [t.shape[1] for t in self.scheduler.tables]
             self.graphs = DecodeGraphs(model, self.kv, self._layers, widths, self._block_sizes,
                                        max_num_seqs=max_num_seqs)
         register_attention()
+        self.warmup()
+
+    def warmup(self, *, progress: bool = True) -> None:
+        """Capture every decode CUDA graph now (a progress bar), so no ``generate`` pays for it."""
+        if self.graphs is not None and self.graphs.capture:
+            with self.serving():
+                warm_up(self.graphs, progress=progress)
 
     def _bind(self, name: str) -> LayerBinding:
         attn_group = self.kv.group_of(name)
@@ -182,7 +214,8 @@ class Engine:
             return
         self.model.set_attn_implementation(ATTENTION_NAME)
         try:
-            yield
+            with self.mixers.installed() if self.mixers is not None else contextlib.nullcontext():
+                yield
         finally:
             self.model.set_attn_implementation(previous)
 
@@ -194,6 +227,18 @@ class Engine:
             return self._step()
 
     def _step(self) -> int:
+        try:
+            return self._run_step()
+        except BaseException:
+            # NOTE: a step that raised may have written part of its K/V and mixer states; no
+            # request can resume from that, so every queued one is dropped with its blocks.
+            self.scheduler.abort_all()
+            self._done = {}
+            if self.mixers is not None:
+                self.mixers.step = None
+            raise
+
+    def _run_step(self) -> int:
         times, clock = self._counts.times, self._clock
         t0 = clock()
         batch = self.scheduler.schedule()
@@ -206,13 +251,18 @@ class Engine:
             sampling, num_tokens = [r for r, _ in batch], len(batch)
             self._counts.graph_steps += 1
         else:
-            inputs = build_step_inputs(batch, self.scheduler.tables, self._block_sizes, self.device)
+            inputs = build_step_inputs(batch, self.scheduler.tables, self._block_sizes, self.device,
+                                       self._state_groups)
+            if self.mixers is not None:
+                self.mixers.step = self.mixers.plan(batch)
             metadata = self.kv.build_metadata(inputs.common)
             sampling, num_tokens = inputs.sampled, inputs.num_tokens
         t2 = clock()
         self._counts.blocks_zeroed += len(self.kv.begin_step())
         t3 = clock()
         next_tokens = self.graphs.replay(size, len(batch)) if graphed else self._forward(inputs, metadata)
+        if self.mixers is not None:
+            self.mixers.step = None
         t4 = clock()
         sampled = next_tokens.tolist()
         t5 = clock()
@@ -234,13 +284,17 @@ class Engine:
         return time.perf_counter()
 
     def _forward(self, inputs: StepInputs, metadata: dict[str, Any]) -> torch.Tensor:
+        return self._logits(inputs, metadata).argmax(-1)
+
+    def _logits(self, inputs: StepInputs, metadata: dict[str, Any]) -> torch.Tensor:
+        """``[sampling requests, vocab]`` logits of one eager step (``inputs.sampled`` order)."""
         step = StepContext(self._layers, metadata)
         with torch.inference_mode():
             out = self.model(
                 input_ids=inputs.input_ids, position_ids=inputs.position_ids, use_cache=False,
                 logits_to_keep=inputs.logits_indices, **{STEP_KWARG: step},
             )
-            return out.logits[0].argmax(-1)
+            return out.logits[0]
 
     def _account(self, batch: list[tuple[Request, int]]) -> None:
         counts = self._counts
@@ -262,3 +316,4 @@ class Engine:
             graph_steps=c.graph_steps,
             **{f"{phase}_s": c.times[phase] for phase in PHASES},
         )
+

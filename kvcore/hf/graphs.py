@@ -1,8 +1,8 @@
-"""CUDA graphs of decode steps: one per padded batch size, captured on first use.
+"""CUDA graphs of decode steps: one per padded batch size, captured up front (Engine.warmup) or on first use.
 
 A decode step (every request computes exactly its last token) has shapes that
 depend only on the number of requests, so it is captured once per bucket of
-batch sizes and replayed: model forward, kernel-block table mapping, K/V
+batch sizes (all of them when the engine is built: ``Engine.warmup``) and replayed: model forward, kernel-block table mapping, K/V
 writes, attention and the greedy argmax, with no Python in between. Inputs
 live in two static device buffers (int64: token ids, positions, slots; int32:
 query offsets, sequence lengths, block tables), refreshed from pinned host
@@ -23,6 +23,10 @@ from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.hf.attention import STEP_KWARG, LayerBinding, StepContext
 from kvcore.hf.requests import Request
+
+
+#: Backends whose decode steps are captured by default (no host work inside ``forward``).
+GRAPH_BACKENDS = ("triton", "flashinfer")
 
 
 def bucket_sizes(max_num_seqs: int) -> list[int]:
@@ -133,7 +137,38 @@ class DecodeGraphs:
             )
             return out.logits[0].argmax(-1)
 
-    def _capture(self, size: int, tables: list[np.ndarray]) -> None:
+    def _plan_host(self, size: int) -> None:
+        """Let metadata builders that plan on the host (``plan_graph_step``) plan this step's inputs.
+
+        They get the step padded to ``size`` as CPU tensors, block tables in kernel
+        blocks, before capture and before every replay (no device sync).
+        """
+        qsl, lens = torch.from_numpy(self._field("qsl")[: size + 1]), torch.from_numpy(self._field("lens")[:size])
+        for g, groups in enumerate(self.kv.attn_groups):
+            table = torch.from_numpy(self._field(f"table{g}").reshape(self.max_batch, self.widths[g])[:size])
+            for attn_group in groups:
+                builder = attn_group.metadata_builders[0]
+                if not hasattr(builder, "plan_graph_step"):
+                    continue
+                kernel_table = table
+                if attn_group.kernel_block_size is not None:
+                    ratio = attn_group.blocks_per_manager_block
+                    step = attn_group.kernel_block_stride or ratio
+                    kernel_table = (table[..., None] * step + torch.arange(ratio, dtype=torch.int32)).flatten(1)
+                builder.plan_graph_step(CommonAttentionMetadata(
+                    query_start_loc=qsl, seq_lens=lens, block_table_tensor=kernel_table,
+                    slot_mapping=torch.from_numpy(self._field(f"slots{g}")[:size]), num_reqs=size,
+                    num_actual_tokens=size, max_query_len=1, max_seq_len=self.kv.max_model_len,
+                ))
+
+    def capture_size(self, size: int) -> None:
+        """Capture the step of batch size ``size`` (one of ``sizes``) now, if not yet captured."""
+        if self.capture and size not in self.graphs:
+            self._capture(size, None)
+
+    def _capture(self, size: int, tables: list[np.ndarray] | None) -> None:
+        if tables is None:  # NOTE: padding rows read no table
+            tables = [np.zeros((1, width), dtype=np.int32) for width in self.widths]
         self._fill([], tables, size)  # padding only: the warm-up runs write nothing
         self._copy()
         stream = torch.cuda.Stream(self.kv.device)
@@ -142,6 +177,7 @@ class DecodeGraphs:
             for _ in range(2):  # compiles kernels, settles the allocator
                 self._forward(size)
         torch.cuda.current_stream(self.kv.device).wait_stream(stream)
+        self._plan_host(size)
         graph = torch.cuda.CUDAGraph()
         if self.pool is None:
             self.pool = torch.cuda.graph_pool_handle()
@@ -162,6 +198,7 @@ class DecodeGraphs:
         if self.capture and size not in self.graphs:
             self._capture(size, tables)
         self._fill(batch, tables, size)
+        self._plan_host(size)
         self._copy()
         return size
 
@@ -174,9 +211,9 @@ class DecodeGraphs:
 
 
 def graphs_wanted(option: Any, device: torch.device, backend_name: str) -> bool:
-    """``cuda_graphs=None`` means on for the ``triton`` backend on a CUDA device."""
+    """``cuda_graphs=None`` means on for the ``triton`` and ``flashinfer`` backends on a CUDA device."""
     if option is None:
-        return device.type == "cuda" and backend_name == "triton"
+        return device.type == "cuda" and backend_name in GRAPH_BACKENDS
     if not isinstance(option, bool):
         raise TypeError(f"cuda_graphs must be True, False or None, got {option!r}")
     if option and device.type != "cuda":

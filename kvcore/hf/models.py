@@ -17,6 +17,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+_MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8,
+           "mamba_chunk_size": 16, "mamba_expand": 2}
+
 #: Architecture name -> (config class, keyword arguments beyond the common small shape).
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "llama": ("LlamaConfig", {}),
@@ -27,6 +30,25 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
         "Gemma3TextConfig",
         {"sliding_window": 24, "layer_types": ["sliding_attention", "full_attention"], "query_pre_attn_scalar": 24},
     ),
+    # Hybrids: mixer layers around one attention layer (three layers; Mamba2 mixers of 8 heads of 16).
+    "bamba": ("BambaConfig", {"num_hidden_layers": 3, "attn_layer_indices": [1], **_MAMBA2}),
+    "granitemoehybrid": (
+        "GraniteMoeHybridConfig",
+        {"num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "num_local_experts": 4,
+         "num_experts_per_tok": 2, "shared_intermediate_size": 64, **_MAMBA2},
+    ),
+    "granitemoehybrid-dense": (
+        "GraniteMoeHybridConfig",
+        {"num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "num_local_experts": 0,
+         "shared_intermediate_size": 128, **_MAMBA2},
+    ),
+    "falcon_h1": ("FalconH1Config", {"mamba_d_ssm": 128, **_MAMBA2}),
+    "nemotron_h": (
+        "NemotronHConfig",
+        {"num_hidden_layers": 4, "hybrid_override_pattern": "M*-M", "mamba_num_heads": 8, "mamba_head_dim": 16,
+         "n_groups": 1, "ssm_state_size": 8, "chunk_size": 16},
+    ),
+    "lfm2": ("Lfm2Config", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"]}),
 }
 
 

@@ -9,6 +9,8 @@ any more. When the pool runs dry, the newest running request is preempted:
 its blocks are freed and it is recomputed later from its tokens (greedy
 decoding makes the result identical). A request that could never fit alone
 is refused when it is added, so the oldest request can always progress.
+A state group (a hybrid's mixer states) holds one block per request, its
+state slot, taken at admission and freed with the request's other blocks.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import numpy as np
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.attention import SlidingWindowSpec
+from kvcore.specs.state import MambaSpec
 from kvcore.hf.prefix import PrefixCache
 from kvcore.hf.requests import Request
 
@@ -32,9 +35,13 @@ class GroupInfo:
     block_size: int
     #: Tokens of the sliding window, None for full attention.
     sliding_window: int | None
+    #: A state group: one block (the request's state slot) whatever its length.
+    state: bool = False
 
     def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
         """Most blocks one request of ``num_tokens`` ever holds in this group at once."""
+        if self.state:
+            return 1
         full = -(-num_tokens // self.block_size)
         if self.sliding_window is None:
             return full
@@ -55,7 +62,8 @@ class Scheduler:
         self.pool: BlockPool = kv.block_pool
         self.groups = [
             GroupInfo(g.kv_cache_spec.block_size, getattr(g.kv_cache_spec, "sliding_window", None)
-                      if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None)
+                      if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None,
+                      state=isinstance(g.kv_cache_spec, MambaSpec))
             for g in kv.config.kv_cache_groups
         ]
         self.max_num_seqs = max_num_seqs
@@ -66,9 +74,21 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self.prefix = PrefixCache(self.pool, self.groups) if prefix_caching else None
         # NOTE: one row per running request and group; the batch builder slices these per step.
-        width = max(-(-min(self.max_model_len, kv.num_blocks * g.block_size) // g.block_size) for g in self.groups)
-        self.tables = [np.zeros((max_num_seqs, width), dtype=np.int32) for _ in self.groups]
+        self.tables = [np.zeros((max_num_seqs, self._width(g, kv.num_blocks)), dtype=np.int32) for g in self.groups]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+
+    def _width(self, group: GroupInfo, num_blocks: int) -> int:
+        """Block-table columns one request may index in ``group``.
+
+        A full-attention request never holds more blocks than the pool; a
+        sliding-window one indexes block ``position // block_size`` up to the
+        model's length although it holds only the window's blocks.
+        """
+        if group.state:
+            return 1
+        tokens = self.max_model_len if group.sliding_window is not None else min(
+            self.max_model_len, num_blocks * group.block_size)
+        return -(-tokens // group.block_size)
 
     # -- admission -------------------------------------------------------------------------
 
@@ -128,6 +148,9 @@ class Scheduler:
         start = request.num_computed
         needs = []
         for g, info in enumerate(self.groups):
+            if info.state:
+                needs.append(0 if request.block_tables[g] else 1)
+                continue
             if info.sliding_window is not None:
                 self._drop_out_of_window(request, g, start - info.sliding_window + 1)
             needs.append(-(-(start + n) // info.block_size) - len(request.block_tables[g]))
@@ -183,6 +206,16 @@ class Scheduler:
             request.num_computed += n
             if self.prefix is not None:
                 self.prefix.cache_full_blocks(request)
+
+    def abort_all(self) -> int:
+        """Drop every queued request (running or waiting) and free all it holds; returns how many."""
+        requests = [*self.running, *self.waiting]
+        for request in requests:
+            self._release(request)
+            request.reset(len(self.groups))
+        self.running.clear()
+        self.waiting.clear()
+        return len(requests)
 
     def finish(self, request: Request) -> None:
         """``request`` is done: free its blocks."""

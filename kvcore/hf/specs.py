@@ -3,9 +3,10 @@
 Every decoder layer gets one spec named after its attention module
 (``model.layers.<i>.self_attn``): full attention, a sliding window (from
 ``layer_types`` / ``sliding_window``) or chunked local attention, with the
-config's KV heads and head dim. Attention features that no kvcore backend
-implements are refused with a ``ValueError`` naming the feature, so a model is
-never served approximately.
+config's KV heads and head dim. A hybrid's mixer layers get a state spec
+(:mod:`kvcore.hf.hybrid`). Attention features that no kvcore backend
+implements, and hybrids whose states kvcore cannot own, are refused with a
+``ValueError`` naming them, so a model is never served approximately.
 """
 
 from __future__ import annotations
@@ -17,9 +18,12 @@ import torch
 from kvcore.specs.attention import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from kvcore.specs.base import KVCacheSpec
 from kvcore._validate import positive_int
+from kvcore.hf.hybrid import (
+    HYBRID_FAMILIES, hybrid_layer_roles, hybrid_layer_types, is_hybrid, mixer_spec, refuse_unservable_hybrid,
+)
 
 #: ``model_type`` values whose transformers modeling code the engine serves (tested for exactness).
-SERVED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text")
+SERVED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", *HYBRID_FAMILIES)
 
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
 
@@ -45,13 +49,14 @@ def unsupported_features(config: Any) -> list[str]:
     if getattr(config, "kv_lora_rank", None):
         found.append(f"multi-head latent attention (kv_lora_rank={config.kv_lora_rank})")
     others = sorted({t for t in (getattr(config, "layer_types", None) or ()) if t not in _LAYER_TYPES})
-    if others:
+    if others and not is_hybrid(config):
         found.append(f"layer types {others} (kvcore serves {list(_LAYER_TYPES)})")
     return found
 
 
 def check_servable(config: Any) -> None:
     """Raise ``ValueError`` naming every attention feature of ``config`` kvcore cannot serve exactly."""
+    refuse_unservable_hybrid(config)
     found = unsupported_features(config)
     if found:
         kind = getattr(config, "model_type", type(config).__name__)
@@ -119,13 +124,22 @@ def specs_from_config(
     :param config: a transformers ``PretrainedConfig`` of a decoder-only model.
     :param dtype: the cache dtype; None takes the config's ``dtype`` (float32 if unset).
     :param block_size: tokens per manager block.
-    :raises ValueError: the config uses an attention feature kvcore cannot serve exactly.
+    :raises ValueError: the config uses an attention feature kvcore cannot serve exactly, or is a
+        hybrid whose mixer states kvcore cannot own (``kvcore.hf.hybrid.REFUSED_HYBRIDS``).
     """
     check_servable(config)
     block_size = positive_int("block_size", block_size)
     dtype = resolve_dtype(config, dtype)
     _, num_kv_heads, head_dim = head_shape(config)
     specs: dict[str, KVCacheSpec] = {}
+    if is_hybrid(config):
+        state = mixer_spec(config, dtype, block_size)
+        for attention, mixer in hybrid_layer_roles(config, hybrid_layer_types(config)):
+            if mixer is not None:
+                specs[mixer] = state
+            if attention is not None:
+                specs[attention] = FullAttentionSpec(block_size, num_kv_heads, head_dim, dtype)
+        return specs
     for i, (kind, size) in enumerate(layer_kinds(config)):
         if kind == "sliding":
             spec: KVCacheSpec = SlidingWindowSpec(block_size, num_kv_heads, head_dim, dtype, sliding_window=size)

@@ -142,6 +142,8 @@ def allocate_kv_cache(
     device: torch.device | str,
     layout: KVCacheLayout | str | None = None,
     kernel_block_sizes: list[int | None] | None = None,
+    *,
+    buffer: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]``.
 
@@ -151,7 +153,8 @@ def allocate_kv_cache(
     A device torch cannot allocate on, or an allocation too large, raises
     :class:`~kvcore.errors.KVCoreError` (a ValueError) with nothing allocated.
     ``kernel_block_sizes[g]`` splits group ``g``'s blocks into kernel blocks
-    (None keeps them whole).
+    (None keeps them whole). ``buffer``: view this int8 buffer of the
+    common size instead of allocating one (an elastic cache's reservation).
     """
     if not isinstance(kv_cache_config, KVCacheConfig):
         raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
@@ -182,7 +185,11 @@ def allocate_kv_cache(
         ]
     # NOTE: views over a meta buffer first, so a refusal allocates nothing.
     _layer_views(kv_cache_config, torch.empty(sizes[0], dtype=torch.int8, device="meta"), layout, kernel_block_sizes)
-    return _layer_views(kv_cache_config, _zeroed_buffer(sizes[0], device), layout, kernel_block_sizes)
+    if buffer is None:
+        buffer = _zeroed_buffer(sizes[0], device)
+    elif buffer.dtype not in _BYTE_DTYPES or buffer.dim() != 1 or buffer.numel() != sizes[0]:
+        raise ValueError(f"buffer must be a 1-D int8 tensor of {sizes[0]} bytes, got {buffer.dtype} {tuple(buffer.shape)}")
+    return _layer_views(kv_cache_config, buffer, layout, kernel_block_sizes)
 
 
 def _layer_views(

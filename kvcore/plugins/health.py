@@ -3,7 +3,9 @@
 Every hook of every registered backend is asked once about one
 representative full-attention spec; a hook that raises or answers the wrong
 type makes the plugin at fault ``unhealthy`` with that error. Each plugin's
-record also shows what its backends declare: kernel block sizes and layouts.
+record also shows what its backends declare: kernel block sizes and layouts;
+:func:`requirements_json` and :func:`auto_picks` add their kernel
+requirements and what ``"auto"`` picks on the CPU (and CUDA, when present).
 """
 
 from __future__ import annotations
@@ -14,9 +16,11 @@ import pluggy
 import torch
 
 from kvcore.errors import PluginError
+from kvcore.plugins.auto import choose_backend
 from kvcore.plugins.manager import PluginInfo, collect_backends
 from kvcore.plugins.negotiation import HookAnswers
 from kvcore.plugins.registry import list_plugins, resolve_plugin_manager
+from kvcore.plugins.requirements import KernelRequirements
 from kvcore.specs import FullAttentionSpec, MultipleOf
 
 #: The spec every backend is asked about: 16-token blocks, 8 KV heads of 128, bf16.
@@ -26,15 +30,19 @@ REPRESENTATIVE_SPEC = FullAttentionSpec(16, 8, 128, torch.bfloat16)
 BAD_STATUSES = ("failed", "conflict", "unhealthy")
 
 
-def _size_json(size: int | MultipleOf) -> int | str:
-    return f"multiple of {size.base}" if isinstance(size, MultipleOf) else size
+def _size_json(size: int | MultipleOf) -> int | dict[str, int]:
+    """A declared kernel block size as JSON: ``16``, or ``{"multiple_of": 16}``."""
+    return {"multiple_of": size.base} if isinstance(size, MultipleOf) else size
 
 
-def check_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[PluginInfo]:
+def check_plugins(
+    plugin_manager: pluggy.PluginManager | None = None, answers: HookAnswers | None = None
+) -> list[PluginInfo]:
     """:func:`~kvcore.plugins.registry.list_plugins`, with every backend's hooks asked once.
 
     Each record's ``kernel_block_sizes`` and ``layouts`` map its backends to
     what they declare for :data:`REPRESENTATIVE_SPEC` (layouts ``None``: any).
+    Pass ``answers`` to read the kernel requirements from it afterwards.
     """
     pm = resolve_plugin_manager(plugin_manager)
     infos = list_plugins(pm)
@@ -43,7 +51,7 @@ def check_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[Pl
         entries = collect_backends(pm).entries
     except PluginError:
         entries = {}  # NOTE: list_plugins already marked the plugin that failed
-    answers = HookAnswers(pm)
+    answers = HookAnswers(pm) if answers is None else answers
     for name, found in entries.items():
         for backend, owner in found:
             info = by_name.get(owner)
@@ -53,6 +61,8 @@ def check_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[Pl
                 sizes = answers.kernel_block_sizes(backend, REPRESENTATIVE_SPEC)
                 layouts = answers.stated_layouts(backend, REPRESENTATIVE_SPEC)
                 answers.customized_spec(backend, REPRESENTATIVE_SPEC)
+                answers.requirements(backend, REPRESENTATIVE_SPEC)
+                answers.priority(backend, REPRESENTATIVE_SPEC, torch.device("cpu"))
             except PluginError as exc:
                 _mark_unhealthy(by_name, getattr(exc, "plugin_name", None) or owner, str(exc))
                 continue
@@ -78,4 +88,64 @@ def is_healthy(infos: list[PluginInfo]) -> bool:
     return not any(info.status in BAD_STATUSES for info in infos)
 
 
-__all__: list[Any] = ["BAD_STATUSES", "REPRESENTATIVE_SPEC", "check_plugins", "is_healthy"]
+def requirements_json(req: KernelRequirements) -> dict[str, Any]:
+    """A backend's requirements as JSON values (None: no rule)."""
+    return {
+        "devices": None if req.devices is None else list(req.devices),
+        "dtypes": None if req.dtypes is None else [str(d).removeprefix("torch.") for d in req.dtypes],
+        "head_sizes": None if req.head_sizes is None else list(req.head_sizes),
+        "max_stride_elements": req.max_stride_elements,
+        "alignment_bytes": req.alignment_bytes,
+    }
+
+
+def describe_requirements(req: KernelRequirements) -> str:
+    """One line of what a backend requires ("none" when nothing)."""
+    parts = []
+    if req.devices is not None:
+        parts.append("devices " + ", ".join(req.devices))
+    if req.dtypes is not None:
+        parts.append("dtypes " + ", ".join(str(d).removeprefix("torch.") for d in req.dtypes))
+    if req.head_sizes is not None:
+        parts.append("head sizes " + _ranges(req.head_sizes))
+    if req.max_stride_elements is not None:
+        parts.append(f"strides below {req.max_stride_elements} elements")
+    if req.alignment_bytes > 1:
+        parts.append(f"{req.alignment_bytes}-byte aligned strides and offsets")
+    return "; ".join(parts) or "none"
+
+
+def _ranges(values: tuple[int, ...]) -> str:
+    runs: list[list[int]] = []
+    for v in sorted(set(values)):
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def auto_picks(answers: HookAnswers) -> dict[str, str | None]:
+    """Device type -> the backend ``"auto"`` picks for :data:`REPRESENTATIVE_SPEC` (None: none can).
+
+    The CPU always; CUDA when this machine has it.
+    """
+    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    out: dict[str, str | None] = {}
+    for device in devices:
+        try:
+            out[device] = choose_backend(answers, REPRESENTATIVE_SPEC, torch.device(device)).name
+        except ValueError:  # NOTE: PluginError too; check_plugins already reported it
+            out[device] = None
+    return out
+
+
+__all__: list[Any] = [
+    "BAD_STATUSES",
+    "REPRESENTATIVE_SPEC",
+    "auto_picks",
+    "check_plugins",
+    "describe_requirements",
+    "is_healthy",
+    "requirements_json",
+]

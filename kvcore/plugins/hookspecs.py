@@ -12,9 +12,11 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import pluggy
+import torch
 
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec, MultipleOf
 
 PROJECT_NAME = "kvcore"
@@ -50,8 +52,11 @@ def kvcore_supported_kernel_block_sizes(
 
     :param backend: the backend class kvcore is asking about.
     :param spec: the layer's KV cache spec, or None when no spec is known.
-    :returns: a list of ``int`` (that size only) and ``MultipleOf(base)`` (any
-        multiple of ``base``) for a backend this plugin owns, else None.
+    :returns: a non-empty list of ``int`` (that size only) and
+        ``MultipleOf(base)`` (any multiple of ``base``) for a backend this
+        plugin owns, else None. The first ``int`` of the list is the block
+        size the backend prefers (``kvcore.plugins.auto.preferred_block_size``);
+        a list of only ``MultipleOf`` states no preference.
     """
 
 
@@ -87,6 +92,41 @@ def kvcore_supported_layouts(
     """
 
 
+@hookspec(firstresult=True)
+def kvcore_kernel_requirements(
+    backend: type[AttentionBackend], spec: KVCacheSpec | None
+) -> KernelRequirements | None:
+    """What a backend's kernels need of the memory they read: devices, dtypes, strides.
+
+    Stops at the first non-None result. The core default, tried last, states
+    no requirement (``KernelRequirements()``). ``KVCache.create`` asks once
+    per distinct (backend, spec) and checks every kernel view of the plan
+    against the answer before allocating; :func:`kvcore.select_backend` reads
+    its ``devices``, ``dtypes`` and ``head_sizes``.
+
+    :param backend: the backend class kvcore is asking about.
+    :param spec: the layer's (customized) KV cache spec, or None when no spec is known.
+    :returns: a ``kvcore.KernelRequirements`` for a backend this plugin owns, else None.
+    """
+
+
+@hookspec(firstresult=True)
+def kvcore_backend_priority(
+    backend: type[AttentionBackend], spec: KVCacheSpec | None, device: torch.device
+) -> int | None:
+    """How much a backend wants to serve ``spec`` on ``device`` (higher wins).
+
+    Stops at the first non-None result. The core default, tried last, is 0.
+    Only consulted among backends whose requirements admit the device, dtype
+    and head size: ability is stated by the requirements, preference here.
+
+    :param backend: the backend class kvcore is asking about.
+    :param spec: the layer's KV cache spec, or None when no spec is known.
+    :param device: the ``torch.device`` the cache will live on.
+    :returns: an ``int`` for a backend this plugin owns, else None.
+    """
+
+
 class CoreDefaults:
     """kvcore's own answers, registered ``trylast`` so every plugin comes first."""
 
@@ -101,6 +141,14 @@ class CoreDefaults:
     @hookimpl(trylast=True)
     def kvcore_supported_layouts(self, backend: Any, spec: Any) -> None:
         return None
+
+    @hookimpl(trylast=True)
+    def kvcore_kernel_requirements(self, backend: Any, spec: Any) -> KernelRequirements:
+        return NO_REQUIREMENTS
+
+    @hookimpl(trylast=True)
+    def kvcore_backend_priority(self, backend: Any, spec: Any, device: Any) -> int:
+        return 0
 
 
 CORE_PLUGIN_NAME = "kvcore-core"

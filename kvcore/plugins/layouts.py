@@ -79,6 +79,34 @@ def resolve_kv_cache_layout(
     must be a candidate; otherwise the first candidate wins, as vLLM resolves
     it; LBNHC only when no worker states a preference.
     """
+    candidates = layout_candidates(supported, specs)
+    layout = requested_layout(requested)
+    if layout is not None:
+        if layout not in candidates:
+            raise ValueError(
+                f"requested KV cache layout {layout.name} is not usable here; candidates: "
+                f"{_names(candidates)}. Request one of them (argument or {LAYOUT_ENV})"
+            )
+        return layout
+    return candidates[0]
+
+
+def requested_layout(requested: KVCacheLayout | str | None) -> KVCacheLayout | None:
+    """An explicit layout: ``requested``, else ``KVCORE_KV_CACHE_LAYOUT``, else None."""
+    if requested is None:
+        requested = os.environ.get(LAYOUT_ENV, "").strip() or None
+    return None if requested is None else KVCacheLayout.parse(requested)
+
+
+def layout_candidates(
+    supported: Sequence[Sequence[KVCacheLayout | str] | None],
+    specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec] = (),
+) -> list[KVCacheLayout]:
+    """The layouts :func:`resolve_kv_cache_layout` may pick, the one it picks by default first.
+
+    Every worker's layouts, in the first listing worker's order, narrowed to
+    block-compact ones for mixed specs; LBNHC leads when no worker states a preference.
+    """
     stated = [check_layouts(w) for w in supported if w is not None]
     preference = bool(stated)
     workers = stated or [list(ALL_LAYOUTS)]
@@ -103,16 +131,7 @@ def resolve_kv_cache_layout(
                 f"support {_names(candidates)}"
             )
         candidates = compact
-    if requested is None:
-        requested = os.environ.get(LAYOUT_ENV, "").strip() or None
-    if requested is not None:
-        layout = KVCacheLayout.parse(requested)
-        if layout not in candidates:
-            raise ValueError(
-                f"requested KV cache layout {layout.name} is not usable here; candidates: "
-                f"{_names(candidates)}. Request one of them (argument or {LAYOUT_ENV})"
-            )
-        return layout
     if not preference and DEFAULT_LAYOUT in candidates:
-        return DEFAULT_LAYOUT
-    return candidates[0]
+        candidates.remove(DEFAULT_LAYOUT)
+        candidates.insert(0, DEFAULT_LAYOUT)
+    return candidates

@@ -22,10 +22,18 @@ from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.plan_groups import is_encoder_only
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.checks import check_layouts, check_sizes, check_spec
+from kvcore.plugins.checks import (
+    check_customized,
+    check_layouts,
+    check_priority,
+    check_requirements,
+    check_sizes,
+)
+from kvcore.plugins.kernel_views import packed_kernel_stride
 from kvcore.plugins.manager import call_first
 from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
 from kvcore.plugins.records import BackendNegotiation, GroupNegotiation, Negotiation
+from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.plugins.selection import fixed_sizes, pick_common_block_size
 from kvcore.specs import KVCacheSpec, MultipleOf
 
@@ -45,6 +53,10 @@ def _key(backend: type, spec: Any) -> tuple[type, Any]:
     return backend, spec
 
 
+def _key_of(spec: Any) -> Any:
+    return _key(type, spec)[1]
+
+
 class HookAnswers:
     """Every hook answer one negotiation needs, each asked once per (backend, spec)."""
 
@@ -53,6 +65,9 @@ class HookAnswers:
         self._sizes: dict[Any, list[int | MultipleOf]] = {}
         self._specs: dict[Any, KVCacheSpec] = {}
         self._layouts: dict[Any, list[KVCacheLayout] | None] = {}
+        self._requirements: dict[Any, KernelRequirements] = {}
+        #: customized spec -> the backend whose customize hook padded its page
+        self.padded_by: dict[Any, str] = {}
         self._keep: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
 
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
@@ -79,6 +94,24 @@ class HookAnswers:
             )
         return self._layouts[key]
 
+    def requirements(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> KernelRequirements:
+        """``kvcore_kernel_requirements`` for (backend, spec) (no requirements when unanswered)."""
+        key = _key(backend, spec)
+        if key not in self._requirements:
+            self._keep.append(spec)
+            found = call_first(
+                self.pm, "kvcore_kernel_requirements", check_requirements, backend=backend, spec=spec
+            )
+            self._requirements[key] = NO_REQUIREMENTS if found is None else found
+        return self._requirements[key]
+
+    def priority(self, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: Any) -> int:
+        """``kvcore_backend_priority`` for (backend, spec, device) (0 when unanswered)."""
+        found = call_first(
+            self.pm, "kvcore_backend_priority", check_priority, backend=backend, spec=spec, device=device
+        )
+        return 0 if found is None else found
+
     def layouts(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[KVCacheLayout]:
         """:meth:`stated_layouts`, with all six layouts for "any"."""
         stated = self.stated_layouts(backend, spec)
@@ -95,13 +128,19 @@ class HookAnswers:
         if key in self._specs:
             return self._specs[key]
         self._keep.append(spec)
-        new = call_first(self.pm, "kvcore_customize_spec", check_spec, backend=backend, spec=spec) or spec
+        new = call_first(
+            self.pm, "kvcore_customize_spec", lambda value: check_customized(spec, value, label(backend)),
+            backend=backend, spec=spec,
+        ) or spec
+        padded = new.page_size_padded is not None and new.page_size_padded != spec.page_size_padded
         if new.is_attention and new.block_stride_alignment is None:
             sizes = self.kernel_block_sizes(backend, new)
             fixed = fixed_sizes(sizes)
             if sizes and len(fixed) == len(sizes):
                 new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(fixed)))
                 self._sizes.setdefault(_key(backend, new), sizes)
+        if padded:
+            self.padded_by[_key_of(new)] = label(backend)
         self._specs[key] = new
         return new
 
@@ -181,20 +220,22 @@ def group_kernel_block_size(
     return pick_common_block_size(spec.block_size, offers)
 
 
-def _packed_split(
-    config: KVCacheConfig, backend: type[AttentionBackend], spec: KVCacheSpec, names: Sequence[str], kernel: int
-) -> int:
-    """The kernel block stride of a packed cache split into ``kernel``-token blocks, or ValueError."""
-    tensor = next(t for t in config.kv_cache_tensors if names[0] in t.layers)
-    rows = spec.get_num_kernel_states(kernel) if spec.tokens_per_state > 1 else 0
-    page = rows * spec.state_content_size_bytes
-    if spec.tokens_per_state <= 1 or spec.num_heads != 1 or tensor.block_stride % page:
-        raise ValueError(
-            f"{label(backend)} needs {kernel}-token kernel blocks, which packed "
-            f"{spec.block_size}-token blocks of {list(names)} cannot be split into; use a "
-            f"manager block size of {kernel} or a layer-compact layout such as LBNHC"
-        )
-    return tensor.block_stride // page
+def _check_dense_split(config: KVCacheConfig, group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> None:
+    """A padded page cannot be split into kernel blocks: say who padded it (not the layout)."""
+    spec = group.kv_cache_spec
+    if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
+        return
+    padder = answers.padded_by.get(_key_of(spec))
+    who = (
+        f"backend {padder!r}'s kvcore_customize_spec padded" if padder is not None
+        else "the plan padded (to unify page sizes across layer types)"
+    )
+    raise ValueError(
+        f"{who} the {spec.real_page_size_bytes}-byte pages of {list(group.layer_names)} to "
+        f"{spec.page_size_padded} bytes, and padded pages cannot be split into {kernel}-token "
+        f"kernel blocks; use a manager block size of {kernel} tokens"
+        + (", or a backend that does not pad pages" if padder is not None else "")
+    )
 
 
 def backend_groups(
@@ -257,11 +298,16 @@ def negotiate(
                 if own == spec.block_size:
                     own = None
                 else:
-                    stride = _packed_split(config, backend, spec, names, own)
+                    tensor = next(t for t in config.kv_cache_tensors if names[0] in t.layers)
+                    stride = packed_kernel_stride(spec, tensor.block_stride, own, label(backend), names)
             elif kernel is not None and kernel != spec.block_size:
                 own = kernel
-            entries.append(BackendNegotiation(backend, tuple(names), spec, kernel, own, stride))
+            entries.append(BackendNegotiation(
+                backend, tuple(names), spec, kernel, own, stride, answers.requirements(backend, spec)
+            ))
         ratio = 1 if kernel is None or packed else group.kv_cache_spec.block_size // kernel
+        if ratio > 1:
+            _check_dense_split(config, group, kernel, answers)
         records.append(GroupNegotiation(
             gid, tuple(group.layer_names), group.kv_cache_spec, kernel, ratio,
             not is_encoder_only(group), tuple(entries),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec
 
 
@@ -20,7 +21,8 @@ class BackendNegotiation:
     ``kernel_block_size`` is None when kernel blocks equal manager blocks.
     ``kernel_block_stride`` is 0 when the kernel blocks of manager block ``b``
     are ``b * ratio + j`` (dense pages), else the kernel pages between two
-    blocks of a packed cache (``b * stride + j``).
+    blocks of a packed cache (``b * stride + j``). ``requirements`` is what
+    the backend's ``kvcore_kernel_requirements`` answered for the spec.
     """
 
     backend: type[AttentionBackend]
@@ -29,6 +31,7 @@ class BackendNegotiation:
     group_kernel_block_size: int | None
     kernel_block_size: int | None = None
     kernel_block_stride: int = 0
+    requirements: KernelRequirements = NO_REQUIREMENTS
 
 
 @attrs.frozen

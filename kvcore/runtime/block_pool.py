@@ -333,6 +333,40 @@ class BlockPool:
                     self._in_use[block_id] = 1
         self._new[:0] = ids
 
+    def resize(self, num_blocks: int) -> None:
+        """Grow or shrink the pool to ids ``1 .. num_blocks - 1``, all or nothing.
+
+        Growing appends the new ids to the free list (they count as new when
+        handed out). Shrinking refuses, naming them, while ids at or above
+        ``num_blocks`` are held; evictable cached blocks there are evicted
+        (their hashes stop hitting) and free ones dropped.
+        """
+        num_blocks = as_int("num_blocks", num_blocks)
+        if num_blocks < 2:
+            raise ValueError(f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
+        old = self._num_blocks
+        if num_blocks < old:
+            held = [b for b in range(num_blocks, old) if self.is_allocated(b)]
+            if held:
+                shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
+                raise ValueError(
+                    f"cannot shrink the pool to {num_blocks} blocks: {len(held)} block(s) at or above "
+                    f"{num_blocks} are held ({shown}); free them first or shrink less"
+                )
+            for block_id in [b for b in self._cache.evictable if b >= num_blocks]:
+                del self._cache.evictable[block_id]
+                self._cache.drop(block_id)
+            self._free = deque(b for b in self._free if b < num_blocks)
+            self._new = [b for b in self._new if b < num_blocks]
+            del self._in_use[num_blocks:]
+            del self._refs[num_blocks:]
+        else:
+            self._free.extend(range(old, num_blocks))
+            self._in_use.extend(bytes(num_blocks - old))
+            if self._caching:
+                self._refs.extend([0] * (num_blocks - old))
+        self._num_blocks = num_blocks
+
     def _check_id(self, block_id: int) -> int:
         block_id = as_int("block id", block_id)
         if block_id == NULL_BLOCK_ID:

@@ -20,15 +20,18 @@ import attrs
 import pluggy
 import torch
 
-from kvcore._validate import positive_int
+from kvcore._validate import as_int, positive_int
 from kvcore.distributed import agree_layout, agree_num_blocks
+from kvcore.memory.backing import reserve_backing
 from kvcore.memory.config import KVCacheConfig
+from kvcore.memory.elastic import ElasticMemory
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache, checked_device
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
-from kvcore.plugins.layouts import resolve_kv_cache_layout
-from kvcore.plugins.negotiation import HookAnswers, negotiate
+from kvcore.plugins.auto import resolve_auto
+from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, plan_meeting_rules
+from kvcore.plugins.negotiation import HookAnswers
 from kvcore.plugins.records import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
@@ -41,28 +44,82 @@ def _served_specs(
     layer_specs: Mapping[str, KVCacheSpec],
     layer_backends: Mapping[str, type[AttentionBackend] | str],
     answers: HookAnswers,
+    device: torch.device,
 ) -> tuple[dict[str, KVCacheSpec], dict[str, type[AttentionBackend]]]:
     """Each layer's spec as its backend stores it, and each layer's backend class.
 
-    The hooks are asked once per distinct (backend, spec): eight identical
-    layers cost one ``kvcore_customize_spec`` call.
+    ``"auto"`` picks a backend per layer (:func:`kvcore.select_backend`). The
+    hooks are asked once per distinct (backend, spec): eight identical layers
+    cost one ``kvcore_customize_spec`` call.
     """
     if not isinstance(layer_specs, Mapping):
         raise TypeError(f"layer_specs must map layer names to KVCacheSpecs, got {layer_specs!r}")
     if not isinstance(layer_backends, Mapping):
         raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
+    for name, spec in layer_specs.items():
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(
+                f"layer_specs[{name!r}] is {spec!r} ({type(spec).__name__}), not a KVCacheSpec; "
+                "describe the layer with a spec such as kvcore.FullAttentionSpec(...)"
+            )
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
         raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
     missing = [n for n, s in layer_specs.items() if isinstance(s, AttentionSpec) and n not in layer_backends]
     if missing:
         raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
-    backends = {layer: answers.backend(backend) for layer, backend in layer_backends.items()}
+    backends = {}
+    for layer, backend in layer_backends.items():
+        if not isinstance(backend, (str, type)):
+            raise TypeError(
+                f"layer_backends[{layer!r}] is {backend!r}; pass a backend class, a registered "
+                "backend name or 'auto'"
+            )
+        backends[layer] = answers.backend(resolve_auto(answers, backend, layer_specs[layer], device))
     specs = {
         name: answers.customized_spec(backends[name], spec) if name in backends else spec
         for name, spec in layer_specs.items()
     }
+    check_abilities(answers, specs, backends, device)
     return specs, backends
+
+
+def _checked_max_blocks(max_num_blocks: Any) -> int:
+    max_num_blocks = as_int("max_num_blocks", max_num_blocks)
+    if max_num_blocks < 2:
+        raise ValueError(f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}")
+    return max_num_blocks
+
+
+def _first_blocks(
+    specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout, max_num_blocks: Any,
+    num_blocks: int | None, available_memory: int | None,
+) -> int:
+    """Blocks an elastic cache commits at creation: ``num_blocks``, or what ``available_memory`` buys."""
+    max_num_blocks = _checked_max_blocks(max_num_blocks)
+    if num_blocks is None and available_memory is not None:
+        num_blocks = min(plan_kv_cache(specs, layout, available_memory=available_memory).num_blocks, max_num_blocks)
+    if num_blocks is None:
+        return max_num_blocks
+    num_blocks = as_int("num_blocks", num_blocks)
+    if not 2 <= num_blocks <= max_num_blocks:
+        raise ValueError(
+            f"num_blocks={num_blocks} must be between 2 and max_num_blocks={max_num_blocks}; "
+            "raise max_num_blocks or commit fewer blocks"
+        )
+    return num_blocks
+
+
+def _reserve(config: KVCacheConfig, device: torch.device) -> tuple[ElasticMemory, torch.Tensor]:
+    """Reserve the allocation of ``config`` (its ``max_num_blocks`` blocks) without committing any of it."""
+    raw = [n for g in config.kv_cache_groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
+    if raw or not config.kv_cache_tensors:
+        raise ValueError(
+            f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps a raw buffer "
+            "(or the model keeps no cache); drop max_num_blocks"
+        )
+    backing = reserve_backing(config.kv_cache_tensors[0].size, device)
+    return ElasticMemory(backing), backing.tensor
 
 
 @attrs.define(eq=False)
@@ -92,6 +149,8 @@ class KVCache:
     max_num_seqs: int
     max_model_len: int
     negotiation: Negotiation | None = attrs.field(default=None, repr=False)
+    #: The committed part of an elastic cache's reservation (None: a plain allocation).
+    elastic: ElasticMemory | None = attrs.field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -107,35 +166,54 @@ class KVCache:
         max_model_len: int,
         plugin_manager: pluggy.PluginManager | None = None,
         group: Any = None,
+        max_num_blocks: int | None = None,
     ) -> KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
-        ``layer_backends`` maps each attention layer to its backend class or
-        registered backend name. Give exactly one of ``available_memory``
+        ``layer_backends`` maps each attention layer to its backend class, a
+        registered backend name, or ``"auto"`` (:func:`kvcore.select_backend`
+        for the layer's spec and ``device``). Every layer's kernel view is
+        checked against its backend's ``KernelRequirements`` before anything
+        is allocated (:mod:`kvcore.plugins.kernel_rules`). Give exactly one of ``available_memory``
         (bytes) and ``num_blocks``. With a ``torch.distributed`` process
         ``group``, all ranks agree on one layout and one block count.
+        With ``max_num_blocks`` the cache is elastic: address space for that
+        many blocks is reserved (the plan and views are theirs) and memory is
+        committed for the first ``num_blocks`` (or what ``available_memory``
+        buys); :meth:`resize` changes that later.
         """
         device = checked_device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
         answers = HookAnswers(plugin_manager)
         # 1. Customize specs (before planning: the planner sees each backend's alignment).
-        specs, backends = _served_specs(layer_specs, layer_backends, answers)
-        # 2. Resolve the layout (with every rank when a process group is given).
+        specs, backends = _served_specs(layer_specs, layer_backends, answers, device)
+        # 2. Resolve the layout (with every rank when a process group is given), skipping
+        # layouts whose kernel views break a backend's rules; 3. plan; 4. negotiate kernel
+        # blocks once, from the plan and the answers kept in step 1.
         supported = answers.common_layouts(list(dict.fromkeys((b, specs[n]) for n, b in backends.items())))
+        budget = {"available_memory": available_memory, "num_blocks": num_blocks}
         if group is not None:
+            supported = layouts_meeting_rules(specs, backends, answers, supported, budget)
             layout = agree_layout(supported, specs.values(), group, layout)
             if num_blocks is None:
                 probe = plan_kv_cache(specs, layout, available_memory=available_memory)
                 num_blocks, available_memory = probe.num_blocks, None
             num_blocks = agree_num_blocks(num_blocks, group)
-        else:
-            layout = resolve_kv_cache_layout([supported], specs.values(), layout)
-        # 3. Plan, 4. negotiate kernel blocks once, from the plan and the answers kept in step 1.
-        config = plan_kv_cache(specs, layout, available_memory=available_memory, num_blocks=num_blocks)
-        negotiation = negotiate(config, backends, answers)
+            budget = {"available_memory": None, "num_blocks": num_blocks}
+        if max_num_blocks is not None:
+            # An elastic cache is planned (strides, views) for all of its blocks.
+            budget = {"available_memory": None, "num_blocks": _checked_max_blocks(max_num_blocks)}
+        layout, config, negotiation = plan_meeting_rules(
+            layer_specs, specs, backends, answers, supported, layout, budget
+        )
+        if max_num_blocks is not None:
+            num_blocks = _first_blocks(specs, layout, max_num_blocks, num_blocks, available_memory)
         # 5. Allocate, 6. attention groups and their builders, 7. kernel views, 8. zeroer.
-        kv_caches = allocate_kv_cache(config, device, layout, negotiation.allocation_kernel_block_sizes)
+        elastic, buffer = None, None
+        if max_num_blocks is not None:
+            elastic, buffer = _reserve(config, device)
+        kv_caches = allocate_kv_cache(config, device, layout, negotiation.allocation_kernel_block_sizes, buffer=buffer)
         attn_groups = attention_groups_from(negotiation)
         for record, groups in zip(negotiation.groups, attn_groups):
             for attn_group in groups:
@@ -151,6 +229,10 @@ class KVCache:
             device, {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}, config.num_blocks
         )
         kernel_block_sizes = negotiation.kernel_block_sizes
+        if elastic is not None:
+            elastic.track({name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches})
+            elastic.resize(num_blocks)
+            zeroer.num_blocks = num_blocks
         return cls(
             config=config,
             layout=layout,
@@ -158,17 +240,59 @@ class KVCache:
             kernel_block_sizes=kernel_block_sizes,
             kv_caches=kv_caches,
             layer_kv_caches=layer_kv_caches,
-            block_pool=BlockPool(config.num_blocks),
+            block_pool=BlockPool(config.num_blocks if elastic is None else num_blocks),
             zeroer=zeroer,
             device=device,
             max_num_seqs=max_num_seqs,
             max_model_len=max_model_len,
             negotiation=negotiation,
+            elastic=elastic,
         )
 
     @property
     def num_blocks(self) -> int:
+        """Blocks usable now (the null block included); below ``max_num_blocks`` when shrunk."""
+        return self.config.num_blocks if self.elastic is None else self.elastic.num_blocks
+
+    @property
+    def max_num_blocks(self) -> int:
+        """Blocks the address space is reserved for (``num_blocks`` for a plain cache)."""
         return self.config.num_blocks
+
+    @property
+    def committed_bytes(self) -> int:
+        """Bytes of the allocation backed by memory now."""
+        if self.elastic is not None:
+            return self.elastic.committed_bytes
+        return self.config.kv_cache_tensors[0].size if self.config.kv_cache_tensors else 0
+
+    def resize(self, num_blocks: int) -> None:
+        """Grow or shrink an elastic cache to ``num_blocks`` blocks, in place.
+
+        No byte of a live block moves and every view keeps its address.
+        Growing commits memory and adds free blocks to the pool (zeroed when
+        handed out). Shrinking refuses, naming them, while blocks at or above
+        ``num_blocks`` are held; cached blocks there are evicted and the
+        memory behind them goes back to the system or device. Any refusal or
+        failure leaves the cache as it was.
+        """
+        if self.elastic is None:
+            raise ValueError(
+                "this KVCache is not elastic; create it with KVCache.create(..., max_num_blocks=M) to resize it"
+            )
+        num_blocks = as_int("num_blocks", num_blocks)
+        if not 2 <= num_blocks <= self.max_num_blocks:
+            raise ValueError(
+                f"num_blocks must be between 2 and max_num_blocks={self.max_num_blocks}, got {num_blocks}; "
+                "create the cache with a larger max_num_blocks to grow further"
+            )
+        if num_blocks > self.num_blocks:
+            self.elastic.resize(num_blocks)  # NOTE: may fail (no memory) before the pool changes
+            self.block_pool.resize(num_blocks)
+        elif num_blocks < self.num_blocks:
+            self.block_pool.resize(num_blocks)  # NOTE: refuses while blocks above are held
+            self.elastic.resize(num_blocks)
+        self.zeroer.num_blocks = num_blocks
 
     @property
     def num_groups(self) -> int:

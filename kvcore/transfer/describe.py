@@ -86,6 +86,7 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
     """The :class:`KVCacheDescriptor` of ``kv_cache`` (one allocation, every group)."""
     if not isinstance(kv_cache, KVCache):
         raise TypeError(f"describe() needs a kvcore.KVCache, got {type(kv_cache).__name__}")
+    # NOTE: views span the planned blocks (an elastic cache's max_num_blocks); ids go up to num_blocks now.
     config, num_blocks = kv_cache.config, kv_cache.num_blocks
     views = list(kv_cache.kv_caches.values())
     if views:
@@ -98,7 +99,7 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
     for group_id, (group, kernel_size) in enumerate(zip(config.kv_cache_groups, _kernel_sizes(kv_cache))):
         spec = group.kv_cache_spec
         layers = tuple(
-            _layer(name, kv_cache.kv_caches[name], group.spec_of(name), base_ptr, num_blocks)
+            _layer(name, kv_cache.kv_caches[name], group.spec_of(name), base_ptr, config.num_blocks)
             for name in group.layer_names
             if name in kv_cache.kv_caches and group.spec_of(name).has_layer_views
         )

@@ -2,14 +2,14 @@
 
 A block id is an integer in ``[0, num_blocks)``: a Python ``int`` (or an
 object with ``__index__`` that is not a bool), a 0-d integer tensor on the CPU,
-a NumPy integer. Bools of every kind (``True``, ``numpy.bool_``, bool tensors
-of any rank), floats, strings and tensors of more than one element inside a
-list are refused with ``ValueError`` before anything is written.
+a NumPy integer. Bools of every kind, floats, strings, mappings and tensors of
+more than one element inside a list are refused before anything is written.
 """
 
 from __future__ import annotations
 
 import operator
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -23,11 +23,6 @@ def _refuse(value: Any, num_blocks: int, why: str = "is not an integer") -> Valu
         f"block id {value!r} {why} in [0, {num_blocks}); pass manager block ids (ints) "
         "from the block pool (nothing was zeroed)"
     )
-
-
-def _out_of_range(values: list[int], num_blocks: int) -> ValueError:
-    bad = next(v for v in values if not 0 <= v < num_blocks)
-    return _refuse(bad, num_blocks, "is not")
 
 
 def _is_boolish(value: Any) -> bool:
@@ -55,16 +50,13 @@ def _one_id(value: Any, num_blocks: int) -> int:
 
 
 def id_list(values: list | tuple, num_blocks: int) -> list[int]:
-    """A list or tuple of ids as a list of ints in ``[0, num_blocks)``.
-
-    Plain ints are checked in bulk (one C-level type scan, then ``min``/``max``).
-    """
+    """A list or tuple of ids as a list of ints in ``[0, num_blocks)`` (plain ints checked in bulk)."""
     if _PLAIN_INT.issuperset(map(type, values)):
         ints = values if isinstance(values, list) else list(values)
     else:
         ints = [_one_id(v, num_blocks) for v in values]
     if ints and (min(ints) < 0 or max(ints) >= num_blocks):
-        raise _out_of_range(ints, num_blocks)
+        raise _refuse(next(v for v in ints if not 0 <= v < num_blocks), num_blocks, "is not")
     return ints
 
 
@@ -72,16 +64,13 @@ def host_tensor(ids: torch.Tensor, num_blocks: int) -> torch.Tensor:
     """A CPU integer tensor of any shape as a flat int64 tensor, range checked."""
     if ids.dtype == torch.bool or ids.is_floating_point() or ids.is_complex():
         raise ValueError(
-            f"block id tensor has dtype {ids.dtype}, not an integer dtype; pass int32/int64 "
-            "ids (nothing was zeroed)"
+            f"block id tensor has dtype {ids.dtype}, not an integer dtype; pass int32/int64 ids (nothing was zeroed)"
         )
     flat = ids.reshape(-1).to(torch.int64).contiguous()
     if flat.numel():
-        low, high = int(flat.min()), int(flat.max())
-        if low < 0:
-            raise _refuse(low, num_blocks, "is not")
-        if high >= num_blocks:
-            raise _refuse(high, num_blocks, "is not")
+        for bound in (int(flat.min()), int(flat.max())):
+            if not 0 <= bound < num_blocks:
+                raise _refuse(bound, num_blocks, "is not")
     return flat
 
 
@@ -89,15 +78,21 @@ def host_ids(block_ids: Any, num_blocks: int) -> list[int] | torch.Tensor:
     """Any host form of ids as a checked list of ints or a flat CPU int64 tensor.
 
     Accepts one integer, a list/tuple/iterable of integers, a CPU integer
-    tensor or a NumPy integer array; refuses everything else (``ValueError``).
+    tensor or a NumPy integer array; ``TypeError`` for a mapping (its keys are
+    no block ids), ``ValueError`` for everything else.
     """
     if isinstance(block_ids, torch.Tensor):
         return host_tensor(block_ids, num_blocks)
     if isinstance(block_ids, (list, tuple)):
         return id_list(block_ids, num_blocks)
+    if isinstance(block_ids, Mapping):
+        raise TypeError(
+            f"block ids must be integers or a sequence of them, got a {type(block_ids).__name__}; "
+            "pass list(mapping.values()) (or its keys) if those are the manager block ids"
+        )
     if _is_boolish(block_ids):
         raise _refuse(block_ids, num_blocks, "is a bool, not an integer")
-    if isinstance(block_ids, (str, bytes)) or block_ids is None or isinstance(block_ids, float):
+    if isinstance(block_ids, (str, bytes, float)) or block_ids is None:
         raise _refuse(block_ids, num_blocks)
     kind = getattr(getattr(block_ids, "dtype", None), "kind", None)
     if kind is not None and getattr(block_ids, "ndim", 0):
@@ -117,17 +112,12 @@ def host_ids(block_ids: Any, num_blocks: int) -> list[int] | torch.Tensor:
 def device_ids(block_ids: torch.Tensor, device: torch.device, num_blocks: int, validate: bool) -> torch.Tensor:
     """A device id tensor as a contiguous 1-D int32/int64 tensor, without a host sync.
 
-    ``validate=True`` checks the range on the host (one sync); otherwise ids
-    out of range are left for the kernel, which skips them.
+    ``validate=True`` checks the range on the host (one sync); otherwise the kernel skips ids out of range.
     """
     if block_ids.device != device:
-        raise ValueError(
-            f"block ids live on {block_ids.device}, the caches on {device}; move the ids there"
-        )
+        raise ValueError(f"block ids live on {block_ids.device}, the caches on {device}; move the ids there")
     if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
-        raise ValueError(
-            f"block id tensor has dtype {block_ids.dtype}, not an integer dtype; pass int32/int64 ids"
-        )
+        raise ValueError(f"block id tensor has dtype {block_ids.dtype}, not an integer dtype; pass int32/int64 ids")
     ids = block_ids.reshape(-1)
     if ids.dtype not in (torch.int32, torch.int64):
         ids = ids.to(torch.int64)

@@ -10,7 +10,9 @@ from kvcore.memory.layout import KVCacheLayout
 from kvcore.specs import MultipleOf
 from kvcore_torch.backend import TorchAttentionBackend
 
-# NOTE: views carry the layout in their strides, so every layout works.
+# NOTE: views carry the layout in their strides, so every layout works. The
+# backend states no kernel requirements and keeps the core priority 0: it is
+# the fallback "auto" picks where no faster backend can run (the CPU).
 _LAYOUTS = [KVCacheLayout.LBNHC, KVCacheLayout.BLNHC] + [
     layout for layout in KVCacheLayout if layout not in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
 ]

@@ -34,7 +34,7 @@ def test_entry_point_is_declared_and_loaded(pm):
 
 
 def test_fixed_kernel_block_sizes(pm):
-    assert pm.hook.kvcore_supported_kernel_block_sizes(backend=TritonAttentionBackend, spec=SPEC) == [16, 32, 64]
+    assert pm.hook.kvcore_supported_kernel_block_sizes(backend=TritonAttentionBackend, spec=SPEC) == [64, 32, 16]
     pick = lambda size: select_common_block_size(size, [TritonAttentionBackend], [SPEC], plugin_manager=pm)
     assert [pick(s) for s in (16, 64, 128, 48, 256)] == [16, 64, 64, 16, 64]
     with pytest.raises(ValueError, match="No common block size"):

@@ -1,0 +1,77 @@
+"""What ``kvcore.hf.Engine`` serves with when the caller does not say: backend, block size, step budget.
+
+``backend="auto"`` resolves per layer spec to :func:`kvcore.select_backend`'s
+pick for the model's device (CPU: the torch reference; CUDA: the
+highest-priority backend whose requirements admit the spec). The block size
+defaults to what the first layer's backend prefers (the first explicit size
+of its ``kvcore_supported_kernel_block_sizes`` answer; 16 when it states
+none) and the tokens per step to 4,096 on a GPU and 2,048 elsewhere (the
+budget ``kvcore bench hf`` measured fastest with on the H200).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
+from kvcore.specs import KVCacheSpec
+
+#: Block size when the backend prefers none.
+BLOCK_SIZE = 16
+#: Tokens per step by device type (others: the CPU figure).
+BATCHED_TOKENS = {"cuda": 4096, "cpu": 2048}
+
+
+@attrs.frozen
+class EngineDefaults:
+    """The resolved settings of one engine."""
+
+    block_size: int
+    max_num_batched_tokens: int
+    #: Backend (class or name) of every layer, "auto" resolved.
+    layer_backends: dict[str, Any]
+
+
+def resolve(
+    make_specs: Callable[[int], Mapping[str, KVCacheSpec]],
+    device: torch.device,
+    backend: Any,
+    block_size: int | None,
+    max_num_batched_tokens: int | None,
+) -> EngineDefaults:
+    """Resolve ``"auto"`` and unset sizes; ``make_specs(block_size)`` gives the layer specs."""
+    specs = make_specs(BLOCK_SIZE if block_size is None else block_size)
+    attention = {n: s for n, s in specs.items() if s.is_attention}
+
+    def pick(spec: KVCacheSpec) -> Any:
+        return select_backend(spec, device) if isinstance(backend, str) and backend == AUTO else backend
+
+    if block_size is None and attention:
+        first = next(iter(attention.values()))
+        block_size = preferred_block_size(pick(first), first) or BLOCK_SIZE
+        attention = {n: s for n, s in make_specs(block_size).items() if s.is_attention}
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = BATCHED_TOKENS.get(device.type, BATCHED_TOKENS["cpu"])
+    return EngineDefaults(block_size or BLOCK_SIZE, max_num_batched_tokens, {n: pick(s) for n, s in attention.items()})
+
+
+def warm_up(graphs: Any, *, progress: bool = True) -> None:
+    """Capture every decode-graph batch size now, with a progress bar (not in the first ``generate``)."""
+    sizes = [s for s in graphs.sizes if s not in graphs.graphs]
+    if not sizes:
+        return
+    if not progress:
+        for size in sizes:
+            graphs.capture_size(size)
+        return
+    from rich.progress import Progress
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("kvcore: capturing decode CUDA graphs", total=len(sizes))
+        for size in sizes:
+            graphs.capture_size(size)
+            bar.advance(task)

@@ -1,0 +1,142 @@
+"""Hybrid configs: which decoder layers hold a mixer (Mamba2, short convolution) and its state spec.
+
+A hybrid model interleaves attention layers with mixers that carry a state
+from token to token instead of a growing KV cache. Each mixer layer gets one
+:class:`~kvcore.MambaSpec` holding the states transformers keeps for it, in
+the dtypes transformers keeps them:
+
+- Mamba2 family (Bamba, GraniteMoeHybrid, FalconH1, NemotronH): the SSM
+  state ``[heads, head_dim, d_state]`` in float32 (also under a bf16 model),
+  then the convolution window ``[intermediate + 2 * groups * d_state, d_conv]``
+  in the model dtype;
+- LFM2 short convolution: the window ``[hidden, L_cache]`` in the model dtype.
+
+Hybrids whose states kvcore cannot own exactly are refused by name.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore.specs.state import MambaSpec
+from kvcore._validate import positive_int
+
+
+@attrs.frozen
+class HybridFamily:
+    """How one hybrid ``model_type`` names its modules and sizes its mixer states."""
+
+    #: Attribute of a decoder layer holding its mixer.
+    mixer: str
+    #: Attribute of a decoder layer holding its attention module.
+    attention: str
+    #: ``"mamba2"`` or ``"short_conv"``.
+    kind: str
+    #: Config attribute names: heads, head dim, groups, state size, conv kernel (Mamba2 only).
+    fields: tuple[str, ...] = ()
+
+
+_BAMBA_FIELDS = ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv")
+
+#: Hybrid ``model_type`` values kvcore serves (tokens equal ``model.generate`` in float32).
+HYBRID_FAMILIES: dict[str, HybridFamily] = {
+    "bamba": HybridFamily("mamba", "self_attn", "mamba2", _BAMBA_FIELDS),
+    "granitemoehybrid": HybridFamily("mamba", "self_attn", "mamba2", _BAMBA_FIELDS),
+    "falcon_h1": HybridFamily("mamba", "self_attn", "mamba2", _BAMBA_FIELDS),
+    "nemotron_h": HybridFamily(
+        "mixer", "mixer", "mamba2", ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel")
+    ),
+    "lfm2": HybridFamily("conv", "self_attn", "short_conv"),
+}
+
+#: Hybrid ``model_type`` values kvcore refuses, and why.
+REFUSED_HYBRIDS: dict[str, str] = {
+    "jamba": "its torch Mamba scan always starts from a zero state, so a prompt cannot be prefilled in chunks",
+    "minimax": "it keeps its linear-attention states in its own cache class, which kvcore cannot own",
+    "zamba": "its decoder layers share one attention module, whose KV cache kvcore cannot page per layer",
+    "zamba2": "its decoder layers share one attention module, whose KV cache kvcore cannot page per layer",
+}
+
+#: ``layer_types`` entries of a mixer layer, of a layer with both a mixer and attention (FalconH1),
+#: and of layers that hold no cache at all (NemotronH's MLP / MoE layers).
+MIXER_LAYER_TYPES = ("linear_attention", "conv", "mamba")
+BOTH_LAYER_TYPES = ("hybrid",)
+CACHELESS_LAYER_TYPES = ("mlp", "moe")
+
+
+def refuse_unservable_hybrid(config: Any) -> None:
+    """``ValueError`` naming the architecture when ``config`` is a hybrid kvcore refuses."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED_HYBRIDS:
+        raise ValueError(
+            f"kvcore does not serve {model_type!r} hybrids: {REFUSED_HYBRIDS[model_type]}. Served hybrids: "
+            f"{sorted(HYBRID_FAMILIES)}"
+        )
+
+
+def is_hybrid(config: Any) -> bool:
+    return getattr(config, "model_type", None) in HYBRID_FAMILIES
+
+
+def _mixer_intermediate(config: Any, model_type: str, heads: int, head_dim: int) -> int:
+    if model_type == "nemotron_h":
+        return heads * head_dim
+    d_ssm = getattr(config, "mamba_d_ssm", None) if model_type == "falcon_h1" else None
+    if d_ssm is not None:
+        return positive_int("config.mamba_d_ssm", d_ssm)
+    return int(config.mamba_expand * config.hidden_size)
+
+
+def mixer_spec(config: Any, dtype: torch.dtype, block_size: int) -> MambaSpec:
+    """The state spec every mixer layer of hybrid ``config`` shares."""
+    model_type = config.model_type
+    family = HYBRID_FAMILIES[model_type]
+    if family.kind == "short_conv":
+        hidden = positive_int("config.hidden_size", config.hidden_size)
+        window = positive_int("config.conv_L_cache", config.conv_L_cache)
+        return MambaSpec(block_size, [(hidden, window)], [dtype])
+    heads, head_dim, groups, d_state, kernel = (
+        positive_int(f"config.{name}", getattr(config, name, None)) for name in family.fields
+    )
+    conv_dim = _mixer_intermediate(config, model_type, heads, head_dim) + 2 * groups * d_state
+    # NOTE: the chunk scan returns its final state in float32 and transformers keeps it so (bf16 models too).
+    recurrent_dtype = torch.float32 if dtype.itemsize <= 4 else dtype
+    return MambaSpec(block_size, [(heads, head_dim, d_state), (conv_dim, kernel)], [recurrent_dtype, dtype])
+
+
+def hybrid_layer_roles(config: Any, layer_types: list[str]) -> list[tuple[str | None, str | None]]:
+    """Per decoder layer of hybrid ``config``: ``(attention module path, mixer module path)``, None where absent."""
+    family = HYBRID_FAMILIES[config.model_type]
+    roles: list[tuple[str | None, str | None]] = []
+    for i, layer_type in enumerate(layer_types):
+        attention = f"model.layers.{i}.{family.attention}"
+        mixer = f"model.layers.{i}.{family.mixer}"
+        if layer_type in MIXER_LAYER_TYPES:
+            roles.append((None, mixer))
+        elif layer_type in BOTH_LAYER_TYPES:
+            roles.append((attention, mixer))
+        elif layer_type in CACHELESS_LAYER_TYPES:
+            roles.append((None, None))
+        elif layer_type in ("full_attention", "attention"):
+            roles.append((attention, None))
+        else:
+            raise ValueError(
+                f"layer {i} of this {config.model_type} config is {layer_type!r}, a layer type kvcore does not "
+                "know; kvcore serves attention, mixer and MLP layers"
+            )
+    return roles
+
+
+def hybrid_layer_types(config: Any) -> list[str]:
+    """``config``'s per-layer types (``layer_types``, else ``layers_block_type``), one per decoder layer."""
+    num_layers = positive_int("config.num_hidden_layers", getattr(config, "num_hidden_layers", None))
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    if types is None or len(types) != num_layers:
+        raise ValueError(
+            f"this {config.model_type} config lists {None if types is None else len(types)} layer types for "
+            f"{num_layers} layers; give config.layer_types one entry per layer"
+        )
+    return list(types)

@@ -1,0 +1,149 @@
+"""What a backend's kernels need of the memory they read, beyond a block size.
+
+A backend states its rules through the ``kvcore_kernel_requirements`` hook as
+one :class:`KernelRequirements`. Two kinds of rule live there:
+
+- *ability*: the device types, cache dtypes and head sizes the kernels take
+  (checked by :func:`~kvcore.plugins.auto.select_backend` and ``KVCache.create``);
+- *memory*: the largest stride a kernel can index and the byte alignment of
+  every non-last stride and of each view's start (checked on every kernel
+  view of a plan, before anything is allocated).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import attrs
+import torch
+
+from kvcore._validate import positive_int
+
+
+def _tuple_or_none(value: Any) -> tuple[Any, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes, torch.dtype)) or not isinstance(value, Iterable):
+        return (value,)
+    return tuple(value)
+
+
+def _check_devices(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
+    if value is None:
+        return
+    if not value:
+        raise ValueError("KernelRequirements.devices is empty; pass None for any device")
+    for item in value:
+        if not isinstance(item, str):
+            raise TypeError(f"KernelRequirements.devices must hold device type names such as 'cuda', got {item!r}")
+        try:
+            parsed = torch.device(item)
+        except (RuntimeError, ValueError):
+            parsed = None
+        if parsed is None or parsed.type != item or parsed.index is not None:
+            raise ValueError(
+                f"KernelRequirements.devices holds {item!r}, which is not a torch device type; "
+                "use names such as 'cuda' or 'cpu' (no index)"
+            )
+
+
+def _check_dtypes(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
+    if value is None:
+        return
+    if not value:
+        raise ValueError("KernelRequirements.dtypes is empty; pass None for any dtype")
+    for item in value:
+        if not isinstance(item, torch.dtype):
+            raise TypeError(f"KernelRequirements.dtypes must hold torch dtypes, got {item!r}")
+
+
+def _check_head_sizes(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
+    if value is None:
+        return
+    if not value:
+        raise ValueError("KernelRequirements.head_sizes is empty; pass None for any head size")
+    for item in value:
+        positive_int("KernelRequirements.head_sizes entry", item)
+
+
+def _check_optional_positive(inst: Any, attribute: Any, value: Any) -> None:
+    if value is not None:
+        positive_int(f"KernelRequirements.{attribute.name}", value)
+
+
+def _check_positive(inst: Any, attribute: Any, value: Any) -> None:
+    positive_int(f"KernelRequirements.{attribute.name}", value)
+
+
+@attrs.frozen(kw_only=True)
+class KernelRequirements:
+    """The rules a backend's kernels hold the KV cache to (every field optional).
+
+    :param devices: torch device types the kernels run on, e.g. ``("cuda",)``; None: any.
+    :param dtypes: cache dtypes the kernels read; None: any.
+    :param head_sizes: head sizes the kernels take; None: any.
+    :param max_stride_elements: every stride of every kernel view, counted in
+        elements of the view's dtype, must be below this; None: no limit.
+    :param alignment_bytes: every stride but the last, in bytes, and every
+        view's byte offset in its allocation, must be a multiple of this.
+    """
+
+    devices: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none, validator=_check_devices)
+    dtypes: tuple[torch.dtype, ...] | None = attrs.field(
+        default=None, converter=_tuple_or_none, validator=_check_dtypes
+    )
+    head_sizes: tuple[int, ...] | None = attrs.field(
+        default=None, converter=_tuple_or_none, validator=_check_head_sizes
+    )
+    max_stride_elements: int | None = attrs.field(default=None, validator=_check_optional_positive)
+    alignment_bytes: int = attrs.field(default=1, validator=_check_positive)
+
+    @property
+    def has_memory_rules(self) -> bool:
+        """Whether kernel views must be checked (a stride limit or an alignment above 1)."""
+        return self.max_stride_elements is not None or self.alignment_bytes > 1
+
+    def why_not(self, device_type: str | None, dtype: torch.dtype | None, head_size: int | None) -> str | None:
+        """Why kernels with these requirements cannot serve the case; None when they can.
+
+        A None argument is not checked (say, a state cache has no head size).
+        """
+        if device_type is not None and self.devices is not None and device_type not in self.devices:
+            return f"runs on {'/'.join(self.devices)} only, not {device_type} (rule: devices)"
+        if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            return f"takes cache dtypes {names}, not {str(dtype).removeprefix('torch.')} (rule: dtypes)"
+        if head_size is not None and self.head_sizes is not None and head_size not in self.head_sizes:
+            return f"takes head sizes {list(self.head_sizes)}, not {head_size} (rule: head_sizes)"
+        return None
+
+    def view_violation(
+        self, strides: Iterable[int], element_size: int, offset_bytes: int
+    ) -> tuple[str, int, str] | None:
+        """The first memory rule a kernel view breaks, as (rule, value, what was needed).
+
+        ``strides`` are the view's strides in elements (of ``element_size``
+        bytes); ``offset_bytes`` is where the view starts in its allocation.
+        """
+        strides = list(strides)
+        if self.max_stride_elements is not None:
+            for stride in strides:
+                if stride >= self.max_stride_elements:
+                    return ("max_stride_elements", stride, f"every stride below {self.max_stride_elements} elements")
+        if self.alignment_bytes > 1:
+            for stride in strides[:-1]:
+                if (stride * element_size) % self.alignment_bytes:
+                    return (
+                        "alignment_bytes", stride * element_size,
+                        f"non-last strides in multiples of {self.alignment_bytes} bytes",
+                    )
+            if offset_bytes % self.alignment_bytes:
+                return ("alignment_bytes", offset_bytes, f"view offsets in multiples of {self.alignment_bytes} bytes")
+        return None
+
+
+#: What a backend whose plugin states nothing is held to.
+NO_REQUIREMENTS = KernelRequirements()
+
+__all__ = ["KernelRequirements", "NO_REQUIREMENTS"]

@@ -1,0 +1,60 @@
+"""``kvcore bench hf`` off the GPU: refused at once, backends tried before the model, readable output."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+# NOTE: Triton reads TRITON_INTERPRET when its kernels are defined: import them now (interpreted,
+# as in every CPU test), so that a test that turns the variable off changes only kvcore's checks.
+pytest.importorskip("kvcore_triton.backend")
+pytest.importorskip("kvcore.runtime.zeroer.kernel")
+
+from kvcore.bench import hf  # noqa: E402
+from kvcore.cli import main  # noqa: E402
+
+
+def test_gpu_sized_defaults_are_refused_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    built = []
+    monkeypatch.setattr("kvcore.hf.models.random_model", lambda *a, **k: built.append(a))
+    assert main(["bench", "hf"]) == 2
+    err = capsys.readouterr().err
+    assert "no CUDA device here" in err and hf.CPU_EXAMPLE in err and not built
+
+
+def test_a_backend_that_cannot_run_is_refused_before_the_model_is_built(monkeypatch, capsys):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    import kvcore.hf.models as models
+
+    sizes = []
+    real = models.random_model
+    monkeypatch.setattr(models, "random_model", lambda config, **kw: sizes.append(config.hidden_size)
+                        or real(config, **kw))  # fmt: skip
+    assert main(["bench", "hf", "--device", "cpu", "--backend", "triton"]) == 2
+    err = capsys.readouterr().err
+    assert "--backend triton cannot serve a tiny model on cpu" in err and "TRITON_INTERPRET=1" in err
+    assert sizes == [32]  # only the tiny preflight model, never the 2048-wide one
+    assert main(["bench", "hf", "--device", "cpu", "--backend", "nope"]) == 2
+    assert "Unknown attention backend 'nope'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("n, text", [(0, "0"), (999, "999"), (96_300, "96.3 K"), (427_136, "427 K"),
+                                     (851_400_000, "851 M"), (1_240_000_000, "1.24 B"),
+                                     (175_000_000_000, "175 B")])  # fmt: skip
+def test_parameter_counts_read_as_people_write_them(n, text):
+    assert hf.format_count(n) == text
+
+
+def test_a_cpu_sized_run_fits_80_columns_with_whole_labels(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    argv = ["bench", "hf", *hf.CPU_EXAMPLE.split(), "--new-tokens", "2", "--requests", "2", "--prompt-len", "4", "--layers", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    assert re.search(r"\d+ K parameters", out) and "0.00 B" not in out
+    for label in ("kvcore.hf.Engine", "inputs, metadata, block tables", "model forward (launch / replay)"):
+        assert label in out

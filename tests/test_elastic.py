@@ -1,0 +1,162 @@
+"""Elastic KV caches on the CPU: what is committed, resize's refusals, and resident memory.
+
+The committed ranges are checked byte by byte against the views of a plain
+cache of the same plan: every byte a view of a block below ``n`` addresses is
+committed, no byte of a block at or above ``n`` is.
+"""
+
+from __future__ import annotations
+
+import mmap
+import sys
+
+import pytest
+import torch
+
+from _elastic_caches import CASES, block_bytes, layer_groups, make_elastic, views_with_rows
+from kvcore import BlockPool
+from kvcore.errors import KVCoreError
+from kvcore.memory.backing import CpuBacking
+from kvcore.memory.elastic import block_byte_ranges, granules_of
+from kvcore.transfer import describe, plan_transfer
+
+
+def _mask(kv, ids: list[int]) -> torch.Tensor:
+    """Bytes of the allocation that any view addresses for ``ids`` (brute force over a plain cache)."""
+    view = next(iter(kv.kv_caches.values()))
+    raw = torch.empty(0, dtype=torch.int8).set_(view.untyped_storage())
+    raw.zero_()
+    for name in kv.kv_caches:
+        for b in ids:
+            block_bytes(kv, name, b).fill_(-1)
+    return raw != 0
+
+
+@pytest.mark.parametrize("kind, layout", CASES)
+def test_committed_ranges_cover_exactly_the_blocks_below_n(kind, layout):
+    plain = make_elastic(kind, layout, 7, None)
+    for n in range(2, 8):
+        covered = torch.zeros(plain.config.kv_cache_tensors[0].size, dtype=torch.bool)
+        for start, end in block_byte_ranges(views_with_rows(plain), n):
+            covered[start:end] = True
+        assert covered[_mask(plain, list(range(n)))].all(), n
+        if n < 7:
+            assert not covered[_mask(plain, list(range(n, 7)))].any(), n
+
+
+@pytest.mark.parametrize("kind, layout", CASES)
+def test_an_elastic_cache_has_the_views_of_max_num_blocks(kind, layout):
+    plain, elastic = make_elastic(kind, layout, 7, None), make_elastic(kind, layout, 3, 7)
+    assert (elastic.num_blocks, elastic.max_num_blocks, elastic.block_pool.num_blocks) == (3, 7, 3)
+    assert elastic.config == plain.config
+    for name, view in plain.kv_caches.items():
+        other = elastic.kv_caches[name]
+        assert (other.shape, other.stride(), other.storage_offset()) == (view.shape, view.stride(), view.storage_offset())
+    page = mmap.PAGESIZE
+    want = len(granules_of(block_byte_ranges(views_with_rows(elastic), 3), page)) * page
+    assert elastic.committed_bytes == want < plain.committed_bytes
+
+
+def test_resize_refuses_bad_input_and_changes_nothing():
+    kv = make_elastic("uniform", "BLNHC", 4, 10)
+    held = kv.block_pool.allocate(3)
+    state = (kv.num_blocks, kv.committed_bytes, kv.block_pool.num_free_blocks, kv.zeroer.num_blocks)
+    for bad, error, words in [(1, ValueError, "between 2"), (11, ValueError, "max_num_blocks=10"),
+                              (3.0, TypeError, "integer"), (True, TypeError, "bool"), ("5", TypeError, "integer"),
+                              (3, ValueError, "3 are held")]:  # fmt: skip
+        with pytest.raises(error, match=words):
+            kv.resize(bad)
+        assert (kv.num_blocks, kv.committed_bytes, kv.block_pool.num_free_blocks, kv.zeroer.num_blocks) == state
+    assert held == [1, 2, 3]
+    plain = make_elastic("uniform", "BLNHC", 4, None)
+    with pytest.raises(ValueError, match="max_num_blocks"):
+        plain.resize(3)
+    assert plain.max_num_blocks == plain.num_blocks == 4
+
+
+@pytest.mark.parametrize("num_blocks, max_num_blocks, words", [(11, 10, "between 2 and max_num_blocks=10"),
+                                                              (4, 1, "at least 2"), (4, 2.5, "integer")])
+def test_create_refuses_bad_sizes(num_blocks, max_num_blocks, words):
+    with pytest.raises((ValueError, TypeError), match=words):
+        make_elastic("uniform", "LBNHC", num_blocks, max_num_blocks)
+
+
+def test_available_memory_commits_what_it_buys_up_to_max():
+    plain = make_elastic("uniform", "BLNHC", 4, None)
+    per_block = plain.config.kv_cache_tensors[0].size // 4
+    assert make_elastic("uniform", "BLNHC", None, 50, available_memory=per_block * 9).num_blocks == 9
+    assert make_elastic("uniform", "BLNHC", None, 6, available_memory=per_block * 9).num_blocks == 6
+
+
+def test_shrink_evicts_cached_blocks_above_and_grow_hands_out_zeroed_blocks():
+    kv = make_elastic("uniform", "LBNHC", 6, 12)
+    kv.block_pool = BlockPool(kv.num_blocks, enable_caching=True)
+    ids = kv.block_pool.allocate(5)
+    kv.begin_step()
+    for b in ids:
+        for name in kv.kv_caches:
+            block_bytes(kv, name, b).fill_(7)
+    kv.block_pool.cache_blocks([b"low", b"high"], [1, 5])
+    kv.block_pool.free(ids)
+    kv.resize(3)
+    assert kv.block_pool.find_cached_prefix([b"low"]) == 1 and kv.block_pool.find_cached_prefix([b"high"]) == 0
+    kv.resize(12)
+    new = kv.block_pool.allocate(kv.block_pool.num_free_blocks)
+    assert max(new) == 11 and 5 in new
+    kv.begin_step()
+    for b in new:
+        for name in kv.kv_caches:
+            assert not block_bytes(kv, name, b).any()
+
+
+def test_descriptor_follows_the_current_size():
+    kv = make_elastic("hybrid", "BLNHC", 4, 9)
+    kv.resize(6)
+    descriptor = describe(kv)
+    assert descriptor.num_blocks == 6
+    assert plan_transfer(descriptor, [5])
+    with pytest.raises(ValueError, match="6"):
+        plan_transfer(descriptor, [6])
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_shrink_gives_resident_memory_back():
+    kv = make_elastic("uniform", "LBNHC", 2, 40_000)  # 3 KiB blocks x 40,000: 117 MiB reserved
+    kv.resize(12_000)  # 35 MiB
+    ids = kv.block_pool.allocate(11_999)
+    for name in layer_groups(kv)[0]:
+        kv.kv_caches[name][:12_000].view(torch.int8).fill_(3)
+    before = _resident_bytes()
+    kv.block_pool.free(ids)
+    committed = kv.committed_bytes
+    kv.resize(2)
+    released = committed - kv.committed_bytes
+    assert released > 30 * 2**20
+    assert before - _resident_bytes() > 0.9 * released
+
+
+def test_cpu_backing_releases_granules_that_read_as_zero():
+    backing = CpuBacking(3 * 2**20, granularity=2**20)
+    assert backing.size == 3 * 2**20 and backing.tensor.numel() == 3 * 2**20
+    backing.commit(0, 2 * 2**20)
+    backing.tensor[: 2 * 2**20].fill_(5)
+    backing.decommit(2**20, 2 * 2**20)
+    assert (backing.tensor[: 2**20] == 5).all() and not backing.tensor[2**20 : 2 * 2**20].any()
+    with pytest.raises(ValueError, match="granule"):
+        backing.commit(10, 2**20)
+    with pytest.raises(ValueError, match="multiple"):
+        CpuBacking(2**20, granularity=1000)
+
+
+def test_missing_cuda_bindings_is_a_clear_error(monkeypatch):
+    from kvcore.memory import backing_cuda
+
+    monkeypatch.setitem(sys.modules, "cuda", None)
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)
+    with pytest.raises(KVCoreError, match=r"kvcore\[elastic\]"):
+        backing_cuda.driver_module()
