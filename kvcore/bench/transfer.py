@@ -1,4 +1,4 @@
-"""``kvcore bench transfer``: host offload / restore and NIXL loopback against the memcpy ceiling.
+"""``kvcore bench transfer``: host offload / restore and NIXL transfers against the copy ceilings.
 
 For each layout, moves random (non-consecutive) blocks of a model's KV cache:
 ``HostKVPool.offload`` (device to pinned host) and ``restore`` (back), each
@@ -75,28 +75,32 @@ def device_arg(text: str) -> torch.device:
     return device
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    size = "(default: {gpu} on CUDA, {cpu} on CPU)"
+def _shown(defaults: dict[str, Any], key: str) -> str:
+    value = defaults[key]
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     def sized(key: str) -> str:
-        pick = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in GPU_DEFAULTS.items()}
-        small = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in CPU_DEFAULTS.items()}
-        return size.format(gpu=pick[key], cpu=small[key])
+        return f"(default: {_shown(GPU_DEFAULTS, key)} on CUDA, {_shown(CPU_DEFAULTS, key)} on CPU)"
 
     model = parser.add_argument_group("the model whose KV cache blocks move")
     model.add_argument("--layers", type=positive_int_arg, default=None, help=f"attention layers {sized('layers')}")
-    model.add_argument("--kv-heads", type=positive_int_arg, default=None, help=f"KV heads per layer {sized('kv_heads')}")
+    model.add_argument("--kv-heads", type=positive_int_arg, default=None,
+                       help=f"KV heads per layer {sized('kv_heads')}")
     model.add_argument("--head-size", type=positive_int_arg, default=None,
                        help=f"values per head, for K and for V {sized('head_size')}")
     model.add_argument("--block-size", type=positive_int_arg, default=16,
                        help="tokens per block; with the GPU defaults 16 makes 2 MiB blocks (default: %(default)s)")
-    model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="cache dtype (default: %(default)s)")
+    model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+                       help="cache dtype (default: %(default)s)")
     measured = parser.add_argument_group("what is measured")
     measured.add_argument("--layouts", type=layouts_arg, default=ALL_LAYOUTS,
                           help="comma-separated layouts (default: all six)")
     measured.add_argument("--blocks", type=positive_ints_arg, default=None,
                           help=f"comma-separated counts of blocks moved per host call {sized('blocks')}")
-    measured.add_argument("--device", type=device_arg, default=None, help="cache device (default: cuda when present, else cpu)")
+    measured.add_argument("--device", type=device_arg, default=None,
+                          help="cache device (default: cuda when present, else cpu)")
     measured.add_argument("--no-host", action="store_true", help="skip the host offload / restore rows")
     measured.add_argument("--nixl-blocks", type=positive_ints_arg, default=None,
                           help=f"comma-separated counts of blocks per NIXL transfer {sized('nixl_blocks')}")
@@ -107,13 +111,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="the NIXL peer: a second agent of this process, or one in a spawned process "
                                "(default: process on CUDA, local on CPU)")
     measured.add_argument("--nixl-no-progress-thread", dest="nixl_progress_thread", action="store_false",
-                          help="let NIXL progress transfers only when polled, in the caller's thread")
+                          help="let NIXL progress transfers only when polled, in the caller's thread "
+                               "(default: NIXL's progress thread does it)")
     measured.add_argument("--no-nixl", action="store_true", help="skip the NIXL rows")
     measured.add_argument("--descriptors", type=positive_int_arg, default=None, metavar="N",
                           help="instead of moving bytes, count the NIXL descriptors of N blocks per layout "
                                "and time building them (runs on a CPU; head size 1)")
-    measured.add_argument("--repeats", type=positive_int_arg, default=None, help=f"timed repeats; medians are reported {sized('repeats')}")
-    measured.add_argument("--warmup", type=positive_int_arg, default=None, help=f"untimed calls before each measurement {sized('warmup')}")
+    measured.add_argument("--repeats", type=positive_int_arg, default=None,
+                          help=f"timed repeats; medians are reported {sized('repeats')}")
+    measured.add_argument("--warmup", type=positive_int_arg, default=None,
+                          help=f"untimed calls before each measurement {sized('warmup')}")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     out.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH (default: none)")
