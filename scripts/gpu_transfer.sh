@@ -69,7 +69,11 @@ try:
     result = json.load(open(sys.argv[1]))
 except (OSError, ValueError) as exc:
     sys.exit(f"(no results: {exc})")
-transfer._print(result)
+if isinstance(result, list):  # rows of scripts/gpu_nixl_rows.py
+    from kvcore.bench.transfer_nixl import print_rows
+    print_rows(result, 80)
+else:
+    transfer._print(result)
 EOF
 }
 
@@ -79,8 +83,9 @@ step tests 110 $PY -m pytest -q -rs -p no:cacheprovider tests/test_nixl_gpu.py t
 tail -4 "$OUT/tests.log" | tee -a "$SUMMARY"
 
 # --- 3. NIXL VRAM<->VRAM (two processes, one GPU) and VRAM<->host, 2 MiB blocks --------------------
-step nixl_vram 150 $BENCH --no-host --nixl-memory VRAM,VRAM-DRAM --nixl-peer process --layouts BLNHC,LBNHC \
-  --nixl-blocks 64,256 --repeats 3 --warmup 1 --json-out "$OUT/nixl_vram.json"
+# (scripts/gpu_nixl_rows.py: the bench's rows, its JSON rewritten after each layout, so a timeout keeps them)
+step nixl_vram 150 $PY scripts/gpu_nixl_rows.py --nixl-memory VRAM,VRAM-DRAM --nixl-peer process \
+  --layouts BLNHC,LBNHC --nixl-blocks 64,256 --repeats 3 --warmup 1 --json-out "$OUT/nixl_vram.json"
 show "$OUT/nixl_vram.json"
 
 # --- 4. host tier, six layouts --------------------------------------------------------------------

@@ -15,6 +15,7 @@ defaults are CPU-sized (a few seconds); a progress bar shows on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -24,8 +25,6 @@ import textwrap
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvcore.bench._args import layouts_arg, positive_int_arg, positive_ints_arg
 from kvcore.bench._timing import Timer
@@ -296,16 +295,29 @@ def _descriptors(args: argparse.Namespace) -> int:
     return 0
 
 
-def run(args: argparse.Namespace) -> int:
-    _quiet_nixl()
-    if args.descriptors:
-        return _descriptors(args)
+@contextlib.contextmanager
+def _progress_bar():
+    """A ``progress(total) -> tick`` drawing a rich bar on stderr (none where rich is missing)."""
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:  # NOTE: rich is a dependency, but a bare GPU machine may run from PYTHONPATH
+        yield None
+        return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
         def progress(total: int):
             task = bar.add_task("kvcore bench transfer", total=total)
             return lambda: bar.advance(task)
 
+        yield progress
+
+
+def run(args: argparse.Namespace) -> int:
+    _quiet_nixl()
+    if args.descriptors:
+        return _descriptors(args)
+    with _progress_bar() as progress:
         result = collect(args, progress)
     text = json.dumps(result, indent=2)
     if args.json_out:
