@@ -10,6 +10,7 @@ NIXL is optional: ``pip install kvcore[nixl]``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from typing import Any
@@ -99,18 +100,20 @@ class NixlAgent:
         self.descriptor = describe(kv_cache)
         self._raw = raw_allocation(kv_cache)
         self._registered = None
-        if self._raw.device.type == "cuda":
-            # UCX's CUDA transports read the calling thread's CUDA context when the agent is
-            # made: make the cache's device current (its primary context exists: the cache does).
-            torch.cuda.set_device(self._raw.device)
-            torch.cuda.synchronize(self._raw.device)
+        device = self._raw.device
+        # UCX's CUDA transports read the calling thread's CUDA context when the agent starts: make
+        # the cache's device (whose primary context exists: the cache is allocated) current meanwhile.
+        current = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         try:
-            config = config_cls(backends=list(backends), enable_prog_thread=bool(progress_thread))
-            self._agent = agent_cls(name, config)
-            self._registered = self._agent.register_memory([self._raw])
+            with current:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                config = config_cls(backends=list(backends), enable_prog_thread=bool(progress_thread))
+                self._agent = agent_cls(name, config)
+                self._registered = self._agent.register_memory([self._raw])
         except Exception as exc:  # NOTE: NIXL raises its own binding exceptions (nixlBackendError, ...)
             raise TransferError(
-                f"NIXL could not start agent {name!r} with backends {list(backends)} on {self._raw.device}: "
+                f"NIXL could not start agent {name!r} with backends {list(backends)} on {device}: "
                 f"{exc!r}; check that NIXL's UCX plugin loads (UCX_LOG_LEVEL=info shows why it does not)"
             ) from exc
         self._peers: dict[str, KVCacheDescriptor] = {}
