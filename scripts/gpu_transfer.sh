@@ -127,6 +127,7 @@ diag tcp_copy process "UCX_TLS=tcp,cuda_copy"
 diag ipc_getzcopy process "UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y"
 diag no_prog_thread process "" --nixl-no-progress-thread
 LOG=debug diag two_proc_debug process ""
+find "$OUT" -name "ucx_*.log" -size +20M -exec gzip -f {} \;  # debug logs are large; the evidence files stay
 for f in "$OUT"/ucx_*_evidence.txt; do  # the data lanes UCX chose, and what it complained about
   echo "--- $(basename "$f")" >>"$SUMMARY"
   grep -E "lanes: .*intra-node|remote memory (write|read)|WARN|ERROR|context|reach|nvlink" "$f" | grep -v "host memory to host" \
