@@ -29,6 +29,13 @@ def _tuple_or_none(value: Any) -> tuple[Any, ...] | None:
     return tuple(value)
 
 
+def _device_types(value: Any) -> tuple[Any, ...] | None:
+    items = _tuple_or_none(value)
+    if items is None:
+        return None
+    return tuple(d.type if isinstance(d, torch.device) and d.index is None else d for d in items)
+
+
 def _check_devices(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
     if value is None:
         return
@@ -89,7 +96,7 @@ class KernelRequirements:
         view's byte offset in its allocation, must be a multiple of this.
     """
 
-    devices: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none, validator=_check_devices)
+    devices: tuple[str, ...] | None = attrs.field(default=None, converter=_device_types, validator=_check_devices)
     dtypes: tuple[torch.dtype, ...] | None = attrs.field(
         default=None, converter=_tuple_or_none, validator=_check_dtypes
     )

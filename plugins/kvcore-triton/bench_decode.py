@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -39,6 +38,7 @@ from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec
 from kvcore.memory.views import allocate_kv_cache
+from kvcore.settings import Settings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -293,7 +293,7 @@ def main(argv=None) -> int:
     p.add_argument("--json", action="store_true", help="also print one JSON object with every row at the end")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and not Settings.from_env().triton_interpret:
         print("bench_decode.py times Triton kernels on a CUDA GPU; on CPU run it with "
               "TRITON_INTERPRET=1 (tiny shapes only, times are meaningless)", file=sys.stderr)
         return 2
