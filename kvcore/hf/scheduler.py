@@ -14,6 +14,7 @@ is refused when it is added, so the oldest request can always progress.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -65,8 +66,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
         self.prefix = PrefixCache(self.pool, self.groups) if prefix_caching else None
+        #: ``grow(k)``: try to add at least ``k`` free blocks (an elastic cache); True when it did.
+        self.grow: Callable[[int], bool] | None = None
         # NOTE: one row per running request and group; the batch builder slices these per step.
-        width = max(-(-min(self.max_model_len, kv.num_blocks * g.block_size) // g.block_size) for g in self.groups)
+        width = max(-(-min(self.max_model_len, kv.max_num_blocks * g.block_size) // g.block_size) for g in self.groups)
         self.tables = [np.zeros((max_num_seqs, width), dtype=np.int32) for _ in self.groups]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
@@ -131,7 +134,8 @@ class Scheduler:
             if info.sliding_window is not None:
                 self._drop_out_of_window(request, g, start - info.sliding_window + 1)
             needs.append(-(-(start + n) // info.block_size) - len(request.block_tables[g]))
-        if sum(needs) > self.pool.num_free_blocks:
+        short = sum(needs) - self.pool.num_free_blocks
+        if short > 0 and (self.grow is None or not self.grow(short)):
             return False
         for g, need in enumerate(needs):
             if need > 0:

@@ -1,0 +1,47 @@
+"""kvcore.hf.Engine over an elastic cache: grows instead of preempting, shrinks back after generate."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from kvcore.hf import Engine  # noqa: E402
+from kvcore.hf.models import model_config, random_model  # noqa: E402
+
+PROMPT_LENS = [5, 40, 17, 26]
+MAX_NEW = 4
+
+
+@pytest.fixture(scope="module")
+def setup():
+    model = random_model(model_config("llama"), seed=1)
+    gen = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in PROMPT_LENS]
+    expected = Engine(model, num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32).generate(prompts, MAX_NEW)
+    return model, prompts, expected
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_engine_grows_instead_of_preempting_and_shrinks_back(setup, caching):
+    model, prompts, expected = setup
+    elastic = Engine(model, num_blocks=4, max_num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
+                     enable_prefix_caching=caching)
+    sizes = []
+    grow = elastic.scheduler.grow
+    elastic.scheduler.grow = lambda short: (grow(short), sizes.append(elastic.kv.num_blocks))[0]
+    committed = elastic.kv.committed_bytes
+    assert elastic.generate(prompts, MAX_NEW) == expected
+    assert elastic.stats().preemptions == 0 and max(sizes) >= 7  # 4 blocks hold 40 tokens at most
+    assert elastic.kv.num_blocks == 4 and elastic.kv.committed_bytes == committed
+    assert elastic.kv.block_pool.num_free_blocks == 3
+
+
+def test_engine_admits_what_fits_max_num_blocks_only(setup):
+    model, prompts, expected = setup
+    elastic = Engine(model, num_blocks=2, max_num_blocks=5, max_num_seqs=2)
+    with pytest.raises(ValueError, match="the whole cache has 4"):
+        elastic.generate([prompts[1]], 40)
+    assert elastic.generate([prompts[2]], MAX_NEW) == [expected[2]]  # 21 tokens: grows from 1 to 2 usable
+    assert elastic.kv.num_blocks == 2
