@@ -10,14 +10,16 @@ from __future__ import annotations
 import mmap
 import sys
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
-from _elastic_caches import CASES, block_bytes, layer_groups, make_elastic, views_with_rows
+from _elastic_caches import CASES, block_bytes, granules_touched, layer_groups, make_elastic, views_with_rows
 from kvcore import BlockPool
 from kvcore.errors import KVCoreError
 from kvcore.memory.backing import CpuBacking
-from kvcore.memory.elastic import block_byte_ranges, granules_of
+from kvcore.memory.elastic import block_byte_ranges, granule_ranges, merge_ranges, subtract_ranges
 from kvcore.transfer import describe, plan_transfer
 
 
@@ -53,7 +55,7 @@ def test_an_elastic_cache_has_the_views_of_max_num_blocks(kind, layout):
         other = elastic.kv_caches[name]
         assert (other.shape, other.stride(), other.storage_offset()) == (view.shape, view.stride(), view.storage_offset())
     page = mmap.PAGESIZE
-    want = len(granules_of(block_byte_ranges(views_with_rows(elastic), 3), page)) * page
+    want = len(granules_touched(block_byte_ranges(views_with_rows(elastic), 3), page)) * page
     assert elastic.committed_bytes == want < plain.committed_bytes
 
 
@@ -160,3 +162,14 @@ def test_missing_cuda_bindings_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
     with pytest.raises(KVCoreError, match=r"kvcore\[elastic\]"):
         backing_cuda.driver_module()
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 12)), max_size=6),
+       st.lists(st.tuples(st.integers(0, 60), st.integers(1, 12)), max_size=6))
+@settings(max_examples=60, deadline=None, derandomize=True)
+def test_range_arithmetic_matches_sets(a, b):
+    a = merge_ranges((s, s + n) for s, n in a)
+    b = merge_ranges((s, s + n) for s, n in b)
+    as_set = lambda rs: {x for s, e in rs for x in range(s, e)}  # noqa: E731
+    assert as_set(subtract_ranges(a, b)) == as_set(a) - as_set(b)
+    assert as_set(granule_ranges(a, 8)) == {x for i in granules_touched(a, 8) for x in range(8 * i, 8 * i + 8)}

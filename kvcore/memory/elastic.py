@@ -54,17 +54,27 @@ def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> list[tu
     return merge_ranges(spans)
 
 
-def granules_of(ranges: Iterable[tuple[int, int]], granularity: int) -> set[int]:
-    """Offsets of the granules that ``ranges`` touch."""
-    out: set[int] = set()
-    for start, end in ranges:
-        out.update(range(start // granularity * granularity, end, granularity))
+def granule_ranges(ranges: Iterable[tuple[int, int]], granularity: int) -> list[tuple[int, int]]:
+    """``ranges`` widened to whole granules, merged."""
+    g = granularity
+    return merge_ranges((start // g * g, -(-end // g) * g) for start, end in ranges)
+
+
+def subtract_ranges(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Bytes of the merged ranges ``a`` that are not in the merged ranges ``b``."""
+    out, j = [], 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while start < end and k < len(b) and b[k][0] < end:
+            if b[k][0] > start:
+                out.append((start, b[k][0]))
+            start = max(start, b[k][1])
+            k += 1
+        if start < end:
+            out.append((start, end))
     return out
-
-
-def granule_runs(offsets: Iterable[int], granularity: int) -> list[tuple[int, int]]:
-    """Granule offsets as merged ``[start, end)`` byte ranges."""
-    return merge_ranges((o, o + granularity) for o in offsets)
 
 
 class ElasticMemory:
@@ -73,7 +83,7 @@ class ElasticMemory:
     def __init__(self, backing: BackingMemory) -> None:
         self.backing = backing
         self._views: dict[str, ViewRows] = {}
-        self._granules: set[int] = set()
+        self._committed: list[tuple[int, int]] = []  # granule-aligned, merged
         self.num_blocks = 0
 
     def track(self, views: Mapping[str, ViewRows]) -> None:
@@ -82,10 +92,11 @@ class ElasticMemory:
 
     @property
     def committed_bytes(self) -> int:
-        return len(self._granules) * self.backing.granularity
+        return sum(end - start for start, end in self._committed)
 
-    def granules_for(self, num_blocks: int) -> set[int]:
-        return granules_of(block_byte_ranges(self._views, num_blocks), self.backing.granularity)
+    def ranges_for(self, num_blocks: int) -> list[tuple[int, int]]:
+        """The granule-aligned ranges that back blocks ``[0, num_blocks)``."""
+        return granule_ranges(block_byte_ranges(self._views, num_blocks), self.backing.granularity)
 
     def resize(self, num_blocks: int) -> None:
         """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed.
@@ -93,18 +104,18 @@ class ElasticMemory:
         All or nothing: a grow that fails part-way gives back what it
         committed and raises; nothing changes.
         """
-        g, backing = self.backing.granularity, self.backing
-        want = self.granules_for(num_blocks)
+        backing = self.backing
+        want = self.ranges_for(num_blocks)
         added: list[tuple[int, int]] = []
         try:
-            for start, end in granule_runs(want - self._granules, g):
+            for start, end in subtract_ranges(want, self._committed):
                 backing.commit(start, end)
                 added.append((start, end))
         except BaseException:
             for start, end in added:
                 backing.decommit(start, end)
             raise
-        for start, end in granule_runs(self._granules - want, g):
+        for start, end in subtract_ranges(self._committed, want):
             backing.decommit(start, end)
-        self._granules = want
+        self._committed = want
         self.num_blocks = num_blocks
