@@ -45,3 +45,22 @@ def test_engine_admits_what_fits_max_num_blocks_only(setup):
         elastic.generate([prompts[1]], 40)
     assert elastic.generate([prompts[2]], MAX_NEW) == [expected[2]]  # 21 tokens: grows from 1 to 2 usable
     assert elastic.kv.num_blocks == 2
+
+
+def test_example_engines_take_turns_with_the_memory():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "elastic.py"
+    spec = importlib.util.spec_from_file_location("elastic_example", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    timeline = module.main(["--device", "cpu", "--rounds", "1", "--requests", "2", "--prompt-len", "40",
+                            "--max-new-tokens", "2"])
+    start = timeline[0]
+    a_peak = max(r["A"] for r in timeline if r["event"].startswith("A "))
+    b_peak = max(r["B"] for r in timeline if r["event"].startswith("B "))
+    assert a_peak > start["A"] and b_peak > start["B"]
+    a_done = next(r for r in timeline if r["event"].startswith("A done"))
+    assert a_done["A"] == start["A"] and all(r["A"] == start["A"] for r in timeline if r["event"].startswith("B "))
+    assert timeline[-1]["B"] == start["B"]
