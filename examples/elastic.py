@@ -57,7 +57,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     config = model_config("llama", hidden_size=256 if small else 1024, num_hidden_layers=4 if small else 8,
                           num_attention_heads=4 if small else 8, num_key_value_heads=4 if small else 8,
                           head_dim=64 if small else 128, max_position_embeddings=4096)
-    backend = "triton" if device.type == "cuda" else "torch"
+    # NOTE: backend classes, not names: no plugin entry point needs to be installed.
+    if device.type == "cuda":
+        from kvcore_triton.backend import TritonAttentionBackend as backend
+    else:
+        from kvcore_torch.backend import TorchAttentionBackend as backend
     engines = {
         name: Engine(random_model(config, dtype=dtype, device=device, seed=seed), backend=backend,
                      num_blocks=args.start_blocks, max_num_blocks=args.max_blocks, max_num_seqs=args.requests)

@@ -130,7 +130,9 @@ def test_engine_tokens_on_an_elastic_cache_with_decode_graphs():
     model = random_model(model_config("llama"), dtype=torch.bfloat16, device="cuda", seed=1)
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 40, 17, 33, 9, 26)]
-    plain = Engine(model, backend="triton", num_blocks=256, max_num_seqs=4)
-    grown = Engine(model, backend="triton", num_blocks=4, max_num_blocks=256, max_num_seqs=4)
+    from kvcore_triton.backend import TritonAttentionBackend as triton
+
+    plain = Engine(model, backend=triton, num_blocks=256, max_num_seqs=4)
+    grown = Engine(model, backend=triton, num_blocks=4, max_num_blocks=256, max_num_seqs=4)
     assert grown.generate(prompts, 12) == plain.generate(prompts, 12)
     assert grown.stats().graph_steps > 0 and grown.stats().preemptions == 0 and grown.kv.num_blocks == 4
