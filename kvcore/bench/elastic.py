@@ -123,10 +123,8 @@ def _print_layouts(model: str, max_blocks: int, granularity: int, rows: list[dic
     print(f"{'layout':7} {'block':>9} {'pieces':>6} {'granules/block':>14} {'blocks/grow':>11} "
           f"{'maps/grow':>9} {'max slack':>10}")
     for r in rows:
-        every = r["blocks_per_grow_event"]
-        every_text = f"{every:.1f}" if every != float("inf") else "never"
         print(f"{r['layout']:7} {format_bytes(r['block_bytes']):>9} {r['pieces_per_block']:>6} "
-              f"{r['granules_per_block']:>14.2f} {every_text:>11} "
+              f"{r['granules_per_block']:>14.2f} {r['blocks_per_grow_event']:>11.1f} "
               f"{r['mappings_per_grow_event']:>9.1f} {format_bytes(r['max_slack_bytes']):>10}")
 
 

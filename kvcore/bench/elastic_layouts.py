@@ -59,7 +59,7 @@ def layout_cost(specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout, max_blo
     return {
         "layout": layout.name, "block_bytes": block_bytes, "pieces_per_block": pieces,
         "granules_per_block": touched / max_blocks, "grow_events": events,
-        "blocks_per_grow_event": (max_blocks - 1) / events if events else float("inf"),
+        "blocks_per_grow_event": max_blocks / (events + 1),
         "mappings_per_grow_event": mapped / events if events else 0.0, "max_slack_bytes": slack,
     }
 
