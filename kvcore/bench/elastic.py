@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure", action="store_true", help="also time grow / shrink on --device")
     parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
     parser.add_argument("--gib", type=positive_int_arg, default=1, help="GiB committed at once (default: 1)")
-    parser.add_argument("--repeat", type=positive_int_arg, default=20, help="granules timed one by one")
+    parser.add_argument("--repeat", type=positive_int_arg, default=20, help="granules timed one by one (default: 20)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
