@@ -155,7 +155,7 @@ class KVCache:
         With ``max_num_blocks`` the cache is elastic: address space for that
         many blocks is reserved (the plan and views are theirs) and memory is
         committed for the first ``num_blocks`` (or what ``available_memory``
-        buys); :meth:`resize` changes that later.
+        buys; neither: all of them); :meth:`resize` changes that later.
         """
         device = checked_device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
