@@ -13,11 +13,17 @@ committed (a grow maps one granule per run it reaches).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
-from kvcore.memory.backing import BackingMemory
+from kvcore._validate import as_int
+from kvcore.memory.backing import BackingMemory, reserve_backing
+from kvcore.memory.config import KVCacheConfig
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.runs import block_runs
+from kvcore.specs import KVCacheSpec
 
 #: A layer view as allocated and how many of its rows form one manager block.
 ViewRows = tuple[torch.Tensor, int]
@@ -119,3 +125,36 @@ class ElasticMemory:
             backing.decommit(start, end)
         self._committed = want
         self.num_blocks = num_blocks
+
+
+def first_elastic_blocks(
+    specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout, max_num_blocks: Any,
+    num_blocks: int | None, available_memory: int | None,
+) -> int:
+    """Blocks an elastic cache commits at creation: ``num_blocks``, or what ``available_memory`` buys."""
+    max_num_blocks = as_int("max_num_blocks", max_num_blocks)
+    if max_num_blocks < 2:
+        raise ValueError(f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}")
+    if num_blocks is None and available_memory is not None:
+        num_blocks = min(plan_kv_cache(specs, layout, available_memory=available_memory).num_blocks, max_num_blocks)
+    if num_blocks is None:
+        return max_num_blocks
+    num_blocks = as_int("num_blocks", num_blocks)
+    if not 2 <= num_blocks <= max_num_blocks:
+        raise ValueError(
+            f"num_blocks={num_blocks} must be between 2 and max_num_blocks={max_num_blocks}; "
+            "raise max_num_blocks or commit fewer blocks"
+        )
+    return num_blocks
+
+
+def reserve_elastic(config: KVCacheConfig, device: torch.device) -> tuple[ElasticMemory, torch.Tensor]:
+    """Reserve the allocation of ``config`` (its ``max_num_blocks`` blocks) without committing any of it."""
+    raw = [n for g in config.kv_cache_groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
+    if raw or not config.kv_cache_tensors:
+        raise ValueError(
+            f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps a raw buffer "
+            "(or the model keeps no cache); drop max_num_blocks"
+        )
+    backing = reserve_backing(config.kv_cache_tensors[0].size, device)
+    return ElasticMemory(backing), backing.tensor
