@@ -196,3 +196,36 @@ def test_layout_costs_of_llama_at_2mib_granules(capsys):
     assert unaligned["grow_events"] * unaligned["mappings_per_grow_event"] + 32 == 600  # 1,200 MiB in all
     assert main(["bench", "elastic", "--max-blocks", "64"]) == 0
     assert "LHBNC" in capsys.readouterr().out
+
+
+def test_a_grow_that_runs_out_of_memory_changes_nothing(monkeypatch):
+    from kvcore.memory import backing as backing_module
+
+    kv = make_elastic("uniform", "LHBNC", 2, 4000)  # LHBNC: one run per layer and head, so many ranges
+    kv.block_pool.allocate(1)
+    state = (kv.num_blocks, kv.committed_bytes, kv.block_pool.num_free_blocks, kv.zeroer.num_blocks)
+    calls = []
+    monkeypatch.setattr(backing_module, "_available_host_memory", lambda: 0 if calls.append(1) or len(calls) > 3 else None)
+    with pytest.raises(KVCoreError, match="cannot commit"):
+        kv.resize(3000)
+    assert len(calls) == 4  # three ranges committed, then given back
+    assert (kv.num_blocks, kv.committed_bytes, kv.block_pool.num_free_blocks, kv.zeroer.num_blocks) == state
+    monkeypatch.setattr(backing_module, "_available_host_memory", lambda: None)
+    kv.resize(3000)
+    assert kv.block_pool.num_free_blocks == 2998
+
+
+def test_block_pool_resize_checks_its_argument_and_appends_new_ids():
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [1, 2, 3]
+    pool.resize(6)
+    assert pool.allocate(2) == [4, 5] and pool.num_blocks == 6
+    with pytest.raises(TypeError, match="integer"):
+        pool.resize(5.0)
+    with pytest.raises(ValueError, match="at least 2"):
+        pool.resize(1)
+    pool.free([5, 4])
+    pool.resize(5)
+    assert pool.num_free_blocks == 1 and pool.allocate(1) == [4] and not pool.is_allocated(5)
+    with pytest.raises(ValueError, match="outside this pool"):
+        pool.free([5])

@@ -64,3 +64,13 @@ def test_example_engines_take_turns_with_the_memory():
     a_done = next(r for r in timeline if r["event"].startswith("A done"))
     assert a_done["A"] == start["A"] and all(r["A"] == start["A"] for r in timeline if r["event"].startswith("B "))
     assert timeline[-1]["B"] == start["B"]
+
+
+def test_engine_preempts_when_memory_runs_out(setup, monkeypatch):
+    from kvcore.memory import backing as backing_module
+
+    model, prompts, expected = setup
+    elastic = Engine(model, num_blocks=4, max_num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32)
+    monkeypatch.setattr(backing_module, "_available_host_memory", lambda: 0)  # no grow can commit
+    assert elastic.generate(prompts, MAX_NEW) == expected
+    assert elastic.kv.num_blocks == 4 and elastic.stats().preemptions > 0
