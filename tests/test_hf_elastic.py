@@ -55,7 +55,7 @@ def test_example_engines_take_turns_with_the_memory():
     spec = importlib.util.spec_from_file_location("elastic_example", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    timeline = module.main(["--device", "cpu", "--rounds", "1", "--requests", "2", "--prompt-len", "40",
+    timeline = module.main(["--device", "cpu", "--rounds", "1", "--requests", "2", "--prompt-len", "20",
                             "--max-new-tokens", "2"])
     start = timeline[0]
     a_peak = max(r["A"] for r in timeline if r["event"].startswith("A "))
@@ -72,5 +72,6 @@ def test_engine_preempts_when_memory_runs_out(setup, monkeypatch):
     model, prompts, expected = setup
     elastic = Engine(model, num_blocks=4, max_num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32)
     monkeypatch.setattr(backing_module, "_available_host_memory", lambda: 0)  # no grow can commit
-    assert elastic.generate(prompts, MAX_NEW) == expected
+    # 26 and 17 tokens: both start (3 blocks), then the second needs a 4th: preempted, not grown
+    assert elastic.generate([prompts[3], prompts[2]], MAX_NEW) == [expected[3], expected[2]]
     assert elastic.kv.num_blocks == 4 and elastic.stats().preemptions > 0
