@@ -54,7 +54,7 @@ def device_used() -> int:
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_grow_and_shrink_in_place_and_give_memory_back(layout):
     kv = elastic(layout, 64, 4096)  # 1 GiB reserved, 16 MiB committed
-    assert kv.committed_bytes % (2 * 2**20) == 0 and kv.committed_bytes < 64 * 2**20
+    assert kv.committed_bytes % (2 * 2**20) == 0 and kv.committed_bytes <= 64 * 2**20  # LHBNC: 32 runs
     ptrs = {n: v.data_ptr() for n, v in kv.kv_caches.items()}
     low = kv.block_pool.allocate(63)
     kv.begin_step()
@@ -93,7 +93,7 @@ def test_a_cuda_graph_replays_across_a_grow():
     with torch.cuda.graph(graph):
         view.index_copy_(0, dst, view.index_select(0, src) * 2)
     kv.resize(2048)
-    fill(kv, [2000], 3)
+    view[2000].copy_(torch.randn(view[2000].shape, device="cuda"))  # NOTE: numbers, not random bit patterns
     src.fill_(2000)
     dst.fill_(2047)
     graph.replay()
