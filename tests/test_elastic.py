@@ -229,3 +229,31 @@ def test_block_pool_resize_checks_its_argument_and_appends_new_ids():
     assert pool.num_free_blocks == 1 and pool.allocate(1) == [4] and not pool.is_allocated(5)
     with pytest.raises(ValueError, match="outside this pool"):
         pool.free([5])
+
+
+def test_nixl_registration_and_host_pool_made_before_a_grow_move_new_blocks():
+    from kvcore.transfer import HostKVPool, KVCacheDescriptor, NixlAgent, NixlUnavailableError
+
+    a, b = make_elastic("hybrid", "BLNHC", 4, 16), make_elastic("hybrid", "BLNHC", 4, 16)
+    try:
+        agent_a, agent_b = NixlAgent("elastic-a", a), NixlAgent("elastic-b", b)  # registered at 4 blocks
+    except NixlUnavailableError as exc:
+        pytest.skip(f"NIXL is not installed: {exc}")
+    a.resize(16)
+    b.resize(16)
+    agent_a.descriptor, agent_b.descriptor = describe(a), describe(b)  # NOTE: the sizes, read again
+    assert KVCacheDescriptor.from_json(agent_a.descriptor.to_json()) == agent_a.descriptor
+    peer = agent_a.connect(agent_b.metadata())
+    agent_b.connect(agent_a.metadata())
+    gen = torch.Generator().manual_seed(5)
+    for name in a.kv_caches:
+        live = block_bytes(a, name, 12)
+        live.copy_(torch.randint(-128, 128, live.shape, dtype=torch.int8, generator=gen))
+    agent_a.write_blocks(peer, [12], [14]).wait(timeout=60)
+    assert all(torch.equal(block_bytes(a, n, 12), block_bytes(b, n, 14)) for n in a.kv_caches)
+    pool = HostKVPool(b, 2)
+    pool.offload([14], [1])
+    pool.restore([1], [15])
+    assert all(torch.equal(block_bytes(b, n, 14), block_bytes(b, n, 15)) for n in b.kv_caches)
+    agent_a.close()
+    agent_b.close()
