@@ -174,9 +174,18 @@ class Engine:
         try:
             done = self.run()
         finally:
-            if self.kv.elastic is not None and not self.scheduler.has_work:
-                self.kv.resize(self._start_blocks)  # NOTE: evicts cached prefix blocks above it
+            self._shrink_back()
         return [done[r.req_id] for r in requests]
+
+    def _shrink_back(self) -> None:
+        """An elastic cache goes back to its starting size once no request is left (cached blocks above are evicted)."""
+        kv = self.kv
+        if kv.elastic is None or self.scheduler.has_work or kv.num_blocks == self._start_blocks:
+            return
+        try:
+            kv.resize(self._start_blocks)
+        except ValueError:  # NOTE: blocks above it are held outside generate (say, an exported prefix)
+            pass
 
     def _grow_cache(self, short: int) -> bool:
         """Grow the elastic cache by at least ``short`` blocks (a quarter more when memory allows)."""

@@ -167,7 +167,8 @@ class KVCache:
         )
         kernel_block_sizes = negotiation.kernel_block_sizes
         if elastic is not None:
-            elastic.track({name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches})
+            elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
+                           for name, view in kv_caches.items()})
             elastic.resize(num_blocks)
             zeroer.num_blocks = num_blocks
         return cls(
