@@ -42,7 +42,7 @@ for row in r["resize"]:
           f" ({row['grow_ms_per_granule']:.3f} ms/granule), shrink {row['shrink_ms']:.1f} ms ({row['shrink_ms_per_granule']:.3f} ms/granule)")
 PY
 echo "== 3. decode bandwidth, elastic vs plain (64 x 4096 tokens, GQA 32/8, head 128, bf16, 4 layers)"
-timeout 120 $PY scripts/gpu_elastic_decode.py --iters 20 --json "$OUT/elastic_decode.json" 2>&1 | tee "$OUT/elastic_decode.txt" | tail -8
+timeout 120 $PY scripts/gpu_elastic_decode.py --iters 20 --rounds 2 --json "$OUT/elastic_decode.json" 2>&1 | tee "$OUT/elastic_decode.txt" | tail -8
 echo "== 4. examples/elastic.py (two engines, one GPU)"
-timeout 90 $PY examples/elastic.py --device cuda --rounds 2 --requests 32 --prompt-len 1000 --max-new-tokens 16 \
+timeout 90 $PY examples/elastic.py --device cuda --rounds 2 --requests 16 --prompt-len 1000 --max-new-tokens 16 \
   2>&1 | tee "$OUT/elastic_example.txt" | grep -v Warning | tail -40
