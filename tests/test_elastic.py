@@ -257,3 +257,32 @@ def test_nixl_registration_and_host_pool_made_before_a_grow_move_new_blocks():
     assert all(torch.equal(block_bytes(b, n, 14), block_bytes(b, n, 15)) for n in b.kv_caches)
     agent_a.close()
     agent_b.close()
+
+
+@pytest.mark.parametrize("kind, layout", CASES)
+def test_coarse_granules_keep_every_live_block(kind, layout):
+    """With granules larger than a block (16 KiB here, 2 MiB on a GPU) a granule shared by a live block stays."""
+    from kvcore.memory.backing import reserve_backing
+    from kvcore.memory.elastic import ElasticMemory
+    from kvcore.memory.views import allocate_kv_cache
+
+    plain = make_elastic(kind, layout, 12, None)
+    config = plain.config
+    backing = reserve_backing(config.kv_cache_tensors[0].size, "cpu", granularity=4 * mmap.PAGESIZE)
+    views = allocate_kv_cache(config, "cpu", buffer=backing.tensor, kernel_block_sizes=plain.kernel_block_sizes
+                              if kind == "split" else None)
+    rows = {n: (v, v.shape[0] // 12) for n, v in views.items()}
+    memory = ElasticMemory(backing)
+    memory.track(rows)
+    gen = torch.Generator().manual_seed(7)
+    for n in (7, 3, 12, 2, 9):
+        memory.resize(n)
+        # NOTE: what is live now must survive the next resize
+        for name, (view, r) in rows.items():
+            view[: n * r].view(torch.int8).copy_(torch.randint(-128, 128, view[: n * r].view(torch.int8).shape,
+                                                               dtype=torch.int8, generator=gen))
+        kept = {name: view[: 2 * r].view(torch.int8).clone() for name, (view, r) in rows.items()}
+        want = granules_touched(block_byte_ranges(rows, n), backing.granularity)
+        assert memory.committed_bytes == len(want) * backing.granularity
+    memory.resize(2)
+    assert all(torch.equal(view[: 2 * r].view(torch.int8), kept[name]) for name, (view, r) in rows.items())
