@@ -109,7 +109,13 @@ class CudaBacking(BackingMemory):
             # mapped there: the first granule (block 0 of the first layer in every layout) is.
             self.tensor = torch.empty(0, dtype=torch.int8, device=self.device)
             self.commit(0, self.granularity)
-            self.tensor = torch.as_tensor(_DeviceRange(self._res, size), device=self.device)
+            try:
+                self.tensor = torch.as_tensor(_DeviceRange(self._res, size), device=self.device)
+            except (RuntimeError, TypeError, ValueError) as exc:  # NOTE: torch reads the interface through numpy
+                raise KVCoreError(
+                    f"torch could not wrap the reserved device range as a tensor ({exc}); "
+                    "install numpy, which torch needs to read __cuda_array_interface__"
+                ) from exc
             self.tensor[: self.granularity].zero_()
 
     def commit(self, start: int, end: int) -> None:
