@@ -54,8 +54,9 @@ def main() -> int:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--layouts", default=",".join(layout.name for layout in KVCacheLayout))
     p.add_argument("--json", default=None)
+    p.add_argument("--device", default="cuda", help="cuda (a CPU run, tiny and interpreted, checks the script)")
     args = p.parse_args()
-    device = torch.device("cuda")
+    device = torch.device(args.device)
     block, kv_heads, q_heads, head = 16, 8, 32, 128
     spec = FullAttentionSpec(block, kv_heads, head, torch.bfloat16)
     specs = {f"model.layers.{i}.self_attn": spec for i in range(args.layers)}
@@ -64,7 +65,7 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     table = (torch.randperm(num_blocks - 1, generator=gen) + 1)[: args.batch * per_req]
     table = table.view(args.batch, per_req).to(device, torch.int32)
-    query = torch.randn(args.batch, q_heads, head, device=device, dtype=torch.bfloat16)
+    query = torch.randn(args.batch, q_heads, head, dtype=torch.bfloat16).to(device)
     qsl = torch.arange(args.batch + 1, dtype=torch.int32, device=device)
     seq_lens = torch.full((args.batch,), args.context, dtype=torch.int32, device=device)
     kv_bytes = args.batch * args.context * kv_heads * 2 * head * 2
@@ -73,7 +74,7 @@ def main() -> int:
         layout = KVCacheLayout.parse(name)
         plain, _ = layer_view(specs, layout, num_blocks, device)
         elastic, memory = layer_view(specs, layout, num_blocks, device, elastic_blocks=num_blocks * args.reserve)
-        plain.copy_(torch.randn(plain.shape, device=device, dtype=plain.dtype))
+        plain.copy_(torch.randn(plain.shape, device=device, dtype=torch.float32))
         elastic[:num_blocks].copy_(plain)
         outs = [torch.empty(args.batch, q_heads, head, device=device, dtype=torch.bfloat16) for _ in range(2)]
         fns = [lambda v=v, o=o: paged_attention(query, v, table, qsl, seq_lens, head_size=head, scale=head**-0.5,
@@ -93,7 +94,8 @@ def main() -> int:
               f"ratio {row['ratio']:.3f} (target >= 0.97)  max diff {row['max_diff']:.1e}  "
               f"committed {row['committed_gib']:.2f} of {row['reserved_gib']:.2f} GiB reserved", flush=True)
         del plain, elastic, memory, fns
-        torch.cuda.empty_cache()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
