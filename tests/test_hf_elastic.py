@@ -23,8 +23,8 @@ def setup():
     return model, prompts, expected
 
 
-@pytest.mark.parametrize("caching", [False, True])
-def test_engine_grows_instead_of_preempting_and_shrinks_back(setup, caching):
+def test_engine_grows_instead_of_preempting_and_shrinks_back(setup):
+    caching = True  # NOTE: the shrink back evicts cached prefix blocks above the start
     model, prompts, expected = setup
     elastic = Engine(model, num_blocks=4, max_num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32,
                      enable_prefix_caching=caching)
