@@ -35,3 +35,8 @@ def layer_groups(kv: KVCache) -> list[list[str]]:
 
 def views_with_rows(kv: KVCache) -> dict[str, tuple[torch.Tensor, int]]:
     return {n: (v, v.shape[0] // kv.max_num_blocks) for n, v in kv.kv_caches.items()}
+
+
+def granules_touched(ranges, granularity: int) -> set[int]:
+    """Granule indices that byte ranges touch (a brute-force model of the committed set)."""
+    return {i for start, end in ranges for i in range(start // granularity, (end - 1) // granularity + 1)}

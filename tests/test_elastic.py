@@ -10,14 +10,16 @@ from __future__ import annotations
 import mmap
 import sys
 
+import hypothesis.strategies as st
 import pytest
 import torch
+from hypothesis import given, settings
 
-from _elastic_caches import CASES, block_bytes, layer_groups, make_elastic, views_with_rows
+from _elastic_caches import CASES, block_bytes, granules_touched, layer_groups, make_elastic, views_with_rows
 from kvcore import BlockPool
 from kvcore.errors import KVCoreError
 from kvcore.memory.backing import CpuBacking
-from kvcore.memory.elastic import block_byte_ranges, granules_of
+from kvcore.memory.elastic import block_byte_ranges, granule_ranges, merge_ranges, subtract_ranges
 from kvcore.transfer import describe, plan_transfer
 
 
@@ -53,7 +55,7 @@ def test_an_elastic_cache_has_the_views_of_max_num_blocks(kind, layout):
         other = elastic.kv_caches[name]
         assert (other.shape, other.stride(), other.storage_offset()) == (view.shape, view.stride(), view.storage_offset())
     page = mmap.PAGESIZE
-    want = len(granules_of(block_byte_ranges(views_with_rows(elastic), 3), page)) * page
+    want = len(granules_touched(block_byte_ranges(views_with_rows(elastic), 3), page)) * page
     assert elastic.committed_bytes == want < plain.committed_bytes
 
 
@@ -160,3 +162,127 @@ def test_missing_cuda_bindings_is_a_clear_error(monkeypatch):
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)
     with pytest.raises(KVCoreError, match=r"kvcore\[elastic\]"):
         backing_cuda.driver_module()
+
+
+@given(st.lists(st.tuples(st.integers(0, 60), st.integers(1, 12)), max_size=6),
+       st.lists(st.tuples(st.integers(0, 60), st.integers(1, 12)), max_size=6))
+@settings(max_examples=60, deadline=None, derandomize=True)
+def test_range_arithmetic_matches_sets(a, b):
+    a = merge_ranges((s, s + n) for s, n in a)
+    b = merge_ranges((s, s + n) for s, n in b)
+    as_set = lambda rs: {x for s, e in rs for x in range(s, e)}  # noqa: E731
+    assert as_set(subtract_ranges(a, b)) == as_set(a) - as_set(b)
+    assert as_set(granule_ranges(a, 8)) == {x for i in granules_touched(a, 8) for x in range(8 * i, 8 * i + 8)}
+
+
+def test_layout_costs_of_llama_at_2mib_granules(capsys):
+    from kvcore.bench.elastic_layouts import layout_cost
+    from kvcore.memory.layout import KVCacheLayout as L
+    from kvcore.cli import main
+    from kvcore.models import load_model
+
+    specs = load_model("llama-3-8b").kv_cache_specs
+    rows = {n: layout_cost(specs, L[n], 512, 2 * 2**20) for n in ("BHLNC", "LBNHC", "LHBNC")}
+    assert all(rows[n]["block_bytes"] == 2 * 2**20 for n in rows)  # 32 layers x 64 KiB
+    # a block is one granule: a grow maps one per block
+    assert (rows["BHLNC"]["granules_per_block"], rows["BHLNC"]["mappings_per_grow_event"]) == (1.0, 1.0)
+    # one 32 MiB run per layer: 32 granules per block, 32 maps every 32 blocks
+    assert rows["LBNHC"]["granules_per_block"] == 32.0 and rows["LBNHC"]["mappings_per_grow_event"] == 32.0
+    assert rows["LBNHC"]["grow_events"] == 15 and rows["LBNHC"]["max_slack_bytes"] == 31 * 2 * 2**20
+    assert rows["LHBNC"]["pieces_per_block"] == 256 and rows["LHBNC"]["granules_per_block"] == 256.0
+    # 600 blocks: runs of 37.5 MiB straddle granules, so the layers' grows fall on different blocks
+    unaligned = layout_cost(specs, L.LBNHC, 600, 2 * 2**20)
+    assert unaligned["mappings_per_grow_event"] < 32
+    assert unaligned["grow_events"] * unaligned["mappings_per_grow_event"] + 32 == 600  # 1,200 MiB in all
+    assert main(["bench", "elastic", "--max-blocks", "64"]) == 0
+    assert "LHBNC" in capsys.readouterr().out
+
+
+def test_a_grow_that_runs_out_of_memory_changes_nothing(monkeypatch):
+    from kvcore.memory import backing as backing_module
+
+    kv = make_elastic("uniform", "LHBNC", 2, 4000)  # LHBNC: one run per layer and head, so many ranges
+    kv.block_pool.allocate(1)
+    state = (kv.num_blocks, kv.committed_bytes, kv.block_pool.num_free_blocks, kv.zeroer.num_blocks)
+    calls = []
+    monkeypatch.setattr(backing_module, "_available_host_memory", lambda: 0 if calls.append(1) or len(calls) > 3 else None)
+    with pytest.raises(KVCoreError, match="cannot commit"):
+        kv.resize(3000)
+    assert len(calls) == 4  # three ranges committed, then given back
+    assert (kv.num_blocks, kv.committed_bytes, kv.block_pool.num_free_blocks, kv.zeroer.num_blocks) == state
+    monkeypatch.setattr(backing_module, "_available_host_memory", lambda: None)
+    kv.resize(3000)
+    assert kv.block_pool.num_free_blocks == 2998
+
+
+def test_block_pool_resize_checks_its_argument_and_appends_new_ids():
+    pool = BlockPool(4)
+    assert pool.allocate(3) == [1, 2, 3]
+    pool.resize(6)
+    assert pool.allocate(2) == [4, 5] and pool.num_blocks == 6
+    with pytest.raises(TypeError, match="integer"):
+        pool.resize(5.0)
+    with pytest.raises(ValueError, match="at least 2"):
+        pool.resize(1)
+    pool.free([5, 4])
+    pool.resize(5)
+    assert pool.num_free_blocks == 1 and pool.allocate(1) == [4] and not pool.is_allocated(5)
+    with pytest.raises(ValueError, match="outside this pool"):
+        pool.free([5])
+
+
+def test_nixl_registration_and_host_pool_made_before_a_grow_move_new_blocks():
+    from kvcore.transfer import HostKVPool, KVCacheDescriptor, NixlAgent, NixlUnavailableError
+
+    a, b = make_elastic("hybrid", "BLNHC", 4, 16), make_elastic("hybrid", "BLNHC", 4, 16)
+    try:
+        agent_a, agent_b = NixlAgent("elastic-a", a), NixlAgent("elastic-b", b)  # registered at 4 blocks
+    except NixlUnavailableError as exc:
+        pytest.skip(f"NIXL is not installed: {exc}")
+    a.resize(16)
+    b.resize(16)
+    agent_a.descriptor, agent_b.descriptor = describe(a), describe(b)  # NOTE: the sizes, read again
+    assert KVCacheDescriptor.from_json(agent_a.descriptor.to_json()) == agent_a.descriptor
+    peer = agent_a.connect(agent_b.metadata())
+    agent_b.connect(agent_a.metadata())
+    gen = torch.Generator().manual_seed(5)
+    for name in a.kv_caches:
+        live = block_bytes(a, name, 12)
+        live.copy_(torch.randint(-128, 128, live.shape, dtype=torch.int8, generator=gen))
+    agent_a.write_blocks(peer, [12], [14]).wait(timeout=60)
+    assert all(torch.equal(block_bytes(a, n, 12), block_bytes(b, n, 14)) for n in a.kv_caches)
+    pool = HostKVPool(b, 2)
+    pool.offload([14], [1])
+    pool.restore([1], [15])
+    assert all(torch.equal(block_bytes(b, n, 14), block_bytes(b, n, 15)) for n in b.kv_caches)
+    agent_a.close()
+    agent_b.close()
+
+
+@pytest.mark.parametrize("kind, layout", CASES)
+def test_coarse_granules_keep_every_live_block(kind, layout):
+    """With granules larger than a block (16 KiB here, 2 MiB on a GPU) a granule shared by a live block stays."""
+    from kvcore.memory.backing import reserve_backing
+    from kvcore.memory.elastic import ElasticMemory
+    from kvcore.memory.views import allocate_kv_cache
+
+    plain = make_elastic(kind, layout, 12, None)
+    config = plain.config
+    backing = reserve_backing(config.kv_cache_tensors[0].size, "cpu", granularity=4 * mmap.PAGESIZE)
+    views = allocate_kv_cache(config, "cpu", buffer=backing.tensor, kernel_block_sizes=plain.kernel_block_sizes
+                              if kind == "split" else None)
+    rows = {n: (v, v.shape[0] // 12) for n, v in views.items()}
+    memory = ElasticMemory(backing)
+    memory.track(rows)
+    gen = torch.Generator().manual_seed(7)
+    for n in (7, 3, 12, 2, 9):
+        memory.resize(n)
+        # NOTE: what is live now must survive the next resize
+        for name, (view, r) in rows.items():
+            view[: n * r].view(torch.int8).copy_(torch.randint(-128, 128, view[: n * r].view(torch.int8).shape,
+                                                               dtype=torch.int8, generator=gen))
+        kept = {name: view[: 2 * r].view(torch.int8).clone() for name, (view, r) in rows.items()}
+        want = granules_touched(block_byte_ranges(rows, n), backing.granularity)
+        assert memory.committed_bytes == len(want) * backing.granularity
+    memory.resize(2)
+    assert all(torch.equal(view[: 2 * r].view(torch.int8), kept[name]) for name, (view, r) in rows.items())

@@ -18,9 +18,9 @@ import torch
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from _elastic_caches import CASES, block_bytes, layer_groups, make_elastic, views_with_rows
+from _elastic_caches import CASES, block_bytes, granules_touched, layer_groups, make_elastic, views_with_rows
 from kvcore import BlockPool
-from kvcore.memory.elastic import block_byte_ranges, granules_of
+from kvcore.memory.elastic import block_byte_ranges
 
 MAX_BLOCKS = 12
 
@@ -113,7 +113,7 @@ class ElasticCacheMachine(RuleBasedStateMachine):
             for name, expected in layers.items():
                 assert torch.equal(block_bytes(self.kv, name, block), expected), (block, name)
         granule = self.kv.elastic.backing.granularity
-        want = granules_of(block_byte_ranges(views_with_rows(self.kv), self.kv.num_blocks), granule)
+        want = granules_touched(block_byte_ranges(views_with_rows(self.kv), self.kv.num_blocks), granule)
         assert self.kv.committed_bytes == len(want) * granule
 
 

@@ -11,4 +11,5 @@ BENCHMARKS: dict[str, str] = {
     "transfer": "kvcore.bench.transfer",
     "hf": "kvcore.bench.hf",
     "pool": "kvcore.bench.pool",
+    "elastic": "kvcore.bench.elastic",
 }

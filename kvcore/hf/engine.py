@@ -26,6 +26,7 @@ from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.attention import ChunkedLocalAttentionSpec, SlidingWindowSpec
 from kvcore.specs.state import MambaSpec
 from kvcore._validate import positive_int
+from kvcore.errors import KVCoreError
 from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.batch import StepInputs, build_step_inputs
 from kvcore.hf.checks import attention_modules, check_hybrid_options, check_model, default_memory, eos_ids
@@ -68,6 +69,9 @@ class Engine:
     :param cuda_graphs: replay decode steps from CUDA graphs (``kvcore.hf.graphs``); None: on
         for the ``triton`` and ``flashinfer`` backends on a CUDA device. Every batch size is
         captured when the engine is built (:meth:`warmup`), not in the first ``generate``.
+    :param max_num_blocks: make the cache elastic (``KVCache.resize``): requests that fit this
+        many blocks are admitted, the cache grows instead of preempting while memory allows,
+        and ``generate`` shrinks it back to its starting size before returning.
     """
 
     def __init__(
@@ -84,6 +88,7 @@ class Engine:
         enable_prefix_caching: bool = False,
         group: Any = None,
         cuda_graphs: bool | None = None,
+        max_num_blocks: int | None = None,
     ) -> None:
         check_model(model)
         if not isinstance(enable_prefix_caching, bool):
@@ -119,13 +124,17 @@ class Engine:
             specs, settings.layer_backends, device=self.device, layout=layout,
             num_blocks=num_blocks, available_memory=available_memory,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
+            max_num_blocks=max_num_blocks,
         )
+        self._start_blocks = self.kv.num_blocks
         if enable_prefix_caching:
             self.kv.block_pool = BlockPool(self.kv.num_blocks, enable_caching=True)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             prefix_caching=enable_prefix_caching,
         )
+        if max_num_blocks is not None:
+            self.scheduler.grow = self._grow_cache
         self._layers = {module: self._bind(name) for name, module in modules.items()}
         self._block_sizes = [self.kv.block_size(g) for g in range(self.kv.num_groups)]
         #: The hybrid model's mixers on their state groups (None for attention-only models).
@@ -167,7 +176,7 @@ class Engine:
     def _request(self, index: int, prompt: Any, max_new_tokens: Any) -> Request:
         tokens = check_prompt(index, prompt, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         total = len(tokens) + max_new_tokens
-        need, have = self.scheduler.peak_blocks(total), self.kv.num_blocks - 1
+        need, have = self.scheduler.peak_blocks(total), self.kv.max_num_blocks - 1
         if need > have:
             raise ValueError(
                 f"prompt {index} ({len(tokens)} tokens, max_new_tokens={max_new_tokens}) needs up to "
@@ -198,8 +207,35 @@ class Engine:
         self._next_id += len(requests)
         for request in requests:
             self.scheduler.add(request)
-        done = self.run()
+        try:
+            done = self.run()
+        finally:
+            self._shrink_back()
         return [done[r.req_id] for r in requests]
+
+    def _shrink_back(self) -> None:
+        """An elastic cache goes back to its starting size once no request is left (cached blocks above are evicted)."""
+        kv = self.kv
+        if kv.elastic is None or self.scheduler.has_work or kv.num_blocks == self._start_blocks:
+            return
+        try:
+            kv.resize(self._start_blocks)
+        except ValueError:  # NOTE: blocks above it are held outside generate (say, an exported prefix)
+            pass
+
+    def _grow_cache(self, short: int) -> bool:
+        """Grow the elastic cache by at least ``short`` blocks (a quarter more when memory allows)."""
+        kv = self.kv
+        room = kv.max_num_blocks - kv.num_blocks
+        if short > room:
+            return False
+        for extra in dict.fromkeys((min(room, max(short, kv.num_blocks // 4)), short)):
+            try:
+                kv.resize(kv.num_blocks + extra)
+                return True
+            except KVCoreError:  # NOTE: no memory for that many; try the bare need, then preempt
+                continue
+        return False
 
     def run(self) -> dict[int, list[int]]:
         """Step until every queued request is done; returns the tokens of those finished meanwhile, by id."""

@@ -16,6 +16,7 @@ state slot, taken at admission and freed with the request's other blocks.
 from __future__ import annotations
 
 import collections
+from collections.abc import Callable
 
 import attrs
 import numpy as np
@@ -73,8 +74,13 @@ class Scheduler:
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
         self.prefix = PrefixCache(self.pool, self.groups) if prefix_caching else None
+        #: ``grow(k)``: try to add at least ``k`` free blocks (an elastic cache); True when it did.
+        self.grow: Callable[[int], bool] | None = None
         # NOTE: one row per running request and group; the batch builder slices these per step.
-        self.tables = [np.zeros((max_num_seqs, self._width(g, kv.num_blocks)), dtype=np.int32) for g in self.groups]
+        # NOTE: an elastic cache may grow to kv.max_num_blocks: rows are sized for that.
+        self.tables = [
+            np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), dtype=np.int32) for g in self.groups
+        ]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
 
     def _width(self, group: GroupInfo, num_blocks: int) -> int:
@@ -154,7 +160,8 @@ class Scheduler:
             if info.sliding_window is not None:
                 self._drop_out_of_window(request, g, start - info.sliding_window + 1)
             needs.append(-(-(start + n) // info.block_size) - len(request.block_tables[g]))
-        if sum(needs) > self.pool.num_free_blocks:
+        short = sum(needs) - self.pool.num_free_blocks
+        if short > 0 and (self.grow is None or not self.grow(short)):
             return False
         for g, need in enumerate(needs):
             if need > 0:

@@ -18,6 +18,7 @@ import torch
 from kvcore._units import format_bytes
 from kvcore.errors import KVCoreError
 from kvcore.memory.backing import BackingMemory, round_up
+from kvcore.memory.elastic import merge_ranges
 
 _REMEDY = "install the optional extra: pip install 'kvcore[elastic]' (the cuda-bindings package)"
 
@@ -104,15 +105,29 @@ class CudaBacking(BackingMemory):
                 raise KVCoreError(f"cannot reserve {format_bytes(self.size)} of device address space ({exc}); "
                                   "lower max_num_blocks") from exc
             self._res = _Reservation(d, int(base), self.size, self.granularity)
-            self.tensor = torch.as_tensor(_DeviceRange(self._res, size), device=self.device)
+            # NOTE: torch asks the driver which device the pointer lives on, which needs memory
+            # mapped there: the first granule (block 0 of the first layer in every layout) is.
+            self.tensor = torch.empty(0, dtype=torch.int8, device=self.device)
+            self.commit(0, self.granularity)
+            try:
+                self.tensor = torch.as_tensor(_DeviceRange(self._res, size), device=self.device)
+            except (RuntimeError, TypeError, ValueError) as exc:  # NOTE: torch reads the interface through numpy
+                raise KVCoreError(
+                    f"torch could not wrap the reserved device range as a tensor ({exc}); "
+                    "install numpy, which torch needs to read __cuda_array_interface__"
+                ) from exc
+            self.tensor[: self.granularity].zero_()
 
     def commit(self, start: int, end: int) -> None:
+        """Map the granules of ``[start, end)`` that are not mapped yet (the first one may be)."""
         self.check_range(start, end)
         d, res, g = self._driver, self._res, self.granularity
         done: list[int] = []
         with torch.cuda.device(self.device):
             try:
                 for offset in range(start, end, g):
+                    if offset in res.handles:
+                        continue
                     handle = _check(d, d.cuMemCreate(g, self._prop, 0), "cuMemCreate")
                     try:
                         _check(d, d.cuMemMap(d.CUdeviceptr(res.base + offset), g, 0, handle, 0), "cuMemMap")
@@ -130,11 +145,13 @@ class CudaBacking(BackingMemory):
                     "resize to fewer blocks or free device memory"
                 ) from exc
             # NOTE: fresh physical memory holds stale bytes; committed memory reads as zero.
-            self.tensor[start : min(end, self.tensor.numel())].zero_()
+            for first, last in merge_ranges((o, o + g) for o in done):
+                self.tensor[first:last].zero_()
 
     def decommit(self, start: int, end: int) -> None:
         self.check_range(start, end)
         with torch.cuda.device(self.device):
             torch.cuda.synchronize(self.device)  # NOTE: no kernel may still read what goes away
             for offset in range(start, end, self.granularity):
-                self._res.unmap(offset)
+                if offset in self._res.handles:
+                    self._res.unmap(offset)

@@ -13,11 +13,17 @@ committed (a grow maps one granule per run it reaches).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from typing import Any
 
 import torch
 
-from kvcore.memory.backing import BackingMemory
+from kvcore._validate import as_int
+from kvcore.memory.backing import BackingMemory, reserve_backing
+from kvcore.memory.config import KVCacheConfig
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.runs import block_runs
+from kvcore.specs import KVCacheSpec
 
 #: A layer view as allocated and how many of its rows form one manager block.
 ViewRows = tuple[torch.Tensor, int]
@@ -54,17 +60,27 @@ def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> list[tu
     return merge_ranges(spans)
 
 
-def granules_of(ranges: Iterable[tuple[int, int]], granularity: int) -> set[int]:
-    """Offsets of the granules that ``ranges`` touch."""
-    out: set[int] = set()
-    for start, end in ranges:
-        out.update(range(start // granularity * granularity, end, granularity))
+def granule_ranges(ranges: Iterable[tuple[int, int]], granularity: int) -> list[tuple[int, int]]:
+    """``ranges`` widened to whole granules, merged."""
+    g = granularity
+    return merge_ranges((start // g * g, -(-end // g) * g) for start, end in ranges)
+
+
+def subtract_ranges(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Bytes of the merged ranges ``a`` that are not in the merged ranges ``b``."""
+    out, j = [], 0
+    for start, end in a:
+        while j < len(b) and b[j][1] <= start:
+            j += 1
+        k = j
+        while start < end and k < len(b) and b[k][0] < end:
+            if b[k][0] > start:
+                out.append((start, b[k][0]))
+            start = max(start, b[k][1])
+            k += 1
+        if start < end:
+            out.append((start, end))
     return out
-
-
-def granule_runs(offsets: Iterable[int], granularity: int) -> list[tuple[int, int]]:
-    """Granule offsets as merged ``[start, end)`` byte ranges."""
-    return merge_ranges((o, o + granularity) for o in offsets)
 
 
 class ElasticMemory:
@@ -73,7 +89,7 @@ class ElasticMemory:
     def __init__(self, backing: BackingMemory) -> None:
         self.backing = backing
         self._views: dict[str, ViewRows] = {}
-        self._granules: set[int] = set()
+        self._committed: list[tuple[int, int]] = []  # granule-aligned, merged
         self.num_blocks = 0
 
     def track(self, views: Mapping[str, ViewRows]) -> None:
@@ -82,10 +98,11 @@ class ElasticMemory:
 
     @property
     def committed_bytes(self) -> int:
-        return len(self._granules) * self.backing.granularity
+        return sum(end - start for start, end in self._committed)
 
-    def granules_for(self, num_blocks: int) -> set[int]:
-        return granules_of(block_byte_ranges(self._views, num_blocks), self.backing.granularity)
+    def ranges_for(self, num_blocks: int) -> list[tuple[int, int]]:
+        """The granule-aligned ranges that back blocks ``[0, num_blocks)``."""
+        return granule_ranges(block_byte_ranges(self._views, num_blocks), self.backing.granularity)
 
     def resize(self, num_blocks: int) -> None:
         """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed.
@@ -93,18 +110,57 @@ class ElasticMemory:
         All or nothing: a grow that fails part-way gives back what it
         committed and raises; nothing changes.
         """
-        g, backing = self.backing.granularity, self.backing
-        want = self.granules_for(num_blocks)
+        backing = self.backing
+        want = self.ranges_for(num_blocks)
         added: list[tuple[int, int]] = []
         try:
-            for start, end in granule_runs(want - self._granules, g):
+            for start, end in subtract_ranges(want, self._committed):
                 backing.commit(start, end)
                 added.append((start, end))
         except BaseException:
             for start, end in added:
                 backing.decommit(start, end)
             raise
-        for start, end in granule_runs(self._granules - want, g):
+        for start, end in subtract_ranges(self._committed, want):
             backing.decommit(start, end)
-        self._granules = want
+        self._committed = want
         self.num_blocks = num_blocks
+
+
+def checked_max_blocks(max_num_blocks: Any) -> int:
+    """``max_num_blocks`` as an int of at least 2, else a ``TypeError``/``ValueError``."""
+    max_num_blocks = as_int("max_num_blocks", max_num_blocks)
+    if max_num_blocks < 2:
+        raise ValueError(f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}")
+    return max_num_blocks
+
+
+def first_elastic_blocks(
+    specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout, max_num_blocks: Any,
+    num_blocks: int | None, available_memory: int | None,
+) -> int:
+    """Blocks an elastic cache commits at creation: ``num_blocks``, or what ``available_memory`` buys."""
+    max_num_blocks = checked_max_blocks(max_num_blocks)
+    if num_blocks is None and available_memory is not None:
+        num_blocks = min(plan_kv_cache(specs, layout, available_memory=available_memory).num_blocks, max_num_blocks)
+    if num_blocks is None:
+        return max_num_blocks
+    num_blocks = as_int("num_blocks", num_blocks)
+    if not 2 <= num_blocks <= max_num_blocks:
+        raise ValueError(
+            f"num_blocks={num_blocks} must be between 2 and max_num_blocks={max_num_blocks}; "
+            "raise max_num_blocks or commit fewer blocks"
+        )
+    return num_blocks
+
+
+def reserve_elastic(config: KVCacheConfig, device: torch.device) -> tuple[ElasticMemory, torch.Tensor]:
+    """Reserve the allocation of ``config`` (its ``max_num_blocks`` blocks) without committing any of it."""
+    raw = [n for g in config.kv_cache_groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
+    if raw or not config.kv_cache_tensors:
+        raise ValueError(
+            f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps a raw buffer "
+            "(or the model keeps no cache); drop max_num_blocks"
+        )
+    backing = reserve_backing(config.kv_cache_tensors[0].size, device)
+    return ElasticMemory(backing), backing.tensor

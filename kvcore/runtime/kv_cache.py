@@ -22,9 +22,8 @@ import torch
 
 from kvcore._validate import as_int, positive_int
 from kvcore.distributed import agree_layout, agree_num_blocks
-from kvcore.memory.backing import reserve_backing
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.elastic import ElasticMemory
+from kvcore.memory.elastic import ElasticMemory, checked_max_blocks, first_elastic_blocks, reserve_elastic
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache, checked_device
@@ -82,44 +81,6 @@ def _served_specs(
     }
     check_abilities(answers, specs, backends, device)
     return specs, backends
-
-
-def _checked_max_blocks(max_num_blocks: Any) -> int:
-    max_num_blocks = as_int("max_num_blocks", max_num_blocks)
-    if max_num_blocks < 2:
-        raise ValueError(f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}")
-    return max_num_blocks
-
-
-def _first_blocks(
-    specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout, max_num_blocks: Any,
-    num_blocks: int | None, available_memory: int | None,
-) -> int:
-    """Blocks an elastic cache commits at creation: ``num_blocks``, or what ``available_memory`` buys."""
-    max_num_blocks = _checked_max_blocks(max_num_blocks)
-    if num_blocks is None and available_memory is not None:
-        num_blocks = min(plan_kv_cache(specs, layout, available_memory=available_memory).num_blocks, max_num_blocks)
-    if num_blocks is None:
-        return max_num_blocks
-    num_blocks = as_int("num_blocks", num_blocks)
-    if not 2 <= num_blocks <= max_num_blocks:
-        raise ValueError(
-            f"num_blocks={num_blocks} must be between 2 and max_num_blocks={max_num_blocks}; "
-            "raise max_num_blocks or commit fewer blocks"
-        )
-    return num_blocks
-
-
-def _reserve(config: KVCacheConfig, device: torch.device) -> tuple[ElasticMemory, torch.Tensor]:
-    """Reserve the allocation of ``config`` (its ``max_num_blocks`` blocks) without committing any of it."""
-    raw = [n for g in config.kv_cache_groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
-    if raw or not config.kv_cache_tensors:
-        raise ValueError(
-            f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps a raw buffer "
-            "(or the model keeps no cache); drop max_num_blocks"
-        )
-    backing = reserve_backing(config.kv_cache_tensors[0].size, device)
-    return ElasticMemory(backing), backing.tensor
 
 
 @attrs.define(eq=False)
@@ -180,7 +141,7 @@ class KVCache:
         With ``max_num_blocks`` the cache is elastic: address space for that
         many blocks is reserved (the plan and views are theirs) and memory is
         committed for the first ``num_blocks`` (or what ``available_memory``
-        buys); :meth:`resize` changes that later.
+        buys; neither: all of them); :meth:`resize` changes that later.
         """
         device = checked_device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
@@ -203,16 +164,16 @@ class KVCache:
             budget = {"available_memory": None, "num_blocks": num_blocks}
         if max_num_blocks is not None:
             # An elastic cache is planned (strides, views) for all of its blocks.
-            budget = {"available_memory": None, "num_blocks": _checked_max_blocks(max_num_blocks)}
+            budget = {"available_memory": None, "num_blocks": checked_max_blocks(max_num_blocks)}
         layout, config, negotiation = plan_meeting_rules(
             layer_specs, specs, backends, answers, supported, layout, budget
         )
         if max_num_blocks is not None:
-            num_blocks = _first_blocks(specs, layout, max_num_blocks, num_blocks, available_memory)
+            num_blocks = first_elastic_blocks(specs, layout, max_num_blocks, num_blocks, available_memory)
         # 5. Allocate, 6. attention groups and their builders, 7. kernel views, 8. zeroer.
         elastic, buffer = None, None
         if max_num_blocks is not None:
-            elastic, buffer = _reserve(config, device)
+            elastic, buffer = reserve_elastic(config, device)
         kv_caches = allocate_kv_cache(config, device, layout, negotiation.allocation_kernel_block_sizes, buffer=buffer)
         attn_groups = attention_groups_from(negotiation)
         for record, groups in zip(negotiation.groups, attn_groups):
@@ -230,7 +191,8 @@ class KVCache:
         )
         kernel_block_sizes = negotiation.kernel_block_sizes
         if elastic is not None:
-            elastic.track({name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches})
+            elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
+                           for name, view in kv_caches.items()})
             elastic.resize(num_blocks)
             zeroer.num_blocks = num_blocks
         return cls(

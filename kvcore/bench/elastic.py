@@ -1,0 +1,157 @@
+"""``kvcore bench elastic``: what an elastic KV cache costs per layout, and grow / shrink time on a device.
+
+First, from the plan alone (no memory): for ``--model`` (a preset or TOML
+file) planned for ``--max-blocks`` blocks, per layout, the bytes of one
+block, the pieces it is made of, the granules (``--granularity``, 2 MiB as on
+an H100/H200) one block touches, how often a block-by-block grow maps new
+granules and how many at once, and the most memory committed beyond the
+blocks' bytes. Then, with ``--measure``, on ``--device`` (default: CUDA when
+present, else the CPU): the time to commit and release one granule and
+``--gib`` GiB through the backing memory, the memory the device reports back
+after the release (``torch.cuda.mem_get_info``; resident memory on a CPU),
+and a grow from 2 blocks to all and back per layout (what ``KVCache.resize``
+commits and releases).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import mmap
+import statistics
+import time
+
+import torch
+
+from kvcore._units import format_bytes
+from kvcore.bench._args import positive_int_arg, size_arg
+from kvcore.bench.elastic_layouts import layout_costs
+from kvcore.memory.backing import reserve_backing
+from kvcore.memory.elastic import ElasticMemory
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.planner import plan_kv_cache
+from kvcore.memory.views import allocate_kv_cache
+from kvcore.models import load_model
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3-8b", help="preset name or TOML file (default: llama-3-8b)")
+    parser.add_argument("--max-blocks", type=positive_int_arg, default=2048, help="blocks reserved (default: 2048)")
+    parser.add_argument("--granularity", type=size_arg, default=2 * 2**20, help="commit unit (default: 2MiB)")
+    parser.add_argument("--measure", action="store_true", help="also time grow / shrink on --device")
+    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--gib", type=positive_int_arg, default=1, help="GiB committed at once (default: 1)")
+    parser.add_argument("--repeat", type=positive_int_arg, default=20, help="granules timed one by one (default: 20)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _held(device: torch.device) -> int:
+    """Memory the device (or this process, on a CPU) holds now, in bytes."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        free, total = torch.cuda.mem_get_info(device)
+        return total - free
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * mmap.PAGESIZE
+
+
+def _touch(backing, start: int, end: int) -> None:
+    """Write the range (a CPU mapping is backed only once written; a GPU's is at commit)."""
+    backing.tensor[start:end].fill_(1)
+
+
+def measure_backing(device: torch.device, gib: int, repeat: int) -> dict:
+    """Commit / release time of one granule (median of ``repeat``) and of ``gib`` GiB, and memory given back."""
+    size = gib * 2**30
+    backing = reserve_backing(size, device)
+    repeat = min(repeat, backing.size // backing.granularity - 1)
+    g = backing.granularity
+    commit, release = [], []
+    for i in range(1, repeat + 1):  # NOTE: granule 0 may be mapped from the start (a GPU maps it)
+        t0 = time.perf_counter()
+        backing.commit(i * g, (i + 1) * g)
+        t1 = time.perf_counter()
+        backing.decommit(i * g, (i + 1) * g)
+        commit.append(t1 - t0)
+        release.append(time.perf_counter() - t1)
+    before = _held(device)
+    t0 = time.perf_counter()
+    backing.commit(0, backing.size)
+    t1 = time.perf_counter()
+    _touch(backing, 0, size)
+    grown = _held(device)
+    t2 = time.perf_counter()
+    backing.decommit(0, backing.size)
+    t3 = time.perf_counter()
+    after = _held(device)
+    return {
+        "device": str(device), "granularity": g, "gib": gib,
+        "commit_granule_ms": statistics.median(commit) * 1e3, "release_granule_ms": statistics.median(release) * 1e3,
+        "commit_gib_ms": (t1 - t0) * 1e3 / gib, "release_gib_ms": (t3 - t2) * 1e3 / gib,
+        "held_grown_bytes": grown - before, "returned_bytes": grown - after,
+    }
+
+
+def measure_resize(specs, device: torch.device, max_blocks: int) -> list[dict]:
+    """Commit for 2 blocks, grow to ``max_blocks`` and shrink back, per layout (what ``KVCache.resize`` maps)."""
+    rows = []
+    for layout in KVCacheLayout:
+        try:
+            config = plan_kv_cache(specs, layout, num_blocks=max_blocks)
+        except ValueError as exc:
+            rows.append({"layout": layout.name, "refused": str(exc).splitlines()[0]})
+            continue
+        backing = reserve_backing(config.kv_cache_tensors[0].size, device)
+        memory = ElasticMemory(backing)
+        memory.track({n: (v, 1) for n, v in allocate_kv_cache(config, device, buffer=backing.tensor).items()})
+        memory.resize(2)
+        small = memory.committed_bytes
+        t0 = time.perf_counter()
+        memory.resize(max_blocks)
+        t1 = time.perf_counter()
+        granules = (memory.committed_bytes - small) // backing.granularity
+        memory.resize(2)
+        t2 = time.perf_counter()
+        rows.append({"layout": layout.name, "granules": granules, "grow_ms": (t1 - t0) * 1e3,
+                     "shrink_ms": (t2 - t1) * 1e3, "grow_ms_per_granule": (t1 - t0) * 1e3 / max(granules, 1),
+                     "shrink_ms_per_granule": (t2 - t1) * 1e3 / max(granules, 1)})
+        del memory, backing
+    return rows
+
+
+def _print_layouts(model: str, max_blocks: int, granularity: int, rows: list[dict]) -> None:
+    print(f"{model}: {max_blocks} blocks reserved, {format_bytes(granularity)} granules")
+    print(f"{'layout':7} {'block':>9} {'pieces':>6} {'granules/block':>14} {'blocks/grow':>11} "
+          f"{'maps/grow':>9} {'max slack':>10}")
+    for r in rows:
+        print(f"{r['layout']:7} {format_bytes(r['block_bytes']):>9} {r['pieces_per_block']:>6} "
+              f"{r['granules_per_block']:>14.2f} {r['blocks_per_grow_event']:>11.1f} "
+              f"{r['mappings_per_grow_event']:>9.1f} {format_bytes(r['max_slack_bytes']):>10}")
+
+
+def run(args: argparse.Namespace) -> int:
+    model = load_model(args.model)
+    result: dict = {"model": model.name, "max_blocks": args.max_blocks, "granularity": args.granularity,
+                    "layouts": layout_costs(model.kv_cache_specs, args.max_blocks, args.granularity)}
+    if args.measure:
+        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        result["backing"] = measure_backing(device, args.gib, args.repeat)
+        result["resize"] = measure_resize(model.kv_cache_specs, device, args.max_blocks)
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    _print_layouts(model.name, args.max_blocks, args.granularity, result["layouts"])
+    if args.measure:
+        b = result["backing"]
+        print(f"\nbacking on {b['device']} ({format_bytes(b['granularity'])} granules): commit "
+              f"{b['commit_granule_ms']:.3f} ms / release {b['release_granule_ms']:.3f} ms per granule; "
+              f"{b['commit_gib_ms']:.1f} / {b['release_gib_ms']:.1f} ms per GiB; "
+              f"{format_bytes(b['returned_bytes'])} of {format_bytes(b['held_grown_bytes'])} given back")
+        for r in result["resize"]:
+            if "refused" in r:
+                print(f"  resize {r['layout']}: refused ({r['refused']})")
+                continue
+            print(f"  resize {r['layout']:6} 2 -> {args.max_blocks}: {r['granules']} granules, grow "
+                  f"{r['grow_ms']:.1f} ms ({r['grow_ms_per_granule']:.3f} ms/granule), shrink {r['shrink_ms']:.1f} ms "
+                  f"({r['shrink_ms_per_granule']:.3f} ms/granule)")
+    return 0
