@@ -163,3 +163,13 @@ def test_prefix_caching_and_cuda_graphs_on_a_hybrid_are_refused(models):
         make_engine(models["lfm2"], enable_prefix_caching=True)
     with pytest.raises(ValueError, match="CUDA graphs"):
         make_engine(models["lfm2"], cuda_graphs=True)
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
+def test_state_groups_share_one_allocation_in_any_layout(models, references, layout):
+    prompts, expected = references
+    engine = make_engine(models["nemotron_h"], layout=layout)
+    storages = {v.untyped_storage().data_ptr() for v in engine.kv.kv_caches.values()}
+    assert len(storages) == 1 and engine.kv.layout.name == layout
+    fill_stale(engine)
+    assert engine.generate(prompts[:4], MAX_NEW) == expected["nemotron_h"][:4]
