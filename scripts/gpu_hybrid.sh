@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Hybrid models (Mamba2 / short-convolution mixers + attention) on one CUDA GPU, < 2 minutes:
-#   1. float32 tokens equal model.generate for Bamba, GraniteMoeHybrid (MoE, dense), FalconH1,
+#   1. float32 tokens equal model.generate for Bamba, GraniteMoeHybrid (MoE, dense), FalconH1, Qwen3-Next,
 #      NemotronH and LFM2 with the triton and torch backends; bf16 state specs equal transformers' cache.
 #   2. kvcore bench hf --model hybrid: a Granite-4.0-H-like random model (bf16, Triton attention,
 #      16 layers, 2 of them attention) against one static batched model.generate, then its own

@@ -1,9 +1,9 @@
 """Hybrid models on a CUDA GPU: float32 tokens equal model.generate for every served hybrid.
 
-Each architecture's small random model (kvcore.hf.models, widened to hidden
-256) serves prompts of mixed lengths through kvcore.hf.Engine with a token
-budget that splits prompts into chunks and fewer sequences than prompts, with
-the Triton and the torch attention backends; then the bf16 model's cache
+Each architecture's small random model (kvcore.hf.models) serves prompts of
+mixed lengths through kvcore.hf.Engine with a token budget that splits
+prompts into chunks and fewer sequences than prompts, with the Triton and the
+torch attention backends; then the bf16 model's cache
 dtypes are compared with the specs (recurrent states float32). Prints one
 line per case and exits 1 on any mismatch.
 """
@@ -20,7 +20,7 @@ from kvcore.hf import Engine, specs_from_config
 from kvcore.hf.models import model_config, random_model
 from kvcore.specs.state import MambaSpec
 
-ARCHS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2"]
+ARCHS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2", "qwen3_next"]
 
 
 def main() -> int:

@@ -19,7 +19,7 @@ from kvcore import FullAttentionSpec, MambaSpec  # noqa: E402
 from kvcore.hf import Engine, specs_from_config  # noqa: E402
 from kvcore.hf.models import model_config, random_model  # noqa: E402
 
-HYBRIDS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2"]
+HYBRIDS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2", "qwen3_next"]
 PROMPT_LENS = [5, 40, 17, 1, 33, 26]
 MAX_NEW = 6
 
