@@ -28,7 +28,11 @@ from typing import Any
 import attrs
 import torch
 from transformers import Cache
-from transformers.cache_utils import LinearAttentionLayer
+
+try:
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:  # NOTE: transformers before its per-layer linear-attention caches (checked: 5.17, 5.23)
+    LinearAttentionLayer = None
 
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
@@ -103,6 +107,13 @@ class MixerRunner:
     """The mixers of one hybrid model bound to their state groups in ``kv``."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, mixer_names: Sequence[str]) -> None:
+        if LinearAttentionLayer is None:
+            import transformers
+
+            raise ValueError(
+                f"serving a hybrid model needs transformers' linear-attention cache layers, which "
+                f"transformers {transformers.__version__} lacks; upgrade transformers (5.17 and later work)"
+            )
         modules = dict(model.named_modules())
         group_of = {name: g for g, group in enumerate(kv.config.kv_cache_groups) for name in group.layer_names}
         self.device = kv.device
