@@ -75,7 +75,7 @@ class _MixerLayer:
     def __init__(self, module: torch.nn.Module, group_id: int, states: list[torch.Tensor]) -> None:
         self.module = module
         self.group_id = group_id
-        # NOTE: Mamba2 specs hold (recurrent, conv); a short convolution's only (conv,).
+        # NOTE: Mamba2 and gated-delta-net specs hold (recurrent, conv); a short convolution's only (conv,).
         self.conv, self.recurrent = (states[1], states[0]) if len(states) == 2 else (states[0], None)
         params = inspect.signature(module.forward).parameters
         self.cache_kwarg = "cache_params" if "cache_params" in params else "past_key_values"
