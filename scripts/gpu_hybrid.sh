@@ -22,10 +22,10 @@ step() {  # step NAME TIMEOUT CMD...: log to $OUT/NAME.txt, show its tail, recor
   echo "== $name: rc=$rc in $(( $(date +%s) - t0 ))s" | tee -a "$OUT/summary.txt"
 }
 $PY -c "import torch, transformers; print('torch', torch.__version__, '| transformers', transformers.__version__, '|', torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-TAIL=20 step exactness 45 $PY scripts/gpu_hybrid_check.py "$OUT/exactness.json"
-step bench_hf_hybrid 70 $PY -m kvcore bench hf --model hybrid --backend triton --dtype bfloat16 \
+TAIL=20 step exactness 50 $PY scripts/gpu_hybrid_check.py "$OUT/exactness.json"
+step bench_hf_hybrid 65 $PY -m kvcore bench hf --model hybrid --backend triton --dtype bfloat16 \
   --hidden 1536 --intermediate 4096 --layers 16 --heads 24 --kv-heads 8 --vocab 32000 \
-  --requests 64 --prompt-len 256 --new-tokens 64 --shared-prefix 0 --block-size 64 \
+  --requests 32 --prompt-len 256 --new-tokens 64 --shared-prefix 0 --block-size 64 \
   --check-requests 8 --check-prompt-len 64 --check-new-tokens 16 --json-out "$OUT/bench_hf_hybrid.json"
 echo "== summary (total $(( $(date +%s) - START ))s; rc=0 everywhere means every check passed)"
 cat "$OUT/summary.txt"
