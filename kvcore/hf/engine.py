@@ -53,7 +53,9 @@ class _Counts:
 class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
-    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``), on its device.
+    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``), on its device;
+        a hybrid's mixers keep their states in state groups (:mod:`kvcore.hf.mixers`), without prefix
+        caching, CUDA graphs or tensor parallelism (each refused with ``ValueError``).
     :param backend: registered attention backend name (``"torch"``, ``"triton"``, ``"flashinfer"``),
         class, or ``"auto"``: :func:`kvcore.select_backend`'s pick per layer (``kvcore.hf.defaults``).
     :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
