@@ -61,12 +61,15 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
     ),
 }
 
-#: Hybrid ``model_type`` values kvcore refuses, and why.
-REFUSED_HYBRIDS: dict[str, str] = {
-    "jamba": "its torch Mamba scan always starts from a zero state, so a prompt cannot be prefilled in chunks",
-    "minimax": "it keeps its linear-attention states in its own cache class, which kvcore cannot own",
-    "zamba": "its decoder layers share one attention module, whose KV cache kvcore cannot page per layer",
-    "zamba2": "its decoder layers share one attention module, whose KV cache kvcore cannot page per layer",
+_SHARED_ATTENTION = "its decoder layers share one attention module, whose KV cache kvcore cannot page per layer"
+
+#: Hybrid ``model_type`` values kvcore refuses: (architecture name, why).
+REFUSED_HYBRIDS: dict[str, tuple[str, str]] = {
+    "jamba": ("Jamba", "its torch Mamba scan always starts from a zero state, so a prompt cannot be prefilled "
+                       "in chunks"),
+    "minimax": ("MiniMax", "it keeps its linear-attention states in its own cache class, which kvcore cannot own"),
+    "zamba": ("Zamba", _SHARED_ATTENTION),
+    "zamba2": ("Zamba2", _SHARED_ATTENTION),
 }
 
 #: ``layer_types`` entries of a mixer layer, of a layer with both a mixer and attention (FalconH1),
@@ -80,8 +83,9 @@ def refuse_unservable_hybrid(config: Any) -> None:
     """``ValueError`` naming the architecture when ``config`` is a hybrid kvcore refuses."""
     model_type = getattr(config, "model_type", None)
     if model_type in REFUSED_HYBRIDS:
+        name, why = REFUSED_HYBRIDS[model_type]
         raise ValueError(
-            f"kvcore does not serve {model_type!r} hybrids: {REFUSED_HYBRIDS[model_type]}. Served hybrids: "
+            f"kvcore does not serve {name} hybrids (model_type {model_type!r}): {why}. Served hybrids: "
             f"{sorted(HYBRID_FAMILIES)}"
         )
 
