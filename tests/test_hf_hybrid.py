@@ -158,11 +158,13 @@ def test_hybrids_kvcore_cannot_own_are_refused_by_name(make, name, why):
         Engine(model)
 
 
-def test_prefix_caching_and_cuda_graphs_on_a_hybrid_are_refused(models):
+def test_prefix_caching_cuda_graphs_and_mixers_alone_are_refused(models):
     with pytest.raises(ValueError, match="prefix caching"):
         make_engine(models["lfm2"], enable_prefix_caching=True)
     with pytest.raises(ValueError, match="CUDA graphs"):
         make_engine(models["lfm2"], cuda_graphs=True)
+    with pytest.raises(ValueError, match="mixer layers only"):
+        make_engine(random_model(model_config("nemotron_h", hybrid_override_pattern="MM-M")))
 
 
 @pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])

@@ -112,7 +112,7 @@ class Engine:
         attention = [n for n, s in specs.items() if not isinstance(s, MambaSpec)]
         mixers = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
         if mixers:
-            cuda_graphs = check_hybrid_options(config, enable_prefix_caching, tp_size, cuda_graphs)
+            cuda_graphs = check_hybrid_options(config, len(attention), enable_prefix_caching, tp_size, cuda_graphs)
         modules = attention_modules(model, attention)
         attention_modules(model, mixers)
         if num_blocks is None and available_memory is None:
