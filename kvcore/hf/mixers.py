@@ -75,11 +75,15 @@ class _MixerLayer:
     def __init__(self, module: torch.nn.Module, group_id: int, states: list[torch.Tensor]) -> None:
         self.module = module
         self.group_id = group_id
-        # NOTE: Mamba2 and gated-delta-net specs hold (recurrent, conv); a short convolution's only (conv,).
-        self.conv, self.recurrent = (states[1], states[0]) if len(states) == 2 else (states[0], None)
+        self.point_at(states)
         params = inspect.signature(module.forward).parameters
         self.cache_kwarg = "cache_params" if "cache_params" in params else "past_key_values"
         self.slot_cache = _SlotCache(module.layer_idx)
+
+    def point_at(self, states: list[torch.Tensor]) -> None:
+        """Read and write ``states`` (``MambaSpec.split_states`` of the layer's cache view) from now on."""
+        # NOTE: Mamba2 and gated-delta-net specs hold (recurrent, conv); a short convolution's only (conv,).
+        self.conv, self.recurrent = (states[1], states[0]) if len(states) == 2 else (states[0], None)
 
     def run(self, step: MixerStep, hidden: torch.Tensor, original: Any) -> torch.Tensor:
         out = torch.empty_like(hidden)
@@ -118,14 +122,22 @@ class MixerRunner:
         group_of = {name: g for g, group in enumerate(kv.config.kv_cache_groups) for name in group.layer_names}
         self.device = kv.device
         self.state_groups = sorted({group_of[name] for name in mixer_names})
-        self.layers: dict[str, _MixerLayer] = {}
-        for name in mixer_names:
-            spec = kv.config.kv_cache_groups[group_of[name]].kv_cache_spec
-            if not isinstance(spec, MambaSpec):
-                raise RuntimeError(f"{name} is a mixer but its KV cache group holds {type(spec).__name__}")
-            states = spec.split_states(kv.layer_kv_caches[name])
-            self.layers[name] = _MixerLayer(modules[name], group_of[name], states)
+        self.layers = {
+            name: _MixerLayer(modules[name], group_of[name], self._states(kv, name)) for name in mixer_names
+        }
         self.step: MixerStep | None = None
+
+    @staticmethod
+    def _states(kv: KVCache, name: str) -> list[torch.Tensor]:
+        spec = kv.config.group_of(name)[1].kv_cache_spec
+        if not isinstance(spec, MambaSpec):
+            raise RuntimeError(f"{name} is a mixer but its KV cache group holds {type(spec).__name__}")
+        return spec.split_states(kv.layer_kv_caches[name])
+
+    def rebind(self, kv: KVCache) -> None:
+        """Point every mixer at ``kv``'s current views (after the cache's tensors were reallocated)."""
+        for name, layer in self.layers.items():
+            layer.point_at(self._states(kv, name))
 
     def plan(self, batch: list[tuple[Request, int]]) -> MixerStep:
         """Columns and slots of this step's requests (``batch`` in packed order)."""
