@@ -14,10 +14,16 @@ cache (``import_prefix``) and generates: each prompt hits its prefix, so only
 the last partial block is computed. The decode tokens must equal a
 one-process ``Engine.generate`` and ``model.generate``, which this script
 also runs, and the decode engine's stats must show the transferred tokens
-skipped; otherwise it exits with status 1.
+skipped; otherwise it exits with status 1. It prints how long the decode
+process took to read the prompts' KV, and the transport NIXL used.
+
+With CUDA present both engines (and the one-process check) run on the GPU
+(``--device cuda``, the default there): two processes on one GPU, where UCX
+can move the blocks with ``cuda_ipc``. Each process allocates its KV cache
+before it creates its NIXL agent, so a CUDA context exists when UCX starts.
 
 Run: python examples/disaggregated.py [--arch llama|gemma3] [--layout BLNHC] [--prompts 3]
-     [--new-tokens 8] [--block-size 16]
+     [--new-tokens 8] [--block-size 16] [--device cpu|cuda]
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import time
 from typing import Any
 
 import torch
@@ -41,7 +48,7 @@ from kvcore.transfer import NixlAgent  # noqa: E402  (NIXL itself: pip install k
 
 def build_engine(args: argparse.Namespace, num_blocks: int) -> Engine:
     """The random-weight model of ``args.arch`` (same seed, same weights in every process) in an Engine."""
-    model = random_model(model_config(args.arch), seed=args.seed)
+    model = random_model(model_config(args.arch), seed=args.seed, device=args.device)
     return Engine(model, block_size=args.block_size, layout=args.layout, num_blocks=num_blocks,
                   max_num_seqs=len(args.prompt_list), enable_prefix_caching=True)
 
@@ -52,13 +59,15 @@ def prefill(engine: Engine, prompts: list[list[int]]) -> list[PrefixBlocks]:
     return [export_prefix(engine, p) for p in prompts]
 
 
-def receive(engine: Engine, exported: list[PrefixBlocks], read: Any) -> tuple[list[int], int, int]:
+def receive(engine: Engine, exported: list[PrefixBlocks], read: Any) -> tuple[list[int], int, int, float]:
     """Reserve local blocks like ``exported``, fill them with ``read(group, remote_ids, local_ids)``, import them.
 
-    Returns the blocks moved per KV cache group, and the runs and bytes the reads moved.
+    Returns the blocks moved per KV cache group, the runs and bytes the reads
+    moved, and the seconds from the first read's start to the last one's end.
     """
     local = [reserve_prefix(engine, e) for e in exported]
     blocks, runs, nbytes = [], 0, 0
+    start = time.perf_counter()
     for g in range(len(exported[0].block_ids)):
         remote_ids = [b for e in exported for b in e.held_ids(g)]
         local_ids = [b for x in local for b in x.held_ids(g)]
@@ -67,9 +76,10 @@ def receive(engine: Engine, exported: list[PrefixBlocks], read: Any) -> tuple[li
             handle = read(g, remote_ids, local_ids)
             handle.wait(timeout=60)
             runs, nbytes = runs + handle.num_runs, nbytes + handle.nbytes
+    seconds = time.perf_counter() - start
     for prefix in local:
         import_prefix(engine, prefix)
-    return blocks, runs, nbytes
+    return blocks, runs, nbytes, seconds
 
 
 def prefill_process(args: argparse.Namespace, conn) -> None:
@@ -84,13 +94,15 @@ def prefill_process(args: argparse.Namespace, conn) -> None:
 
 def decode_process(args: argparse.Namespace, conn, results) -> None:
     engine = build_engine(args, args.decode_blocks)
-    with NixlAgent("decode", engine.kv) as agent:
+    with NixlAgent("decode", engine.kv) as agent:  # after the cache: its CUDA context exists
         metadata, exported = conn.recv()
         peer = agent.connect(metadata)
+        transport = agent.transport(peer)
         moved = receive(engine, exported, lambda g, remote, local: agent.read_blocks(peer, remote, local, group_id=g))
         conn.send("read")
     tokens = engine.generate(args.prompt_list, args.new_tokens)
-    results.send((tokens, dict(engine.stats()), [e.num_tokens for e in exported], *moved))
+    results.send((tokens, dict(engine.stats()), [e.num_tokens for e in exported], *moved,
+                  f"{transport.name} ({transport.detail})"))
 
 
 def one_process(args: argparse.Namespace) -> tuple[list[list[int]], list[list[int]]]:
@@ -98,7 +110,7 @@ def one_process(args: argparse.Namespace) -> tuple[list[list[int]], list[list[in
     engine = build_engine(args, args.prefill_blocks)
     served = engine.generate(args.prompt_list, args.new_tokens)
     expected = [
-        engine.model.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, do_sample=False)[0, len(p):].tolist()
+        engine.model.generate(torch.tensor([p], device=engine.device), max_new_tokens=args.new_tokens, do_sample=False)[0, len(p):].tolist()
         for p in args.prompt_list
     ]
     return served, expected
@@ -112,7 +124,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=3)
     p.add_argument("--new-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu",
+                   help="where both engines run (default: cuda when present)")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here; use --device cpu")
     for name in ("block_size", "prompts", "new_tokens"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
@@ -147,10 +163,12 @@ def main(argv: list[str] | None = None) -> int:
     if outcome is None or any(proc.exitcode != 0 for proc in procs):
         print("a process failed: exit codes", [proc.exitcode for proc in procs])
         return 1
-    tokens, stats, moved, blocks, runs, nbytes = outcome
+    tokens, stats, moved, blocks, runs, nbytes, seconds, transport = outcome
     prompt_tokens = sum(map(len, args.prompt_list))
-    print(f"{args.arch}, layout {args.layout}: the decode process read {sum(moved)} prompt tokens' KV "
-          f"({blocks} blocks per KV cache group, {nbytes} bytes in {runs} runs) through NIXL")
+    print(f"{args.arch}, layout {args.layout}, on {args.device}: the decode process read {sum(moved)} prompt "
+          f"tokens' KV ({blocks} blocks per KV cache group, {nbytes} bytes in {runs} runs) through NIXL")
+    print(f"transfer of the prompts' KV: {seconds * 1e3:.2f} ms ({nbytes / seconds / 1e9:.3f} GB/s, first "
+          f"transfer included), transport {transport}")
     print(f"decode engine: computed {stats['prefill_tokens']} of {prompt_tokens} prompt tokens, "
           f"{stats['prefix_cache_hit_tokens']} came from its prefix cache ({stats['prefix_cache_hits']} hits)")
     for i, (got, want) in enumerate(zip(tokens, expected)):

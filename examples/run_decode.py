@@ -5,7 +5,7 @@ greedy decode; sequences are admitted as others finish, so freed blocks are
 recycled (and zeroed by one launch per step). Every layer's attention output
 is compared with dense attention over the same tokens.
 
-Run: python examples/run_decode.py [--backend torch|triton] [--layout BLNHC]
+Run: python examples/run_decode.py [--backend torch|triton|flashinfer] [--layout BLNHC] [--head-size 128]
      [--block-size 32] [--hybrid] [--device cpu|cuda] [--num-seqs 12] [--steps N]
 """
 
@@ -44,6 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--backend", default="triton" if cuda else "torch", help="registered backend name")
     p.add_argument("--layout", default=None, help="KV cache layout (default: the backends' preference)")
     p.add_argument("--block-size", type=int, default=16, help="manager block size in tokens")
+    p.add_argument("--head-size", type=int, default=32, help="attention head size (flashinfer: 64, 128 or 256)")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     console = Console()
     device = torch.device(args.device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
-    config = ModelConfig(sliding_window=64 if args.hybrid else None)
+    config = ModelConfig(sliding_window=64 if args.hybrid else None, head_size=args.head_size)
     model = TinyTransformer(config, dtype=dtype, device=device, seed=args.seed)
     backend = get_backend(args.backend)
     max_model_len = 128

@@ -6,7 +6,7 @@ environment takes effect at the next call and no layer below reads
 ``os.environ``. Parsing is strict: a value that is not one of the accepted
 spellings is a ``ValueError`` naming the variable. (``KVCORE_KV_CACHE_LAYOUT``
 is read by ``resolve_kv_cache_layout`` itself, SPEC §3; the plugin switches
-when a plugin manager is built, SPEC §4, through :func:`env_flag`.)
+when a plugin manager is built, SPEC §4, through :func:`env_flag` and :func:`env_names`.)
 """
 
 from __future__ import annotations
@@ -28,6 +28,12 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool | None
     if value in _TRUE or value in _FALSE:
         return value in _TRUE
     raise ValueError(f"{name}={raw!r} is not a switch; accepted values: 0/1/true/false (or no/yes, off/on)")
+
+
+def env_names(name: str, environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
+    """Comma-separated names in variable ``name`` (blanks dropped), or None when unset or empty."""
+    value = (os.environ if environ is None else environ).get(name, "").strip()
+    return frozenset(n.strip() for n in value.split(",") if n.strip()) if value else None
 
 
 @attrs.frozen

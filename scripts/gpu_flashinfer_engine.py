@@ -27,7 +27,7 @@ def compare(arch: str) -> dict:
     gen = torch.Generator().manual_seed(2)
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (5, 40, 130, 300, 17, 77)]
     out = {}
-    for backend in ("torch", "flashinfer"):
+    for backend in ("torch", "triton", "flashinfer"):
         start = time.perf_counter()
         engine = Engine(model, backend=backend, block_size=16, max_num_seqs=8, max_num_batched_tokens=128,
                         num_blocks=200)
@@ -40,7 +40,10 @@ def compare(arch: str) -> dict:
     same = sum(a == b for r, g in zip(ref, got) for a, b in zip(r, g))
     total = sum(len(r) for r in ref)
     first = [next((i for i, (a, b) in enumerate(zip(r, g)) if a != b), None) for r, g in zip(ref, got)]
+    # NOTE: the control: how far two correct bf16 backends drift apart on this model.
+    control = sum(a == b for r, g in zip(ref, out["triton"]["tokens"]) for a, b in zip(r, g))
     return {"arch": arch, "equal_tokens": same, "tokens": total, "first_difference": first,
+            "triton_equal_tokens": control,
             "flashinfer": {k: v for k, v in out["flashinfer"].items() if k != "tokens"},
             "torch": {k: v for k, v in out["torch"].items() if k != "tokens"}}
 
@@ -53,7 +56,8 @@ def main(argv: list[str]) -> int:
         r = compare(arch)
         results.append(r)
         print(f"{arch}: flashinfer == torch on {r['equal_tokens']}/{r['tokens']} tokens "
-              f"(first difference per request: {r['first_difference']}); flashinfer built in "
+              f"(first difference per request: {r['first_difference']}); control: triton == torch on "
+              f"{r['triton_equal_tokens']}/{r['tokens']}; flashinfer built in "
               f"{r['flashinfer']['build_s']:.1f} s, generate {r['flashinfer']['generate_s']:.1f} s, "
               f"{r['flashinfer']['graph_steps']} graph steps", flush=True)
     if path:

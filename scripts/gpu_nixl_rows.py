@@ -23,6 +23,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     transfer.add_arguments(parser)
     args = transfer.resolve(parser.parse_args())
+    transfer._quiet_nixl()
     memories = args.nixl_memory or (["VRAM"] if args.device.type == "cuda" else ["DRAM"])
     gen = torch.Generator().manual_seed(0)
     every = []
@@ -30,7 +31,11 @@ def main() -> None:
         for layout in args.layouts:
             start = time.perf_counter()
             make = functools.partial(transfer._make, transfer.model_of(args), layout.name)
-            rows = nixl_rows(args, make, memory, args.device, gen, args.nixl_peer)
+            try:
+                rows = nixl_rows(args, make, memory, args.device, gen, args.nixl_peer)
+            except Exception as exc:  # NOTE: NIXL/UCX raise their own types; report and go on
+                print(f"({memory} {layout.name} failed: {type(exc).__name__}: {exc})", flush=True)
+                continue
             print_rows(rows, 80)
             print(f"({memory} {layout.name}: {time.perf_counter() - start:.1f} s with setup)", flush=True)
             every += rows

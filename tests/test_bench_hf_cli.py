@@ -37,7 +37,7 @@ def test_a_backend_that_cannot_run_is_refused_before_the_model_is_built(monkeypa
     assert main(["bench", "hf", "--device", "cpu", "--backend", "triton"]) == 2
     err = capsys.readouterr().err
     assert "--backend triton cannot serve a tiny model on cpu" in err and "TRITON_INTERPRET=1" in err
-    assert sizes == [32]  # only the tiny preflight model, never the 2048-wide one
+    assert sizes == [128]  # only the tiny preflight model (2 heads of the bench's 64), never the 2048-wide one
     assert main(["bench", "hf", "--device", "cpu", "--backend", "nope"]) == 2
     assert "Unknown attention backend 'nope'" in capsys.readouterr().err
 

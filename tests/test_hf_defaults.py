@@ -49,3 +49,35 @@ def test_warm_up_captures_every_missing_size_once():
     graphs = Graphs()
     warm_up(graphs, progress=False)
     assert graphs.captured == [1, 4]
+
+
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cuda_engine_captures_every_decode_graph_when_built():
+    from kvcore.hf import Engine
+    from kvcore.hf.models import model_config, random_model
+
+    model = random_model(model_config("llama"), dtype=torch.bfloat16, device="cuda", seed=1)
+    engine = Engine(model, num_blocks=64, max_num_seqs=20)
+    assert engine.kv.group_of("model.layers.0.self_attn").backend.get_name() == "triton"
+    assert engine.graphs is not None and sorted(engine.graphs.graphs) == engine.graphs.sizes == [1, 2, 4, 8, 16, 20]
+    before = dict(engine.graphs.graphs)
+    engine.generate([[5, 6, 7], [8, 9]], 4)
+    assert engine.graphs.graphs == before and engine.stats().graph_steps > 0  # nothing captured lazily
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_warm_prefill_compiles_without_touching_the_cache(arch):
+    from kvcore.hf import Engine
+    from kvcore.hf.defaults import warm_prefill
+    from kvcore.hf.models import model_config, random_model
+
+    model = random_model(model_config(arch), seed=1)
+    engine = Engine(model, num_blocks=8)
+    for view in engine.kv.layer_kv_caches.values():
+        view.normal_()  # random bytes: the warm-up must write none of them
+    before = {name: view.clone() for name, view in engine.kv.layer_kv_caches.items()}
+    with engine.serving():
+        warm_prefill(engine.model, engine.kv, engine._layers, num_tokens=20)
+    assert all(torch.equal(before[n], v) for n, v in engine.kv.layer_kv_caches.items())
+    assert engine.stats().steps == 0

@@ -55,6 +55,7 @@ def test_requirements_are_keyword_only_frozen_and_normalized():
                                     max_stride_elements=2**31, alignment_bytes=16)
     assert req.devices == ("cuda",) and req.dtypes == (torch.float16,) and req.head_sizes == (64, 128)
     assert kvcore.KernelRequirements() == kvcore.KernelRequirements(alignment_bytes=1)
+    assert kvcore.KernelRequirements(devices=(torch.device("cuda"), "cpu")).devices == ("cuda", "cpu")
     with pytest.raises(TypeError):
         kvcore.KernelRequirements(("cuda",))  # keyword-only
     with pytest.raises(AttributeError):
@@ -63,6 +64,7 @@ def test_requirements_are_keyword_only_frozen_and_normalized():
 
 @pytest.mark.parametrize("kwargs, error, words", [
     ({"devices": ("cuda:0",)}, ValueError, "no index"),
+    ({"devices": (torch.device("cuda", 0),)}, TypeError, "device type names"),
     ({"devices": ("banana",)}, ValueError, "'banana'"),
     ({"devices": (1,)}, TypeError, "device type names"),
     ({"devices": ()}, ValueError, "None for any"),
@@ -132,7 +134,8 @@ def test_select_backend_refuses_bad_arguments_and_bad_answers():
         kvcore.select_backend(SPEC, "cpu", plugin_manager=pm)
 
 
-def test_first_party_backends_triton_on_cuda_torch_on_cpu():
+def test_first_party_backends_triton_on_cuda_torch_on_cpu(monkeypatch):
+    monkeypatch.setenv("KVCORE_PLUGINS", "torch,triton")  # NOTE: other installed plugins may outbid
     pm = kvcore.get_plugin_manager()
     spec = kvcore.FullAttentionSpec(16, 8, 128, torch.bfloat16)
     assert kvcore.select_backend(spec, "cuda", plugin_manager=pm).name == "triton"
@@ -144,6 +147,7 @@ def test_triton_runs_on_cuda_only_unless_interpreted(monkeypatch):
     from kvcore_triton import TritonAttentionBackend
 
     monkeypatch.setenv("TRITON_INTERPRET", "0")
+    monkeypatch.setenv("KVCORE_PLUGINS", "torch,triton")
     req = triton_plugin.kvcore_kernel_requirements(backend=TritonAttentionBackend, spec=SPEC)
     assert req.devices == ("cuda",) and torch.bfloat16 in req.dtypes and 128 in req.head_sizes
     pm = kvcore.get_plugin_manager()
@@ -178,3 +182,59 @@ def test_kvcore_plugins_shows_requirements_and_what_auto_picks(capsys):
     main(["plugins"])
     out = capsys.readouterr().out
     assert "auto picks    cpu: torch" in out and "head sizes 1-256" in out
+
+
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_auto_on_cuda_serves_with_triton_and_attends_right(monkeypatch):
+    from kvcore import CommonAttentionMetadata
+
+    monkeypatch.setenv("KVCORE_PLUGINS", "torch,triton")
+
+    spec = kvcore.FullAttentionSpec(128, 2, 64, torch.bfloat16)
+    kv = kvcore.KVCache.create({"l0": spec}, {"l0": "auto"}, device="cuda", num_blocks=6,
+                               max_num_seqs=1, max_model_len=256)
+    group = kv.group_of("l0")
+    assert group.backend.name == "triton" and kv.kernel_block_sizes == [64]
+    (block,) = kv.block_pool.allocate(1)
+    kv.begin_step()
+    gen = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(70, h, 64, generator=gen).to("cuda", torch.bfloat16) for h in (4, 2, 2))
+    common = CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 70], dtype=torch.int32, device="cuda"),
+        seq_lens=torch.tensor([70], dtype=torch.int32, device="cuda"),
+        block_table_tensor=torch.tensor([[block]], dtype=torch.int32, device="cuda"),
+        slot_mapping=block * 128 + torch.arange(70, device="cuda"),
+        num_reqs=1, num_actual_tokens=70, max_query_len=70, max_seq_len=70,
+    )
+    out = group.backend.forward(q, k, v, kv.layer_kv_caches["l0"], kv.build_metadata([common])["l0"],
+                                head_size=64, scale=0.125)
+    qf, kf, vf = (t.float().cpu() for t in (q, k, v))
+    scores = torch.einsum("thd,shd->hts", qf, kf.repeat_interleave(2, dim=1)) * 0.125
+    causal = torch.ones(70, 70, dtype=torch.bool).tril()
+    ref = torch.einsum("hts,shd->thd", scores.masked_fill(~causal, -torch.inf).softmax(-1), vf.repeat_interleave(2, dim=1))
+    torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_ambiguous_names_are_never_picked_and_spec_none_skips_dtype_and_head_size():
+    solo = make_backend("solo")
+
+    # NOTE: two plugins with hooks of their own: the manager tells plugins apart by their hook code.
+    class TwinA:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register(make_backend("twin"))
+
+    class TwinB:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register(make_backend("twin"))
+
+    pm = manager(TwinA(), TwinB(), Declares(solo, kvcore.KernelRequirements(devices=("cuda",), head_sizes=(128,))))
+    with pytest.raises(ValueError) as info:
+        kvcore.select_backend(SPEC, "cpu", plugin_manager=pm)
+    assert "twin: its name is registered by several plugins" in str(info.value)
+    assert "solo: runs on cuda only" in str(info.value)
+    # With no spec, only the device is checked: solo's head sizes do not rule it out.
+    assert kvcore.select_backend(None, "cuda", plugin_manager=pm) is solo
+

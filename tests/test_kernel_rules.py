@@ -15,7 +15,7 @@ import torch
 from _plugin_dists import clean_plugin_env, make_backend  # noqa: F401
 
 import kvcore
-from kvcore import FullAttentionSpec, KernelRequirements, KVCache, KVCacheLayout
+from kvcore import FullAttentionSpec, KernelRequirements, KVCache, KVCacheLayout, MultipleOf
 from kvcore.errors import KernelRequirementError, PluginError
 from kvcore.plugins.health import check_plugins
 
@@ -203,3 +203,33 @@ def test_a_layer_spec_that_is_no_spec_names_the_layer(value):
 def test_a_backend_that_is_no_backend_names_the_layer():
     with pytest.raises(TypeError, match="layer_backends\\['l0'\\] is None.*'auto'"):
         KVCache.create({"l0": SPEC}, {"l0": None}, device="cpu", num_blocks=4, max_num_seqs=1, max_model_len=16)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+from kvcore.plugins.kernel_rules import kernel_views  # noqa: E402
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    layout=st.sampled_from(list(KVCacheLayout)),
+    block=st.sampled_from([16, 32, 64]),
+    sizes=st.sampled_from([[16], [MultipleOf(1)], [8, 16]]),
+    tokens_per_state=st.sampled_from([1, 4]),
+    layers=st.integers(1, 3),
+)
+def test_the_views_checked_are_the_views_allocated(layout, block, sizes, tokens_per_state, layers):
+    """What the rules are checked on (meta views from the plan) is what kernels get."""
+    spec = (kvcore.MLAAttentionSpec(block, 1, 8, torch.float16, tokens_per_state=tokens_per_state)
+            if tokens_per_state > 1 else FullAttentionSpec(block, 2, 8, torch.float16))
+    specs = {f"l{i}": spec for i in range(layers)}
+    pm = manager(Rules(KernelRequirements(max_stride_elements=2**40), sizes=sizes))
+    try:
+        kv = create(pm, specs, layout=layout, num_blocks=3)
+    except ValueError:
+        return  # a packed split this layout cannot hold: refused before allocating
+    checked = kernel_views(kv.config, kv.negotiation)
+    for name, view in kv.layer_kv_caches.items():
+        assert (checked[name].shape, checked[name].stride()) == (view.shape, view.stride())
+        assert checked[name].storage_offset() == view.storage_offset()

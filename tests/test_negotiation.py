@@ -20,6 +20,8 @@ import kvcore
 from kvcore import FullAttentionSpec, KVCache, MultipleOf
 
 COUNTED = make_backend("counted")
+# NOTE: kvcore-triton requires CUDA unless the Triton interpreter is on (conftest.py sets it without CUDA).
+TRITON_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 class CountingPlugin:
@@ -45,6 +47,14 @@ class CountingPlugin:
             return None
         self.calls["layouts"] += 1
         return ["LBHNC", "LBNHC"]
+
+    @kvcore.hookimpl
+    def kvcore_kernel_requirements(self, backend, spec):
+        if backend is not COUNTED:
+            return None
+        self.calls["requirements"] += 1
+        # NOTE: a stride limit makes KVCache.create check (and try) the layouts' kernel views.
+        return kvcore.KernelRequirements(max_stride_elements=2**31, alignment_bytes=4)
 
     @kvcore.hookimpl
     def kvcore_customize_spec(self, backend, spec):
@@ -73,13 +83,13 @@ def test_eight_identical_layers_ask_each_hook_once(counting):
     pm, plugin = counting
     specs = {f"layers.{i}.attn": FullAttentionSpec(32, 2, 8, torch.float32) for i in range(8)}
     kv = _create(pm, specs)
-    assert plugin.calls == {"customize": 1, "sizes": 1, "layouts": 1}
+    assert plugin.calls == {"customize": 1, "sizes": 1, "layouts": 1, "requirements": 1}
     assert kv.kernel_block_sizes == [16] and kv.layout is kvcore.KVCacheLayout.LBHNC
     # two distinct specs: each hook once per (backend, spec)
     plugin.calls.clear()
     specs = {f"layers.{i}.attn": FullAttentionSpec(32, 2 + i % 2, 8, torch.float32) for i in range(8)}
     _create(pm, specs)
-    assert plugin.calls == {"customize": 2, "sizes": 2, "layouts": 2}
+    assert plugin.calls == {"customize": 2, "sizes": 2, "layouts": 2, "requirements": 2}
 
 
 def test_a_non_idempotent_customize_hook_gives_one_spec_everywhere(counting):
@@ -128,7 +138,7 @@ def assert_tables_match_views(kv: KVCache, name: str) -> None:
     for b in range(kv.num_blocks):
         start, _ = _span(allocated[b * rows])
         _, end = _span(allocated[b * rows + rows - 1])
-        table = group.map_to_kernel_block_table(torch.tensor([[b]], dtype=torch.int32))
+        table = group.map_to_kernel_block_table(torch.tensor([[b]], dtype=torch.int32, device=kv.device))
         for k in table[0].tolist():
             assert 0 <= k < kernel.shape[0], (name, b, k)
             lo, hi = _span(kernel[k])
@@ -140,7 +150,7 @@ def test_one_state_per_block_splits_neither_table_nor_view(layout):
     """Issue 14.1: tokens_per_state=0 under a fixed-size kernel keeps whole blocks in both."""
     spec = FullAttentionSpec(128, 1, 64, torch.bfloat16, tokens_per_state=0)
     specs = {"l0": spec, "l1": spec}
-    kv = KVCache.create(specs, dict.fromkeys(specs, "triton"), device="cpu", layout=layout,
+    kv = KVCache.create(specs, dict.fromkeys(specs, "triton"), device=TRITON_DEVICE, layout=layout,
                         num_blocks=4, max_num_seqs=2, max_model_len=512, plugin_manager=kvcore.get_plugin_manager())
     group = kv.group_of("l0")
     assert group.kernel_block_size is None
@@ -154,7 +164,7 @@ def test_one_state_per_block_splits_neither_table_nor_view(layout):
 def test_compressed_and_dense_groups_keep_tables_inside_their_blocks(layout):
     """A dense split (at allocation) and a packed split (kernel view) both agree with their tables."""
     specs = {f"m{i}": kvcore.MLAAttentionSpec(128, 1, 16, torch.float32, tokens_per_state=4) for i in range(3)}
-    kv = KVCache.create(specs, dict.fromkeys(specs, "triton"), device="cpu", layout=layout,
+    kv = KVCache.create(specs, dict.fromkeys(specs, "triton"), device=TRITON_DEVICE, layout=layout,
                         num_blocks=5, max_num_seqs=2, max_model_len=256, plugin_manager=kvcore.get_plugin_manager())
     group = kv.group_of("m0")
     assert group.kernel_block_size == 64

@@ -47,6 +47,8 @@ def test_write_and_read_move_exactly_the_listed_blocks(kind, layout):
         sent = rows(a, [1, 2, 4])
         b_before = raw_buffer(b).clone()
         handle = agent_a.write_blocks("b", [1, 2, 4], [5, 3, 8])
+        assert handle.backend == "UCX" and handle.transport == agent_a.transport("b")
+        assert handle.transport.name == "cma" and "one process" in handle.transport.detail
         handle.wait(timeout=30)
         got = rows(b, [5, 3, 8])
         assert all(torch.equal(got[n], sent[n]) for n in sent)

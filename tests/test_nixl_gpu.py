@@ -94,6 +94,8 @@ def test_two_processes_on_one_gpu_exchange_vram_blocks():
             pytest.fail("the peer process sent no metadata")
         name = agent.connect(here.recv())
         here.send(agent.metadata())
+        transport = agent.transport(name)  # two processes on one GPU: CUDA IPC, not a host bounce
+        assert transport.name == "cuda_ipc" and "two processes on one host" in transport.detail
         sent = rows(kv, [2, 5])
         agent.write_blocks(name, [2, 5], [7, 1]).wait(timeout=60)
         here.send(("rows", [7, 1]))

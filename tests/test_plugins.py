@@ -409,3 +409,52 @@ def test_three_plugins_with_one_name_are_told_to_block_all_but_one(two_dists, mo
     monkeypatch.setenv("KVCORE_BLOCK_PLUGINS", ",".join(blocked))
     kept = ({"bar", "copy1", "copy2"} - set(blocked)).pop()
     assert get_backend("bar-attn", kvcore.get_plugin_manager()).__module__ == f"fakeplug_{kept}"
+
+
+def test_each_backend_is_credited_to_its_plugin_under_a_register_wrapper():
+    """Every kvcore_register_backends runs through pluggy (wrappers included) with a register bound to its plugin."""
+    wrapped = []
+
+    class Wrapper:
+        @kvcore.hookimpl(wrapper=True)
+        def kvcore_register_backends(self, register):
+            wrapped.append(register)
+            return (yield)
+
+    other = make_backend("other-name")
+
+    class RegistersOther:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register(other)
+
+    pm = kvcore.get_plugin_manager(autoload=False)
+    for plugin, name in ((_RegistersNamed(), "named"), (RegistersOther(), "other"), (Wrapper(), "wrapper")):
+        pm.register(plugin, name=name)
+    assert get_backends(pm) == {"shared-name": _Named, "other-name": other}
+    assert len(wrapped) == 2  # the wrapper saw each plugin's call
+    listed = {i.name: i.backends for i in list_plugins(pm)}
+    assert (listed["named"], listed["other"], listed["wrapper"]) == (["shared-name"], ["other-name"], [])
+
+
+def test_a_register_kept_for_later_is_refused():
+    kept = []
+
+    class Keeps:
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            kept.append(register)
+
+    pm = kvcore.get_plugin_manager(autoload=False)
+    pm.register(Keeps(), name="keeper")
+    assert get_backends(pm) == {}
+    with pytest.raises(PluginError, match="after kvcore_register_backends returned"):
+        kept[0](_Named)
+    assert get_backends(pm) == {}
+
+
+def test_blocked_entry_points_go_through_pluggy(two_dists, monkeypatch):
+    monkeypatch.setenv("KVCORE_BLOCK_PLUGINS", "bar")
+    pm = kvcore.get_plugin_manager()
+    assert pm.is_blocked("bar") and pm.get_plugin("bar") is None and "fakeplug_bar" not in sys.modules
+    assert [dist.project_name for _, dist in pm.list_plugin_distinfo()] == ["foo-dist"]

@@ -151,7 +151,8 @@ def test_triton_splits_128_token_blocks_into_64(pm):
 
 def test_packed_layout_cannot_split_and_names_the_remedy(pm):
     with pytest.raises(ValueError, match="LBNHC"):
-        create(pm, "triton", layer_specs=specs(block_size=128), layout="BLNHC")
+        create(pm, "triton", layer_specs=specs(block_size=128), layout="BLNHC",
+               device="cuda" if torch.cuda.is_available() else "cpu")
 
 
 class Fixed8Backend(AttentionBackend):

@@ -27,6 +27,7 @@ from kvcore.hf.disagg import import_prefix, reserve_prefix  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "disaggregated.py"
 PROMPT_LINE = re.compile(r"^prompt (\d+) \((\d+) tokens, (\d+) transferred\): (\[[\d, ]*\])$", re.M)
+TRANSFER_LINE = re.compile(r"transfer of the prompts' KV: ([\d.]+) ms .*transport (\S+) \(")
 STATS_LINE = re.compile(r"computed (\d+) of (\d+) prompt tokens, (\d+) came from its prefix cache \((\d+) hits\)")
 
 
@@ -94,3 +95,7 @@ def test_two_processes_give_the_tokens_of_model_generate_and_skip_the_prompt(ex)
     assert (total, hit, hits) == (sum(lengths), sum(moved), sum(m > 0 for m in moved))
     assert computed == total - hit
     assert "through NIXL" in proc.stdout
+    timing = TRANSFER_LINE.search(proc.stdout)
+    assert timing and float(timing.group(1)) > 0
+    # Two processes on one host: cuda_ipc between GPU caches, shared memory (cma) between host caches.
+    assert timing.group(2) == ("cuda_ipc" if args.device == "cuda" else "cma")

@@ -421,3 +421,64 @@ def test_from_views_refuses_bad_entries_naming_the_layer():
         KVBlockZeroer.from_views("cpu", {name: (raw_bytes(view), 1)}, 4)
     with pytest.raises(ValueError, match="device"):
         KVBlockZeroer.from_views("meta", {name: (view, ratio)}, 4)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("by_value", [False, True], ids=["ids in memory", "ids by value"])
+def test_later_launches_pass_every_kernel_argument_in_order_to_the_compiled_launcher(monkeypatch, by_value):
+    """The fast path (a CUDA stream, a compiled kernel) hands the launcher the kernel's own parameter list."""
+    import inspect
+
+    from kvcore.runtime.zeroer import kernel
+
+    calls = []
+
+    class Compiled:  # NOTE: what Triton's JIT returns on a GPU: .run is its compiled launcher
+        function, packed_metadata = "fn", "meta"
+
+        def __getitem__(self, grid):
+            return None
+
+        def run(self, *args):
+            calls.append(args)
+
+    monkeypatch.setattr(kernel, "launch_table", lambda *a, **k: calls.append("jit") or Compiled())
+    base, table = torch.zeros(64, dtype=torch.int32), torch.tensor([[0, 4], [8, 8], [2, 2]])
+    launcher = kernel.ZeroLauncher(base, [table, table], 8, 1, 4)
+    ids = torch.tensor([3, 1, 5])
+    words = kernel.pack_words([3, 1, 5]) if by_value else None
+    for _ in range(2):
+        launcher.launch(ids, 3, 1234, words)
+    assert calls[0] == "jit" and len(calls) == 2
+    names = list(inspect.signature(kernel._zero_blocks_kernel.fn).parameters)
+    grid, one, also_one, stream = calls[1][:4]
+    passed = dict(zip(names, calls[1][9:], strict=True))
+    assert (grid, one, also_one, stream) == (min(4, 3 * 2), 1, 1, 1234)
+    assert passed["base_ptr"] == base.data_ptr() and passed["table_ptr"] == table.data_ptr()
+    assert (passed["num_ids"], passed["num_blocks"], passed["num_chunks"]) == (3, 8, 2)
+    assert passed["ids_ptr"] == (table.data_ptr() if by_value else ids.data_ptr())
+    assert [passed[f"p{k}"] for k in range(32)] == list(words or kernel.NO_WORDS)
+    assert (passed["VEC"], passed["ROWS"], passed["BY_VALUE"]) == (1, kernel.ROWS, by_value)
+
+
+@needs_interpreter
+def test_a_triton_launch_hook_sends_launches_through_the_jit_and_an_empty_hook_chain_does_not(monkeypatch):
+    import types
+
+    from kvcore.runtime.zeroer import kernel
+
+    calls = []
+    compiled = type("Compiled", (), {"function": "fn", "packed_metadata": "meta", "__getitem__": lambda self, g: None,
+                                     "run": lambda self, *a: calls.append("run")})()
+    monkeypatch.setattr(kernel, "launch_table", lambda *a, **k: calls.append("jit") or compiled)
+    runtime = types.SimpleNamespace(launch_enter_hook=types.SimpleNamespace(calls=[]), launch_exit_hook=None)
+    monkeypatch.setattr(kernel.triton, "knobs", types.SimpleNamespace(runtime=runtime), raising=False)
+    table = torch.tensor([[0], [8], [2]])
+    launcher = kernel.ZeroLauncher(torch.zeros(64, dtype=torch.int32), [table, table], 8, 1, 4)
+    ids = torch.tensor([3])
+    for hook_set in (False, False, True, False):
+        runtime.launch_exit_hook = print if hook_set else None  # a profiler's hook, then none again
+        launcher.launch(ids, 1, 99)
+    runtime.launch_enter_hook.calls.append(print)  # a chain with a hook in it
+    launcher.launch(ids, 1, 99)
+    assert calls == ["jit", "run", "jit", "run", "jit"]

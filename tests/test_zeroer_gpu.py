@@ -176,11 +176,11 @@ def test_host_lists_on_two_streams_and_longer_than_a_staging_part():
     with torch.cuda.stream(side):
         zeroer.zero_block_ids([2, 3] * 40)
     torch.cuda.current_stream().wait_stream(side)
-    many = [4] * (zeroer._staging.part_ids + 5)  # past a part: the buffers grow, once
+    many = [4] * (zeroer._id_buffer.part_ids + 5)  # past a part: the buffers grow, once
     zeroer.zero_block_ids(many)
-    pinned = zeroer._staging.pinned.data_ptr()
+    pinned = zeroer._id_buffer.pinned.data_ptr()
     zeroer.zero_block_ids([5] * len(many))
-    assert zeroer._staging.pinned.data_ptr() == pinned, "a later call of the same length allocated again"
+    assert zeroer._id_buffer.pinned.data_ptr() == pinned, "a later call of the same length allocated again"
     torch.cuda.synchronize()
     assert torch.equal(case.raw, case.expected_after(before, [1, 2, 3, 4, 5]))
 

@@ -63,7 +63,9 @@ def resolve_device(device: torch.device | None) -> torch.device:
     )
 
 
-def preflight(backend: str, device: torch.device, block_size: int) -> None:
+def preflight(
+    backend: str, device: torch.device, block_size: int | None, dtype: torch.dtype = torch.float32, head_dim: int = 16
+) -> None:
     """Serve one token of a tiny random model through ``backend`` on ``device``, before the real model.
 
     A backend that cannot run there (an unknown name, Triton on CPU without
@@ -75,11 +77,13 @@ def preflight(backend: str, device: torch.device, block_size: int) -> None:
     from kvcore.hf import Engine
     from kvcore.hf.models import random_model
 
+    # NOTE: the benchmark's dtype and head size, which a backend's requirements may restrict.
     tiny = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
-        num_key_value_heads=1, max_position_embeddings=64, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+        vocab_size=64, hidden_size=2 * head_dim, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=head_dim, max_position_embeddings=64, bos_token_id=1, eos_token_id=None,
+        pad_token_id=0,
     )
-    model = random_model(tiny, dtype=torch.float32, device=device, seed=0)
+    model = random_model(tiny, dtype=dtype, device=device, seed=0)
     try:
         engine = Engine(model, backend=backend, block_size=block_size, num_blocks=4, max_num_seqs=1,
                         max_num_batched_tokens=64, cuda_graphs=False)
@@ -108,7 +112,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     from kvcore.hf.models import random_model
 
     device = resolve_device(args.device)
-    preflight(args.backend, device, args.block_size)
+    preflight(args.backend, device, args.block_size, _DTYPES[args.dtype], args.hidden // args.heads)
     skip = set(args.skip)
     hybrid = getattr(args, "model", "llama") == "hybrid"
     if hybrid:  # NOTE: no generate_batch or prefix caching for hybrids, and no CUDA graphs to compare with

@@ -1,4 +1,4 @@
-"""``kvcore bench transfer``: host offload / restore and NIXL loopback against the memcpy ceiling.
+"""``kvcore bench transfer``: host offload / restore and NIXL transfers against the copy ceilings.
 
 For each layout, moves random (non-consecutive) blocks of a model's KV cache:
 ``HostKVPool.offload`` (device to pinned host) and ``restore`` (back), each
@@ -15,6 +15,7 @@ defaults are CPU-sized (a few seconds); a progress bar shows on stderr.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import logging
@@ -24,13 +25,12 @@ import textwrap
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from kvcore.bench._args import layouts_arg, positive_int_arg, positive_ints_arg
 from kvcore.bench._timing import Timer
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
+from kvcore.bench.transfer_descs import descriptor_rows_of, print_descriptor_rows
 from kvcore.bench.transfer_nixl import PEER_KINDS, memory_kinds_arg, nixl_rows, print_rows, rate
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
@@ -74,39 +74,52 @@ def device_arg(text: str) -> torch.device:
     return device
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    size = "(default: {gpu} on CUDA, {cpu} on CPU)"
+def _shown(defaults: dict[str, Any], key: str) -> str:
+    value = defaults[key]
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
 
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     def sized(key: str) -> str:
-        pick = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in GPU_DEFAULTS.items()}
-        small = {k: ",".join(map(str, v)) if isinstance(v, list) else v for k, v in CPU_DEFAULTS.items()}
-        return size.format(gpu=pick[key], cpu=small[key])
+        return f"(default: {_shown(GPU_DEFAULTS, key)} on CUDA, {_shown(CPU_DEFAULTS, key)} on CPU)"
 
     model = parser.add_argument_group("the model whose KV cache blocks move")
     model.add_argument("--layers", type=positive_int_arg, default=None, help=f"attention layers {sized('layers')}")
-    model.add_argument("--kv-heads", type=positive_int_arg, default=None, help=f"KV heads per layer {sized('kv_heads')}")
+    model.add_argument("--kv-heads", type=positive_int_arg, default=None,
+                       help=f"KV heads per layer {sized('kv_heads')}")
     model.add_argument("--head-size", type=positive_int_arg, default=None,
                        help=f"values per head, for K and for V {sized('head_size')}")
     model.add_argument("--block-size", type=positive_int_arg, default=16,
                        help="tokens per block; with the GPU defaults 16 makes 2 MiB blocks (default: %(default)s)")
-    model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16", help="cache dtype (default: %(default)s)")
+    model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
+                       help="cache dtype (default: %(default)s)")
     measured = parser.add_argument_group("what is measured")
     measured.add_argument("--layouts", type=layouts_arg, default=ALL_LAYOUTS,
                           help="comma-separated layouts (default: all six)")
     measured.add_argument("--blocks", type=positive_ints_arg, default=None,
                           help=f"comma-separated counts of blocks moved per host call {sized('blocks')}")
-    measured.add_argument("--device", type=device_arg, default=None, help="cache device (default: cuda when present, else cpu)")
+    measured.add_argument("--device", type=device_arg, default=None,
+                          help="cache device (default: cuda when present, else cpu)")
     measured.add_argument("--no-host", action="store_true", help="skip the host offload / restore rows")
     measured.add_argument("--nixl-blocks", type=positive_ints_arg, default=None,
                           help=f"comma-separated counts of blocks per NIXL transfer {sized('nixl_blocks')}")
     measured.add_argument("--nixl-memory", type=memory_kinds_arg, default=None,
-                          help="NIXL memory kinds, DRAM and/or VRAM (default: VRAM and DRAM on CUDA, else DRAM)")
+                          help="NIXL memory kinds: DRAM, VRAM, VRAM-DRAM (this cache on the GPU, the peer's in host "
+                               "memory) (default: all three on CUDA, else DRAM)")
     measured.add_argument("--nixl-peer", choices=PEER_KINDS, default=None,
                           help="the NIXL peer: a second agent of this process, or one in a spawned process "
                                "(default: process on CUDA, local on CPU)")
+    measured.add_argument("--nixl-no-progress-thread", dest="nixl_progress_thread", action="store_false",
+                          help="let NIXL progress transfers only when polled, in the caller's thread "
+                               "(default: NIXL's progress thread does it)")
     measured.add_argument("--no-nixl", action="store_true", help="skip the NIXL rows")
-    measured.add_argument("--repeats", type=positive_int_arg, default=None, help=f"timed repeats; medians are reported {sized('repeats')}")
-    measured.add_argument("--warmup", type=positive_int_arg, default=None, help=f"untimed calls before each measurement {sized('warmup')}")
+    measured.add_argument("--descriptors", type=positive_int_arg, default=None, metavar="N",
+                          help="instead of moving bytes, count the NIXL descriptors of N blocks per layout "
+                               "and time building them (runs on a CPU; head size 1)")
+    measured.add_argument("--repeats", type=positive_int_arg, default=None,
+                          help=f"timed repeats; medians are reported {sized('repeats')}")
+    measured.add_argument("--warmup", type=positive_int_arg, default=None,
+                          help=f"untimed calls before each measurement {sized('warmup')}")
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
     out.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH (default: none)")
@@ -188,15 +201,17 @@ def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     """Measure every layout; the result is what ``--json`` prints. ``progress(total)`` returns a tick."""
     args = resolve(args)
     device = args.device
-    memories = args.nixl_memory or (["VRAM", "DRAM"] if device.type == "cuda" else ["DRAM"])
-    if "VRAM" in memories and device.type != "cuda":
-        raise ValueError(f"--nixl-memory VRAM needs a CUDA --device, got {device}; use --nixl-memory DRAM")
+    memories = args.nixl_memory or (["VRAM", "VRAM-DRAM", "DRAM"] if device.type == "cuda" else ["DRAM"])
+    gpu_kinds = [m for m in memories if "VRAM" in m]
+    if gpu_kinds and device.type != "cuda":
+        raise ValueError(f"--nixl-memory {','.join(gpu_kinds)} needs a CUDA --device, got {device}; "
+                         "use --nixl-memory DRAM")
     tick = progress(_steps(args, memories)) if progress is not None else (lambda: None)
     timer = Timer(device, args.repeats, args.warmup) if not args.no_host else None
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-        "model": model_of(args), "nixl_peer": args.nixl_peer,
+        "model": model_of(args), "nixl_peer": args.nixl_peer, "nixl_progress_thread": args.nixl_progress_thread,
         "host": [], "nixl": [], "nixl_skipped": None, "nixl_failed": {},
     }
     for layout in args.layouts if timer is not None else ():
@@ -266,14 +281,43 @@ def _quiet_nixl() -> None:
     logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
-def run(args: argparse.Namespace) -> int:
-    _quiet_nixl()
+def _descriptors(args: argparse.Namespace) -> int:
+    args = resolve(args)
+    model = {**model_of(args), "head_size": 1}
+    rows = descriptor_rows_of(args, lambda layout, n: build_cache(model, layout, n, "cpu"))
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(rows, f, indent=2)
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    else:
+        print_descriptor_rows(rows, model, terminal_width())
+    return 0
+
+
+@contextlib.contextmanager
+def _progress_bar():
+    """A ``progress(total) -> tick`` drawing a rich bar on stderr (none where rich is missing)."""
+    try:
+        from rich.console import Console
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+    except ImportError:  # NOTE: rich is a dependency, but a bare GPU machine may run from PYTHONPATH
+        yield None
+        return
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                   console=Console(stderr=True), transient=True) as bar:
         def progress(total: int):
             task = bar.add_task("kvcore bench transfer", total=total)
             return lambda: bar.advance(task)
 
+        yield progress
+
+
+def run(args: argparse.Namespace) -> int:
+    _quiet_nixl()
+    if args.descriptors:
+        return _descriptors(args)
+    with _progress_bar() as progress:
         result = collect(args, progress)
     text = json.dumps(result, indent=2)
     if args.json_out:

@@ -29,7 +29,8 @@ from kvcore.bench.transfer_peer import LocalPeer, ProcessPeer, fill
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer import NixlAgent, describe, plan_transfer
 
-MEMORY_KINDS = ("DRAM", "VRAM")
+#: DRAM: both caches in host memory; VRAM: both on the GPU; VRAM-DRAM: this one on the GPU, the peer's on the host.
+MEMORY_KINDS = ("DRAM", "VRAM", "VRAM-DRAM")
 PEER_KINDS = ("local", "process")
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: ``make(num_blocks, device) -> KVCache``, picklable (a ``functools.partial`` of a module function).
@@ -42,11 +43,11 @@ def rate(value: float) -> str:
 
 
 def memory_kinds_arg(text: str) -> list[str]:
-    """argparse type: comma-separated NIXL memory kinds (``DRAM``, ``VRAM``)."""
+    """argparse type: comma-separated NIXL memory kinds (``DRAM``, ``VRAM``, ``VRAM-DRAM``)."""
     kinds = [k.strip().upper() for k in text.split(",") if k.strip()]
     bad = [k for k in kinds if k not in MEMORY_KINDS]
     if bad or not kinds:
-        raise argparse.ArgumentTypeError(f"expected comma-separated DRAM / VRAM, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated {' / '.join(MEMORY_KINDS)}, got {text!r}")
     return list(dict.fromkeys(kinds))
 
 
@@ -70,20 +71,50 @@ def _same_blocks(kv: KVCache, ids: list[int], other: list[int]) -> bool:
     )
 
 
+def _peer_device(memory: str, device: torch.device) -> tuple[torch.device, torch.device]:
+    """(local, peer) cache devices of a memory kind: both on the GPU, both on the host, or GPU to host."""
+    if memory == "VRAM":
+        return device, device
+    if memory == "VRAM-DRAM":
+        return device, torch.device("cpu")
+    return torch.device("cpu"), torch.device("cpu")
+
+
+def _references(row: dict[str, Any], nbytes: int, on: torch.device, src, dst, pinned, timer: Timer) -> None:
+    """Plain copies of the same bytes, and the NIXL write / read against the matching one."""
+    s, d = src[:nbytes], dst[:nbytes]
+    refs = {"copy": lambda: d.copy_(s)}
+    if pinned is not None:
+        host = pinned[:nbytes]
+        refs["h2d_memcpy"] = lambda: d.copy_(host, non_blocking=True)
+        refs["d2h_memcpy"] = lambda: host.copy_(s, non_blocking=True)
+    for key, fn in refs.items():
+        row[f"{key}_us"] = timer.wall_us(fn)
+    for key in ("nixl_write", "nixl_read", *refs):
+        row[f"{key}_gbps"] = _gbps(nbytes, row[f"{key}_us"])
+    # a write moves local -> peer, a read peer -> local: VRAM-DRAM compares with d2h / h2d memcpy
+    write_ref, read_ref = ("d2h_memcpy", "h2d_memcpy") if row["memory"] == "VRAM-DRAM" else ("copy", "copy")
+    row["write_ref"], row["read_ref"] = write_ref, read_ref
+    row["write_vs_ref"] = row[f"{write_ref}_us"] / row["nixl_write_us"]
+    row["read_vs_ref"] = row[f"{read_ref}_us"] / row["nixl_read_us"]
+
+
 def nixl_rows(args: argparse.Namespace, make: CacheFn, memory: str, device: torch.device,
               gen: torch.Generator, peer_kind: str, tick: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
     """One row per block count of ``args.nixl_blocks`` in ``memory``, the peer ``peer_kind``."""
-    on = device if memory == "VRAM" else torch.device("cpu")
+    on, peer_on = _peer_device(memory, device)
     timer = Timer(on, args.repeats, args.warmup)
     most = max(args.nixl_blocks)
     a = make(2 * most + 2, str(on))  # the cache first: its CUDA context exists before any agent
     start = time.perf_counter()
     tag = f"bench-{memory.lower()}-{a.layout.name.lower()}"
-    peer = (ProcessPeer(f"{tag}-b", _Maker(make, 2 * most + 2, str(on))) if peer_kind == "process"
-            else LocalPeer(f"{tag}-b", make(2 * most + 2, str(on))))
+    progress = getattr(args, "nixl_progress_thread", True)
+    # NOTE: the peer keeps NIXL's progress thread: it only serves, so nothing else would progress it.
+    peer = (ProcessPeer(f"{tag}-b", _Maker(make, 2 * most + 2, str(peer_on))) if peer_kind == "process"
+            else LocalPeer(f"{tag}-b", make(2 * most + 2, str(peer_on))))
     agent = None
     try:
-        agent = NixlAgent(f"{tag}-a", a)
+        agent = NixlAgent(f"{tag}-a", a, progress_thread=progress)
         name = agent.connect(peer.metadata())
         peer.connect(agent.metadata())
         setup_s = time.perf_counter() - start  # agents registering their caches, and connecting
@@ -105,19 +136,11 @@ def nixl_rows(args: argparse.Namespace, make: CacheFn, memory: str, device: torc
             agent.read_blocks(name, ids, spare).wait(timeout=120)
             row = {"memory": memory, "layout": a.layout.name, "peer": peer_kind, "blocks": n, "bytes": nbytes,
                    "runs": len(regions), "exact": differed and _same_blocks(a, ids, spare), "setup_s": setup_s,
-                   "transport": transport.name, "transport_detail": transport.detail, "backend": handle.backend}
+                   "transport": transport.name, "transport_detail": transport.detail, "backend": handle.backend,
+                   "progress_thread": progress}
             row["nixl_write_us"] = timer.wall_us(lambda: agent.write_blocks(name, ids, ids).wait(timeout=120))
             row["nixl_read_us"] = timer.wall_us(lambda: agent.read_blocks(name, ids, ids).wait(timeout=120))
-            s, d = src[:nbytes], dst[:nbytes]
-            refs = {"copy": lambda: d.copy_(s)}
-            if pinned is not None:
-                host = pinned[:nbytes]
-                refs["h2d_memcpy"] = lambda: d.copy_(host, non_blocking=True)
-            for key, fn in refs.items():
-                row[f"{key}_us"] = timer.wall_us(fn)
-            for key in ("nixl_write", "nixl_read", *refs):
-                row[f"{key}_gbps"] = _gbps(nbytes, row[f"{key}_us"])
-            row["write_vs_copy"] = row["copy_us"] / row["nixl_write_us"]
+            _references(row, nbytes, on, src, dst, pinned, timer)
             rows.append(row)
             tick()
         return rows
@@ -137,23 +160,28 @@ class _Maker:
         return self.make(self.num_blocks, self.device)
 
 
+_REF_NAMES = {"copy": "copy_", "d2h_memcpy": "d2h memcpy", "h2d_memcpy": "h2d memcpy"}
+
+
 def print_rows(rows: list[dict[str, Any]], width: int) -> None:
     """The NIXL table of ``kvcore bench transfer`` (fits ``width`` columns)."""
-    columns = [Column("mem"), Column("layout"), Column("peer"), Column("blocks", right=True),
-               Column("runs", right=True), Column("exact"), Column("transport"),
-               Column("write GB/s", right=True), Column("read GB/s", right=True),
-               Column("copy_ GB/s", right=True), Column("x copy_", right=True)]
+    columns = [Column("memory"), Column("layout"), Column("blocks", right=True), Column("runs", right=True),
+               Column("exact"), Column("transport"), Column("write GB/s", right=True), Column("x ref", right=True),
+               Column("read GB/s", right=True), Column("x ref", right=True)]
+    peers = sorted({r["peer"] for r in rows})
     print(render(columns, [[
-        r["memory"], r["layout"], r["peer"], r["blocks"], r["runs"], "yes" if r["exact"] else "NO",
-        r["transport"], rate(r["nixl_write_gbps"]), rate(r["nixl_read_gbps"]), rate(r["copy_gbps"]),
-        rate(r["write_vs_copy"]),
-    ] for r in rows], title="NIXL: agent a writes / reads the peer's blocks (wall time to wait())", width=width))
-    memcpy = [r for r in rows if "h2d_memcpy_gbps" in r]
-    notes = []
-    if memcpy:
-        notes.append("pinned host-to-device memcpy of the same bytes, GB/s: "
-                     + ", ".join(f"{r['layout']} {r['blocks']}: {r['h2d_memcpy_gbps']:.1f}" for r in memcpy) + ".")
-    notes.append("copy_: host copy_ (DRAM) or device-to-device copy_ (VRAM) of the same bytes; transport: "
-                 "inferred by NixlAgent.transport() (see kvcore.transfer.transport).")
+        r["memory"], r["layout"], r["blocks"], r["runs"], "yes" if r["exact"] else "NO", r["transport"],
+        rate(r["nixl_write_gbps"]), f"{r['write_vs_ref']:.3f}", rate(r["nixl_read_gbps"]), f"{r['read_vs_ref']:.3f}",
+    ] for r in rows], title=f"NIXL: agent a writes / reads blocks of a peer in {' and '.join(peers)} "
+                            "(wall time to wait())", width=width))
+    refs = {}
+    for r in rows:
+        for key in (r["write_ref"], r["read_ref"]):
+            refs.setdefault((r["memory"], key), []).append(r[f"{key}_gbps"])
+    notes = ["x ref: the time of a plain copy of the same bytes over the NIXL time: device-to-device (VRAM) or "
+             "host (DRAM) copy_; for VRAM-DRAM a pinned d2h memcpy (write) and h2d memcpy (read). Reference GB/s: "
+             + "; ".join(f"{mem} {_REF_NAMES[key]} {', '.join(rate(v) for v in values)}"
+                         for (mem, key), values in refs.items()) + ".",
+             "transport: inferred by NixlAgent.transport() (see kvcore.transfer.transport)."]
     for note in notes:
         print(textwrap.fill(note, width))

@@ -46,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     # NOTE: imported when the command runs, not with its parser: the plugin
     # machinery imports torch, and `kvcore plugins --help` stays torch-free.
     from kvcore.plugins.health import auto_picks, check_plugins, is_healthy
-    from kvcore.plugins.negotiation import HookAnswers
+    from kvcore.plugins.answers import HookAnswers
     from kvcore.plugins.registry import PluginSettings, build_plugin_manager
 
     # NOTE: listing never raises for a broken plugin, even under KVCORE_STRICT_PLUGINS:
@@ -98,7 +98,9 @@ def _json(info: PluginInfo, declared: dict[str, object], picks: dict[str, str | 
     from kvcore.plugins.health import requirements_json
 
     item = info.to_json()
-    item["requirements"] = {b: requirements_json(declared[b]) for b in info.backends if b in declared}  # type: ignore[arg-type]
+    item["requirements"] = {
+        b: requirements_json(declared[b]) for b in info.backends if b in declared  # type: ignore[arg-type]
+    }
     item["auto"] = {b: [d for d, pick in picks.items() if pick == b] for b in info.backends}
     return item
 

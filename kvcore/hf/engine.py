@@ -30,7 +30,7 @@ from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepCo
 from kvcore.hf.batch import StepInputs, build_step_inputs
 from kvcore.hf.checks import attention_modules, check_hybrid_options, check_model, default_memory, eos_ids
 from kvcore.hf.defaults import resolve as resolve_defaults
-from kvcore.hf.defaults import warm_up
+from kvcore.hf.defaults import warm_prefill, warm_up
 from kvcore.hf.graphs import DecodeGraphs, graphs_wanted
 from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.requests import Request, check_prompt
@@ -149,9 +149,14 @@ class Engine:
         self.warmup()
 
     def warmup(self, *, progress: bool = True) -> None:
-        """Capture every decode CUDA graph now (a progress bar), so no ``generate`` pays for it."""
-        if self.graphs is not None and self.graphs.capture:
-            with self.serving():
+        """Compile now what the first ``generate`` would: on a GPU, one padding prefill step (kernel
+        JIT, nothing written) and every decode CUDA graph (a progress bar)."""
+        if self.device.type != "cuda":
+            return
+        with self.serving():
+            with self.mixers.scratch() if self.mixers is not None else contextlib.nullcontext():
+                warm_prefill(self.model, self.kv, self._layers)
+            if self.graphs is not None and self.graphs.capture:
                 warm_up(self.graphs, progress=progress)
 
     def _bind(self, name: str) -> LayerBinding:

@@ -48,6 +48,8 @@ class MixerStep:
     decode_slots: dict[int, torch.Tensor]
     #: Per multi-token request: first column, token count, slot per state group.
     prefills: list[tuple[int, int, dict[int, int]]]
+    #: A warm-up pass: the whole row is one request on zero states outside the cache.
+    scratch: bool = False
 
 
 class _SlotCache:
@@ -86,6 +88,10 @@ class _MixerLayer:
         self.conv, self.recurrent = (states[1], states[0]) if len(states) == 2 else (states[0], None)
 
     def run(self, step: MixerStep, hidden: torch.Tensor, original: Any) -> torch.Tensor:
+        if step.scratch:
+            conv = torch.zeros_like(self.conv[:1])
+            recurrent = None if self.recurrent is None else torch.zeros_like(self.recurrent[:1])
+            return original(hidden, **{self.cache_kwarg: self.slot_cache.point(conv, recurrent)})
         out = torch.empty_like(hidden)
         g = self.group_id
         if step.decode_columns is not None:
@@ -157,6 +163,15 @@ class MixerRunner:
         host = torch.tensor([columns] + [decode_slots[g] for g in self.state_groups], dtype=torch.long)
         ids = host.to(self.device)
         return MixerStep(ids[0], {g: ids[i + 1] for i, g in enumerate(self.state_groups)}, prefills)
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[None]:
+        """Run the mixers on zero states outside the cache for the duration (a warm-up pass)."""
+        self.step = MixerStep(None, {}, [], scratch=True)
+        try:
+            yield
+        finally:
+            self.step = None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

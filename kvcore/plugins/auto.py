@@ -14,9 +14,9 @@ from typing import Any
 import pluggy
 import torch
 
+from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import collect_backends
-from kvcore.plugins.negotiation import HookAnswers
 from kvcore.plugins.selection import fixed_sizes
 from kvcore.specs import KVCacheSpec
 
@@ -37,7 +37,9 @@ def parse_device(device: Any) -> torch.device:
         raise ValueError(f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'") from None
 
 
-def serves(answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: torch.device) -> str | None:
+def serves(
+    answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: torch.device
+) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device`` by its requirements; None when it can."""
     return answers.requirements(backend, spec).why_not(
         device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None)

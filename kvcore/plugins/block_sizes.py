@@ -4,8 +4,9 @@ The scheduler hands out manager blocks; a kernel may only take smaller
 blocks, so each manager block is split into kernel blocks of a size every
 backend of a group accepts. What a backend accepts comes from the
 ``kvcore_supported_kernel_block_sizes`` hook, never from the backend class.
-Each function here asks the hooks afresh; ``KVCache.create`` instead asks
-once through :mod:`kvcore.plugins.negotiation` and reads its record.
+Each function here negotiates through :mod:`kvcore.plugins.negotiation`
+(one ``HookAnswers`` per call), then reads the answer; ``KVCache.create``
+negotiates once for its whole plan and keeps the record.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ import pluggy
 
 from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig
+from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.negotiation import HookAnswers, label, group_kernel_block_size, splits_by_backends
+from kvcore.plugins.negotiation import group_kernel_block_size, splits_by_backends
 from kvcore.plugins.selection import get_block_table_width, pick_common_block_size
 from kvcore.specs import KVCacheSpec, MultipleOf
 

@@ -21,7 +21,9 @@ def check_sizes(value: Any) -> list[int | MultipleOf]:
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"expected a list of int or MultipleOf, got {value!r}")
     if not value:
-        raise ValueError("expected at least one size, got an empty list (return None for a backend the plugin does not own)")
+        raise ValueError(
+            "expected at least one size, got an empty list (return None for a backend the plugin does not own)"
+        )
     for size in value:
         if isinstance(size, MultipleOf):
             continue
@@ -74,7 +76,8 @@ def check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCache
     new = check_spec(value)
     if type(new) is not type(original):
         raise TypeError(
-            f"for backend {backend!r} it changed the spec class from {type(original).__name__} to {type(new).__name__}; "
+            f"for backend {backend!r} it changed the spec class from {type(original).__name__} "
+            f"to {type(new).__name__}; "
             f"a customize hook may only pad or align a spec ({', '.join(CUSTOMIZABLE_FIELDS)})"
         )
     changed = [
@@ -84,7 +87,8 @@ def check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCache
     ]
     if changed:
         raise ValueError(
-            f"for backend {backend!r} it changed {'; '.join(changed)}, which changes what the layer stores; a customize hook "
+            f"for backend {backend!r} it changed {'; '.join(changed)}, which changes what the layer "
+            "stores; a customize hook "
             f"may only pad or align a spec ({', '.join(CUSTOMIZABLE_FIELDS)}): return "
             "attrs.evolve(spec, num_head_slots=...) or similar, or None"
         )

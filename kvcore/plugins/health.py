@@ -16,9 +16,9 @@ import pluggy
 import torch
 
 from kvcore.errors import PluginError
+from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.auto import choose_backend
 from kvcore.plugins.manager import PluginInfo, collect_backends
-from kvcore.plugins.negotiation import HookAnswers
 from kvcore.plugins.registry import list_plugins, resolve_plugin_manager
 from kvcore.plugins.requirements import KernelRequirements
 from kvcore.specs import FullAttentionSpec, MultipleOf

@@ -18,16 +18,17 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore.errors import KernelRequirementError
+from kvcore.errors import KernelRequirementError, PluginError
 from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
-from kvcore.plugins.auto import choose_backend
+from kvcore.plugins.answers import HookAnswers, label
+from kvcore.plugins.auto import choose_backend, serves
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.kernel_views import to_kernel_blocks
 from kvcore.plugins.layouts import layout_candidates, requested_layout, resolve_kv_cache_layout
-from kvcore.plugins.negotiation import HookAnswers, label, negotiate
+from kvcore.plugins.negotiation import negotiate
 from kvcore.plugins.records import Negotiation
 from kvcore.specs import AttentionSpec, KVCacheSpec
 
@@ -57,9 +58,7 @@ def check_abilities(
     """Refuse a layer whose backend's requirements exclude the device, its dtype or head size."""
     for layer, backend in backends.items():
         spec = specs[layer]
-        why = answers.requirements(backend, spec).why_not(
-            device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None)
-        )
+        why = serves(answers, backend, spec, device)
         if why is None:
             continue
         try:
@@ -100,16 +99,33 @@ def first_violation(config: KVCacheConfig, negotiation: Negotiation) -> Violatio
     return None
 
 
+def _has_memory_rules(specs: Mapping[str, KVCacheSpec], backends: Backends, answers: HookAnswers) -> bool:
+    """Whether any layer's backend limits strides or alignment (its views must then be checked)."""
+    return any(answers.requirements(b, specs[n]).has_memory_rules for n, b in backends.items())
+
+
 def _plan(
-    specs: Mapping[str, KVCacheSpec], backends: Backends, answers: HookAnswers, layout: KVCacheLayout, budget: dict[str, Any]
+    specs: Mapping[str, KVCacheSpec],
+    backends: Backends,
+    answers: HookAnswers,
+    layout: KVCacheLayout,
+    budget: dict[str, Any],
 ) -> tuple[KVCacheConfig, Negotiation]:
     config = plan_kv_cache(specs, layout, **budget)
     return config, negotiate(config, backends, answers)
 
 
-def _meets(specs: Mapping[str, KVCacheSpec], backends: Backends, answers: HookAnswers, layout: KVCacheLayout, budget: dict[str, Any]) -> bool:
+def _meets(
+    specs: Mapping[str, KVCacheSpec],
+    backends: Backends,
+    answers: HookAnswers,
+    layout: KVCacheLayout,
+    budget: dict[str, Any],
+) -> bool:
     try:
         return first_violation(*_plan(specs, backends, answers, layout, budget)) is None
+    except PluginError:
+        raise
     except ValueError:
         return False
 
@@ -160,9 +176,7 @@ def plan_meeting_rules(
     """
     candidates = layout_candidates([supported], specs.values())
     explicit = requested_layout(layout)
-    strict = any(
-        answers.requirements(b, specs[n]).has_memory_rules for n, b in backends.items()
-    )
+    strict = _has_memory_rules(specs, backends, answers)
     if explicit is not None or not strict:
         chosen = resolve_kv_cache_layout([supported], specs.values(), layout)
         config, negotiation = _plan(specs, backends, answers, chosen, budget)
@@ -176,6 +190,8 @@ def plan_meeting_rules(
     for candidate in candidates:
         try:
             config, negotiation = _plan(specs, backends, answers, candidate, budget)
+        except PluginError:
+            raise
         except ValueError as exc:
             error = error or exc
             continue
@@ -187,7 +203,9 @@ def plan_meeting_rules(
         raise error  # type: ignore[misc]
     remedy = _remedy(layer_specs, backends, answers, candidates, None, budget)
     names = ", ".join(c.name for c in candidates)
-    raise KernelRequirementError(f"no layout of [{names}] meets every kernel rule: {first[1].describe(first[0])}; {remedy}")
+    raise KernelRequirementError(
+        f"no layout of [{names}] meets every kernel rule: {first[1].describe(first[0])}; {remedy}"
+    )
 
 
 def layouts_meeting_rules(
@@ -198,7 +216,7 @@ def layouts_meeting_rules(
     budget: dict[str, Any],
 ) -> Sequence[KVCacheLayout] | None:
     """``supported`` narrowed to layouts whose plan meets every rule (for a distributed agreement)."""
-    if not any(answers.requirements(b, specs[n]).has_memory_rules for n, b in backends.items()):
+    if not _has_memory_rules(specs, backends, answers):
         return supported
     good = [c for c in layout_candidates([supported], specs.values()) if _meets(specs, backends, answers, c, budget)]
     return good or supported

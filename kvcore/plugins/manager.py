@@ -1,18 +1,17 @@
 """kvcore's plugin manager: pluggy's own dispatch, with errors that name the plugin.
 
-Every hook call goes through pluggy (``tryfirst``/``trylast`` order,
-``firstresult``, ``hookwrapper=True`` and ``wrapper=True`` wrappers). pluggy
-alone names no plugin when an implementation raises or answers nonsense, so
-kvcore adds the name: an exception is attributed to the deepest hook
-implementation in its traceback; a refused answer to the implementation that
-gave it. Either way the :class:`~kvcore.errors.PluginError` names the
-plugin, its entry point and distribution, and the hook.
+Every hook call goes through pluggy (call order, ``firstresult``, both kinds of
+wrappers). The plugin at fault is named from ``get_hookimpls()``: an exception
+after the deepest implementation in its traceback; a refused answer after the
+implementation that gave it (each asked alone through a pluggy subset caller,
+on that error path only); a registered backend after the plugin whose
+``kvcore_register_backends`` runs (each through its own subset caller).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
-import sys
 import types
 from collections.abc import Callable
 from typing import Any
@@ -58,7 +57,11 @@ class PluginInfo:
 
 
 class KVCorePluginManager(pluggy.PluginManager):
-    """A pluggy manager for project "kvcore" that remembers where plugins came from."""
+    """A pluggy manager for project "kvcore" that remembers where plugins came from.
+
+    ``trace_calls``: every hook call is logged at DEBUG on logger ``kvcore.plugins`` (pluggy's
+    hook-call monitoring: the hook, the plugins asked in order, the arguments and the result).
+    """
 
     def __init__(self, *, trace_calls: bool = False) -> None:
         super().__init__(hookspecs.PROJECT_NAME)
@@ -70,6 +73,11 @@ class KVCorePluginManager(pluggy.PluginManager):
         self.settings_problems: list[str] = []
         self._backends: BackendTable | None = None
         super().register(hookspecs.CoreDefaults(), name=hookspecs.CORE_PLUGIN_NAME)
+        if trace_calls:
+            logger.setLevel(logging.DEBUG)
+            if not logger.handlers and not logging.getLogger().handlers:
+                logger.addHandler(logging.StreamHandler())
+            self.add_hookcall_monitoring(_trace_before, _trace_after)
 
     # NOTE: any (un)registration may change which backends exist.
     def register(self, plugin: Any, name: str | None = None) -> str | None:
@@ -79,6 +87,14 @@ class KVCorePluginManager(pluggy.PluginManager):
     def unregister(self, plugin: Any = None, name: str | None = None) -> Any:
         self._backends = None
         return super().unregister(plugin, name)
+
+
+def _trace_before(hook_name: str, impls: list[pluggy.HookImpl], kwargs: dict[str, Any]) -> None:
+    logger.debug("%s(%s) asks %s", hook_name, kwargs, [i.plugin_name for i in reversed(impls)])
+
+
+def _trace_after(outcome: pluggy.Result, hook_name: str, impls: list[pluggy.HookImpl], kwargs: dict[str, Any]) -> None:
+    logger.debug("%s -> %r", hook_name, outcome.exception or outcome.get_result())
 
 
 def describe_plugin(pm: pluggy.PluginManager, plugin_name: str | None) -> str:
@@ -105,38 +121,16 @@ def plugin_error(
     return err
 
 
-def _impl_codes(caller: pluggy.HookCaller) -> dict[int, str]:
-    """``id`` of every implementation's code object -> its plugin name.
-
-    NOTE: by identity, since code objects of equal source in two files compare equal.
-    """
-    out: dict[int, str] = {}
-    for impl in caller.get_hookimpls():
-        function = getattr(impl.function, "__func__", impl.function)
-        code = getattr(function, "__code__", None)
-        if code is not None:
-            out[id(code)] = impl.plugin_name
-    return out
-
-
 def _raising_plugin(caller: pluggy.HookCaller, tb: types.TracebackType | None) -> str | None:
-    """The plugin whose implementation is deepest in ``tb`` (where the error arose)."""
-    codes, found = _impl_codes(caller), None
+    """The plugin whose implementation (``get_hookimpls()``) is deepest in the exception's traceback."""
+    # NOTE: code objects by identity: two of equal source in two files compare equal.
+    codes = {id(getattr(getattr(i.function, "__func__", i.function), "__code__", None)): i.plugin_name
+             for i in caller.get_hookimpls()}
+    found = None
     while tb is not None:
         found = codes.get(id(tb.tb_frame.f_code), found)
         tb = tb.tb_next
     return found
-
-
-def calling_plugin(caller: pluggy.HookCaller) -> str | None:
-    """The plugin whose implementation of ``caller``'s hook is running on this stack."""
-    codes = _impl_codes(caller)
-    frame = sys._getframe(1)
-    while frame is not None:
-        if id(frame.f_code) in codes:
-            return codes[id(frame.f_code)]
-        frame = frame.f_back
-    return None
 
 
 def call_hook(
@@ -145,34 +139,37 @@ def call_hook(
     """Call a hook through pluggy (wrappers honoured); a raising plugin is named."""
     caller = getattr(pm.hook, hook_name) if caller is None else caller
     try:
-        result = caller(**kwargs)
+        return caller(**kwargs)
     except PluginError:
         raise
     except Exception as exc:
         owner = _raising_plugin(caller, exc.__traceback__)
         raise plugin_error(pm, owner, hook_name, f"raised {type(exc).__name__}: {exc}") from exc
-    if isinstance(pm, KVCorePluginManager) and pm.trace_calls:
-        asked = [i.plugin_name for i in reversed(caller.get_hookimpls())]
-        logger.debug("%s(%s) asked %s -> %r", hook_name, kwargs, asked, result)
-    return result
+
+
+def _alone(pm: pluggy.PluginManager, hook_name: str, impl: pluggy.HookImpl, keep_wrappers: bool) -> pluggy.HookCaller:
+    """``hook_name``'s caller with only ``impl`` (and, if asked, the wrappers) left: a pluggy subset caller."""
+    others = [i.plugin for i in getattr(pm.hook, hook_name).get_hookimpls()
+              if i is not impl and not (keep_wrappers and (i.wrapper or i.hookwrapper))]
+    return pm.subset_hook_caller(hook_name, others)
 
 
 def _answering_plugin(
-    caller: pluggy.HookCaller, kwargs: dict[str, Any], check: Callable[[Any], Any]
+    pm: pluggy.PluginManager, hook_name: str, kwargs: dict[str, Any], check: Callable[[Any], Any]
 ) -> tuple[str | None, str]:
-    """``(plugin, note)``: who gave a refused answer (asked again only on this error path).
+    """``(plugin, note)``: who gave a refused answer (asked again, through pluggy, on this error path only).
 
-    The first non-None answer in pluggy's order is the one the hook returned;
-    if that one passes ``check``, a wrapper changed it: with one wrapper that
-    one is named, else ``note`` lists them.
+    Each implementation is asked alone, in pluggy's order, until one answers:
+    if that answer is refused too, it is the culprit; else a wrapper changed
+    it: with one wrapper that one is named, else ``note`` lists them.
     """
-    impls = list(reversed(caller.get_hookimpls()))
+    impls = list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))
     for impl in impls:
         if impl.hookwrapper or impl.wrapper:
             continue
         try:
-            answer = impl.function(*[kwargs[a] for a in impl.argnames])
-        except Exception:
+            answer = _alone(pm, hook_name, impl, keep_wrappers=False)(**kwargs)
+        except Exception:  # noqa: BLE001 - this one raises now: not the answer being traced
             continue
         if answer is None:
             continue
@@ -193,14 +190,13 @@ def call_first(pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], 
     ``check`` raises ``TypeError``/``ValueError`` describing what was expected;
     that becomes a PluginError naming the plugin that answered.
     """
-    caller = getattr(pm.hook, hook_name)
-    result = call_hook(pm, hook_name, caller, **kwargs)
+    result = call_hook(pm, hook_name, **kwargs)
     if result is None:
         return None
     try:
         return check(result)
     except (TypeError, ValueError) as exc:
-        owner, note = _answering_plugin(caller, kwargs, check)
+        owner, note = _answering_plugin(pm, hook_name, kwargs, check)
         raise plugin_error(pm, owner, hook_name, f"returned a wrong value ({exc}){note}") from exc
 
 
@@ -220,39 +216,42 @@ class BackendTable:
         return {name: found for name, found in self.entries.items() if len(found) > 1}
 
 
-def collect_backends(pm: pluggy.PluginManager, caller: pluggy.HookCaller | None = None) -> BackendTable:
-    """Ask ``kvcore_register_backends`` (all plugins, or ``caller``'s subset) once.
+def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> BackendTable:
+    """Ask ``kvcore_register_backends`` of every plugin (or of plugin ``only``) once.
 
-    ``register`` knows which plugin calls it (the implementation on the
-    stack) and checks the class: an AttentionBackend subclass with a non-empty
-    str ``name`` that implements ``forward``. Two plugins registering one
-    name make it ambiguous (both kept, neither served); never "first wins".
+    Each implementation is called through pluggy (a subset caller keeping the
+    wrappers) with a ``register`` that knows its plugin and checks the class:
+    an AttentionBackend subclass with a non-empty str ``name`` that implements
+    ``forward``. Two plugins registering one name make it ambiguous (both
+    kept, neither served); never "first wins".
     """
-    full = caller is None
+    full = only is None
     if full and isinstance(pm, KVCorePluginManager) and pm._backends is not None:
         return pm._backends
     hook_name = "kvcore_register_backends"
-    caller = getattr(pm.hook, hook_name) if caller is None else caller
     entries: dict[str, list[tuple[type[AttentionBackend], str]]] = {}
+    calling: set[str] = set()  # NOTE: the plugin whose implementation runs now
 
-    def register(backend: Any) -> None:
-        owner = calling_plugin(caller)
-        if owner is None:
-            raise PluginError(
-                f"register({backend!r}) was called outside {hook_name}; call it from "
-                "your plugin's kvcore_register_backends implementation"
-            )
+    def register(backend: Any, owner: str) -> None:
+        if owner not in calling:
+            raise PluginError(f"register({backend!r}) was called after {hook_name} returned; call it from your "
+                              f"plugin's {hook_name} implementation")
         _check_backend(pm, backend, owner, hook_name)
         found = entries.setdefault(backend.name, [])
-        if (backend, owner) in found:
-            return
-        if any(other == owner for _, other in found):
-            raise plugin_error(
-                pm, owner, hook_name, f"registered two classes named {backend.name!r}"
-            )
-        found.append((backend, owner))
+        if any(other == owner and cls is not backend for cls, other in found):
+            raise plugin_error(pm, owner, hook_name, f"registered two classes named {backend.name!r}")
+        if (backend, owner) not in found:
+            found.append((backend, owner))
 
-    call_hook(pm, hook_name, caller, register=register)
+    for impl in reversed(getattr(pm.hook, hook_name).get_hookimpls()):
+        if impl.wrapper or impl.hookwrapper or not (full or impl.plugin_name == only):
+            continue
+        calling.add(impl.plugin_name)
+        try:
+            call_hook(pm, hook_name, _alone(pm, hook_name, impl, keep_wrappers=True),
+                      register=functools.partial(register, owner=impl.plugin_name))
+        finally:
+            calling.discard(impl.plugin_name)
     table = BackendTable(entries)
     if full and isinstance(pm, KVCorePluginManager):
         pm._backends = table
@@ -261,20 +260,12 @@ def collect_backends(pm: pluggy.PluginManager, caller: pluggy.HookCaller | None 
 
 def _check_backend(pm: pluggy.PluginManager, backend: Any, owner: str, hook_name: str) -> None:
     if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
-        raise plugin_error(
-            pm, owner, hook_name,
-            f"registered {backend!r}, which is not a kvcore.AttentionBackend subclass",
-        )
+        raise plugin_error(pm, owner, hook_name, f"registered {backend!r}, not a kvcore.AttentionBackend subclass")
     name = getattr(backend, "name", None)
     if not isinstance(name, str) or not name:
-        raise plugin_error(
-            pm, owner, hook_name,
-            f"registered {backend.__qualname__} without a non-empty str class attribute 'name'",
-        )
+        raise plugin_error(pm, owner, hook_name,
+                           f"registered {backend.__qualname__} without a non-empty str class attribute 'name'")
     if not implements_forward(backend):
-        raise plugin_error(
-            pm, owner, hook_name,
-            f"registered {backend.__qualname__} ({name!r}), which does not implement "
-            "forward(query, key, value, kv_cache_view, metadata, *, head_size, scale, "
-            "sliding_window=None, out=None)",
-        )
+        raise plugin_error(pm, owner, hook_name, f"registered {backend.__qualname__} ({name!r}), which does not "
+                           "implement forward(query, key, value, kv_cache_view, metadata, *, head_size, scale, "
+                           "sliding_window=None, out=None)")

@@ -1,8 +1,8 @@
 """Negotiation: the one place where ``KVCache.create`` asks the backend hooks.
 
-:class:`HookAnswers` asks each hook at most once per distinct (backend, spec)
-and keeps the answer. :func:`negotiate` turns a plan and those answers into
-one frozen :class:`~kvcore.plugins.records.GroupNegotiation` per KV cache
+:class:`~kvcore.plugins.answers.HookAnswers` asks each hook at most once per
+distinct (backend, spec) and keeps the answer. :func:`negotiate` turns a
+plan and those answers into one frozen :class:`~kvcore.plugins.records.GroupNegotiation` per KV cache
 group — backends, the customized spec, the kernel block size, the split
 ratio of the views as allocated and each backend's kernel block stride —
 which the allocator, attention groups, metadata builders and zeroer then
@@ -12,162 +12,19 @@ read instead of asking again. The public helpers of :mod:`kvcore.plugins.block_s
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
-import pluggy
 
+from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
-from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.plan_groups import is_encoder_only
+from kvcore.plugins.answers import ALL_LAYOUTS, HookAnswers, key_of, label
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.checks import (
-    check_customized,
-    check_layouts,
-    check_priority,
-    check_requirements,
-    check_sizes,
-)
 from kvcore.plugins.kernel_views import packed_kernel_stride
-from kvcore.plugins.manager import call_first
-from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
 from kvcore.plugins.records import BackendNegotiation, GroupNegotiation, Negotiation
-from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
-from kvcore.plugins.selection import fixed_sizes, pick_common_block_size
-from kvcore.specs import KVCacheSpec, MultipleOf
-
-ALL_LAYOUTS: tuple[KVCacheLayout, ...] = tuple(KVCacheLayout)
-
-
-def label(backend: type[AttentionBackend]) -> str:
-    """A backend's name in messages (its class name when it has none, as the base class)."""
-    return getattr(backend, "name", None) or backend.__qualname__
-
-
-def _key(backend: type, spec: Any) -> tuple[type, Any]:
-    try:
-        hash(spec)
-    except TypeError:
-        return backend, ("unhashable", id(spec))
-    return backend, spec
-
-
-def _key_of(spec: Any) -> Any:
-    return _key(type, spec)[1]
-
-
-class HookAnswers:
-    """Every hook answer one negotiation needs, each asked once per (backend, spec)."""
-
-    def __init__(self, plugin_manager: pluggy.PluginManager | None = None) -> None:
-        self.pm = resolve_plugin_manager(plugin_manager)
-        self._sizes: dict[Any, list[int | MultipleOf]] = {}
-        self._specs: dict[Any, KVCacheSpec] = {}
-        self._layouts: dict[Any, list[KVCacheLayout] | None] = {}
-        self._requirements: dict[Any, KernelRequirements] = {}
-        #: customized spec -> the backend whose customize hook padded its page
-        self.padded_by: dict[Any, str] = {}
-        self._keep: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
-
-    def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
-        return resolve_backend(backend, self.pm)
-
-    def kernel_block_sizes(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[int | MultipleOf]:
-        """``kvcore_supported_kernel_block_sizes`` for (backend, spec)."""
-        key = _key(backend, spec)
-        if key not in self._sizes:
-            self._keep.append(spec)
-            found = call_first(
-                self.pm, "kvcore_supported_kernel_block_sizes", check_sizes, backend=backend, spec=spec
-            )
-            self._sizes[key] = [MultipleOf(1)] if found is None else found
-        return self._sizes[key]
-
-    def stated_layouts(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[KVCacheLayout] | None:
-        """``kvcore_supported_layouts`` for (backend, spec): layouts, or None for any."""
-        key = _key(backend, spec)
-        if key not in self._layouts:
-            self._keep.append(spec)
-            self._layouts[key] = call_first(
-                self.pm, "kvcore_supported_layouts", check_layouts, backend=backend, spec=spec
-            )
-        return self._layouts[key]
-
-    def requirements(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> KernelRequirements:
-        """``kvcore_kernel_requirements`` for (backend, spec) (no requirements when unanswered)."""
-        key = _key(backend, spec)
-        if key not in self._requirements:
-            self._keep.append(spec)
-            found = call_first(
-                self.pm, "kvcore_kernel_requirements", check_requirements, backend=backend, spec=spec
-            )
-            self._requirements[key] = NO_REQUIREMENTS if found is None else found
-        return self._requirements[key]
-
-    def priority(self, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: Any) -> int:
-        """``kvcore_backend_priority`` for (backend, spec, device) (0 when unanswered)."""
-        found = call_first(
-            self.pm, "kvcore_backend_priority", check_priority, backend=backend, spec=spec, device=device
-        )
-        return 0 if found is None else found
-
-    def layouts(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[KVCacheLayout]:
-        """:meth:`stated_layouts`, with all six layouts for "any"."""
-        stated = self.stated_layouts(backend, spec)
-        return list(ALL_LAYOUTS) if stated is None else list(stated)
-
-    def customized_spec(self, backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec:
-        """``spec`` as ``backend`` stores it: the hook's answer, then block-stride alignment.
-
-        When every kernel size the backend takes is a fixed int and the spec
-        asks no alignment yet, it gets ``MultipleOf(max(sizes))``. The aligned
-        spec shares the sizes answer of the spec it came from.
-        """
-        key = _key(backend, spec)
-        if key in self._specs:
-            return self._specs[key]
-        self._keep.append(spec)
-        new = call_first(
-            self.pm, "kvcore_customize_spec", lambda value: check_customized(spec, value, label(backend)),
-            backend=backend, spec=spec,
-        ) or spec
-        padded = new.page_size_padded is not None and new.page_size_padded != spec.page_size_padded
-        if new.is_attention and new.block_stride_alignment is None:
-            sizes = self.kernel_block_sizes(backend, new)
-            fixed = fixed_sizes(sizes)
-            if sizes and len(fixed) == len(sizes):
-                new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(fixed)))
-                self._sizes.setdefault(_key(backend, new), sizes)
-        if padded:
-            self.padded_by[_key_of(new)] = label(backend)
-        self._specs[key] = new
-        return new
-
-    def common_layouts(
-        self, pairs: Sequence[tuple[type[AttentionBackend], KVCacheSpec | None]]
-    ) -> list[KVCacheLayout] | None:
-        """Layouts every (backend, spec) reads, in the first choosy backend's order.
-
-        None when no backend states a preference (every answer was "any").
-        """
-        stated = [self.stated_layouts(b, s) for b, s in pairs]
-        lists = [ls for ls in stated if ls is not None]
-        if not lists:
-            return None
-        common = [layout for layout in lists[0] if all(layout in ls for ls in lists[1:])]
-        if not common:
-            offered = "; ".join(
-                f"{label(b)}: [{', '.join(x.name for x in ls)}]"
-                for (b, _), ls in zip(pairs, stated) if ls is not None
-            )
-            raise ValueError(
-                f"the backends share no KV cache layout: {offered}. "
-                "Serve these layers with backends that agree on a layout."
-            )
-        return common
-
-
+from kvcore.plugins.selection import pick_common_block_size
+from kvcore.specs import KVCacheSpec
 
 
 def can_split(spec: KVCacheSpec) -> bool:
@@ -225,7 +82,7 @@ def _check_dense_split(config: KVCacheConfig, group: KVCacheGroupSpec, kernel: i
     spec = group.kv_cache_spec
     if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
         return
-    padder = answers.padded_by.get(_key_of(spec))
+    padder = answers.padded_by.get(key_of(spec))
     who = (
         f"backend {padder!r}'s kvcore_customize_spec padded" if padder is not None
         else "the plan padded (to unify page sizes across layer types)"
@@ -315,26 +172,45 @@ def negotiate(
     return Negotiation(tuple(records))
 
 
-def backend_kernel_block_size(
-    answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec, kernel_block_size: int
-) -> int | None:
-    """A standalone group's own kernel block size for a group size (None: no split)."""
-    if not can_split(spec):
-        return None
-    own = pick_common_block_size(kernel_block_size, [(label(backend), answers.kernel_block_sizes(backend, spec))])
-    return None if own == spec.block_size else own
+def settle_kernel_block_size(
+    record: BackendNegotiation, kernel_block_size: int, answers: Callable[[], HookAnswers]
+) -> BackendNegotiation:
+    """``record`` for a KV cache group whose kernel block size is ``kernel_block_size``.
+
+    A negotiated record must agree (``ValueError`` otherwise) and is returned
+    as is; an unsettled one (a group made by hand) gets the backend's own
+    size: the largest it accepts that divides ``kernel_block_size`` (None when
+    that is the manager block size, or the spec keeps whole blocks).
+    """
+    kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
+    agreed = record.group_kernel_block_size
+    if agreed is not None:
+        if kernel_block_size != agreed:
+            raise ValueError(
+                f"attention group of {list(record.layer_names)} was negotiated with kernel block "
+                f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
+            )
+        return record
+    spec, own = record.kv_cache_spec, None
+    if can_split(spec):
+        offer = [(label(record.backend), answers().kernel_block_sizes(record.backend, spec))]
+        own = pick_common_block_size(kernel_block_size, offer)
+        own = None if own == spec.block_size else own
+    return attrs.evolve(record, group_kernel_block_size=kernel_block_size, kernel_block_size=own)
 
 
 __all__ = [
+    "ALL_LAYOUTS",
     "BackendNegotiation",
     "GroupNegotiation",
     "HookAnswers",
     "Negotiation",
     "backend_groups",
-    "backend_kernel_block_size",
     "can_split",
     "group_kernel_block_size",
     "is_packed",
+    "label",
     "negotiate",
+    "settle_kernel_block_size",
     "splits_by_backends",
 ]

@@ -10,33 +10,37 @@ Two kinds of checks:
   device memory, a host sync that would stall every layer of a GPU step and
   break CUDA graph capture. They run only where :func:`value_checks` says so:
   an explicit ``validate=True``/``False`` argument wins; else
-  ``KVCORE_DEBUG_CHECKS=1`` turns them on everywhere; else they run for CPU
-  tensors (no device to wait for) and are off on GPUs, where kernels skip
-  out-of-range slots instead of storing out of bounds.
+  ``KVCORE_DEBUG_CHECKS=1``/``0`` turns them on/off everywhere (read through
+  :class:`kvcore.settings.Settings` when the backend is called; any other value
+  is a ``ValueError``); else they run for CPU tensors (no device to wait for)
+  and are off on GPUs, where kernels skip out-of-range slots instead of
+  storing out of bounds.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Collection
 
 import torch
 
+from kvcore.settings import Settings
+
 _INDEX_DTYPES = (torch.int32, torch.int64)
-#: Environment switch of the value checks (read on every call, so tests and debuggers can flip it).
+#: Environment switch of the value checks (read when a backend is called, so tests and debuggers can flip it).
 DEBUG_CHECKS_ENV = "KVCORE_DEBUG_CHECKS"
 
 
-def value_checks(validate: bool | None, device: torch.device) -> bool:
-    """Whether checks that read tensor values (a device sync on GPUs) run for this call."""
+def value_checks(validate: bool | None, device: torch.device, settings: Settings | None = None) -> bool:
+    """Whether checks that read tensor values (a device sync on GPUs) run for this call.
+
+    ``settings``: the caller's (``Settings.from_env()`` when None: a backend entry point is where a call begins).
+    """
     if validate is not None:
         if not isinstance(validate, bool):
             raise TypeError(f"validate must be True, False or None, got {validate!r}")
         return validate
-    flag = os.environ.get(DEBUG_CHECKS_ENV, "").strip().lower()
-    if flag:
-        return flag not in ("0", "false", "no", "off")
-    return device.type == "cpu"
+    forced = (settings or Settings.from_env()).debug_checks
+    return device.type == "cpu" if forced is None else forced
 
 
 def check_cache_view(

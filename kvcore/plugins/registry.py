@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import functools
 import importlib.metadata
-import logging
-import os
 import warnings
 from typing import Any
 
@@ -21,6 +19,7 @@ import attrs
 import pluggy
 
 from kvcore.plugins.backend import AttentionBackend
+from kvcore.settings import env_flag, env_names
 from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins.hookspecs import CORE_PLUGIN_NAME, ENTRY_POINT_GROUP
 from kvcore.plugins.manager import (
@@ -29,24 +28,7 @@ from kvcore.plugins.manager import (
     PluginInfo,
     collect_backends,
     describe_plugin,
-    logger,
 )
-
-_TRUE = ("1", "true", "yes", "on")
-_FALSE = ("", "0", "false", "no", "off")
-
-
-def _env_flag(name: str) -> bool:
-    value = os.environ.get(name, "").strip().lower()
-    if value in _TRUE or value in _FALSE:
-        return value in _TRUE
-    raise ValueError(f"{name}={os.environ[name]!r} is not a switch; set it to 1 or 0")
-
-
-def _env_names(name: str) -> frozenset[str] | None:
-    value = os.environ.get(name, "").strip()
-    return frozenset(n.strip() for n in value.split(",") if n.strip()) if value else None
-
 
 @attrs.frozen
 class PluginSettings:
@@ -61,11 +43,11 @@ class PluginSettings:
     @classmethod
     def from_env(cls, *, autoload: bool = True) -> PluginSettings:
         return cls(
-            autoload=autoload and not _env_flag("KVCORE_DISABLE_PLUGIN_AUTOLOAD"),
-            allow=_env_names("KVCORE_PLUGINS"),
-            block=_env_names("KVCORE_BLOCK_PLUGINS") or frozenset(),
-            strict=_env_flag("KVCORE_STRICT_PLUGINS"),
-            trace=_env_flag("KVCORE_TRACE_PLUGINS"),
+            autoload=autoload and not env_flag("KVCORE_DISABLE_PLUGIN_AUTOLOAD"),
+            allow=env_names("KVCORE_PLUGINS"),
+            block=env_names("KVCORE_BLOCK_PLUGINS") or frozenset(),
+            strict=bool(env_flag("KVCORE_STRICT_PLUGINS")),
+            trace=bool(env_flag("KVCORE_TRACE_PLUGINS")),
         )
 
 
@@ -79,12 +61,16 @@ def get_plugin_manager(*, autoload: bool = True) -> KVCorePluginManager:
 
 
 def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
-    """:func:`get_plugin_manager` with explicit settings instead of the environment."""
+    """:func:`get_plugin_manager` with explicit settings instead of the environment.
+
+    Entry points load one by one through pluggy's ``load_setuptools_entrypoints``
+    (blocked names through ``set_blocked``), so a failure names its plugin.
+    """
     pm = KVCorePluginManager(trace_calls=settings.trace)
-    if settings.trace:
-        _enable_tracing(pm)
+    for name in settings.block:
+        pm.set_blocked(name)
     for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        info = _info_of(ep)
+        info = _info_of(ep.name, ep.value, ep.dist)
         if info.name in pm.plugin_infos:
             message = f"{info.describe()} is skipped: {pm.plugin_infos[info.name].describe()} has that name"
             if settings.strict:
@@ -94,10 +80,10 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
         pm.plugin_infos[info.name] = info
         if not settings.autoload or (settings.allow is not None and info.name not in settings.allow):
             info.status = "disabled"
-        elif info.name in settings.block:
+        elif pm.is_blocked(info.name):
             info.status = "blocked"
         else:
-            _load(pm, ep, info, settings.strict)
+            _load(pm, info, settings.strict)
     missing = sorted((settings.allow or frozenset()) - set(pm.plugin_infos))
     if settings.autoload and missing:
         pm.settings_problems.append(
@@ -121,27 +107,29 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
     return pm
 
 
-def _info_of(ep: importlib.metadata.EntryPoint) -> PluginInfo:
-    dist = ep.dist
+def _info_of(name: str, value: str, dist: Any) -> PluginInfo:
     return PluginInfo(
-        name=ep.name,
+        name=name,
         distribution=None if dist is None else dist.metadata["Name"] or dist.name,
         version=None if dist is None else dist.version,
-        entry_point=f"{ep.name} = {ep.value}",
+        entry_point=f"{name} = {value}",
     )
 
 
-def _load(pm: KVCorePluginManager, ep: Any, info: PluginInfo, strict: bool) -> None:
-    """Import, register and check one entry point; on failure undo and report."""
+def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
+    """Load and register entry point ``info.name`` through pluggy, then check it; on failure undo and report."""
     try:
-        plugin = ep.load()
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=info.name)
     except Exception as exc:
-        problem = f"failed to import, so none of its kvcore_* hooks run ({type(exc).__name__}: {exc})"
+        # NOTE: pluggy imports, then registers: a plugin it holds failed registration (bad hook signature)
+        loaded = pm.get_plugin(info.name) is not None or isinstance(exc, pluggy.PluginValidationError)
+        problem = f"could not be registered: {exc}" if loaded else (
+            f"failed to import, so none of its kvcore_* hooks run ({type(exc).__name__}: {exc})")
         return _fail(pm, info, problem, strict, exc)
-    try:
-        pm.register(plugin, name=info.name)
-    except Exception as exc:  # pluggy refuses bad hook signatures and name clashes
-        return _fail(pm, info, f"could not be registered: {exc}", strict, exc)
+    plugin = pm.get_plugin(info.name)
+    for held, dist in pm.list_plugin_distinfo():
+        if held is plugin:  # NOTE: the distribution pluggy took the entry point from
+            info.distribution, info.version = dist.metadata["Name"] or dist.project_name, dist.version
     unknown = [
         c.name for c in pm.get_hookcallers(plugin) or []
         if not c.has_spec() and not all(i.optionalhook for i in c.get_hookimpls())
@@ -158,23 +146,16 @@ def _load(pm: KVCorePluginManager, ep: Any, info: PluginInfo, strict: bool) -> N
             PluginWarning,
             stacklevel=3,
         )
-    others = [p for n, p in pm.list_name_plugin() if n != info.name]
     try:
-        collect_backends(pm, pm.subset_hook_caller("kvcore_register_backends", others))
+        collect_backends(pm, only=info.name)
     except PluginError as exc:
         return _fail(pm, info, str(exc), strict, exc, described=True)
     info.status = "loaded"
     return None
 
 
-def _fail(
-    pm: KVCorePluginManager,
-    info: PluginInfo,
-    problem: str,
-    strict: bool,
-    cause: BaseException | None,
-    described: bool = False,
-) -> None:
+def _fail(pm: KVCorePluginManager, info: PluginInfo, problem: str, strict: bool, cause: BaseException | None,
+          described: bool = False) -> None:
     if pm.get_plugin(info.name) is not None:
         pm.unregister(name=info.name)
     message = problem if described else f"{info.describe()} {problem}"
@@ -182,15 +163,6 @@ def _fail(
     if strict:
         raise PluginError(message) from cause
     warnings.warn(f"{message}; skipping it", PluginWarning, stacklevel=4)
-
-
-def _enable_tracing(pm: KVCorePluginManager) -> None:
-    """Log every hook call (kvcore's own and direct ``pm.hook`` calls) at DEBUG."""
-    logger.setLevel(logging.DEBUG)
-    if not logger.handlers and not logging.getLogger().handlers:
-        logger.addHandler(logging.StreamHandler())
-    pm.trace.root.setwriter(lambda message: logger.debug(message.rstrip()))
-    pm.enable_tracing()
 
 
 @functools.lru_cache(maxsize=1)

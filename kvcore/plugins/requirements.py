@@ -29,6 +29,13 @@ def _tuple_or_none(value: Any) -> tuple[Any, ...] | None:
     return tuple(value)
 
 
+def _device_types(value: Any) -> tuple[Any, ...] | None:
+    items = _tuple_or_none(value)
+    if items is None:
+        return None
+    return tuple(d.type if isinstance(d, torch.device) and d.index is None else d for d in items)
+
+
 def _check_devices(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
     if value is None:
         return
@@ -87,9 +94,11 @@ class KernelRequirements:
         elements of the view's dtype, must be below this; None: no limit.
     :param alignment_bytes: every stride but the last, in bytes, and every
         view's byte offset in its allocation, must be a multiple of this.
+    :param note: a remedy kvcore adds when the devices rule refuses a case
+        (say, how to run the kernels elsewhere); None: nothing to add.
     """
 
-    devices: tuple[str, ...] | None = attrs.field(default=None, converter=_tuple_or_none, validator=_check_devices)
+    devices: tuple[str, ...] | None = attrs.field(default=None, converter=_device_types, validator=_check_devices)
     dtypes: tuple[torch.dtype, ...] | None = attrs.field(
         default=None, converter=_tuple_or_none, validator=_check_dtypes
     )
@@ -98,6 +107,7 @@ class KernelRequirements:
     )
     max_stride_elements: int | None = attrs.field(default=None, validator=_check_optional_positive)
     alignment_bytes: int = attrs.field(default=1, validator=_check_positive)
+    note: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
 
     @property
     def has_memory_rules(self) -> bool:
@@ -110,7 +120,8 @@ class KernelRequirements:
         A None argument is not checked (say, a state cache has no head size).
         """
         if device_type is not None and self.devices is not None and device_type not in self.devices:
-            return f"runs on {'/'.join(self.devices)} only, not {device_type} (rule: devices)"
+            extra = f"; {self.note}" if self.note else ""
+            return f"runs on {'/'.join(self.devices)} only, not {device_type} (rule: devices){extra}"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             return f"takes cache dtypes {names}, not {str(dtype).removeprefix('torch.')} (rule: dtypes)"

@@ -1,12 +1,16 @@
 """Attention groups: the layers of one KV cache group served by one backend.
 
-A group maps the scheduler's manager block tables and cache views to the
-kernel blocks its backend accepts.
+A group is a read-only view of its negotiation record
+(:class:`~kvcore.plugins.records.BackendNegotiation`: backend, layers,
+spec, kernel block size and stride) plus the per-step buffers its backend
+needs (metadata builders, the persistent kernel block table). It maps the
+scheduler's manager block tables and cache views to the kernel blocks its
+backend accepts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -14,14 +18,15 @@ import pluggy
 import torch
 
 from kvcore._validate import non_negative_int, positive_int
+from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
-from kvcore.plugins.negotiation import HookAnswers, backend_kernel_block_size
+from kvcore.plugins.kernel_views import packed_kernel_stride, to_kernel_blocks, to_manager_blocks
+from kvcore.plugins.negotiation import settle_kernel_block_size
 from kvcore.plugins.records import BackendNegotiation
 from kvcore.plugins.selection import get_block_table_width
 from kvcore.specs import KVCacheSpec
 
 
-@attrs.define(eq=False)
 class AttentionGroup:
     """Layers of one KV cache group that share a backend and a (customized) spec.
 
@@ -30,34 +35,82 @@ class AttentionGroup:
     ``j`` of manager block ``b`` is ``b * ratio + j`` for dense pages
     (``kernel_block_stride`` 0), or ``b * kernel_block_stride + j`` where the
     stride is the number of kernel pages between two blocks of a packed
-    (block-outermost) cache. Groups built by ``KVCache.create`` carry their
-    ``negotiated`` record and never ask the plugin hooks again.
+    (block-outermost) cache.
+
+    Every decision is read from :attr:`record`. Groups built by
+    ``KVCache.create`` carry a complete record and never ask the plugin hooks
+    again; a group made by hand (or by ``build_attention_groups``) is settled
+    by ``create_metadata_builders(kernel_block_size=...)`` and learns a packed
+    stride from the first view it maps — once: another stride is refused.
     """
 
-    backend: type[AttentionBackend]
-    layer_names: list[str] = attrs.field(converter=list)
-    kv_cache_spec: KVCacheSpec
-    kv_cache_group_id: int
-    kernel_block_size: int | None = None
-    kernel_block_stride: int = 0
-    # Persistent per micro-batch so CUDA graphs capture the mapped table.
-    kernel_block_table: torch.Tensor | None = attrs.field(default=None, repr=False)
-    kernel_block_offsets: torch.Tensor | None = attrs.field(default=None, repr=False)
-    metadata_builders: list[AttentionMetadataBuilder] = attrs.field(factory=list, repr=False)
-    negotiated: BackendNegotiation | None = attrs.field(default=None, repr=False)
+    def __init__(
+        self,
+        backend: type[AttentionBackend],
+        layer_names: Sequence[str],
+        kv_cache_spec: KVCacheSpec,
+        kv_cache_group_id: int,
+        kernel_block_size: int | None = None,
+        kernel_block_stride: int = 0,
+    ) -> None:
+        if kernel_block_size is not None:
+            kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
+        self.record = BackendNegotiation(
+            backend, tuple(layer_names), kv_cache_spec, None, kernel_block_size, kernel_block_stride
+        )
+        self.kv_cache_group_id = kv_cache_group_id
+        # Persistent per micro-batch so CUDA graphs capture the mapped table.
+        self.kernel_block_table: torch.Tensor | None = None
+        self.kernel_block_offsets: torch.Tensor | None = None
+        self.metadata_builders: list[AttentionMetadataBuilder] = []
 
     @classmethod
     def from_negotiation(cls, record: BackendNegotiation, kv_cache_group_id: int) -> AttentionGroup:
         """The group a negotiation record describes (kernel blocks already decided)."""
-        return cls(
-            record.backend,
-            list(record.layer_names),
-            record.kv_cache_spec,
-            kv_cache_group_id,
-            kernel_block_size=record.kernel_block_size,
-            kernel_block_stride=record.kernel_block_stride,
-            negotiated=record,
+        group = cls(record.backend, record.layer_names, record.kv_cache_spec, kv_cache_group_id)
+        group.record = record
+        return group
+
+    def __repr__(self) -> str:
+        return (
+            f"AttentionGroup(backend={label(self.backend)!r}, layer_names={self.layer_names!r}, "
+            f"kv_cache_spec={self.kv_cache_spec!r}, kv_cache_group_id={self.kv_cache_group_id}, "
+            f"kernel_block_size={self.kernel_block_size}, kernel_block_stride={self.kernel_block_stride})"
         )
+
+    @property
+    def backend(self) -> type[AttentionBackend]:
+        return self.record.backend
+
+    @property
+    def layer_names(self) -> list[str]:
+        return list(self.record.layer_names)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        return self.record.kv_cache_spec
+
+    @property
+    def kernel_block_size(self) -> int | None:
+        return self.record.kernel_block_size
+
+    @kernel_block_size.setter
+    def kernel_block_size(self, value: int | None) -> None:
+        # NOTE: the seed's groups are mutable dataclasses; setting the size by hand
+        # re-states the record (a negotiated group refuses another size).
+        if value is not None:
+            value = positive_int("kernel_block_size", value)
+        agreed = self.record.group_kernel_block_size
+        if agreed is not None and value != self.record.kernel_block_size:
+            raise ValueError(
+                f"attention group of {self.layer_names} was negotiated with kernel block size "
+                f"{self.record.kernel_block_size}; it cannot be changed to {value}"
+            )
+        self.record = attrs.evolve(self.record, kernel_block_size=value)
+
+    @property
+    def kernel_block_stride(self) -> int:
+        return self.record.kernel_block_stride
 
     @property
     def blocks_per_manager_block(self) -> int:
@@ -77,30 +130,21 @@ class AttentionGroup:
     ) -> None:
         """Create one metadata builder per micro-batch and the kernel block table.
 
-        ``kernel_block_size`` is the KV cache group's kernel block size. A
-        negotiated group (from ``KVCache.create``) takes its own size from its
-        record; otherwise the backend is asked for the largest size it accepts
-        that divides ``kernel_block_size`` (its own, smaller one in a packed
-        group). Specs storing one state per block are never split.
+        ``kernel_block_size`` is the KV cache group's kernel block size
+        (None: the record's). A negotiated group (from ``KVCache.create``)
+        takes its own size from its record; any other group is settled here:
+        its backend's own size is the largest it accepts that divides
+        ``kernel_block_size`` (smaller in a packed group). Specs storing one
+        state per block are never split.
         """
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
         num_metadata_builders = positive_int("num_metadata_builders", num_metadata_builders)
-        spec = self.kv_cache_spec
-        if self.negotiated is not None:
-            agreed = self.negotiated.group_kernel_block_size
-            if kernel_block_size is not None and kernel_block_size != agreed:
-                raise ValueError(
-                    f"attention group of {self.layer_names} was negotiated with kernel block "
-                    f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
-                )
-            own = self.negotiated.kernel_block_size
-        elif kernel_block_size is not None:
-            answers = HookAnswers(plugin_manager)
-            own = backend_kernel_block_size(answers, self.backend, spec, kernel_block_size)
-        else:
-            own = None
-        self.kernel_block_size = own
+        if kernel_block_size is not None:
+            self.record = settle_kernel_block_size(
+                self.record, kernel_block_size, lambda: HookAnswers(plugin_manager)
+            )
+        spec, own = self.kv_cache_spec, self.kernel_block_size
         builder_spec = spec if own is None else spec.copy_with_new_block_size(own)
         builder_cls = self.backend.get_builder_cls()
         width = get_block_table_width(
@@ -197,45 +241,30 @@ class AttentionGroup:
     def map_kv_cache_to_kernel_blocks(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The kernel view of a layer's view as allocated.
 
-        A dense group was split at allocation, so its view is returned as is. A
-        packed cache addressed by manager blocks is viewed as kernel blocks:
-        only compressed caches (``tokens_per_state > 1``, one head) whose block
-        stride is a whole number of kernel pages can be; the view spans other
-        layers' pages between blocks without addressing them.
+        A view already addressing kernel blocks (a dense group split at
+        allocation) is returned as is. A packed cache addressed by manager
+        blocks is viewed as kernel blocks, ``kernel_block_stride`` pages
+        apart (:func:`~kvcore.plugins.kernel_views.to_kernel_blocks`).
         """
         if self.kernel_block_size is None:
             raise ValueError(f"group {self.kv_cache_group_id} does not split blocks")
         spec = self.kv_cache_spec
         kernel_rows = spec.get_num_kernel_states(self.kernel_block_size)
-        if self.negotiated is not None and not self.kernel_block_stride:
+        if kv_cache.shape[-2] == kernel_rows:
             return kv_cache
-        if self.negotiated is None and kv_cache.shape[-2] == kernel_rows:
-            return kv_cache
-        if (
-            spec.tokens_per_state <= 1
-            or kv_cache.shape[1] != 1
-            or kv_cache.stride(0) % (kernel_rows * kv_cache.stride(-2))
-        ):
-            raise ValueError(
-                f"{self.backend.get_name()} needs {self.kernel_block_size}-token kernel "
-                f"blocks, which packed {spec.block_size}-token blocks cannot be split "
-                f"into; use a manager block size of {self.kernel_block_size} or a "
-                "layer-compact layout such as LBNHC"
-            )
-        page_stride = kernel_rows * kv_cache.stride(-2)
-        stride = kv_cache.stride(0) // page_stride
-        if self.negotiated is not None and stride != self.kernel_block_stride:
+        stride = packed_kernel_stride(
+            spec, kv_cache.stride(0) * kv_cache.element_size(), self.kernel_block_size,
+            label(self.backend), self.layer_names,
+        )
+        if self.kernel_block_stride and stride != self.kernel_block_stride:
             raise ValueError(
                 f"a view with block stride {kv_cache.stride(0)} elements is not the view group "
                 f"{self.kv_cache_group_id} was negotiated for ({self.kernel_block_stride} kernel "
                 "pages per block); pass the views allocate_kv_cache made for this config"
             )
-        self.kernel_block_stride = stride
-        num_pages = (kv_cache.shape[0] - 1) * stride + kv_cache.shape[-2] // kernel_rows
-        return kv_cache.as_strided(
-            (num_pages, *kv_cache.shape[1:-2], kernel_rows, kv_cache.shape[-1]),
-            (page_stride, *kv_cache.stride()[1:]),
-        )
+        if not self.kernel_block_stride:  # NOTE: a hand-made group learns its stride once
+            self.record = attrs.evolve(self.record, kernel_block_stride=stride)
+        return to_kernel_blocks(kv_cache, kernel_rows, stride)
 
     def map_kv_cache_to_manager_blocks(self, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
         """View a packed cache addressed by kernel blocks as manager blocks."""
@@ -246,10 +275,7 @@ class AttentionGroup:
             )
         num_blocks = non_negative_int("num_blocks", num_blocks)
         rows = self.kv_cache_spec.get_num_kernel_states(self.kv_cache_spec.block_size)
-        return kv_cache.as_strided(
-            (num_blocks, *kv_cache.shape[1:-2], rows, kv_cache.shape[-1]),
-            (kv_cache.stride(0) * self.kernel_block_stride, *kv_cache.stride()[1:]),
-        )
+        return to_manager_blocks(kv_cache, rows, self.kernel_block_stride, num_blocks)
 
 
 def flatten_attention_groups(attn_groups: Iterable[Any]) -> list[AttentionGroup]:

@@ -8,8 +8,9 @@ import pluggy
 import torch
 
 from kvcore.memory.config import KVCacheConfig
+from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.negotiation import HookAnswers, backend_groups
+from kvcore.plugins.negotiation import backend_groups
 from kvcore.plugins.records import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup, flatten_attention_groups
 
@@ -25,8 +26,10 @@ def build_attention_groups(
     ``layer_backends`` maps every attention layer of the config to a backend
     class or a registered backend name (state-cache layers without one are
     left out). Specs are customized here through the plugin hooks (for a
-    config planned from raw specs; ``KVCache.create`` customizes before
-    planning and builds its groups from its negotiation record instead).
+    config planned from raw specs). Each group's record holds backend,
+    layers and spec; ``create_metadata_builders(kernel_block_size=...)``
+    settles its kernel blocks. ``KVCache.create`` builds its groups from its
+    complete negotiation record instead (:func:`attention_groups_from`).
     Groups keep layer order (a group's layers in config order, groups ordered
     by their first layer). KV cache groups whose spec has no layer views get
     an empty list.

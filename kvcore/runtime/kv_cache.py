@@ -28,10 +28,10 @@ from kvcore.memory.elastic import ElasticMemory
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache, checked_device
-from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
+from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.auto import resolve_auto
+from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, plan_meeting_rules
-from kvcore.plugins.negotiation import HookAnswers
 from kvcore.plugins.records import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool

@@ -125,7 +125,8 @@ def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
     dtype = _dtype(f"{at}.dtype", data["dtype"])
     _int(f"{at}.itemsize", data["itemsize"], dtype.itemsize, dtype.itemsize)
     shape = [_int(f"{at}.shape[{i}]", n, 1, 2**40) for i, n in enumerate(_list(f"{at}.shape", data["shape"], 4))]
-    strides = [_int(f"{at}.strides[{i}]", s, 0, 2**62) for i, s in enumerate(_list(f"{at}.strides", data["strides"], 4))]
+    strides = [_int(f"{at}.strides[{i}]", s, 0, 2**62)
+               for i, s in enumerate(_list(f"{at}.strides", data["strides"], 4))]
     for i, (n, s) in enumerate(zip(shape, strides)):
         if n > 1 and s == 0:
             raise _value_error(f"{at}.strides[{i}]", s, f"a dim of {n} elements needs a positive stride")

@@ -4,9 +4,10 @@ Host block ``h`` is a slot of ``block_bytes`` bytes holding one manager
 block's runs back to back (no padding). Offload and restore copy the paired
 runs of :func:`~kvcore.transfer.pairs.pair_runs`: one copy per block in a
 block-outermost layout (one per streak of consecutive ids on both sides). A
-block of many equal runs (a layer-compact layout) is gathered on the device
-into slot order first, then moved one slot per copy (``staging``). On CUDA
-the mirror is pinned and copies are asynchronous on the current stream.
+block of equal runs (every layout of a plain attention model) is gathered on
+the device into host-slot order first, then moved in large copies that
+overlap the gather (``staging``). On CUDA the mirror is pinned and copies are
+asynchronous; work queued later on the caller's stream runs after them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from kvcore.transfer.describe import describe
 from kvcore.transfer.ids import paired_ids
 from kvcore.transfer.pairs import PairedRuns, packed_patterns, pair_runs
 from kvcore.transfer.plan import BlockPattern, block_patterns
-from kvcore.transfer.staging import StagedPlan, run_table, staged_plan
+from kvcore.transfer.staging import RING_BUFFERS, StagedPlan, run_table, staged_plan
 
 
 @contextlib.contextmanager
@@ -36,6 +37,15 @@ def _on(stream: torch.cuda.Stream | None, *, after: torch.cuda.Stream | None = N
         stream.wait_stream(after)
     with torch.cuda.stream(stream):
         yield
+
+
+def _event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+    """An event recorded on ``stream`` now (None on CPU, where every copy is done on return)."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
 
 
 class CopyHandle:
@@ -174,6 +184,13 @@ class HostKVPool:
         return self._stream
 
     def _staged_copy(self, staged: StagedPlan, *, to_host: bool, non_blocking: bool) -> CopyHandle:
+        """Gather (or scatter) chunk by chunk through a ring of device buffers, overlapped with the copies.
+
+        Offload: chunk ``k`` is gathered into ring buffer ``k % R`` on the caller's
+        stream while the copy stream moves chunk ``k - 1`` to the host; a buffer is
+        gathered into again only after the copy stream is done with it (an event,
+        waited on by the stream, never by the host). Restore mirrors it.
+        """
         table = run_table(self._device_buf, staged.run_bytes)
         cuda = self.device.type == "cuda"
         rows = torch.cat([c.rows for c in staged.chunks])
@@ -181,36 +198,44 @@ class HostKVPool:
         rows = rows.pin_memory().to(self.device, non_blocking=True) if cuda else rows
         main = torch.cuda.current_stream(self.device) if cuda else None
         side = self._copy_stream() if cuda else None
-        buffer = None if to_host else torch.empty(staged.nbytes, dtype=torch.int8, device=self.device)
+        size = max(c.nbytes for c in staged.chunks)
+        ring = [torch.empty(size, dtype=torch.int8, device=self.device)
+                for _ in range(min(RING_BUFFERS, len(staged.chunks)))]
+        free: list[torch.cuda.Event | None] = [None] * len(ring)
         if cuda:
-            side.wait_stream(main)  # the caller's writes to the cache, and the buffer's earlier users
-        first = base = 0
-        for chunk in staged.chunks:
+            side.wait_stream(main)  # the caller's writes to the cache, and the ring's earlier users
+        first = 0
+        for k, chunk in enumerate(staged.chunks):
             ids = rows[first : first + chunk.rows.numel()]
             first += chunk.rows.numel()
-            pieces = zip(chunk.copies.src_offsets.tolist(), chunk.copies.dst_offsets.tolist(),
-                         chunk.copies.lengths.tolist())
+            flat = ring[k % len(ring)][: chunk.nbytes]
+            packed = flat.view(table.dtype).view(-1, table.shape[1])
+            pieces = list(zip(chunk.copies.src_offsets.tolist(), chunk.copies.dst_offsets.tolist(),
+                              chunk.copies.lengths.tolist()))
             if to_host:
-                packed = table.index_select(0, ids)  # on the caller's stream: overlaps the previous copy
-                flat = packed.view(-1).view(torch.int8)
+                if free[k % len(ring)] is not None:
+                    main.wait_event(free[k % len(ring)])  # the copy out of this buffer is done
+                torch.index_select(table, 0, ids, out=packed)  # overlaps the previous chunk's copy
                 with _on(side, after=main):
                     for s, h, n in pieces:
                         self.host[h : h + n].copy_(flat[s : s + n], non_blocking=cuda)
-                if cuda:
-                    packed.record_stream(side)
+                free[k % len(ring)] = _event(side)
             else:
-                flat = buffer[base : base + chunk.nbytes]
                 with _on(side):
+                    if free[k % len(ring)] is not None:
+                        side.wait_event(free[k % len(ring)])  # the scatter out of this buffer is done
                     for s, h, n in pieces:
                         flat[s : s + n].copy_(self.host[h : h + n], non_blocking=cuda)
                 if cuda:
                     main.wait_stream(side)
-                table.index_copy_(0, ids, flat.view(table.dtype).view(-1, table.shape[1]))
-            base += chunk.nbytes
-        if cuda and buffer is not None:
-            buffer.record_stream(side)
+                table.index_copy_(0, ids, packed)  # overlaps the next chunk's copy
+                free[k % len(ring)] = _event(main)
+        if cuda:
+            for buffer in ring:
+                buffer.record_stream(side)
+            main.wait_stream(side)  # later work on the caller's stream runs after the copies, as after a copy_
         handle = CopyHandle(None, staged.num_copies, staged.nbytes)
-        return self._finish(handle, non_blocking, stream=side if to_host else main)
+        return self._finish(handle, non_blocking)
 
     def _copy(self, plan: list[PairedRuns], *, to_host: bool, non_blocking: bool) -> CopyHandle:
         device_buf, host_buf = self._device_buf, self.host
@@ -225,10 +250,10 @@ class HostKVPool:
             runs, nbytes = runs + part.num_runs, nbytes + part.nbytes
         return self._finish(CopyHandle(None, runs, nbytes), non_blocking)
 
-    def _finish(self, handle: CopyHandle, non_blocking: bool, stream: torch.cuda.Stream | None = None) -> CopyHandle:
+    def _finish(self, handle: CopyHandle, non_blocking: bool) -> CopyHandle:
         if self.device.type == "cuda":
             handle._event = torch.cuda.Event()
-            handle._event.record(stream)
+            handle._event.record()
         if not non_blocking:
             handle.wait()
         return handle

@@ -10,6 +10,7 @@ NIXL is optional: ``pip install kvcore[nixl]``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import struct
 from typing import Any
@@ -81,9 +82,15 @@ def _backend_of(agent: Any, handle: TransferHandle) -> str | None:
 
 
 class NixlAgent:
-    """A NIXL agent named ``name`` serving ``kv_cache``'s blocks (UCX by default)."""
+    """A NIXL agent named ``name`` serving ``kv_cache``'s blocks (UCX by default).
 
-    def __init__(self, name: str, kv_cache: KVCache, *, backends: tuple[str, ...] = ("UCX",)) -> None:
+    ``progress_thread=False`` makes NIXL progress transfers only when a handle
+    is polled (``wait()``/``done()``), in the caller's thread, which holds the
+    cache's CUDA context; by default NIXL's own progress thread does it.
+    """
+
+    def __init__(self, name: str, kv_cache: KVCache, *, backends: tuple[str, ...] = ("UCX",),
+                 progress_thread: bool = True) -> None:
         if not isinstance(name, str) or not name:
             raise ValueError(f"agent name must be a non-empty str, got {name!r}")
         if not isinstance(kv_cache, KVCache):
@@ -93,17 +100,20 @@ class NixlAgent:
         self.descriptor = describe(kv_cache)
         self._raw = raw_allocation(kv_cache)
         self._registered = None
-        if self._raw.device.type == "cuda":
-            # UCX's CUDA transports read the calling thread's CUDA context when the agent is
-            # made: make the cache's device current (its primary context exists: the cache does).
-            torch.cuda.set_device(self._raw.device)
-            torch.cuda.synchronize(self._raw.device)
+        device = self._raw.device
+        # UCX's CUDA transports read the calling thread's CUDA context when the agent starts: make
+        # the cache's device (whose primary context exists: the cache is allocated) current meanwhile.
+        current = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
         try:
-            self._agent = agent_cls(name, config_cls(backends=list(backends)))
-            self._registered = self._agent.register_memory([self._raw])
+            with current:
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                config = config_cls(backends=list(backends), enable_prog_thread=bool(progress_thread))
+                self._agent = agent_cls(name, config)
+                self._registered = self._agent.register_memory([self._raw])
         except Exception as exc:  # NOTE: NIXL raises its own binding exceptions (nixlBackendError, ...)
             raise TransferError(
-                f"NIXL could not start agent {name!r} with backends {list(backends)} on {self._raw.device}: "
+                f"NIXL could not start agent {name!r} with backends {list(backends)} on {device}: "
                 f"{exc!r}; check that NIXL's UCX plugin loads (UCX_LOG_LEVEL=info shows why it does not)"
             ) from exc
         self._peers: dict[str, KVCacheDescriptor] = {}

@@ -8,7 +8,8 @@ buffer (``index_copy_`` unpacks it on restore). The host copies then move
 whole slots, merged where slots are consecutive: one large copy per chunk
 when the host ids are. On CUDA the gather of chunk ``k + 1`` runs on the
 caller's stream while the copy of chunk ``k`` runs on a copy stream (events
-order them), so the gather hides behind the PCIe copy.
+order them), so the gather hides behind the PCIe copy; a ring of
+``RING_BUFFERS`` chunk buffers bounds the device memory a call takes.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from kvcore.transfer.plan import BlockPattern
 
 #: Bytes gathered per chunk: large copies, and enough chunks to overlap gather and copy.
 CHUNK_BYTES = 32 << 20
+#: Device staging buffers in flight: at most this many chunks of device memory per call.
+RING_BUFFERS = 3
 
 
 @attrs.frozen

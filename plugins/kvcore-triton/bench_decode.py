@@ -7,9 +7,11 @@ layout: the decode kernel's median time, KV bytes read and GB/s; a
 device-to-device ``copy_`` of the same byte count (bandwidth counted as bytes
 read + written, the device's copy ceiling) and the ratio; torch SDPA on
 contiguous K/V (``enable_gqa``) and the time ratio; and the max difference
-against the torch backend and SDPA.
+against the torch backend and SDPA. ``--flashinfer`` adds FlashInfer's decode
+through kvcore's view and on its own contiguous paged tensor of the same K/V
+(kvcore-flashinfer), with the ratio native / views.
 
-The sweep (``--sweep``) times decode-kernel variants (``DECODE_VARIANTS``)
+The sweep (``--sweep``) times the decode read paths (``DECODE_VARIANTS``: TMA, pointers)
 and launch configs in two stages: every variant at a few anchor configs,
 then the best ``--sweep-top`` variants over tile x warps x stages x splits,
 most promising points first, until ``--budget-s`` seconds have passed. Each
@@ -18,6 +20,7 @@ layout, variant, config), then the best per layout.
 
     python plugins/kvcore-triton/bench_decode.py                 # H200 target shape
     python plugins/kvcore-triton/bench_decode.py --sweep --block-size 16,64 --skip-torch-check
+    python plugins/kvcore-triton/bench_decode.py --flashinfer --block-size 16,64   # + FlashInfer rows
 """
 
 from __future__ import annotations
@@ -25,7 +28,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import statistics
 import sys
 import time
@@ -33,12 +35,13 @@ import time
 import torch
 import torch.nn.functional as F
 from kvcore_triton import KernelConfig, paged_attention
-from kvcore_triton.attention import DECODE_VARIANTS, _head_major, _tma_descriptor
+from kvcore_triton.attention import DECODE_VARIANTS, _tma_descriptor
 
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
 from kvcore.specs import FullAttentionSpec
 from kvcore.memory.views import allocate_kv_cache
+from kvcore.settings import Settings
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -173,10 +176,22 @@ class Case:
         tma = _tma_descriptor(self.view, config, self.args.head_size, self.args.head_size) is not None
         return {
             "block_size": self.block_size, "layout": self.layout.name, "variant": variant,
-            "path": "tma" if tma else "pointer", "grid": "head" if _head_major(config, tma=tma) else "request",
+            "path": "tma" if tma else "pointer", "grid": "head" if tma else "request",
             "config": _config_dict(config), "decode_ms": ms, "decode_gbps": self.kv_bytes / ms / 1e6,
             "sdpa_time_over_decode_time": self.sdpa_ms / ms, "max_abs_diff_vs_sdpa": diff,
         }
+
+    def flashinfer(self, device) -> list[dict]:
+        """FlashInfer on this case's view and on its own contiguous paged copy (``--flashinfer``)."""
+        from kvcore_flashinfer.bench import decode_rows
+
+        rows = decode_rows(self.view, self.table, self.seq_lens, self.query, scale=self.scale,
+                           time_ms=lambda fn: _timer(fn, device, self.args.warmup, self.args.iters),
+                           reference=self.sdpa_out)
+        for r in rows:
+            r.update(block_size=self.block_size, layout=self.layout.name, gbps=self.kv_bytes / r["ms"] / 1e6,
+                     sdpa_time_over_time=self.sdpa_ms / r["ms"])
+        return rows
 
     def torch_diff(self, config) -> float:
         import kvcore_torch
@@ -291,9 +306,11 @@ def main(argv=None) -> int:
     p.add_argument("--skip-torch-check", action="store_true", help="skip the (slow) torch backend comparison")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", action="store_true", help="also print one JSON object with every row at the end")
+    p.add_argument("--flashinfer", action="store_true",
+                   help="also time FlashInfer through kvcore's views and on its own paged tensor (kvcore-flashinfer)")
     args = p.parse_args(argv)
     device = torch.device(args.device)
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if device.type == "cpu" and not Settings.from_env().triton_interpret:
         print("bench_decode.py times Triton kernels on a CUDA GPU; on CPU run it with "
               "TRITON_INTERPRET=1 (tiny shapes only, times are meaningless)", file=sys.stderr)
         return 2
@@ -306,7 +323,7 @@ def main(argv=None) -> int:
         "block_sizes": block_sizes,
     }
     print(f"# {header['device']}  {header['shape']}  block sizes {block_sizes}", flush=True)
-    rows, baselines, best = [], [], []
+    rows, baselines, best, flashinfer_rows = [], [], [], []
     for i, block_size in enumerate(block_sizes):
         cases = [Case(args, KVCacheLayout.parse(name), device, block_size) for name in args.layouts.split(",")]
         for case in cases:
@@ -328,6 +345,12 @@ def main(argv=None) -> int:
             if not args.skip_torch_check:
                 top["max_abs_diff_vs_torch_backend"] = case.torch_diff(KernelConfig(**c, **v))
             best.append(top)
+        for case in cases if args.flashinfer else ():
+            for r in case.flashinfer(device):
+                flashinfer_rows.append(r)
+                print(f"FLASHINFER bs={block_size:<3} {r['layout']:6} {r['path']:34} {r['ms']:.4f} ms "
+                      f"{r['gbps']:.0f} GB/s sdpa/this {r['sdpa_time_over_time']:.3f} "
+                      f"native/this {r['native_time_over_time']:.3f} diff_sdpa {r['max_abs_diff']:.1e}", flush=True)
         del cases
     print(f"# best per layout (sdpa/dec >= 1: paged decode no slower than SDPA); "
           f"{len(rows)} rows in {time.monotonic() - started:.0f} s", flush=True)
@@ -336,7 +359,8 @@ def main(argv=None) -> int:
         print("BEST " + _line(r) + f" host {r['decode_host_us']:.0f} us"
               + ("" if extra is None else f" diff_torch {extra:.1e}"), flush=True)
     if args.json:
-        print(json.dumps({**header, "baselines": baselines, "rows": rows, "best": best}))
+        print(json.dumps({**header, "baselines": baselines, "rows": rows, "best": best,
+                          "flashinfer": flashinfer_rows}))
     return 0
 
 

@@ -8,6 +8,7 @@ import torch
 
 from kvcore.errors import KVCoreError
 from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.paged_inputs import check_heads_and_window
 from kvcore_flashinfer._runtime import check_view, flashinfer, kv_pair
 from kvcore_flashinfer.builder import FlashInferMetadata, FlashInferMetadataBuilder, PlanKey
 
@@ -75,12 +76,16 @@ class FlashInferAttentionBackend(AttentionBackend):
                 f"{tuple(query.shape)} in {query.dtype}"
             )
         num_kv_heads = kv_cache_view.shape[1]
-        if query.shape[1] % num_kv_heads:
-            raise ValueError(f"{query.shape[1]} query heads are not a multiple of {num_kv_heads} KV heads")
-        n = metadata.num_actual_tokens
-        _store()(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size)
+        check_heads_and_window(query.shape[1], num_kv_heads, sliding_window)
         if out is None:
             out = query.new_empty(query.shape[0], query.shape[1], head_size_v)
+        elif tuple(out.shape) != (query.shape[0], query.shape[1], head_size_v) or out.dtype != query.dtype:
+            raise ValueError(
+                f"out must be a {(query.shape[0], query.shape[1], head_size_v)} {query.dtype} tensor, got "
+                f"{tuple(out.shape)} {out.dtype}"
+            )
+        n = metadata.num_actual_tokens
+        _store()(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size)
         if n == 0:
             return out
         layout, k_cache, v_cache = kv_pair(kv_cache_view, head_size)
@@ -89,5 +94,10 @@ class FlashInferAttentionBackend(AttentionBackend):
             -1 if sliding_window is None else sliding_window - 1, float(scale),
         )
         q = query[:n] if query.stride(-1) == 1 else query[:n].contiguous()
-        metadata.wrapper(plan_key).run(q, (k_cache, v_cache), out=out[:n])
+        rows = out[:n]
+        # NOTE: FlashInfer writes its output densely ([tokens, heads, dim], no strides).
+        dense = rows if rows.is_contiguous() else torch.empty_like(rows, memory_format=torch.contiguous_format)
+        metadata.wrapper(plan_key).run(q, (k_cache, v_cache), out=dense)
+        if dense is not rows:
+            rows.copy_(dense)
         return out

@@ -106,3 +106,12 @@ def test_forward_refuses_foreign_metadata():
     q = torch.zeros(1, 4, 64, dtype=torch.bfloat16)
     with pytest.raises(TypeError, match="metadata its builder builds"):
         FlashInferAttentionBackend.forward(q, q[:, :2], q[:, :2], view, object(), head_size=64, scale=0.1)
+
+
+def test_kvcache_create_refuses_flashinfer_on_cpu_before_allocating(pm):
+    from kvcore.errors import KernelRequirementError
+
+    with pytest.raises(KernelRequirementError, match="flashinfer.*devices"):
+        kvcore.KVCache.create({"l0": SPEC}, {"l0": "flashinfer"}, device="cpu", num_blocks=8,
+                              max_num_seqs=2, max_model_len=64, plugin_manager=pm)
+

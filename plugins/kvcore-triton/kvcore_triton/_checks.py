@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kvcore.plugins.paged_inputs import check_cache_view as _check_cache_view
@@ -17,6 +15,7 @@ from kvcore.plugins.paged_inputs import (
     value_checks,
 )
 from kvcore.plugins.paged_inputs import check_kv_write as _check_kv_write
+from kvcore.settings import Settings
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -28,7 +27,7 @@ __all__ = [
 
 def check_device(kv_cache_view: torch.Tensor) -> None:
     """Triton kernels run on CUDA tensors, or on CPU tensors through the Triton interpreter only."""
-    if kv_cache_view.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if kv_cache_view.device.type == "cpu" and not Settings.from_env().triton_interpret:
         raise ValueError(
             "kvcore-triton got CPU tensors, but the Triton interpreter is off: set "
             "TRITON_INTERPRET=1 before triton is first imported to run its kernels on the CPU, "

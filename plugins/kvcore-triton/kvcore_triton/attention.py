@@ -37,14 +37,6 @@ def _positive(inst, attribute, value) -> None:
         raise ValueError(f"KernelConfig.{attribute.name} must be a positive int, got {value!r}")
 
 
-def _one_of(*choices):
-    def check(inst, attribute, value) -> None:
-        if value not in choices:
-            raise ValueError(f"KernelConfig.{attribute.name} must be one of {list(choices)}, got {value!r}")
-
-    return check
-
-
 def _bool(inst, attribute, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"KernelConfig.{attribute.name} must be True or False, got {value!r}")
@@ -58,17 +50,9 @@ def _power_of_two_at_least_16(inst, attribute, value) -> None:
         )
 
 
-_KV_LOADS = ("sequential", "early", "fused")
-
-
 @attrs.frozen(kw_only=True)
 class KernelConfig:
-    """Launch knobs: tokens per tile, warps, pipeline stages, decode splits, decode variants.
-
-    The decode-kernel variants (``tma``, ``kv_load``, ``table_lookup``, ``table_prefetch``,
-    ``edge_masks``, ``evict_first``, ``grid_order``) change only how the cache is read,
-    never the result; ``DECODE_VARIANTS`` names the combinations the benchmark sweeps.
-    """
+    """Launch knobs: tokens per tile, warps, pipeline stages, decode splits, the decode read path."""
 
     tile: int = attrs.field(default=64, validator=_power_of_two_at_least_16)
     #: Warps per program; None picks each kernel's measured default (decode 2, varlen 4).
@@ -79,49 +63,16 @@ class KernelConfig:
     #: Query rows (tokens x heads of a GQA group) per varlen program.
     prefill_rows: int = attrs.field(default=64, validator=_power_of_two_at_least_16)
     min_split_tokens: int = attrs.field(default=256, validator=_positive)
-    #: "sequential" loads V after the softmax; "early" issues it with K; "fused" reads K and V
-    #: of a row as one [tile, 2 * head] gather (falls back to "early" unless head == head_v is a power of two).
-    kv_load: str = attrs.field(default="sequential", validator=_one_of(*_KV_LOADS))
-    #: "token" reads the block table per token; "block" once per kernel block of the tile.
-    table_lookup: str = attrs.field(default="token", validator=_one_of("token", "block"))
-    #: Read the next tile's block ids one iteration ahead (deeper K/V pipelining).
-    table_prefetch: bool = attrs.field(default=False, validator=_bool)
-    #: Mask only a split's first and last tile (interior tiles load unpredicated).
-    edge_masks: bool = attrs.field(default=False, validator=_bool)
-    #: Mark streamed K/V loads evict-first in the caches.
-    evict_first: bool = attrs.field(default=False, validator=_bool)
     #: Decode reads K/V tiles with TMA copies where they apply: compute capability 9.0+ (or the
     #: interpreter), tile <= kernel block size, head == head_v a power of two >= 16, 16-byte aligned
-    #: strides. Such tiles mask only a split's edges and honour ``kv_load`` and ``grid_order``;
-    #: the table and mask options above are for the pointer path, used everywhere else.
+    #: strides; such tiles mask only a split's edges and the grid runs a request's KV heads side by
+    #: side. False (or anywhere TMA does not apply): the pointer path, a (request, KV head, split) grid.
     tma: bool = attrs.field(default=True, validator=_bool)
-    #: "request": grid (request, kv head, split); "head": 1-D grid with the KV head fastest, so the
-    #: heads of one request run side by side. None picks "head" for TMA reads and "request" for the
-    #: pointer path (bench_decode.py, H200: measured best for each).
-    grid_order: str | None = attrs.field(default=None, validator=attrs.validators.optional(_one_of("request", "head")))
 
 
-#: Named decode-kernel variants (KernelConfig overrides) swept by bench_decode.py and tested.
-DECODE_VARIANTS: dict[str, dict] = {
-    "base": {},
-    "early_v": {"kv_load": "early"},
-    "head_grid": {"grid_order": "head"},
-    "request_grid": {"grid_order": "request"},
-    # The pointer path (every tile when tma=False; tiles longer than a kernel block otherwise).
-    "pointer": {"tma": False},
-    "fused_kv": {"tma": False, "kv_load": "fused"},
-    "table_block": {"tma": False, "table_lookup": "block"},
-    "table_prefetch": {"tma": False, "table_prefetch": True},
-    "prefetch_block": {"tma": False, "table_prefetch": True, "table_lookup": "block"},
-    "edge_masks": {"tma": False, "edge_masks": True},
-    "evict": {"tma": False, "evict_first": True},
-    "combo": {"tma": False, "kv_load": "early", "table_lookup": "block", "table_prefetch": True,
-              "edge_masks": True, "grid_order": "head"},
-    "combo_fused": {"tma": False, "kv_load": "fused", "table_lookup": "block", "table_prefetch": True,
-                    "edge_masks": True, "grid_order": "head"},
-    "combo_evict": {"tma": False, "kv_load": "early", "table_lookup": "block", "table_prefetch": True,
-                    "edge_masks": True, "grid_order": "head", "evict_first": True},
-}
+#: The decode read paths bench_decode.py times (KernelConfig overrides). Both are kept: each
+#: measured fastest where it applies (H200, BENCHMARKS.md); the variants that never won are gone.
+DECODE_VARIANTS: dict[str, dict] = {"base": {}, "pointer": {"tma": False}}
 
 
 def _dot_dtype(query: torch.Tensor) -> tl.dtype:
@@ -157,13 +108,6 @@ def _has_tma(device: torch.device) -> bool:
     if device.type == "cpu":
         return True  # NOTE: the interpreter runs descriptor loads, so CPU tests cover this path
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _head_major(config: KernelConfig, *, tma: bool) -> bool:
-    """Whether the decode grid runs the KV heads of a request side by side (``grid_order``, or its default)."""
-    # NOTE: side-by-side interleaved runs on an H200: "head" was 0.2-0.7% faster than "request" with TMA
-    # reads and within +-0.2% of it on the pointer path, where "request" stays (the first session's choice).
-    return config.grid_order == "head" if config.grid_order is not None else tma
 
 
 def _tma_descriptor(view: torch.Tensor, config: KernelConfig, head_size: int, head_size_v: int):
@@ -274,20 +218,15 @@ def paged_attention(
         part_acc = torch.empty(partials * common["DV_PAD"], dtype=torch.float32, device=query.device)
     else:
         part_ml = part_acc = out  # NOTE: never touched by an unsplit launch (SINGLE); saves two allocations
-    fusable = head_size == head_size_v == common["D_PAD"]
-    kv_load = _KV_LOADS.index("early" if config.kv_load == "fused" and not fusable else config.kv_load)
     kv_desc = _tma_descriptor(kv_cache_view, config, head_size, head_size_v)
-    head_major = _head_major(config, tma=kv_desc is not None)
-    grid = (num_reqs * num_kv_heads * splits,) if head_major else (num_reqs, num_kv_heads, splits)
+    tma = kv_desc is not None
+    grid = (num_reqs * num_kv_heads * splits,) if tma else (num_reqs, num_kv_heads, splits)
     _decode_split_kernel[grid](
         # NOTE: the pointer path never reads kv_desc; the view stands in for it there.
-        query, kv_cache_view, kv_cache_view if kv_desc is None else kv_desc, block_table, query_start_loc, seq_lens,
+        query, kv_cache_view, kv_desc if tma else kv_cache_view, block_table, query_start_loc, seq_lens,
         part_ml, part_acc, out,
         qk_scale, window, tokens_per_split, splits, num_kv_heads, block_table.shape[1] * block_size, *strides,
-        GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1, WINDOWED=window > 0,
-        KV_LOAD=kv_load, TABLE_PER_BLOCK=config.table_lookup == "block",
-        PREFETCH_TABLE=config.table_prefetch, EDGE_MASKS=config.edge_masks or kv_desc is not None,
-        EVICT="evict_first" if config.evict_first else "", HEAD_MAJOR=head_major, TMA=kv_desc is not None,
+        GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1, WINDOWED=window > 0, TMA=tma,
         num_warps=config.num_warps or DECODE_WARPS, **common,
     )
     if splits > 1:

@@ -9,27 +9,16 @@ The cache is read through its four strides, so every layout works.
 Two read paths. Where a tile lies inside one kernel block (``TILE <= BLOCK_N``)
 and the device has TMA (sm_90+; the interpreter emulates it), K and V come in
 by TMA copies of ``[TILE, HEAD]`` boxes of a host-built descriptor over the
-cache view; only a split's edge tiles are masked, and their V rows past the
-context are zeroed (they may hold anything, even NaN). Everywhere else the
-pointer path below gathers rows by address.
+cache view; only a split's edge tiles are masked, their V rows past the
+context are zeroed (they may hold anything, even NaN), and the grid runs the
+KV heads of a request side by side (a 1-D grid, KV head fastest). Everywhere
+else the pointer path gathers rows by address (one block-table read per
+token, every tile masked) on a (request, KV head, split) grid. V is loaded
+after the softmax of its tile. Those are the choices that measured fastest on
+the H200 (BENCHMARKS.md); the variants that never won were removed.
 
 Tiles start at multiples of ``TILE`` (tokens before the split's first one are
-masked), so a tile covers whole kernel blocks or lies inside one. Variants,
-all chosen by constexpr flags (see ``KernelConfig``); ``KV_LOAD`` (0 or not)
-and ``HEAD_MAJOR`` also steer the TMA path, the others only the pointer path:
-
-- ``KV_LOAD``: 0 loads V after the softmax, 1 issues the V load next to the
-  K load, 2 loads K and V of a row as one ``[TILE, 2 * HEAD]`` gather and
-  splits it in registers (needs ``HEAD == HEAD_V == D_PAD``).
-- ``TABLE_PER_BLOCK``: one block-table read per kernel block, not per token.
-- ``PREFETCH_TABLE``: the block ids of tile ``i + 1`` are read while tile ``i``
-  is processed, so Triton's pipeliner can buffer K/V tiles more deeply (an
-  in-iteration table read costs it one stage).
-- ``EDGE_MASKS``: only a split's first and last tile are masked; interior
-  tiles load without predicates.
-- ``EVICT``: the eviction policy of the K/V loads ("" or "evict_first").
-- ``HEAD_MAJOR``: a 1-D grid whose fastest index is the KV head, so the heads
-  of one token row (adjacent in most layouts) are read at the same time.
+masked), so a tile covers whole kernel blocks or lies inside one.
 """
 
 from __future__ import annotations
@@ -41,53 +30,25 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _load_rows(ptrs, row_ok, col_ok, MASK_ROWS: tl.constexpr, MASK_COLS: tl.constexpr, EVICT: tl.constexpr):
-    """``tl.load`` of a ``[rows, cols]`` tile with only the masks that are needed."""
-    if MASK_ROWS:
-        if MASK_COLS:
-            x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0, eviction_policy=EVICT)
-        else:
-            x = tl.load(ptrs, mask=row_ok[:, None], other=0.0, eviction_policy=EVICT)
+def _load_rows(ptrs, row_ok, col_ok, MASK_COLS: tl.constexpr):
+    """``tl.load`` of a ``[rows, cols]`` tile, rows masked, columns only when padded."""
+    if MASK_COLS:
+        x = tl.load(ptrs, mask=row_ok[:, None] & col_ok[None, :], other=0.0)
     else:
-        if MASK_COLS:
-            x = tl.load(ptrs, mask=col_ok[None, :], other=0.0, eviction_policy=EVICT)
-        else:
-            x = tl.load(ptrs, eviction_policy=EVICT)
+        x = tl.load(ptrs, mask=row_ok[:, None], other=0.0)
     return x
 
 
 @triton.jit
-def _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn,
-                 BLOCK_N: tl.constexpr, TILE: tl.constexpr, MASKED: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr):
+def _row_offsets(table_row, tok, table_hi, stride_kb, stride_kn, BLOCK_N: tl.constexpr):
     """Element offset of each token's row (kernel block and in-block position).
 
-    Masked reads stop at the table's width (``table_hi`` tokens), not at the
-    context: the ids do not wait for ``seq_lens``, and ids past the context
-    are only used under the K/V loads' own mask.
+    Reads stop at the table's width (``table_hi`` tokens), not at the context:
+    the ids do not wait for ``seq_lens``, and ids past the context are only
+    used under the K/V loads' own mask.
     """
-    if TABLE_PER_BLOCK:
-        if TILE <= BLOCK_N:
-            # NOTE: an aligned tile never crosses a kernel block: one table read.
-            if MASKED:
-                block = tl.load(table_row + start // BLOCK_N, mask=start < table_hi, other=0).to(tl.int64)
-            else:
-                block = tl.load(table_row + start // BLOCK_N).to(tl.int64)
-            row = block * stride_kb + (tok % BLOCK_N) * stride_kn
-        else:
-            j = start // BLOCK_N + tl.arange(0, TILE // BLOCK_N)
-            if MASKED:
-                ids = tl.load(table_row + j, mask=j * BLOCK_N < table_hi, other=0).to(tl.int64)
-            else:
-                ids = tl.load(table_row + j).to(tl.int64)
-            n = tl.arange(0, BLOCK_N).to(tl.int64) * stride_kn
-            row = tl.reshape(ids[:, None] * stride_kb + n[None, :], [TILE])
-    else:
-        if MASKED:
-            block = tl.load(table_row + tok // BLOCK_N, mask=tok < table_hi, other=0).to(tl.int64)
-        else:
-            block = tl.load(table_row + tok // BLOCK_N).to(tl.int64)
-        row = block * stride_kb + (tok % BLOCK_N) * stride_kn
-    return row
+    block = tl.load(table_row + tok // BLOCK_N, mask=tok < table_hi, other=0).to(tl.int64)
+    return block * stride_kb + (tok % BLOCK_N) * stride_kn
 
 
 @triton.jit
@@ -103,29 +64,17 @@ def _softmax_step(s, m_i, l_i):
 def _decode_tile(
     q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, KV_LOAD: tl.constexpr, EVICT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over the tile's rows ``row``; returns (m, l, acc)."""
+    """One online-softmax step over the tile's (masked) rows ``row``; returns (m, l, acc)."""
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
-    if KV_LOAD == 2:
-        c = tl.arange(0, 2 * D_PAD)
-        kv = _load_rows(head_base + row[:, None] + c[None, :] * stride_kc, t_ok, c < 2 * HEAD, MASKED, False, EVICT)
-        k, v = tl.split(tl.permute(tl.reshape(kv, [TILE, 2, D_PAD]), (0, 2, 1)))
-    else:
-        k = _load_rows(head_base + row[:, None] + d[None, :] * stride_kc, t_ok, d < HEAD,
-                       MASKED, HEAD != D_PAD, EVICT)
-        if KV_LOAD == 1:
-            v = _load_rows(head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc, t_ok, dv < HEAD_V,
-                           MASKED, HEAD_V != DV_PAD, EVICT)
+    k = _load_rows(head_base + row[:, None] + d[None, :] * stride_kc, t_ok, d < HEAD, HEAD != D_PAD)
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-    if MASKED:
-        s = tl.where(t_ok[None, :], s, float("-inf"))
+    s = tl.where(t_ok[None, :], s, float("-inf"))
     m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
-    if KV_LOAD == 0:
-        v = _load_rows(head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc, t_ok, dv < HEAD_V,
-                       MASKED, HEAD_V != DV_PAD, EVICT)
+    v = _load_rows(head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc, t_ok, dv < HEAD_V,
+                   HEAD_V != DV_PAD)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -134,85 +83,24 @@ def _decode_tile(
 def _decode_tile_tma(
     q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, KV_LOAD: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
 ):
     """``_decode_tile`` for a tile inside one kernel block, read by two TMA copies (K, V)."""
     block = tl.load(table_row + start // BLOCK_N)
     n0 = start % BLOCK_N
     k = tl.reshape(kv_desc.load([block, kv_head, n0, 0]), [TILE, HEAD])
-    if KV_LOAD != 0:
-        v = tl.reshape(kv_desc.load([block, kv_head, n0, HEAD]), [TILE, HEAD_V])
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
     if MASKED:
         tok = start + tl.arange(0, TILE)
         t_ok = (tok >= lo) & (tok < hi)
         s = tl.where(t_ok[None, :], s, float("-inf"))
     m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
-    if KV_LOAD == 0:
-        v = tl.reshape(kv_desc.load([block, kv_head, n0, HEAD]), [TILE, HEAD_V])
+    v = tl.reshape(kv_desc.load([block, kv_head, n0, HEAD]), [TILE, HEAD_V])
     if MASKED:
         # NOTE: rows past the context may hold anything (even NaN); p is 0 there, so zero them.
         v = tl.where(t_ok[:, None], v, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
-
-
-@triton.jit
-def _decode_tiles(
-    q, m_i, l_i, acc, begin, end, lo, hi, table_row, table_hi, head_base, qk_scale, stride_kb, stride_kn, stride_kc,
-    HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    MASKED: tl.constexpr, KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
-    EVICT: tl.constexpr, TMA: tl.constexpr, kv_desc, kv_head,
-):
-    """Tiles starting at ``begin, begin + TILE, ... < end``; tokens outside ``[lo, hi)`` masked if MASKED."""
-    if TMA:
-        for start in range(begin, end, TILE):
-            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale,
-                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, MASKED, KV_LOAD)
-    else:
-        if PREFETCH_TABLE:
-            tok = begin + tl.arange(0, TILE)
-            row_next = _row_offsets(table_row, begin, tok, table_hi, stride_kb, stride_kn,
-                                    BLOCK_N, TILE, True, TABLE_PER_BLOCK)
-        for start in range(begin, end, TILE):
-            tok = start + tl.arange(0, TILE)
-            t_ok = (tok >= lo) & (tok < hi)
-            if PREFETCH_TABLE:
-                # NOTE: the next tile's rows come from this iteration, so the K/V address of a
-                # tile never waits on a table read of the same iteration (deeper pipelining).
-                row = row_next
-                nxt = tok + TILE
-                row_next = _row_offsets(table_row, start + TILE, nxt, table_hi, stride_kb, stride_kn,
-                                        BLOCK_N, TILE, True, TABLE_PER_BLOCK)
-            else:
-                row = _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn,
-                                   BLOCK_N, TILE, MASKED, TABLE_PER_BLOCK)
-            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
-                                         HEAD, HEAD_V, D_PAD, DV_PAD, TILE, DOT_DTYPE, DOT_PRECISION,
-                                         MASKED, KV_LOAD, EVICT)
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _edge_tile(
-    q, m_i, l_i, acc, start, lo, hi, table_row, table_hi, head_base, qk_scale, stride_kb, stride_kn, stride_kc,
-    HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    BLOCK_N: tl.constexpr, TILE: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, EVICT: tl.constexpr, TMA: tl.constexpr, kv_desc, kv_head,
-):
-    """The masked tile at ``start`` outside any loop (a split's first or last, partial tile)."""
-    if TMA:
-        m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale,
-                                         HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True, KV_LOAD)
-    else:
-        tok = start + tl.arange(0, TILE)
-        t_ok = (tok >= lo) & (tok < hi)
-        row = _row_offsets(table_row, start, tok, table_hi, stride_kb, stride_kn, BLOCK_N, TILE, True,
-                           TABLE_PER_BLOCK)
-        m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
-                                     HEAD, HEAD_V, D_PAD, DV_PAD, TILE, DOT_DTYPE, DOT_PRECISION, True, KV_LOAD, EVICT)
-    return m_i, l_i, acc
 
 
 @triton.jit
@@ -226,11 +114,9 @@ def _decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE: tl.constexpr, SINGLE: tl.constexpr, WINDOWED: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    KV_LOAD: tl.constexpr, TABLE_PER_BLOCK: tl.constexpr, PREFETCH_TABLE: tl.constexpr,
-    EDGE_MASKS: tl.constexpr, EVICT: tl.constexpr, HEAD_MAJOR: tl.constexpr, TMA: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
 ):
-    if HEAD_MAJOR:
+    if TMA:  # NOTE: a 1-D grid, KV head fastest: the heads of one request run side by side
         pid = tl.program_id(0)
         kv_head = pid % num_kv_heads
         split = (pid // num_kv_heads) % num_splits
@@ -270,26 +156,27 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DV_PAD], tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
-    head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
-    args = (table_row, table_hi, head_base, qk_scale, stride_kb, stride_kn, stride_kc)
-    if EDGE_MASKS:
+    if TMA:
+        # Only a split's partial first and last tiles are masked.
         full_lo = tl.where(lo == first, first, first + TILE)
         full_hi = tl.maximum((hi // TILE) * TILE, full_lo)
+        common = (table_row, kv_head)
         if (lo != first) & (lo < hi):
-            m_i, l_i, acc = _edge_tile(
-                q, m_i, l_i, acc, first, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
-                DOT_DTYPE, DOT_PRECISION, KV_LOAD, TABLE_PER_BLOCK, EVICT, TMA, kv_desc, kv_head)
-        m_i, l_i, acc = _decode_tiles(
-            q, m_i, l_i, acc, full_lo, full_hi, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
-            DOT_DTYPE, DOT_PRECISION, False, KV_LOAD, TABLE_PER_BLOCK, PREFETCH_TABLE, EVICT, TMA, kv_desc, kv_head)
+            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, first, lo, hi, qk_scale,
+                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True)
+        for start in range(full_lo, full_hi, TILE):
+            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, start, lo, hi, qk_scale,
+                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, False)
         if full_hi < hi:
-            m_i, l_i, acc = _edge_tile(
-                q, m_i, l_i, acc, full_hi, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
-                DOT_DTYPE, DOT_PRECISION, KV_LOAD, TABLE_PER_BLOCK, EVICT, TMA, kv_desc, kv_head)
+            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, full_hi, lo, hi, qk_scale,
+                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True)
     else:
-        m_i, l_i, acc = _decode_tiles(
-            q, m_i, l_i, acc, first, hi, lo, hi, *args, HEAD, HEAD_V, D_PAD, DV_PAD, BLOCK_N, TILE,
-            DOT_DTYPE, DOT_PRECISION, True, KV_LOAD, TABLE_PER_BLOCK, PREFETCH_TABLE, EVICT, TMA, kv_desc, kv_head)
+        head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
+        for start in range(first, hi, TILE):
+            tok = start + tl.arange(0, TILE)
+            row = _row_offsets(table_row, tok, table_hi, stride_kb, stride_kn, BLOCK_N)
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, (tok >= lo) & (tok < hi), head_base, qk_scale,
+                                         stride_kc, HEAD, HEAD_V, D_PAD, DV_PAD, DOT_DTYPE, DOT_PRECISION)
 
     if SINGLE:
         o_off = q_row.to(tl.int64) * stride_ot + (kv_head * GROUP + g)[:, None] * stride_oh + dv[None, :]

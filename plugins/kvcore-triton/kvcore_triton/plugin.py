@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import os
+
 from collections.abc import Callable
 from typing import Any
 
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.hookspecs import hookimpl
 from kvcore.plugins.requirements import KernelRequirements
+from kvcore.settings import Settings
 from kvcore_triton._checks import DTYPES
 from kvcore_triton.backend import TritonAttentionBackend
 
@@ -50,9 +51,11 @@ def kvcore_supported_layouts(backend: Any, spec: Any) -> list[KVCacheLayout] | N
 def kvcore_kernel_requirements(backend: Any, spec: Any) -> KernelRequirements | None:
     if not _owns(backend):
         return None
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if Settings.from_env().triton_interpret:
+        return KernelRequirements(dtypes=DTYPES, head_sizes=_HEAD_SIZES)
     return KernelRequirements(
-        devices=None if interpreted else ("cuda",), dtypes=DTYPES, head_sizes=_HEAD_SIZES
+        devices=("cuda",), dtypes=DTYPES, head_sizes=_HEAD_SIZES,
+        note="set TRITON_INTERPRET=1 before triton is imported to run these kernels on CPU tensors",
     )
 
 

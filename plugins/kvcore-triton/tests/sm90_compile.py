@@ -3,9 +3,9 @@
 The argument specialization mimics Triton's launcher (ints divisible by 16 and
 pointers are marked 16-divisible, ints equal to 1 become constants), so the
 result is the code a real launch of the benchmark shape would build. Used by
-the tests to check that variants lower, and by hand to read their IR:
+the tests to check that both read paths lower, and by hand to read their IR:
 
-    TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py combo 64 16 4 3 [--dump]
+    TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py pointer 64 16 4 3 [--dump]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from kvcore_triton.attention import _KV_LOADS, DECODE_VARIANTS, DECODE_WARPS, KernelConfig, _head_major
+from kvcore_triton.attention import DECODE_VARIANTS, DECODE_WARPS, KernelConfig
 from kvcore_triton.decode import _decode_split_kernel
 
 
@@ -39,11 +39,7 @@ def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layou
     constexprs = dict(
         GROUP=4, GROUP_PAD=16, HEAD=head, HEAD_V=head, D_PAD=head, DV_PAD=head, BLOCK_N=block_size,
         TILE=config.tile, SINGLE=splits == 1, WINDOWED=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION=None,
-        KV_LOAD=_KV_LOADS.index(config.kv_load), TABLE_PER_BLOCK=config.table_lookup == "block",
-        PREFETCH_TABLE=config.table_prefetch,
-        EDGE_MASKS=config.edge_masks or uses_tma(config, block_size),
-        EVICT="evict_first" if config.evict_first else "",
-        HEAD_MAJOR=_head_major(config, tma=uses_tma(config, block_size)), TMA=uses_tma(config, block_size),
+        TMA=uses_tma(config, block_size),
     )
     return runtime, constexprs
 
