@@ -1,14 +1,15 @@
 """Serve HF transformers models through kvcore and check every token against model.generate.
 
-A random-weight Llama and a Gemma 3 (sliding and full layers: two KV cache
-groups) are built from configs, or a local checkpoint is loaded with
-``--model DIR``. Prompts of mixed lengths go through ``kvcore.hf.Engine``
+A random-weight Llama, a Gemma 3 (sliding and full layers: two KV cache
+groups) and a Granite 4.0-H-style hybrid (a Mamba2 mixer layer, whose state
+lives in a kvcore state group, beside an attention layer) are built from
+configs, or a local checkpoint is loaded with ``--model DIR``. Prompts of mixed lengths go through ``kvcore.hf.Engine``
 with few blocks and few sequences at once, so requests wait, blocks are
 recycled and zeroed, and sliding windows hand blocks back. Each request's
 tokens must equal ``model.generate`` on that prompt alone; a mismatch exits
 with status 1. A warm-up pass and a steady-state pass are timed separately.
 
-Run: python examples/serve_hf.py [--arch llama,gemma3 | --model DIR] [--backend torch|triton]
+Run: python examples/serve_hf.py [--arch llama,gemma3,granitemoehybrid | --model DIR] [--backend torch|triton]
      [--device cpu|cuda] [--requests 12] [--max-new-tokens 16] [--prefix-caching]
 """
 
@@ -30,6 +31,7 @@ from rich.console import Console  # noqa: E402
 
 from kvcore._table import Column, render  # noqa: E402
 from kvcore.hf import Engine  # noqa: E402
+from kvcore.hf.hybrid import is_hybrid  # noqa: E402
 from kvcore.hf.models import ARCHITECTURES, load_model, model_config, random_model  # noqa: E402
 
 #: The demo's model shape: small enough for a CPU, large enough to make attention matter.
@@ -40,7 +42,7 @@ DEMO_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="llama,gemma3", help=f"random-weight models to serve: {sorted(ARCHITECTURES)}")
+    p.add_argument("--arch", default="llama,gemma3,granitemoehybrid", help=f"random-weight models to serve: {sorted(ARCHITECTURES)}")
     p.add_argument("--model", default=None, metavar="DIR", help="a local checkpoint directory instead")
     p.add_argument("--backend", default="triton" if cuda else "torch", help="registered backend name")
     p.add_argument("--device", default="cuda" if cuda else "cpu")
@@ -72,9 +74,11 @@ def serve(name: str, model, args: argparse.Namespace, console: Console) -> dict:
             out = model.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
             expected.append(out[0, len(prompt):].tolist())
     hf_s = time.perf_counter() - start
+    # NOTE: a hybrid's mixer states are per sequence, not per block: no prefix of them can be cached.
+    caching = args.prefix_caching and not is_hybrid(model.config)
     engine = Engine(model, backend=args.backend, block_size=args.block_size, num_blocks=args.num_blocks,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_batched_tokens,
-                    enable_prefix_caching=args.prefix_caching)
+                    enable_prefix_caching=caching)
     timings, outputs = [], []
     for _ in range(2):  # warm-up (kernel compilation, graph capture), then steady state
         start = time.perf_counter()

@@ -19,7 +19,7 @@ from kvcore import FullAttentionSpec, MambaSpec  # noqa: E402
 from kvcore.hf import Engine, specs_from_config  # noqa: E402
 from kvcore.hf.models import model_config, random_model  # noqa: E402
 
-HYBRIDS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2"]
+HYBRIDS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2", "qwen3_next"]
 PROMPT_LENS = [5, 40, 17, 1, 33, 26]
 MAX_NEW = 6
 
@@ -141,25 +141,78 @@ def test_state_specs_are_the_states_transformers_keeps(models, arch, dtype):
 
 
 @pytest.mark.parametrize(
-    "make, name",
+    "make, name, why",
     [
-        (lambda: transformers.JambaConfig(), "jamba"),
-        (lambda: transformers.MiniMaxConfig(), "minimax"),
-        (lambda: transformers.Zamba2Config(), "zamba2"),
+        (lambda: transformers.JambaConfig(), "Jamba", "prefilled in chunks"),
+        (lambda: transformers.MiniMaxConfig(), "MiniMax", "own cache class"),
+        (lambda: transformers.Zamba2Config(), "Zamba2", "share one attention module"),
     ],
 )
-def test_hybrids_kvcore_cannot_own_are_refused_by_name(make, name):
+def test_hybrids_kvcore_cannot_own_are_refused_by_name(make, name, why):
     config = make()
-    with pytest.raises(ValueError, match=f"does not serve '{name}' hybrids"):
+    with pytest.raises(ValueError, match=f"does not serve {name} hybrids .*{why}"):
         specs_from_config(config)
     model = torch.nn.Module()
     model.config = config
-    with pytest.raises(ValueError, match=f"'{name}'"):
+    with pytest.raises(ValueError, match=f"does not serve {name} hybrids"):
         Engine(model)
 
 
-def test_prefix_caching_and_cuda_graphs_on_a_hybrid_are_refused(models):
+def test_prefix_caching_cuda_graphs_and_mixers_alone_are_refused(models):
     with pytest.raises(ValueError, match="prefix caching"):
         make_engine(models["lfm2"], enable_prefix_caching=True)
     with pytest.raises(ValueError, match="CUDA graphs"):
         make_engine(models["lfm2"], cuda_graphs=True)
+    with pytest.raises(ValueError, match="mixer layers only"):
+        make_engine(random_model(model_config("nemotron_h", hybrid_override_pattern="MM-M")))
+
+
+@pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
+def test_state_groups_share_one_allocation_in_any_layout(models, references, layout):
+    prompts, expected = references
+    engine = make_engine(models["nemotron_h"], layout=layout)
+    storages = {v.untyped_storage().data_ptr() for v in engine.kv.kv_caches.values()}
+    assert len(storages) == 1 and engine.kv.layout.name == layout
+    fill_stale(engine)
+    assert engine.generate(prompts[:4], MAX_NEW) == expected["nemotron_h"][:4]
+
+
+def test_the_benchmarks_hybrid_is_granite_4_h_like():
+    import argparse
+
+    from kvcore.bench._hf_configs import bench_config
+
+    args = argparse.Namespace(model="hybrid", vocab=512, hidden=128, intermediate=256, layers=16, heads=4, kv_heads=2)
+    config = bench_config(args, 1024)
+    specs = specs_from_config(config, dtype=torch.bfloat16)
+    assert config.model_type == "granitemoehybrid" and config.num_local_experts == 0
+    assert [n for n, s in specs.items() if not isinstance(s, MambaSpec)] == [
+        "model.layers.4.self_attn", "model.layers.12.self_attn"]
+    state = specs["model.layers.0.mamba"]
+    assert state.shapes == ((4, 64, 128), (2 * 128 + 2 * 128, 4)) and state.dtypes == (torch.float32, torch.bfloat16)
+
+
+
+def test_rebound_mixers_point_at_the_caches_new_views(models):
+    engine = make_engine(models["bamba"])
+    for name in engine.mixers.layers:  # as a cache whose tensors were reallocated would hand them out
+        view = engine.kv.layer_kv_caches[name]
+        engine.kv.layer_kv_caches[name] = torch.zeros_like(view)
+    engine.mixers.rebind(engine.kv)
+    for name, layer in engine.mixers.layers.items():
+        base = engine.kv.layer_kv_caches[name].untyped_storage().data_ptr()
+        assert layer.conv.untyped_storage().data_ptr() == layer.recurrent.untyped_storage().data_ptr() == base
+
+
+def test_the_gpu_warm_up_pass_leaves_every_state_slot_untouched(models, references):
+    from kvcore.hf.defaults import warm_prefill
+
+    prompts, expected = references
+    engine = make_engine(models["bamba"])
+    fill_stale(engine)
+    before = {n: v.clone() for n, v in engine.kv.kv_caches.items()}
+    with engine.serving(), engine.mixers.scratch():
+        warm_prefill(engine.model, engine.kv, engine._layers)
+    assert all(torch.equal(v, before[n]) for n, v in engine.kv.kv_caches.items())
+    assert engine.mixers.step is None
+    assert engine.generate(prompts, MAX_NEW) == expected["bamba"]

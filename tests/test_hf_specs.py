@@ -73,6 +73,11 @@ def test_chunked_local_attention_is_described():
     assert all(isinstance(s, ChunkedLocalAttentionSpec) and s.attention_chunk_size == 128 for s in specs)
 
 
+def _with_layer_types(config, types):
+    config.layer_types = types  # a model type kvcore serves no mixer of
+    return config
+
+
 @pytest.mark.parametrize(
     "make, feature",
     [
@@ -83,7 +88,8 @@ def test_chunked_local_attention_is_described():
         (lambda: transformers.Gemma3TextConfig(num_hidden_layers=2, use_bidirectional_attention=True),
          "bidirectional attention"),
         (lambda: transformers.DeepseekV3Config(num_hidden_layers=2), "multi-head latent attention"),
-        (lambda: transformers.Qwen3NextConfig(num_hidden_layers=4), "layer types"),
+        (lambda: _with_layer_types(transformers.LlamaConfig(num_hidden_layers=2),
+                                   ["linear_attention", "full_attention"]), "layer types"),
     ],
 )
 def test_features_no_backend_implements_are_refused_by_name(make, feature):

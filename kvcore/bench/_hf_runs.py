@@ -50,7 +50,7 @@ def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], ne
         "output_tokens": sum(len(o) for o in outputs), "stats": stats_delta(engine.stats(), before),
         "num_blocks": engine.kv.num_blocks, "layout": engine.kv.layout.name,
         "kernel_block_sizes": list(engine.kv.kernel_block_sizes),
-        "backend": engine.kv.group_of(next(iter(engine.kv.layer_kv_caches))).backend.get_name(),
+        "backend": next(iter(engine._layers.values())).backend.get_name(),  # an attention layer's
         # Same-sized first and second generate: 1.0 when the first pays no compilation or capture.
         "first_vs_second": seconds / warm_s if warm_s else None,
     }
@@ -110,7 +110,10 @@ def roofline(model: Any, requests: int, prompt_len: int, new_tokens: int, *, pea
     params = sum(p.numel() for p in model.parameters())
     embed = model.get_input_embeddings().weight.numel()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_per_token = config.num_hidden_layers * config.num_key_value_heads * head_dim * 2 * size
+    types = getattr(config, "layer_types", None)
+    # NOTE: a hybrid's mixer layers keep a fixed-size state, not K/V per token.
+    attention_layers = config.num_hidden_layers if types is None else sum(t == "full_attention" for t in types)
+    kv_per_token = attention_layers * config.num_key_value_heads * head_dim * 2 * size
     prefill_s = 2 * (params - embed) * requests * prompt_len / (peak_tflops * 1e12)
     decode_bytes = sum(params * size + requests * (prompt_len + j) * kv_per_token for j in range(1, new_tokens))
     decode_s = decode_bytes / (hbm_tbps * 1e12)

@@ -93,6 +93,8 @@ def pool_arguments(parser: argparse.ArgumentParser) -> None:
 
 def hf_arguments(parser: argparse.ArgumentParser) -> None:
     model = parser.add_argument_group("model (random weights, Llama architecture)")
+    model.add_argument("--model", choices=("llama", "hybrid"), default="llama",
+                       help="llama, or hybrid: Granite-4.0-H-like Mamba2 mixers, one attention layer in 8" + _D)
     model.add_argument("--hidden", type=positive_int_arg, default=2048, help="hidden size" + _D)
     model.add_argument("--intermediate", type=positive_int_arg, default=5632, help="MLP size" + _D)
     model.add_argument("--layers", type=positive_int_arg, default=16, help="decoder layers" + _D)

@@ -5,7 +5,8 @@ of shape ``[1, T]``); request ``i`` owns columns
 ``query_start_loc[i]:query_start_loc[i + 1]``. Each KV cache group gets its
 own block table (rows sliced from the scheduler's arrays) and slot mapping;
 a state group's table is each request's one state slot (its mixers read the
-slots themselves; no attention backend reads that group's metadata). Host arrays are built with numpy and moved in two copies (int64, int32).
+slots themselves; no attention backend reads that group's metadata). Host
+arrays are built with numpy and moved in two copies (int64, int32).
 """
 
 from __future__ import annotations

@@ -55,9 +55,16 @@ def eos_ids(model: Any) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
-def check_hybrid_options(config: Any, prefix_caching: bool, tp_size: int, cuda_graphs: bool | None) -> bool:
+def check_hybrid_options(
+    config: Any, num_attention: int, prefix_caching: bool, tp_size: int, cuda_graphs: bool | None
+) -> bool:
     """Refuse what a hybrid model cannot be served with; returns ``cuda_graphs`` resolved (off)."""
     kind = config.model_type
+    if num_attention == 0:
+        raise ValueError(
+            f"this {kind!r} config has mixer layers only; kvcore.hf serves hybrids with at least one "
+            "attention layer (set the config's layer types)"
+        )
     if prefix_caching:
         raise ValueError(
             f"prefix caching cannot serve the hybrid {kind!r}: its mixer states are kept per sequence, not per "

@@ -54,7 +54,9 @@ class _Counts:
 class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
-    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``), on its device.
+    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``), on its device;
+        a hybrid's mixers keep their states in state groups (:mod:`kvcore.hf.mixers`), without prefix
+        caching, CUDA graphs or tensor parallelism (each refused with ``ValueError``).
     :param backend: registered attention backend name (``"torch"``, ``"triton"``, ``"flashinfer"``),
         class, or ``"auto"``: :func:`kvcore.select_backend`'s pick per layer (``kvcore.hf.defaults``).
     :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
@@ -115,7 +117,7 @@ class Engine:
         attention = [n for n, s in specs.items() if not isinstance(s, MambaSpec)]
         mixers = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
         if mixers:
-            cuda_graphs = check_hybrid_options(config, enable_prefix_caching, tp_size, cuda_graphs)
+            cuda_graphs = check_hybrid_options(config, len(attention), enable_prefix_caching, tp_size, cuda_graphs)
         modules = attention_modules(model, attention)
         attention_modules(model, mixers)
         if num_blocks is None and available_memory is None:
@@ -161,7 +163,8 @@ class Engine:
         if self.device.type != "cuda":
             return
         with self.serving():
-            warm_prefill(self.model, self.kv, self._layers)
+            with self.mixers.scratch() if self.mixers is not None else contextlib.nullcontext():
+                warm_prefill(self.model, self.kv, self._layers)
             if self.graphs is not None and self.graphs.capture:
                 warm_up(self.graphs, progress=progress)
 

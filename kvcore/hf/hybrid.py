@@ -9,7 +9,10 @@ the dtypes transformers keeps them:
   state ``[heads, head_dim, d_state]`` in float32 (also under a bf16 model),
   then the convolution window ``[intermediate + 2 * groups * d_state, d_conv]``
   in the model dtype;
-- LFM2 short convolution: the window ``[hidden, L_cache]`` in the model dtype.
+- LFM2 short convolution: the window ``[hidden, L_cache]`` in the model dtype;
+- gated delta net (Qwen3-Next): the delta-rule state ``[value heads, key head
+  dim, value head dim]`` in float32, then the convolution window
+  ``[2 * key_dim + value_dim, kernel]`` in the model dtype.
 
 Hybrids whose states kvcore cannot own exactly are refused by name.
 """
@@ -33,9 +36,10 @@ class HybridFamily:
     mixer: str
     #: Attribute of a decoder layer holding its attention module.
     attention: str
-    #: ``"mamba2"`` or ``"short_conv"``.
+    #: ``"mamba2"``, ``"short_conv"`` or ``"gated_delta_net"``.
     kind: str
-    #: Config attribute names: heads, head dim, groups, state size, conv kernel (Mamba2 only).
+    #: Config attribute names: Mamba2's heads, head dim, groups, state size, conv kernel; a gated
+    #: delta net's key heads, value heads, key head dim, value head dim, conv kernel.
     fields: tuple[str, ...] = ()
 
 
@@ -50,14 +54,22 @@ HYBRID_FAMILIES: dict[str, HybridFamily] = {
         "mixer", "mixer", "mamba2", ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel")
     ),
     "lfm2": HybridFamily("conv", "self_attn", "short_conv"),
+    "qwen3_next": HybridFamily(
+        "linear_attn", "self_attn", "gated_delta_net",
+        ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+         "linear_conv_kernel_dim"),
+    ),
 }
 
-#: Hybrid ``model_type`` values kvcore refuses, and why.
-REFUSED_HYBRIDS: dict[str, str] = {
-    "jamba": "its torch Mamba scan always starts from a zero state, so a prompt cannot be prefilled in chunks",
-    "minimax": "it keeps its linear-attention states in its own cache class, which kvcore cannot own",
-    "zamba": "its decoder layers share one attention module, whose KV cache kvcore cannot page per layer",
-    "zamba2": "its decoder layers share one attention module, whose KV cache kvcore cannot page per layer",
+_SHARED_ATTENTION = "its decoder layers share one attention module, whose KV cache kvcore cannot page per layer"
+
+#: Hybrid ``model_type`` values kvcore refuses: (architecture name, why).
+REFUSED_HYBRIDS: dict[str, tuple[str, str]] = {
+    "jamba": ("Jamba", "its torch Mamba scan always starts from a zero state, so a prompt cannot be prefilled "
+                       "in chunks"),
+    "minimax": ("MiniMax", "it keeps its linear-attention states in its own cache class, which kvcore cannot own"),
+    "zamba": ("Zamba", _SHARED_ATTENTION),
+    "zamba2": ("Zamba2", _SHARED_ATTENTION),
 }
 
 #: ``layer_types`` entries of a mixer layer, of a layer with both a mixer and attention (FalconH1),
@@ -71,8 +83,9 @@ def refuse_unservable_hybrid(config: Any) -> None:
     """``ValueError`` naming the architecture when ``config`` is a hybrid kvcore refuses."""
     model_type = getattr(config, "model_type", None)
     if model_type in REFUSED_HYBRIDS:
+        name, why = REFUSED_HYBRIDS[model_type]
         raise ValueError(
-            f"kvcore does not serve {model_type!r} hybrids: {REFUSED_HYBRIDS[model_type]}. Served hybrids: "
+            f"kvcore does not serve {name} hybrids (model_type {model_type!r}): {why}. Served hybrids: "
             f"{sorted(HYBRID_FAMILIES)}"
         )
 
@@ -98,12 +111,15 @@ def mixer_spec(config: Any, dtype: torch.dtype, block_size: int) -> MambaSpec:
         hidden = positive_int("config.hidden_size", config.hidden_size)
         window = positive_int("config.conv_L_cache", config.conv_L_cache)
         return MambaSpec(block_size, [(hidden, window)], [dtype])
-    heads, head_dim, groups, d_state, kernel = (
-        positive_int(f"config.{name}", getattr(config, name, None)) for name in family.fields
-    )
-    conv_dim = _mixer_intermediate(config, model_type, heads, head_dim) + 2 * groups * d_state
-    # NOTE: the chunk scan returns its final state in float32 and transformers keeps it so (bf16 models too).
+    sizes = [positive_int(f"config.{name}", getattr(config, name, None)) for name in family.fields]
+    # NOTE: the scans return their final state in float32 and transformers keeps it so (bf16 models too).
     recurrent_dtype = torch.float32 if dtype.itemsize <= 4 else dtype
+    if family.kind == "gated_delta_net":
+        k_heads, v_heads, k_dim, v_dim, kernel = sizes
+        conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+        return MambaSpec(block_size, [(v_heads, k_dim, v_dim), (conv_dim, kernel)], [recurrent_dtype, dtype])
+    heads, head_dim, groups, d_state, kernel = sizes
+    conv_dim = _mixer_intermediate(config, model_type, heads, head_dim) + 2 * groups * d_state
     return MambaSpec(block_size, [(heads, head_dim, d_state), (conv_dim, kernel)], [recurrent_dtype, dtype])
 
 

@@ -28,7 +28,11 @@ from typing import Any
 import attrs
 import torch
 from transformers import Cache
-from transformers.cache_utils import LinearAttentionLayer
+
+try:
+    from transformers.cache_utils import LinearAttentionLayer
+except ImportError:  # NOTE: transformers before its per-layer linear-attention caches (checked: 5.17, 5.23)
+    LinearAttentionLayer = None
 
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
@@ -44,6 +48,8 @@ class MixerStep:
     decode_slots: dict[int, torch.Tensor]
     #: Per multi-token request: first column, token count, slot per state group.
     prefills: list[tuple[int, int, dict[int, int]]]
+    #: A warm-up pass: the whole row is one request on zero states outside the cache.
+    scratch: bool = False
 
 
 class _SlotCache:
@@ -71,13 +77,21 @@ class _MixerLayer:
     def __init__(self, module: torch.nn.Module, group_id: int, states: list[torch.Tensor]) -> None:
         self.module = module
         self.group_id = group_id
-        # NOTE: Mamba2 specs hold (recurrent, conv); a short convolution's only (conv,).
-        self.conv, self.recurrent = (states[1], states[0]) if len(states) == 2 else (states[0], None)
+        self.point_at(states)
         params = inspect.signature(module.forward).parameters
         self.cache_kwarg = "cache_params" if "cache_params" in params else "past_key_values"
         self.slot_cache = _SlotCache(module.layer_idx)
 
+    def point_at(self, states: list[torch.Tensor]) -> None:
+        """Read and write ``states`` (``MambaSpec.split_states`` of the layer's cache view) from now on."""
+        # NOTE: Mamba2 and gated-delta-net specs hold (recurrent, conv); a short convolution's only (conv,).
+        self.conv, self.recurrent = (states[1], states[0]) if len(states) == 2 else (states[0], None)
+
     def run(self, step: MixerStep, hidden: torch.Tensor, original: Any) -> torch.Tensor:
+        if step.scratch:
+            conv = torch.zeros_like(self.conv[:1])
+            recurrent = None if self.recurrent is None else torch.zeros_like(self.recurrent[:1])
+            return original(hidden, **{self.cache_kwarg: self.slot_cache.point(conv, recurrent)})
         out = torch.empty_like(hidden)
         g = self.group_id
         if step.decode_columns is not None:
@@ -103,18 +117,33 @@ class MixerRunner:
     """The mixers of one hybrid model bound to their state groups in ``kv``."""
 
     def __init__(self, model: torch.nn.Module, kv: KVCache, mixer_names: Sequence[str]) -> None:
+        if LinearAttentionLayer is None:
+            import transformers
+
+            raise ValueError(
+                f"serving a hybrid model needs transformers' linear-attention cache layers, which "
+                f"transformers {transformers.__version__} lacks; upgrade transformers (5.17 and later work)"
+            )
         modules = dict(model.named_modules())
         group_of = {name: g for g, group in enumerate(kv.config.kv_cache_groups) for name in group.layer_names}
         self.device = kv.device
         self.state_groups = sorted({group_of[name] for name in mixer_names})
-        self.layers: dict[str, _MixerLayer] = {}
-        for name in mixer_names:
-            spec = kv.config.kv_cache_groups[group_of[name]].kv_cache_spec
-            if not isinstance(spec, MambaSpec):
-                raise RuntimeError(f"{name} is a mixer but its KV cache group holds {type(spec).__name__}")
-            states = spec.split_states(kv.layer_kv_caches[name])
-            self.layers[name] = _MixerLayer(modules[name], group_of[name], states)
+        self.layers = {
+            name: _MixerLayer(modules[name], group_of[name], self._states(kv, name)) for name in mixer_names
+        }
         self.step: MixerStep | None = None
+
+    @staticmethod
+    def _states(kv: KVCache, name: str) -> list[torch.Tensor]:
+        spec = kv.config.group_of(name)[1].kv_cache_spec
+        if not isinstance(spec, MambaSpec):
+            raise RuntimeError(f"{name} is a mixer but its KV cache group holds {type(spec).__name__}")
+        return spec.split_states(kv.layer_kv_caches[name])
+
+    def rebind(self, kv: KVCache) -> None:
+        """Point every mixer at ``kv``'s current views (after the cache's tensors were reallocated)."""
+        for name, layer in self.layers.items():
+            layer.point_at(self._states(kv, name))
 
     def plan(self, batch: list[tuple[Request, int]]) -> MixerStep:
         """Columns and slots of this step's requests (``batch`` in packed order)."""
@@ -134,6 +163,15 @@ class MixerRunner:
         host = torch.tensor([columns] + [decode_slots[g] for g in self.state_groups], dtype=torch.long)
         ids = host.to(self.device)
         return MixerStep(ids[0], {g: ids[i + 1] for i, g in enumerate(self.state_groups)}, prefills)
+
+    @contextlib.contextmanager
+    def scratch(self) -> Iterator[None]:
+        """Run the mixers on zero states outside the cache for the duration (a warm-up pass)."""
+        self.step = MixerStep(None, {}, [], scratch=True)
+        try:
+            yield
+        finally:
+            self.step = None
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

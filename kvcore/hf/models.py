@@ -49,6 +49,13 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
          "n_groups": 1, "ssm_state_size": 8, "chunk_size": 16},
     ),
     "lfm2": ("Lfm2Config", {"num_hidden_layers": 3, "layer_types": ["conv", "full_attention", "conv"]}),
+    "qwen3_next": (
+        "Qwen3NextConfig",
+        {"num_hidden_layers": 3, "layer_types": ["linear_attention", "full_attention", "linear_attention"],
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+         "linear_value_head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+         "shared_expert_intermediate_size": 32},
+    ),
 }
 
 
