@@ -103,10 +103,16 @@ def resolve_kv_cache_layout(
                 f"support {_names(candidates)}"
             )
         candidates = compact
+    from_env = requested is None
     if requested is None:
         requested = os.environ.get(LAYOUT_ENV, "").strip() or None
     if requested is not None:
-        layout = KVCacheLayout.parse(requested)
+        try:
+            layout = KVCacheLayout.parse(requested)
+        except ValueError as exc:
+            if not from_env:
+                raise
+            raise ValueError(f"{LAYOUT_ENV}={requested!r}: {exc}; fix or unset {LAYOUT_ENV}") from None
         if layout not in candidates:
             raise ValueError(
                 f"requested KV cache layout {layout.name} is not usable here; candidates: "
