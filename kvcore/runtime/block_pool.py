@@ -265,13 +265,14 @@ class BlockPool:
     def cache_blocks(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, group_id: int = 0) -> None:
         """Record held, full blocks under their hashes: ``hashes[i]`` is ``block_ids[i]``'s.
 
-        Call it once a block is full and its contents are (or, within the same
-        step, will be) written. A block already cached under the same key is
+        Call it once a block is full and the step that writes it has begun
+        (:meth:`take_new_blocks` reported it). A block already cached under the same key is
         left as it is, so a request's whole prefix may be re-cached each step;
         a hash the group already caches keeps its first block and this one
         stays uncached. Refused, pool unchanged: caching off, lists of
         different lengths (a partial block has no hash), ids not allocated or
-        repeated, a block cached under another hash or group.
+        repeated, a block no step has been handed yet (still to be zeroed),
+        a block cached under another hash or group.
         """
         if not self._caching:
             raise ValueError("this BlockPool was built without prefix caching; pass enable_caching=True")
@@ -293,6 +294,12 @@ class BlockPool:
                 raise ValueError(
                     f"block {block_id} is not allocated; cache only blocks you hold, "
                     "once their contents are written"
+                )
+            if self._in_use[block_id]:  # NOTE: pending: no step has zeroed (or written) it yet
+                raise ValueError(
+                    f"block {block_id} was allocated but no step has been handed it yet (take_new_blocks / "
+                    "KVCache.begin_step has not reported it, so it is still to be zeroed); cache it after "
+                    "the step that writes it"
                 )
             key = keys.get(block_id)
             if key is not None and key != (group_id, h):
