@@ -20,6 +20,9 @@ from kvcore.errors import OutOfBlocksError
 from kvcore.runtime.prefix_cache import PrefixCache, check_groups, check_hashes, check_window
 
 NULL_BLOCK_ID = 0
+#: Most blocks one pool manages: its host bookkeeping costs about 50 bytes a
+#: block (3 GiB here), and no device holds more pages of a useful size.
+MAX_NUM_BLOCKS = 1 << 26
 
 
 class BlockPool:
@@ -48,6 +51,12 @@ class BlockPool:
             raise ValueError(
                 f"a block pool needs at least 2 blocks (block {NULL_BLOCK_ID} is the "
                 f"reserved null block), got num_blocks={num_blocks}; plan more blocks"
+            )
+        if num_blocks > MAX_NUM_BLOCKS:
+            raise ValueError(
+                f"num_blocks={num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks a BlockPool "
+                "manages (its host bookkeeping takes about 50 bytes a block); use larger blocks "
+                "(a bigger block_size) or plan fewer of them"
             )
         if not isinstance(enable_caching, bool):
             raise TypeError(f"enable_caching must be True or False, got {enable_caching!r}")
@@ -154,7 +163,8 @@ class BlockPool:
         allocated (double frees) and ids repeated within the call more often
         than they are held raise ``ValueError`` and leave the pool unchanged.
         """
-        if isinstance(block_ids, Iterable):
+        # NOTE: a 0-d tensor or array is one id, though it is Iterable (and iterating it raises).
+        if isinstance(block_ids, Iterable) and getattr(block_ids, "ndim", 1) != 0:
             ids = [as_int("block id", b) for b in block_ids]
         else:
             ids = [as_int("block id", block_ids)]
