@@ -23,6 +23,7 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("kvcore.cli.models", "list the model presets that kvcore plan knows"),
     "plugins": ("kvcore.cli.plugins", "list and health-check installed kvcore plugins"),
     "bench": ("kvcore.cli.bench", "run a micro-benchmark"),
+    "completion": ("kvcore.cli.completion", "print a shell completion script (bash, zsh, tcsh)"),
 }
 _EPILOG = "Run 'kvcore COMMAND --help' for the options of one command."
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
