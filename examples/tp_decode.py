@@ -181,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and device.type == "cpu" and 0 < _gpus() < _local_ranks():
+        print(f"note: {_local_ranks()} ranks on this host but {_gpus()} CUDA device(s): running on the CPU "
+              "with gloo (one GPU per rank runs on CUDA with NCCL)", flush=True)
     dtype = getattr(torch, args.dtype)
     config = ModelConfig(num_layers=2 if args.tiny else 4, num_q_heads=args.num_q_heads,
                          num_kv_heads=args.num_kv_heads)
