@@ -41,7 +41,9 @@ for layout in KVCacheLayout:
     view = views[layers[1]]
     order = ", ".join(DIMS["LBHNC".index(d)] for d in layout.name)
     print(f"\n{layout.name}: in memory, outermost first: {order}")
-    print("  bytes to the next " + ", ".join(f"{d}: {s:,}" for d, s in zip(DIMS, strides)))
+    # NOTE: the layout's C dim counts bytes; the next value is one element (2 bytes of bf16) away.
+    byte_strides = [*strides[:4], strides[4] * spec.dtype.itemsize]
+    print("  bytes to the next " + ", ".join(f"{d}: {s:,}" for d, s in zip(DIMS, byte_strides)))
     shape = " x ".join(str(n) for n in view.shape)
     print(f"  layer 1 sees a [block, head, token, value] view of {shape} {dtype} elements;")
     print("  elements to the next " + ", ".join(f"{d}: {s:,}" for d, s in zip(DIMS[1:], view.stride())))

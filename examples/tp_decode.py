@@ -129,12 +129,25 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+def _local_ranks() -> int:
+    """Ranks on this host (torchrun sets LOCAL_WORLD_SIZE; a plain run is one)."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+
+
+def _gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    cuda = torch.cuda.is_available()
+    # NOTE: CUDA only with one GPU per local rank; fewer GPUs (two ranks on a one-GPU
+    # machine) fall back to CPU tensors and gloo instead of asking for a missing device.
+    cuda = _gpus() >= _local_ranks()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--backend", default="triton" if cuda else "torch", help="registered backend name")
+    p.add_argument("--backend", default=None,
+                   help="registered backend name (default: triton on CUDA, torch on CPU)")
     p.add_argument("--layout", default=None, help="KV cache layout (default: what every rank prefers)")
-    p.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cpu", "cuda"])
+    p.add_argument("--device", default="cuda" if cuda else "cpu", choices=["cpu", "cuda"],
+                   help="cuda needs one GPU per rank on this host (default: cuda if so, else cpu with gloo)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-q-heads", type=int, default=8)
@@ -146,6 +159,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tiny", action="store_true", help="2 layers, 3 short sequences")
     args = p.parse_args(argv)
+    if args.device == "cuda" and _gpus() < _local_ranks():
+        p.error(f"--device cuda needs one GPU per rank: {_local_ranks()} ranks on this host but "
+                f"{_gpus()} CUDA device(s); use --device cpu (gloo) or run fewer ranks")
+    if args.backend is None:
+        args.backend = "triton" if args.device == "cuda" else "torch"
     if args.tiny:
         args.num_seqs = min(args.num_seqs, 3)
     return args
@@ -163,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=timedelta(minutes=10))
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank == 0 and device.type == "cpu" and 0 < _gpus() < _local_ranks():
+        print(f"note: {_local_ranks()} ranks on this host but {_gpus()} CUDA device(s): running on the CPU "
+              "with gloo (one GPU per rank runs on CUDA with NCCL)", flush=True)
     dtype = getattr(torch, args.dtype)
     config = ModelConfig(num_layers=2 if args.tiny else 4, num_q_heads=args.num_q_heads,
                          num_kv_heads=args.num_kv_heads)

@@ -13,6 +13,7 @@ its own tensor-parallel plan and ``kvcore.hf.Engine(..., group=WORLD)`` serves i
 from __future__ import annotations
 
 import json
+import os
 import sys
 from datetime import timedelta
 
@@ -125,6 +126,9 @@ def main(argv: list[str]) -> int:
     init_file, plan_path, out_path = argv[3], argv[4], argv[5]
     with open(plan_path) as f:
         plan = json.load(f)
+    # NOTE: what torchrun would set: transformers' tensor-parallel init reads LOCAL_RANK
+    # (and binds that device); both ranks run on this host.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world, timeout=timedelta(seconds=90))
     results: dict[str, dict] = {}

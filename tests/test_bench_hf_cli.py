@@ -51,7 +51,8 @@ def test_parameter_counts_read_as_people_write_them(n, text):
 
 def test_a_cpu_sized_run_fits_80_columns_with_whole_labels(monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "80")
-    argv = ["bench", "hf", *hf.CPU_EXAMPLE.split(), "--new-tokens", "2", "--requests", "2", "--prompt-len", "4", "--layers", "1"]
+    argv = ["bench", "hf", *hf.CPU_EXAMPLE.split(), "--new-tokens", "2", "--requests", "2", "--prompt-len", "4",
+            "--layers", "1"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert all(len(line) <= 80 for line in out.splitlines()), out

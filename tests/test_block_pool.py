@@ -204,12 +204,17 @@ def test_identical_content_cached_twice_keeps_the_first_block():
     assert pool.block_hash(ids[0]) == (0, H[0])
 
 
-def test_a_block_freed_before_it_was_zeroed_loses_its_hash():
+def test_a_block_no_step_was_handed_cannot_be_cached():
+    """Still pending zeroing: caching it is refused (it used to be dropped silently at free)."""
     pool = BlockPool(4, enable_caching=True)
-    ids = pool.allocate(1)
-    pool.cache_blocks(H[:1], ids)  # cached at scheduling time, request aborted before its step
-    pool.free(ids)
-    assert pool.num_evictable_blocks == 0 and pool.find_cached_prefix(H[:1]) == 0
+    ids = pool.allocate(2)
+    with pytest.raises(ValueError, match=f"block {ids[0]} was allocated but no step has been handed it yet"):
+        pool.cache_blocks(H[:2], ids)
+    assert pool.num_cached_blocks == 0 and pool.find_cached_prefix(H[:1]) == 0
+    assert sorted(pool.take_new_blocks()) == sorted(ids)  # still pending, reported once
+    pool.cache_blocks(H[:2], ids)
+    pool.free(ids[::-1])
+    assert pool.num_evictable_blocks == 2 and pool.find_cached_prefix(H[:2]) == 2
 
 
 @pytest.mark.parametrize(

@@ -6,6 +6,7 @@ import argparse
 import ast
 import importlib
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -43,7 +44,7 @@ def test_python_dash_m_kvcore_prints_the_version():
 @pytest.mark.parametrize("argv", [
     ["--help"], ["--version"], ["bench", "--help"], ["plugins", "--help"], ["plan", "--help"],
     ["models", "--help"], ["bench", "zero", "--help"], ["bench", "plan", "--help"], ["bench", "hf", "--help"],
-    ["bench", "pool", "--help"],
+    ["bench", "pool", "--help"], ["completion", "--help"],
 ])  # fmt: skip
 def test_help_and_version_do_not_import_torch(argv):
     done = _run(*argv, code="print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")
@@ -210,3 +211,23 @@ def test_without_json_a_usage_error_stays_argparse_text(capsys):
         main(["plan", "llama-3-8b", "--memory", "banana"])
     captured = capsys.readouterr()
     assert exc.value.code == 2 and captured.out == "" and "usage: kvcore plan" in captured.err
+
+
+@pytest.mark.parametrize("shell", ["bash", "zsh"])
+def test_completion_script_knows_every_command_and_option(shell, capsys, tmp_path):
+    pytest.importorskip("shtab")
+    assert main(["completion", shell]) == 0
+    script = capsys.readouterr().out
+    for word in ("plan", "models", "plugins", "bench", "completion", "zero", "pool", "--num-blocks", "--device"):
+        assert word in script, word
+    if shell == "bash" and shutil.which("bash"):
+        path = tmp_path / "kvcore.bash"
+        path.write_text(script)
+        done = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr
+
+
+def test_completion_of_an_unknown_shell_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["completion", "fish"])
+    assert exc.value.code == 2 and "invalid choice: 'fish'" in capsys.readouterr().err

@@ -228,3 +228,22 @@ def test_spec_command_with_a_model_file_path(capsys, monkeypatch):
     assert Path(by_path.pop("source")).resolve() == Path(by_name.pop("source")).resolve()
     assert by_path == by_name
     assert by_path["num_blocks"] == 40 * GIB // EXPECTED["llama-3-8b"]["bpb"]
+
+
+def test_two_state_groups_in_two_blocks_say_no_sequence_fits(capsys, tmp_path):
+    """One block per state group: 2 groups need 2 blocks, and a pool of 2 has 1 usable."""
+    path = tmp_path / "two-states.toml"
+    path.write_text(
+        'name = "two state groups"\nnum_layers = 2\npattern = ["a", "b"]\n'
+        '[types.a]\nkind = "mamba"\nshapes = [[4, 64]]\ndtypes = ["float32"]\n'
+        '[types.b]\nkind = "mamba"\nblock_size = 32\nshapes = [[4, 64]]\ndtypes = ["float32"]\n'
+    )
+    plan = _plan_json(capsys, str(path), "--num-blocks", "2")
+    assert plan["state_only"] and plan["sequence_capacity"] == 0 and plan["token_capacity"] == 0
+    assert plan["blocks_for_one_token"] == 2
+    main(["plan", str(path), "--num-blocks", "2"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "no sequence fits: one sequence needs 2 blocks (one per state group) but only 1 are usable" in out
+    assert "plan at least 3 blocks" in out and "sequences of any length" not in out
+    main(["plan", str(path), "--num-blocks", "3"])
+    assert "1 sequences of any length" in " ".join(capsys.readouterr().out.split())

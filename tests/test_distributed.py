@@ -10,6 +10,7 @@ Invariants:
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import random
@@ -313,3 +314,28 @@ def test_tp_decode_example_on_two_gpus_nccl():
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "(nccl," in proc.stdout and "OK:" in proc.stdout, proc.stdout
+
+
+def _tp_decode_module():
+    spec = importlib.util.spec_from_file_location("tp_decode_example", ROOT / "examples" / "tp_decode.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_tp_decode_uses_cuda_only_with_one_gpu_per_rank(monkeypatch, capsys):
+    """Two ranks on a one-GPU machine: CPU and gloo by default, a usage error for --device cuda."""
+    tp = _tp_decode_module()
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    args = tp.parse_args(["--tiny"])
+    assert (args.device, args.backend) == ("cpu", "torch")
+    with pytest.raises(SystemExit) as exc:
+        tp.parse_args(["--device", "cuda"])
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "needs one GPU per rank: 2 ranks on this host but 1 CUDA device" in err
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    args = tp.parse_args([])
+    assert (args.device, args.backend) == ("cuda", "triton")
+    assert tp.parse_args(["--backend", "torch"]).backend == "torch"

@@ -98,6 +98,23 @@ def test_bad_arguments_are_refused_clearly(tmp_path):
             tp_group_size(object())
 
 
+@pytest.mark.skipif(not HAS_ACCELERATE, reason="transformers' TP loading needs accelerate")
+@pytest.mark.parametrize("value", [None, "", "one"])
+def test_a_missing_local_rank_is_named_before_transformers_reads_it(monkeypatch, value):
+    """transformers' TP init reads LOCAL_RANK (5.17: a raw KeyError); kvcore names it and the remedy."""
+    from kvcore.hf.tp import _distributed_config
+
+    config = LlamaConfig(num_attention_heads=4, num_key_value_heads=2, hidden_size=64)
+    if value is None:
+        monkeypatch.delenv("LOCAL_RANK", raising=False)
+    else:
+        monkeypatch.setenv("LOCAL_RANK", value)
+    with pytest.raises(ValueError, match=rf"LOCAL_RANK={value!r}: transformers' tensor-parallel loading.*torchrun sets it"):
+        _distributed_config(config, 2)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert _distributed_config(config, 2).tp_size == 2
+
+
 # ---- two gloo processes -----------------------------------------------------------------
 
 #: One block of one rank: 2 layers x (K, V) x 1 KV head x 16 tokens x 16 dims x 4 bytes.
@@ -116,6 +133,9 @@ def _run(plan: dict) -> list[dict]:
         env = {k: v for k, v in os.environ.items() if k != "KVCORE_KV_CACHE_LAYOUT"}
         env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
             [str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+        # NOTE: CPU ranks (gloo), also on a GPU machine: transformers would otherwise place each
+        # rank's shard on the accelerator it detects (cuda:LOCAL_RANK), which may not exist.
+        env["CUDA_VISIBLE_DEVICES"] = ""
         procs = [
             subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(tmp / "init"),
                               str(plan_path), str(tmp / f"out{r}.json")],

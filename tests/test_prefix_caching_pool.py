@@ -100,10 +100,18 @@ class CachingPoolMachine(RuleBasedStateMachine):
         return got
 
     def _cache(self, hashes: list[bytes], ids: list[int], group: int) -> None:
-        keys = [self.model.key_of(b) for b in ids]
-        if any(k is not None and k != (group, h) for k, h in zip(keys, hashes)):
+        # The first refused block, in order: one still pending zeroing (no step was handed
+        # it: caching it would lose its hash at free), or one cached under another key.
+        for h, b in zip(hashes, ids):
+            key = self.model.key_of(b)
+            if b in self.model.pending:
+                match = f"block {b} was allocated but no step has been handed it yet"
+            elif key is not None and key != (group, h):
+                match = f"block {b} is already cached under another hash"
+            else:
+                continue
             before = self.snapshot()
-            with pytest.raises(ValueError, match="already cached under another hash"):
+            with pytest.raises(ValueError, match=match):
                 self.pool.cache_blocks(hashes, ids, group_id=group)
             assert self.snapshot() == before
             return

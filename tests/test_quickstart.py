@@ -28,7 +28,10 @@ def test_quickstart_names_every_stride(capsys):
         assert order == [dims["LBHNC".index(c)] for c in layout.name]
         byte_line = next(line for line in section if "bytes to the next" in line)
         want = compute_layout_strides(spec, 32, 4, layout)
-        assert _numbers(byte_line) == dict(zip(dims, want))
+        # Bytes between neighbours: the layout's strides, whose C dim counts bytes; the next
+        # bf16 value is 2 bytes away (issue #22: it was labelled 1).
+        assert _numbers(byte_line) == {**dict(zip(dims[:4], want[:4])), "value": 2}
+        assert want[4] == 1
         element_line = next(line for line in section if "elements to the next" in line)
         # Element strides of a layer's [B, H, N, C] view: its byte strides over 2 (bf16),
         # values next to each other.

@@ -30,6 +30,7 @@ from rich.table import Table
 
 from kvcore.bench.options import hf_arguments as add_arguments
 
+__all__ = ["add_arguments", "collect", "preflight", "report", "resolve_device", "run"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 

@@ -24,6 +24,8 @@ from kvcore.bench.options import pool_arguments as add_arguments
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
 
+__all__ = ["add_arguments", "measure", "run"]
+
 _ROWS = (
     ("allocate", "allocate (plain free blocks)"),
     ("take_new", "take_new_blocks"),

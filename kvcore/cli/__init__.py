@@ -23,22 +23,22 @@ _COMMANDS: dict[str, tuple[str, str]] = {
     "models": ("kvcore.cli.models", "list the model presets that kvcore plan knows"),
     "plugins": ("kvcore.cli.plugins", "list and health-check installed kvcore plugins"),
     "bench": ("kvcore.cli.bench", "run a micro-benchmark"),
+    "completion": ("kvcore.cli.completion", "print a shell completion script (bash, zsh, tcsh)"),
 }
 _EPILOG = "Run 'kvcore COMMAND --help' for the options of one command."
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
 _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse's parser; with ``json_errors`` set, a usage error is a JSON object on stdout (exit 2)."""
+class _JsonErrorParser(argparse.ArgumentParser):
+    """argparse's parser whose usage errors are a JSON object on stdout (exit 2), for ``--json``.
 
-    json_errors = False
+    Sub-command parsers are of the same class (argparse makes them so).
+    """
 
     def error(self, message: str):  # type: ignore[override]
-        if self.json_errors:
-            _print_json_error(self.prog, "usage", message)
-            self.exit(2)
-        super().error(message)
+        _print_json_error(self.prog, "usage", message)
+        self.exit(2)
 
 
 def _print_json_error(command: str, kind: str, message: str) -> None:
@@ -52,14 +52,15 @@ def _positionals(argv: list[str]) -> list[str]:
     return [token for token in argv if not token.startswith("-")]
 
 
-def build_parser(argv: list[str] | None = None) -> argparse.ArgumentParser:
+def build_parser(argv: list[str] | None = None, *, json_errors: bool = False) -> argparse.ArgumentParser:
     """The ``kvcore`` parser.
 
     With ``argv``, only the sub-command it names gets its arguments (and its
     module imported); the others are listed by name and help. Without, every
-    sub-command is complete.
+    sub-command is complete. ``json_errors``: usage errors as JSON objects.
     """
-    parser = _Parser(prog="kvcore", description=__doc__.splitlines()[0], epilog=_EPILOG)
+    parser_class = _JsonErrorParser if json_errors else argparse.ArgumentParser
+    parser = parser_class(prog="kvcore", description=__doc__.splitlines()[0], epilog=_EPILOG)
     parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     words = None if argv is None else _positionals(argv)
@@ -104,11 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     # NOTE: with --json anywhere, errors come back as a JSON object on stdout, usage errors too.
-    _Parser.json_errors = "--json" in argv[: argv.index("--")] if "--" in argv else "--json" in argv
-    try:
-        args = build_parser(argv).parse_args(argv)
-    finally:
-        _Parser.json_errors = False
+    json_errors = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+    args = build_parser(argv, json_errors=json_errors).parse_args(argv)
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()

@@ -79,6 +79,12 @@ def _capacity_line(summary: dict[str, Any]) -> tuple[str, str]:
     groups = [g for g in summary["groups"] if g["keeps_cache"]]
     if not groups:
         return "capacity", "no layer keeps a KV cache (encoder-only model)"
+    if summary["state_only"] and summary["sequence_capacity"] == 0:
+        return "capacity", (
+            f"no sequence fits: one sequence needs {summary['blocks_for_one_token']} blocks (one per "
+            f"state group) but only {summary['usable_blocks']:,} are usable; plan at least "
+            f"{summary['blocks_for_one_token'] + 1} blocks"
+        )
     if summary["state_only"]:
         where = "its one group" if len(groups) == 1 else f"each of the {len(groups)} groups"
         return "capacity", (

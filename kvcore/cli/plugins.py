@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import sys
 import textwrap
@@ -63,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     # record, and must not pass as healthy.
     for problem in pm.settings_problems:
         print(f"kvcore plugins: warning: {problem}", file=sys.stderr)
-    unusable = no_backend_reason(infos)
+    unusable = no_backend_reason(infos, autoload=settings.autoload)
     if unusable:
         print(f"kvcore plugins: error: {unusable}", file=sys.stderr)
     healthy = is_healthy(infos) and not pm.settings_problems and not unusable
@@ -105,12 +104,15 @@ def _json(info: PluginInfo, declared: dict[str, object], picks: dict[str, str | 
     return item
 
 
-def no_backend_reason(infos: list[PluginInfo]) -> str | None:
-    """Why no attention backend can be used, or None when a loaded plugin registers one."""
+def no_backend_reason(infos: list[PluginInfo], *, autoload: bool = True) -> str | None:
+    """Why no attention backend can be used, or None when a loaded plugin registers one.
+
+    ``autoload``: the settings' switch (False under KVCORE_DISABLE_PLUGIN_AUTOLOAD=1).
+    """
     if any(info.backends for info in infos if info.status == "loaded"):
         return None
     reason = "no attention backend is usable: "
-    if os.environ.get("KVCORE_DISABLE_PLUGIN_AUTOLOAD") == "1":
+    if not autoload:
         return reason + (
             f"KVCORE_DISABLE_PLUGIN_AUTOLOAD=1 keeps the {len(infos)} installed plugin"
             f"{'s' * (len(infos) != 1)} from loading; unset it, or register a backend in-process "

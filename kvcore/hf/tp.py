@@ -101,7 +101,19 @@ def _distributed_config(config: Any, tp_size: int) -> DistributedConfig:
             "transformers loads tensor-parallel models through accelerate, which is not "
             "installed: pip install accelerate"
         )
+    _check_local_rank()
     return DistributedConfig(tp_size=tp_size, tp_plan="auto")
+
+
+def _check_local_rank() -> None:
+    """transformers' tensor-parallel loading binds each rank to device ``LOCAL_RANK``: it must be set."""
+    value = os.environ.get("LOCAL_RANK")
+    if value is None or not value.strip().isdigit():
+        raise ValueError(
+            f"LOCAL_RANK={value!r}: transformers' tensor-parallel loading reads this process's "
+            "index on its host from LOCAL_RANK (torchrun sets it, with RANK and WORLD_SIZE); set "
+            "it for each process you start yourself, e.g. LOCAL_RANK=<rank> on one host"
+        )
 
 
 def _checksum(model: torch.nn.Module) -> float:

@@ -177,9 +177,12 @@ class KVCacheConfig:
         the null block is excluded, each attention group rounds up to whole
         blocks, each state group needs one block, and sliding windows get no
         discount (a model with windows may hold more). Never more than really
-        fits. 0 when no group's blocks grow with the tokens (state-only or
-        encoder-only models: a sequence of any length then fits, see
-        :meth:`sequence_capacity`) or when even one token does not fit.
+        fits: 0 when no sequence fits at all (one block per group is more
+        than the usable blocks; say, two state groups in a pool of 2 blocks).
+        Also 0 when no group's blocks grow with the tokens (state-only or
+        encoder-only models), where a length says nothing:
+        :meth:`sequence_capacity` tells how many sequences of any length fit,
+        0 when not even one does.
         """
         growing = [
             g.kv_cache_spec.block_size

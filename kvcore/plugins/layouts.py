@@ -93,9 +93,15 @@ def resolve_kv_cache_layout(
 
 def requested_layout(requested: KVCacheLayout | str | None) -> KVCacheLayout | None:
     """An explicit layout: ``requested``, else ``KVCORE_KV_CACHE_LAYOUT``, else None."""
-    if requested is None:
-        requested = os.environ.get(LAYOUT_ENV, "").strip() or None
-    return None if requested is None else KVCacheLayout.parse(requested)
+    if requested is not None:
+        return KVCacheLayout.parse(requested)
+    from_env = os.environ.get(LAYOUT_ENV, "").strip() or None
+    if from_env is None:
+        return None
+    try:
+        return KVCacheLayout.parse(from_env)
+    except ValueError as exc:
+        raise ValueError(f"{LAYOUT_ENV}={from_env!r}: {exc}; fix or unset {LAYOUT_ENV}") from None
 
 
 def layout_candidates(

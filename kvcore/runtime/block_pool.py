@@ -20,6 +20,9 @@ from kvcore.errors import OutOfBlocksError
 from kvcore.runtime.prefix_cache import PrefixCache, check_groups, check_hashes, check_window
 
 NULL_BLOCK_ID = 0
+#: Most blocks one pool manages: its host bookkeeping costs about 50 bytes a
+#: block (3 GiB here), and no device holds more pages of a useful size.
+MAX_NUM_BLOCKS = 1 << 26
 
 
 class BlockPool:
@@ -48,6 +51,12 @@ class BlockPool:
             raise ValueError(
                 f"a block pool needs at least 2 blocks (block {NULL_BLOCK_ID} is the "
                 f"reserved null block), got num_blocks={num_blocks}; plan more blocks"
+            )
+        if num_blocks > MAX_NUM_BLOCKS:
+            raise ValueError(
+                f"num_blocks={num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks a BlockPool "
+                "manages (its host bookkeeping takes about 50 bytes a block); use larger blocks "
+                "(a bigger block_size) or plan fewer of them"
             )
         if not isinstance(enable_caching, bool):
             raise TypeError(f"enable_caching must be True or False, got {enable_caching!r}")
@@ -154,7 +163,8 @@ class BlockPool:
         allocated (double frees) and ids repeated within the call more often
         than they are held raise ``ValueError`` and leave the pool unchanged.
         """
-        if isinstance(block_ids, Iterable):
+        # NOTE: a 0-d tensor or array is one id, though it is Iterable (and iterating it raises).
+        if isinstance(block_ids, Iterable) and getattr(block_ids, "ndim", 1) != 0:
             ids = [as_int("block id", b) for b in block_ids]
         else:
             ids = [as_int("block id", block_ids)]
@@ -265,13 +275,14 @@ class BlockPool:
     def cache_blocks(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, group_id: int = 0) -> None:
         """Record held, full blocks under their hashes: ``hashes[i]`` is ``block_ids[i]``'s.
 
-        Call it once a block is full and its contents are (or, within the same
-        step, will be) written. A block already cached under the same key is
+        Call it once a block is full and the step that writes it has begun
+        (:meth:`take_new_blocks` reported it). A block already cached under the same key is
         left as it is, so a request's whole prefix may be re-cached each step;
         a hash the group already caches keeps its first block and this one
         stays uncached. Refused, pool unchanged: caching off, lists of
         different lengths (a partial block has no hash), ids not allocated or
-        repeated, a block cached under another hash or group.
+        repeated, a block no step has been handed yet (still to be zeroed),
+        a block cached under another hash or group.
         """
         if not self._caching:
             raise ValueError("this BlockPool was built without prefix caching; pass enable_caching=True")
@@ -293,6 +304,12 @@ class BlockPool:
                 raise ValueError(
                     f"block {block_id} is not allocated; cache only blocks you hold, "
                     "once their contents are written"
+                )
+            if self._in_use[block_id]:  # NOTE: pending: no step has zeroed (or written) it yet
+                raise ValueError(
+                    f"block {block_id} was allocated but no step has been handed it yet (take_new_blocks / "
+                    "KVCache.begin_step has not reported it, so it is still to be zeroed); cache it after "
+                    "the step that writes it"
                 )
             key = keys.get(block_id)
             if key is not None and key != (group_id, h):

@@ -294,11 +294,23 @@ class KVCache:
         ``common[g]`` describes the batch with KV cache group ``g``'s manager
         block table; each attention group maps it to kernel blocks.
         """
+        if not isinstance(common, (list, tuple)):
+            raise TypeError(
+                f"common must be a list of CommonAttentionMetadata, one per KV cache group, got "
+                f"{type(common).__name__}"
+            )
         if len(common) != self.num_groups:
             raise ValueError(
                 f"got {len(common)} common metadata objects for {self.num_groups} KV cache "
                 "groups; pass one per group (each with that group's block table)"
             )
+        for group_id, item in enumerate(common):
+            if not isinstance(item, CommonAttentionMetadata):
+                raise TypeError(
+                    f"common[{group_id}] is a {type(item).__name__} ({item!r:.60}), not a "
+                    "CommonAttentionMetadata; build one per KV cache group with "
+                    "kvcore.plugins.backend.CommonAttentionMetadata(...)"
+                )
         out: dict[str, Any] = {}
         for group_id, groups in enumerate(self.attn_groups):
             for attn_group in groups:

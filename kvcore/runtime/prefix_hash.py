@@ -80,9 +80,33 @@ def _token_array(token_ids: Sequence[int]) -> array:
                 raise ValueError(f"token_ids[{i}] = {t} is not a token id; ids must be in [0, 2**64)")
             checked.append(t)
         tokens = array("Q", checked)
+    else:
+        _refuse_bools(ids, tokens)
     if sys.byteorder == "big":
         tokens.byteswap()
     return tokens
+
+
+#: Where the least significant byte of a native uint64 sits.
+_LOW_BYTE = 0 if sys.byteorder == "little" else 7
+
+
+def _refuse_bools(ids: Sequence[object], tokens: array) -> None:
+    """``TypeError`` for a bool among ``ids`` (``array`` took it as 0 or 1), as the pool refuses them.
+
+    Only ids whose low byte is 0 or 1 can be bools: they are found by byte
+    searches in C, and only those few are looked at in Python.
+    """
+    low = tokens.tobytes()[_LOW_BYTE::8]
+    for byte in (b"\x00", b"\x01"):
+        i = low.find(byte)
+        while i != -1:
+            if type(ids[i]) is bool:
+                raise TypeError(
+                    f"token_ids[{i}] is the bool {ids[i]!r}, not a token id; pass integer ids "
+                    "(int(x), or tensor.long() for a bool tensor)"
+                )
+            i = low.find(byte, i + 1)
 
 
 def block_hashes(

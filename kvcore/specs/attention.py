@@ -14,15 +14,11 @@ from kvcore._validate import (
     attrs_positive,
 )
 
-from kvcore.specs.base import KVCacheSpec
+from kvcore.specs.base import KVCacheSpec, check_cache_dtype
 
 
 def _check_dtype(inst: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, torch.dtype):
-        raise TypeError(
-            f"{type(inst).__name__}.{attribute.name} must be a torch.dtype "
-            f"(e.g. torch.bfloat16), got {value!r}"
-        )
+    check_cache_dtype(f"{type(inst).__name__}.{attribute.name}", value)
 
 
 def _tokens_per_state(value: Any) -> int | Fraction:

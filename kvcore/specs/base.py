@@ -30,6 +30,26 @@ class MultipleOf:
         return block_size % self.base == 0
 
 
+#: dtypes a cache cannot store: no byte view or kernel takes them.
+_NOT_CACHE_DTYPES = frozenset(
+    getattr(torch, name) for name in ("bool", "qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    if hasattr(torch, name)
+)
+
+
+def check_cache_dtype(where: str, value: Any) -> torch.dtype:
+    """``value`` if it is a dtype a KV cache can hold; ``TypeError``/``ValueError`` naming ``where``."""
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{where} must be a torch.dtype (e.g. torch.bfloat16), got {value!r}")
+    if value in _NOT_CACHE_DTYPES or value.is_complex:
+        raise ValueError(
+            f"{where}={value} is not a dtype a KV cache can store; use a floating or integer "
+            "dtype such as torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn or "
+            "torch.int8 (store a complex value as two real ones)"
+        )
+    return value
+
+
 def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
     if value is not None and not isinstance(value, MultipleOf):
         raise TypeError(

@@ -14,7 +14,7 @@ from kvcore._validate import (
     positive_int,
 )
 
-from kvcore.specs.base import KVCacheSpec
+from kvcore.specs.base import KVCacheSpec, check_cache_dtype
 
 
 def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
@@ -63,9 +63,8 @@ class MambaSpec(KVCacheSpec):
                 f"{name} needs one dtype per state shape and at least one state, got "
                 f"{len(self.shapes)} shapes and {len(self.dtypes)} dtypes"
             )
-        for dtype in self.dtypes:
-            if not isinstance(dtype, torch.dtype):
-                raise TypeError(f"{name}.dtypes must hold torch.dtype values, got {dtype!r}")
+        for i, dtype in enumerate(self.dtypes):
+            check_cache_dtype(f"{name}.dtypes[{i}]", dtype)
         for shape in self.shapes:
             if any(d <= 0 for d in shape):
                 raise ValueError(f"{name}: state shape {shape} has a non-positive dim")

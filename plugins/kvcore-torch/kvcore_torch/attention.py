@@ -25,6 +25,7 @@ from kvcore_torch._checks import (
     check_block_ids,
     check_cache_view,
     check_heads_and_window,
+    check_tokens,
     value_checks,
 )
 
@@ -67,12 +68,16 @@ def paged_attention(
         ``KVCORE_DEBUG_CHECKS=1``; off on GPUs, where block ids are clamped
         into the cache instead (never read out of bounds).
     :returns: ``[T, Hq, head_size_v]`` in ``query``'s dtype (``out`` if given).
+    :raises TypeError: a query whose dtype is not the cache's (cast it first, as
+        the Triton backend also asks).
     """
     head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v)
     if not isinstance(query, torch.Tensor) or query.dim() != 3 or query.shape[-1] != head_size:
         got = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
         raise ValueError(f"query must be [tokens, query heads, {head_size}], got {got}")
     num_tokens, num_q_heads, _ = query.shape
+    # NOTE: one rule with the Triton backend: the query has the cache's dtype and device.
+    check_tokens("query", query, num_tokens, num_q_heads, head_size, kv_cache_view)
     num_blocks, num_kv_heads, block_size, _ = kv_cache_view.shape
     check_heads_and_window(num_q_heads, num_kv_heads, sliding_window)
     num_reqs = check_batch_shapes(query_start_loc, seq_lens, block_table)

@@ -141,3 +141,17 @@ def test_bad_inputs_name_the_problem():
         write_kv(view, torch.randn(1, 2, 8).double(), torch.randn(1, 2, 8), torch.tensor([0]), 8)
     with pytest.raises(ValueError, match="block ids"):
         paged_attention(q[:, :2], view, table + 7, qsl, lens, head_size=8, scale=1.0)
+
+
+@pytest.mark.parametrize("query_dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_a_query_in_another_dtype_than_the_cache_is_refused_like_triton_does(query_dtype):
+    """One rule for both backends: cast the query to the cache's dtype first (no silent up/downcast)."""
+    (view, _) = build_cache("LBNHC", 4, 3, 2, 8, torch.float32)
+    view.copy_(torch.randn(view.shape))
+    q = torch.randn(3, 4, 8).to(query_dtype)
+    qsl, lens = torch.tensor([0, 3], dtype=torch.int32), torch.tensor([3], dtype=torch.int32)
+    table = torch.ones(1, 1, dtype=torch.int32)
+    with pytest.raises(TypeError, match=f"query has dtype {query_dtype} but the KV cache holds torch.float32; cast it"):
+        paged_attention(q, view, table, qsl, lens, head_size=8, scale=1.0)
+    out = paged_attention(q.float(), view, table, qsl, lens, head_size=8, scale=1.0)
+    assert out.dtype == torch.float32 and out.abs().sum() > 0

@@ -1,0 +1,26 @@
+"""The three distributions install quietly in editable mode (``make demo`` / ``make test``).
+
+setuptools prints an "Editable installation" warning for a flat layout unless the
+project maps its root explicitly (``package-dir = {"" = "."}``): then ``pip install
+-e`` writes a plain ``.pth`` and says nothing (issue #22: three warnings per install).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.parametrize("project", [".", "plugins/kvcore-torch", "plugins/kvcore-triton"])
+def test_each_project_maps_its_root_for_a_quiet_editable_install(project):
+    config = tomllib.loads((ROOT / project / "pyproject.toml").read_text())
+    assert config["tool"]["setuptools"]["package-dir"] == {"": "."}
