@@ -43,6 +43,9 @@ if ! $PY -c "import nixl._api" 2>/dev/null; then
     .whl/nixl-*.whl .whl/nixl_cu*.whl >"$OUT/pip.log" 2>&1 || say "NIXL wheels did not install (see pip.log)"
   export PYTHONPATH=/tmp/nixl-site:$PYTHONPATH
 fi
+# The plugins' entry points (the examples pick backends by name or "auto").
+$PY -m pip install -q --no-deps --no-build-isolation -e plugins/kvcore-torch -e plugins/kvcore-triton >>"$OUT/pip.log" 2>&1 \
+  || say "plugin installs failed (see pip.log)"
 # UCX's CUDA module needs libcudart of torch's CUDA major; torch's wheels keep it under nvidia/.
 CUDART_DIR=$($PY -c "import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); \
 c = sorted(glob.glob(d + '/nvidia/**/libcudart.so.' + torch.version.cuda.split('.')[0], recursive=True)); print(os.path.dirname(c[0]) if c else '')")

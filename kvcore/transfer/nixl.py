@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import struct
 from typing import Any
 
@@ -104,6 +105,11 @@ class NixlAgent:
         # UCX's CUDA transports read the calling thread's CUDA context when the agent starts: make
         # the cache's device (whose primary context exists: the cache is allocated) current meanwhile.
         current = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+        if device.type == "cuda":
+            # NOTE: without NVLink UCX turns cuda_ipc's get (READ) path off and reads crawl over a
+            # staged fallback: 0.4 GB/s against 48 GB/s with it on (H200, two processes, BENCHMARKS.md).
+            # UCX reads this when the agent's context starts; a value the user set is kept.
+            os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
         try:
             with current:
                 if device.type == "cuda":
