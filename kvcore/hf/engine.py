@@ -21,7 +21,6 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.attention import ChunkedLocalAttentionSpec, SlidingWindowSpec
 from kvcore.specs.state import MambaSpec
@@ -126,11 +125,9 @@ class Engine:
             specs, settings.layer_backends, device=self.device, layout=layout,
             num_blocks=num_blocks, available_memory=available_memory,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
-            max_num_blocks=max_num_blocks,
+            max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
         )
         self._start_blocks = self.kv.num_blocks
-        if enable_prefix_caching:
-            self.kv.block_pool = BlockPool(self.kv.num_blocks, enable_caching=True)
         self.scheduler = Scheduler(
             self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             prefix_caching=enable_prefix_caching,

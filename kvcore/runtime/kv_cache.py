@@ -128,6 +128,7 @@ class KVCache:
         plugin_manager: pluggy.PluginManager | None = None,
         group: Any = None,
         max_num_blocks: int | None = None,
+        enable_prefix_caching: bool = False,
     ) -> KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
@@ -142,6 +143,7 @@ class KVCache:
         many blocks is reserved (the plan and views are theirs) and memory is
         committed for the first ``num_blocks`` (or what ``available_memory``
         buys; neither: all of them); :meth:`resize` changes that later.
+        ``enable_prefix_caching`` builds ``block_pool`` with ``enable_caching=True``.
         """
         device = checked_device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
@@ -202,7 +204,9 @@ class KVCache:
             kernel_block_sizes=kernel_block_sizes,
             kv_caches=kv_caches,
             layer_kv_caches=layer_kv_caches,
-            block_pool=BlockPool(config.num_blocks if elastic is None else num_blocks),
+            block_pool=BlockPool(
+                config.num_blocks if elastic is None else num_blocks, enable_caching=enable_prefix_caching
+            ),
             zeroer=zeroer,
             device=device,
             max_num_seqs=max_num_seqs,
