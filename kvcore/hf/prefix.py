@@ -11,16 +11,12 @@ hashes, generated tokens included.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import numpy as np
 
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes, sliding_window_blocks
+from kvcore.hf.groups import GroupInfo
 from kvcore.hf.requests import Request
-
-if TYPE_CHECKING:
-    from kvcore.hf.scheduler import GroupInfo
 
 
 class PrefixCache:

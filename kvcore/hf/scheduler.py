@@ -23,30 +23,9 @@ import numpy as np
 
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.specs.attention import SlidingWindowSpec
-from kvcore.specs.state import MambaSpec
+from kvcore.hf.groups import GroupInfo, group_infos
 from kvcore.hf.prefix import PrefixCache
 from kvcore.hf.requests import Request
-
-
-@attrs.frozen
-class GroupInfo:
-    """A KV cache group as the scheduler sees it."""
-
-    block_size: int
-    #: Tokens of the sliding window, None for full attention.
-    sliding_window: int | None
-    #: A state group: one block (the request's state slot) whatever its length.
-    state: bool = False
-
-    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
-        """Most blocks one request of ``num_tokens`` ever holds in this group at once."""
-        if self.state:
-            return 1
-        full = -(-num_tokens // self.block_size)
-        if self.sliding_window is None:
-            return full
-        return min(full, (self.sliding_window - 1 + max_chunk) // self.block_size + 2)
 
 
 @attrs.define
@@ -61,12 +40,7 @@ class Scheduler:
 
     def __init__(self, kv: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool) -> None:
         self.pool: BlockPool = kv.block_pool
-        self.groups = [
-            GroupInfo(g.kv_cache_spec.block_size, getattr(g.kv_cache_spec, "sliding_window", None)
-                      if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None,
-                      state=isinstance(g.kv_cache_spec, MambaSpec))
-            for g in kv.config.kv_cache_groups
-        ]
+        self.groups = group_infos(kv)
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = kv.max_model_len

@@ -1,0 +1,45 @@
+"""Each KV cache group as the engine serves it: block size, sliding window, state slot.
+
+Worked out once per group from the group's spec when the engine is built;
+the scheduler, the prefix cache and the engine read these records.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from kvcore.runtime.kv_cache import KVCache
+from kvcore.specs.attention import SlidingWindowSpec
+from kvcore.specs.state import MambaSpec
+
+
+@attrs.frozen
+class GroupInfo:
+    """A KV cache group as the scheduler sees it."""
+
+    block_size: int
+    #: Tokens of the sliding window, None for full attention.
+    sliding_window: int | None
+    #: A state group: one block (the request's state slot) whatever its length.
+    state: bool = False
+
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """Most blocks one request of ``num_tokens`` ever holds in this group at once."""
+        if self.state:
+            return 1
+        full = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return full
+        return min(full, (self.sliding_window - 1 + max_chunk) // self.block_size + 2)
+
+
+def group_infos(kv: KVCache) -> list[GroupInfo]:
+    """One :class:`GroupInfo` per KV cache group of ``kv``, in group order."""
+    return [
+        GroupInfo(
+            g.kv_cache_spec.block_size,
+            g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None,
+            state=isinstance(g.kv_cache_spec, MambaSpec),
+        )
+        for g in kv.config.kv_cache_groups
+    ]
