@@ -111,16 +111,9 @@ def export_prefix(engine: Engine, prompt: Sequence[int]) -> PrefixBlocks:
     """
     prefix = _prefix_cache(engine)
     tokens = check_prompt(0, prompt, 1, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
-    pool, limit = engine.kv.block_pool, len(tokens) - 1
+    limit = len(tokens) - 1
     hashes = [block_hashes(tokens[: limit - limit % g.block_size], g.block_size) for g in prefix.groups]
-    num_tokens = pool.find_common_prefix(
-        {i: (h, g.block_size, prefix.windows[i]) for i, (g, h) in enumerate(zip(prefix.groups, hashes))},
-        max_tokens=limit,
-    )
-    ids = [
-        pool.get_cached_blocks(h[: num_tokens // g.block_size], group_id=i, window=prefix.windows[i])
-        for i, (g, h) in enumerate(zip(prefix.groups, hashes))
-    ]
+    num_tokens, ids = prefix.hit(hashes, limit)
     blocks = PrefixBlocks(tokens[:num_tokens], ids)
     _check(engine, blocks, held=True)
     return blocks

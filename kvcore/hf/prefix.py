@@ -43,21 +43,33 @@ class PrefixCache:
             hashes.extend(block_hashes(request.tokens[start : num_blocks * block_size], block_size, parent=parent))
         return hashes[:num_blocks]
 
-    def admit(self, request: Request, tables: list[np.ndarray]) -> None:
-        """Start ``request`` at its longest cached prefix: shared blocks, no prefill for them."""
+    def hit(self, hashes: list[list[bytes]], max_tokens: int) -> tuple[int, list[list[int]]]:
+        """The longest prefix of at most ``max_tokens`` tokens every group caches, and its blocks per group.
+
+        ``hashes[g]`` are group ``g``'s chained block hashes of the tokens; each
+        returned block gains a reference (the caller holds it).
+        """
         groups, pool = self.groups, self.pool
-        limit = request.num_tokens - 1
-        hashes = [self._hashes(request, g.block_size, limit // g.block_size) for g in groups]
         tokens = pool.find_common_prefix(
             {i: (h, g.block_size, self.windows[i]) for i, (g, h) in enumerate(zip(groups, hashes))},
-            max_tokens=limit,
+            max_tokens=max_tokens,
         )
         if tokens == 0:
-            return
+            return 0, [[] for _ in groups]
+        ids = []
         for i, (g, h) in enumerate(zip(groups, hashes)):
-            ids = pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=self.windows[i])
-            if len(ids) * g.block_size != tokens:
-                raise RuntimeError(f"group {i}: prefix cache returned {len(ids)} blocks for {tokens} tokens")
+            ids.append(pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=self.windows[i]))
+            if len(ids[i]) * g.block_size != tokens:
+                raise RuntimeError(f"group {i}: prefix cache returned {len(ids[i])} blocks for {tokens} tokens")
+        return tokens, ids
+
+    def admit(self, request: Request, tables: list[np.ndarray]) -> None:
+        """Start ``request`` at its longest cached prefix: shared blocks, no prefill for them."""
+        limit = request.num_tokens - 1
+        tokens, hit = self.hit([self._hashes(request, g.block_size, limit // g.block_size) for g in self.groups], limit)
+        if tokens == 0:
+            return
+        for i, ids in enumerate(hit):
             request.block_tables[i] = ids
             request.window_start[i] = next((j for j, b in enumerate(ids) if b), len(ids))
             request.num_cached_blocks[i] = len(ids)
