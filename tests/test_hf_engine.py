@@ -96,6 +96,15 @@ def test_gemma3_sliding_and_full_layers_get_separate_block_tables(models):
     assert len(engine.scheduler.tables) == 2
 
 
+def test_a_module_whose_window_disagrees_with_its_config_is_refused_when_bound(models, monkeypatch):
+    # The window comes from the layer's KV cache group; a module attending with another one
+    # would silently read the wrong tokens, so the engine refuses it up front.
+    attn = models["gemma3"].model.layers[0].self_attn
+    monkeypatch.setattr(attn, "sliding_window", attn.sliding_window + 5)
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn attends with sliding_window=29 .* has 24"):
+        Engine(models["gemma3"], num_blocks=10)
+
+
 def test_preempted_requests_are_recomputed_exactly(models):
     # 3 requests of one block each (of 5) all grow into a second block: the newest is preempted.
     prompts = prompts_for([14, 13, 14, 12], seed=4)

@@ -8,6 +8,8 @@ keyword argument given to ``model(...)``. The engine passes a
 calling module's layer there and hands the call to that layer's kvcore
 backend ``forward``, which writes the new K/V into the paged cache and attends.
 No mask is needed: the backend reads request boundaries from the metadata.
+The window is the layer's KV cache group's (checked against the module once,
+when the engine binds it), not the one transformers passes per call.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ STEP_KWARG = "kvcore_step"
 
 @attrs.frozen(eq=False)
 class LayerBinding:
-    """What one attention module needs from kvcore: its backend, cache view and shape."""
+    """What one attention module needs from kvcore: its backend, cache view, shape and its group's window."""
 
     name: str
     backend: Any = attrs.field(repr=False)
@@ -66,11 +68,6 @@ def kvcore_attention(
     layer = step.layers.get(module)
     if layer is None:
         raise RuntimeError(f"{type(module).__name__} is not an attention module the engine bound to the KV cache")
-    if sliding_window != layer.sliding_window:
-        raise RuntimeError(
-            f"{layer.name} attends with sliding_window={sliding_window} but its KV cache spec has "
-            f"{layer.sliding_window}; the model and its config disagree"
-        )
     if query.shape[0] != 1:
         raise RuntimeError(f"kvcore attention takes one packed row of tokens, got a batch of {query.shape[0]}")
     scale = module.scaling if scaling is None else scaling

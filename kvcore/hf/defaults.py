@@ -37,6 +37,8 @@ class EngineDefaults:
     max_num_batched_tokens: int
     #: Backend (class or name) of every layer, "auto" resolved.
     layer_backends: dict[str, Any]
+    #: The layer specs at ``block_size``.
+    specs: Mapping[str, KVCacheSpec] = attrs.field(repr=False, factory=dict)
 
 
 def resolve(
@@ -56,10 +58,14 @@ def resolve(
     if block_size is None and attention:
         first = next(iter(attention.values()))
         block_size = preferred_block_size(pick(first), first) or BLOCK_SIZE
-        attention = {n: s for n, s in make_specs(block_size).items() if s.is_attention}
+        if block_size != BLOCK_SIZE:
+            specs = make_specs(block_size)
+            attention = {n: s for n, s in specs.items() if s.is_attention}
     if max_num_batched_tokens is None:
         max_num_batched_tokens = BATCHED_TOKENS.get(device.type, BATCHED_TOKENS["cpu"])
-    return EngineDefaults(block_size or BLOCK_SIZE, max_num_batched_tokens, {n: pick(s) for n, s in attention.items()})
+    return EngineDefaults(
+        block_size or BLOCK_SIZE, max_num_batched_tokens, {n: pick(s) for n, s in attention.items()}, specs
+    )
 
 
 def warm_up(graphs: Any, *, progress: bool = True) -> None:

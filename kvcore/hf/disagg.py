@@ -65,9 +65,9 @@ def _prefix_cache(engine: Engine) -> PrefixCache:
 def _pattern(prefix: PrefixCache, num_tokens: int) -> list[tuple[int, int]]:
     """Per group: (blocks in a prefix of ``num_tokens``, leading blocks outside the window)."""
     out = []
-    for group, window in zip(prefix.groups, prefix.windows):
+    for group in prefix.groups:
         n = num_tokens // group.block_size
-        out.append((n, 0 if window is None else max(0, n - window)))
+        out.append((n, 0 if group.window_blocks is None else max(0, n - group.window_blocks)))
     return out
 
 

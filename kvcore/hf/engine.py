@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.specs.attention import ChunkedLocalAttentionSpec, SlidingWindowSpec
+from kvcore.specs.attention import ChunkedLocalAttentionSpec
 from kvcore.specs.state import MambaSpec
 from kvcore._validate import positive_int
 from kvcore.errors import KVCoreError
@@ -35,7 +35,7 @@ from kvcore.hf.graphs import DecodeGraphs, graphs_wanted
 from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.requests import Request, check_prompt
 from kvcore.hf.scheduler import Scheduler
-from kvcore.hf.specs import specs_from_config
+from kvcore.hf.specs import layer_specs
 from kvcore.hf.stats import PHASES, EngineStats
 from kvcore.hf.tp import resolve_tp, shard_specs
 
@@ -102,14 +102,12 @@ class Engine:
         self.max_model_len = positive_int("config.max_position_embeddings", config.max_position_embeddings)
         tp_rank, tp_size = resolve_tp(model, group)
         settings = resolve_defaults(
-            lambda size: shard_specs(specs_from_config(config, dtype=model.dtype, block_size=size), tp_rank, tp_size),
+            lambda size: shard_specs(layer_specs(config, model.dtype, size), tp_rank, tp_size),
             self.device, backend, None if block_size is None else positive_int("block_size", block_size),
             max_num_batched_tokens,
         )
         max_num_batched_tokens = positive_int("max_num_batched_tokens", settings.max_num_batched_tokens)
-        specs = shard_specs(
-            specs_from_config(config, dtype=model.dtype, block_size=settings.block_size), tp_rank, tp_size
-        )
+        specs = settings.specs
         chunked = [n for n, s in specs.items() if isinstance(s, ChunkedLocalAttentionSpec)]
         if chunked:
             raise ValueError(f"{chunked[0]} uses chunked local attention, which no kvcore backend implements")
@@ -134,8 +132,8 @@ class Engine:
         )
         if max_num_blocks is not None:
             self.scheduler.grow = self._grow_cache
-        self._layers = {module: self._bind(name) for name, module in modules.items()}
-        self._block_sizes = [self.kv.block_size(g) for g in range(self.kv.num_groups)]
+        self._layers = {module: self._bind(name, module) for name, module in modules.items()}
+        self._block_sizes = [info.block_size for info in self.scheduler.groups]
         #: The hybrid model's mixers on their state groups (None for attention-only models).
         self.mixers = MixerRunner(model, self.kv, mixers) if mixers else None
         self._state_groups = [info.state for info in self.scheduler.groups]
@@ -165,11 +163,17 @@ class Engine:
             if self.graphs is not None and self.graphs.capture:
                 warm_up(self.graphs, progress=progress)
 
-    def _bind(self, name: str) -> LayerBinding:
+    def _bind(self, name: str, module: torch.nn.Module) -> LayerBinding:
         attn_group = self.kv.group_of(name)
-        spec = attn_group.kv_cache_spec
-        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
-        return LayerBinding(name, attn_group.backend, self.kv.layer_kv_caches[name], spec.head_size, window)
+        window = self.scheduler.groups[attn_group.kv_cache_group_id].sliding_window
+        declared = getattr(module, "sliding_window", window)
+        if declared != window:
+            raise ValueError(
+                f"{name} attends with sliding_window={declared} but its KV cache spec has {window}; "
+                "the model and its config disagree"
+            )
+        return LayerBinding(name, attn_group.backend, self.kv.layer_kv_caches[name],
+                            attn_group.kv_cache_spec.head_size, window)
 
     # -- requests --------------------------------------------------------------------------
 

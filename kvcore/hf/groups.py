@@ -1,7 +1,8 @@
 """Each KV cache group as the engine serves it: block size, sliding window, state slot.
 
 Worked out once per group from the group's spec when the engine is built;
-the scheduler, the prefix cache and the engine read these records.
+the scheduler, the prefix cache, the engine and the attention bindings read
+these records and never look at the spec again.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from kvcore.runtime.kv_cache import KVCache
+from kvcore.runtime.prefix_hash import sliding_window_blocks
 from kvcore.specs.attention import SlidingWindowSpec
 from kvcore.specs.state import MambaSpec
 
@@ -22,6 +24,12 @@ class GroupInfo:
     sliding_window: int | None
     #: A state group: one block (the request's state slot) whatever its length.
     state: bool = False
+    #: Blocks a prefix-cache hit needs in this group (the window before the next token); None: all.
+    window_blocks: int | None = attrs.field(init=False)
+
+    @window_blocks.default
+    def _window_blocks(self) -> int | None:
+        return None if self.sliding_window is None else sliding_window_blocks(self.sliding_window, self.block_size)
 
     def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
         """Most blocks one request of ``num_tokens`` ever holds in this group at once."""

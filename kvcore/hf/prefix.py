@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvcore.runtime.block_pool import BlockPool
-from kvcore.runtime.prefix_hash import block_hashes, sliding_window_blocks
+from kvcore.runtime.prefix_hash import block_hashes
 from kvcore.hf.groups import GroupInfo
 from kvcore.hf.requests import Request
 
@@ -27,10 +27,6 @@ class PrefixCache:
             raise ValueError("prefix caching needs a BlockPool built with enable_caching=True")
         self.pool = pool
         self.groups = groups
-        self.windows = [
-            None if g.sliding_window is None else sliding_window_blocks(g.sliding_window, g.block_size)
-            for g in groups
-        ]
         self.hits = 0
         self.hit_tokens = 0
 
@@ -51,14 +47,14 @@ class PrefixCache:
         """
         groups, pool = self.groups, self.pool
         tokens = pool.find_common_prefix(
-            {i: (h, g.block_size, self.windows[i]) for i, (g, h) in enumerate(zip(groups, hashes))},
+            {i: (h, g.block_size, g.window_blocks) for i, (g, h) in enumerate(zip(groups, hashes))},
             max_tokens=max_tokens,
         )
         if tokens == 0:
             return 0, [[] for _ in groups]
         ids = []
         for i, (g, h) in enumerate(zip(groups, hashes)):
-            ids.append(pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=self.windows[i]))
+            ids.append(pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=g.window_blocks))
             if len(ids[i]) * g.block_size != tokens:
                 raise RuntimeError(f"group {i}: prefix cache returned {len(ids[i])} blocks for {tokens} tokens")
         return tokens, ids

@@ -128,6 +128,11 @@ def specs_from_config(
         hybrid whose mixer states kvcore cannot own (``kvcore.hf.hybrid.REFUSED_HYBRIDS``).
     """
     check_servable(config)
+    return layer_specs(config, dtype, block_size)
+
+
+def layer_specs(config: Any, dtype: torch.dtype | str | None, block_size: int) -> dict[str, KVCacheSpec]:
+    """:func:`specs_from_config` of a config that already passed :func:`check_servable`."""
     block_size = positive_int("block_size", block_size)
     dtype = resolve_dtype(config, dtype)
     _, num_kv_heads, head_dim = head_shape(config)
