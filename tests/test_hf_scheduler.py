@@ -5,7 +5,8 @@ Invariants, checked after every ``schedule()`` for random workloads:
 - every scheduled request holds blocks for all its tokens up to the end of its chunk, in every group,
   and a sliding-window group still holds every block a query of the chunk can see;
 - each block is held as many times as the pool counts references (once without caching), only
-  by running requests, and the block-table arrays the batch builder reads mirror the requests';
+  by running requests; a request's blocks are the leading entries of its row of the block
+  tables the batch builder reads, and every other entry (past them, or in a free row) is 0;
 - a sliding-window group never holds more blocks than ``peak_blocks`` allows;
 - a state group (a hybrid's mixer states) gives every running request exactly one block, its slot;
 - every request finishes (no deadlock) and all blocks come back to the pool, also when every
@@ -45,17 +46,20 @@ def check_invariants(sched: Scheduler, batch, budget: int) -> None:
     assert len(sched.running) <= sched.max_num_seqs
     holders: collections.Counter[int] = collections.Counter()
     for request in sched.running:
-        for g, (info, table) in enumerate(zip(sched.groups, request.block_tables)):
+        for g, info in enumerate(sched.groups):
+            table = sched.blocks(request, g).tolist()
             held = [b for b in table if b]
             holders.update(held)
-            assert list(sched.tables[g][request.row, : len(table)]) == table
+            assert not sched.tables[g][request.row, len(table) :].any()
             if info.state:
                 assert len(held) == len(table) == 1 and sched.tables[g].shape[1] == 1
             if info.sliding_window is not None:
                 assert len(held) <= info.peak_blocks(request.num_tokens, sched.max_num_batched_tokens)
+    assert not any(t[row].any() for t in sched.tables for row in sched._free_rows)
     for request, n in batch:
         end = request.num_computed + n
-        for info, table in zip(sched.groups, request.block_tables):
+        for g, info in enumerate(sched.groups):
+            table = sched.blocks(request, g).tolist()
             if info.state:
                 continue
             assert len(table) * info.block_size >= end
@@ -91,7 +95,7 @@ def test_scheduler_keeps_blocks_consistent_and_finishes_everything(
             continue  # the engine refuses such a request up front
         # NOTE: a tiny alphabet makes shared prefixes (and cache hits) likely.
         prompt = data.draw(st.lists(st.integers(0, 1), min_size=prompt_len, max_size=prompt_len))
-        requests.append(Request(i, prompt, prompt_len, new, []))
+        requests.append(Request(i, prompt, prompt_len, new))
         sched.add(requests[-1])
     for step in range(2000):
         if not sched.has_work:

@@ -187,7 +187,7 @@ class Engine:
                 f"{need} KV cache blocks but the whole cache has {have}; plan more blocks "
                 "(num_blocks / available_memory) or shorten the request"
             )
-        return Request(self._next_id + index, tokens, len(tokens), max_new_tokens, [])
+        return Request(self._next_id + index, tokens, len(tokens), max_new_tokens)
 
     def add_request(self, prompt: Sequence[int], max_new_tokens: int) -> int:
         """Queue one request; returns its id. A bad request raises and queues nothing."""
@@ -298,7 +298,7 @@ class Engine:
             inputs = build_step_inputs(batch, self.scheduler.tables, self._block_sizes, self.device,
                                        self._state_groups)
             if self.mixers is not None:
-                self.mixers.step = self.mixers.plan(batch)
+                self.mixers.step = self.mixers.plan(batch, self.scheduler.tables)
             metadata = self.kv.build_metadata(inputs.common)
             sampling, num_tokens = inputs.sampled, inputs.num_tokens
         t2 = clock()

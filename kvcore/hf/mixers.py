@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 import attrs
+import numpy as np
 import torch
 from transformers import Cache
 
@@ -145,12 +146,12 @@ class MixerRunner:
         for name, layer in self.layers.items():
             layer.point_at(self._states(kv, name))
 
-    def plan(self, batch: list[tuple[Request, int]]) -> MixerStep:
-        """Columns and slots of this step's requests (``batch`` in packed order)."""
+    def plan(self, batch: list[tuple[Request, int]], tables: Sequence[np.ndarray]) -> MixerStep:
+        """Columns and slots of this step's requests (``batch`` in packed order; ``tables``: the scheduler's)."""
         columns, decode_slots, prefills = [], {g: [] for g in self.state_groups}, []
         start = 0
         for request, n in batch:
-            slots = {g: request.block_tables[g][0] for g in self.state_groups}
+            slots = {g: int(tables[g][request.row, 0]) for g in self.state_groups}
             if n == 1:
                 columns.append(start)
                 for g in self.state_groups:

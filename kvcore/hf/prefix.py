@@ -22,11 +22,13 @@ from kvcore.hf.requests import Request
 class PrefixCache:
     """Hit lookup and block recording over a caching :class:`~kvcore.BlockPool`."""
 
-    def __init__(self, pool: BlockPool, groups: list[GroupInfo]) -> None:
+    def __init__(self, pool: BlockPool, groups: list[GroupInfo], tables: list[np.ndarray]) -> None:
         if not pool.enable_caching:
             raise ValueError("prefix caching needs a BlockPool built with enable_caching=True")
         self.pool = pool
         self.groups = groups
+        #: The scheduler's block tables (one row per running request and group).
+        self.tables = tables
         self.hits = 0
         self.hit_tokens = 0
 
@@ -59,17 +61,16 @@ class PrefixCache:
                 raise RuntimeError(f"group {i}: prefix cache returned {len(ids[i])} blocks for {tokens} tokens")
         return tokens, ids
 
-    def admit(self, request: Request, tables: list[np.ndarray]) -> None:
+    def admit(self, request: Request) -> None:
         """Start ``request`` at its longest cached prefix: shared blocks, no prefill for them."""
         limit = request.num_tokens - 1
         tokens, hit = self.hit([self._hashes(request, g.block_size, limit // g.block_size) for g in self.groups], limit)
         if tokens == 0:
             return
         for i, ids in enumerate(hit):
-            request.block_tables[i] = ids
+            self.tables[i][request.row, : len(ids)] = ids
+            request.num_blocks[i] = request.num_cached_blocks[i] = len(ids)
             request.window_start[i] = next((j for j, b in enumerate(ids) if b), len(ids))
-            request.num_cached_blocks[i] = len(ids)
-            tables[i][request.row, : len(ids)] = ids
         request.num_computed = tokens
         self.hits += 1
         self.hit_tokens += tokens
@@ -82,7 +83,7 @@ class PrefixCache:
             if full <= done:
                 continue
             hashes = self._hashes(request, g.block_size, full)[done:full]
-            ids = request.block_tables[i][done:full]
+            ids = self.tables[i][request.row, done:full].tolist()
             pairs = [(h, b) for h, b in zip(hashes, ids) if b]
             if pairs:
                 self.pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=i)

@@ -12,22 +12,24 @@ from kvcore._validate import as_int
 
 @attrs.define(eq=False)
 class Request:
-    """One prompt being served: its tokens so far and its blocks in every KV cache group.
+    """One prompt being served: its tokens so far and how many blocks it holds in every KV cache group.
 
     ``tokens`` holds the prompt followed by the generated tokens;
     ``num_computed`` counts the leading tokens whose K/V are in the cache.
-    ``block_tables[g]`` lists group ``g``'s manager block ids (0, the null
-    block, where a sliding window dropped a block); ``row`` is the request's
-    row in the scheduler's block-table arrays while it runs (-1 otherwise).
+    The block ids themselves live in one place, the request's ``row`` of the
+    scheduler's block tables (``Scheduler.blocks``), while it runs (-1
+    otherwise): ``num_blocks[g]`` leading entries of group ``g``'s row (0, the
+    null block, where a sliding window dropped a block).
     """
 
     req_id: int
     tokens: list[int]
     prompt_len: int
     max_new_tokens: int
-    block_tables: list[list[int]]
     num_computed: int = 0
     row: int = -1
+    #: Per group: blocks in the request's table row.
+    num_blocks: list[int] = attrs.field(factory=list)
     #: Per group: index of the first block a sliding window still needs.
     window_start: list[int] = attrs.field(factory=list)
     #: Chained hashes of the full blocks of ``tokens``, by block size (prefix caching only).
@@ -51,7 +53,7 @@ class Request:
 
     def reset(self, num_groups: int) -> None:
         """Forget every block (a new request, or a preempted one to be recomputed)."""
-        self.block_tables = [[] for _ in range(num_groups)]
+        self.num_blocks = [0] * num_groups
         self.window_start = [0] * num_groups
         self.num_cached_blocks = [0] * num_groups
         self.num_computed = 0

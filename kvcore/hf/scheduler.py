@@ -47,15 +47,16 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.counters = SchedulerCounters()
-        self.prefix = PrefixCache(self.pool, self.groups) if prefix_caching else None
         #: ``grow(k)``: try to add at least ``k`` free blocks (an elastic cache); True when it did.
         self.grow: Callable[[int], bool] | None = None
-        # NOTE: one row per running request and group; the batch builder slices these per step.
+        # NOTE: the one home of every running request's block ids: per group, one row per request
+        # (``Request.row``; 0 past its ``num_blocks``), which the batch builder slices per step.
         # NOTE: an elastic cache may grow to kv.max_num_blocks: rows are sized for that.
         self.tables = [
             np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), dtype=np.int32) for g in self.groups
         ]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.prefix = PrefixCache(self.pool, self.groups, self.tables) if prefix_caching else None
 
     def _width(self, group: GroupInfo, num_blocks: int) -> int:
         """Block-table columns one request may index in ``group``.
@@ -69,6 +70,10 @@ class Scheduler:
         tokens = self.max_model_len if group.sliding_window is not None else min(
             self.max_model_len, num_blocks * group.block_size)
         return -(-tokens // group.block_size)
+
+    def blocks(self, request: Request, g: int) -> np.ndarray:
+        """Group ``g``'s block ids of running ``request``: the used part of its row (a view)."""
+        return self.tables[g][request.row, : request.num_blocks[g]]
 
     # -- admission -------------------------------------------------------------------------
 
@@ -109,7 +114,7 @@ class Scheduler:
             request = self.waiting[0]
             request.row = self._free_rows.pop()
             if self.prefix is not None:
-                self.prefix.admit(request, self.tables)
+                self.prefix.admit(request)
             n = min(request.num_new_tokens, budget)
             if not self._grow(request, n):
                 self._release(request)
@@ -129,33 +134,32 @@ class Scheduler:
         needs = []
         for g, info in enumerate(self.groups):
             if info.state:
-                needs.append(0 if request.block_tables[g] else 1)
+                needs.append(0 if request.num_blocks[g] else 1)
                 continue
             if info.sliding_window is not None:
                 self._drop_out_of_window(request, g, start - info.sliding_window + 1)
-            needs.append(-(-(start + n) // info.block_size) - len(request.block_tables[g]))
+            needs.append(-(-(start + n) // info.block_size) - request.num_blocks[g])
         short = sum(needs) - self.pool.num_free_blocks
         if short > 0 and (self.grow is None or not self.grow(short)):
             return False
         for g, need in enumerate(needs):
             if need > 0:
-                table = request.block_tables[g]
-                new = self.pool.allocate(need)
-                self.tables[g][request.row, len(table) : len(table) + need] = new
-                table.extend(new)
+                held = request.num_blocks[g]
+                self.tables[g][request.row, held : held + need] = self.pool.allocate(need)
+                request.num_blocks[g] += need
                 self.counters.blocks_allocated += need
         return True
 
     def _drop_out_of_window(self, request: Request, g: int, first_visible: int) -> None:
         """Free group ``g``'s blocks wholly before position ``first_visible``."""
-        size, table = self.groups[g].block_size, request.block_tables[g]
-        end = min(max(first_visible, 0) // size, len(table))
+        size = self.groups[g].block_size
+        end = min(max(first_visible, 0) // size, request.num_blocks[g])
         begin = request.window_start[g]
         if end <= begin:
             return
-        gone = [b for b in table[begin:end] if b]
-        table[begin:end] = [0] * (end - begin)
-        self.tables[g][request.row, begin:end] = 0
+        span = self.tables[g][request.row, begin:end]
+        gone = [b for b in span.tolist() if b]
+        span[:] = 0
         request.window_start[g] = end
         if gone:
             self.pool.free(gone)
@@ -163,14 +167,14 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Free every block of ``request`` (last block first) and its row."""
-        for table in request.block_tables:
-            held = [b for b in reversed(table) if b]
+        if request.row < 0:
+            return
+        for g, rows in enumerate(self.tables):
+            held = [b for b in reversed(self.blocks(request, g).tolist()) if b]
             if held:
                 self.pool.free(held)
-        if request.row >= 0:
-            for rows in self.tables:
-                rows[request.row] = 0
-            self._free_rows.append(request.row)
+            rows[request.row] = 0
+        self._free_rows.append(request.row)
         request.row = -1
 
     def _preempt(self, request: Request) -> None:
