@@ -139,11 +139,11 @@ class KVCache:
         is allocated (:mod:`kvcore.plugins.kernel_rules`). Give exactly one of ``available_memory``
         (bytes) and ``num_blocks``. With a ``torch.distributed`` process
         ``group``, all ranks agree on one layout and one block count.
+        ``enable_prefix_caching`` builds ``block_pool`` with ``enable_caching=True``.
         With ``max_num_blocks`` the cache is elastic: address space for that
         many blocks is reserved (the plan and views are theirs) and memory is
         committed for the first ``num_blocks`` (or what ``available_memory``
         buys; neither: all of them); :meth:`resize` changes that later.
-        ``enable_prefix_caching`` builds ``block_pool`` with ``enable_caching=True``.
         """
         device = checked_device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
