@@ -60,11 +60,10 @@ _EXPORTS: dict[str, tuple[str, ...]] = {
     "kvcore.runtime.prefix_hash": ("block_hashes", "sliding_window_blocks"),
     "kvcore.runtime.kv_cache": ("KVCache",),
     "kvcore.runtime.zeroer": ("KVBlockZeroer",),
-    "kvcore.model_runner.batch": (
+    "kvcore.model_runner.uniform_decode": ("get_uniform_decode_token_count", "is_uniform_query_len"),
+    "kvcore.model_runner.multimodal": (
         "EncoderTimingStats",
         "gather_mm_placeholders",
-        "get_uniform_decode_token_count",
-        "is_uniform_query_len",
         "sanity_check_mm_encoder_outputs",
         "scatter_mm_placeholders",
     ),

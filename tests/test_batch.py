@@ -5,14 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.model_runner.batch import (
+from kvcore.model_runner.multimodal import (
     EncoderTimingStats,
     gather_mm_placeholders,
-    get_uniform_decode_token_count,
-    is_uniform_query_len,
     sanity_check_mm_encoder_outputs,
     scatter_mm_placeholders,
 )
+from kvcore.model_runner.uniform_decode import get_uniform_decode_token_count, is_uniform_query_len
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvcore.memory.planner import plan_kv_cache
-from kvcore.models import load_model
+from kvcore.model_files import load_model_file
 from kvcore.specs import (
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
@@ -87,7 +87,7 @@ def test_group_id_is_checked():
 
 
 def test_gemma_3_27b_readme_figure_is_exact():
-    model = load_model("gemma-3-27b")
+    model = load_model_file("gemma-3-27b")
     config = plan_kv_cache(model.kv_cache_specs, "BLNHC", available_memory=40 << 30)
     capacity = config.token_capacity
     assert capacity == 74_896

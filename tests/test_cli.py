@@ -17,7 +17,7 @@ import kvcore
 import kvcore.bench
 import kvcore.bench.options
 from kvcore.cli import _COMMANDS, build_parser, main
-from kvcore.models import load_model, preset_names
+from kvcore.model_files import load_model_file, preset_names
 
 
 def _run(*argv: str, code: str = "") -> subprocess.CompletedProcess:
@@ -78,8 +78,8 @@ def test_layout_names_for_help_are_the_enum_members():
 
 
 def test_models_help_names_the_preset_directory_of_kvcore_models():
-    from kvcore.cli.models import _PRESET_DIR
-    from kvcore.models import PRESET_DIR
+    from kvcore.cli.model_presets import _PRESET_DIR
+    from kvcore.model_files import PRESET_DIR
 
     assert _PRESET_DIR == PRESET_DIR
 
@@ -153,7 +153,7 @@ def test_models_lists_every_preset(capsys, monkeypatch):
     out = capsys.readouterr().out
     for name in preset_names():
         row = next(line for line in out.splitlines() if line.startswith(name + " "))
-        assert str(len(load_model(name).kv_cache_specs)) in row.split()
+        assert str(len(load_model_file(name).kv_cache_specs)) in row.split()
     assert all(len(line) <= 80 for line in out.splitlines())
     assert main(["models", "--json"]) == 0
     listed = json.loads(capsys.readouterr().out)

@@ -179,9 +179,9 @@ def test_layout_costs_of_llama_at_2mib_granules(capsys):
     from kvcore.bench.elastic_layouts import layout_cost
     from kvcore.memory.layout import KVCacheLayout as L
     from kvcore.cli import main
-    from kvcore.models import load_model
+    from kvcore.model_files import load_model_file
 
-    specs = load_model("llama-3-8b").kv_cache_specs
+    specs = load_model_file("llama-3-8b").kv_cache_specs
     rows = {n: layout_cost(specs, L[n], 512, 2 * 2**20) for n in ("BHLNC", "LBNHC", "LHBNC")}
     assert all(rows[n]["block_bytes"] == 2 * 2**20 for n in rows)  # 32 layers x 64 KiB
     # a block is one granule: a grow maps one per block

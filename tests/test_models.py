@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from kvcore.model_runner.binding import extract_layer_index
-from kvcore.models import PRESET_DIR, find_model, load_model, parse_model, preset_names
+from kvcore.model_files import PRESET_DIR, find_model, load_model_file, parse_model, preset_names
 from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, MultipleOf, SlidingWindowSpec
 
 
@@ -23,7 +23,7 @@ def test_presets_are_listed():
 
 
 def test_llama():
-    model = load_model("llama-3-8b")
+    model = load_model_file("llama-3-8b")
     specs = list(model.kv_cache_specs.values())
     assert model.name == "Llama 3 8B" and len(specs) == 32
     assert all(s == specs[0] for s in specs) and isinstance(specs[0], FullAttentionSpec)
@@ -32,7 +32,7 @@ def test_llama():
 
 
 def test_gemma_alternates_five_sliding_per_full():
-    specs = load_model("gemma-3-27b").kv_cache_specs
+    specs = load_model_file("gemma-3-27b").kv_cache_specs
     full = [extract_layer_index(n) for n, s in specs.items() if type(s) is FullAttentionSpec]
     sliding = [s for s in specs.values() if isinstance(s, SlidingWindowSpec)]
     assert full == list(range(5, 62, 6)) and len(sliding) == 52
@@ -40,7 +40,7 @@ def test_gemma_alternates_five_sliding_per_full():
 
 
 def test_deepseek_mla_shapes():
-    specs = load_model("deepseek-v3").kv_cache_specs
+    specs = load_model_file("deepseek-v3").kv_cache_specs
     spec = next(iter(specs.values()))
     assert len(specs) == 61 and isinstance(spec, MLAAttentionSpec)
     assert (spec.num_kv_heads, spec.head_size, spec.head_size_v, spec.dtype) == (1, 576, 0, torch.bfloat16)
@@ -48,7 +48,7 @@ def test_deepseek_mla_shapes():
 
 
 def test_jamba_mixes_mamba_and_attention():
-    specs = load_model("jamba-1.5-mini").kv_cache_specs
+    specs = load_model_file("jamba-1.5-mini").kv_cache_specs
     attn = [extract_layer_index(n) for n, s in specs.items() if isinstance(s, FullAttentionSpec)]
     mamba = [s for n, s in specs.items() if n.endswith(".mixer")]
     assert attn == [4, 12, 20, 28] and len(mamba) == 28
@@ -58,7 +58,7 @@ def test_jamba_mixes_mamba_and_attention():
 
 def test_block_size_override_and_path(tmp_path):
     path = find_model("llama-3-8b")
-    model = load_model(str(path), block_size=32)
+    model = load_model_file(str(path), block_size=32)
     assert {s.block_size for s in model.kv_cache_specs.values()} == {32}
     assert model.source == str(path)
 
@@ -113,16 +113,16 @@ def test_bad_files(tmp_path):
     bad = tmp_path / "bad.toml"
     bad.write_text("num_layers = [")
     with pytest.raises(ValueError, match="not valid TOML"):
-        load_model(bad)
+        load_model_file(bad)
     with pytest.raises(ValueError, match="presets: .*llama-3-8b"):
-        load_model("llama-9")
+        load_model_file("llama-9")
 
 
 def test_a_binary_file_is_named_in_the_error(tmp_path):
     path = tmp_path / "weights.toml"
     path.write_bytes(bytes(range(256)))
     with pytest.raises(ValueError, match=rf"{path}: not a TOML model description.*binary"):
-        load_model(path)
+        load_model_file(path)
 
 
 def test_a_missing_required_key_names_the_key_and_the_layer():
@@ -155,7 +155,7 @@ def test_a_window_on_a_full_type_points_to_the_sliding_kind():
 @pytest.mark.parametrize("bad", [0, -16, True, 2.5])
 def test_a_bad_block_size_override_blames_the_override_not_the_file(bad):
     with pytest.raises(ValueError) as exc:
-        load_model("llama-3-8b", block_size=bad)
+        load_model_file("llama-3-8b", block_size=bad)
     assert str(exc.value).startswith(f"block_size={bad!r} (the block size given for every layer type)")
     assert ".toml" not in str(exc.value)
 
@@ -180,8 +180,8 @@ def test_a_wheel_ships_the_presets_and_plans_them(tmp_path):
         zf.extractall(tmp_path / "site")
     assert shipped == set(preset_names()) and shipped == {p.stem for p in PRESET_DIR.glob("*.toml")}
     script = (
-        "import kvcore.models, sys\nfrom kvcore.cli import main\n"
-        "print(kvcore.models.PRESET_DIR)\nsys.exit(main(['plan', 'llama-3-8b', '--memory', '1GiB']))"
+        "import kvcore.model_files, sys\nfrom kvcore.cli import main\n"
+        "print(kvcore.model_files.PRESET_DIR)\nsys.exit(main(['plan', 'llama-3-8b', '--memory', '1GiB']))"
     )
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, cwd=tmp_path,
                          env={**os.environ, "PYTHONPATH": str(tmp_path / "site")})

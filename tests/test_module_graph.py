@@ -1,7 +1,7 @@
 """kvcore's folders draw its pipeline, and imports only point down it.
 
 specs -> memory -> plugins (negotiation; distributed agreement) -> runtime ->
-integrations (hf, transfer) -> apps (cli, bench, models, testing). A module may
+integrations (hf, transfer) -> apps (cli, bench, model_files, testing). A module may
 import its own stage or any stage below, never one above, including imports
 inside functions.
 """
@@ -22,7 +22,7 @@ STAGES = [
     {"plugins", "distributed"},
     {"runtime", "model_runner"},
     {"hf", "transfer"},
-    {"cli", "bench", "models", "testing", "__init__", "__main__"},
+    {"cli", "bench", "model_files", "testing", "__init__", "__main__"},
 ]
 
 

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.models import load_model, preset_names
+from kvcore.model_files import load_model_file, preset_names
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import (
     EncoderOnlyAttentionSpec,
@@ -402,7 +402,7 @@ def test_plan_properties(layers, layout, memory):
 @pytest.mark.parametrize("layout", list(KVCacheLayout))
 @pytest.mark.parametrize("preset", preset_names())
 def test_presets_plan_or_name_a_layout_that_does(preset, layout, block_size):
-    specs = load_model(preset, block_size=block_size).kv_cache_specs
+    specs = load_model_file(preset, block_size=block_size).kv_cache_specs
     memory = 40 << 30
     try:
         config = plan_kv_cache(specs, layout, available_memory=memory)
@@ -419,7 +419,7 @@ def test_presets_plan_or_name_a_layout_that_does(preset, layout, block_size):
 
 
 def test_presets_cover_both_outcomes():
-    jamba = load_model("jamba-1.5-mini", block_size=16).kv_cache_specs
+    jamba = load_model_file("jamba-1.5-mini", block_size=16).kv_cache_specs
     with pytest.raises(ValueError, match="'model.layers.4.self_attn' cannot keep its 8-head page"):
         plan_kv_cache(jamba, "BHLNC", num_blocks=2)
     assert plan_kv_cache(jamba, "BLNHC", num_blocks=2).num_blocks == 2

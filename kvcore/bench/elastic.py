@@ -31,7 +31,7 @@ from kvcore.memory.elastic import ElasticMemory
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
-from kvcore.models import load_model
+from kvcore.model_files import load_model_file
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -130,7 +130,7 @@ def _print_layouts(model: str, max_blocks: int, granularity: int, rows: list[dic
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model(args.model)
+    model = load_model_file(args.model)
     result: dict = {"model": model.name, "max_blocks": args.max_blocks, "granularity": args.granularity,
                     "layouts": layout_costs(model.kv_cache_specs, args.max_blocks, args.granularity)}
     if args.measure:

@@ -20,7 +20,7 @@ from kvcore import __version__
 # any; tests check it matches what each module registers.
 _COMMANDS: dict[str, tuple[str, str]] = {
     "plan": ("kvcore.cli.plan", "plan a model's KV cache for a memory budget"),
-    "models": ("kvcore.cli.models", "list the model presets that kvcore plan knows"),
+    "models": ("kvcore.cli.model_presets", "list the model presets that kvcore plan knows"),
     "plugins": ("kvcore.cli.plugins", "list and health-check installed kvcore plugins"),
     "bench": ("kvcore.cli.bench", "run a micro-benchmark"),
     "completion": ("kvcore.cli.completion", "print a shell completion script (bash, zsh, tcsh)"),

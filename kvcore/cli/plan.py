@@ -147,9 +147,9 @@ def print_plan(summary: dict[str, Any], out=None) -> None:
 def run(args: argparse.Namespace) -> int:
     from kvcore.cli.plan_summary import summarize
     from kvcore.memory.planner import plan_kv_cache
-    from kvcore.models import load_model
+    from kvcore.model_files import load_model_file
 
-    model = load_model(args.model, block_size=args.block_size)
+    model = load_model_file(args.model, block_size=args.block_size)
     config = plan_kv_cache(
         model.kv_cache_specs, args.layout, available_memory=args.memory, num_blocks=args.num_blocks
     )

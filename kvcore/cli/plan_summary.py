@@ -13,7 +13,7 @@ from typing import Any
 from kvcore._units import format_bytes
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.plan_groups import group_layers, is_encoder_only
-from kvcore.models import ModelDescription
+from kvcore.model_files import ModelDescription
 from kvcore.specs import KVCacheSpec
 
 #: Padding above this share of a group's pages gets a warning.

@@ -2,7 +2,7 @@
 
 transformers' own modeling code runs unchanged; its attention calls reach
 kvcore's backends through a function registered with transformers'
-``AttentionInterface`` (:mod:`kvcore.hf.attention`). ``import kvcore`` never
+``AttentionInterface`` (:mod:`kvcore.hf.attention_interface`). ``import kvcore`` never
 imports transformers: only ``import kvcore.hf`` does.
 """
 

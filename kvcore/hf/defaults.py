@@ -18,7 +18,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore.hf.attention import STEP_KWARG, StepContext
+from kvcore.hf.attention_interface import STEP_KWARG, StepContext
 from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
 from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.specs import KVCacheSpec

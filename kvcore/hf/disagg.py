@@ -31,7 +31,7 @@ from kvcore.hf.requests import check_prompt
 
 if TYPE_CHECKING:
     from kvcore.hf.engine import Engine
-    from kvcore.hf.prefix import PrefixCache
+    from kvcore.hf.prefix_sharing import PrefixSharing
 
 
 @attrs.frozen
@@ -55,14 +55,14 @@ class PrefixBlocks:
         return [b for b in self.block_ids[group_id] if b != NULL_BLOCK_ID]
 
 
-def _prefix_cache(engine: Engine) -> PrefixCache:
+def _prefix_cache(engine: Engine) -> PrefixSharing:
     prefix = engine.scheduler.prefix
     if prefix is None:
         raise ValueError("prefix hand-off needs an Engine built with enable_prefix_caching=True")
     return prefix
 
 
-def _pattern(prefix: PrefixCache, num_tokens: int) -> list[tuple[int, int]]:
+def _pattern(prefix: PrefixSharing, num_tokens: int) -> list[tuple[int, int]]:
     """Per group: (blocks in a prefix of ``num_tokens``, leading blocks outside the window)."""
     out = []
     for group in prefix.groups:
@@ -71,7 +71,7 @@ def _pattern(prefix: PrefixCache, num_tokens: int) -> list[tuple[int, int]]:
     return out
 
 
-def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> PrefixCache:
+def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> PrefixSharing:
     """``blocks`` fits ``engine``'s groups (and, when ``held``, names blocks it holds), or ValueError."""
     if not isinstance(blocks, PrefixBlocks):
         raise TypeError(f"expected kvcore.hf.disagg.PrefixBlocks, got {type(blocks).__name__}")

@@ -4,7 +4,7 @@ Construction plans one :class:`~kvcore.KVCache` for the model's layers
 (``specs_from_config``), binds every attention module to its backend and
 cache view, and builds the scheduler. Each step schedules requests
 (:mod:`kvcore.hf.scheduler`), packs their tokens and metadata
-(:mod:`kvcore.hf.batch`), zeroes new blocks (``KVCache.begin_step``), runs
+(:mod:`kvcore.hf.step_inputs`), zeroes new blocks (``KVCache.begin_step``), runs
 the model once with kvcore's attention function and samples greedily. A
 hybrid model's mixers run per request on their state slots
 (:mod:`kvcore.hf.mixers`). When anything raises inside a step, every queued
@@ -26,9 +26,9 @@ from kvcore.specs.attention import ChunkedLocalAttentionSpec
 from kvcore.specs.state import MambaSpec
 from kvcore._validate import positive_int
 from kvcore.errors import KVCoreError
-from kvcore.hf.attention import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
-from kvcore.hf.batch import StepInputs, build_step_inputs
-from kvcore.hf.checks import attention_modules, check_hybrid_options, check_model, default_memory, eos_ids
+from kvcore.hf.attention_interface import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
+from kvcore.hf.step_inputs import StepInputs, build_step_inputs
+from kvcore.hf.model_checks import attention_modules, check_hybrid_options, check_model, default_memory, eos_ids
 from kvcore.hf.defaults import resolve as resolve_defaults
 from kvcore.hf.defaults import warm_prefill, warm_up
 from kvcore.hf.graphs import DecodeGraphs, graphs_wanted

@@ -21,7 +21,7 @@ import torch
 
 from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.hf.attention import STEP_KWARG, LayerBinding, StepContext
+from kvcore.hf.attention_interface import STEP_KWARG, LayerBinding, StepContext
 from kvcore.hf.requests import Request
 
 

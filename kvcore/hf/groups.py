@@ -1,7 +1,7 @@
 """Each KV cache group as the engine serves it: block size, sliding window, state slot.
 
 Worked out once per group from the group's spec when the engine is built;
-the scheduler, the prefix cache, the engine and the attention bindings read
+the scheduler, prefix sharing, the engine and the attention bindings read
 these records and never look at the spec again.
 """
 

@@ -24,7 +24,7 @@ import numpy as np
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.hf.groups import GroupInfo, group_infos
-from kvcore.hf.prefix import PrefixCache
+from kvcore.hf.prefix_sharing import PrefixSharing
 from kvcore.hf.requests import Request
 
 
@@ -56,7 +56,7 @@ class Scheduler:
             np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), dtype=np.int32) for g in self.groups
         ]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self.prefix = PrefixCache(self.pool, self.groups, self.tables) if prefix_caching else None
+        self.prefix = PrefixSharing(self.pool, self.groups, self.tables) if prefix_caching else None
 
     def _width(self, group: GroupInfo, num_blocks: int) -> int:
         """Block-table columns one request may index in ``group``.

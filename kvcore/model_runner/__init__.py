@@ -1,5 +1,6 @@
 """Helpers for an engine's model runner, kept beside the core, not inside it.
 
-Binding views to layer objects and KV sharing (``binding``); batch-shape
-checks, multimodal placeholder scatter/gather and encoder timing (``batch``).
+Binding views to layer objects and KV sharing (``binding``); the seed's
+uniform-decode batch checks (``uniform_decode``) and its multimodal helpers —
+placeholder scatter/gather, encoder output checks and timing (``multimodal``).
 """

@@ -1,4 +1,4 @@
-"""Prefix caching for the engine: reuse the cached blocks of a request's prompt prefix.
+"""Prefix sharing for the engine: start a request at the cached blocks of its prompt prefix.
 
 On admission a request looks its full blocks up in every KV cache group's
 cache (a sliding-window group needs only the blocks inside the window before
@@ -19,8 +19,8 @@ from kvcore.hf.groups import GroupInfo
 from kvcore.hf.requests import Request
 
 
-class PrefixCache:
-    """Hit lookup and block recording over a caching :class:`~kvcore.BlockPool`."""
+class PrefixSharing:
+    """Per-request hit lookup and block recording over the prefix cache of a caching :class:`~kvcore.BlockPool`."""
 
     def __init__(self, pool: BlockPool, groups: list[GroupInfo], tables: list[np.ndarray]) -> None:
         if not pool.enable_caching:

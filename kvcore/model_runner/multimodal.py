@@ -1,4 +1,9 @@
-"""Small batch helpers of a model runner: uniform decode batches, multimodal placeholders."""
+"""The seed's multimodal helpers, for an engine's model runner (kvcore itself uses none of them).
+
+SPEC §3 exports them from ``kvcore``: scatter encoder embeddings over their
+placeholder positions and gather them back, check an encoder's outputs, and
+time the encoder per request.
+"""
 
 from __future__ import annotations
 
@@ -6,24 +11,6 @@ from collections.abc import Sequence
 
 import attrs
 import torch
-
-
-def is_uniform_query_len(num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
-    """Whether the batch's shape says every request has ``max_query_len`` tokens.
-
-    Only the shape is tested: a prompt chunk may look like a decode batch, so
-    classify scheduled batches with :func:`get_uniform_decode_token_count`.
-    """
-    return num_reqs > 0 and num_tokens == num_reqs * max_query_len
-
-
-def get_uniform_decode_token_count(
-    num_reqs: int, num_tokens: int, max_query_len: int, decode_graph_eligible: bool
-) -> int | None:
-    """Tokens per request of a uniform decode batch; None for any other batch."""
-    if decode_graph_eligible and is_uniform_query_len(num_reqs, num_tokens, max_query_len):
-        return max_query_len
-    return None
 
 
 def scatter_mm_placeholders(embeds: torch.Tensor, is_embed: torch.Tensor | None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from typing import Any
 
 from kvcore._table import Column, render
 
-# NOTE: where kvcore.models keeps the presets (a test checks they agree); that
+# NOTE: where kvcore.model_files keeps the presets (a test checks they agree); that
 # module imports torch, so it is imported only when the command runs.
 _PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
 
@@ -21,7 +21,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         help="list the model presets that kvcore plan knows",
         description=f"List the model presets (TOML files in {_PRESET_DIR}) that "
         "'kvcore plan NAME' takes by name: their layers and layer kinds. Any other "
-        "model is a TOML file in the same format (see kvcore/models.py).",
+        "model is a TOML file in the same format (see kvcore/model_files.py).",
     )
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     parser.set_defaults(func=run)
@@ -30,9 +30,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
 
 def describe(name: str) -> dict[str, Any]:
     """One preset: its name, title, layer count, layer kinds and file."""
-    from kvcore.models import find_model, load_model
+    from kvcore.model_files import find_model, load_model_file
 
-    model = load_model(name)
+    model = load_model_file(name)
     kinds = Counter(type(s).__name__.removesuffix("Spec") for s in model.kv_cache_specs.values())
     return {
         "preset": name,
@@ -44,7 +44,7 @@ def describe(name: str) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcore.models import PRESET_DIR, preset_names
+    from kvcore.model_files import PRESET_DIR, preset_names
 
     presets = [describe(name) for name in preset_names()]
     if args.json:

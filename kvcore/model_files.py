@@ -294,7 +294,7 @@ def read_model_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
 
 
-def load_model(model: str | Path, *, block_size: int | None = None) -> ModelDescription:
+def load_model_file(model: str | Path, *, block_size: int | None = None) -> ModelDescription:
     """Load a model description from a TOML path or a preset name.
 
     ``block_size`` overrides every layer type's block size; a bad override is
