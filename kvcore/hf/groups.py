@@ -9,15 +9,15 @@ from __future__ import annotations
 
 import attrs
 
-from kvcore.runtime.kv_cache import KVCache
 from kvcore.runtime.prefix_hash import sliding_window_blocks
 from kvcore.specs.attention import SlidingWindowSpec
+from kvcore.specs.base import KVCacheSpec
 from kvcore.specs.state import MambaSpec
 
 
 @attrs.frozen
 class GroupInfo:
-    """A KV cache group as the scheduler sees it."""
+    """One KV cache group as the engine serves it (read by scheduler, prefix sharing and bindings)."""
 
     block_size: int
     #: Tokens of the sliding window, None for full attention.
@@ -31,6 +31,12 @@ class GroupInfo:
     def _window_blocks(self) -> int | None:
         return None if self.sliding_window is None else sliding_window_blocks(self.sliding_window, self.block_size)
 
+    @classmethod
+    def of(cls, spec: KVCacheSpec) -> GroupInfo:
+        """The record of a KV cache group whose layers share ``spec``."""
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        return cls(spec.block_size, window, state=isinstance(spec, MambaSpec))
+
     def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
         """Most blocks one request of ``num_tokens`` ever holds in this group at once."""
         if self.state:
@@ -39,15 +45,3 @@ class GroupInfo:
         if self.sliding_window is None:
             return full
         return min(full, (self.sliding_window - 1 + max_chunk) // self.block_size + 2)
-
-
-def group_infos(kv: KVCache) -> list[GroupInfo]:
-    """One :class:`GroupInfo` per KV cache group of ``kv``, in group order."""
-    return [
-        GroupInfo(
-            g.kv_cache_spec.block_size,
-            g.kv_cache_spec.sliding_window if isinstance(g.kv_cache_spec, SlidingWindowSpec) else None,
-            state=isinstance(g.kv_cache_spec, MambaSpec),
-        )
-        for g in kv.config.kv_cache_groups
-    ]

@@ -23,7 +23,7 @@ import numpy as np
 
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.hf.groups import GroupInfo, group_infos
+from kvcore.hf.groups import GroupInfo
 from kvcore.hf.prefix_sharing import PrefixSharing
 from kvcore.hf.requests import Request
 
@@ -40,7 +40,7 @@ class Scheduler:
 
     def __init__(self, kv: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool) -> None:
         self.pool: BlockPool = kv.block_pool
-        self.groups = group_infos(kv)
+        self.groups = [GroupInfo.of(g.kv_cache_spec) for g in kv.config.kv_cache_groups]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = kv.max_model_len
