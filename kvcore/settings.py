@@ -1,9 +1,11 @@
 """The environment settings kvcore honours, read in one place into one typed object.
 
 ``Settings.from_env()`` is called where a call begins (``KVCache.create``, the
-CLI, a backend's entry point) and the result is passed down, so a changed
-environment takes effect at the next call and no layer below reads
-``os.environ``. Parsing is strict: a value that is not one of the accepted
+CLI, a kernel function called directly) and the result is passed down, so a
+changed environment takes effect at the next call and no layer below reads
+``os.environ``: ``KVCache.create`` hands its settings to the zeroer and the
+attention groups, which put ``debug_checks`` on each step's metadata for the
+backends' per-layer ``forward``. Parsing is strict: a value that is not one of the accepted
 spellings is a ``ValueError`` naming the variable. (``KVCORE_KV_CACHE_LAYOUT``
 is read by ``resolve_kv_cache_layout`` itself, SPEC §3; the plugin switches
 when a plugin manager is built, SPEC §4, through :func:`env_flag` and :func:`env_names`.)

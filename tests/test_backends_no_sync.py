@@ -3,15 +3,17 @@
 A host read (``.item()``, ``int(t)``, ``bool(t)``, ``.tolist()``, ``nonzero``,
 boolean-mask indexing) is a device sync on GPUs and breaks CUDA graph capture.
 On CPU tensors the value checks run by default (they cost no sync), so these
-tests turn them off the way a GPU run has them off (``KVCORE_DEBUG_CHECKS=0``)
+tests turn them off the way a GPU run has them off (the metadata's
+``debug_checks=False``, what ``KVCORE_DEBUG_CHECKS=0`` gives at ``KVCache.create``)
 and record, through a dispatch mode, every aten op that copies a value to the
-host. ``KVCORE_DEBUG_CHECKS=1`` or ``validate=True`` turns the checks back on.
+host. ``debug_checks=True`` or ``validate=True`` turns the checks back on.
 """
 
 from __future__ import annotations
 
 import os
 
+import attrs
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -73,8 +75,9 @@ def _backends():
 
 @pytest.mark.parametrize("backend", _backends())
 def test_forward_reads_no_tensor_value_on_the_host(backend, monkeypatch):
-    monkeypatch.setenv(DEBUG_CHECKS_ENV, "0")
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")  # NOTE: forward reads the metadata, not the environment
     view, query, key, value, meta = _step()
+    meta = attrs.evolve(meta, debug_checks=False)
     with HostReads() as reads:
         out = backend.forward(query, key, value, view, meta, head_size=16, scale=0.25)
     assert reads.seen == [], f"{backend.name}.forward read tensor values on the host: {reads.seen}"
@@ -87,15 +90,15 @@ def test_debug_switch_turns_the_value_checks_back_on(backend, monkeypatch):
     bad = CommonAttentionMetadata(
         query_start_loc=meta.query_start_loc, seq_lens=meta.seq_lens, block_table_tensor=meta.block_table_tensor,
         slot_mapping=torch.tensor([0, 1, view.shape[0] * view.shape[2]]), num_reqs=3, num_actual_tokens=3,
-        max_query_len=1, max_seq_len=9,
+        max_query_len=1, max_seq_len=9, debug_checks=True,
     )
-    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "0")
     before = view.clone()
     with pytest.raises(ValueError, match="slot_mapping holds slot"):
         backend.forward(query, key, value, view, bad, head_size=16, scale=0.25)
     assert torch.equal(view, before)
-    monkeypatch.setenv(DEBUG_CHECKS_ENV, "0")
-    backend.forward(query, key, value, view, bad, head_size=16, scale=0.25)  # the bad slot is skipped
+    backend.forward(query, key, value, view, attrs.evolve(bad, debug_checks=False), head_size=16, scale=0.25)
+    # the bad slot is skipped
     expected = before.clone()
     for token, slot in enumerate((0, 1)):
         expected[slot // view.shape[2], :, slot % view.shape[2]] = torch.cat([key[token], value[token]], dim=-1)
@@ -105,10 +108,11 @@ def test_debug_switch_turns_the_value_checks_back_on(backend, monkeypatch):
 def test_the_recorder_sees_the_value_checks(monkeypatch):
     from kvcore_torch import TorchAttentionBackend
 
-    monkeypatch.setenv(DEBUG_CHECKS_ENV, "1")
+    monkeypatch.setenv(DEBUG_CHECKS_ENV, "0")
     view, query, key, value, meta = _step()
     with HostReads() as reads:
-        TorchAttentionBackend.forward(query, key, value, view, meta, head_size=16, scale=0.25)
+        TorchAttentionBackend.forward(query, key, value, view, attrs.evolve(meta, debug_checks=True),
+                                      head_size=16, scale=0.25)
     assert reads.seen, "the recorder must see the host reads of the value checks"
 
 

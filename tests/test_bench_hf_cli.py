@@ -26,6 +26,23 @@ def test_gpu_sized_defaults_are_refused_without_cuda(monkeypatch, capsys):
     assert "no CUDA device here" in err and hf.CPU_EXAMPLE in err and not built
 
 
+def test_gpu_sized_work_on_an_explicit_cpu_is_refused_before_the_model_is_built(monkeypatch, capsys):
+    import kvcore.hf.models as models
+
+    sizes = []
+    real = models.random_model
+    monkeypatch.setattr(models, "random_model", lambda config, **kw: sizes.append(config.hidden_size)
+                        or real(config, **kw))  # fmt: skip
+    assert main(["bench", "hf", "--device", "cpu", "--backend", "torch"]) == 2
+    err = capsys.readouterr().err
+    assert "floating-point operations" in err and hf.CPU_EXAMPLE in err
+    assert sizes == [128]  # the tiny preflight model only
+    assert main(["bench", "hf", "--device", "cpu", "--backend", "torch", "--layers", "1", "--hidden", "64",
+                 "--intermediate", "64", "--heads", "2", "--kv-heads", "1", "--vocab", "64", "--requests", "1",
+                 "--prompt-len", "4", "--new-tokens", "2", "--shared-prefix", "0",
+                 "--skip", "generate_batch,static,check,prefix,profile", "--json"]) == 0
+
+
 def test_a_backend_that_cannot_run_is_refused_before_the_model_is_built(monkeypatch, capsys):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     import kvcore.hf.models as models

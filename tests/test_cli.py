@@ -44,7 +44,8 @@ def test_python_dash_m_kvcore_prints_the_version():
 @pytest.mark.parametrize("argv", [
     ["--help"], ["--version"], ["bench", "--help"], ["plugins", "--help"], ["plan", "--help"],
     ["models", "--help"], ["bench", "zero", "--help"], ["bench", "plan", "--help"], ["bench", "hf", "--help"],
-    ["bench", "pool", "--help"], ["completion", "--help"],
+    ["bench", "pool", "--help"], ["bench", "transfer", "--help"], ["bench", "elastic", "--help"],
+    ["completion", "--help"],
 ])  # fmt: skip
 def test_help_and_version_do_not_import_torch(argv):
     done = _run(*argv, code="print('TORCH' if 'torch' in sys.modules else 'NO-TORCH')")

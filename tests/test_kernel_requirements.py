@@ -143,10 +143,12 @@ def test_first_party_backends_triton_on_cuda_torch_on_cpu(monkeypatch):
 
 
 def test_triton_runs_on_cuda_only_unless_interpreted(monkeypatch):
+    from kvcore_triton import _checks
     from kvcore_triton import plugin as triton_plugin
     from kvcore_triton import TritonAttentionBackend
 
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    # NOTE: Triton fixes the interpreter when it decorates the kernels (kvcore_triton's import).
+    monkeypatch.setattr(_checks, "INTERPRETED", False)
     monkeypatch.setenv("KVCORE_PLUGINS", "torch,triton")
     req = triton_plugin.kvcore_kernel_requirements(backend=TritonAttentionBackend, spec=SPEC)
     assert req.devices == ("cuda",) and torch.bfloat16 in req.dtypes and 128 in req.head_sizes
@@ -155,7 +157,7 @@ def test_triton_runs_on_cuda_only_unless_interpreted(monkeypatch):
     assert kvcore.select_backend(SPEC, "cuda", plugin_manager=pm).name == "triton"
     fp8 = kvcore.FullAttentionSpec(16, 2, 32, torch.float8_e4m3fn)
     assert kvcore.select_backend(fp8, "cuda", plugin_manager=pm).name == "torch"  # not a triton dtype
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_checks, "INTERPRETED", True)
     assert triton_plugin.kvcore_kernel_requirements(backend=TritonAttentionBackend, spec=SPEC).devices is None
 
 

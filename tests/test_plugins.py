@@ -458,3 +458,55 @@ def test_blocked_entry_points_go_through_pluggy(two_dists, monkeypatch):
     pm = kvcore.get_plugin_manager()
     assert pm.is_blocked("bar") and pm.get_plugin("bar") is None and "fakeplug_bar" not in sys.modules
     assert [dist.project_name for _, dist in pm.list_plugin_distinfo()] == ["foo-dist"]
+
+
+class _Twin:
+    """One plugin class registered twice: both instances share their hook code."""
+
+    def __init__(self, backend, answer=None, fails=False):
+        self.backend, self.answer, self.fails, self.calls = backend, answer, fails, 0
+
+    @kvcore.hookimpl
+    def kvcore_register_backends(self, register):
+        register(self.backend)
+
+    @kvcore.hookimpl
+    def kvcore_supported_kernel_block_sizes(self, backend, spec):
+        self.calls += 1
+        if self.fails:
+            raise RuntimeError(f"table of {self.backend.name} missing")
+        return self.answer
+
+
+def test_two_instances_of_one_plugin_class_are_told_apart():
+    """Each instance is named by its own registration, never by the code the two share."""
+    shared = make_backend("twin-attn")
+    pm = kvcore.get_plugin_manager(autoload=False)
+    first, second = _Twin(shared), _Twin(shared)
+    pm.register(first, name="twin-one")
+    pm.register(second, name="twin-two")
+    with pytest.raises(PluginError, match="'twin-attn' is registered by .*twin-(one|two).* and by .*twin-(two|one)"):
+        get_backend("twin-attn", pm)
+    listed = {i.name: (i.status, i.backends) for i in list_plugins(pm)}
+    assert listed["twin-one"] == listed["twin-two"] == ("conflict", ["twin-attn"])
+    pm.unregister(second)
+    assert get_backend("twin-attn", pm) is shared
+    # pluggy asks the later registration first: "twin-one" answers None, then the earlier one raises.
+    pm.unregister(first)
+    pm.register(_Twin(make_backend("loud-attn"), fails=True), name="twin-loud")
+    pm.register(first, name="twin-one")
+    with pytest.raises(PluginError, match=r"'twin-loud'\).*RuntimeError: table of loud-attn missing"):
+        kvcore.select_common_block_size(64, [shared], plugin_manager=pm)
+    assert first.calls == 1
+
+
+@pytest.mark.parametrize("wrong_is_later", [True, False])
+def test_a_wrong_answer_is_named_without_asking_any_plugin_again(wrong_is_later):
+    pm = kvcore.get_plugin_manager(autoload=False)
+    quiet, wrong = _Twin(make_backend("quiet-attn")), _Twin(make_backend("wrong-attn"), answer="64")
+    for plugin, name in ((quiet, "quiet"), (wrong, "wrong")) if wrong_is_later else ((wrong, "wrong"), (quiet, "quiet")):
+        pm.register(plugin, name=name)
+    with pytest.raises(PluginError, match=r"'wrong'\).*wrong value.*kvcore_supported_kernel_block_sizes"):
+        kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)
+    assert wrong.calls == 1  # asked once, by pluggy; the error path calls no plugin
+    assert quiet.calls == (0 if wrong_is_later else 1)  # asked before "wrong" only when registered later

@@ -24,25 +24,14 @@ import time
 import torch
 
 from kvcore._units import format_bytes
-from kvcore.bench._args import positive_int_arg, size_arg
 from kvcore.bench.elastic_layouts import layout_costs
+from kvcore.bench.options import elastic_arguments as add_arguments
 from kvcore.memory.backing import reserve_backing
 from kvcore.memory.elastic import ElasticMemory
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.model_files import load_model_file
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", default="llama-3-8b", help="preset name or TOML file (default: llama-3-8b)")
-    parser.add_argument("--max-blocks", type=positive_int_arg, default=2048, help="blocks reserved (default: 2048)")
-    parser.add_argument("--granularity", type=size_arg, default=2 * 2**20, help="commit unit (default: 2MiB)")
-    parser.add_argument("--measure", action="store_true", help="also time grow / shrink on --device")
-    parser.add_argument("--device", default=None, help="cuda or cpu (default: cuda when present)")
-    parser.add_argument("--gib", type=positive_int_arg, default=1, help="GiB committed at once (default: 1)")
-    parser.add_argument("--repeat", type=positive_int_arg, default=20, help="granules timed one by one (default: 20)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object")
 
 
 def _held(device: torch.device) -> int:
@@ -134,7 +123,7 @@ def run(args: argparse.Namespace) -> int:
     result: dict = {"model": model.name, "max_blocks": args.max_blocks, "granularity": args.granularity,
                     "layouts": layout_costs(model.kv_cache_specs, args.max_blocks, args.granularity)}
     if args.measure:
-        device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         result["backing"] = measure_backing(device, args.gib, args.repeat)
         result["resize"] = measure_resize(model.kv_cache_specs, device, args.max_blocks)
     if args.json:

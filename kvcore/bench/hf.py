@@ -52,6 +52,23 @@ CPU_EXAMPLE = (
 )
 
 
+#: Most model work (about 2 * parameters * tokens) a CPU run may ask for: tens of seconds on 2 cores.
+CPU_MAX_FLOP = 5e11
+
+
+def check_cpu_sized(args: argparse.Namespace, device: torch.device) -> None:
+    """Refuse at once a CPU run whose workload would take many minutes without a word."""
+    if device.type != "cpu":
+        return
+    params = args.layers * (4 * args.hidden**2 + 3 * args.hidden * args.intermediate) + 2 * args.vocab * args.hidden
+    flop = 2.0 * params * args.requests * (args.prompt_len + args.new_tokens)
+    if flop > CPU_MAX_FLOP:
+        raise ValueError(
+            f"this workload is about {flop:.1e} floating-point operations, minutes to hours on a CPU "
+            f"(at most {CPU_MAX_FLOP:.0e} here); shrink it, e.g. kvcore bench hf {CPU_EXAMPLE}"
+        )
+
+
 def resolve_device(device: torch.device | None) -> torch.device:
     """``--device``, or CUDA; without CUDA the GPU-sized defaults are refused at once."""
     if device is not None:
@@ -114,6 +131,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
 
     device = resolve_device(args.device)
     preflight(args.backend, device, args.block_size, _DTYPES[args.dtype], args.hidden // args.heads)
+    check_cpu_sized(args, device)
     skip = set(args.skip)
     hybrid = getattr(args, "model", "llama") == "hybrid"
     if hybrid:  # NOTE: no generate_batch or prefix caching for hybrids, and no CUDA graphs to compare with

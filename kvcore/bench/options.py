@@ -29,6 +29,16 @@ HF_PARTS = ("eager", "generate_batch", "static", "prefix", "check", "profile")
 #: few seconds a round on one core; a larger run would be silent for minutes.
 POOL_MAX_BLOCKS = 1 << 20
 _D = " (default: %(default)s)"
+#: NIXL memory kinds and peers of ``kvcore bench transfer``.
+MEMORY_KINDS = ("DRAM", "VRAM", "VRAM-DRAM")
+PEER_KINDS = ("local", "process")
+#: ``kvcore bench transfer``'s model and measurement sizes on a GPU (2 MiB blocks) and, so a
+#: run takes seconds, on a CPU.
+GPU_TRANSFER_DEFAULTS = {"layers": 32, "kv_heads": 8, "head_size": 128, "blocks": [16, 256],
+                         "nixl_blocks": [64, 256], "repeats": 10, "warmup": 2}
+CPU_TRANSFER_DEFAULTS = {"layers": 4, "kv_heads": 2, "head_size": 32, "blocks": [4, 32], "nixl_blocks": [8],
+                         "repeats": 3, "warmup": 1}
+ALL_LAYOUTS = ",".join(LAYOUT_NAMES)
 
 
 def hf_parts_arg(text: str) -> list[str]:
@@ -130,10 +140,82 @@ def hf_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH")
 
+def memory_kinds_arg(text: str) -> list[str]:
+    """argparse type: comma-separated NIXL memory kinds (``DRAM``, ``VRAM``, ``VRAM-DRAM``)."""
+    kinds = [k.strip().upper() for k in text.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in MEMORY_KINDS]
+    if bad or not kinds:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {' / '.join(MEMORY_KINDS)}, got {text!r}")
+    return list(dict.fromkeys(kinds))
+
+
+def _shown(defaults: dict, key: str) -> str:
+    value = defaults[key]
+    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
+
+
+def transfer_arguments(parser: argparse.ArgumentParser) -> None:
+    def sized(key: str) -> str:
+        return f"(default: {_shown(GPU_TRANSFER_DEFAULTS, key)} on CUDA, {_shown(CPU_TRANSFER_DEFAULTS, key)} on CPU)"
+
+    model = parser.add_argument_group("the model whose KV cache blocks move")
+    model.add_argument("--layers", type=positive_int_arg, default=None, help=f"attention layers {sized('layers')}")
+    model.add_argument("--kv-heads", type=positive_int_arg, default=None,
+                       help=f"KV heads per layer {sized('kv_heads')}")
+    model.add_argument("--head-size", type=positive_int_arg, default=None,
+                       help=f"values per head, for K and for V {sized('head_size')}")
+    model.add_argument("--block-size", type=positive_int_arg, default=16,
+                       help="tokens per block; with the GPU defaults 16 makes 2 MiB blocks (default: %(default)s)")
+    model.add_argument("--dtype", choices=DTYPE_NAMES, default="bfloat16",
+                       help="cache dtype (default: %(default)s)")
+    measured = parser.add_argument_group("what is measured")
+    measured.add_argument("--layouts", type=layouts_arg, default=ALL_LAYOUTS,
+                          help="comma-separated layouts (default: all six)")
+    measured.add_argument("--blocks", type=positive_ints_arg, default=None,
+                          help=f"comma-separated counts of blocks moved per host call {sized('blocks')}")
+    measured.add_argument("--device", type=device_arg, default=None,
+                          help="cache device (default: cuda when present, else cpu)")
+    measured.add_argument("--no-host", action="store_true", help="skip the host offload / restore rows")
+    measured.add_argument("--nixl-blocks", type=positive_ints_arg, default=None,
+                          help=f"comma-separated counts of blocks per NIXL transfer {sized('nixl_blocks')}")
+    measured.add_argument("--nixl-memory", type=memory_kinds_arg, default=None,
+                          help="NIXL memory kinds: DRAM, VRAM, VRAM-DRAM (this cache on the GPU, the peer's in host "
+                               "memory) (default: all three on CUDA, else DRAM)")
+    measured.add_argument("--nixl-peer", choices=PEER_KINDS, default=None,
+                          help="the NIXL peer: a second agent of this process, or one in a spawned process "
+                               "(default: process on CUDA, local on CPU)")
+    measured.add_argument("--nixl-no-progress-thread", dest="nixl_progress_thread", action="store_false",
+                          help="let NIXL progress transfers only when polled, in the caller's thread "
+                               "(default: NIXL's progress thread does it)")
+    measured.add_argument("--no-nixl", action="store_true", help="skip the NIXL rows")
+    measured.add_argument("--descriptors", type=positive_int_arg, default=None, metavar="N",
+                          help="instead of moving bytes, count the NIXL descriptors of N blocks per layout "
+                               "and time building them (runs on a CPU; head size 1)")
+    measured.add_argument("--repeats", type=positive_int_arg, default=None,
+                          help=f"timed repeats; medians are reported {sized('repeats')}")
+    measured.add_argument("--warmup", type=positive_int_arg, default=None,
+                          help=f"untimed calls before each measurement {sized('warmup')}")
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
+    out.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH (default: none)")
+
+
+def elastic_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="llama-3-8b", help="preset name or TOML file (default: llama-3-8b)")
+    parser.add_argument("--max-blocks", type=positive_int_arg, default=2048, help="blocks reserved (default: 2048)")
+    parser.add_argument("--granularity", type=size_arg, default=2 * 2**20, help="commit unit (default: 2MiB)")
+    parser.add_argument("--measure", action="store_true", help="also time grow / shrink on --device")
+    parser.add_argument("--device", type=device_arg, default=None, help="cuda or cpu (default: cuda when present)")
+    parser.add_argument("--gib", type=positive_int_arg, default=1, help="GiB committed at once (default: 1)")
+    parser.add_argument("--repeat", type=positive_int_arg, default=20, help="granules timed one by one (default: 20)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+
 
 ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "zero": zero_arguments,
     "plan": plan_arguments,
     "pool": pool_arguments,
     "hf": hf_arguments,
+    "transfer": transfer_arguments,
+    "elastic": elastic_arguments,
 }

@@ -26,12 +26,14 @@ from typing import Any
 
 import torch
 
-from kvcore.bench._args import layouts_arg, positive_int_arg, positive_ints_arg
+from kvcore.bench.options import CPU_TRANSFER_DEFAULTS as CPU_DEFAULTS
+from kvcore.bench.options import GPU_TRANSFER_DEFAULTS as GPU_DEFAULTS
+from kvcore.bench.options import transfer_arguments as add_arguments
 from kvcore.bench._timing import Timer
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
 from kvcore.bench.transfer_descs import descriptor_rows_of, print_descriptor_rows
-from kvcore.bench.transfer_nixl import PEER_KINDS, memory_kinds_arg, nixl_rows, print_rows, rate
+from kvcore.bench.transfer_nixl import nixl_rows, print_rows, rate
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.registry import get_plugin_manager
@@ -49,80 +51,6 @@ class _LayoutOnlyBackend(AttentionBackend):
 
     def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         raise NotImplementedError("the transfer benchmark does not run attention")
-
-
-#: Model and measurement sizes on a GPU (2 MiB blocks) and, so a run takes seconds, on a CPU.
-GPU_DEFAULTS = {"layers": 32, "kv_heads": 8, "head_size": 128, "blocks": [16, 256], "nixl_blocks": [64, 256],
-                "repeats": 10, "warmup": 2}
-CPU_DEFAULTS = {"layers": 4, "kv_heads": 2, "head_size": 32, "blocks": [4, 32], "nixl_blocks": [8],
-                "repeats": 3, "warmup": 1}
-ALL_LAYOUTS = ",".join(layout.name for layout in KVCacheLayout)
-
-
-def device_arg(text: str) -> torch.device:
-    """argparse type: a torch device that exists here (``cpu``, ``cuda``, ``cuda:1``)."""
-    try:
-        device = torch.device(text)
-    except (RuntimeError, ValueError):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a device; use cpu or cuda[:N]") from None
-    if device.type not in ("cpu", "cuda"):
-        raise argparse.ArgumentTypeError(f"{text!r}: the transfer benchmark runs on cpu or cuda[:N]")
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise argparse.ArgumentTypeError(f"{text!r}: no CUDA device here; use --device cpu")
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        raise argparse.ArgumentTypeError(f"{text!r}: there are {torch.cuda.device_count()} CUDA devices")
-    return device
-
-
-def _shown(defaults: dict[str, Any], key: str) -> str:
-    value = defaults[key]
-    return ",".join(map(str, value)) if isinstance(value, list) else str(value)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    def sized(key: str) -> str:
-        return f"(default: {_shown(GPU_DEFAULTS, key)} on CUDA, {_shown(CPU_DEFAULTS, key)} on CPU)"
-
-    model = parser.add_argument_group("the model whose KV cache blocks move")
-    model.add_argument("--layers", type=positive_int_arg, default=None, help=f"attention layers {sized('layers')}")
-    model.add_argument("--kv-heads", type=positive_int_arg, default=None,
-                       help=f"KV heads per layer {sized('kv_heads')}")
-    model.add_argument("--head-size", type=positive_int_arg, default=None,
-                       help=f"values per head, for K and for V {sized('head_size')}")
-    model.add_argument("--block-size", type=positive_int_arg, default=16,
-                       help="tokens per block; with the GPU defaults 16 makes 2 MiB blocks (default: %(default)s)")
-    model.add_argument("--dtype", choices=sorted(_DTYPES), default="bfloat16",
-                       help="cache dtype (default: %(default)s)")
-    measured = parser.add_argument_group("what is measured")
-    measured.add_argument("--layouts", type=layouts_arg, default=ALL_LAYOUTS,
-                          help="comma-separated layouts (default: all six)")
-    measured.add_argument("--blocks", type=positive_ints_arg, default=None,
-                          help=f"comma-separated counts of blocks moved per host call {sized('blocks')}")
-    measured.add_argument("--device", type=device_arg, default=None,
-                          help="cache device (default: cuda when present, else cpu)")
-    measured.add_argument("--no-host", action="store_true", help="skip the host offload / restore rows")
-    measured.add_argument("--nixl-blocks", type=positive_ints_arg, default=None,
-                          help=f"comma-separated counts of blocks per NIXL transfer {sized('nixl_blocks')}")
-    measured.add_argument("--nixl-memory", type=memory_kinds_arg, default=None,
-                          help="NIXL memory kinds: DRAM, VRAM, VRAM-DRAM (this cache on the GPU, the peer's in host "
-                               "memory) (default: all three on CUDA, else DRAM)")
-    measured.add_argument("--nixl-peer", choices=PEER_KINDS, default=None,
-                          help="the NIXL peer: a second agent of this process, or one in a spawned process "
-                               "(default: process on CUDA, local on CPU)")
-    measured.add_argument("--nixl-no-progress-thread", dest="nixl_progress_thread", action="store_false",
-                          help="let NIXL progress transfers only when polled, in the caller's thread "
-                               "(default: NIXL's progress thread does it)")
-    measured.add_argument("--no-nixl", action="store_true", help="skip the NIXL rows")
-    measured.add_argument("--descriptors", type=positive_int_arg, default=None, metavar="N",
-                          help="instead of moving bytes, count the NIXL descriptors of N blocks per layout "
-                               "and time building them (runs on a CPU; head size 1)")
-    measured.add_argument("--repeats", type=positive_int_arg, default=None,
-                          help=f"timed repeats; medians are reported {sized('repeats')}")
-    measured.add_argument("--warmup", type=positive_int_arg, default=None,
-                          help=f"untimed calls before each measurement {sized('warmup')}")
-    out = parser.add_argument_group("output")
-    out.add_argument("--json", action="store_true", help="print the results as JSON instead of tables")
-    out.add_argument("--json-out", default=None, metavar="PATH", help="also write the JSON to PATH (default: none)")
 
 
 def resolve(args: argparse.Namespace) -> argparse.Namespace:

@@ -30,8 +30,6 @@ from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer import NixlAgent, describe, plan_transfer
 
 #: DRAM: both caches in host memory; VRAM: both on the GPU; VRAM-DRAM: this one on the GPU, the peer's on the host.
-MEMORY_KINDS = ("DRAM", "VRAM", "VRAM-DRAM")
-PEER_KINDS = ("local", "process")
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: ``make(num_blocks, device) -> KVCache``, picklable (a ``functools.partial`` of a module function).
 CacheFn = Callable[[int, str], KVCache]
@@ -40,15 +38,6 @@ CacheFn = Callable[[int, str], KVCache]
 def rate(value: float) -> str:
     """A bandwidth or ratio in at most 5 characters (3 significant digits where they fit)."""
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
-
-
-def memory_kinds_arg(text: str) -> list[str]:
-    """argparse type: comma-separated NIXL memory kinds (``DRAM``, ``VRAM``, ``VRAM-DRAM``)."""
-    kinds = [k.strip().upper() for k in text.split(",") if k.strip()]
-    bad = [k for k in kinds if k not in MEMORY_KINDS]
-    if bad or not kinds:
-        raise argparse.ArgumentTypeError(f"expected comma-separated {' / '.join(MEMORY_KINDS)}, got {text!r}")
-    return list(dict.fromkeys(kinds))
 
 
 def _gbps(nbytes: int, us: float) -> float:

@@ -25,6 +25,10 @@ class CommonAttentionMetadata:
     the new ones; ``block_table_tensor`` (``[num_reqs, max_blocks]``, int32)
     holds manager block ids; ``slot_mapping`` (``[num_actual_tokens]``, int64)
     gives each new token's slot ``block_id * block_size + offset``.
+    ``debug_checks`` tells ``forward`` whether to run the checks that read
+    tensor values on the host (:func:`kvcore.plugins.paged_inputs.step_checks`):
+    the ``KVCORE_DEBUG_CHECKS`` its cache read at ``KVCache.create`` (filled in by
+    ``build_metadata``); None: on for CPU tensors, off on GPUs.
     """
 
     query_start_loc: torch.Tensor = attrs.field(eq=False, repr=False)
@@ -36,6 +40,7 @@ class CommonAttentionMetadata:
     max_query_len: int
     max_seq_len: int
     causal: bool = True
+    debug_checks: bool | None = None
 
 
 class AttentionMetadataBuilder:

@@ -1,18 +1,19 @@
 """kvcore's plugin manager: pluggy's own dispatch, with errors that name the plugin.
 
 Every hook call goes through pluggy (call order, ``firstresult``, both kinds of
-wrappers). The plugin at fault is named from ``get_hookimpls()``: an exception
-after the deepest implementation in its traceback; a refused answer after the
-implementation that gave it (each asked alone through a pluggy subset caller,
-on that error path only); a registered backend after the plugin whose
+wrappers). The plugin at fault is named from pluggy's own ``HookImpl.plugin_name``
+(``get_hookimpls()``): during kvcore's calls each implementation notes what it
+answered or raised as pluggy calls it, so an exception or a refused answer is
+put on the implementation that produced it (else on the wrappers) without
+calling any plugin again; a registered backend is credited to the plugin whose
 ``kvcore_register_backends`` runs (each through its own subset caller).
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
-import types
 from collections.abc import Callable
 from typing import Any
 
@@ -121,83 +122,124 @@ def plugin_error(
     return err
 
 
-def _raising_plugin(caller: pluggy.HookCaller, tb: types.TracebackType | None) -> str | None:
-    """The plugin whose implementation (``get_hookimpls()``) is deepest in the exception's traceback."""
-    # NOTE: code objects by identity: two of equal source in two files compare equal.
-    codes = {id(getattr(getattr(i.function, "__func__", i.function), "__code__", None)): i.plugin_name
-             for i in caller.get_hookimpls()}
-    found = None
-    while tb is not None:
-        found = codes.get(id(tb.tb_frame.f_code), found)
-        tb = tb.tb_next
-    return found
+@attrs.frozen
+class _Event:
+    """One hook implementation's turn in a call kvcore made: its answer (None: none) or its exception."""
+
+    plugin_name: str
+    answer: Any = None
+    error: BaseException | None = None
+
+
+#: The turns taken in the hook call kvcore is making now (None outside kvcore's calls).
+_EVENTS: contextvars.ContextVar[list[_Event] | None] = contextvars.ContextVar("kvcore_hook_events", default=None)
+
+
+class _Noting:
+    """A hook implementation's function that, inside kvcore's calls, notes what it answered or raised.
+
+    pluggy calls it in its own order (wrappers, ``firstresult`` and all), so the
+    plugin at fault is named from what happened, without calling plugin code again.
+    """
+
+    __slots__ = ("function", "plugin_name")
+
+    def __init__(self, function: Callable[..., Any], plugin_name: str) -> None:
+        self.function = function
+        self.plugin_name = plugin_name
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        events = _EVENTS.get()
+        if events is None:
+            return self.function(*args, **kwargs)
+        try:
+            answer = self.function(*args, **kwargs)
+        except BaseException as exc:
+            events.append(_Event(self.plugin_name, error=exc))
+            raise
+        events.append(_Event(self.plugin_name, answer=answer))
+        return answer
+
+
+def _noted_call(caller: pluggy.HookCaller, kwargs: dict[str, Any], events: list[_Event]) -> Any:
+    """``caller(**kwargs)`` through pluggy, each plain implementation's answer or exception noted in ``events``."""
+    for impl in caller.get_hookimpls():
+        # NOTE: pluggy keeps one HookImpl per implementation; its function is swapped once
+        # for a noting one (wrappers are left as they are: their generators pass answers on).
+        if not (impl.wrapper or impl.hookwrapper or isinstance(impl.function, _Noting)):
+            impl.function = _Noting(impl.function, impl.plugin_name)  # type: ignore[misc]
+    token = _EVENTS.set(events)
+    try:
+        return caller(**kwargs)
+    finally:
+        _EVENTS.reset(token)
+
+
+def _by_wrappers(caller: pluggy.HookCaller, what: str) -> tuple[str | None, str]:
+    """``(plugin, note)`` when no plain implementation is at fault: the one wrapper, else a note naming them all."""
+    wrappers = [i.plugin_name for i in reversed(caller.get_hookimpls()) if i.wrapper or i.hookwrapper]
+    if len(wrappers) == 1:
+        return wrappers[0], ""
+    return None, f" ({what} one of the wrappers of plugins {wrappers})" if wrappers else ""
 
 
 def call_hook(
     pm: pluggy.PluginManager, hook_name: str, caller: pluggy.HookCaller | None = None, **kwargs: Any
 ) -> Any:
     """Call a hook through pluggy (wrappers honoured); a raising plugin is named."""
-    caller = getattr(pm.hook, hook_name) if caller is None else caller
+    return _call(pm, hook_name, getattr(pm.hook, hook_name) if caller is None else caller, kwargs, [])
+
+
+def _call(pm: pluggy.PluginManager, hook_name: str, caller: pluggy.HookCaller, kwargs: dict[str, Any],
+          events: list[_Event]) -> Any:
     try:
-        return caller(**kwargs)
+        return _noted_call(caller, kwargs, events)
     except PluginError:
         raise
     except Exception as exc:
-        owner = _raising_plugin(caller, exc.__traceback__)
-        raise plugin_error(pm, owner, hook_name, f"raised {type(exc).__name__}: {exc}") from exc
-
-
-def _alone(pm: pluggy.PluginManager, hook_name: str, impl: pluggy.HookImpl, keep_wrappers: bool) -> pluggy.HookCaller:
-    """``hook_name``'s caller with only ``impl`` (and, if asked, the wrappers) left: a pluggy subset caller."""
-    others = [i.plugin for i in getattr(pm.hook, hook_name).get_hookimpls()
-              if i is not impl and not (keep_wrappers and (i.wrapper or i.hookwrapper))]
-    return pm.subset_hook_caller(hook_name, others)
-
-
-def _answering_plugin(
-    pm: pluggy.PluginManager, hook_name: str, kwargs: dict[str, Any], check: Callable[[Any], Any]
-) -> tuple[str | None, str]:
-    """``(plugin, note)``: who gave a refused answer (asked again, through pluggy, on this error path only).
-
-    Each implementation is asked alone, in pluggy's order, until one answers:
-    if that answer is refused too, it is the culprit; else a wrapper changed
-    it: with one wrapper that one is named, else ``note`` lists them.
-    """
-    impls = list(reversed(getattr(pm.hook, hook_name).get_hookimpls()))
-    for impl in impls:
-        if impl.hookwrapper or impl.wrapper:
-            continue
-        try:
-            answer = _alone(pm, hook_name, impl, keep_wrappers=False)(**kwargs)
-        except Exception:  # noqa: BLE001 - this one raises now: not the answer being traced
-            continue
-        if answer is None:
-            continue
-        try:
-            check(answer)
-        except (TypeError, ValueError):
-            return impl.plugin_name, ""
-        break
-    wrappers = [i.plugin_name for i in impls if i.hookwrapper or i.wrapper]
-    if len(wrappers) == 1:
-        return wrappers[0], ""
-    return None, f" (changed by one of the wrappers of plugins {wrappers})"
+        raised = [e.plugin_name for e in events if e.error is exc]
+        owner, note = (raised[0], "") if raised else _by_wrappers(caller, "raised in")
+        raise plugin_error(pm, owner, hook_name, f"raised {type(exc).__name__}: {exc}{note}") from exc
 
 
 def call_first(pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], **kwargs: Any) -> Any:
     """Call a firstresult hook; ``check`` validates and normalizes a non-None answer.
 
     ``check`` raises ``TypeError``/``ValueError`` describing what was expected;
-    that becomes a PluginError naming the plugin that answered.
+    that becomes a PluginError naming the plugin that answered: the
+    implementation whose own answer is refused, else the wrapper that changed
+    it (with several wrappers, a note lists them).
     """
-    result = call_hook(pm, hook_name, **kwargs)
+    caller = getattr(pm.hook, hook_name)
+    events: list[_Event] = []
+    result = _call(pm, hook_name, caller, kwargs, events)
     if result is None:
         return None
     try:
         return check(result)
     except (TypeError, ValueError) as exc:
-        owner, note = _answering_plugin(pm, hook_name, kwargs, check)
+        # NOTE: pluggy stops at the first answer; a wrapper may have replaced it since.
+        answer = next((e for e in events if e.answer is not None), None)
+        if answer is not None and (answer.answer is result or _refused(check, answer.answer)):
+            owner, note = answer.plugin_name, ""
+        else:
+            owner, note = _by_wrappers(caller, "changed by")
         raise plugin_error(pm, owner, hook_name, f"returned a wrong value ({exc}){note}") from exc
+
+
+def _refused(check: Callable[[Any], Any], answer: Any) -> bool:
+    try:
+        check(answer)
+    except (TypeError, ValueError):
+        return True
+    return False
+
+
+def _alone(pm: pluggy.PluginManager, hook_name: str, impl: pluggy.HookImpl) -> pluggy.HookCaller:
+    """``hook_name``'s caller with only ``impl`` and the wrappers left: a pluggy subset caller."""
+    others = [i.plugin for i in getattr(pm.hook, hook_name).get_hookimpls()
+              if i is not impl and not (i.wrapper or i.hookwrapper)]
+    return pm.subset_hook_caller(hook_name, others)
 
 
 @attrs.frozen
@@ -248,7 +290,7 @@ def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> Backe
             continue
         calling.add(impl.plugin_name)
         try:
-            call_hook(pm, hook_name, _alone(pm, hook_name, impl, keep_wrappers=True),
+            call_hook(pm, hook_name, _alone(pm, hook_name, impl),
                       register=functools.partial(register, owner=impl.plugin_name))
         finally:
             calling.discard(impl.plugin_name)

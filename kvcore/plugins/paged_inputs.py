@@ -10,11 +10,13 @@ Two kinds of checks:
   device memory, a host sync that would stall every layer of a GPU step and
   break CUDA graph capture. They run only where :func:`value_checks` says so:
   an explicit ``validate=True``/``False`` argument wins; else
-  ``KVCORE_DEBUG_CHECKS=1``/``0`` turns them on/off everywhere (read through
-  :class:`kvcore.settings.Settings` when the backend is called; any other value
+  ``KVCORE_DEBUG_CHECKS=1``/``0`` turns them on/off everywhere (any other value
   is a ``ValueError``); else they run for CPU tensors (no device to wait for)
   and are off on GPUs, where kernels skip out-of-range slots instead of
-  storing out of bounds.
+  storing out of bounds. The switch is read where a call begins: a kernel
+  function called directly reads it through :class:`kvcore.settings.Settings`;
+  a backend's ``forward`` (per layer) reads no environment, it takes the
+  metadata's ``debug_checks`` (:func:`step_checks`), which ``KVCache.create`` read.
 """
 
 from __future__ import annotations
@@ -39,8 +41,16 @@ def value_checks(validate: bool | None, device: torch.device, settings: Settings
         if not isinstance(validate, bool):
             raise TypeError(f"validate must be True, False or None, got {validate!r}")
         return validate
-    forced = (settings or Settings.from_env()).debug_checks
-    return device.type == "cpu" if forced is None else forced
+    return step_checks((settings or Settings.from_env()).debug_checks, device)
+
+
+def step_checks(debug_checks: bool | None, device: torch.device) -> bool:
+    """Whether a backend's ``forward`` runs the value checks; reads no environment.
+
+    ``debug_checks``: the metadata's (``KVCORE_DEBUG_CHECKS`` as ``KVCache.create``
+    read it); None: on for CPU tensors, off on other devices (no sync).
+    """
+    return device.type == "cpu" if debug_checks is None else debug_checks
 
 
 def check_cache_view(

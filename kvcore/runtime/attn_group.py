@@ -24,6 +24,7 @@ from kvcore.plugins.kernel_views import packed_kernel_stride, to_kernel_blocks, 
 from kvcore.plugins.negotiation import settle_kernel_block_size
 from kvcore.plugins.records import BackendNegotiation
 from kvcore.plugins.selection import get_block_table_width
+from kvcore.settings import Settings
 from kvcore.specs import KVCacheSpec
 
 
@@ -63,6 +64,8 @@ class AttentionGroup:
         self.kernel_block_table: torch.Tensor | None = None
         self.kernel_block_offsets: torch.Tensor | None = None
         self.metadata_builders: list[AttentionMetadataBuilder] = []
+        #: The settings the builders were created with (``KVCache.create`` reads them from the environment).
+        self.settings = Settings()
 
     @classmethod
     def from_negotiation(cls, record: BackendNegotiation, kv_cache_group_id: int) -> AttentionGroup:
@@ -127,6 +130,7 @@ class AttentionGroup:
         kernel_block_size: int | None = None,
         num_metadata_builders: int = 1,
         plugin_manager: pluggy.PluginManager | None = None,
+        settings: Settings | None = None,
     ) -> None:
         """Create one metadata builder per micro-batch and the kernel block table.
 
@@ -135,11 +139,16 @@ class AttentionGroup:
         takes its own size from its record; any other group is settled here:
         its backend's own size is the largest it accepts that divides
         ``kernel_block_size`` (smaller in a packed group). Specs storing one
-        state per block are never split.
+        state per block are never split. ``settings`` (default: none set)
+        are kept: :meth:`build_metadata` puts their ``debug_checks`` on each
+        step's metadata, so ``forward`` reads no environment.
         """
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
         num_metadata_builders = positive_int("num_metadata_builders", num_metadata_builders)
+        if settings is not None and not isinstance(settings, Settings):
+            raise TypeError(f"settings must be a kvcore.settings.Settings or None, got {settings!r}")
+        self.settings = settings or Settings()
         if kernel_block_size is not None:
             self.record = settle_kernel_block_size(
                 self.record, kernel_block_size, lambda: HookAnswers(plugin_manager)
@@ -190,15 +199,20 @@ class AttentionGroup:
         common_prefix_len: int = 0,
         **kwargs: Any,
     ) -> Any:
-        """The backend's metadata for one step, with block tables in kernel blocks."""
+        """The backend's metadata for one step, with block tables in kernel blocks.
+
+        Metadata whose ``debug_checks`` is None gets the group's settings' switch.
+        """
         builder = self.get_metadata_builder(ubatch_idx)
+        changes: dict[str, Any] = {}
         if self.kernel_block_size is not None:
-            common_attn_metadata = attrs.evolve(
-                common_attn_metadata,
-                block_table_tensor=self.map_to_kernel_block_table(
-                    common_attn_metadata.block_table_tensor, ubatch_idx
-                ),
+            changes["block_table_tensor"] = self.map_to_kernel_block_table(
+                common_attn_metadata.block_table_tensor, ubatch_idx
             )
+        if common_attn_metadata.debug_checks is None and self.settings.debug_checks is not None:
+            changes["debug_checks"] = self.settings.debug_checks
+        if changes:
+            common_attn_metadata = attrs.evolve(common_attn_metadata, **changes)
         return builder.build(common_prefix_len, common_attn_metadata, **kwargs)
 
     def map_to_kernel_block_table(self, block_table: torch.Tensor, ubatch_idx: int = 0) -> torch.Tensor:

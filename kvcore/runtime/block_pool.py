@@ -63,8 +63,11 @@ class BlockPool:
         self._num_blocks = num_blocks
         self._caching = enable_caching
         self._free: deque[int] = deque(range(1, num_blocks))
-        # Caching off: 1 = in use. Caching on: 1 = handed out by allocate, not yet reported.
-        self._in_use = bytearray(num_blocks)
+        # NOTE: one holder table per mode. Caching off: ``_held[b]`` is 1 while b is
+        # allocated. Caching on: ``_refs[b]`` counts holders and ``_pending[b]`` is 1
+        # from allocate until take_new_blocks reports b (still to be zeroed).
+        self._held = bytearray(0 if enable_caching else num_blocks)
+        self._pending = bytearray(num_blocks if enable_caching else 0)
         self._new: list[int] = []
         self._refs = [0] * num_blocks if enable_caching else []
         self._cache = PrefixCache()
@@ -107,12 +110,12 @@ class BlockPool:
         block_id = as_int("block_id", block_id)
         if not 0 <= block_id < self._num_blocks:
             return False
-        return self._refs[block_id] > 0 if self._caching else bool(self._in_use[block_id])
+        return self._refs[block_id] > 0 if self._caching else bool(self._held[block_id])
 
     def ref_count(self, block_id: int) -> int:
         """How many holders share ``block_id`` (0 when free; at most 1 without caching)."""
         block_id = self._check_id(block_id)
-        return self._refs[block_id] if self._caching else int(self._in_use[block_id])
+        return self._refs[block_id] if self._caching else int(self._held[block_id])
 
     def block_hash(self, block_id: int) -> tuple[int, bytes] | None:
         """``(group_id, hash)`` the block is cached under, or None."""
@@ -134,7 +137,7 @@ class BlockPool:
                 raise OutOfBlocksError(n, len(free))
             ids = [free.popleft() for _ in range(n)]
             for block_id in ids:
-                self._in_use[block_id] = 1
+                self._held[block_id] = 1
             self._new.extend(ids)
             return ids
         cache = self._cache
@@ -144,7 +147,7 @@ class BlockPool:
         ids = [free.popleft() for _ in range(take)]
         if take < n:
             ids.extend(cache.evict_oldest() for _ in range(n - take))
-        refs, pending = self._refs, self._in_use
+        refs, pending = self._refs, self._pending
         for block_id in ids:
             refs[block_id] = 1
             pending[block_id] = 1
@@ -177,14 +180,14 @@ class BlockPool:
             for block_id in ids:
                 if block_id in seen:
                     raise ValueError(f"block {block_id} appears twice in one free() call; list each block once")
-                if not self._in_use[block_id]:
+                if not self._held[block_id]:
                     raise ValueError(
                         f"block {block_id} is not allocated (double free?); free each "
                         "allocated block exactly once"
                     )
                 seen.add(block_id)
             for block_id in ids:
-                self._in_use[block_id] = 0
+                self._held[block_id] = 0
             self._free.extend(ids)
             return
         refs = self._refs
@@ -199,7 +202,7 @@ class BlockPool:
                     f"block {block_id} appears {count} times in one free() call but has only "
                     f"{refs[block_id]} reference(s) (double free?); free it once per holder"
                 )
-        pending, cache, cached = self._in_use, self._cache, self._cache.keys
+        pending, cache, cached = self._pending, self._cache, self._cache.keys
         for block_id in ids:
             left = refs[block_id] - 1
             refs[block_id] = left
@@ -305,7 +308,7 @@ class BlockPool:
                     f"block {block_id} is not allocated; cache only blocks you hold, "
                     "once their contents are written"
                 )
-            if self._in_use[block_id]:  # NOTE: pending: no step has zeroed (or written) it yet
+            if self._pending[block_id]:  # NOTE: no step has zeroed (or written) it yet
                 raise ValueError(
                     f"block {block_id} was allocated but no step has been handed it yet (take_new_blocks / "
                     "KVCache.begin_step has not reported it, so it is still to be zeroed); cache it after "
@@ -327,11 +330,13 @@ class BlockPool:
         next allocated. Cache hits are never reported.
         """
         new, self._new = self._new, []
-        pending = self._in_use
+        if not self._caching:
+            held = self._held
+            return [b for b in dict.fromkeys(new) if held[b]]
+        pending = self._pending
         out = [b for b in dict.fromkeys(new) if pending[b]]
-        if self._caching:
-            for b in out:
-                pending[b] = 0
+        for b in out:
+            pending[b] = 0
         return out
 
     def requeue_new_blocks(self, block_ids: Sequence[int]) -> None:
@@ -347,7 +352,7 @@ class BlockPool:
         if self._caching:
             for block_id in ids:
                 if self._refs[block_id] > 0:
-                    self._in_use[block_id] = 1
+                    self._pending[block_id] = 1
         self._new[:0] = ids
 
     def resize(self, num_blocks: int) -> None:
@@ -375,13 +380,16 @@ class BlockPool:
                 self._cache.drop(block_id)
             self._free = deque(b for b in self._free if b < num_blocks)
             self._new = [b for b in self._new if b < num_blocks]
-            del self._in_use[num_blocks:]
+            del self._held[num_blocks:]
+            del self._pending[num_blocks:]
             del self._refs[num_blocks:]
         else:
             self._free.extend(range(old, num_blocks))
-            self._in_use.extend(bytes(num_blocks - old))
             if self._caching:
                 self._refs.extend([0] * (num_blocks - old))
+                self._pending.extend(bytes(num_blocks - old))
+            else:
+                self._held.extend(bytes(num_blocks - old))
         self._num_blocks = num_blocks
 
     def _check_id(self, block_id: int) -> int:

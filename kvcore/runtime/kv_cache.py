@@ -36,6 +36,7 @@ from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.group_builder import attention_groups_from, map_kv_caches_to_kernel_blocks
 from kvcore.runtime.zeroer import KVBlockZeroer
+from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
 
 
@@ -112,6 +113,8 @@ class KVCache:
     negotiation: Negotiation | None = attrs.field(default=None, repr=False)
     #: The committed part of an elastic cache's reservation (None: a plain allocation).
     elastic: ElasticMemory | None = attrs.field(default=None, repr=False)
+    #: The environment settings read when the cache was created (passed down to builders and zeroer).
+    settings: Settings = attrs.field(factory=Settings, repr=False)
 
     @classmethod
     def create(
@@ -144,7 +147,10 @@ class KVCache:
         many blocks is reserved (the plan and views are theirs) and memory is
         committed for the first ``num_blocks`` (or what ``available_memory``
         buys; neither: all of them); :meth:`resize` changes that later.
+        The environment (``KVCORE_DEBUG_CHECKS``, ``TRITON_INTERPRET``) is read
+        here, once, into :class:`kvcore.settings.Settings`; no later call reads it.
         """
+        settings = Settings.from_env()
         device = checked_device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
@@ -185,11 +191,13 @@ class KVCache:
                     max_num_seqs=max_num_seqs,
                     max_model_len=max_model_len,
                     kernel_block_size=record.kernel_block_size,
+                    settings=settings,
                 )
         layer_kv_caches = map_kv_caches_to_kernel_blocks(kv_caches, attn_groups)
         rows = negotiation.rows_per_block()
         zeroer = KVBlockZeroer.from_views(
-            device, {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}, config.num_blocks
+            device, {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}, config.num_blocks,
+            settings=settings,
         )
         kernel_block_sizes = negotiation.kernel_block_sizes
         if elastic is not None:
@@ -213,6 +221,7 @@ class KVCache:
             max_model_len=max_model_len,
             negotiation=negotiation,
             elastic=elastic,
+            settings=settings,
         )
 
     @property

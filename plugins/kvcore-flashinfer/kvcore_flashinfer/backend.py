@@ -8,7 +8,7 @@ import torch
 
 from kvcore.errors import KVCoreError
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.paged_inputs import check_heads_and_window
+from kvcore.plugins.paged_inputs import check_heads_and_window, step_checks
 from kvcore_flashinfer._runtime import check_view, flashinfer, kv_pair
 from kvcore_flashinfer.builder import FlashInferMetadata, FlashInferMetadataBuilder, PlanKey
 
@@ -85,7 +85,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                 f"{tuple(out.shape)} {out.dtype}"
             )
         n = metadata.num_actual_tokens
-        _store()(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size)
+        _store()(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size,
+                 validate=step_checks(metadata.common.debug_checks, kv_cache_view.device))
         if n == 0:
             return out
         layout, k_cache, v_cache = kv_pair(kv_cache_view, head_size)

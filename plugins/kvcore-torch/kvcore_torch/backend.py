@@ -7,6 +7,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
+from kvcore.plugins.paged_inputs import step_checks
 from kvcore_torch.attention import paged_attention
 from kvcore_torch.cache_write import write_kv
 
@@ -39,10 +40,13 @@ class TorchAttentionBackend(AttentionBackend):
         """Write this step's K/V, then attend; rows past ``num_actual_tokens`` are padding.
 
         Uses the metadata's ``max_query_len``/``max_seq_len`` and runs no value
-        check on GPUs (``KVCORE_DEBUG_CHECKS=1`` turns them on): no device sync.
+        check on GPUs (``metadata.debug_checks``, from ``KVCORE_DEBUG_CHECKS=1`` at
+        ``KVCache.create``, turns them on): no device sync.
         """
         n = metadata.num_actual_tokens
-        write_kv(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size)
+        # NOTE: the metadata's switch, never the environment (this runs per layer).
+        validate = step_checks(metadata.debug_checks, kv_cache_view.device)
+        write_kv(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size, validate=validate)
         return paged_attention(
             query[:n],
             kv_cache_view,
@@ -56,4 +60,5 @@ class TorchAttentionBackend(AttentionBackend):
             out=None if out is None else out[:n],
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
+            validate=validate,
         )

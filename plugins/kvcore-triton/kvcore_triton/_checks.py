@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import torch
+import triton
+from triton.runtime.interpreter import InterpretedFunction
 
 from kvcore.plugins.paged_inputs import check_cache_view as _check_cache_view
 from kvcore.plugins.paged_inputs import (
@@ -15,19 +17,29 @@ from kvcore.plugins.paged_inputs import (
     value_checks,
 )
 from kvcore.plugins.paged_inputs import check_kv_write as _check_kv_write
-from kvcore.settings import Settings
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
+
+@triton.jit
+def _probe():
+    pass
+
+
+#: Whether this package's kernels run through Triton's interpreter (CPU tensors). Triton decides it
+#: itself, from ``TRITON_INTERPRET``, when ``triton.jit`` decorates a kernel (at this package's import),
+#: so the answer is read off a kernel once, never from the environment per call.
+INTERPRETED = isinstance(_probe, InterpretedFunction)
+
 __all__ = [
-    "DTYPES", "check_batch", "check_device", "check_batch_shapes", "check_block_ids", "check_cache_view", "check_heads_and_window",
+    "DTYPES", "INTERPRETED", "check_batch", "check_device", "check_batch_shapes", "check_block_ids", "check_cache_view", "check_heads_and_window",
     "check_index", "check_kv_write", "check_tokens", "value_checks",
 ]
 
 
 def check_device(kv_cache_view: torch.Tensor) -> None:
     """Triton kernels run on CUDA tensors, or on CPU tensors through the Triton interpreter only."""
-    if kv_cache_view.device.type == "cpu" and not Settings.from_env().triton_interpret:
+    if kv_cache_view.device.type == "cpu" and not INTERPRETED:
         raise ValueError(
             "kvcore-triton got CPU tensors, but the Triton interpreter is off: set "
             "TRITON_INTERPRET=1 before triton is first imported to run its kernels on the CPU, "

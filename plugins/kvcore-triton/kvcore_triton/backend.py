@@ -7,6 +7,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
+from kvcore.plugins.paged_inputs import step_checks
 from kvcore_triton.attention import KernelConfig, paged_attention
 from kvcore_triton.store import write_kv
 
@@ -41,12 +42,15 @@ class TritonAttentionBackend(AttentionBackend):
         """Write this step's K/V, then attend; rows past ``num_actual_tokens`` are padding.
 
         Uses the metadata's ``max_query_len``/``max_seq_len`` and runs no value
-        check on GPUs (``KVCORE_DEBUG_CHECKS=1`` turns them on), so nothing
+        check on GPUs (``metadata.debug_checks``, from ``KVCORE_DEBUG_CHECKS=1`` at
+        ``KVCache.create``, turns them on), so nothing
         here synchronizes the device and a whole step can be captured in a
         CUDA graph.
         """
         n = metadata.num_actual_tokens
-        write_kv(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size)
+        # NOTE: the metadata's switch, never the environment (this runs per layer).
+        validate = step_checks(metadata.debug_checks, kv_cache_view.device)
+        write_kv(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size, validate=validate)
         return paged_attention(
             query[:n],
             kv_cache_view,
@@ -60,5 +64,6 @@ class TritonAttentionBackend(AttentionBackend):
             out=None if out is None else out[:n],
             max_query_len=metadata.max_query_len,
             max_seq_len=metadata.max_seq_len,
+            validate=validate,
             config=config,
         )

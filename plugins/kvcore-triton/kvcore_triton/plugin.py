@@ -9,7 +9,7 @@ from typing import Any
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.hookspecs import hookimpl
 from kvcore.plugins.requirements import KernelRequirements
-from kvcore.settings import Settings
+from kvcore_triton import _checks
 from kvcore_triton._checks import DTYPES
 from kvcore_triton.backend import TritonAttentionBackend
 
@@ -51,7 +51,7 @@ def kvcore_supported_layouts(backend: Any, spec: Any) -> list[KVCacheLayout] | N
 def kvcore_kernel_requirements(backend: Any, spec: Any) -> KernelRequirements | None:
     if not _owns(backend):
         return None
-    if Settings.from_env().triton_interpret:
+    if _checks.INTERPRETED:
         return KernelRequirements(dtypes=DTYPES, head_sizes=_HEAD_SIZES)
     return KernelRequirements(
         devices=("cuda",), dtypes=DTYPES, head_sizes=_HEAD_SIZES,
