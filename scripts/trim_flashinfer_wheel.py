@@ -15,10 +15,10 @@ enough to carry to the lent GPU machine (64 MiB per call).
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import sys
 import zipfile
+
+from _wheel import write_kept  # NOTE: scripts/ is on sys.path when a script runs
 
 #: Trees under ``flashinfer/data`` kept whole.
 _DATA_TREES = ("include/", "spdlog/", "cutlass/", "cccl/")
@@ -45,16 +45,7 @@ def trim(src: str, out_dir: str) -> str:
         names = zin.namelist()
         dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
         dest = f"{out_dir.rstrip('/')}/{src.rsplit('/', 1)[-1]}"
-        record = []
-        with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
-            for n in filter(keeps, names):
-                data = zin.read(n)
-                zout.writestr(zin.getinfo(n), data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
-                digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-                record.append(f"{n},sha256={digest},{len(data)}")
-            record.append(f"{dist_info}/RECORD,,")
-            zout.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
-    return dest
+        return write_kept(zin, [n for n in names if keeps(n)], dist_info, dest)
 
 
 if __name__ == "__main__":

@@ -13,13 +13,13 @@ machine (64 MiB per call).
 
 from __future__ import annotations
 
-import base64
-import hashlib
 import re
 import subprocess
 import sys
 import zipfile
 from pathlib import PurePosixPath
+
+from _wheel import write_kept  # NOTE: scripts/ is on sys.path when a script runs
 
 _UCX_MODULES = ("libuct_cuda.so", "libucm_cuda.so", "libuct_cma.so")
 
@@ -59,16 +59,7 @@ def trim(src: str, out_dir: str) -> str:
                 and not n.startswith((f"{pkg.replace('nixl_', 'nixl_ep_')}/", f"{dist_info[:-10]}.data/"))
                 and not n.startswith(f"{pkg}.scripts/")]
         dest = f"{out_dir.rstrip('/')}/{PurePosixPath(src).name}"
-        record = []
-        with zipfile.ZipFile(dest, "w", zipfile.ZIP_DEFLATED, compresslevel=9) as zout:
-            for n in kept:
-                data = zin.read(n)
-                zout.writestr(zin.getinfo(n), data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=9)
-                digest = base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
-                record.append(f"{n},sha256={digest},{len(data)}")
-            record.append(f"{dist_info}/RECORD,,")
-            zout.writestr(f"{dist_info}/RECORD", "\n".join(record) + "\n")
-    return dest
+        return write_kept(zin, kept, dist_info, dest)
 
 
 if __name__ == "__main__":
