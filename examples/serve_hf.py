@@ -111,7 +111,7 @@ def report(rows: list[dict], console: Console) -> None:
          "all" if not r["mismatches"] else f"{r['requests'] - len(r['mismatches'])} of {r['requests']}"]
         for r in rows
     ], title="tokens/s: kvcore.hf.Engine (warm-up, steady) and model.generate"), highlight=False)
-    counts = ("steps", "prefill", "decode", "preempted", "zeroed", "window-freed", "prefix hits")
+    counts = ("steps", "prefill", "decode", "preempted", "zeroed", "win-freed", "hits")
     console.print(render([Column("model")] + [Column(c, right=True) for c in counts], [
         [r["name"], *(f"{v:,}" for v in (
             r["stats"].steps, r["stats"].prefill_tokens, r["stats"].decode_tokens, r["stats"].preemptions,
