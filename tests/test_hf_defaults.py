@@ -81,3 +81,32 @@ def test_warm_prefill_compiles_without_touching_the_cache(arch):
         warm_prefill(engine.model, engine.kv, engine._layers, num_tokens=20)
     assert all(torch.equal(before[n], v) for n, v in engine.kv.layer_kv_caches.items())
     assert engine.stats().steps == 0
+
+
+def _hybrid_specs(size, heads=128):
+    from kvcore.specs import MambaSpec
+
+    # conv state 768 bytes + recurrent state 8 x 16 x heads float32: 66,304 bytes at 128, 8,960 at 16
+    state = MambaSpec(size, shapes=((96, 4), (8, 16, heads)), dtypes=(torch.bfloat16, torch.float32))
+    return {"mixer0": state, "attn1": FullAttentionSpec(size, 2, 64, torch.bfloat16), "mixer2": state}
+
+
+def test_a_hybrids_attention_blocks_grow_until_their_page_holds_a_state_page():
+    from kvcore.memory.layout import KVCacheLayout
+    from kvcore.memory.planner import plan_kv_cache
+
+    got = resolve(_hybrid_specs, torch.device("cpu"), "auto", None, None)
+    state_page = got.specs["mixer0"].real_page_size_bytes
+    attention_page = got.specs["attn1"].real_page_size_bytes
+    assert got.block_size % BLOCK_SIZE == 0 and got.block_size > BLOCK_SIZE
+    # the smallest multiple of the preferred block whose page holds a whole state page
+    assert attention_page >= state_page > attention_page * (got.block_size - BLOCK_SIZE) // got.block_size
+    budget = 64 << 20
+    grown = plan_kv_cache(got.specs, KVCacheLayout.LBNHC, available_memory=budget)
+    padded = plan_kv_cache(_hybrid_specs(BLOCK_SIZE), KVCacheLayout.LBNHC, available_memory=budget)
+    # padding 16-token attention pages up to a state page holds several times fewer tokens
+    assert grown.token_capacity >= 4 * padded.token_capacity
+    # an explicit block size is the user's choice and is kept
+    assert resolve(_hybrid_specs, torch.device("cpu"), "auto", 16, None).block_size == 16
+    # a state page under two attention pages (8,960 against 8,192 bytes): padding attention is cheaper
+    assert resolve(lambda size: _hybrid_specs(size, 16), torch.device("cpu"), "auto", None, None).block_size == 16

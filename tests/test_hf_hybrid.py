@@ -89,7 +89,7 @@ def test_zeroing_new_state_slots_is_load_bearing(models, references, monkeypatch
 def test_a_preempted_sequence_restarts_from_a_fresh_slot(models):
     model = models["granitemoehybrid"]
     prompts = prompts_for([30, 28, 26, 24], seed=3)
-    engine = make_engine(model, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=64)
+    engine = make_engine(model, num_blocks=9, max_num_seqs=4, max_num_batched_tokens=64, block_size=16)
     fill_stale(engine)
     assert engine.generate(prompts, 10) == reference(model, prompts, 10)
     assert engine.stats().preemptions > 0

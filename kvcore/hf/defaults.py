@@ -58,6 +58,7 @@ def resolve(
     if block_size is None and attention:
         first = next(iter(attention.values()))
         block_size = preferred_block_size(pick(first), first) or BLOCK_SIZE
+        block_size *= _state_page_multiple(specs, attention)
         if block_size != BLOCK_SIZE:
             specs = make_specs(block_size)
             attention = {n: s for n, s in specs.items() if s.is_attention}
@@ -66,6 +67,23 @@ def resolve(
     return EngineDefaults(
         block_size or BLOCK_SIZE, max_num_batched_tokens, {n: pick(s) for n, s in attention.items()}, specs
     )
+
+
+def _state_page_multiple(specs: Mapping[str, KVCacheSpec], attention: Mapping[str, KVCacheSpec]) -> int:
+    """How many times the attention block must grow so its page holds a state page (1: no state caches).
+
+    A hybrid's pages are unified to the largest (SPEC §6). A state page (a whole
+    Mamba state) is usually many attention pages, and padding every attention
+    page up to it would waste most of the cache; larger attention blocks whose
+    page reaches the state page waste at most one attention page per state page.
+    A state page under two attention pages is left to the planner's padding.
+    """
+    states = [s.real_page_size_bytes for s in specs.values() if not s.is_attention and s.has_cache_pages]
+    pages = [s.real_page_size_bytes for s in attention.values()]
+    # NOTE: below twice the attention page, padding attention wastes less than padding states would.
+    if not states or not pages or max(states) < 2 * max(pages):
+        return 1
+    return -(-max(states) // max(pages))
 
 
 def warm_up(graphs: Any, *, progress: bool = True) -> None:
