@@ -15,18 +15,7 @@ pytest.importorskip("transformers")
 
 from kvcore.hf import Engine  # noqa: E402
 from kvcore.hf.models import model_config, random_model  # noqa: E402
-
-
-def prompts_for(lengths, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
-
-
-def reference(model, prompts, max_new_tokens):
-    return [
-        model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p):].tolist()
-        for p in prompts
-    ]
+from _hf_reference import prompts_for, reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -18,22 +18,11 @@ transformers = pytest.importorskip("transformers")
 from kvcore import FullAttentionSpec, MambaSpec  # noqa: E402
 from kvcore.hf import Engine, specs_from_config  # noqa: E402
 from kvcore.hf.models import model_config, random_model  # noqa: E402
+from _hf_reference import prompts_for, reference  # noqa: E402
 
 HYBRIDS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2", "qwen3_next"]
 PROMPT_LENS = [5, 40, 17, 1, 33, 26]
 MAX_NEW = 6
-
-
-def prompts_for(lengths, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 256, (n,), generator=gen).tolist() for n in lengths]
-
-
-def reference(model, prompts, max_new_tokens):
-    return [
-        model.generate(torch.tensor([p]), max_new_tokens=max_new_tokens, do_sample=False)[0, len(p):].tolist()
-        for p in prompts
-    ]
 
 
 def fill_stale(engine, seed=7):
@@ -190,7 +179,6 @@ def test_the_benchmarks_hybrid_is_granite_4_h_like():
         "model.layers.4.self_attn", "model.layers.12.self_attn"]
     state = specs["model.layers.0.mamba"]
     assert state.shapes == ((4, 64, 128), (2 * 128 + 2 * 128, 4)) and state.dtypes == (torch.float32, torch.bfloat16)
-
 
 
 def test_rebound_mixers_point_at_the_caches_new_views(models):
