@@ -155,6 +155,23 @@ def probe(layout: str, counts: list[int], repeats: int, memory: str) -> list[dic
             wait_done(raw, h)
 
         row["repost_us"] = med(repost, repeats)
+
+        def split_post(k: int):
+            parts = np.array_split(np.arange(len(idx)), k)
+            hs = [raw.make_prepped_xfer("WRITE", lh, idx[p], rh, idx[p]) for p in parts]
+            t0 = time.perf_counter()
+            for one in hs:
+                raw.transfer(one)
+            for one in hs:
+                wait_done(raw, one)
+            t = (time.perf_counter() - t0) * 1e6
+            for one in hs:
+                raw.release_xfer_handle(one)
+            return t
+
+        for k in (4, 16):
+            split_post(k)
+            row[f"split{k}_post_us"] = statistics.median(split_post(k) for _ in range(repeats))
         raw.release_xfer_handle(h)
         cidx = np.array([r * nb + b for r in range(runs) for b in range(n)], dtype=np.int32)
         prepped(cidx)
@@ -163,7 +180,8 @@ def probe(layout: str, counts: list[int], repeats: int, memory: str) -> list[dic
         pin = dev == "cuda" and memory != "VRAM"
         dst = torch.empty(nbytes, dtype=torch.int8, pin_memory=True) if pin else torch.empty_like(src)
         row["ref_copy_us"] = med(lambda: dst.copy_(src, non_blocking=True), repeats)
-        for key in ("agent_us", "split_post_us", "prepped_post_us", "repost_us", "consecutive_post_us"):
+        for key in ("agent_us", "split_post_us", "prepped_post_us", "repost_us", "consecutive_post_us",
+                    "split4_post_us", "split16_post_us"):
             row[key.replace("_us", "_gbps")] = nbytes / row[key] / 1e3
         row["ref_gbps"] = nbytes / row["ref_copy_us"] / 1e3
         row["descs_per_call"] = len(idx)
