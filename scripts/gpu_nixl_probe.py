@@ -144,6 +144,7 @@ def probe(layout: str, counts: list[int], repeats: int, memory: str) -> list[dic
         row["prepped_post_us"] = statistics.median(p[1] for p in parts)
         # exactness of the prepped write: read back through the agent into spare blocks
         fill(a, 99 + n)
+        sync()  # NOTE: UCX copies on its own streams: the fill must have landed first
         prepped(idx)
         spare = [b + 1 for b in ids]
         agent.read_blocks(name, ids, spare).wait(timeout=60)
