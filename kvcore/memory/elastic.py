@@ -16,9 +16,8 @@ import torch
 from kvcore._validate import as_int
 from kvcore.memory.backing import BackingMemory, reserve_backing
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.layout import KVCacheLayout, round_up
+from kvcore.memory.layout import KVCacheLayout, block_runs, round_up
 from kvcore.memory.planner import plan_kv_cache
-from kvcore.memory.runs import block_runs
 from kvcore.specs import KVCacheSpec
 
 #: A layer view as allocated and how many of its rows form one manager block.

@@ -163,3 +163,41 @@ def compute_layout_strides(
         strides[d] = stride
         running = stride * extents[d]
     return tuple(strides)  # type: ignore[return-value]
+
+
+def block_runs(
+    shape: Sequence[int],
+    byte_strides: Sequence[int],
+    itemsize: int,
+    rows_per_block: int = 1,
+    *,
+    max_runs: int | None = None,
+) -> tuple[list[int], int]:
+    """Offsets (from block 0's first byte) and common length of the contiguous runs of
+    manager block 0 in a strided view (dim 0: rows, ``rows_per_block`` of them a block).
+
+    The runs cover each byte of the block once: one per combination of the dims outside
+    the innermost contiguous run (heads in LHBNC, kernel blocks of a split block, ...).
+    ``ValueError`` when there would be more than ``max_runs`` (None: no limit).
+    """
+    dims = [(n, s) for n, s in zip(shape[1:], byte_strides[1:]) if n > 1]
+    if rows_per_block > 1:
+        dims.append((rows_per_block, byte_strides[0]))
+    dims.append((itemsize, 1))
+    dims.sort(key=lambda d: d[1])
+    run, outer = 1, []
+    for extent, stride in dims:
+        if not outer and stride == run:
+            run *= extent
+        else:
+            outer.append((extent, stride))
+    count = math.prod(extent for extent, _ in outer)
+    if max_runs is not None and count > max_runs:
+        raise ValueError(
+            f"a view of shape {tuple(shape)} and byte strides {tuple(byte_strides)} splits "
+            f"into {count} runs per block; store each (head, state) contiguously"
+        )
+    offsets = [0]
+    for extent, stride in outer:
+        offsets = [o + i * stride for o in offsets for i in range(extent)]
+    return offsets, run
