@@ -94,15 +94,11 @@ class ElasticMemory:
     def committed_bytes(self) -> int:
         return sum(end - start for start, end in self._committed)
 
-    def ranges_for(self, num_blocks: int) -> Ranges:
-        """The granule-aligned ranges that back blocks ``[0, num_blocks)``."""
-        return granule_ranges(block_byte_ranges(self._views, num_blocks), self.backing.granularity)
-
     def resize(self, num_blocks: int) -> None:
         """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed
         (all or nothing: a grow that fails gives back what it committed and raises)."""
         backing = self.backing
-        want = self.ranges_for(num_blocks)
+        want = granule_ranges(block_byte_ranges(self._views, num_blocks), backing.granularity)
         added: Ranges = []
         try:
             for start, end in subtract_ranges(want, self._committed):

@@ -44,19 +44,14 @@ def _unify_page_size(spec: KVCacheSpec, page: int, layer_name: str) -> KVCacheSp
         # NOTE: a state cache's page does not grow with its block size; it is padded.
         if scaled.page_size_bytes == page:
             return scaled
-    if isinstance(spec, MLAAttentionSpec):
+    mla = isinstance(spec, MLAAttentionSpec)
+    if mla or not _paddable(spec):
         raise ValueError(
-            f"MLA layer {layer_name!r} has a {current}-byte page (block size "
-            f"{spec.block_size}) that does not divide the model's common page of "
-            f"{page} bytes (the largest page, rounded up to a multiple of every "
-            "element size), and MLA pages cannot be padded; choose block sizes whose "
-            "pages divide the largest page"
-        )
-    if not _paddable(spec):
-        raise ValueError(
-            f"layer {layer_name!r} ({type(spec).__name__}) has a {current}-byte page "
-            f"that neither divides the model's largest page of {page} bytes nor can "
-            "be padded; choose block sizes whose pages divide the largest page"
+            f"{'MLA ' if mla else ''}layer {layer_name!r} ({type(spec).__name__}) has a "
+            f"{current}-byte page (block size {spec.block_size}) that does not divide the "
+            f"model's common page of {page} bytes (the largest page, rounded up to a multiple "
+            f"of every element size), and {'MLA' if mla else 'its'} pages cannot be padded; "
+            "choose block sizes whose pages divide the largest page"
         )
     return attrs.evolve(spec, page_size_padded=page)
 
