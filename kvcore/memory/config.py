@@ -30,16 +30,14 @@ def _check_layers(inst: Any, attribute: Any, value: tuple[str, ...]) -> None:
         raise ValueError(f"{type(inst).__name__}.{attribute.name} repeats a layer: {list(value)}")
 
 
-def _instances_of(cls: type) -> Any:
-    """An attrs validator: the value (or every item of a list value) is a ``cls``."""
+def _instances_of(cls: type, *, each: bool = False) -> Any:
+    """An attrs validator: the value (``each``: every item of it) is a ``cls``."""
 
     def check(inst: Any, attribute: Any, value: Any) -> None:
-        for item in value if isinstance(value, list) else [value]:
+        for item in value if each else [value]:
             if not isinstance(item, cls):
-                raise TypeError(
-                    f"{type(inst).__name__}.{attribute.name} must hold {cls.__name__} "
-                    f"objects, got {item!r}"
-                )
+                must = f"hold {cls.__name__} objects" if each else f"be a {cls.__name__}"
+                raise TypeError(f"{type(inst).__name__}.{attribute.name} must {must}, got {item!r}")
 
     return check
 
@@ -85,10 +83,10 @@ class KVCacheConfig:
 
     num_blocks: int = attrs.field(validator=attrs_positive)
     kv_cache_tensors: list[KVCacheTensor] = attrs.field(
-        converter=list, validator=_instances_of(KVCacheTensor)
+        converter=list, validator=_instances_of(KVCacheTensor, each=True)
     )
     kv_cache_groups: list[KVCacheGroupSpec] = attrs.field(
-        converter=list, validator=_instances_of(KVCacheGroupSpec)
+        converter=list, validator=_instances_of(KVCacheGroupSpec, each=True)
     )
     layout: KVCacheLayout = attrs.field(default=KVCacheLayout.LBNHC, converter=KVCacheLayout.parse)
 
