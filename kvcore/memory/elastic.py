@@ -148,7 +148,9 @@ def first_elastic_blocks(
     return num_blocks
 
 
-def reserve_elastic(config: KVCacheConfig, device: torch.device) -> tuple[ElasticMemory, torch.Tensor]:
+def reserve_elastic(
+    config: KVCacheConfig, device: torch.device
+) -> tuple[ElasticMemory, torch.Tensor]:
     """Reserve the allocation of ``config`` (all its blocks) without committing any of it."""
     raw = [
         n for g in config.kv_cache_groups for n in g.layer_names if not g.spec_of(n).has_layer_views
