@@ -1,15 +1,10 @@
-"""``kvcore bench transfer``: host offload / restore and NIXL transfers against the copy ceilings.
+"""``kvcore bench transfer``: host offload / restore and NIXL transfers against copy ceilings.
 
-For each layout, moves random (non-consecutive) blocks of a model's KV cache:
-``HostKVPool.offload`` (device to pinned host) and ``restore`` (back), each
-against one pinned ``copy_(non_blocking=True)`` of the same byte count
-measured in the same run; and, where NIXL imports, writes and reads to a
-peer agent (in a spawned process on CUDA, so UCX may use ``cuda_ipc``; in
-this process on CPU) in host memory and, on CUDA, in device memory, beside a
-plain copy of the same bytes, with the transport each row used
-(:mod:`kvcore.bench.transfer_nixl`). Device times come from CUDA events
-(median of repeats); on CPU all times are wall times. Without CUDA the
-defaults are CPU-sized (a few seconds); a progress bar shows on stderr.
+For each layout, moves random, never adjacent blocks of a model's KV cache:
+``HostKVPool.offload`` / ``restore`` against one pinned ``copy_(non_blocking=True)`` of as
+many bytes, measured in the same run (CUDA events, median of repeats; wall times on CPU);
+and, where NIXL imports, NIXL writes and reads to a peer agent
+(:mod:`kvcore.bench.transfer_nixl`). Without CUDA the defaults are CPU-sized.
 """
 
 from __future__ import annotations
@@ -33,8 +28,7 @@ from kvcore.bench._timing import Timer
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
 from kvcore.bench.transfer_descs import descriptor_rows_of, print_descriptor_rows
-from kvcore.bench.transfer_nixl import nixl_rows, print_rows, rate
-from kvcore.memory.layout import KVCacheLayout
+from kvcore.bench.transfer_nixl import gbps, nixl_rows, print_rows, rate
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.registry import get_plugin_manager
 from kvcore.runtime.kv_cache import KVCache
@@ -80,17 +74,9 @@ def build_cache(model: dict[str, Any], layout: str, num_blocks: int, device: str
     )
 
 
-def _cache(args: argparse.Namespace, layout: KVCacheLayout, num_blocks: int, device: torch.device) -> KVCache:
-    return build_cache(model_of(args), layout.name, num_blocks, str(device))
-
-
-def _gbps(nbytes: int, us: float) -> float:
-    return nbytes / us / 1e3
-
-
 def _host_rows(args, layout, device, timer, gen, tick) -> list[dict[str, Any]]:
     most = max(args.blocks)
-    kv = _cache(args, layout, 2 * most + 1, device)
+    kv = build_cache(model_of(args), layout.name, 2 * most + 1, str(device))
     pool = HostKVPool(kv, most)
     desc = describe(kv)
     device_buf = torch.empty(pool.host.numel(), dtype=torch.int8, device=device)
@@ -110,19 +96,13 @@ def _host_rows(args, layout, device, timer, gen, tick) -> list[dict[str, Any]]:
         row["d2h_memcpy_us"] = timer.gpu_us(lambda: host.copy_(dev, non_blocking=True))
         row["h2d_memcpy_us"] = timer.gpu_us(lambda: dev.copy_(host, non_blocking=True))
         for key in ("offload", "restore", "d2h_memcpy", "h2d_memcpy"):
-            row[f"{key}_gbps"] = _gbps(nbytes, row[f"{key}_us"])
+            row[f"{key}_gbps"] = gbps(nbytes, row[f"{key}_us"])
         row["offload_vs_memcpy"] = row["d2h_memcpy_us"] / row["offload_us"]
         row["restore_vs_memcpy"] = row["h2d_memcpy_us"] / row["restore_us"]
         rows.append(row)
         tick()
     del kv, pool, device_buf
     return rows
-
-
-def _steps(args, memories) -> int:
-    host = 0 if args.no_host else len(args.layouts) * len(args.blocks)
-    nixl = 0 if args.no_nixl else len(memories) * len(args.layouts) * len(args.nixl_blocks)
-    return host + nixl
 
 
 def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
@@ -134,7 +114,10 @@ def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     if gpu_kinds and device.type != "cuda":
         raise ValueError(f"--nixl-memory {','.join(gpu_kinds)} needs a CUDA --device, got {device}; "
                          "use --nixl-memory DRAM")
-    tick = progress(_steps(args, memories)) if progress is not None else (lambda: None)
+    steps = (0 if args.no_host else len(args.blocks)) + (
+        0 if args.no_nixl else len(memories) * len(args.nixl_blocks)
+    )
+    tick = progress(steps * len(args.layouts)) if progress is not None else (lambda: None)
     timer = Timer(device, args.repeats, args.warmup) if not args.no_host else None
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {
@@ -149,7 +132,7 @@ def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     if args.no_nixl:
         result["nixl_skipped"] = "--no-nixl"
         return result
-    make = functools.partial(_make, model_of(args))
+    make = functools.partial(build_cache, model_of(args))
     for memory in memories:
         try:
             for layout in args.layouts:
@@ -162,10 +145,6 @@ def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         except Exception as exc:  # NOTE: NIXL/UCX raise their own types; the other rows still report
             result["nixl_failed"][memory] = f"{type(exc).__name__}: {exc}"
     return result
-
-
-def _make(model: dict[str, Any], layout: str, num_blocks: int, device: str) -> KVCache:
-    return build_cache(model, layout, num_blocks, device)
 
 
 def _release(device: torch.device) -> None:

@@ -1,21 +1,19 @@
 """NIXL rows of ``kvcore bench transfer``: agent ``a`` writes and reads a peer's blocks.
 
-The peer is a second agent of this process (``--nixl-peer local``: UCX
-loopback) or an agent in a spawned process (``process``: on one GPU, UCX may
-use ``cuda_ipc`` between the two). For each layout and memory kind (``DRAM``:
-host caches; ``VRAM``: both caches on the one CUDA device), ``a`` writes
-random (odd, never adjacent) blocks into the same ids of the peer's cache and
-reads them back, timed from the call to the handle's ``wait()`` returning
-(wall time, device synced). Beside them, in the same run, plain copies of the
-same byte count: a host ``copy_`` for DRAM; for VRAM a device-to-device
-``copy_`` and a pinned host-to-device ``copy_(non_blocking=True)``. Each row
-checks the round trip bit for bit (the blocks read back into spare local
-blocks equal the ones written) and names the transport the agent reports.
+The peer is a second agent of this process (``--nixl-peer local``) or of a spawned one
+(``process``; on one GPU UCX may then use ``cuda_ipc``). For each layout and memory kind
+(``DRAM``: both caches in host memory; ``VRAM``: both on the GPU; ``VRAM-DRAM``: the peer's
+on the host), ``a`` writes random, never adjacent blocks into the same ids of the peer and
+reads them back, timed from the call to ``wait()`` returning. Beside them, in the same run,
+plain copies of as many bytes: a ``copy_`` on the device (host for DRAM) and pinned
+``copy_(non_blocking=True)`` to and from the host. Each row checks the round trip bit for
+bit and names the transport the agent reports.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import textwrap
 import time
 from collections.abc import Callable
@@ -25,11 +23,10 @@ import torch
 
 from kvcore._table import Column, render
 from kvcore.bench._timing import Timer
-from kvcore.bench.transfer_peer import LocalPeer, ProcessPeer, fill
+from kvcore.bench.transfer_peer import LocalPeer, ProcessPeer, fill, random_bytes
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer import NixlAgent, describe, plan_transfer
 
-#: DRAM: both caches in host memory; VRAM: both on the GPU; VRAM-DRAM: this one on the GPU, the peer's on the host.
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: ``make(num_blocks, device) -> KVCache``, picklable (a ``functools.partial`` of a module function).
 CacheFn = Callable[[int, str], KVCache]
@@ -40,36 +37,18 @@ def rate(value: float) -> str:
     return f"{value:.0f}" if value >= 100 else f"{value:.1f}" if value >= 10 else f"{value:.2f}"
 
 
-def _gbps(nbytes: int, us: float) -> float:
+def gbps(nbytes: int, us: float) -> float:
     return nbytes / us / 1e3
 
 
-def _random_bytes(size: int, device: torch.device, seed: int) -> torch.Tensor:
-    gen = torch.Generator(device=device).manual_seed(seed)
-    return torch.randint(-128, 128, (size,), generator=gen, dtype=torch.int8, device=device)
-
-
 def _same_blocks(kv: KVCache, ids: list[int], other: list[int]) -> bool:
-    """Whether blocks ``ids`` and ``other`` of ``kv`` hold the same bytes (as integers: random bytes make NaNs)."""
-    device = next(iter(kv.kv_caches.values())).device
-    a, b = torch.tensor(ids, device=device), torch.tensor(other, device=device)
-    return all(
-        torch.equal(view.view(_INTS[view.element_size()]).index_select(0, a),
-                    view.view(_INTS[view.element_size()]).index_select(0, b))
-        for view in kv.kv_caches.values()
-    )
+    """Whether blocks ``ids`` and ``other`` hold the same bytes (as integers: random bytes make NaNs)."""
+    a, b = torch.tensor(ids, device=kv.device), torch.tensor(other, device=kv.device)
+    views = [view.view(_INTS[view.element_size()]) for view in kv.kv_caches.values()]
+    return all(torch.equal(view.index_select(0, a), view.index_select(0, b)) for view in views)
 
 
-def _peer_device(memory: str, device: torch.device) -> tuple[torch.device, torch.device]:
-    """(local, peer) cache devices of a memory kind: both on the GPU, both on the host, or GPU to host."""
-    if memory == "VRAM":
-        return device, device
-    if memory == "VRAM-DRAM":
-        return device, torch.device("cpu")
-    return torch.device("cpu"), torch.device("cpu")
-
-
-def _references(row: dict[str, Any], nbytes: int, on: torch.device, src, dst, pinned, timer: Timer) -> None:
+def _references(row: dict[str, Any], nbytes: int, src, dst, pinned, timer: Timer) -> None:
     """Plain copies of the same bytes, and the NIXL write / read against the matching one."""
     s, d = src[:nbytes], dst[:nbytes]
     refs = {"copy": lambda: d.copy_(s)}
@@ -80,7 +59,7 @@ def _references(row: dict[str, Any], nbytes: int, on: torch.device, src, dst, pi
     for key, fn in refs.items():
         row[f"{key}_us"] = timer.wall_us(fn)
     for key in ("nixl_write", "nixl_read", *refs):
-        row[f"{key}_gbps"] = _gbps(nbytes, row[f"{key}_us"])
+        row[f"{key}_gbps"] = gbps(nbytes, row[f"{key}_us"])
     # a write moves local -> peer, a read peer -> local: VRAM-DRAM compares with d2h / h2d memcpy
     write_ref, read_ref = ("d2h_memcpy", "h2d_memcpy") if row["memory"] == "VRAM-DRAM" else ("copy", "copy")
     row["write_ref"], row["read_ref"] = write_ref, read_ref
@@ -91,7 +70,8 @@ def _references(row: dict[str, Any], nbytes: int, on: torch.device, src, dst, pi
 def nixl_rows(args: argparse.Namespace, make: CacheFn, memory: str, device: torch.device,
               gen: torch.Generator, peer_kind: str, tick: Callable[[], None] = lambda: None) -> list[dict[str, Any]]:
     """One row per block count of ``args.nixl_blocks`` in ``memory``, the peer ``peer_kind``."""
-    on, peer_on = _peer_device(memory, device)
+    cpu = torch.device("cpu")
+    on, peer_on = {"VRAM": (device, device), "VRAM-DRAM": (device, cpu)}.get(memory, (cpu, cpu))
     timer = Timer(on, args.repeats, args.warmup)
     most = max(args.nixl_blocks)
     a = make(2 * most + 2, str(on))  # the cache first: its CUDA context exists before any agent
@@ -99,8 +79,8 @@ def nixl_rows(args: argparse.Namespace, make: CacheFn, memory: str, device: torc
     tag = f"bench-{memory.lower()}-{a.layout.name.lower()}"
     progress = getattr(args, "nixl_progress_thread", True)
     # NOTE: the peer keeps NIXL's progress thread: it only serves, so nothing else would progress it.
-    peer = (ProcessPeer(f"{tag}-b", _Maker(make, 2 * most + 2, str(peer_on))) if peer_kind == "process"
-            else LocalPeer(f"{tag}-b", make(2 * most + 2, str(peer_on))))
+    make_peer = functools.partial(make, 2 * most + 2, str(peer_on))
+    peer = ProcessPeer(f"{tag}-b", make_peer) if peer_kind == "process" else LocalPeer(f"{tag}-b", make_peer())
     agent = None
     try:
         agent = NixlAgent(f"{tag}-a", a, progress_thread=progress)
@@ -110,7 +90,7 @@ def nixl_rows(args: argparse.Namespace, make: CacheFn, memory: str, device: torc
         transport = agent.transport(name)
         desc = describe(a)
         size = most * desc.groups[0].layers[0].block_bytes * len(desc.groups[0].layers)
-        src, dst = _random_bytes(size, on, 3), _random_bytes(size, on, 4)
+        src, dst = random_bytes(size, on, 3), random_bytes(size, on, 4)
         pinned = torch.empty(size, dtype=torch.int8, pin_memory=True) if on.type == "cuda" else None
         rows = []
         for i, n in enumerate(args.nixl_blocks):
@@ -129,7 +109,7 @@ def nixl_rows(args: argparse.Namespace, make: CacheFn, memory: str, device: torc
                    "progress_thread": progress}
             row["nixl_write_us"] = timer.wall_us(lambda: agent.write_blocks(name, ids, ids).wait(timeout=120))
             row["nixl_read_us"] = timer.wall_us(lambda: agent.read_blocks(name, ids, ids).wait(timeout=120))
-            _references(row, nbytes, on, src, dst, pinned, timer)
+            _references(row, nbytes, src, dst, pinned, timer)
             rows.append(row)
             tick()
         return rows
@@ -137,16 +117,6 @@ def nixl_rows(args: argparse.Namespace, make: CacheFn, memory: str, device: torc
         if agent is not None:
             agent.close()
         peer.close()
-
-
-class _Maker:
-    """``make(num_blocks, device)`` bound to its arguments, for the spawned peer (picklable)."""
-
-    def __init__(self, make: CacheFn, num_blocks: int, device: str) -> None:
-        self.make, self.num_blocks, self.device = make, num_blocks, device
-
-    def __call__(self) -> KVCache:
-        return self.make(self.num_blocks, self.device)
 
 
 _REF_NAMES = {"copy": "copy_", "d2h_memcpy": "d2h memcpy", "h2d_memcpy": "h2d memcpy"}

@@ -1,11 +1,9 @@
-"""The other side of ``kvcore bench transfer``'s NIXL rows: an agent in this process or in another.
+"""The peer of ``kvcore bench transfer``'s NIXL rows: an agent in this process or another.
 
-``LocalPeer`` is a second :class:`~kvcore.transfer.NixlAgent` of this process
-(UCX loopback: on one GPU ``cuda_copy`` carries the data, since ``cuda_ipc``
-cannot reach an agent of the same process). ``ProcessPeer`` serves a cache in
-a spawned process (metadata over a pipe), so that on one GPU UCX may use
-``cuda_ipc`` between the two processes, as disaggregated serving does. The
-peer allocates its cache (so its CUDA context exists) before its agent.
+``LocalPeer`` is a second agent of this process (UCX loopback: on one GPU ``cuda_copy``
+carries the data, ``cuda_ipc`` cannot reach the same process). ``ProcessPeer`` serves a
+cache in a spawned process (metadata over a pipe), so that on one GPU UCX may use
+``cuda_ipc``, as disaggregated serving does. Each allocates its cache before its agent.
 """
 
 from __future__ import annotations
@@ -18,30 +16,31 @@ import torch
 
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer import NixlAgent
-from kvcore.transfer.host_pool import raw_allocation
+from kvcore.transfer.descriptor import raw_allocation
+
+
+def random_bytes(size: int, device: torch.device, seed: int) -> torch.Tensor:
+    gen = torch.Generator(device=device).manual_seed(seed)
+    return torch.randint(-128, 128, (size,), generator=gen, dtype=torch.int8, device=device)
 
 
 def fill(kv: KVCache, seed: int) -> None:
     """Random bytes in the whole cache (so every block differs from every other)."""
     raw = raw_allocation(kv)
-    gen = torch.Generator(device=raw.device).manual_seed(seed)
-    raw.copy_(torch.randint(-128, 128, raw.shape, generator=gen, dtype=torch.int8, device=raw.device))
+    raw.copy_(random_bytes(raw.numel(), raw.device, seed))
 
 
 class LocalPeer:
     """A second agent of this process serving ``kv``."""
 
     def __init__(self, name: str, kv: KVCache) -> None:
-        self.kv, self.agent = kv, NixlAgent(name, kv)
+        self.agent = NixlAgent(name, kv)
 
     def metadata(self) -> bytes:
         return self.agent.metadata()
 
     def connect(self, metadata: bytes) -> None:
         self.agent.connect(metadata)
-
-    def refill(self, seed: int) -> None:
-        fill(self.kv, seed)
 
     def close(self) -> None:
         self.agent.close()
@@ -54,15 +53,7 @@ def _serve(conn: Any, make: Callable[[], KVCache], name: str) -> None:
     conn.send(agent.metadata())
     agent.connect(conn.recv())
     conn.send("ready")
-    while True:
-        request, arg = conn.recv()
-        if request == "refill":
-            fill(kv, arg)
-            if kv.device.type == "cuda":
-                torch.cuda.synchronize(kv.device)
-            conn.send("done")
-        else:
-            break
+    conn.recv()  # until told to stop
     agent.close()
     conn.send("closed")
 
@@ -90,10 +81,6 @@ class ProcessPeer:
     def connect(self, metadata: bytes) -> None:
         self._conn.send(metadata)
         self._recv("connection")
-
-    def refill(self, seed: int) -> None:
-        self._conn.send(("refill", seed))
-        self._recv("refill")
 
     def close(self) -> None:
         if self._proc.is_alive():

@@ -1,7 +1,7 @@
-"""The NIXL side of kvcore's transfers: import, descriptor rows, transfer handles.
+"""The NIXL side of kvcore's transfers: the import, descriptor arrays, transfer handles.
 
-NIXL is optional (``pip install kvcore[nixl]``): it is imported only when an
-agent is made, and a missing install raises :class:`NixlUnavailableError`.
+NIXL is optional (``pip install kvcore[nixl]``): imported only when an agent is made; a
+missing install raises :class:`NixlUnavailableError`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import time
 from typing import Any
 
 import torch
+
+from kvcore.transfer.descriptor import KVCacheDescriptor
+from kvcore.transfer.plan import PairedRuns
 
 
 class NixlUnavailableError(ImportError):
@@ -22,15 +25,14 @@ class TransferError(RuntimeError):
 
 
 def nixl_api() -> tuple[Any, Any]:
-    """``(nixl_agent, nixl_agent_config)`` from ``nixl``, else a single CUDA build of it.
+    """``(nixl_agent, nixl_agent_config)`` from ``nixl``, else from one CUDA build of it.
 
     The ``nixl`` meta package picks its CUDA 12 or 13 build at import; where only one
-    build is installed (``nixl-cu12`` or ``nixl-cu13``) that build is imported directly.
+    build (``nixl-cu12`` or ``nixl-cu13``) is installed, that build is imported directly.
     """
     errors = []
     for module in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         try:
-            # NOTE: NIXL is an optional dependency, imported only when an agent is made.
             api = importlib.import_module(module)
             return api.nixl_agent, api.nixl_agent_config
         except ImportError as exc:
@@ -47,13 +49,29 @@ def mem_type(device: str) -> tuple[str, int]:
     return "DRAM", 0
 
 
+def xfer_arrays(
+    plan: list[PairedRuns], local: KVCacheDescriptor, remote: KVCacheDescriptor, *,
+    local_is_src: bool = True,
+) -> tuple[Any, Any]:
+    """NIXL's ``Nx3`` ``[address, length, device id]`` arrays of the local and remote runs."""
+    sides: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for part in plan:
+        ends = [(part.src_allocation, part.src_offsets), (part.dst_allocation, part.dst_offsets)]
+        for rows, desc, (index, offsets) in zip(sides, (local, remote), ends[:: 1 if local_is_src else -1]):
+            alloc = desc.allocations[index]
+            device = torch.full_like(part.lengths, mem_type(alloc.device)[1])
+            rows.append(torch.stack([offsets + alloc.base_ptr, part.lengths, device], dim=1))
+    np = importlib.import_module("numpy")  # NOTE: numpy comes with NIXL, so it is imported here
+    return tuple(torch.cat(rows).numpy().astype(np.uint64) for rows in sides)
+
+
 class TransferHandle:
     """One NIXL transfer in flight; :meth:`wait` returns when its bytes have moved."""
 
     def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int, transport: Any = None) -> None:
         self._agent, self._handle = agent, handle
         self.num_runs, self.nbytes = num_runs, nbytes
-        #: How the bytes travel (:class:`kvcore.transfer.transport.Transport`), and NIXL's backend name.
+        #: How the bytes travel (:class:`kvcore.transfer.transport.Transport`), and NIXL's backend.
         self.transport, self.backend = transport, None
 
     def done(self) -> bool:
@@ -82,14 +100,3 @@ class TransferHandle:
         if self._handle is not None:
             self._agent.release_xfer_handle(self._handle)
             self._handle = None
-
-
-def descriptor_rows(base: int, offsets, lengths, device_id: int):
-    """``[address, length, device id]`` rows (int64, CPU) of one allocation's runs."""
-    return torch.stack([offsets + base, lengths, torch.full_like(lengths, device_id)], dim=1)
-
-
-def xfer_array(rows):
-    """NIXL's Nx3 descriptor array (numpy comes with NIXL, so it is imported only here)."""
-    np = importlib.import_module("numpy")
-    return torch.cat(rows).numpy().astype(np.uint64)

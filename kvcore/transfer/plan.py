@@ -1,24 +1,25 @@
-"""Transfer plans: the exact contiguous byte runs of a set of manager blocks.
+"""Transfer plans: the exact byte runs of manager blocks, alone or paired with other blocks.
 
-Each layer's view is reduced to a *block pattern*: the runs one manager block
-occupies, relative to block 0, which repeat every ``manager_block_stride``
-bytes. Layers of one stride share a pattern (their runs merge where they
-touch: all layers of a block in a block-outermost layout become one run). A
-plan places the pattern at every listed block and merges the union into the
-fewest runs, vectorized on CPU tensors.
+A layer's view reduces to a *block pattern*: the runs one manager block occupies,
+repeating every ``manager_block_stride`` bytes; layers of one stride share a pattern
+(a block-outermost layout's layers become one run). A plan places the pattern at every
+listed block and merges the runs, vectorized on CPU tensors. Paired plans match source
+runs to destination runs of a cache of the same structure (a peer, the host mirror).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import itertools
+import operator
+from collections.abc import Mapping, Sequence, Set
+from typing import Any
 
 import attrs
 import torch
 
 from kvcore.memory.runs import block_runs
 from kvcore.transfer.descriptor import KVCacheDescriptor, LayerDescriptor
-from kvcore.transfer.ids import block_id_tensor
 
 
 @attrs.frozen(order=True)
@@ -48,22 +49,119 @@ class BlockPattern:
         return sum(self.lengths)
 
 
-def _union(starts: list[int], lengths: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    merged: list[list[int]] = []
-    for start, length in sorted(zip(starts, lengths)):
-        if merged and start <= merged[-1][0] + merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], start + length - merged[-1][0])
-        else:
-            merged.append([start, length])
-    return tuple(m[0] for m in merged), tuple(m[1] for m in merged)
+@attrs.frozen
+class PairedRuns:
+    """Copies of ``lengths[i]`` bytes from ``src_offsets[i]`` to ``dst_offsets[i]`` (CPU int64)."""
+
+    src_allocation: int
+    dst_allocation: int
+    src_offsets: torch.Tensor = attrs.field(eq=False, repr=False)
+    dst_offsets: torch.Tensor = attrs.field(eq=False, repr=False)
+    lengths: torch.Tensor = attrs.field(eq=False, repr=False)
+
+    @property
+    def num_runs(self) -> int:
+        return self.lengths.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.lengths.sum())
+
+
+def _plural(what: str) -> str:
+    """``"block id of peer 'x'"`` -> ``"block ids of peer 'x'"``."""
+    noun, sep, rest = what.partition(" of ")
+    return f"{noun}s{sep}{rest}"
+
+
+def _bad_id(value: Any, num_blocks: int, what: str, low: int) -> ValueError:
+    null = " (block 0 is the null block and holds no data)" if low else ""
+    return ValueError(
+        f"{what} {value!r} is not an integer in [{low}, {num_blocks}); pass manager block "
+        f"ids from the block pool{null}; nothing was transferred"
+    )
+
+
+def block_id_tensor(
+    block_ids: Any, num_blocks: int, *, what: str = "block id", null_ok: bool = True
+) -> torch.Tensor:
+    """Ints, a sequence of ints or an integer tensor, each in ``[0 or 1, num_blocks)``, as int64."""
+    low = 0 if null_ok else 1
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
+            raise ValueError(
+                f"{_plural(what)} must be an integer tensor, got {block_ids.dtype}; "
+                "pass int32/int64 ids"
+            )
+        ids = block_ids.detach().reshape(-1).to("cpu", torch.int64)
+        bad = ids[(ids < low) | (ids >= num_blocks)]
+        if bad.numel():
+            raise _bad_id(int(bad[0]), num_blocks, what, low)
+        return ids
+    if isinstance(block_ids, (str, bytes, Mapping, Set)) or block_ids is None:
+        raise ValueError(
+            f"{_plural(what)} must be a sequence of integers (a list, tuple or integer tensor), "
+            f"got {block_ids!r}; nothing was transferred"
+        )
+    if isinstance(block_ids, int) and not isinstance(block_ids, bool):
+        block_ids = [block_ids]
+    try:
+        items = list(block_ids)
+    except TypeError:
+        raise _bad_id(block_ids, num_blocks, what, low) from None
+    values = []
+    for value in items:
+        try:
+            index = operator.index(value)
+        except TypeError:
+            index = None
+        if index is None or "bool" in type(value).__name__ or not low <= index < num_blocks:
+            raise _bad_id(value, num_blocks, what, low)
+        values.append(index)
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def paired_ids(
+    src_ids: Any, src_blocks: int, dst_ids: Any, dst_blocks: int, *, src_what: str,
+    dst_what: str, src_null_ok: bool = False, dst_null_ok: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checked source and destination ids of one transfer: one source per destination."""
+    src = block_id_tensor(src_ids, src_blocks, what=src_what, null_ok=src_null_ok)
+    dst = block_id_tensor(dst_ids, dst_blocks, what=dst_what, null_ok=dst_null_ok)
+    if src.numel() != dst.numel():
+        src_n = src_what if src.numel() == 1 else _plural(src_what)
+        dst_n = dst_what if dst.numel() == 1 else _plural(dst_what)
+        raise ValueError(
+            f"got {src.numel()} {src_n} and {dst.numel()} {dst_n}; pass one "
+            f"{dst_what} per {src_what} (nothing was transferred)"
+        )
+    values, counts = torch.unique(dst, return_counts=True)
+    if values.numel() != dst.numel():
+        raise ValueError(
+            f"{dst_what} {int(values[counts > 1][0])} is listed twice; each destination "
+            "block takes one source block (nothing was transferred)"
+        )
+    return src, dst
+
+
+def merge_runs(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union of runs as the fewest sorted, disjoint runs (touching runs merge)."""
+    if not starts.numel():
+        return starts, lengths
+    starts, order = torch.sort(starts, stable=True)
+    ends = torch.cummax(starts + lengths[order], 0).values
+    new = torch.ones_like(starts, dtype=torch.bool)
+    new[1:] = starts[1:] > ends[:-1]
+    first = torch.nonzero(new).flatten()
+    last = torch.cat([first[1:] - 1, torch.tensor([starts.numel() - 1])])
+    return starts[first], ends[last] - starts[first]
 
 
 def select_layers(
     descriptor: KVCacheDescriptor, group_ids: Sequence[int], layers: Sequence[str] | None
 ) -> list[LayerDescriptor]:
     """The layers with views of ``group_ids`` (all, or those named in ``layers``)."""
-    groups = [descriptor.group(g) for g in group_ids]
-    available = [layer for group in groups for layer in group.layers]
+    available = [layer for g in group_ids for layer in descriptor.group(g).layers]
     if layers is None:
         return available
     if isinstance(layers, str):
@@ -89,10 +187,34 @@ def block_patterns(
         starts, lengths = pieces.setdefault((layer.allocation, layer.manager_block_stride), ([], []))
         starts.extend(layer.offset + o for o in offsets)
         lengths.extend([run] * len(offsets))
-    return tuple(
-        BlockPattern(alloc, stride, *_union(starts, lengths))
-        for (alloc, stride), (starts, lengths) in sorted(pieces.items())
-    )
+    patterns = []
+    for (alloc, stride), (starts, lengths) in sorted(pieces.items()):
+        starts, lengths = merge_runs(torch.tensor(starts), torch.tensor(lengths))
+        patterns.append(BlockPattern(alloc, stride, tuple(starts.tolist()), tuple(lengths.tolist())))
+    return tuple(patterns)
+
+
+def group_selection(descriptor: KVCacheDescriptor, group_id: int | None) -> tuple[int, ...]:
+    """Group ids one call moves: ``group_id``, or every group with cache views."""
+    if group_id is None:
+        return tuple(g.group_id for g in descriptor.groups if g.layers)
+    if not descriptor.group(group_id).layers:
+        raise ValueError(f"KV cache group {group_id} has no cache pages to move")
+    return (group_id,)
+
+
+def whole_block_patterns(
+    descriptor: KVCacheDescriptor, group_ids: tuple[int, ...]
+) -> tuple[BlockPattern, ...]:
+    """Patterns of all selected groups; refuses groups whose blocks repeat at other strides."""
+    patterns = block_patterns(descriptor, group_ids, None)
+    strides = sorted({p.block_stride for p in patterns})
+    if len(strides) > 1:
+        raise ValueError(
+            f"the KV cache groups store blocks at different strides ({strides} bytes), so a "
+            "block id means different bytes in each; pass group_id= to move one group's blocks"
+        )
+    return patterns
 
 
 def pattern_runs(pattern: BlockPattern, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,19 +223,6 @@ def pattern_runs(pattern: BlockPattern, ids: torch.Tensor) -> tuple[torch.Tensor
     lengths = torch.tensor(pattern.lengths, dtype=torch.int64)
     placed = (ids[:, None] * pattern.block_stride + starts[None, :]).reshape(-1)
     return placed, lengths.repeat(ids.numel())
-
-
-def merge_runs(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The union of runs as the fewest sorted, disjoint runs (touching runs merge)."""
-    if not starts.numel():
-        return starts, lengths
-    starts, order = torch.sort(starts, stable=True)
-    ends = torch.cummax(starts + lengths[order], 0).values
-    new = torch.ones_like(starts, dtype=torch.bool)
-    new[1:] = starts[1:] > ends[:-1]
-    first = torch.nonzero(new).flatten()
-    last = torch.cat([first[1:] - 1, torch.tensor([starts.numel() - 1])])
-    return starts[first], ends[last] - starts[first]
 
 
 def plan_transfer(
@@ -125,12 +234,10 @@ def plan_transfer(
 ) -> list[Region]:
     """The fewest contiguous runs covering exactly the bytes of ``block_ids``.
 
-    Covers every byte the views of group ``group_id``'s layers (all, or those
-    in ``layers``) address for the listed manager blocks, and nothing else
-    (page padding excluded). Runs are sorted, disjoint and never touch.
-    Ids must be integers in ``[1, num_blocks)`` in a list, tuple or integer
-    tensor (``ValueError`` otherwise, dicts and sets included): block 0 is the
-    null block, which holds no data and is never moved.
+    Every byte the views of group ``group_id``'s layers (all, or ``layers``) address for
+    those manager blocks, page padding excluded; sorted, disjoint, never touching. Ids are
+    integers in ``[1, num_blocks)`` (block 0 is the null block) in a list, tuple or integer
+    tensor, else ``ValueError``.
     """
     if not isinstance(descriptor, KVCacheDescriptor):
         raise TypeError(f"plan_transfer needs a KVCacheDescriptor, got {type(descriptor).__name__}")
@@ -140,6 +247,92 @@ def plan_transfer(
     regions = []
     for alloc in sorted({p.allocation for p in patterns}):
         placed = [pattern_runs(p, ids) for p in patterns if p.allocation == alloc]
-        starts, lengths = merge_runs(torch.cat([s for s, _ in placed]), torch.cat([n for _, n in placed]))
+        starts, lengths = merge_runs(*(torch.cat(x) for x in zip(*placed)))
         regions.extend(Region(alloc, s, n) for s, n in zip(starts.tolist(), lengths.tolist()))
     return regions
+
+
+def packed_patterns(patterns: tuple[BlockPattern, ...]) -> tuple[BlockPattern, ...]:
+    """Patterns storing each block's runs back to back in one slot (the host mirror's)."""
+    slot = sum(p.block_bytes for p in patterns)
+    out, offset = [], 0
+    for p in patterns:
+        starts = tuple(itertools.accumulate(p.lengths[:-1], initial=offset))
+        offset += p.block_bytes
+        out.append(BlockPattern(0, slot, starts, p.lengths))
+    return tuple(out)
+
+
+def structure_mismatch(src: tuple[BlockPattern, ...], dst: tuple[BlockPattern, ...]) -> str | None:
+    """Why the runs of ``src`` blocks cannot be copied onto ``dst`` blocks one to one, or None."""
+    if len(src) != len(dst):
+        return f"blocks are split over {len(src)} vs {len(dst)} (allocation, stride) classes"
+    for i, (a, b) in enumerate(zip(src, dst)):
+        if a.lengths != b.lengths:
+            return (
+                f"a block's runs differ (class {i}: {len(a.lengths)} runs of {a.block_bytes} "
+                f"bytes vs {len(b.lengths)} runs of {b.block_bytes} bytes)"
+            )
+    return None
+
+
+def merge_pairs(src: torch.Tensor, dst: torch.Tensor, lengths: torch.Tensor):
+    """Merge copies adjacent on both sides; returns sorted (src, dst, lengths)."""
+    if not src.numel():
+        return src, dst, lengths
+    src, order = torch.sort(src, stable=True)
+    dst, lengths = dst[order], lengths[order]
+    new = torch.ones_like(src, dtype=torch.bool)
+    new[1:] = (src[1:] != src[:-1] + lengths[:-1]) | (dst[1:] != dst[:-1] + lengths[:-1])
+    run = torch.cumsum(new, 0) - 1
+    merged = torch.zeros(int(run[-1]) + 1, dtype=torch.int64).index_add_(0, run, lengths)
+    return src[new], dst[new], merged
+
+
+def _merged(parts: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[PairedRuns]:
+    """``(src alloc, dst alloc, src, dst, lengths)`` copies merged per pair of allocations."""
+    out = []
+    for sa, da in sorted({p[:2] for p in parts}):
+        chosen = [p[2:] for p in parts if p[:2] == (sa, da)]
+        out.append(PairedRuns(sa, da, *merge_pairs(*(torch.cat(x) for x in zip(*chosen)))))
+    return out
+
+
+def pair_runs(
+    src_patterns: tuple[BlockPattern, ...], src_ids: torch.Tensor,
+    dst_patterns: tuple[BlockPattern, ...], dst_ids: torch.Tensor,
+) -> list[PairedRuns]:
+    """The copies that move blocks ``src_ids`` onto ``dst_ids`` (checked ids)."""
+    reason = structure_mismatch(src_patterns, dst_patterns)
+    if reason is not None:
+        raise ValueError(f"source and destination blocks are laid out differently: {reason}")
+    parts = []
+    for a, b in zip(src_patterns, dst_patterns):
+        src, lengths = pattern_runs(a, src_ids)
+        parts.append((a.allocation, b.allocation, src, pattern_runs(b, dst_ids)[0], lengths))
+    return _merged(parts)
+
+
+def _head_rows(layer: LayerDescriptor, ids: torch.Tensor, head0: int, num_heads: int) -> torch.Tensor:
+    """Start byte of every (block, state, head) row, block-major, for heads ``head0...``."""
+    s = layer.byte_strides
+    states = layer.shape[2]
+    t = torch.arange(layer.rows_per_block * states)
+    within = (t // states) * s[0] + (t % states) * s[2]
+    heads = (head0 + torch.arange(num_heads)) * s[1]
+    blocks = layer.offset + ids * layer.manager_block_stride
+    return (blocks[:, None, None] + within[None, :, None] + heads[None, None, :]).reshape(-1)
+
+
+def pair_head_rows(
+    src: KVCacheDescriptor, src_ids: torch.Tensor, src_head0: int,
+    dst: KVCacheDescriptor, dst_ids: torch.Tensor, dst_head0: int,
+    *, group_id: int, num_heads: int,
+) -> list[PairedRuns]:
+    """Copies moving heads ``src_head0...`` of ``src`` blocks onto heads ``dst_head0...``."""
+    parts = []
+    for ls, ld in zip(src.group(group_id).layers, dst.group(group_id).layers):
+        s = _head_rows(ls, src_ids, src_head0, num_heads)
+        d = _head_rows(ld, dst_ids, dst_head0, num_heads)
+        parts.append((ls.allocation, ld.allocation, s, d, torch.full_like(s, ls.content.content_bytes)))
+    return _merged(parts)
