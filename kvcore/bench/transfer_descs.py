@@ -42,14 +42,15 @@ def _build(desc: KVCacheDescriptor, ids: torch.Tensor, to_nixl: Any) -> int:
     return len(arrays[0])
 
 
-def descriptor_rows_of(args: argparse.Namespace, make: Any, repeats: int = 5) -> list[dict[str, Any]]:
-    """One row per layout and id kind: descriptors and build time for ``args.descriptors`` blocks."""
+def descriptor_rows_of(args: argparse.Namespace, make: Any, repeats: int = 5) -> list[dict]:
+    """One row per layout and id kind: descriptors and build time for ``args.descriptors`` ids."""
     n = args.descriptors
+    id_kinds = (("scattered", torch.arange(n) * 2 + 1), ("consecutive", torch.arange(n) + 1))
     to_nixl = _nixl_lists()
     rows = []
     for layout in args.layouts:
         desc = describe(make(layout.name, 2 * n + 1))
-        for kind, ids in (("scattered", torch.arange(n) * 2 + 1), ("consecutive", torch.arange(n) + 1)):
+        for kind, ids in id_kinds:
             count = _build(desc, ids, to_nixl)
             times = []
             for _ in range(repeats):
@@ -68,6 +69,8 @@ def print_descriptor_rows(rows: list[dict[str, Any]], model: dict[str, Any], wid
                Column("build ms", right=True)]
     nixl = "and NIXL's nixlXferDList " if rows and rows[0]["nixl_dlist"] else ""
     title = (f"NIXL descriptors per side of one transfer ({model['layers']} layers, "
-             f"{model['kv_heads']} KV heads); build: plan, rows, Nx3 array {nixl}for both sides, median")
-    print(render(columns, [[r["layout"], r["blocks"], r["ids"], r["descriptors"], f"{r['per_block']:.3g}",
-                            f"{r['build_ms']:.2f}"] for r in rows], title=title, width=width))
+             f"{model['kv_heads']} KV heads); build: plan, rows, Nx3 array {nixl}for both sides, "
+             "median")
+    print(render(columns, [[r["layout"], r["blocks"], r["ids"], r["descriptors"],
+                            f"{r['per_block']:.3g}", f"{r['build_ms']:.2f}"] for r in rows],
+                 title=title, width=width))

@@ -10,12 +10,18 @@ _SAME_ROWS = ("kind", "content_bytes", "head_size", "head_size_v", "tokens_per_s
               "v_bytes")
 
 
+def _layer_counts(g: int, a: GroupDescriptor, b: GroupDescriptor) -> str:
+    counts = f"{len(a.layers)} layers with cache pages here, {len(b.layers)} on the peer"
+    return f"group {g} has {counts}"
+
+
 def _group_reason(g: int, a: GroupDescriptor, b: GroupDescriptor) -> str | None:
     for field in ("spec_type", "block_size", "kernel_block_size"):
-        if getattr(a, field) != getattr(b, field):
-            return f"group {g} {field}: {getattr(a, field)!r} here, {getattr(b, field)!r} on the peer"
+        here, there = getattr(a, field), getattr(b, field)
+        if here != there:
+            return f"group {g} {field}: {here!r} here, {there!r} on the peer"
     if len(a.layers) != len(b.layers):
-        return f"group {g} has {len(a.layers)} layers with cache pages here, {len(b.layers)} on the peer"
+        return _layer_counts(g, a, b)
     for la, lb in zip(a.layers, b.layers):
         ca, cb = la.content, lb.content
         if la.dtype != lb.dtype:
@@ -70,10 +76,7 @@ def head_slice_mismatch(
     if a.block_size != b.block_size:
         return f"group {group_id} block size: {a.block_size} here, {b.block_size} on the peer"
     if len(a.layers) != len(b.layers) or not a.layers:
-        return (
-            f"group {group_id} has {len(a.layers)} layers with cache pages here, "
-            f"{len(b.layers)} on the peer"
-        )
+        return _layer_counts(group_id, a, b)
     for la, lb in zip(a.layers, b.layers):
         ca, cb = la.content, lb.content
         if ca.kind != "attention" or la.dtype != lb.dtype or any(

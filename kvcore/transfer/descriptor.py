@@ -114,15 +114,6 @@ class GroupDescriptor:
     layer_names: tuple[str, ...] = attrs.field(converter=tuple)
     layers: tuple[LayerDescriptor, ...] = attrs.field(converter=tuple)
 
-    def layer(self, name: str) -> LayerDescriptor:
-        for layer in self.layers:
-            if layer.name == name:
-                return layer
-        raise ValueError(
-            f"group {self.group_id} has no cache view for layer {name!r}; its layers "
-            f"with views are {[layer.name for layer in self.layers]}"
-        )
-
 
 @attrs.frozen
 class KVCacheDescriptor:

@@ -118,7 +118,8 @@ def _content(at: str, data: Any) -> None:
 def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
     data = _obj(at, data, _LAYER)
     if _str(f"{at}.name", data["name"]) not in names:
-        raise _value_error(f"{at}.name", data["name"], f"not one of the group's layer_names {names}")
+        why = f"not one of the group's layer_names {names}"
+        raise _value_error(f"{at}.name", data["name"], why)
     _int(f"{at}.allocation", data["allocation"], 0, num_allocations - 1)
     _int(f"{at}.offset", data["offset"])
     item = _dtype(f"{at}.dtype", data["dtype"]).itemsize
@@ -127,13 +128,15 @@ def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
     strides = _ints(f"{at}.strides", data["strides"], 0, 2**62, 4)
     for i, (n, s) in enumerate(zip(shape, strides)):
         if n > 1 and s == 0:
-            raise _value_error(f"{at}.strides[{i}]", s, f"a dim of {n} elements needs a positive stride")
+            why = f"a dim of {n} elements needs a positive stride"
+            raise _value_error(f"{at}.strides[{i}]", s, why)
     rows = _int(f"{at}.rows_per_block", data["rows_per_block"], 1, shape[0])
     derived = {"manager_block_stride": strides[0] * item * rows,
                "block_bytes": rows * shape[1] * shape[2] * shape[3] * item}
     for key, expected in derived.items():
         if _int(f"{at}.{key}", data[key]) != expected:
-            raise _value_error(f"{at}.{key}", data[key], f"the layer's shape and strides give {expected}")
+            why = f"the layer's shape and strides give {expected}"
+            raise _value_error(f"{at}.{key}", data[key], why)
     content = data["content"]
     _content(f"{at}.content", content)
     if content["content_bytes"] > shape[3] * item:
@@ -167,8 +170,9 @@ def _group(at: str, data: Any, index: int, num_allocations: int) -> None:
 def check_fields(data: Any) -> None:
     """Check the parsed JSON of a descriptor (version already checked) field by field."""
     data = _obj("(top level)", data, _TOP)
-    if _str("layout", data["layout"]) not in KVCacheLayout.__members__:
-        raise _value_error("layout", data["layout"], f"expected one of {list(KVCacheLayout.__members__)}")
+    layouts = list(KVCacheLayout.__members__)
+    if _str("layout", data["layout"]) not in layouts:
+        raise _value_error("layout", data["layout"], f"expected one of {layouts}")
     _int("num_blocks", data["num_blocks"], 2, MAX_BLOCKS)
     allocations = _list("allocations", data["allocations"])
     if not allocations:
@@ -178,7 +182,8 @@ def check_fields(data: Any) -> None:
         alloc = _obj(at, alloc, _ALLOCATION)
         _int(f"{at}.index", alloc["index"], i, i)
         if not _DEVICE.fullmatch(_str(f"{at}.device", alloc["device"])):
-            raise _value_error(f"{at}.device", alloc["device"], "expected a device such as 'cuda:0'")
+            why = "expected a device such as 'cuda:0'"
+            raise _value_error(f"{at}.device", alloc["device"], why)
         base = _int(f"{at}.base_ptr", alloc["base_ptr"])
         _int(f"{at}.size", alloc["size"], 1, MAX_ADDRESS - 1 - base)
     for i, group in enumerate(_list("groups", data["groups"])):
@@ -192,7 +197,8 @@ def check_bounds(descriptor: Any) -> None:
             at = f"groups[{group.group_id}].layers[{i}] ({layer.name!r})"
             rows = descriptor.num_blocks * layer.rows_per_block
             if rows > layer.shape[0]:
-                why = f"{descriptor.num_blocks} blocks of {layer.rows_per_block} rows need {rows} rows"
+                blocks = f"{descriptor.num_blocks} blocks of {layer.rows_per_block} rows"
+                why = f"{blocks} need {rows} rows"
                 raise _value_error(f"{at}.shape[0]", layer.shape[0], why)
             strides = layer.byte_strides
             last = (rows - 1) * strides[0] + sum(
@@ -201,8 +207,8 @@ def check_bounds(descriptor: Any) -> None:
             end = layer.offset + last + layer.itemsize
             size = descriptor.allocations[layer.allocation].size
             if end > size:
-                why = f"its blocks reach byte {end} of allocation {layer.allocation}, which holds {size} bytes"
-                raise _value_error(f"{at}.offset", layer.offset, why)
+                why = f"its blocks reach byte {end} of allocation {layer.allocation}, which holds"
+                raise _value_error(f"{at}.offset", layer.offset, f"{why} {size} bytes")
             try:
                 block_runs(layer.shape, strides, layer.itemsize, layer.rows_per_block,
                            max_runs=MAX_RUNS_PER_BLOCK)

@@ -1,14 +1,11 @@
 """HostKVPool: a host mirror of KV cache blocks, filled and drained by exact plans.
 
-Host slot ``h`` holds one manager block's runs back to back (``block_bytes``, no
-padding). A block of equal, aligned runs (every layout of a plain attention model) is
-staged: the listed blocks are put in host-slot order and, chunk by chunk, gathered on
-the device with one ``index_select`` (``index_copy_`` scatters on restore), so the host
-copies move whole slots, merged where slots are consecutive. On CUDA the gather of chunk
-``k + 1`` (caller's stream) overlaps the copy of chunk ``k`` (a copy stream, ordered by
-events; a ring of ``RING_BUFFERS`` buffers bounds the device memory). Other blocks move
-one copy per paired run. On CUDA the mirror is pinned and work queued later on the
-caller's stream runs after the copies.
+Host slot ``h`` holds one manager block's runs back to back (``block_bytes``). Blocks of
+equal, aligned runs (any layout of a plain attention model) are staged: put in host-slot
+order and gathered on the device chunk by chunk (``index_select``; ``index_copy_`` on
+restore), so the host copies move whole slots, merged where slots are consecutive. On
+CUDA the mirror is pinned and the gather of chunk ``k + 1`` overlaps the copy of chunk
+``k`` on a copy stream. Other blocks move one copy per paired run.
 """
 
 from __future__ import annotations
@@ -40,8 +37,8 @@ RING_BUFFERS = 3
 
 
 @contextlib.contextmanager
-def _on(stream: torch.cuda.Stream | None, *, after: torch.cuda.Stream | None = None) -> Iterator[None]:
-    """Issue work on ``stream`` (after the work queued so far on ``after``); no-op on CPU."""
+def _on(stream: torch.cuda.Stream | None, after: torch.cuda.Stream | None = None) -> Iterator[None]:
+    """Issue work on ``stream``, after the work queued so far on ``after`` (no-op on CPU)."""
     if stream is None:
         yield
         return
@@ -66,9 +63,6 @@ class CopyHandle:
     def __init__(self, event: torch.cuda.Event | None, runs: int, nbytes: int) -> None:
         self._event, self.num_runs, self.nbytes = event, runs, nbytes
 
-    def done(self) -> bool:
-        return self._event is None or self._event.query()
-
     def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()
@@ -78,8 +72,7 @@ def _staged_chunks(
     patterns: tuple[BlockPattern, ...], device_ids: torch.Tensor, host_ids: torch.Tensor,
     slot_bytes: int,
 ) -> tuple[int, list[tuple[torch.Tensor, PairedRuns]]] | None:
-    """``(run bytes, [(table rows, copies from the chunk buffer)])``; None unless every block
-    is equal, aligned runs of one pattern."""
+    """``(run bytes, [(table rows, copies from the chunk buffer)])`` of equal, aligned runs."""
     if len(patterns) != 1 or not device_ids.numel():
         return None
     p = patterns[0]
@@ -120,8 +113,7 @@ class HostKVPool:
     ``group_id`` used to offload. ``staging=False`` copies run by run.
     """
 
-    def __init__(self, kv_cache: KVCache, num_host_blocks: int, *, pin_memory: bool | None = None,
-                 staging: bool = True) -> None:
+    def __init__(self, kv_cache: KVCache, num_host_blocks: int, *, staging: bool = True) -> None:
         if not isinstance(kv_cache, KVCache):
             raise TypeError(f"HostKVPool needs a kvcore.KVCache, got {type(kv_cache).__name__}")
         self.num_host_blocks = positive_int("num_host_blocks", num_host_blocks)
@@ -132,8 +124,8 @@ class HostKVPool:
         self._device_buf = raw_allocation(kv_cache)
         selections = [None, *(g.group_id for g in self.descriptor.groups if g.layers)]
         self.block_bytes = max(self._slot_bytes(g) for g in selections)
-        pin = self.device.type == "cuda" if pin_memory is None else bool(pin_memory)
-        self.host = torch.zeros(self.num_host_blocks * self.block_bytes, dtype=torch.int8, pin_memory=pin)
+        self.host = torch.zeros(self.num_host_blocks * self.block_bytes, dtype=torch.int8,
+                                pin_memory=self.device.type == "cuda")
         self._stream: torch.cuda.Stream | None = None
 
     def _patterns(self, group_id: int | None) -> tuple[BlockPattern, ...]:
@@ -148,25 +140,23 @@ class HostKVPool:
     def host_block(self, host_id: int) -> torch.Tensor:
         """The bytes of host slot ``host_id`` (a view of the mirror)."""
         if type(host_id) is not int or not 0 <= host_id < self.num_host_blocks:
-            raise ValueError(f"host block {host_id!r} is not an integer in [0, {self.num_host_blocks})")
+            raise ValueError(
+                f"host block {host_id!r} is not an integer in [0, {self.num_host_blocks})"
+            )
         return self.host[host_id * self.block_bytes : (host_id + 1) * self.block_bytes]
 
-    def _ids(self, device_ids: Any, host_ids: Any, to_host: bool) -> tuple[torch.Tensor, torch.Tensor]:
-        n_dev, n_host = self.descriptor.num_blocks, self.num_host_blocks
-        if to_host:
-            return paired_ids(device_ids, n_dev, host_ids, n_host, src_what="device block id",
-                              dst_what="host block id", dst_null_ok=True)
-        host, dev = paired_ids(host_ids, n_host, device_ids, n_dev, src_what="host block id",
-                               dst_what="device block id", src_null_ok=True)
-        return dev, host
+    def _ids(self, device_ids: Any, host_ids: Any, to_host: bool) -> tuple[torch.Tensor, ...]:
+        """(device ids, host ids), checked; the destination side may not repeat an id."""
+        dev = (device_ids, self.descriptor.num_blocks, "device block id")
+        host = (host_ids, self.num_host_blocks, "host block id")
+        src, dst = (dev, host) if to_host else (host, dev)
+        ids = paired_ids(src[0], src[1], dst[0], dst[1], src_what=src[2], dst_what=dst[2],
+                         src_null_ok=not to_host, dst_null_ok=to_host)
+        return ids if to_host else ids[::-1]
 
     def plan(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
              to_host: bool = True) -> list[PairedRuns]:
-        """Checked copies between device blocks (``src``) and host slots, run by run.
-
-        Device ids exclude the null block 0; the destination side (host when ``to_host``)
-        may not repeat an id.
-        """
+        """Checked copies between device blocks (``src``) and host slots, run by run."""
         dev, host = self._ids(device_ids, host_ids, to_host)
         patterns = self._patterns(group_id)
         return pair_runs(patterns, dev, packed_patterns(patterns), host)

@@ -103,7 +103,9 @@ class NixlAgent:
             with current:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                config = config_cls(backends=list(backends), enable_prog_thread=bool(progress_thread))
+                config = config_cls(
+                    backends=list(backends), enable_prog_thread=bool(progress_thread)
+                )
                 self._agent = agent_cls(name, config)
                 self._registered = self._agent.register_memory([self._raw])
         except Exception as exc:  # NOTE: NIXL raises its own binding exceptions (nixlBackendError)
@@ -129,7 +131,9 @@ class NixlAgent:
         """
         name, desc, info, agent_md = _unpack(peer_metadata)
         if name == self.name:
-            raise ValueError(f"peer metadata names this agent itself ({name!r}); pass the other process's")
+            raise ValueError(
+                f"peer metadata names this agent itself ({name!r}); pass the other process's"
+            )
         reason = incompatibility(self.descriptor, desc)
         if reason is not None and not heads_may_differ:
             raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {name!r}: {reason}")
@@ -166,7 +170,8 @@ class NixlAgent:
     def _peer(self, peer: str) -> KVCacheDescriptor:
         if peer not in self._peers:
             raise ValueError(
-                f"peer {peer!r} is not connected; connected peers: {self.peers}. Call connect() first"
+                f"peer {peer!r} is not connected; connected peers: {self.peers}. "
+                "Call connect() first"
             )
         return self._peers[peer]
 
@@ -188,11 +193,7 @@ class NixlAgent:
                 f"peer {peer!r} was connected for head slices only; whole blocks cannot move: "
                 f"{self._block_reasons[peer]}"
             )
-        local = ("local block id", local_ids, self.descriptor.num_blocks)
-        far = (f"block id of peer {peer!r}", remote_ids, remote.num_blocks)
-        src, dst = (far, local) if op == "READ" else (local, far)
-        src_ids, dst_ids = paired_ids(src[1], src[2], dst[1], dst[2], src_what=src[0], dst_what=dst[0])
-        loc, rem = (dst_ids, src_ids) if op == "READ" else (src_ids, dst_ids)
+        loc, rem = self._ids(op, peer, local_ids, remote_ids)
         groups = group_selection(self.descriptor, group_id)
         plan = pair_runs(whole_block_patterns(self.descriptor, groups), loc,
                          whole_block_patterns(remote, groups), rem)
@@ -212,26 +213,34 @@ class NixlAgent:
         reason = head_slice_mismatch(self.descriptor, remote, group_id, head_start)
         if reason is not None:
             raise IncompatiblePeerError(f"cannot read heads from peer {peer!r}: {reason}")
-        rem, loc = paired_ids(remote_ids, remote.num_blocks, local_ids, self.descriptor.num_blocks,
-                              src_what=f"block id of peer {peer!r}", dst_what="local block id")
+        loc, rem = self._ids("READ", peer, local_ids, remote_ids)
         heads = self.descriptor.group(group_id).layers[0].content.num_kv_heads
         plan = pair_head_rows(remote, rem, head_start, self.descriptor, loc, 0, group_id=group_id,
                               num_heads=heads)
         return self._post("READ", peer, plan, local_is_src=False)
 
-    def _post(self, op: str, peer: str, plan: list[PairedRuns], *, local_is_src: bool) -> TransferHandle:
-        """Start one NIXL transfer of ``plan`` (whose ``src`` side is local when ``local_is_src``)."""
+    def _ids(self, op: str, peer: str, local_ids: Any, remote_ids: Any) -> tuple[torch.Tensor, ...]:
+        """(local ids, remote ids), checked; the side written to may not repeat an id."""
+        local = (local_ids, self.descriptor.num_blocks, "local block id")
+        far = (remote_ids, self._peers[peer].num_blocks, f"block id of peer {peer!r}")
+        src, dst = (far, local) if op == "READ" else (local, far)
+        ids = paired_ids(src[0], src[1], dst[0], dst[1], src_what=src[2], dst_what=dst[2])
+        return ids[::-1] if op == "READ" else ids
+
+    def _post(self, op: str, peer: str, plan: list[PairedRuns], *,
+              local_is_src: bool) -> TransferHandle:
+        """Start one NIXL transfer of ``plan``, whose ``src`` side is local if ``local_is_src``."""
         remote = self._peers[peer]
         runs = sum(p.num_runs for p in plan)
         transport = self._transports[peer]
         if not runs:
             return TransferHandle(self._agent, None, 0, 0, transport)
-        local_rows, remote_rows = xfer_arrays(plan, self.descriptor, remote, local_is_src=local_is_src)
+        arrays = xfer_arrays(plan, self.descriptor, remote, local_is_src=local_is_src)
         local_type = mem_type(self.descriptor.allocations[0].device)[0]
         remote_type = mem_type(remote.allocations[0].device)[0]
         try:
-            local = self._agent.get_xfer_descs(local_rows, local_type)
-            far = self._agent.get_xfer_descs(remote_rows, remote_type)
+            local = self._agent.get_xfer_descs(arrays[0], local_type)
+            far = self._agent.get_xfer_descs(arrays[1], remote_type)
             handle = self._agent.initialize_xfer(op, local, far, peer)
             state = self._agent.transfer(handle)
         except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
@@ -241,7 +250,9 @@ class NixlAgent:
             ) from exc
         if state == "ERR":
             self._agent.release_xfer_handle(handle)
-            raise TransferError(f"NIXL refused the {op} with peer {peer!r}; is the peer process still running?")
+            raise TransferError(
+                f"NIXL refused the {op} with peer {peer!r}; is the peer process still running?"
+            )
         handle = TransferHandle(self._agent, handle, runs, sum(p.nbytes for p in plan), transport)
         try:
             handle.backend = self._agent.query_xfer_backend(handle._handle)

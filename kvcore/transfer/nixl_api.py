@@ -57,7 +57,8 @@ def xfer_arrays(
     sides: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for part in plan:
         ends = [(part.src_allocation, part.src_offsets), (part.dst_allocation, part.dst_offsets)]
-        for rows, desc, (index, offsets) in zip(sides, (local, remote), ends[:: 1 if local_is_src else -1]):
+        ends = ends if local_is_src else ends[::-1]
+        for rows, desc, (index, offsets) in zip(sides, (local, remote), ends):
             alloc = desc.allocations[index]
             device = torch.full_like(part.lengths, mem_type(alloc.device)[1])
             rows.append(torch.stack([offsets + alloc.base_ptr, part.lengths, device], dim=1))
@@ -68,7 +69,8 @@ def xfer_arrays(
 class TransferHandle:
     """One NIXL transfer in flight; :meth:`wait` returns when its bytes have moved."""
 
-    def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int, transport: Any = None) -> None:
+    def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int,
+                 transport: Any = None) -> None:
         self._agent, self._handle = agent, handle
         self.num_runs, self.nbytes = num_runs, nbytes
         #: How the bytes travel (:class:`kvcore.transfer.transport.Transport`), and NIXL's backend.

@@ -37,7 +37,7 @@ class Region:
 
 @attrs.frozen
 class BlockPattern:
-    """Runs ``[starts[i] + b * block_stride, ... + lengths[i])`` of block ``b`` in one allocation."""
+    """Runs ``[starts[i] + b * block_stride, ... + lengths[i])`` of block ``b``."""
 
     allocation: int
     block_stride: int
@@ -103,22 +103,19 @@ def block_id_tensor(
             f"{_plural(what)} must be a sequence of integers (a list, tuple or integer tensor), "
             f"got {block_ids!r}; nothing was transferred"
         )
-    if isinstance(block_ids, int) and not isinstance(block_ids, bool):
-        block_ids = [block_ids]
+    items = [block_ids] if isinstance(block_ids, int) else block_ids
     try:
-        items = list(block_ids)
+        values = [_block_id(value, num_blocks, what, low) for value in items]
     except TypeError:
         raise _bad_id(block_ids, num_blocks, what, low) from None
-    values = []
-    for value in items:
-        try:
-            index = operator.index(value)
-        except TypeError:
-            index = None
-        if index is None or "bool" in type(value).__name__ or not low <= index < num_blocks:
-            raise _bad_id(value, num_blocks, what, low)
-        values.append(index)
     return torch.tensor(values, dtype=torch.int64)
+
+
+def _block_id(value: Any, num_blocks: int, what: str, low: int) -> int:
+    if "bool" not in type(value).__name__ and hasattr(value, "__index__"):
+        if low <= operator.index(value) < num_blocks:
+            return operator.index(value)
+    raise _bad_id(value, num_blocks, what, low)
 
 
 def paired_ids(
@@ -183,14 +180,17 @@ def block_patterns(
     """One merged pattern per (allocation, manager block stride) of the selected layers."""
     pieces: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
     for layer in select_layers(descriptor, group_ids, layers):
-        offsets, run = block_runs(layer.shape, layer.byte_strides, layer.itemsize, layer.rows_per_block)
-        starts, lengths = pieces.setdefault((layer.allocation, layer.manager_block_stride), ([], []))
+        offsets, run = block_runs(layer.shape, layer.byte_strides, layer.itemsize,
+                                  layer.rows_per_block)
+        key = (layer.allocation, layer.manager_block_stride)
+        starts, lengths = pieces.setdefault(key, ([], []))
         starts.extend(layer.offset + o for o in offsets)
         lengths.extend([run] * len(offsets))
     patterns = []
-    for (alloc, stride), (starts, lengths) in sorted(pieces.items()):
-        starts, lengths = merge_runs(torch.tensor(starts), torch.tensor(lengths))
-        patterns.append(BlockPattern(alloc, stride, tuple(starts.tolist()), tuple(lengths.tolist())))
+    for (alloc, stride), runs in sorted(pieces.items()):
+        starts, lengths = merge_runs(*map(torch.tensor, runs))
+        runs = (tuple(starts.tolist()), tuple(lengths.tolist()))
+        patterns.append(BlockPattern(alloc, stride, *runs))
     return tuple(patterns)
 
 
@@ -289,7 +289,7 @@ def merge_pairs(src: torch.Tensor, dst: torch.Tensor, lengths: torch.Tensor):
     return src[new], dst[new], merged
 
 
-def _merged(parts: list[tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor]]) -> list[PairedRuns]:
+def _merged(parts: list[tuple]) -> list[PairedRuns]:
     """``(src alloc, dst alloc, src, dst, lengths)`` copies merged per pair of allocations."""
     out = []
     for sa, da in sorted({p[:2] for p in parts}):
@@ -313,7 +313,7 @@ def pair_runs(
     return _merged(parts)
 
 
-def _head_rows(layer: LayerDescriptor, ids: torch.Tensor, head0: int, num_heads: int) -> torch.Tensor:
+def _head_rows(layer: LayerDescriptor, ids: torch.Tensor, head0: int, num_heads: int):
     """Start byte of every (block, state, head) row, block-major, for heads ``head0...``."""
     s = layer.byte_strides
     states = layer.shape[2]
@@ -334,5 +334,6 @@ def pair_head_rows(
     for ls, ld in zip(src.group(group_id).layers, dst.group(group_id).layers):
         s = _head_rows(ls, src_ids, src_head0, num_heads)
         d = _head_rows(ld, dst_ids, dst_head0, num_heads)
-        parts.append((ls.allocation, ld.allocation, s, d, torch.full_like(s, ls.content.content_bytes)))
+        lengths = torch.full_like(s, ls.content.content_bytes)
+        parts.append((ls.allocation, ld.allocation, s, d, lengths))
     return _merged(parts)
