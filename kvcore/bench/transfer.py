@@ -131,7 +131,7 @@ def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         timer = Timer(device, args.repeats, args.warmup)
         for layout in args.layouts:
             result["host"] += _host_rows(args, layout, device, timer, gen, tick)
-            _release(device)
+            torch.cuda.empty_cache()
         del timer
     if args.no_nixl:
         result["nixl_skipped"] = "--no-nixl"
@@ -141,18 +141,13 @@ def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
             for layout in args.layouts:
                 make = functools.partial(build_cache, model_of(args), layout.name)
                 result["nixl"] += nixl_rows(args, make, memory, device, gen, args.nixl_peer, tick)
-                _release(device)
+                torch.cuda.empty_cache()
         except NixlUnavailableError as exc:
             result["nixl_skipped"] = str(exc)
             break
         except Exception as exc:  # NOTE: NIXL/UCX raise their own types; the other rows report
             result["nixl_failed"][memory] = f"{type(exc).__name__}: {exc}"
     return result
-
-
-def _release(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
 
 
 def _print(result: dict[str, Any]) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import struct
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from kvcore.transfer.plan import (
 )
 from kvcore.transfer.transport import Transport, process_info, transport_between
 
-_MAGIC = b"kvcore-nixl/2\n"
+_MAGIC = b"kvcore-nixl/3\n"
 
 
 class IncompatiblePeerError(KVCoreError):
@@ -39,8 +38,8 @@ class IncompatiblePeerError(KVCoreError):
 
 
 def _pack(name: str, descriptor: KVCacheDescriptor, agent_metadata: bytes) -> bytes:
-    parts = [name.encode(), descriptor.to_json().encode(), json.dumps(process_info()).encode()]
-    return _MAGIC + struct.pack(">QQQ", *map(len, parts)) + b"".join(parts) + agent_metadata
+    header = {"name": name, "descriptor": descriptor.to_json(), "process": process_info()}
+    return _MAGIC + json.dumps(header).encode() + b"\n" + agent_metadata
 
 
 def _unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
@@ -49,17 +48,13 @@ def _unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
             "peer metadata is not from this kvcore version's NixlAgent.metadata(); pass those "
             "bytes unchanged, from a peer running the same kvcore"
         )
-    head = len(_MAGIC) + 24
+    header, _, agent_metadata = bytes(data[len(_MAGIC) :]).partition(b"\n")
     try:
-        sizes = struct.unpack(">QQQ", data[len(_MAGIC) : head])
-        if head + sum(sizes) > len(data):
-            raise ValueError("truncated")
-        ends = [head + sum(sizes[: i + 1]) for i in range(3)]
-        name = bytes(data[head : ends[0]]).decode()
-        desc_text, info = bytes(data[ends[0] : ends[1]]), json.loads(data[ends[1] : ends[2]])
-    except (struct.error, ValueError) as exc:
+        fields = json.loads(header)
+        name, desc_text, info = fields["name"], fields["descriptor"], fields["process"]
+    except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(
-            f"peer metadata is damaged ({exc}); pass the bytes of metadata() unchanged"
+            f"peer metadata is damaged ({exc!r}); pass the bytes of metadata() unchanged"
         ) from None
     try:
         desc = KVCacheDescriptor.from_json(desc_text)
@@ -68,7 +63,7 @@ def _unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
             f"peer {name!r} sent a KV cache descriptor kvcore refuses, so no block moves to or "
             f"from it: {exc}"
         ) from None
-    return name, desc, info if isinstance(info, dict) else {}, bytes(data[ends[2] :])
+    return name, desc, info if isinstance(info, dict) else {}, agent_metadata
 
 
 class NixlAgent:
