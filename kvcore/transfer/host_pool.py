@@ -146,13 +146,9 @@ class HostKVPool:
         return self.host[host_id * self.block_bytes : (host_id + 1) * self.block_bytes]
 
     def _ids(self, device_ids: Any, host_ids: Any, to_host: bool) -> tuple[torch.Tensor, ...]:
-        """(device ids, host ids), checked; the destination side may not repeat an id."""
-        dev = (device_ids, self.descriptor.num_blocks, "device block id")
-        host = (host_ids, self.num_host_blocks, "host block id")
-        src, dst = (dev, host) if to_host else (host, dev)
-        ids = paired_ids(src[0], src[1], dst[0], dst[1], src_what=src[2], dst_what=dst[2],
-                         src_null_ok=not to_host, dst_null_ok=to_host)
-        return ids if to_host else ids[::-1]
+        dev = (device_ids, self.descriptor.num_blocks, "device block id", False)
+        host = (host_ids, self.num_host_blocks, "host block id", True)
+        return paired_ids(dev, host, first_is_src=to_host)
 
     def plan(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
              to_host: bool = True) -> list[PairedRuns]:

@@ -215,12 +215,10 @@ class NixlAgent:
         return self._post("READ", peer, plan, local_is_src=False)
 
     def _ids(self, op: str, peer: str, local_ids: Any, remote_ids: Any) -> tuple[torch.Tensor, ...]:
-        """(local ids, remote ids), checked; the side written to may not repeat an id."""
-        local = (local_ids, self.descriptor.num_blocks, "local block id")
-        far = (remote_ids, self._peers[peer].num_blocks, f"block id of peer {peer!r}")
-        src, dst = (far, local) if op == "READ" else (local, far)
-        ids = paired_ids(src[0], src[1], dst[0], dst[1], src_what=src[2], dst_what=dst[2])
-        return ids[::-1] if op == "READ" else ids
+        """(local ids, remote ids), checked; a READ writes the local side."""
+        local = (local_ids, self.descriptor.num_blocks, "local block id", False)
+        far = (remote_ids, self._peers[peer].num_blocks, f"block id of peer {peer!r}", False)
+        return paired_ids(local, far, first_is_src=op != "READ")
 
     def _post(self, op: str, peer: str, plan: list[PairedRuns], *,
               local_is_src: bool) -> TransferHandle:

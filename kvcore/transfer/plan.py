@@ -83,7 +83,7 @@ def _bad_id(value: Any, num_blocks: int, what: str, low: int) -> ValueError:
 
 
 def block_id_tensor(
-    block_ids: Any, num_blocks: int, *, what: str = "block id", null_ok: bool = True
+    block_ids: Any, num_blocks: int, what: str = "block id", null_ok: bool = True
 ) -> torch.Tensor:
     """Ints, a sequence of ints or an integer tensor, each in ``[0 or 1, num_blocks)``, as int64."""
     low = 0 if null_ok else 1
@@ -118,27 +118,28 @@ def _block_id(value: Any, num_blocks: int, what: str, low: int) -> int:
     raise _bad_id(value, num_blocks, what, low)
 
 
-def paired_ids(
-    src_ids: Any, src_blocks: int, dst_ids: Any, dst_blocks: int, *, src_what: str,
-    dst_what: str, src_null_ok: bool = False, dst_null_ok: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Checked source and destination ids of one transfer: one source per destination."""
-    src = block_id_tensor(src_ids, src_blocks, what=src_what, null_ok=src_null_ok)
-    dst = block_id_tensor(dst_ids, dst_blocks, what=dst_what, null_ok=dst_null_ok)
-    if src.numel() != dst.numel():
-        src_n = src_what if src.numel() == 1 else _plural(src_what)
-        dst_n = dst_what if dst.numel() == 1 else _plural(dst_what)
+def paired_ids(first: tuple, second: tuple, *, first_is_src: bool) -> tuple[torch.Tensor, ...]:
+    """Checked ids of a transfer's two sides, each ``(ids, num_blocks, what, null_ok)``.
+
+    One source per destination and no destination twice; returned in argument order.
+    """
+    src, dst = (first, second) if first_is_src else (second, first)
+    src_ids, dst_ids = block_id_tensor(*src), block_id_tensor(*dst)
+    src_what, dst_what = src[2], dst[2]
+    if src_ids.numel() != dst_ids.numel():
+        src_n = src_what if src_ids.numel() == 1 else _plural(src_what)
+        dst_n = dst_what if dst_ids.numel() == 1 else _plural(dst_what)
         raise ValueError(
-            f"got {src.numel()} {src_n} and {dst.numel()} {dst_n}; pass one "
+            f"got {src_ids.numel()} {src_n} and {dst_ids.numel()} {dst_n}; pass one "
             f"{dst_what} per {src_what} (nothing was transferred)"
         )
-    values, counts = torch.unique(dst, return_counts=True)
-    if values.numel() != dst.numel():
+    values, counts = torch.unique(dst_ids, return_counts=True)
+    if values.numel() != dst_ids.numel():
         raise ValueError(
             f"{dst_what} {int(values[counts > 1][0])} is listed twice; each destination "
             "block takes one source block (nothing was transferred)"
         )
-    return src, dst
+    return (src_ids, dst_ids) if first_is_src else (dst_ids, src_ids)
 
 
 def merge_runs(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
