@@ -54,7 +54,7 @@ def _unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
         name, desc_text, info = fields["name"], fields["descriptor"], fields["process"]
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(
-            f"peer metadata is damaged ({exc!r}); pass the bytes of metadata() unchanged"
+            f"peer metadata is damaged ({exc}); pass the bytes of metadata() unchanged"
         ) from None
     try:
         desc = KVCacheDescriptor.from_json(desc_text)
