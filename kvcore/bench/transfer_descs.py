@@ -19,7 +19,8 @@ import torch
 from kvcore._table import Column, render
 from kvcore.transfer import KVCacheDescriptor, describe
 from kvcore.transfer.nixl_api import nixl_api, xfer_arrays
-from kvcore.transfer.plan import group_selection, pair_runs, whole_block_patterns
+from kvcore.transfer.pairs import pair_runs
+from kvcore.transfer.plan import group_selection, whole_block_patterns
 
 
 def _nixl_lists() -> Any:

@@ -3,7 +3,7 @@
 The agent registers the cache's one allocation with NIXL once. Peers exchange
 :meth:`NixlAgent.metadata` (NIXL's agent metadata and the kvcore descriptor) by any local
 channel; :meth:`~NixlAgent.connect` refuses a peer whose cache is laid out differently.
-Transfers post the paired runs of :mod:`kvcore.transfer.plan`: only the listed blocks move.
+Transfers post the paired runs of :mod:`kvcore.transfer.pairs`: only the listed blocks move.
 """
 
 from __future__ import annotations
@@ -20,14 +20,8 @@ from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer.compat import head_slice_mismatch, incompatibility
 from kvcore.transfer.descriptor import KVCacheDescriptor, describe, raw_allocation
 from kvcore.transfer.nixl_api import TransferError, TransferHandle, mem_type, nixl_api, xfer_arrays
-from kvcore.transfer.plan import (
-    PairedRuns,
-    group_selection,
-    pair_head_rows,
-    pair_runs,
-    paired_ids,
-    whole_block_patterns,
-)
+from kvcore.transfer.pairs import PairedRuns, pair_head_rows, pair_runs
+from kvcore.transfer.plan import group_selection, paired_ids, whole_block_patterns
 from kvcore.transfer.transport import Transport, process_info, transport_between
 
 _MAGIC = b"kvcore-nixl/3\n"

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvcore.transfer.descriptor import KVCacheDescriptor
-from kvcore.transfer.plan import PairedRuns
+from kvcore.transfer.pairs import PairedRuns
 
 
 class NixlUnavailableError(ImportError):
