@@ -30,7 +30,7 @@ def main() -> None:
     for memory in memories:
         for layout in args.layouts:
             start = time.perf_counter()
-            make = functools.partial(transfer._make, transfer.model_of(args), layout.name)
+            make = functools.partial(transfer.build_cache, transfer.model_of(args), layout.name)
             try:
                 rows = nixl_rows(args, make, memory, args.device, gen, args.nixl_peer)
             except Exception as exc:  # NOTE: NIXL/UCX raise their own types; report and go on

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from _transfer_caches import KINDS, _SAME_SIZE_INT, block_rows, brute_force_bytes, make_cache, raw_buffer
 from kvcore import KVCacheLayout
-from kvcore.transfer import HostKVPool, staging
+from kvcore.transfer import HostKVPool, host_pool
 
 CASES = [(kind, layout) for kind, layouts in KINDS.items() for layout in layouts]
 
@@ -119,7 +119,7 @@ def test_cuda_round_trip_through_pinned_host_memory(layout, chunk_blocks, monkey
     """Gather and copy overlap on two streams (one block per chunk: three chunks in flight)."""
     kv = make_cache("uniform", layout, device="cuda")
     pool = HostKVPool(kv, num_host_blocks=4)
-    monkeypatch.setattr(staging, "CHUNK_BYTES", chunk_blocks * pool.block_bytes)
+    monkeypatch.setattr(host_pool, "CHUNK_BYTES", chunk_blocks * pool.block_bytes)
     assert pool.host.is_pinned()
     fill_random(kv, seed=11)
     before = {name: bits(view).clone() for name, view in kv.kv_caches.items()}
@@ -160,7 +160,7 @@ def test_staged_chunks_move_the_same_bytes_as_one_copy_per_run(layout, chunk_blo
     kv = make_cache("uniform", layout, num_blocks=9)
     fill_random(kv, seed=17 + chunk_blocks)
     staged, direct = HostKVPool(kv, 6), HostKVPool(kv, 6, staging=False)
-    monkeypatch.setattr(staging, "CHUNK_BYTES", chunk_blocks * staged.block_bytes)
+    monkeypatch.setattr(host_pool, "CHUNK_BYTES", chunk_blocks * staged.block_bytes)
     gen = torch.Generator().manual_seed(len(layout) + chunk_blocks)
     src = (torch.randperm(8, generator=gen)[:5] + 1).tolist()
     slots = torch.randperm(6, generator=gen)[:5].tolist()

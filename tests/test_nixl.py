@@ -15,6 +15,9 @@ import torch
 from _nixl_workers import fill, rows
 from _transfer_caches import brute_force_bytes, make_cache, raw_buffer
 
+from kvcore.transfer.pairs import pair_runs
+from kvcore.transfer.plan import group_selection, whole_block_patterns
+
 transfer = pytest.importorskip("kvcore.transfer")
 # Every cache shape and layout family (agents take ~1 s to start, so not every pair).
 CASES = [("uniform", "LBNHC"), ("uniform", "LHBNC"), ("uniform", "BLNHC"), ("hybrid", "BHLNC"),
@@ -68,7 +71,10 @@ def test_prepared_lists_make_as_few_copies_as_the_plan(layout):
     a, b, agent_a, agent_b = pair("uniform", layout)
     try:
         for local, remote in (([4, 1, 2], [5, 3, 8]), ([1, 2, 3], [6, 7, 8]), ([3, 2], [7, 6])):
-            planned = sum(p.num_runs for p in agent_a.plan("b", local, remote))
+            groups = group_selection(agent_a.descriptor, None)
+            planned = sum(p.num_runs for p in pair_runs(
+                whole_block_patterns(agent_a.descriptor, groups), torch.tensor(local),
+                whole_block_patterns(agent_b.descriptor, groups), torch.tensor(remote)))
             sent = rows(a, local)
             handle = agent_a.write_blocks("b", local, remote)
             handle.wait(timeout=30)

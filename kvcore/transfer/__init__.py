@@ -1,13 +1,6 @@
-"""KV transfer: describe where every block lives, plan exact byte runs, move blocks.
+"""KV transfer: where every block lives (``describe``), its exact byte runs (``plan_transfer``),
+and moving blocks to a host mirror (``HostKVPool``) or another process (``NixlAgent``)."""
 
-``describe(kv_cache)`` gives a JSON-serializable :class:`KVCacheDescriptor`;
-``plan_transfer`` turns manager block ids into the fewest contiguous
-:class:`Region` runs; :class:`HostKVPool` offloads blocks to a host mirror
-and :class:`NixlAgent` moves them (or, for ranks of another tensor-parallel
-size, some of their KV heads) between processes through NIXL.
-"""
-
-from kvcore.transfer.describe import describe
 from kvcore.transfer.descriptor import (
     Allocation,
     ContentMap,
@@ -15,6 +8,7 @@ from kvcore.transfer.descriptor import (
     KVCacheDescriptor,
     LayerDescriptor,
     StateSlice,
+    describe,
 )
 from kvcore.transfer.host_pool import HostKVPool
 from kvcore.transfer.nixl import IncompatiblePeerError, NixlAgent

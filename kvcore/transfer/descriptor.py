@@ -1,26 +1,25 @@
-"""The KV cache descriptor: where every byte of every block lives, as plain data.
+"""The KV cache descriptor: where every byte of every block lives, as plain, versioned data.
 
-A :class:`KVCacheDescriptor` is a frozen, versioned record that round-trips
-through JSON, so a transfer engine in another process (or another project)
-can read it without importing kvcore. ``docs/kv-descriptor.md`` documents the
-format field by field.
+``describe(kv_cache)`` reads it from a live cache's public fields; it round-trips
+through JSON so that another process or project can read it without kvcore
+(``docs/kv-descriptor.md`` documents the format field by field).
 """
 
 from __future__ import annotations
 
 import json
+from fractions import Fraction
 from typing import Any
 
 import attrs
+import torch
 
-from kvcore.transfer.checks import check_bounds, check_fields
+from kvcore.runtime.kv_cache import KVCache
+from kvcore.specs import AttentionSpec, KVCacheSpec, MambaSpec
+from kvcore.transfer.descriptor_checks import check_bounds, check_fields
 
 #: Format version written by :meth:`KVCacheDescriptor.to_json`; readers refuse others.
 DESCRIPTOR_VERSION = 1
-
-
-def _tuple(value: Any) -> tuple:
-    return tuple(value)
 
 
 def _int_pair(value: Any) -> tuple[int, int] | None:
@@ -42,7 +41,7 @@ class StateSlice:
     """State tensor ``index`` of a state cache: bytes ``[start, end)`` of a block's content."""
 
     index: int
-    shape: tuple[int, ...] = attrs.field(converter=_tuple)
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
     dtype: str
     start: int
     end: int
@@ -52,10 +51,9 @@ class StateSlice:
 class ContentMap:
     """What the content bytes C of one (head, state) row hold.
 
-    ``kind`` is ``"attention"`` (``k_bytes`` / ``v_bytes`` are the byte ranges
-    of K and V inside C; None when the spec overrides the content size),
-    ``"state"`` (``states`` lists each state tensor's byte range) or
-    ``"raw"`` (no structure kvcore knows of).
+    ``kind`` is ``"attention"`` (``k_bytes`` / ``v_bytes``: K's and V's byte ranges in C,
+    None when the spec overrides the content size), ``"state"`` (``states``: each state
+    tensor's range) or ``"raw"``.
     """
 
     kind: str
@@ -67,18 +65,17 @@ class ContentMap:
     tokens_per_state: tuple[int, int] = attrs.field(default=(1, 1), converter=_int_pair)
     k_bytes: tuple[int, int] | None = attrs.field(default=None, converter=_int_pair)
     v_bytes: tuple[int, int] | None = attrs.field(default=None, converter=_int_pair)
-    states: tuple[StateSlice, ...] = attrs.field(default=(), converter=_tuple)
+    states: tuple[StateSlice, ...] = attrs.field(default=(), converter=tuple)
 
 
 @attrs.frozen
 class LayerDescriptor:
     """One layer's view as allocated, and what it holds.
 
-    Element ``[r, h, n, c]`` of the view is at byte ``offset + r * byte_strides[0]
-    + h * byte_strides[1] + n * byte_strides[2] + c * byte_strides[3]`` of
-    allocation ``allocation``. ``rows_per_block`` view rows make one manager
-    block (the kernel split ratio when the view is kernel-addressed, else 1);
-    manager block ``b`` starts ``b * manager_block_stride`` bytes after row 0.
+    Element ``[r, h, n, c]`` is at byte ``offset + r * byte_strides[0] + ... + c *
+    byte_strides[3]`` of allocation ``allocation``; ``rows_per_block`` rows make one manager
+    block (the kernel split ratio, else 1), and block ``b`` starts ``b *
+    manager_block_stride`` bytes after row 0.
     """
 
     name: str
@@ -86,8 +83,8 @@ class LayerDescriptor:
     offset: int
     dtype: str
     itemsize: int
-    shape: tuple[int, ...] = attrs.field(converter=_tuple)
-    strides: tuple[int, ...] = attrs.field(converter=_tuple)
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    strides: tuple[int, ...] = attrs.field(converter=tuple)
     rows_per_block: int
     manager_block_stride: int
     block_bytes: int
@@ -102,12 +99,9 @@ class LayerDescriptor:
 class GroupDescriptor:
     """One KV cache group: layers sharing one block table.
 
-    ``layers`` describes the layers that have views (``layer_names`` lists
-    all, in model order). ``kernel_block_size`` equals ``block_size`` when
-    blocks are not split; ``kernel_block_stride`` is the kernel block id
-    distance between two manager blocks in the kernel block table.
-    ``manager_block_stride`` is the layers' common manager block stride in
-    bytes (None when they differ: read it per layer).
+    ``layers`` describes the layers with views (``layer_names`` lists all).
+    ``kernel_block_stride`` is the kernel block id distance between two manager blocks;
+    ``manager_block_stride`` the layers' common stride in bytes (None when they differ).
     """
 
     group_id: int
@@ -117,27 +111,18 @@ class GroupDescriptor:
     ratio: int
     kernel_block_stride: int
     manager_block_stride: int | None
-    layer_names: tuple[str, ...] = attrs.field(converter=_tuple)
-    layers: tuple[LayerDescriptor, ...] = attrs.field(converter=_tuple)
-
-    def layer(self, name: str) -> LayerDescriptor:
-        for layer in self.layers:
-            if layer.name == name:
-                return layer
-        raise ValueError(
-            f"group {self.group_id} has no cache view for layer {name!r}; its layers "
-            f"with views are {[layer.name for layer in self.layers]}"
-        )
+    layer_names: tuple[str, ...] = attrs.field(converter=tuple)
+    layers: tuple[LayerDescriptor, ...] = attrs.field(converter=tuple)
 
 
 @attrs.frozen
 class KVCacheDescriptor:
-    """Everything a connector needs to move blocks of one KV cache (see docs/kv-descriptor.md)."""
+    """Everything a connector needs to move blocks of one KV cache."""
 
     layout: str
     num_blocks: int
-    allocations: tuple[Allocation, ...] = attrs.field(converter=_tuple)
-    groups: tuple[GroupDescriptor, ...] = attrs.field(converter=_tuple)
+    allocations: tuple[Allocation, ...] = attrs.field(converter=tuple)
+    groups: tuple[GroupDescriptor, ...] = attrs.field(converter=tuple)
     version: int = DESCRIPTOR_VERSION
 
     def group(self, group_id: int) -> GroupDescriptor:
@@ -153,15 +138,15 @@ class KVCacheDescriptor:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> KVCacheDescriptor:
-        """Parse and check :meth:`to_json` output (text from another process is not trusted).
+        """Parse :meth:`to_json` output, checking every field (the text is not trusted).
 
-        Every field is checked (:mod:`kvcore.transfer.checks`): a wrong type raises
-        ``TypeError``, a wrong value ``ValueError``, each naming the field and the
-        value; so does a layer whose blocks would address bytes outside its
-        allocation. Malformed JSON or another ``version`` raises ``ValueError``.
+        A wrong type raises ``TypeError``, a wrong value, malformed JSON, another
+        ``version`` or a block addressing bytes outside its allocation ``ValueError``.
         """
         if not isinstance(text, (str, bytes, bytearray)):
-            raise TypeError(f"from_json needs the str or bytes of to_json(), got {type(text).__name__}")
+            raise TypeError(
+                f"from_json needs the str or bytes of to_json(), got {type(text).__name__}"
+            )
         try:
             data = json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
@@ -173,26 +158,101 @@ class KVCacheDescriptor:
                 f"version {DESCRIPTOR_VERSION}); describe the cache with a matching kvcore"
             )
         check_fields(data)
-        descriptor = _descriptor(data)
+        groups = []
+        for group in data["groups"]:
+            layers = []
+            for layer in group["layers"]:
+                content = dict(layer["content"])
+                states = [StateSlice(**s) for s in content.pop("states", ())]
+                layers.append(
+                    LayerDescriptor(**{**layer, "content": ContentMap(**content, states=states)})
+                )
+            groups.append(GroupDescriptor(**{**group, "layers": layers}))
+        allocations = [Allocation(**a) for a in data["allocations"]]
+        descriptor = cls(**{**data, "allocations": allocations, "groups": groups})
         check_bounds(descriptor)
         return descriptor
 
 
-def _content(data: dict[str, Any]) -> ContentMap:
-    states = tuple(StateSlice(**s) for s in data.pop("states"))
-    return ContentMap(states=states, **data)
+def raw_allocation(kv_cache: KVCache) -> torch.Tensor:
+    """The KV cache's one backing allocation as a flat int8 tensor."""
+    view = next(iter(kv_cache.kv_caches.values()))
+    return torch.empty(0, dtype=torch.int8, device=view.device).set_(view.untyped_storage())
 
 
-def _layer(data: dict[str, Any]) -> LayerDescriptor:
-    return LayerDescriptor(content=_content(dict(data.pop("content"))), **data)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
-def _group(data: dict[str, Any]) -> GroupDescriptor:
-    return GroupDescriptor(layers=tuple(_layer(dict(layer)) for layer in data.pop("layers")), **data)
+def _content_map(spec: KVCacheSpec) -> ContentMap:
+    content = spec.state_content_size_bytes
+    if isinstance(spec, MambaSpec):
+        states, start = [], 0
+        for i, (shape, dtype, nbytes) in enumerate(zip(spec.shapes, spec.dtypes, spec.state_bytes)):
+            states.append(StateSlice(i, shape, _dtype_name(dtype), start, start + nbytes))
+            start += nbytes
+        return ContentMap("state", content, states=states)
+    if not isinstance(spec, AttentionSpec):
+        return ContentMap("raw", content)
+    k_bytes = v_bytes = None
+    if spec.state_content_bytes is None:
+        k_end = spec.head_size * spec.dtype.itemsize
+        k_bytes = (0, k_end)
+        if spec.head_size_v:
+            v_bytes = (k_end, k_end + spec.head_size_v * spec.dtype.itemsize)
+    tps = Fraction(spec.tokens_per_state)
+    return ContentMap(
+        "attention", content, num_kv_heads=spec.num_kv_heads, num_head_slots=spec.num_heads,
+        head_size=spec.head_size, head_size_v=spec.head_size_v,
+        tokens_per_state=(tps.numerator, tps.denominator), k_bytes=k_bytes, v_bytes=v_bytes,
+    )
 
 
-def _descriptor(data: dict[str, Any]) -> KVCacheDescriptor:
-    data = dict(data)
-    allocations = tuple(Allocation(**a) for a in data.pop("allocations"))
-    groups = tuple(_group(dict(g)) for g in data.pop("groups"))
-    return KVCacheDescriptor(allocations=allocations, groups=groups, **data)
+def _layer(name: str, view: torch.Tensor, spec: KVCacheSpec, base_ptr: int, num_blocks: int):
+    rows, item = view.shape[0] // num_blocks, view.element_size()
+    return LayerDescriptor(
+        name=name, allocation=0, offset=view.data_ptr() - base_ptr, dtype=_dtype_name(view.dtype),
+        itemsize=item, shape=view.shape, strides=view.stride(), rows_per_block=rows,
+        manager_block_stride=view.stride(0) * item * rows,
+        block_bytes=rows * view.shape[1] * view.shape[2] * view.shape[3] * item,
+        content=_content_map(spec),
+    )
+
+
+def describe(kv_cache: KVCache) -> KVCacheDescriptor:
+    """The :class:`KVCacheDescriptor` of ``kv_cache`` (one allocation, every group)."""
+    if not isinstance(kv_cache, KVCache):
+        raise TypeError(f"describe() needs a kvcore.KVCache, got {type(kv_cache).__name__}")
+    config = kv_cache.config
+    allocations = []
+    if kv_cache.kv_caches:
+        raw = raw_allocation(kv_cache)
+        allocations.append(Allocation(0, str(raw.device), raw.data_ptr(), raw.numel()))
+    base_ptr = allocations[0].base_ptr if allocations else 0
+    # NOTE: kv_cache.kernel_block_sizes skips the groups without cache pages.
+    kernel_sizes = iter(kv_cache.kernel_block_sizes)
+    groups = []
+    for group_id, group in enumerate(config.kv_cache_groups):
+        first = group.spec_of(group.layer_names[0])
+        kernel_size = next(kernel_sizes) if first.has_cache_pages else first.block_size
+        spec = group.kv_cache_spec
+        # NOTE: views span the planned blocks (an elastic cache's max); ids go up to num_blocks.
+        layers = [
+            _layer(name, kv_cache.kv_caches[name], group.spec_of(name), base_ptr, config.num_blocks)
+            for name in group.layer_names
+            if name in kv_cache.kv_caches and group.spec_of(name).has_layer_views
+        ]
+        ratio = spec.block_size // kernel_size
+        strides = {layer.manager_block_stride for layer in layers}
+        kernel_strides = [g.kernel_block_stride for g in kv_cache.attn_groups[group_id]]
+        groups.append(GroupDescriptor(
+            group_id=group_id, spec_type=type(spec).__name__, block_size=spec.block_size,
+            kernel_block_size=kernel_size, ratio=ratio,
+            kernel_block_stride=next((s for s in kernel_strides if s), ratio),
+            manager_block_stride=strides.pop() if len(strides) == 1 else None,
+            layer_names=group.layer_names, layers=layers,
+        ))
+    return KVCacheDescriptor(
+        layout=kv_cache.layout.name, num_blocks=kv_cache.num_blocks, allocations=allocations,
+        groups=groups,
+    )

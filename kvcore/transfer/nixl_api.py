@@ -1,7 +1,7 @@
-"""The NIXL side of kvcore's transfers: import, descriptor rows, transfer handles.
+"""The NIXL side of kvcore's transfers: the import, descriptor arrays, transfer handles.
 
-NIXL is optional (``pip install kvcore[nixl]``): it is imported only when an
-agent is made, and a missing install raises :class:`NixlUnavailableError`.
+NIXL is optional (``pip install kvcore[nixl]``): imported only when an agent is made; a
+missing install raises :class:`NixlUnavailableError`.
 """
 
 from __future__ import annotations
@@ -11,6 +11,9 @@ import time
 from typing import Any
 
 import torch
+
+from kvcore.transfer.descriptor import KVCacheDescriptor
+from kvcore.transfer.pairs import PairedRuns
 
 
 class NixlUnavailableError(ImportError):
@@ -22,15 +25,14 @@ class TransferError(RuntimeError):
 
 
 def nixl_api() -> tuple[Any, Any]:
-    """``(nixl_agent, nixl_agent_config)`` from ``nixl``, else a single CUDA build of it.
+    """``(nixl_agent, nixl_agent_config)`` from ``nixl``, else from one CUDA build of it.
 
     The ``nixl`` meta package picks its CUDA 12 or 13 build at import; where only one
-    build is installed (``nixl-cu12`` or ``nixl-cu13``) that build is imported directly.
+    build (``nixl-cu12`` or ``nixl-cu13``) is installed, that build is imported directly.
     """
     errors = []
     for module in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         try:
-            # NOTE: NIXL is an optional dependency, imported only when an agent is made.
             api = importlib.import_module(module)
             return api.nixl_agent, api.nixl_agent_config
         except ImportError as exc:
@@ -47,13 +49,31 @@ def mem_type(device: str) -> tuple[str, int]:
     return "DRAM", 0
 
 
+def xfer_arrays(
+    plan: list[PairedRuns], local: KVCacheDescriptor, remote: KVCacheDescriptor, *,
+    local_is_src: bool = True,
+) -> tuple[Any, Any]:
+    """NIXL's ``Nx3`` ``[address, length, device id]`` arrays of the local and remote runs."""
+    sides: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
+    for part in plan:
+        ends = [(part.src_allocation, part.src_offsets), (part.dst_allocation, part.dst_offsets)]
+        ends = ends if local_is_src else ends[::-1]
+        for rows, desc, (index, offsets) in zip(sides, (local, remote), ends):
+            alloc = desc.allocations[index]
+            device = torch.full_like(part.lengths, mem_type(alloc.device)[1])
+            rows.append(torch.stack([offsets + alloc.base_ptr, part.lengths, device], dim=1))
+    np = importlib.import_module("numpy")  # NOTE: numpy comes with NIXL, so it is imported here
+    return tuple(torch.cat(rows).numpy().astype(np.uint64) for rows in sides)
+
+
 class TransferHandle:
     """One NIXL transfer in flight; :meth:`wait` returns when its bytes have moved."""
 
-    def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int, transport: Any = None) -> None:
+    def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int,
+                 transport: Any = None) -> None:
         self._agent, self._handle = agent, handle
         self.num_runs, self.nbytes = num_runs, nbytes
-        #: How the bytes travel (:class:`kvcore.transfer.transport.Transport`), and NIXL's backend name.
+        #: How the bytes travel (:class:`kvcore.transfer.transport.Transport`), and NIXL's backend.
         self.transport, self.backend = transport, None
 
     def done(self) -> bool:
@@ -84,51 +104,41 @@ class TransferHandle:
             self._handle = None
 
 
-def descriptor_rows(base: int, offsets, lengths, device_id: int):
-    """``[address, length, device id]`` rows (int64, CPU) of one allocation's runs."""
-    return torch.stack([offsets + base, lengths, torch.full_like(lengths, device_id)], dim=1)
-
-
-def xfer_array(rows):
-    """NIXL's Nx3 descriptor array (numpy comes with NIXL, so it is imported only here)."""
-    np = importlib.import_module("numpy")
-    return torch.cat(rows).numpy().astype(np.uint64)
-
-
 class PreparedRuns:
     """One side's whole-block runs as a NIXL prepared descriptor list, prepared once.
 
-    Row ``r`` of the Nx5 strided list ``(address, length, device, stride, count)`` is run ``r`` of
-    the block patterns at every block; descriptor ``r * num_blocks + b`` is that run in block ``b``.
-    A transfer then names descriptors by index (``make_prepped_xfer``): no per-call descriptor lists.
+    Row ``r`` of NIXL's Nx5 strided list ``(address, length, device, stride, count)`` is run
+    ``r`` of the block patterns at every block, so descriptor ``r * num_blocks + b`` is that run
+    in block ``b``; a transfer names descriptors by index (``make_prepped_xfer``).
     """
 
-    def __init__(self, agent: Any, owner: str, descriptor: Any, patterns: Any) -> None:
+    def __init__(self, agent: Any, owner: str, descriptor: KVCacheDescriptor, patterns) -> None:
         np = importlib.import_module("numpy")
         kind, device = mem_type(descriptor.allocations[patterns[0].allocation].device)
-        self.starts = np.array([descriptor.allocations[p.allocation].base_ptr + s for p in patterns for s in p.starts],
-                               dtype=np.int64)
-        self.strides = np.array([p.block_stride for p in patterns for _ in p.starts], dtype=np.int64)
-        self.lengths = np.array([n for p in patterns for n in p.lengths], dtype=np.int64)
+        bases = [descriptor.allocations[p.allocation].base_ptr for p in patterns]
+        self.starts = np.array([b + s for b, p in zip(bases, patterns) for s in p.starts], np.int64)
+        self.strides = np.array([p.block_stride for p in patterns for _ in p.starts], np.int64)
+        self.lengths = np.array([n for p in patterns for n in p.lengths], np.int64)
         self.num_blocks = descriptor.num_blocks
-        rows = np.stack([self.starts, self.lengths, np.full_like(self.starts, device), self.strides,
-                         np.full_like(self.starts, self.num_blocks)], axis=1).astype(np.uint64)
+        ones = np.ones_like(self.starts)
+        rows = np.stack([self.starts, self.lengths, ones * device, self.strides,
+                         ones * self.num_blocks], axis=1)
         self._agent = agent
-        self.handle = agent.prep_xfer_dlist(owner, rows, kind)
+        self.handle = agent.prep_xfer_dlist(owner, rows.astype(np.uint64), kind)
 
-    def indices(self, ids: Any) -> Any:
+    def indices(self, ids) -> tuple[Any, Any]:
         """Descriptor indices of every run of blocks ``ids`` (run-major), and their addresses."""
         np = importlib.import_module("numpy")
         rows = np.arange(len(self.starts), dtype=np.int64)[:, None]
-        index = (rows * self.num_blocks + ids[None, :]).ravel()
-        return index.astype(np.int32), (self.starts[:, None] + self.strides[:, None] * ids[None, :]).ravel()
+        index = (rows * self.num_blocks + ids[None, :]).ravel().astype(np.int32)
+        return index, (self.starts[:, None] + self.strides[:, None] * ids).ravel()
 
     def release(self) -> None:
         self._agent.release_dlist_handle(self.handle)
 
 
-def contiguous_runs(local_addresses: Any, remote_addresses: Any, lengths: Any) -> int:
-    """How many copies the paired descriptors make once those adjacent on both sides merge."""
+def contiguous_runs(local_addresses, remote_addresses, lengths) -> int:
+    """How many copies paired descriptors make once those adjacent on both sides merge."""
     if not len(lengths):
         return 0
     ends = lengths[:-1]

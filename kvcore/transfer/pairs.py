@@ -1,23 +1,25 @@
-"""Paired plans: byte runs of source blocks matched to the runs of destination blocks.
+"""Paired plans: copies from the runs of source blocks to the runs of destination blocks.
 
-Two caches of one structure (a peer with the same layout and specs, or the
-packed host mirror) have patterns of equal run lengths, so piece ``i`` of
-source block ``s`` goes to piece ``i`` of destination block ``d``. Pieces that
-are adjacent on both sides merge into one copy (consecutive blocks of a
-block-outermost layout become one run).
+Two caches of one structure (a peer of the same layout and specs, or the packed host
+mirror) have patterns of equal run lengths, so run ``i`` of source block ``s`` goes to run
+``i`` of destination block ``d``; copies adjacent on both sides merge. A peer with fewer KV
+heads pairs (state, head) rows instead, found through both descriptors' content maps.
 """
 
 from __future__ import annotations
 
+import itertools
+
 import attrs
 import torch
 
+from kvcore.transfer.descriptor import KVCacheDescriptor, LayerDescriptor
 from kvcore.transfer.plan import BlockPattern, pattern_runs
 
 
 @attrs.frozen
 class PairedRuns:
-    """Copies ``lengths[i]`` bytes from ``src_offsets[i]`` to ``dst_offsets[i]`` (CPU int64 tensors)."""
+    """Copies of ``lengths[i]`` bytes from ``src_offsets[i]`` to ``dst_offsets[i]`` (CPU int64)."""
 
     src_allocation: int
     dst_allocation: int
@@ -34,17 +36,15 @@ class PairedRuns:
         return int(self.lengths.sum())
 
 
-def packed_patterns(patterns: tuple[BlockPattern, ...]) -> tuple[tuple[BlockPattern, ...], int]:
-    """Host-side patterns that store each block's pieces back to back, and the slot size."""
+def packed_patterns(patterns: tuple[BlockPattern, ...]) -> tuple[BlockPattern, ...]:
+    """Patterns storing each block's runs back to back in one slot (the host mirror's)."""
     slot = sum(p.block_bytes for p in patterns)
     out, offset = [], 0
     for p in patterns:
-        starts = []
-        for length in p.lengths:
-            starts.append(offset)
-            offset += length
-        out.append(BlockPattern(0, slot, tuple(starts), p.lengths))
-    return tuple(out), slot
+        starts = tuple(itertools.accumulate(p.lengths[:-1], initial=offset))
+        offset += p.block_bytes
+        out.append(BlockPattern(0, slot, starts, p.lengths))
+    return tuple(out)
 
 
 def structure_mismatch(src: tuple[BlockPattern, ...], dst: tuple[BlockPattern, ...]) -> str | None:
@@ -61,7 +61,7 @@ def structure_mismatch(src: tuple[BlockPattern, ...], dst: tuple[BlockPattern, .
 
 
 def merge_pairs(src: torch.Tensor, dst: torch.Tensor, lengths: torch.Tensor):
-    """Merge pieces adjacent on both sides; returns sorted (src, dst, lengths)."""
+    """Merge copies adjacent on both sides; returns sorted (src, dst, lengths)."""
     if not src.numel():
         return src, dst, lengths
     src, order = torch.sort(src, stable=True)
@@ -73,23 +73,51 @@ def merge_pairs(src: torch.Tensor, dst: torch.Tensor, lengths: torch.Tensor):
     return src[new], dst[new], merged
 
 
+def _merged(parts: list[tuple]) -> list[PairedRuns]:
+    """``(src alloc, dst alloc, src, dst, lengths)`` copies merged per pair of allocations."""
+    out = []
+    for sa, da in sorted({p[:2] for p in parts}):
+        chosen = [p[2:] for p in parts if p[:2] == (sa, da)]
+        out.append(PairedRuns(sa, da, *merge_pairs(*(torch.cat(x) for x in zip(*chosen)))))
+    return out
+
+
 def pair_runs(
-    src_patterns: tuple[BlockPattern, ...],
-    src_ids: torch.Tensor,
-    dst_patterns: tuple[BlockPattern, ...],
-    dst_ids: torch.Tensor,
+    src_patterns: tuple[BlockPattern, ...], src_ids: torch.Tensor,
+    dst_patterns: tuple[BlockPattern, ...], dst_ids: torch.Tensor,
 ) -> list[PairedRuns]:
-    """The copies that move blocks ``src_ids`` onto ``dst_ids`` (validated, equal lengths)."""
+    """The copies that move blocks ``src_ids`` onto ``dst_ids`` (checked ids)."""
     reason = structure_mismatch(src_patterns, dst_patterns)
     if reason is not None:
         raise ValueError(f"source and destination blocks are laid out differently: {reason}")
-    grouped: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]] = {}
+    parts = []
     for a, b in zip(src_patterns, dst_patterns):
-        s, n = pattern_runs(a, src_ids)
-        d, _ = pattern_runs(b, dst_ids)
-        grouped.setdefault((a.allocation, b.allocation), []).append((s, d, n))
-    out = []
-    for (sa, da), parts in sorted(grouped.items()):
-        s, d, n = merge_pairs(*(torch.cat(x) for x in zip(*parts)))
-        out.append(PairedRuns(sa, da, s, d, n))
-    return out
+        src, lengths = pattern_runs(a, src_ids)
+        parts.append((a.allocation, b.allocation, src, pattern_runs(b, dst_ids)[0], lengths))
+    return _merged(parts)
+
+
+def _head_rows(layer: LayerDescriptor, ids: torch.Tensor, head0: int, num_heads: int):
+    """Start byte of every (block, state, head) row, block-major, for heads ``head0...``."""
+    s = layer.byte_strides
+    states = layer.shape[2]
+    t = torch.arange(layer.rows_per_block * states)
+    within = (t // states) * s[0] + (t % states) * s[2]
+    heads = (head0 + torch.arange(num_heads)) * s[1]
+    blocks = layer.offset + ids * layer.manager_block_stride
+    return (blocks[:, None, None] + within[None, :, None] + heads[None, None, :]).reshape(-1)
+
+
+def pair_head_rows(
+    src: KVCacheDescriptor, src_ids: torch.Tensor, src_head0: int,
+    dst: KVCacheDescriptor, dst_ids: torch.Tensor, dst_head0: int,
+    *, group_id: int, num_heads: int,
+) -> list[PairedRuns]:
+    """Copies moving heads ``src_head0...`` of ``src`` blocks onto heads ``dst_head0...``."""
+    parts = []
+    for ls, ld in zip(src.group(group_id).layers, dst.group(group_id).layers):
+        s = _head_rows(ls, src_ids, src_head0, num_heads)
+        d = _head_rows(ld, dst_ids, dst_head0, num_heads)
+        lengths = torch.full_like(s, ls.content.content_bytes)
+        parts.append((ls.allocation, ld.allocation, s, d, lengths))
+    return _merged(parts)

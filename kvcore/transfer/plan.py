@@ -1,24 +1,23 @@
-"""Transfer plans: the exact contiguous byte runs of a set of manager blocks.
+"""Transfer plans: the exact byte runs of manager blocks, and the checks of block ids.
 
-Each layer's view is reduced to a *block pattern*: the runs one manager block
-occupies, relative to block 0, which repeat every ``manager_block_stride``
-bytes. Layers of one stride share a pattern (their runs merge where they
-touch: all layers of a block in a block-outermost layout become one run). A
-plan places the pattern at every listed block and merges the union into the
-fewest runs, vectorized on CPU tensors.
+A layer's view reduces to a *block pattern*: the runs one manager block occupies,
+repeating every ``manager_block_stride`` bytes; layers of one stride share a pattern
+(a block-outermost layout's layers become one run). A plan places the pattern at every
+listed block and merges the runs, vectorized on CPU tensors.
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+import operator
+from collections.abc import Mapping, Sequence, Set
+from typing import Any
 
 import attrs
 import torch
 
 from kvcore.memory.layout import block_runs
 from kvcore.transfer.descriptor import KVCacheDescriptor, LayerDescriptor
-from kvcore.transfer.ids import block_id_tensor
 
 
 @attrs.frozen(order=True)
@@ -36,7 +35,7 @@ class Region:
 
 @attrs.frozen
 class BlockPattern:
-    """Runs ``[starts[i] + b * block_stride, ... + lengths[i])`` of block ``b`` in one allocation."""
+    """Runs ``[starts[i] + b * block_stride, ... + lengths[i])`` of block ``b``."""
 
     allocation: int
     block_stride: int
@@ -48,22 +47,98 @@ class BlockPattern:
         return sum(self.lengths)
 
 
-def _union(starts: list[int], lengths: list[int]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    merged: list[list[int]] = []
-    for start, length in sorted(zip(starts, lengths)):
-        if merged and start <= merged[-1][0] + merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], start + length - merged[-1][0])
-        else:
-            merged.append([start, length])
-    return tuple(m[0] for m in merged), tuple(m[1] for m in merged)
+def _plural(what: str) -> str:
+    """``"block id of peer 'x'"`` -> ``"block ids of peer 'x'"``."""
+    noun, sep, rest = what.partition(" of ")
+    return f"{noun}s{sep}{rest}"
+
+
+def _bad_id(value: Any, num_blocks: int, what: str, low: int) -> ValueError:
+    null = " (block 0 is the null block and holds no data)" if low else ""
+    return ValueError(
+        f"{what} {value!r} is not an integer in [{low}, {num_blocks}); pass manager block "
+        f"ids from the block pool{null}; nothing was transferred"
+    )
+
+
+def block_id_tensor(
+    block_ids: Any, num_blocks: int, what: str = "block id", null_ok: bool = True
+) -> torch.Tensor:
+    """Ints, a sequence of ints or an integer tensor, each in ``[0 or 1, num_blocks)``, as int64."""
+    low = 0 if null_ok else 1
+    if isinstance(block_ids, torch.Tensor):
+        if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
+            raise ValueError(
+                f"{_plural(what)} must be an integer tensor, got {block_ids.dtype}; "
+                "pass int32/int64 ids"
+            )
+        ids = block_ids.detach().reshape(-1).to("cpu", torch.int64)
+        bad = ids[(ids < low) | (ids >= num_blocks)]
+        if bad.numel():
+            raise _bad_id(int(bad[0]), num_blocks, what, low)
+        return ids
+    if isinstance(block_ids, (str, bytes, Mapping, Set)) or block_ids is None:
+        raise ValueError(
+            f"{_plural(what)} must be a sequence of integers (a list, tuple or integer tensor), "
+            f"got {block_ids!r}; nothing was transferred"
+        )
+    items = [block_ids] if isinstance(block_ids, int) else block_ids
+    try:
+        values = [_block_id(value, num_blocks, what, low) for value in items]
+    except TypeError:
+        raise _bad_id(block_ids, num_blocks, what, low) from None
+    return torch.tensor(values, dtype=torch.int64)
+
+
+def _block_id(value: Any, num_blocks: int, what: str, low: int) -> int:
+    if "bool" not in type(value).__name__ and hasattr(value, "__index__"):
+        if low <= operator.index(value) < num_blocks:
+            return operator.index(value)
+    raise _bad_id(value, num_blocks, what, low)
+
+
+def paired_ids(first: tuple, second: tuple, *, first_is_src: bool) -> tuple[torch.Tensor, ...]:
+    """Checked ids of a transfer's two sides, each ``(ids, num_blocks, what, null_ok)``.
+
+    One source per destination and no destination twice; returned in argument order.
+    """
+    src, dst = (first, second) if first_is_src else (second, first)
+    src_ids, dst_ids = block_id_tensor(*src), block_id_tensor(*dst)
+    src_what, dst_what = src[2], dst[2]
+    if src_ids.numel() != dst_ids.numel():
+        src_n = src_what if src_ids.numel() == 1 else _plural(src_what)
+        dst_n = dst_what if dst_ids.numel() == 1 else _plural(dst_what)
+        raise ValueError(
+            f"got {src_ids.numel()} {src_n} and {dst_ids.numel()} {dst_n}; pass one "
+            f"{dst_what} per {src_what} (nothing was transferred)"
+        )
+    values, counts = torch.unique(dst_ids, return_counts=True)
+    if values.numel() != dst_ids.numel():
+        raise ValueError(
+            f"{dst_what} {int(values[counts > 1][0])} is listed twice; each destination "
+            "block takes one source block (nothing was transferred)"
+        )
+    return (src_ids, dst_ids) if first_is_src else (dst_ids, src_ids)
+
+
+def merge_runs(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The union of runs as the fewest sorted, disjoint runs (touching runs merge)."""
+    if not starts.numel():
+        return starts, lengths
+    starts, order = torch.sort(starts, stable=True)
+    ends = torch.cummax(starts + lengths[order], 0).values
+    new = torch.ones_like(starts, dtype=torch.bool)
+    new[1:] = starts[1:] > ends[:-1]
+    first = torch.nonzero(new).flatten()
+    last = torch.cat([first[1:] - 1, torch.tensor([starts.numel() - 1])])
+    return starts[first], ends[last] - starts[first]
 
 
 def select_layers(
     descriptor: KVCacheDescriptor, group_ids: Sequence[int], layers: Sequence[str] | None
 ) -> list[LayerDescriptor]:
     """The layers with views of ``group_ids`` (all, or those named in ``layers``)."""
-    groups = [descriptor.group(g) for g in group_ids]
-    available = [layer for group in groups for layer in group.layers]
+    available = [layer for g in group_ids for layer in descriptor.group(g).layers]
     if layers is None:
         return available
     if isinstance(layers, str):
@@ -85,14 +160,41 @@ def block_patterns(
     """One merged pattern per (allocation, manager block stride) of the selected layers."""
     pieces: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
     for layer in select_layers(descriptor, group_ids, layers):
-        offsets, run = block_runs(layer.shape, layer.byte_strides, layer.itemsize, layer.rows_per_block)
-        starts, lengths = pieces.setdefault((layer.allocation, layer.manager_block_stride), ([], []))
+        offsets, run = block_runs(layer.shape, layer.byte_strides, layer.itemsize,
+                                  layer.rows_per_block)
+        key = (layer.allocation, layer.manager_block_stride)
+        starts, lengths = pieces.setdefault(key, ([], []))
         starts.extend(layer.offset + o for o in offsets)
         lengths.extend([run] * len(offsets))
-    return tuple(
-        BlockPattern(alloc, stride, *_union(starts, lengths))
-        for (alloc, stride), (starts, lengths) in sorted(pieces.items())
-    )
+    patterns = []
+    for (alloc, stride), runs in sorted(pieces.items()):
+        starts, lengths = merge_runs(*map(torch.tensor, runs))
+        runs = (tuple(starts.tolist()), tuple(lengths.tolist()))
+        patterns.append(BlockPattern(alloc, stride, *runs))
+    return tuple(patterns)
+
+
+def group_selection(descriptor: KVCacheDescriptor, group_id: int | None) -> tuple[int, ...]:
+    """Group ids one call moves: ``group_id``, or every group with cache views."""
+    if group_id is None:
+        return tuple(g.group_id for g in descriptor.groups if g.layers)
+    if not descriptor.group(group_id).layers:
+        raise ValueError(f"KV cache group {group_id} has no cache pages to move")
+    return (group_id,)
+
+
+def whole_block_patterns(
+    descriptor: KVCacheDescriptor, group_ids: tuple[int, ...]
+) -> tuple[BlockPattern, ...]:
+    """Patterns of all selected groups; refuses groups whose blocks repeat at other strides."""
+    patterns = block_patterns(descriptor, group_ids, None)
+    strides = sorted({p.block_stride for p in patterns})
+    if len(strides) > 1:
+        raise ValueError(
+            f"the KV cache groups store blocks at different strides ({strides} bytes), so a "
+            "block id means different bytes in each; pass group_id= to move one group's blocks"
+        )
+    return patterns
 
 
 def pattern_runs(pattern: BlockPattern, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,19 +203,6 @@ def pattern_runs(pattern: BlockPattern, ids: torch.Tensor) -> tuple[torch.Tensor
     lengths = torch.tensor(pattern.lengths, dtype=torch.int64)
     placed = (ids[:, None] * pattern.block_stride + starts[None, :]).reshape(-1)
     return placed, lengths.repeat(ids.numel())
-
-
-def merge_runs(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The union of runs as the fewest sorted, disjoint runs (touching runs merge)."""
-    if not starts.numel():
-        return starts, lengths
-    starts, order = torch.sort(starts, stable=True)
-    ends = torch.cummax(starts + lengths[order], 0).values
-    new = torch.ones_like(starts, dtype=torch.bool)
-    new[1:] = starts[1:] > ends[:-1]
-    first = torch.nonzero(new).flatten()
-    last = torch.cat([first[1:] - 1, torch.tensor([starts.numel() - 1])])
-    return starts[first], ends[last] - starts[first]
 
 
 def plan_transfer(
@@ -125,12 +214,10 @@ def plan_transfer(
 ) -> list[Region]:
     """The fewest contiguous runs covering exactly the bytes of ``block_ids``.
 
-    Covers every byte the views of group ``group_id``'s layers (all, or those
-    in ``layers``) address for the listed manager blocks, and nothing else
-    (page padding excluded). Runs are sorted, disjoint and never touch.
-    Ids must be integers in ``[1, num_blocks)`` in a list, tuple or integer
-    tensor (``ValueError`` otherwise, dicts and sets included): block 0 is the
-    null block, which holds no data and is never moved.
+    Every byte the views of group ``group_id``'s layers (all, or ``layers``) address for
+    those manager blocks, page padding excluded; sorted, disjoint, never touching. Ids are
+    integers in ``[1, num_blocks)`` (block 0 is the null block) in a list, tuple or integer
+    tensor, else ``ValueError``.
     """
     if not isinstance(descriptor, KVCacheDescriptor):
         raise TypeError(f"plan_transfer needs a KVCacheDescriptor, got {type(descriptor).__name__}")
@@ -140,6 +227,6 @@ def plan_transfer(
     regions = []
     for alloc in sorted({p.allocation for p in patterns}):
         placed = [pattern_runs(p, ids) for p in patterns if p.allocation == alloc]
-        starts, lengths = merge_runs(torch.cat([s for s, _ in placed]), torch.cat([n for _, n in placed]))
+        starts, lengths = merge_runs(*(torch.cat(x) for x in zip(*placed)))
         regions.extend(Region(alloc, s, n) for s, n in zip(starts.tolist(), lengths.tolist()))
     return regions

@@ -1,23 +1,13 @@
-"""Which UCX transport carries a NixlAgent's transfers to a peer (a documented best effort).
+"""Which UCX transport carries a NixlAgent's transfers to a peer (inferred, and said so).
 
-NIXL 1.5's Python API names the backend of a transfer (``query_xfer_backend``:
-``"UCX"``) but not the UCX transport (lane) UCX picked; UCX tells that only in
-its own log (``UCX_PROTO_INFO=y``, ``UCX_LOG_LEVEL=info``). kvcore therefore
-*infers* it from what decides UCX's choice, and says so (``source``):
-
-- the memory on both sides (``VRAM`` / ``DRAM``, from the descriptors);
-- where the peer runs (same process, same host, another host: process id and
-  host name travel in kvcore's metadata);
-- ``UCX_TLS`` when set (a transport it excludes is not used).
-
-The rules (UCX's own order of preference): VRAM to VRAM on one host in two
-processes is ``cuda_ipc``; in one process ``cuda_ipc`` cannot reach the other
-agent and ``cuda_copy`` carries the data; VRAM to host memory is ``cuda_copy``
-(through ``cma``/``tcp`` when the host memory belongs to another process);
-host memory on one host moves by ``cma`` (shared memory); another host means
-a network transport (``rc`` on InfiniBand, else ``tcp``). Where UCX_TLS leaves
-none of the preferred transports, ``tcp`` is reported (UCX's fallback).
-``scripts/gpu_transfer.sh`` checks the inference against UCX's log.
+NIXL 1.5 names a transfer's backend (``"UCX"``) but not the lane UCX picked (only UCX's
+log does: ``UCX_PROTO_INFO=y``), so kvcore infers it from what decides UCX's choice: the
+memory on both sides, where the peer runs (pid and host travel in kvcore's metadata) and
+``UCX_TLS``. VRAM to VRAM is ``cuda_ipc`` between two processes of one host, ``cuda_copy``
+within one process (``cuda_ipc`` cannot reach it); VRAM to host memory is ``cuda_copy``
+(through ``cma``/``tcp`` when another process owns the host memory); host memory on one
+host moves by ``cma``; another host means ``rc`` or ``tcp``. Where ``UCX_TLS`` leaves none
+of these, ``tcp`` (UCX's fallback). ``scripts/gpu_transfer.sh`` checks this against UCX's log.
 """
 
 from __future__ import annotations
@@ -40,7 +30,7 @@ _ALIASES = {
 
 @attrs.frozen
 class Transport:
-    """The UCX transport of a peer's transfers: ``name`` (``"cuda_ipc"``...), how it was found, why."""
+    """The UCX transport of a peer's transfers: ``name`` (``"cuda_ipc"``...), its source, why."""
 
     name: str
     source: str
@@ -80,14 +70,17 @@ def _memory(descriptor: Any) -> str:
     return "VRAM" if descriptor.allocations[0].device.startswith("cuda") else "DRAM"
 
 
-def transport_between(local: Any, remote: Any, peer_info: dict[str, Any], tls: str | None = None) -> Transport:
+def transport_between(
+    local: Any, remote: Any, peer_info: dict[str, Any], tls: str | None = None
+) -> Transport:
     """The transport UCX uses between caches ``local`` and ``remote`` (descriptors), inferred."""
     tls = os.environ.get("UCX_TLS") if tls is None else tls
     here = process_info()
     same_host = peer_info.get("host") == here["host"]
     same_process = same_host and peer_info.get("pid") == here["pid"]
     mine, theirs = _memory(local), _memory(remote)
-    where = "one process" if same_process else "two processes on one host" if same_host else "two hosts"
+    where = "two processes on one host" if same_host else "two hosts"
+    where = "one process" if same_process else where
     if not same_host:
         candidates = ("rc", "dc", "tcp")
     elif mine == theirs == "VRAM":
