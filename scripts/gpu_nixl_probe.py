@@ -28,11 +28,12 @@ import numpy as np
 import torch
 
 import kvcore.transfer.nixl as knixl
-from kvcore.bench.transfer import _make
-from kvcore.bench.transfer_nixl import _Maker, _same_blocks
-from kvcore.bench.transfer_peer import ProcessPeer, fill
+from kvcore.bench.transfer import build_cache
+from kvcore.bench.transfer_nixl import ProcessPeer, _same_blocks
+from kvcore.bench.transfer_nixl import _fill as fill
 from kvcore.transfer import NixlAgent
-from kvcore.transfer.host_pool import whole_block_patterns
+from kvcore.transfer.pairs import pair_runs
+from kvcore.transfer.plan import whole_block_patterns
 
 MODEL = {"layers": 32, "kv_heads": 8, "head_size": 128, "block_size": 16, "dtype": "bfloat16"}
 
@@ -73,13 +74,13 @@ def strided(desc, device_id: int) -> tuple[np.ndarray, int]:
 def probe(layout: str, counts: list[int], repeats: int, memory: str) -> list[dict]:
     most = max(counts)
     nb = 2 * most + 2
-    make = functools.partial(_make, MODEL, layout)
+    make = functools.partial(build_cache, MODEL, layout)
     dev = "cuda" if torch.cuda.is_available() else "cpu"  # NOTE: on CPU (a dry run) both sides are DRAM
     a = make(nb, dev)
     peer_dev = dev if memory == "VRAM" else "cpu"
     local_kind = "VRAM" if dev == "cuda" else "DRAM"
     remote_kind = "VRAM" if peer_dev == "cuda" else "DRAM"
-    peer = ProcessPeer(f"probe-{layout}-b", _Maker(make, nb, peer_dev))
+    peer = ProcessPeer(f"probe-{layout}-b", functools.partial(make, nb, peer_dev))
     agent = NixlAgent(f"probe-{layout}-a", a)
     name = agent.connect(peer.metadata())
     peer.connect(agent.metadata())
@@ -105,15 +106,13 @@ def probe(layout: str, counts: list[int], repeats: int, memory: str) -> list[dic
 
         def split():
             t = [time.perf_counter()]
-            plan = agent.plan(name, ids, ids)
+            groups = (0,)
+            plan = pair_runs(whole_block_patterns(agent.descriptor, groups), torch.tensor(ids),
+                             whole_block_patterns(remote, groups), torch.tensor(ids))
             t.append(time.perf_counter())
-            local_rows_, remote_rows_ = [], []
-            for part in plan:
-                la, ra = agent.descriptor.allocations[part.src_allocation], remote.allocations[part.dst_allocation]
-                local_rows_.append(knixl.descriptor_rows(la.base_ptr, part.src_offsets, part.lengths, 0))
-                remote_rows_.append(knixl.descriptor_rows(ra.base_ptr, part.dst_offsets, part.lengths, 0))
-            loc = raw.get_xfer_descs(knixl.xfer_array(local_rows_), local_kind)
-            far = raw.get_xfer_descs(knixl.xfer_array(remote_rows_), remote_kind)
+            arrays = knixl.xfer_arrays(plan, agent.descriptor, remote)
+            loc = raw.get_xfer_descs(arrays[0], local_kind)
+            far = raw.get_xfer_descs(arrays[1], remote_kind)
             t.append(time.perf_counter())
             h = raw.initialize_xfer("WRITE", loc, far, name)
             t.append(time.perf_counter())
@@ -158,7 +157,7 @@ def probe(layout: str, counts: list[int], repeats: int, memory: str) -> list[dic
         row["repost_us"] = med(repost, repeats)
 
         def split_post(k: int):
-            parts = np.array_split(np.arange(len(idx)), k)
+            parts = np.array_split(np.arange(len(idx)), min(k, len(idx)))
             hs = [raw.make_prepped_xfer("WRITE", lh, idx[p], rh, idx[p]) for p in parts]
             t0 = time.perf_counter()
             for one in hs:
