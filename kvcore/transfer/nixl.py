@@ -23,9 +23,9 @@ from kvcore.transfer.nixl_api import (
     PreparedRuns,
     TransferError,
     TransferHandle,
-    contiguous_runs,
     mem_type,
     nixl_api,
+    paired_indices,
     xfer_arrays,
 )
 from kvcore.transfer.pairs import PairedRuns, pair_head_rows, structure_mismatch
@@ -202,11 +202,7 @@ class NixlAgent:
         far = self._prepare(peer, remote, groups)
         if not loc.numel():
             return TransferHandle(self._agent, None, 0, 0, self._transports[peer])
-        order = torch.argsort(loc)  # NOTE: blocks adjacent on both sides become one copy in NIXL
-        local_index, local_addresses = local.indices(loc[order].numpy())
-        remote_index, remote_addresses = far.indices(rem[order].numpy())
-        lengths = local.lengths.repeat(loc.numel())
-        runs = contiguous_runs(local_addresses, remote_addresses, lengths)
+        local_index, remote_index, runs, nbytes = paired_indices(local, far, loc, rem)
         try:
             handle = self._agent.make_prepped_xfer(op, local.handle, local_index, far.handle,
                                                    remote_index)
@@ -214,7 +210,7 @@ class NixlAgent:
             raise TransferError(
                 f"NIXL could not prepare the {op} with peer {peer!r} ({exc!r})"
             ) from exc
-        return self._start(op, peer, handle, runs, int(lengths.sum()))
+        return self._start(op, peer, handle, runs, nbytes)
 
     def _prepare(self, owner: str, descriptor: KVCacheDescriptor,
                  groups: tuple[int, ...]) -> PreparedRuns:
@@ -229,7 +225,7 @@ class NixlAgent:
                     f"cannot exchange KV blocks with peer {owner!r}: {reason}"
                 )
             try:
-                self._prepared[key] = PreparedRuns(self._agent, owner, descriptor, patterns)
+                self._prepared[key] = PreparedRuns(descriptor, patterns).prepare(self._agent, owner)
             except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
                 raise TransferError(
                     f"NIXL could not prepare the descriptor list of {owner!r} ({exc!r}); if the "

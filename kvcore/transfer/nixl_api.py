@@ -105,26 +105,35 @@ class TransferHandle:
 
 
 class PreparedRuns:
-    """One side's whole-block runs as a NIXL prepared descriptor list, prepared once.
+    """One side's whole-block runs in the form of a NIXL prepared descriptor list.
 
     Row ``r`` of NIXL's Nx5 strided list ``(address, length, device, stride, count)`` is run
     ``r`` of the block patterns at every block, so descriptor ``r * num_blocks + b`` is that run
     in block ``b``; a transfer names descriptors by index (``make_prepped_xfer``).
+    :meth:`prepare` hands the rows to a NIXL agent once.
     """
 
-    def __init__(self, agent: Any, owner: str, descriptor: KVCacheDescriptor, patterns) -> None:
-        np = importlib.import_module("numpy")
-        kind, device = mem_type(descriptor.allocations[patterns[0].allocation].device)
+    def __init__(self, descriptor: KVCacheDescriptor, patterns) -> None:
+        np = importlib.import_module("numpy")  # NOTE: numpy comes with NIXL
+        self.kind, self.device = mem_type(descriptor.allocations[patterns[0].allocation].device)
         bases = [descriptor.allocations[p.allocation].base_ptr for p in patterns]
         self.starts = np.array([b + s for b, p in zip(bases, patterns) for s in p.starts], np.int64)
         self.strides = np.array([p.block_stride for p in patterns for _ in p.starts], np.int64)
         self.lengths = np.array([n for p in patterns for n in p.lengths], np.int64)
         self.num_blocks = descriptor.num_blocks
+        self.handle, self._agent = None, None
+
+    def rows(self) -> Any:
+        """NIXL's Nx5 strided rows, one per run."""
+        np = importlib.import_module("numpy")
         ones = np.ones_like(self.starts)
-        rows = np.stack([self.starts, self.lengths, ones * device, self.strides,
-                         ones * self.num_blocks], axis=1)
-        self._agent = agent
-        self.handle = agent.prep_xfer_dlist(owner, rows.astype(np.uint64), kind)
+        rows = [self.starts, self.lengths, ones * self.device, self.strides, ones * self.num_blocks]
+        return np.stack(rows, axis=1).astype(np.uint64)
+
+    def prepare(self, agent: Any, owner: str) -> PreparedRuns:
+        """Hand the rows to ``agent`` as ``owner``'s prepared list (``NIXL_INIT_AGENT``: local)."""
+        self.handle, self._agent = agent.prep_xfer_dlist(owner, self.rows(), self.kind), agent
+        return self
 
     def indices(self, ids) -> tuple[Any, Any]:
         """Descriptor indices of every run of blocks ``ids`` (run-major), and their addresses."""
@@ -134,15 +143,21 @@ class PreparedRuns:
         return index, (self.starts[:, None] + self.strides[:, None] * ids).ravel()
 
     def release(self) -> None:
-        self._agent.release_dlist_handle(self.handle)
+        if self.handle is not None:
+            self._agent.release_dlist_handle(self.handle)
+            self.handle = None
 
 
-def contiguous_runs(local_addresses, remote_addresses, lengths) -> int:
-    """How many copies paired descriptors make once those adjacent on both sides merge."""
-    if not len(lengths):
-        return 0
-    ends = lengths[:-1]
-    breaks = (local_addresses[1:] != local_addresses[:-1] + ends) | (
-        remote_addresses[1:] != remote_addresses[:-1] + ends
+def paired_indices(local: PreparedRuns, far: PreparedRuns, loc: torch.Tensor,
+                   rem: torch.Tensor) -> tuple[Any, Any, int, int]:
+    """Indices moving local blocks ``loc`` onto the peer's ``rem`` (pairwise), the copies they
+    make once NIXL merges those adjacent on both sides, and their bytes."""
+    order = torch.argsort(loc)  # NOTE: blocks adjacent on both sides become one copy in NIXL
+    local_index, local_addresses = local.indices(loc[order].numpy())
+    remote_index, remote_addresses = far.indices(rem[order].numpy())
+    lengths = local.lengths.repeat(loc.numel())
+    breaks = (local_addresses[1:] != local_addresses[:-1] + lengths[:-1]) | (
+        remote_addresses[1:] != remote_addresses[:-1] + lengths[:-1]
     )
-    return 1 + int(breaks.sum())
+    runs = 1 + int(breaks.sum()) if len(lengths) else 0
+    return local_index, remote_index, runs, int(lengths.sum())
