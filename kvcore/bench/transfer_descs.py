@@ -70,7 +70,9 @@ def descriptor_rows_of(args: argparse.Namespace, make: Any, repeats: int = 5) ->
                 "layout": layout.name, "blocks": n, "ids": kind, "descriptors": copies,
                 "per_block": copies / n, "prepared_rows": len(prepared.rows()),
                 "build_ms": _median_ms(lambda: _per_call(desc, ids, to_nixl), repeats),
-                "prepared_ms": _median_ms(lambda: paired_indices(prepared, prepared, ids, ids), repeats),
+                "prepared_ms": _median_ms(
+                    lambda: paired_indices(prepared, prepared, ids, ids), repeats
+                ),
                 "nixl_dlist": to_nixl is not None,
             })
     return rows
