@@ -90,3 +90,21 @@ def test_bench_transfer_defaults_are_cpu_sized_without_cuda():
     assert len(args.layouts) == 6
     args = transfer.resolve(parser.parse_args(["--device", "cpu", "--layers", "7", "--nixl-peer", "process"]))
     assert (args.layers, args.nixl_peer) == (7, "process")
+
+
+def test_bench_transfer_descriptors_counts_copies_and_prepared_rows(capsys, monkeypatch):
+    """Layer-compact layouts: a copy per layer and block, but only a prepared row per layer."""
+    monkeypatch.setenv("COLUMNS", "80")
+    argv = ["bench", "transfer", "--descriptors", "6", "--layouts", "LBNHC,BLNHC", "--layers", "4",
+            "--kv-heads", "2"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "per-call ms" in out and "prepared ms" in out
+    assert max(len(line) for line in out.splitlines()) <= 80
+    assert main([*argv, "--json"]) == 0
+    rows = {(r["layout"], r["ids"]): r for r in json.loads(capsys.readouterr().out)}
+    assert rows["LBNHC", "scattered"]["descriptors"] == 4 * 6 and rows["LBNHC", "consecutive"]["descriptors"] == 4
+    assert rows["LBNHC", "scattered"]["prepared_rows"] == 4
+    assert rows["BLNHC", "scattered"]["descriptors"] == 6 and rows["BLNHC", "consecutive"]["descriptors"] == 1
+    assert rows["BLNHC", "consecutive"]["prepared_rows"] == 1
+    assert all(r["prepared_ms"] > 0 and r["build_ms"] > 0 for r in rows.values())
