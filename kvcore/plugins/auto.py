@@ -17,8 +17,7 @@ import torch
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import collect_backends
-from kvcore.plugins.selection import fixed_sizes
-from kvcore.specs import KVCacheSpec
+from kvcore.specs import KVCacheSpec, MultipleOf
 
 #: The backend name that means "the one :func:`select_backend` picks".
 AUTO = "auto"
@@ -107,8 +106,8 @@ def preferred_block_size(
     answer; an answer of only ``MultipleOf`` sizes states no preference.
     """
     answers = HookAnswers(plugin_manager)
-    fixed = fixed_sizes(answers.kernel_block_sizes(answers.backend(backend), spec))
-    return fixed[0] if fixed else None
+    sizes = answers.kernel_block_sizes(answers.backend(backend), spec)
+    return next((s for s in sizes if not isinstance(s, MultipleOf)), None)
 
 
 __all__ = ["AUTO", "choose_backend", "parse_device", "preferred_block_size", "resolve_auto", "select_backend", "serves"]

@@ -26,10 +26,8 @@ from kvcore.memory.views import allocate_kv_cache
 from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.auto import choose_backend, serves
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.kernel_views import to_kernel_blocks
 from kvcore.plugins.layouts import layout_candidates, requested_layout, resolve_kv_cache_layout
-from kvcore.plugins.negotiation import negotiate
-from kvcore.plugins.records import Negotiation
+from kvcore.plugins.negotiation import Negotiation, negotiate, to_kernel_blocks
 from kvcore.specs import AttentionSpec, KVCacheSpec
 
 Backends = Mapping[str, type[AttentionBackend]]

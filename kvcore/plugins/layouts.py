@@ -8,9 +8,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import pluggy
 
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.plugins.answers import ALL_LAYOUTS, HookAnswers
+from kvcore.plugins.answers import ALL_LAYOUTS, HookAnswers, check_layouts
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.checks import check_layouts
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 DEFAULT_LAYOUT = KVCacheLayout.LBNHC
