@@ -1,10 +1,7 @@
 """The backend a device gets (``"auto"``) and the block size a backend prefers.
 
-Ability comes from each backend's ``kvcore_kernel_requirements`` (device
-types, cache dtypes, head sizes), preference from ``kvcore_backend_priority``.
-A backend states the block size it prefers as the first explicit ``int`` of
-its ``kvcore_supported_kernel_block_sizes`` answer (``[64, 32, 16]`` prefers
-64); a backend answering only ``MultipleOf`` sizes states no preference.
+Ability comes from each backend's ``kvcore_kernel_requirements``, preference from
+``kvcore_backend_priority``.
 """
 
 from __future__ import annotations
@@ -24,10 +21,7 @@ AUTO = "auto"
 
 
 def parse_device(device: Any) -> torch.device:
-    """``device`` (a ``torch.device`` or its string) as a torch.device, else ValueError/TypeError.
-
-    The device need not exist here: asking what CUDA would get works on a CPU machine.
-    """
+    """``device`` (a ``torch.device`` or its string) as a torch.device; it need not exist here."""
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a torch.device or a string such as 'cuda', got {device!r}")
     try:
@@ -64,22 +58,21 @@ def select_backend(
 
 
 def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device) -> type[AttentionBackend]:
-    """:func:`select_backend` over answers already kept (a parsed device, a checked spec)."""
+    """:func:`select_backend` over answers already kept."""
     table = collect_backends(answers.pm)
     reasons: dict[str, str] = {
         name: "its name is registered by several plugins (block all but one with KVCORE_BLOCK_PLUGINS)"
         for name in table.conflicts()
     }
-    able: list[tuple[int, str, type[AttentionBackend]]] = []
+    able: list[tuple[int, type[AttentionBackend]]] = []
     for name, (backend, _) in sorted(table.unambiguous().items()):
         why = serves(answers, backend, spec, device)
         if why is None:
-            able.append((answers.priority(backend, spec, device), name, backend))
+            able.append((answers.priority(backend, spec, device), backend))
         else:
             reasons[name] = why
     if able:
-        best = max(priority for priority, _, _ in able)
-        return next(backend for priority, _, backend in able if priority == best)
+        return max(able, key=lambda found: found[0])[1]  # NOTE: max keeps the first name of a tie
     listed = "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items())) or "none is registered"
     raise ValueError(
         f"no registered attention backend can serve {spec!r} on {device} ({listed}). "
@@ -100,14 +93,11 @@ def preferred_block_size(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> int | None:
-    """The block size (tokens) ``backend`` prefers for ``spec``; None when it states none.
+    """The block size ``backend`` prefers for ``spec``: the first ``int`` its plugin declares.
 
-    That is the first explicit ``int`` in its ``kvcore_supported_kernel_block_sizes``
-    answer; an answer of only ``MultipleOf`` sizes states no preference.
+    ``[64, 32, 16]`` prefers 64; an answer of only ``MultipleOf`` sizes states none (None).
     """
     answers = HookAnswers(plugin_manager)
     sizes = answers.kernel_block_sizes(answers.backend(backend), spec)
     return next((s for s in sizes if not isinstance(s, MultipleOf)), None)
 
-
-__all__ = ["AUTO", "choose_backend", "parse_device", "preferred_block_size", "resolve_auto", "select_backend", "serves"]
