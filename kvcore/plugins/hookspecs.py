@@ -1,10 +1,7 @@
 """The hooks through which kvcore consults attention-backend plugins.
 
-A plugin is a module (or object) with functions marked ``@kvcore.hookimpl``
-and named after the hooks below. kvcore never reads block sizes, layouts or
-spec changes off a backend class: it asks these hooks, through pluggy (so
-hook wrappers are honoured), and in ``KVCache.create`` at most once per
-distinct (backend, spec).
+A plugin is a module (or object) with functions marked ``@kvcore.hookimpl`` and named after the
+hooks below; kvcore never reads block sizes, layouts or spec changes off a backend class.
 """
 
 from __future__ import annotations

@@ -37,8 +37,11 @@ def local_supported_layouts(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> list[KVCacheLayout]:
-    """Layouts every backend of this worker reads, in the first choosy backend's order (all six
-    when none is choosy): one worker's entry of ``supported`` for :func:`resolve_kv_cache_layout`."""
+    """Layouts every backend of this worker reads, in the first choosy backend's order.
+
+    One worker's entry of ``supported`` for :func:`resolve_kv_cache_layout` (all six when no
+    backend is choosy).
+    """
     specs = [None] * len(backends) if specs is None else list(specs)
     if len(specs) != len(backends):
         raise ValueError(f"got {len(specs)} specs for {len(backends)} backends; pass one per backend")

@@ -117,6 +117,16 @@ def plugin_error(
     return err
 
 
+def conflict_message(pm: pluggy.PluginManager, name: str, owners: list[str]) -> str:
+    """What to say about backend ``name`` registered by several plugins (``owners``)."""
+    return (
+        f"attention backend {name!r} is registered by "
+        + " and by ".join(describe_plugin(pm, owner) for owner in owners)
+        + f"; kvcore uses none of them. Keep one: block the others with "
+        f"KVCORE_BLOCK_PLUGINS={','.join(owners[1:])} (or another choice), or uninstall them"
+    )
+
+
 @attrs.frozen
 class _Turn:
     """One hook implementation's turn in a call kvcore made: its answer or its exception."""

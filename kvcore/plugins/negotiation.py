@@ -87,8 +87,7 @@ class Negotiation:
 
 
 def can_split(spec: KVCacheSpec) -> bool:
-    """Whether blocks of ``spec`` may be split into kernel blocks: attention pages whose state
-    count grows with the block size (not one state per block)."""
+    """Whether ``spec``'s blocks split into kernel blocks (attention states grow with block size)."""
     return spec.has_layer_views and spec.is_attention and spec.tokens_per_state > 0
 
 

@@ -1,22 +1,10 @@
-"""Input checks for paged-attention entry points, shared by backends.
+"""Host-side input checks for paged-attention entry points, shared by backends.
 
-Backends validate their arguments on the host before any kernel runs, so a
-bad call raises ``TypeError``/``ValueError`` naming the argument and the
-accepted form, and nothing is half-written.
-
-Two kinds of checks:
-- shapes, dtypes and devices: always on (they read no device data);
-- values held in tensors (slot ranges, query offsets, block ids): they read
-  device memory, a host sync that would stall every layer of a GPU step and
-  break CUDA graph capture. They run only where :func:`value_checks` says so:
-  an explicit ``validate=True``/``False`` argument wins; else
-  ``KVCORE_DEBUG_CHECKS=1``/``0`` turns them on/off everywhere (any other value
-  is a ``ValueError``); else they run for CPU tensors (no device to wait for)
-  and are off on GPUs, where kernels skip out-of-range slots instead of
-  storing out of bounds. The switch is read where a call begins: a kernel
-  function called directly reads it through :class:`kvcore.settings.Settings`;
-  a backend's ``forward`` (per layer) reads no environment, it takes the
-  metadata's ``debug_checks`` (:func:`step_checks`), which ``KVCache.create`` read.
+Shapes, dtypes and devices are always checked (no device data is read). Checks of values held
+in tensors (slots, query offsets, block ids) read device memory, a host sync that would stall a
+GPU step and break CUDA graph capture: they run where :func:`value_checks` says so (on for CPU
+tensors, off on GPUs, where kernels skip out-of-range slots instead of storing out of bounds),
+unless ``validate=`` or ``KVCORE_DEBUG_CHECKS`` says otherwise.
 """
 
 from __future__ import annotations
@@ -28,14 +16,15 @@ import torch
 from kvcore.settings import Settings
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-#: Environment switch of the value checks (read when a backend is called, so tests and debuggers can flip it).
+#: Environment switch of the value checks.
 DEBUG_CHECKS_ENV = "KVCORE_DEBUG_CHECKS"
 
 
 def value_checks(validate: bool | None, device: torch.device, settings: Settings | None = None) -> bool:
     """Whether checks that read tensor values (a device sync on GPUs) run for this call.
 
-    ``settings``: the caller's (``Settings.from_env()`` when None: a backend entry point is where a call begins).
+    An explicit ``validate`` wins; else ``settings`` (the environment's when None: a kernel
+    entry point is where a call begins).
     """
     if validate is not None:
         if not isinstance(validate, bool):
@@ -47,8 +36,7 @@ def value_checks(validate: bool | None, device: torch.device, settings: Settings
 def step_checks(debug_checks: bool | None, device: torch.device) -> bool:
     """Whether a backend's ``forward`` runs the value checks; reads no environment.
 
-    ``debug_checks``: the metadata's (``KVCORE_DEBUG_CHECKS`` as ``KVCache.create``
-    read it); None: on for CPU tensors, off on other devices (no sync).
+    ``debug_checks``: the metadata's; None: on for CPU tensors only.
     """
     return device.type == "cpu" if debug_checks is None else debug_checks
 

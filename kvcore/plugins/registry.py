@@ -25,6 +25,7 @@ from kvcore.plugins.manager import (
     KVCorePluginManager,
     PluginInfo,
     collect_backends,
+    conflict_message,
     describe_plugin,
 )
 from kvcore.settings import env_flag, env_names
@@ -95,9 +96,7 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
     except pluggy.PluginValidationError as exc:
         raise PluginError(f"{describe_plugin(pm, pm.get_name(exc.plugin) or '?')}: {exc}") from exc
     for name, found in collect_backends(pm).conflicts().items():
-        owners = " and ".join(describe_plugin(pm, owner) for _, owner in found)
-        _report(f"attention backend {name!r} is registered by {owners}; kvcore uses none of them "
-                "until all but one are blocked with KVCORE_BLOCK_PLUGINS", strict=False)
+        _report(conflict_message(pm, name, [owner for _, owner in found]), strict=False)
     return pm
 
 
@@ -182,13 +181,7 @@ def get_backend(name: str, plugin_manager: pluggy.PluginManager | None = None) -
     table = collect_backends(pm)
     found = table.entries.get(name, [])
     if len(found) > 1:
-        others = ",".join(owner for _, owner in found[1:])
-        raise PluginError(
-            f"attention backend {name!r} is registered by "
-            + " and by ".join(describe_plugin(pm, owner) for _, owner in found)
-            + f"; kvcore uses none of them. Keep one: block the others with "
-            f"KVCORE_BLOCK_PLUGINS={others} (or another choice), or uninstall them"
-        )
+        raise PluginError(conflict_message(pm, name, [owner for _, owner in found]))
     if not found:
         raise ValueError(
             f"Unknown attention backend {name!r}. Registered: {sorted(table.unambiguous())}; "
@@ -226,14 +219,9 @@ def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[Plu
     for name, found in table.conflicts().items():
         owners = [owner for _, owner in found]
         for owner in owners:
-            rivals = [o for o in owners if o != owner]
             info = by_name[owner]
             info.status = "conflict"
-            info.error = "; ".join(filter(None, [info.error, (
-                f"backend name {name!r} is also registered by "
-                f"{' and '.join(describe_plugin(pm, o) for o in rivals)}; neither is used. "
-                f"Block one: KVCORE_BLOCK_PLUGINS={','.join(rivals)} or KVCORE_BLOCK_PLUGINS={owner}"
-            )]))
+            info.error = "; ".join(filter(None, [info.error, conflict_message(pm, name, owners)]))
     for info in out:
         plugin = pm.get_plugin(info.name)
         if plugin is not None:
