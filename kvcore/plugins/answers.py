@@ -1,9 +1,8 @@
 """What the backends' plugins answered, each hook asked once per (backend, spec).
 
-:class:`HookAnswers` is how the negotiation stage talks to plugins: every answer is checked
-(a ``TypeError``/``ValueError`` of a check becomes a PluginError naming the plugin that
-answered) and kept, unhashable specs by identity. It also says what several backends agree on:
-a common kernel block size, common layouts.
+:class:`HookAnswers` is how the negotiation stage talks to plugins: every answer is checked (a
+check's ``TypeError``/``ValueError`` becomes a PluginError naming the plugin) and kept. It also
+says what several backends agree on: a kernel block size, layouts.
 """
 
 from __future__ import annotations
@@ -102,8 +101,8 @@ def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
 def pick_common_block_size(manager: int, offers: Sequence[tuple[str, Sequence[int | MultipleOf]]]) -> int:
     """The kernel block size every ``(backend name, sizes)`` offer takes.
 
-    The manager size when all accept it; else the largest explicit int of any offer that
-    divides it and all accept (``MultipleOf`` adds no candidate); else ``ValueError``.
+    The manager size when all accept it; else the largest int of any offer that divides it and
+    all accept; else ``ValueError``.
     """
     manager = positive_int("kv_manager_block_size", manager)
     sizes = [s for _, s in offers]
@@ -165,8 +164,7 @@ class HookAnswers:
     def customized_spec(self, backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec:
         """``spec`` as ``backend`` stores it: the hook's answer, then block-stride alignment.
 
-        When every kernel size the backend takes is a fixed int and the spec asks no alignment
-        yet, it gets ``MultipleOf(max(sizes))``; the aligned spec shares the sizes answer.
+        When every kernel size the backend takes is an int, it gets ``MultipleOf(max(sizes))``.
         """
         key = ("customized", backend, key_of(spec))
         if key in self._kept:

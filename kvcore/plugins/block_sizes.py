@@ -1,10 +1,7 @@
-"""Block-size negotiation for standalone callers (SPEC §3).
+"""Block-size negotiation for standalone callers (SPEC §3), each call through one ``HookAnswers``.
 
-The scheduler hands out manager blocks; a kernel may only take smaller blocks, so each manager
-block is split into kernel blocks of a size every backend of a group accepts, as the
-``kvcore_supported_kernel_block_sizes`` hook declares. Each function asks through one
-:class:`~kvcore.plugins.answers.HookAnswers`; ``KVCache.create`` negotiates once for its whole
-plan and keeps the record.
+A manager block is split into kernel blocks of a size every backend of a group accepts, as the
+``kvcore_supported_kernel_block_sizes`` hook declares (``KVCache.create`` negotiates once).
 """
 
 from __future__ import annotations
@@ -44,9 +41,8 @@ def select_common_block_size(
 ) -> int:
     """The kernel block size shared by ``backends`` for ``kv_manager_block_size``-token blocks.
 
-    The manager size itself when every backend accepts it; else the largest explicit ``int``
-    size offered by any backend that divides the manager size and that every backend accepts
-    (``MultipleOf`` answers never add candidates). No backends: the manager size.
+    The manager size itself when every backend accepts it; else the largest ``int`` size
+    offered by any backend that divides it and every backend accepts. No backends: the manager size.
     """
     manager = positive_int("kv_manager_block_size", kv_manager_block_size)
     if isinstance(backends, (str, type)):
@@ -70,9 +66,8 @@ def customize_attention_spec(
 ) -> KVCacheSpec:
     """``spec`` as ``backend`` stores it: the plugin's changes, then block-stride alignment.
 
-    When every size the backend takes is a fixed ``int`` and the spec asks no alignment yet,
-    it gets ``block_stride_alignment=MultipleOf(max(sizes))``: packed blocks must then keep
-    whole kernel blocks.
+    When every size the backend takes is an ``int`` and the spec asks no alignment yet, it gets
+    ``block_stride_alignment=MultipleOf(max(sizes))``: packed blocks keep whole kernel blocks.
     """
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
@@ -86,12 +81,10 @@ def prepare_kernel_block_sizes(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> list[int]:
-    """The kernel block size of every KV cache group, in order.
+    """The kernel block size of every KV cache group with pages, in order.
 
-    Encoder-only groups are skipped (they hold no pages). State caches, specs without layer
-    views and specs with one state per block keep their block size. Attention groups take
-    :func:`select_common_block_size` over their backends, except groups with a block-outermost
-    packed tensor: those keep the manager size and their backends map their own kernel tables.
+    Attention groups take :func:`select_common_block_size` over their backends; state caches,
+    one-state-per-block specs and packed groups keep their block size.
     """
     answers = HookAnswers(plugin_manager)
     out: list[int] = []

@@ -243,19 +243,10 @@ def settle_kernel_block_size(
     return attrs.evolve(record, group_kernel_block_size=kernel_block_size, kernel_block_size=own)
 
 
-def packed_split_error(backend: str, spec: KVCacheSpec, names: Sequence[str], kernel: int) -> ValueError:
-    """The refusal of a packed cache that cannot be split into ``kernel``-token blocks."""
-    return ValueError(
-        f"{backend} needs {kernel}-token kernel blocks, which packed "
-        f"{spec.block_size}-token blocks of {list(names)} cannot be split into; use a "
-        f"manager block size of {kernel} or a layer-compact layout such as LBNHC"
-    )
-
-
 def packed_kernel_stride(
     spec: KVCacheSpec, block_stride_bytes: int, kernel: int, backend: str, names: Sequence[str]
 ) -> int:
-    """Kernel pages between two manager blocks of a packed cache, else :func:`packed_split_error`.
+    """Kernel pages between two manager blocks of a packed cache, else ``ValueError``.
 
     Only compressed caches (more than one token per state, one head) whose block stride is a
     whole number of kernel pages can be re-addressed so.
@@ -263,7 +254,11 @@ def packed_kernel_stride(
     rows = spec.get_num_kernel_states(kernel) if spec.tokens_per_state > 1 else 0
     page = rows * spec.state_content_size_bytes
     if spec.tokens_per_state <= 1 or spec.num_heads != 1 or block_stride_bytes % page:
-        raise packed_split_error(backend, spec, names, kernel)
+        raise ValueError(
+            f"{backend} needs {kernel}-token kernel blocks, which packed {spec.block_size}-token "
+            f"blocks of {list(names)} cannot be split into; use a manager block size of {kernel} "
+            "or a layer-compact layout such as LBNHC"
+        )
     return block_stride_bytes // page
 
 

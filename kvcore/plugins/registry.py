@@ -91,10 +91,6 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
             f"installed: {sorted(pm.plugin_infos)}"
         )
         _report(pm.settings_problems[-1], strict=False)
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        raise PluginError(f"{describe_plugin(pm, pm.get_name(exc.plugin) or '?')}: {exc}") from exc
     for name, found in collect_backends(pm).conflicts().items():
         _report(conflict_message(pm, name, [owner for _, owner in found]), strict=False)
     return pm
@@ -110,15 +106,11 @@ def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
     """Load entry point ``info.name`` through pluggy and check it; on failure undo and report."""
     try:
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=info.name)
-        plugin = pm.get_plugin(info.name)
-        callers = pm.get_hookcallers(plugin) or []
-        unknown = [
-            c.name for c in callers
-            if not c.has_spec() and not all(i.optionalhook for i in c.get_hookimpls())
-        ]
-        if unknown:
-            known = sorted(n for n, c in vars(pm.hook).items() if isinstance(c, pluggy.HookCaller) and c.has_spec())
-            raise PluginError(f"{info.describe()} implements unknown hook(s) {unknown}; kvcore's hooks are {known}")
+        try:
+            pm.check_pending()  # NOTE: plugins loaded before passed it: a failure is this one's
+        except pluggy.PluginValidationError as exc:
+            known = sorted(name for name, caller in vars(pm.hook).items() if caller.has_spec())
+            raise PluginError(f"{info.describe()}: {exc}; kvcore's hooks are {known}") from exc
         collect_backends(pm, only=info.name)
     except Exception as exc:
         if isinstance(exc, PluginError):
@@ -136,7 +128,8 @@ def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
             raise PluginError(problem) from exc
         warnings.warn(f"{problem}; skipping it", PluginWarning, stacklevel=3)
         return None
-    marked = {c.name for c in callers}
+    plugin = pm.get_plugin(info.name)
+    marked = {c.name for c in pm.get_hookcallers(plugin) or []}
     unmarked = sorted(n for n in dir(plugin) if n.startswith("kvcore_") and n not in marked)
     if unmarked:
         _report(f"{info.describe()} defines {unmarked} without @kvcore.hookimpl; kvcore ignores them", strict=False)
