@@ -21,10 +21,13 @@ from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec, MultipleOf
 
-ALL_LAYOUTS: tuple[KVCacheLayout, ...] = tuple(KVCacheLayout)
-
 #: Spec fields a ``kvcore_customize_spec`` answer may change: padding and alignment only.
-CUSTOMIZABLE_FIELDS = ("num_head_slots", "page_size_padded", "block_stride_alignment", "state_content_bytes")
+CUSTOMIZABLE_FIELDS = (
+    "num_head_slots",
+    "page_size_padded",
+    "block_stride_alignment",
+    "state_content_bytes",
+)
 
 
 def label(backend: type[AttentionBackend]) -> str:
@@ -46,11 +49,16 @@ def check_sizes(value: Any) -> list[int | MultipleOf]:
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"expected a list of int or MultipleOf, got {value!r}")
     if not value:
-        raise ValueError("expected at least one size, got an empty list "
-                         "(return None for a backend the plugin does not own)")
+        raise ValueError(
+            "expected at least one size, got an empty list "
+            "(return None for a backend the plugin does not own)"
+        )
     for size in value:
-        if not isinstance(size, MultipleOf) and (isinstance(size, bool) or not isinstance(size, int) or size <= 0):
-            raise TypeError(f"expected positive ints or MultipleOf in the list, got {size!r} in {value!r}")
+        positive = isinstance(size, int) and not isinstance(size, bool) and size > 0
+        if not (positive or isinstance(size, MultipleOf)):
+            raise TypeError(
+                f"expected positive ints or MultipleOf in the list, got {size!r} in {value!r}"
+            )
     return list(value)
 
 
@@ -79,26 +87,34 @@ def _check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCach
     if not isinstance(value, KVCacheSpec):
         raise TypeError(f"expected a KVCacheSpec, got {value!r}")
     if type(value) is not type(original):
-        raise TypeError(f"for backend {backend!r} it changed the spec class from {type(original).__name__} "
-                        f"to {type(value).__name__}; {allowed}")
+        raise TypeError(
+            f"for backend {backend!r} it changed the spec class from {type(original).__name__} "
+            f"to {type(value).__name__}; {allowed}"
+        )
     changed = [
         f"{f.name} from {getattr(original, f.name)!r} to {getattr(value, f.name)!r}"
         for f in attrs.fields(type(original))
         if f.name not in CUSTOMIZABLE_FIELDS and getattr(original, f.name) != getattr(value, f.name)
     ]
     if changed:
-        raise ValueError(f"for backend {backend!r} it changed {'; '.join(changed)}, which changes what the "
-                         f"layer stores; {allowed}: return attrs.evolve(spec, num_head_slots=...) or similar, "
-                         "or None")
+        raise ValueError(
+            f"for backend {backend!r} it changed {'; '.join(changed)}, which changes what the "
+            f"layer stores; {allowed}: return attrs.evolve(spec, num_head_slots=...) or similar, "
+            "or None"
+        )
     return value
 
 
 def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
     """Whether a backend declaring ``sizes`` takes ``block_size``-token kernel blocks."""
-    return any(s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes)
+    return any(
+        s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes
+    )
 
 
-def pick_common_block_size(manager: int, offers: Sequence[tuple[str, Sequence[int | MultipleOf]]]) -> int:
+def pick_common_block_size(
+    manager: int, offers: Sequence[tuple[str, Sequence[int | MultipleOf]]]
+) -> int:
     """The kernel block size every ``(backend name, sizes)`` offer takes.
 
     The manager size when all accept it; else the largest int of any offer that divides it and
@@ -106,7 +122,9 @@ def pick_common_block_size(manager: int, offers: Sequence[tuple[str, Sequence[in
     """
     manager = positive_int("kv_manager_block_size", manager)
     sizes = [s for _, s in offers]
-    candidates = {s for ss in sizes for s in ss if not isinstance(s, MultipleOf) and manager % s == 0}
+    candidates = {
+        s for ss in sizes for s in ss if not isinstance(s, MultipleOf) and manager % s == 0
+    }
     for size in [manager, *sorted(candidates, reverse=True)]:
         if all(accepts(s, size) for s in sizes):
             return size
@@ -130,7 +148,9 @@ class HookAnswers:
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
         return resolve_backend(backend, self.pm)
 
-    def _ask(self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any) -> Any:
+    def _ask(
+        self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any
+    ) -> Any:
         key = (hook, backend, key_of(spec))
         if key not in self._kept:
             self._alive.append(spec)
@@ -138,27 +158,35 @@ class HookAnswers:
             self._kept[key] = default if found is None else found
         return self._kept[key]
 
-    def kernel_block_sizes(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[int | MultipleOf]:
+    def kernel_block_sizes(
+        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
+    ) -> list[int | MultipleOf]:
         """``kvcore_supported_kernel_block_sizes`` for (backend, spec)."""
-        return self._ask("kvcore_supported_kernel_block_sizes", check_sizes, [MultipleOf(1)], backend, spec)
+        return self._ask(
+            "kvcore_supported_kernel_block_sizes", check_sizes, [MultipleOf(1)], backend, spec
+        )
 
-    def stated_layouts(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[KVCacheLayout] | None:
+    def stated_layouts(
+        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
+    ) -> list[KVCacheLayout] | None:
         """``kvcore_supported_layouts`` for (backend, spec): layouts, or None for any."""
         return self._ask("kvcore_supported_layouts", check_layouts, None, backend, spec)
 
-    def layouts(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[KVCacheLayout]:
-        """:meth:`stated_layouts`, with all six layouts for "any"."""
-        return list(self.stated_layouts(backend, spec) or ALL_LAYOUTS)
-
-    def requirements(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> KernelRequirements:
+    def requirements(
+        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
+    ) -> KernelRequirements:
         """``kvcore_kernel_requirements`` for (backend, spec) (no requirements when unanswered)."""
         check = _instance_of(KernelRequirements, "a kvcore.KernelRequirements")
         return self._ask("kvcore_kernel_requirements", check, NO_REQUIREMENTS, backend, spec)
 
-    def priority(self, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: Any) -> int:
+    def priority(
+        self, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: Any
+    ) -> int:
         """``kvcore_backend_priority`` for (backend, spec, device) (0 when unanswered)."""
         check = _instance_of(int, "an int priority")
-        found = call_first(self.pm, "kvcore_backend_priority", check, backend=backend, spec=spec, device=device)
+        found = call_first(
+            self.pm, "kvcore_backend_priority", check, backend=backend, spec=spec, device=device
+        )
         return 0 if found is None else found
 
     def customized_spec(self, backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec:
@@ -170,24 +198,36 @@ class HookAnswers:
         if key in self._kept:
             return self._kept[key]
         self._alive.append(spec)
-        new = call_first(
-            self.pm, "kvcore_customize_spec", lambda value: _check_customized(spec, value, label(backend)),
-            backend=backend, spec=spec,
-        ) or spec
+        new = (
+            call_first(
+                self.pm,
+                "kvcore_customize_spec",
+                lambda value: _check_customized(spec, value, label(backend)),
+                backend=backend,
+                spec=spec,
+            )
+            or spec
+        )
         padded = new.page_size_padded is not None and new.page_size_padded != spec.page_size_padded
         if new.is_attention and new.block_stride_alignment is None:
             sizes = self.kernel_block_sizes(backend, new)
             if not any(isinstance(s, MultipleOf) for s in sizes):
                 new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(sizes)))
-                self._kept.setdefault(("kvcore_supported_kernel_block_sizes", backend, key_of(new)), sizes)
+                self._kept.setdefault(
+                    ("kvcore_supported_kernel_block_sizes", backend, key_of(new)), sizes
+                )
         if padded:
             self.padded_by[key_of(new)] = label(backend)
         self._kept[key] = new
         return new
 
-    def common_block_size(self, manager: int, pairs: Sequence[tuple[type[AttentionBackend], Any]]) -> int:
+    def common_block_size(
+        self, manager: int, pairs: Sequence[tuple[type[AttentionBackend], Any]]
+    ) -> int:
         """:func:`pick_common_block_size` over what each (backend, spec) takes."""
-        return pick_common_block_size(manager, [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs])
+        return pick_common_block_size(
+            manager, [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
+        )
 
     def common_layouts(
         self, pairs: Sequence[tuple[type[AttentionBackend], KVCacheSpec | None]]
@@ -202,7 +242,9 @@ class HookAnswers:
             return None
         common = [layout for layout in lists[0] if all(layout in ls for ls in lists[1:])]
         if not common:
-            offered = "; ".join(f"{b}: [{', '.join(x.name for x in ls)}]" for b, ls in stated if ls is not None)
+            offered = "; ".join(
+                f"{b}: [{', '.join(x.name for x in ls)}]" for b, ls in stated if ls is not None
+            )
             raise ValueError(
                 f"the backends share no KV cache layout: {offered}. "
                 "Serve these layers with backends that agree on a layout."

@@ -27,11 +27,16 @@ def parse_device(device: Any) -> torch.device:
     try:
         return torch.device(device)
     except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'") from None
+        raise ValueError(
+            f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
 
 
 def serves(
-    answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: torch.device
+    answers: HookAnswers,
+    backend: type[AttentionBackend],
+    spec: KVCacheSpec | None,
+    device: torch.device,
 ) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device`` by its requirements; None when it can."""
     return answers.requirements(backend, spec).why_not(
@@ -57,11 +62,14 @@ def select_backend(
     return choose_backend(HookAnswers(plugin_manager), spec, parse_device(device))
 
 
-def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device) -> type[AttentionBackend]:
+def choose_backend(
+    answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device
+) -> type[AttentionBackend]:
     """:func:`select_backend` over answers already kept."""
     table = collect_backends(answers.pm)
     reasons: dict[str, str] = {
-        name: "its name is registered by several plugins (block all but one with KVCORE_BLOCK_PLUGINS)"
+        name: "its name is registered by several plugins "
+        "(block all but one with KVCORE_BLOCK_PLUGINS)"
         for name in table.conflicts()
     }
     able: list[tuple[int, type[AttentionBackend]]] = []
@@ -73,14 +81,19 @@ def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch
             reasons[name] = why
     if able:
         return max(able, key=lambda found: found[0])[1]  # NOTE: max keeps the first name of a tie
-    listed = "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items())) or "none is registered"
+    listed = (
+        "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items())) or "none is registered"
+    )
     raise ValueError(
         f"no registered attention backend can serve {spec!r} on {device} ({listed}). "
-        "Install or enable a plugin whose backend runs there, or pick a device and dtype one supports"
+        "Install or enable a plugin whose backend runs there, or pick a device and dtype one "
+        "supports"
     )
 
 
-def resolve_auto(answers: HookAnswers, backend: Any, spec: KVCacheSpec | None, device: torch.device) -> Any:
+def resolve_auto(
+    answers: HookAnswers, backend: Any, spec: KVCacheSpec | None, device: torch.device
+) -> Any:
     """``backend`` itself, or the backend :func:`select_backend` picks when it is ``"auto"``."""
     if isinstance(backend, str) and backend == AUTO:
         return choose_backend(answers, spec, device)
@@ -100,4 +113,3 @@ def preferred_block_size(
     answers = HookAnswers(plugin_manager)
     sizes = answers.kernel_block_sizes(answers.backend(backend), spec)
     return next((s for s in sizes if not isinstance(s, MultipleOf)), None)
-

@@ -116,7 +116,8 @@ class AttentionBackend:
         :returns: the attention output, ``[tokens, q_heads, head_size_v]``.
         """
         raise NotImplementedError(
-            f"{AttentionBackend.__qualname__}.forward is the protocol; an attention backend overrides it"
+            f"{AttentionBackend.__qualname__}.forward is the protocol; an attention backend "
+            "overrides it"
         )
 
 

@@ -46,7 +46,9 @@ def select_common_block_size(
     """
     manager = positive_int("kv_manager_block_size", kv_manager_block_size)
     if isinstance(backends, (str, type)):
-        raise TypeError(f"backends must be a list of backends, got {backends!r}; wrap it: [{backends!r}]")
+        raise TypeError(
+            f"backends must be a list of backends, got {backends!r}; wrap it: [{backends!r}]"
+        )
     answers = HookAnswers(plugin_manager)
     classes = [answers.backend(b) for b in backends]
     specs = [None] * len(classes) if kv_cache_specs is None else list(kv_cache_specs)

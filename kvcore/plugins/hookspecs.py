@@ -58,9 +58,7 @@ def kvcore_supported_kernel_block_sizes(
 
 
 @hookspec(firstresult=True)
-def kvcore_customize_spec(
-    backend: type[AttentionBackend], spec: KVCacheSpec
-) -> KVCacheSpec | None:
+def kvcore_customize_spec(backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec | None:
     """Adjust a layer's KV cache spec to what a backend stores (e.g. head padding).
 
     Stops at the first non-None result. The core default returns ``spec``

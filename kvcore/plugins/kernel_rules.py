@@ -31,22 +31,29 @@ Backends = Mapping[str, type[AttentionBackend]]
 Specs = Mapping[str, KVCacheSpec]
 
 
-def check_abilities(answers: HookAnswers, specs: Specs, backends: Backends, device: torch.device) -> None:
+def check_abilities(
+    answers: HookAnswers, specs: Specs, backends: Backends, device: torch.device
+) -> None:
     """Refuse a layer whose backend's requirements exclude the device, its dtype or head size."""
     for layer, backend in backends.items():
         why = serves(answers, backend, specs[layer], device)
         if why is None:
             continue
         try:
-            remedy = f"serve it with backend {label(choose_backend(answers, specs[layer], device))!r} (or 'auto')"
+            other = choose_backend(answers, specs[layer], device)
+            remedy = f"serve it with backend {label(other)!r} (or 'auto')"
         except ValueError:
             remedy = "no registered backend can serve it there; use another device or dtype"
-        raise KernelRequirementError(f"backend {label(backend)!r} cannot serve layer {layer!r}: it {why}; {remedy}")
+        raise KernelRequirementError(
+            f"backend {label(backend)!r} cannot serve layer {layer!r}: it {why}; {remedy}"
+        )
 
 
 def kernel_views(config: KVCacheConfig, negotiation: Negotiation) -> dict[str, torch.Tensor]:
     """Every layer's kernel view of the plan, over a ``meta`` buffer (nothing allocated)."""
-    views = allocate_kv_cache(config, torch.device("meta"), None, negotiation.allocation_kernel_block_sizes)
+    views = allocate_kv_cache(
+        config, torch.device("meta"), None, negotiation.allocation_kernel_block_sizes
+    )
     for entry in (e for g in negotiation.groups for e in g.backends if e.kernel_block_stride):
         rows = entry.kv_cache_spec.get_num_kernel_states(entry.kernel_block_size)
         for name in entry.layer_names:
@@ -64,22 +71,36 @@ def first_violation(config: KVCacheConfig, negotiation: Negotiation) -> str | No
             if view is None or view.dim() != 4:
                 continue
             size = view.element_size()
-            found = entry.requirements.view_violation(view.stride(), size, view.storage_offset() * size)
+            found = entry.requirements.view_violation(
+                view.stride(), size, view.storage_offset() * size
+            )
             if found is not None:
                 rule, value, needed = found
-                return (f"backend {label(entry.backend)!r} cannot read layer {name!r} in layout "
-                        f"{config.layout.name}: rule {rule} needs {needed}, got {value}")
+                return (
+                    f"backend {label(entry.backend)!r} cannot read layer {name!r} in layout "
+                    f"{config.layout.name}: rule {rule} needs {needed}, got {value}"
+                )
     return None
 
 
-def _plan(specs: Specs, backends: Backends, answers: HookAnswers, layout: KVCacheLayout,
-          budget: dict[str, Any]) -> tuple[KVCacheConfig, Negotiation]:
+def _plan(
+    specs: Specs,
+    backends: Backends,
+    answers: HookAnswers,
+    layout: KVCacheLayout,
+    budget: dict[str, Any],
+) -> tuple[KVCacheConfig, Negotiation]:
     config = plan_kv_cache(specs, layout, **budget)
     return config, negotiate(config, backends, answers)
 
 
-def _meets(specs: Specs, backends: Backends, answers: HookAnswers, layout: KVCacheLayout,
-           budget: dict[str, Any]) -> bool:
+def _meets(
+    specs: Specs,
+    backends: Backends,
+    answers: HookAnswers,
+    layout: KVCacheLayout,
+    budget: dict[str, Any],
+) -> bool:
     try:
         return first_violation(*_plan(specs, backends, answers, layout, budget)) is None
     except PluginError:
@@ -88,30 +109,50 @@ def _meets(specs: Specs, backends: Backends, answers: HookAnswers, layout: KVCac
         return False
 
 
-def _remedy(layer_specs: Specs, backends: Backends, answers: HookAnswers, candidates: Sequence[KVCacheLayout],
-            tried: Sequence[KVCacheLayout], budget: dict[str, Any]) -> str:
-    """A layout, else a manager block size (with a layout), that meets every rule (error path only)."""
+def _remedy(
+    layer_specs: Specs,
+    backends: Backends,
+    answers: HookAnswers,
+    candidates: Sequence[KVCacheLayout],
+    tried: Sequence[KVCacheLayout],
+    budget: dict[str, Any],
+) -> str:
+    """A layout, else a block size (with a layout), that meets every rule (error path only)."""
 
     def customized(layers: Specs) -> Specs:
-        return {n: answers.customized_spec(backends[n], s) if n in backends else s for n, s in layers.items()}
+        return {
+            n: answers.customized_spec(backends[n], s) if n in backends else s
+            for n, s in layers.items()
+        }
 
     specs = customized(layer_specs)
-    good = [lay for lay in candidates if lay not in tried and _meets(specs, backends, answers, lay, budget)]
+    good = [
+        lay
+        for lay in candidates
+        if lay not in tried and _meets(specs, backends, answers, lay, budget)
+    ]
     if good:
         return f"layout {good[0].name} meets every rule (pass layout={good[0].name!r} or None)"
     sizes = sorted({s.block_size for s in layer_specs.values() if isinstance(s, AttentionSpec)})
-    for size in (sizes[0] // 2, sizes[0] // 4, sizes[0] * 2, sizes[0] * 4) if len(sizes) == 1 else ():
+    for size in (
+        (sizes[0] // 2, sizes[0] // 4, sizes[0] * 2, sizes[0] * 4) if len(sizes) == 1 else ()
+    ):
         try:
-            specs = customized({
-                n: s.copy_with_new_block_size(size) if isinstance(s, AttentionSpec) else s
-                for n, s in layer_specs.items()
-            })
+            specs = customized(
+                {
+                    n: s.copy_with_new_block_size(size) if isinstance(s, AttentionSpec) else s
+                    for n, s in layer_specs.items()
+                }
+            )
         except ValueError:
             continue
         for lay in candidates:
             if _meets(specs, backends, answers, lay, budget):
                 return f"{size}-token blocks in layout {lay.name} meet every rule"
-    return "no layout or block size tried meets it; plan fewer blocks or serve these layers with another backend"
+    return (
+        "no layout or block size tried meets it; plan fewer blocks or serve these layers with "
+        "another backend"
+    )
 
 
 def _has_memory_rules(specs: Specs, backends: Backends, answers: HookAnswers) -> bool:
@@ -167,8 +208,12 @@ def layouts_meeting_rules(
     supported: Sequence[KVCacheLayout] | None,
     budget: dict[str, Any],
 ) -> Sequence[KVCacheLayout] | None:
-    """``supported`` narrowed to layouts whose plan meets every rule (for a distributed agreement)."""
+    """``supported`` narrowed to layouts whose plan meets every rule (a distributed agreement)."""
     if not _has_memory_rules(specs, backends, answers):
         return supported
-    good = [c for c in layout_candidates([supported], specs.values()) if _meets(specs, backends, answers, c, budget)]
+    good = [
+        c
+        for c in layout_candidates([supported], specs.values())
+        if _meets(specs, backends, answers, c, budget)
+    ]
     return good or supported

@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import pluggy
 
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.plugins.answers import ALL_LAYOUTS, HookAnswers, check_layouts
+from kvcore.plugins.answers import HookAnswers, check_layouts
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
@@ -26,9 +26,9 @@ def supported_layouts(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> list[KVCacheLayout]:
-    """Layouts ``backend`` reads for ``spec``, most preferred first (all six if its plugin says None)."""
+    """Layouts ``backend`` reads for ``spec``, most preferred first (all six for None)."""
     answers = HookAnswers(plugin_manager)
-    return answers.layouts(answers.backend(backend), spec)
+    return answers.stated_layouts(answers.backend(backend), spec) or list(KVCacheLayout)
 
 
 def local_supported_layouts(
@@ -44,10 +44,12 @@ def local_supported_layouts(
     """
     specs = [None] * len(backends) if specs is None else list(specs)
     if len(specs) != len(backends):
-        raise ValueError(f"got {len(specs)} specs for {len(backends)} backends; pass one per backend")
+        raise ValueError(
+            f"got {len(specs)} specs for {len(backends)} backends; pass one per backend"
+        )
     answers = HookAnswers(plugin_manager)
     common = answers.common_layouts([(answers.backend(b), s) for b, s in zip(backends, specs)])
-    return list(ALL_LAYOUTS) if common is None else common
+    return common or list(KVCacheLayout)
 
 
 def resolve_kv_cache_layout(
@@ -98,7 +100,7 @@ def layout_candidates(
     """
     stated = [check_layouts(w) for w in supported if w is not None]
     preference = bool(stated)
-    workers = stated or [list(ALL_LAYOUTS)]
+    workers = stated or [list(KVCacheLayout)]
     candidates = [layout for layout in workers[0] if all(layout in w for w in workers[1:])]
     if not candidates:
         raise ValueError(
@@ -110,8 +112,14 @@ def layout_candidates(
     for spec in specs.values() if isinstance(specs, Mapping) else specs:
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"specs must hold KVCacheSpec objects, got {spec!r}")
-        flat += spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-    shapes = {(s.num_heads, s.num_states, s.page_size_bytes) for s in flat if s.has_layer_views and s.has_cache_pages}
+        flat += (
+            spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        )
+    shapes = {
+        (s.num_heads, s.num_states, s.page_size_bytes)
+        for s in flat
+        if s.has_layer_views and s.has_cache_pages
+    }
     if len(shapes) > 1:
         compact = [layout for layout in candidates if layout.is_block_compact]
         if not compact:

@@ -137,7 +137,9 @@ class _Turn:
 
 
 #: The turns taken in the hook call kvcore is making now (None outside kvcore's calls).
-_TURNS: contextvars.ContextVar[list[_Turn] | None] = contextvars.ContextVar("kvcore_turns", default=None)
+_TURNS: contextvars.ContextVar[list[_Turn] | None] = contextvars.ContextVar(
+    "kvcore_turns", default=None
+)
 
 
 def _noting(function: Callable[..., Any], plugin_name: str) -> Callable[..., Any]:
@@ -162,13 +164,17 @@ def _noting(function: Callable[..., Any], plugin_name: str) -> Callable[..., Any
 
 def _by_wrappers(caller: pluggy.HookCaller, what: str) -> tuple[str | None, str]:
     """``(plugin, note)`` when no plain implementation is at fault: the one wrapper, else a note."""
-    wrappers = [i.plugin_name for i in reversed(caller.get_hookimpls()) if i.wrapper or i.hookwrapper]
+    wrappers = [
+        i.plugin_name for i in reversed(caller.get_hookimpls()) if i.wrapper or i.hookwrapper
+    ]
     if len(wrappers) == 1:
         return wrappers[0], ""
     return None, f" ({what} one of the wrappers of plugins {wrappers})" if wrappers else ""
 
 
-def _call(pm: pluggy.PluginManager, caller: pluggy.HookCaller, kwargs: dict[str, Any]) -> tuple[Any, list[_Turn]]:
+def _call(
+    pm: pluggy.PluginManager, caller: pluggy.HookCaller, kwargs: dict[str, Any]
+) -> tuple[Any, list[_Turn]]:
     """``caller(**kwargs)`` through pluggy and the turns taken; a raising plugin is named."""
     for impl in caller.get_hookimpls():
         # NOTE: pluggy keeps one HookImpl per implementation: its function is swapped once
@@ -184,7 +190,9 @@ def _call(pm: pluggy.PluginManager, caller: pluggy.HookCaller, kwargs: dict[str,
     except Exception as exc:
         raised = [t.plugin_name for t in turns if t.error is exc]
         owner, note = (raised[0], "") if raised else _by_wrappers(caller, "raised in")
-        raise plugin_error(pm, owner, caller.name, f"raised {type(exc).__name__}: {exc}{note}") from exc
+        raise plugin_error(
+            pm, owner, caller.name, f"raised {type(exc).__name__}: {exc}{note}"
+        ) from exc
     finally:
         _TURNS.reset(token)
 
@@ -197,7 +205,9 @@ def _refuses(check: Callable[[Any], Any], answer: Any) -> bool:
     return False
 
 
-def call_first(pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], **kwargs: Any) -> Any:
+def call_first(
+    pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], **kwargs: Any
+) -> Any:
     """Call a firstresult hook; ``check`` validates and normalizes a non-None answer.
 
     A ``TypeError``/``ValueError`` from ``check`` becomes a PluginError naming the plugin whose
@@ -253,12 +263,16 @@ def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> Backe
 
     def register(backend: Any, owner: str) -> None:
         if owner not in calling:
-            raise PluginError(f"register({backend!r}) was called after {_REGISTER} returned; call "
-                              f"it from your plugin's {_REGISTER} implementation")
+            raise PluginError(
+                f"register({backend!r}) was called after {_REGISTER} returned; call "
+                f"it from your plugin's {_REGISTER} implementation"
+            )
         _check_backend(pm, backend, owner)
         found = entries.setdefault(backend.name, [])
         if any(other == owner and cls is not backend for cls, other in found):
-            raise plugin_error(pm, owner, _REGISTER, f"registered two classes named {backend.name!r}")
+            raise plugin_error(
+                pm, owner, _REGISTER, f"registered two classes named {backend.name!r}"
+            )
         if (backend, owner) not in found:
             found.append((backend, owner))
 
@@ -279,11 +293,13 @@ def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> Backe
 
 
 def _check_backend(pm: pluggy.PluginManager, backend: Any, owner: str) -> None:
-    """A registered class must be an AttentionBackend subclass with a name that implements forward."""
+    """A registered class must be a named AttentionBackend subclass that implements forward."""
     if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
         problem = f"registered {backend!r}, not a kvcore.AttentionBackend subclass"
     elif not isinstance(getattr(backend, "name", None), str) or not backend.name:
-        problem = f"registered {backend.__qualname__} without a non-empty str class attribute 'name'"
+        problem = (
+            f"registered {backend.__qualname__} without a non-empty str class attribute 'name'"
+        )
     elif not implements_forward(backend):
         problem = (
             f"registered {backend.__qualname__} ({backend.name!r}), which does not implement "

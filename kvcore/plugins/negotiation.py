@@ -87,7 +87,7 @@ class Negotiation:
 
 
 def can_split(spec: KVCacheSpec) -> bool:
-    """Whether ``spec``'s blocks split into kernel blocks (attention states grow with block size)."""
+    """Whether ``spec``'s blocks split into kernel blocks (attention, states grow with size)."""
     return spec.has_layer_views and spec.is_attention and spec.tokens_per_state > 0
 
 
@@ -136,7 +136,8 @@ def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswer
         return
     padder = answers.padded_by.get(key_of(spec))
     who = (
-        f"backend {padder!r}'s kvcore_customize_spec padded" if padder is not None
+        f"backend {padder!r}'s kvcore_customize_spec padded"
+        if padder is not None
         else "the plan padded (to unify page sizes across layer types)"
     )
     raise ValueError(
@@ -203,17 +204,34 @@ def negotiate(
                     own = None
                 else:
                     tensor = next(t for t in config.kv_cache_tensors if names[0] in t.layers)
-                    stride = packed_kernel_stride(spec, tensor.block_stride, own, label(backend), names)
-            entries.append(BackendNegotiation(
-                backend, tuple(names), spec, kernel, own, stride, answers.requirements(backend, spec)
-            ))
+                    stride = packed_kernel_stride(
+                        spec, tensor.block_stride, own, label(backend), names
+                    )
+            entries.append(
+                BackendNegotiation(
+                    backend,
+                    tuple(names),
+                    spec,
+                    kernel,
+                    own,
+                    stride,
+                    answers.requirements(backend, spec),
+                )
+            )
         ratio = 1 if kernel is None or packed else group.kv_cache_spec.block_size // kernel
         if ratio > 1:
             _check_dense_split(group, kernel, answers)
-        records.append(GroupNegotiation(
-            gid, tuple(group.layer_names), group.kv_cache_spec, kernel, ratio,
-            not is_encoder_only(group), tuple(entries),
-        ))
+        records.append(
+            GroupNegotiation(
+                gid,
+                tuple(group.layer_names),
+                group.kv_cache_spec,
+                kernel,
+                ratio,
+                not is_encoder_only(group),
+                tuple(entries),
+            )
+        )
     return Negotiation(tuple(records))
 
 
@@ -271,12 +289,14 @@ def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch
     page_stride = kernel_rows * view.stride(-2)
     num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
     return view.as_strided(
-        (num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]), (page_stride, *view.stride()[1:])
+        (num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
+        (page_stride, *view.stride()[1:]),
     )
 
 
 def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: int) -> torch.Tensor:
     """The inverse of :func:`to_kernel_blocks`: ``num_blocks`` manager blocks of ``rows`` states."""
     return view.as_strided(
-        (num_blocks, *view.shape[1:-2], rows, view.shape[-1]), (view.stride(0) * stride, *view.stride()[1:])
+        (num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
+        (view.stride(0) * stride, *view.stride()[1:]),
     )

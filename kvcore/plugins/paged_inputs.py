@@ -20,7 +20,9 @@ _INDEX_DTYPES = (torch.int32, torch.int64)
 DEBUG_CHECKS_ENV = "KVCORE_DEBUG_CHECKS"
 
 
-def value_checks(validate: bool | None, device: torch.device, settings: Settings | None = None) -> bool:
+def value_checks(
+    validate: bool | None, device: torch.device, settings: Settings | None = None
+) -> bool:
     """Whether checks that read tensor values (a device sync on GPUs) run for this call.
 
     An explicit ``validate`` wins; else ``settings`` (the environment's when None: a kernel
@@ -53,9 +55,17 @@ def check_cache_view(
     ``dtypes`` restricts the view's dtype (default: any floating dtype).
     """
     if not isinstance(kv_cache_view, torch.Tensor) or kv_cache_view.dim() != 4:
-        got = tuple(kv_cache_view.shape) if isinstance(kv_cache_view, torch.Tensor) else type(kv_cache_view).__name__
-        raise TypeError(f"kv_cache_view must be a 4-D [blocks, heads, block_size, content] tensor, got {got}")
-    accepted = kv_cache_view.is_floating_point() if dtypes is None else kv_cache_view.dtype in dtypes
+        got = (
+            tuple(kv_cache_view.shape)
+            if isinstance(kv_cache_view, torch.Tensor)
+            else type(kv_cache_view).__name__
+        )
+        raise TypeError(
+            f"kv_cache_view must be a 4-D [blocks, heads, block_size, content] tensor, got {got}"
+        )
+    accepted = (
+        kv_cache_view.is_floating_point() if dtypes is None else kv_cache_view.dtype in dtypes
+    )
     if not accepted:
         wanted = "a floating dtype" if dtypes is None else str([str(d) for d in dtypes])
         raise TypeError(
@@ -76,25 +86,45 @@ def check_cache_view(
     return head_size_v
 
 
-def check_tokens(name: str, tensor: torch.Tensor, tokens: int, heads: int, size: int, like: torch.Tensor) -> None:
+def check_tokens(
+    name: str, tensor: torch.Tensor, tokens: int, heads: int, size: int, like: torch.Tensor
+) -> None:
     """``tensor`` must be ``[tokens, heads, size]`` with ``like``'s dtype and device."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
     if tuple(tensor.shape) != (tokens, heads, size):
-        raise ValueError(f"{name} must have shape {(tokens, heads, size)}, got {tuple(tensor.shape)}")
+        raise ValueError(
+            f"{name} must have shape {(tokens, heads, size)}, got {tuple(tensor.shape)}"
+        )
     if tensor.dtype != like.dtype:
-        raise TypeError(f"{name} has dtype {tensor.dtype} but the KV cache holds {like.dtype}; cast it first")
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype} but the KV cache holds {like.dtype}; cast it first"
+        )
     if tensor.device != like.device:
-        raise ValueError(f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it")
+        raise ValueError(
+            f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it"
+        )
 
 
-def check_index(name: str, tensor: torch.Tensor, dim: int, like: torch.Tensor | None = None) -> None:
+def check_index(
+    name: str, tensor: torch.Tensor, dim: int, like: torch.Tensor | None = None
+) -> None:
     """``tensor`` must be an int32/int64 tensor of ``dim`` dims (on ``like``'s device)."""
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim or tensor.dtype not in _INDEX_DTYPES:
-        got = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.dim() != dim
+        or tensor.dtype not in _INDEX_DTYPES
+    ):
+        got = (
+            f"{tensor.dtype} {tuple(tensor.shape)}"
+            if isinstance(tensor, torch.Tensor)
+            else type(tensor).__name__
+        )
         raise TypeError(f"{name} must be a {dim}-D int32 or int64 tensor, got {got}")
     if like is not None and tensor.device != like.device:
-        raise ValueError(f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it")
+        raise ValueError(
+            f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it"
+        )
 
 
 def check_kv_write(
@@ -140,9 +170,12 @@ def check_heads_and_window(num_q_heads: int, num_kv_heads: int, sliding_window: 
 
 
 def check_batch(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tokens: int,
 ) -> tuple[list[int], list[int]]:
-    """Validate a varlen batch's values on the host; return ``(query_start_loc, seq_lens)`` as lists.
+    """Validate a varlen batch's values on the host; return its starts and lengths as lists.
 
     Reads the tensors (a device sync on GPUs): a value check, see :func:`value_checks`.
     """
@@ -151,7 +184,8 @@ def check_batch(
     lens = seq_lens.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens:
         raise ValueError(
-            f"query_start_loc must run from 0 to the {num_tokens} query tokens, got {starts[0]}..{starts[-1]}"
+            f"query_start_loc must run from 0 to the {num_tokens} query tokens, "
+            f"got {starts[0]}..{starts[-1]}"
         )
     for i, seq_len in enumerate(lens):
         q_len = starts[i + 1] - starts[i]
@@ -163,8 +197,12 @@ def check_batch(
     return starts, lens
 
 
-def check_batch_shapes(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                       like: torch.Tensor | None = None) -> int:
+def check_batch_shapes(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    like: torch.Tensor | None = None,
+) -> int:
     """Index dtypes, dims and lengths of a varlen batch (no sync); return the request count."""
     check_index("block_table", block_table, 2, like)
     check_index("query_start_loc", query_start_loc, 1, like)
@@ -173,12 +211,15 @@ def check_batch_shapes(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
     if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
         raise ValueError(
             f"{num_reqs} requests need query_start_loc of length {num_reqs + 1} and a block "
-            f"table of at least {num_reqs} rows, got {query_start_loc.shape[0]} and {block_table.shape[0]}"
+            f"table of at least {num_reqs} rows, got {query_start_loc.shape[0]} and "
+            f"{block_table.shape[0]}"
         )
     return num_reqs
 
 
-def check_block_ids(block_table: torch.Tensor, seq_lens: list[int], block_size: int, num_blocks: int) -> None:
+def check_block_ids(
+    block_table: torch.Tensor, seq_lens: list[int], block_size: int, num_blocks: int
+) -> None:
     """Every block a request reads must exist: a value check (reads the table)."""
     needed = max((-(-n // block_size) for n in seq_lens), default=0)
     if needed > block_table.shape[1]:

@@ -66,7 +66,9 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
     pm = KVCorePluginManager(trace_calls=settings.trace)
     for name in settings.block:
         pm.set_blocked(name)
-    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    for ep in sorted(
+        importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name
+    ):
         info = PluginInfo(
             name=ep.name,
             distribution=None if ep.dist is None else ep.dist.metadata["Name"] or ep.dist.name,
@@ -74,11 +76,16 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
             entry_point=f"{ep.name} = {ep.value}",
         )
         if info.name in pm.plugin_infos:
-            _report(f"{info.describe()} is skipped: {pm.plugin_infos[info.name].describe()} has "
-                    "that name", settings.strict)
+            _report(
+                f"{info.describe()} is skipped: {pm.plugin_infos[info.name].describe()} has "
+                "that name",
+                settings.strict,
+            )
             continue
         pm.plugin_infos[info.name] = info
-        if not settings.autoload or (settings.allow is not None and info.name not in settings.allow):
+        if not settings.autoload or (
+            settings.allow is not None and info.name not in settings.allow
+        ):
             info.status = "disabled"
         elif pm.is_blocked(info.name):
             info.status = "blocked"
@@ -119,8 +126,10 @@ def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
             # NOTE: pluggy imports, then registers: a plugin it holds failed registration
             problem = f"{info.describe()} could not be registered: {exc}"
         else:
-            problem = (f"{info.describe()} failed to import, so none of its kvcore_* hooks run "
-                       f"({type(exc).__name__}: {exc})")
+            problem = (
+                f"{info.describe()} failed to import, so none of its kvcore_* hooks run "
+                f"({type(exc).__name__}: {exc})"
+            )
         if pm.get_plugin(info.name) is not None:
             pm.unregister(name=info.name)
         info.status, info.error = "failed", problem
@@ -132,7 +141,10 @@ def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
     marked = {c.name for c in pm.get_hookcallers(plugin) or []}
     unmarked = sorted(n for n in dir(plugin) if n.startswith("kvcore_") and n not in marked)
     if unmarked:
-        _report(f"{info.describe()} defines {unmarked} without @kvcore.hookimpl; kvcore ignores them", strict=False)
+        _report(
+            f"{info.describe()} defines {unmarked} without @kvcore.hookimpl; kvcore ignores them",
+            strict=False,
+        )
     info.status = "loaded"
     return None
 
@@ -159,13 +171,17 @@ def resolve_plugin_manager(plugin_manager: pluggy.PluginManager | None) -> plugg
     return plugin_manager
 
 
-def get_backends(plugin_manager: pluggy.PluginManager | None = None) -> dict[str, type[AttentionBackend]]:
+def get_backends(
+    plugin_manager: pluggy.PluginManager | None = None,
+) -> dict[str, type[AttentionBackend]]:
     """Every registered backend by name; names two plugins registered are left out."""
     table = collect_backends(resolve_plugin_manager(plugin_manager))
     return {name: cls for name, (cls, _) in table.unambiguous().items()}
 
 
-def get_backend(name: str, plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
+def get_backend(
+    name: str, plugin_manager: pluggy.PluginManager | None = None
+) -> type[AttentionBackend]:
     """The backend class registered under ``name``.
 
     A name registered by two plugins is ambiguous: ``PluginError`` naming both.
@@ -183,13 +199,17 @@ def get_backend(name: str, plugin_manager: pluggy.PluginManager | None = None) -
     return found[0][0]
 
 
-def resolve_backend(backend: Any, plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
+def resolve_backend(
+    backend: Any, plugin_manager: pluggy.PluginManager | None = None
+) -> type[AttentionBackend]:
     """A backend class, given the class itself or its registered name."""
     if isinstance(backend, str):
         return get_backend(backend, plugin_manager)
     if isinstance(backend, type) and issubclass(backend, AttentionBackend):
         return backend
-    raise TypeError(f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}")
+    raise TypeError(
+        f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}"
+    )
 
 
 def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[PluginInfo]:
@@ -199,8 +219,15 @@ def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[Plu
     """
     pm = resolve_plugin_manager(plugin_manager)
     infos = pm.plugin_infos if isinstance(pm, KVCorePluginManager) else {}
-    out = [attrs.evolve(i, hooks=[], backends=[], kernel_block_sizes={}, layouts={}) for i in infos.values()]
-    out += [PluginInfo(name=n) for n, _ in pm.list_name_plugin() if n not in infos and n != CORE_PLUGIN_NAME]
+    out = [
+        attrs.evolve(i, hooks=[], backends=[], kernel_block_sizes={}, layouts={})
+        for i in infos.values()
+    ]
+    out += [
+        PluginInfo(name=n)
+        for n, _ in pm.list_name_plugin()
+        if n not in infos and n != CORE_PLUGIN_NAME
+    ]
     by_name = {info.name: info for info in out}
     try:
         table = collect_backends(pm)
@@ -219,5 +246,7 @@ def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[Plu
         plugin = pm.get_plugin(info.name)
         if plugin is not None:
             info.hooks = sorted(c.name for c in pm.get_hookcallers(plugin) or [])
-            info.backends = sorted(n for n, found in table.entries.items() if any(o == info.name for _, o in found))
+            info.backends = sorted(
+                n for n, found in table.entries.items() if any(o == info.name for _, o in found)
+            )
     return out

@@ -26,21 +26,27 @@ def _tuple_or_none(value: Any) -> tuple[Any, ...] | None:
 
 def _device_types(value: Any) -> tuple[Any, ...] | None:
     items = _tuple_or_none(value)
-    return None if items is None else tuple(
-        d.type if isinstance(d, torch.device) and d.index is None else d for d in items
+    return (
+        None
+        if items is None
+        else tuple(d.type if isinstance(d, torch.device) and d.index is None else d for d in items)
     )
 
 
 def _device_type(item: Any) -> None:
     if not isinstance(item, str):
-        raise TypeError(f"KernelRequirements.devices must hold device type names such as 'cuda', got {item!r}")
+        raise TypeError(
+            f"KernelRequirements.devices must hold device type names such as 'cuda', got {item!r}"
+        )
     try:
         parsed = torch.device(item)
     except (RuntimeError, ValueError):
         parsed = None
     if parsed is None or parsed.type != item or parsed.index is not None:
-        raise ValueError(f"KernelRequirements.devices holds {item!r}, which is not a torch device type; "
-                         "use names such as 'cuda' or 'cpu' (no index)")
+        raise ValueError(
+            f"KernelRequirements.devices holds {item!r}, which is not a torch device type; "
+            "use names such as 'cuda' or 'cpu' (no index)"
+        )
 
 
 def _dtype(item: Any) -> None:
@@ -90,27 +96,40 @@ class KernelRequirements:
         converter=_tuple_or_none,
         validator=_each(lambda item: positive_int("KernelRequirements.head_sizes entry", item)),
     )
-    max_stride_elements: int | None = attrs.field(default=None, validator=attrs.validators.optional(_positive))
+    max_stride_elements: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive)
+    )
     alignment_bytes: int = attrs.field(default=1, validator=_positive)
-    note: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
+    note: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
 
     @property
     def has_memory_rules(self) -> bool:
         """Whether kernel views must be checked (a stride limit or an alignment above 1)."""
         return self.max_stride_elements is not None or self.alignment_bytes > 1
 
-    def why_not(self, device_type: str | None, dtype: torch.dtype | None, head_size: int | None) -> str | None:
+    def why_not(
+        self, device_type: str | None, dtype: torch.dtype | None, head_size: int | None
+    ) -> str | None:
         """Why kernels with these requirements cannot serve the case; None when they can.
 
         A None argument is not checked (say, a state cache has no head size).
         """
         if device_type is not None and self.devices is not None and device_type not in self.devices:
             extra = f"; {self.note}" if self.note else ""
-            return f"runs on {'/'.join(self.devices)} only, not {device_type} (rule: devices){extra}"
+            return (
+                f"runs on {'/'.join(self.devices)} only, not {device_type} (rule: devices){extra}"
+            )
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            return f"takes cache dtypes {names}, not {str(dtype).removeprefix('torch.')} (rule: dtypes)"
-        if head_size is not None and self.head_sizes is not None and head_size not in self.head_sizes:
+            got = str(dtype).removeprefix("torch.")
+            return f"takes cache dtypes {names}, not {got} (rule: dtypes)"
+        if (
+            head_size is not None
+            and self.head_sizes is not None
+            and head_size not in self.head_sizes
+        ):
             return f"takes head sizes {list(self.head_sizes)}, not {head_size} (rule: head_sizes)"
         return None
 
@@ -129,7 +148,11 @@ class KernelRequirements:
             return ("max_stride_elements", too_large[0], f"every stride below {limit} elements")
         unaligned = [s * element_size for s in strides[:-1] if (s * element_size) % align]
         if unaligned:
-            return ("alignment_bytes", unaligned[0], f"non-last strides in multiples of {align} bytes")
+            return (
+                "alignment_bytes",
+                unaligned[0],
+                f"non-last strides in multiples of {align} bytes",
+            )
         if offset_bytes % align:
             return ("alignment_bytes", offset_bytes, f"view offsets in multiples of {align} bytes")
         return None
