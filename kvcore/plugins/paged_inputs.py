@@ -100,7 +100,11 @@ def check_tokens(
         raise TypeError(
             f"{name} has dtype {tensor.dtype} but the KV cache holds {like.dtype}; cast it first"
         )
-    if tensor.device != like.device:
+    _on_device_of(name, tensor, like)
+
+
+def _on_device_of(name: str, tensor: torch.Tensor, like: torch.Tensor | None) -> None:
+    if like is not None and tensor.device != like.device:
         raise ValueError(
             f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it"
         )
@@ -121,10 +125,7 @@ def check_index(
             else type(tensor).__name__
         )
         raise TypeError(f"{name} must be a {dim}-D int32 or int64 tensor, got {got}")
-    if like is not None and tensor.device != like.device:
-        raise ValueError(
-            f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it"
-        )
+    _on_device_of(name, tensor, like)
 
 
 def check_kv_write(
