@@ -1,8 +1,6 @@
-"""What the backends' plugins answered, each hook asked once per (backend, spec).
+"""What the backends' plugins answered: each hook asked once per (backend, spec), checked, kept.
 
-:class:`HookAnswers` is how the negotiation stage talks to plugins: every answer is checked (a
-check's ``TypeError``/``ValueError`` becomes a PluginError naming the plugin) and kept. It also
-says what several backends agree on: a kernel block size, layouts.
+A check's ``TypeError``/``ValueError`` becomes a PluginError naming the plugin that answered.
 """
 
 from __future__ import annotations
@@ -117,8 +115,7 @@ def pick_common_block_size(
 ) -> int:
     """The kernel block size every ``(backend name, sizes)`` offer takes.
 
-    The manager size when all accept it; else the largest int of any offer that divides it and
-    all accept; else ``ValueError``.
+    The manager size when all accept it, else the largest offered int dividing it that all accept.
     """
     manager = positive_int("kv_manager_block_size", manager)
     sizes = [s for _, s in offers]
@@ -232,10 +229,7 @@ class HookAnswers:
     def common_layouts(
         self, pairs: Sequence[tuple[type[AttentionBackend], KVCacheSpec | None]]
     ) -> list[KVCacheLayout] | None:
-        """Layouts every (backend, spec) reads, in the first choosy backend's order.
-
-        None when no backend states a preference (every answer was "any").
-        """
+        """Layouts every (backend, spec) reads, in the first choosy backend's order (None: any)."""
         stated = [(label(b), self.stated_layouts(b, s)) for b, s in pairs]
         lists = [ls for _, ls in stated if ls is not None]
         if not lists:

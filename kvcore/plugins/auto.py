@@ -52,10 +52,8 @@ def select_backend(
 ) -> type[AttentionBackend]:
     """The registered backend that serves ``spec`` on ``device``: what ``"auto"`` means.
 
-    Among registered, unambiguous backends whose requirements admit the
-    device type, the spec's dtype and head size, the highest
-    ``kvcore_backend_priority`` wins (ties: the first name in sort order).
-    None can: ``ValueError`` listing every backend and why it cannot serve.
+    Among unambiguous backends whose requirements admit the device type, dtype and head size, the
+    highest ``kvcore_backend_priority`` wins (ties: first name); none: ``ValueError`` saying why.
     """
     if spec is not None and not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
@@ -106,10 +104,7 @@ def preferred_block_size(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> int | None:
-    """The block size ``backend`` prefers for ``spec``: the first ``int`` its plugin declares.
-
-    ``[64, 32, 16]`` prefers 64; an answer of only ``MultipleOf`` sizes states none (None).
-    """
+    """The block size ``backend`` prefers for ``spec``: the first ``int`` its plugin declares."""
     answers = HookAnswers(plugin_manager)
     sizes = answers.kernel_block_sizes(answers.backend(backend), spec)
     return next((s for s in sizes if not isinstance(s, MultipleOf)), None)

@@ -41,8 +41,8 @@ def select_common_block_size(
 ) -> int:
     """The kernel block size shared by ``backends`` for ``kv_manager_block_size``-token blocks.
 
-    The manager size itself when every backend accepts it; else the largest ``int`` size
-    offered by any backend that divides it and every backend accepts. No backends: the manager size.
+    The manager size when every backend accepts it, else the largest offered ``int`` dividing it
+    that every backend accepts.
     """
     manager = positive_int("kv_manager_block_size", kv_manager_block_size)
     if isinstance(backends, (str, type)):
@@ -68,8 +68,7 @@ def customize_attention_spec(
 ) -> KVCacheSpec:
     """``spec`` as ``backend`` stores it: the plugin's changes, then block-stride alignment.
 
-    When every size the backend takes is an ``int`` and the spec asks no alignment yet, it gets
-    ``block_stride_alignment=MultipleOf(max(sizes))``: packed blocks keep whole kernel blocks.
+    A backend taking only ``int`` sizes aligns blocks to ``MultipleOf(max(sizes))``.
     """
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
@@ -83,11 +82,7 @@ def prepare_kernel_block_sizes(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> list[int]:
-    """The kernel block size of every KV cache group with pages, in order.
-
-    Attention groups take :func:`select_common_block_size` over their backends; state caches,
-    one-state-per-block specs and packed groups keep their block size.
-    """
+    """The kernel block size of every KV cache group with pages, in order."""
     answers = HookAnswers(plugin_manager)
     out: list[int] = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -115,10 +110,8 @@ def get_block_table_width(
 ) -> int:
     """Columns of a block table row, as vLLM sizes them.
 
-    ``max_num_blocks`` manager blocks are rounded up so that a row covers a multiple of
-    ``token_alignment`` tokens (None: no rounding), then multiplied by the split ratio
-    ``block_size // kernel_block_size``: ``get_block_table_width(1875, 64) == 1876``,
-    ``(5, 48) == 8``.
+    Manager blocks rounded up to a multiple of ``token_alignment`` tokens, times the split ratio:
+    ``get_block_table_width(1875, 64) == 1876``, ``(5, 48) == 8``.
     """
     max_num_blocks = positive_int("max_num_blocks", max_num_blocks)
     block_size = positive_int("block_size", block_size)

@@ -1,8 +1,4 @@
-"""The plugin health check behind ``kvcore plugins``.
-
-Every hook of every registered backend is asked once about one representative full-attention
-spec; a hook that raises or answers the wrong type makes the plugin at fault ``unhealthy``.
-"""
+"""The plugin health check behind ``kvcore plugins``: every hook of every backend, asked once."""
 
 from __future__ import annotations
 
@@ -30,10 +26,9 @@ BAD_STATUSES = ("failed", "conflict", "unhealthy")
 def check_plugins(
     plugin_manager: pluggy.PluginManager | None = None, answers: HookAnswers | None = None
 ) -> list[PluginInfo]:
-    """:func:`~kvcore.plugins.registry.list_plugins`, with every backend's hooks asked once.
+    """:func:`~kvcore.plugins.registry.list_plugins`, with what each backend declares.
 
-    Each record's ``kernel_block_sizes`` and ``layouts`` map its backends to what they declare
-    for :data:`REPRESENTATIVE_SPEC` (layouts ``None``: any).
+    A hook that raises or answers the wrong type marks its plugin ``unhealthy``.
     """
     pm = resolve_plugin_manager(plugin_manager)
     infos = list_plugins(pm)
@@ -114,10 +109,7 @@ def describe_requirements(req: KernelRequirements) -> str:
 
 
 def auto_picks(answers: HookAnswers) -> dict[str, str | None]:
-    """Device type -> the backend ``"auto"`` picks for :data:`REPRESENTATIVE_SPEC` (None: none).
-
-    The CPU always; CUDA when this machine has it.
-    """
+    """Device type (CPU, and CUDA when present) -> what ``"auto"`` picks (None: nothing)."""
     out: dict[str, str | None] = {}
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         try:

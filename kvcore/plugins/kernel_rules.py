@@ -1,11 +1,7 @@
 """Holding a plan to its backends' ``KernelRequirements``, before anything is allocated.
 
-:func:`check_abilities` refuses a layer whose backend cannot run on the device, read its dtype
-or take its head size. :func:`plan_meeting_rules` resolves the layout, plans and negotiates,
-checking every layer's kernel view (over a ``meta`` buffer) against its backend's stride and
-alignment rules: with no explicit layout the first preferred layout meeting every rule wins;
-otherwise :class:`~kvcore.errors.KernelRequirementError` names the backend, layer, rule, value
-and a remedy.
+With no explicit layout the first preferred layout whose kernel views meet every rule wins;
+otherwise :class:`~kvcore.errors.KernelRequirementError` names backend, layer, rule and remedy.
 """
 
 from __future__ import annotations
@@ -170,8 +166,7 @@ def plan_meeting_rules(
 ) -> tuple[KVCacheLayout, KVCacheConfig, Negotiation]:
     """Resolve the layout, plan and negotiate so every kernel view meets its backend's rules.
 
-    ``layer_specs`` are the engine's specs, ``specs`` the customized ones; ``budget`` holds
-    ``available_memory``/``num_blocks`` for the planner.
+    ``layer_specs``: the engine's specs; ``specs``: the customized ones; ``budget``: the planner's.
     """
     candidates = layout_candidates([supported], specs.values())
     explicit = requested_layout(layout) is not None

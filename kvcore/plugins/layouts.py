@@ -37,10 +37,9 @@ def local_supported_layouts(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> list[KVCacheLayout]:
-    """Layouts every backend of this worker reads, in the first choosy backend's order.
+    """Layouts every backend of this worker reads (all six when none is choosy).
 
-    One worker's entry of ``supported`` for :func:`resolve_kv_cache_layout` (all six when no
-    backend is choosy).
+    One worker's entry of ``supported`` for :func:`resolve_kv_cache_layout`.
     """
     specs = [None] * len(backends) if specs is None else list(specs)
     if len(specs) != len(backends):
@@ -94,9 +93,8 @@ def layout_candidates(
 ) -> list[KVCacheLayout]:
     """The layouts :func:`resolve_kv_cache_layout` may pick, its default first.
 
-    Layouts every worker supports, in the first listing worker's order; only block-compact
-    ones when ``specs`` differ in (heads, states, page bytes); LBNHC leads when no worker
-    states a preference.
+    Only block-compact ones when ``specs`` differ in (heads, states, page bytes); LBNHC leads
+    when no worker states a preference.
     """
     stated = [check_layouts(w) for w in supported if w is not None]
     preference = bool(stated)

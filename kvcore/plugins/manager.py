@@ -1,9 +1,7 @@
 """kvcore's pluggy manager: hook calls that name the plugin at fault, and registered backends.
 
-Every hook call goes through pluggy (call order, ``firstresult``, both kinds of wrappers). While
-kvcore calls a hook, each plain implementation notes what it answered or raised, so an error is
-put on that implementation's ``HookImpl.plugin_name`` (else on the wrappers) without calling any
-plugin again.
+While kvcore calls a hook, each plain implementation notes what it answered or raised, so an
+error is put on its ``HookImpl.plugin_name`` without calling any plugin again.
 """
 
 from __future__ import annotations
@@ -55,10 +53,7 @@ class PluginInfo:
 
 
 class KVCorePluginManager(pluggy.PluginManager):
-    """A pluggy manager for project "kvcore" that remembers where plugins came from.
-
-    ``trace_calls``: every hook call is logged at DEBUG on logger ``kvcore.plugins``.
-    """
+    """A pluggy manager for project "kvcore" that remembers where plugins came from."""
 
     def __init__(self, *, trace_calls: bool = False) -> None:
         super().__init__(hookspecs.PROJECT_NAME)
@@ -231,10 +226,7 @@ def call_first(
 
 @attrs.frozen
 class BackendTable:
-    """Every registered backend: name -> ``[(class, registering plugin), ...]``.
-
-    A name with more than one entry is ambiguous: kvcore serves none of them.
-    """
+    """Every registered backend: name -> ``[(class, plugin), ...]`` (several: ambiguous, unused)."""
 
     entries: dict[str, list[tuple[type[AttentionBackend], str]]]
 
@@ -251,9 +243,7 @@ _REGISTER = "kvcore_register_backends"
 def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> BackendTable:
     """Ask ``kvcore_register_backends`` of every plugin (or of plugin ``only``) once.
 
-    Each implementation is called through pluggy (a subset caller keeping the wrappers) with a
-    ``register`` that knows its plugin and checks the class. Two plugins registering one name
-    make it ambiguous (both kept, neither served); never "first wins".
+    Each call goes through pluggy with a ``register`` that knows its plugin and checks the class.
     """
     full = only is None
     if full and isinstance(pm, KVCorePluginManager) and pm._backends is not None:

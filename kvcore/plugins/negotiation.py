@@ -1,10 +1,7 @@
 """Negotiation: a plan and its backends' answers, turned into one frozen record per KV cache group.
 
-:func:`negotiate` decides, once, each group's kernel block size, the split ratio of its views
-as allocated and each backend's own kernel block size and stride; the allocator, attention
-groups, metadata builders and zeroer read the :class:`Negotiation` and never ask the hooks again.
-A packed (block-outermost) cache keeps manager-block views; a backend taking smaller blocks
-reads it through the strided kernel views of :func:`to_kernel_blocks`.
+Every later stage reads the :class:`Negotiation` and never asks the hooks again. A packed
+(block-outermost) cache keeps manager-block views, read through :func:`to_kernel_blocks`.
 """
 
 from __future__ import annotations
@@ -102,11 +99,7 @@ def is_packed(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
 
 
 def splits_by_backends(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
-    """Whether a group's kernel block size is chosen by its backends.
-
-    Groups without pages, state caches, one-state-per-block specs and packed groups keep
-    their manager block size (packed groups' backends may still map their own kernel tables).
-    """
+    """Whether a group's kernel block size is chosen by its backends (splittable, not packed)."""
     return (
         not is_encoder_only(group)
         and can_split(group.spec_of(group.layer_names[0]))
@@ -157,9 +150,8 @@ def backend_groups(
 ) -> list[dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]]]:
     """Per KV cache group, (backend, spec) -> its layers, in config order.
 
-    ``customize=True`` customizes each layer's spec through the hooks; False when the config
-    was planned from customized specs. Attention layers need a backend; state-cache layers
-    without one are left out, and groups without layer views get none.
+    ``customize``: customize each layer's spec through the hooks (False: the config was planned
+    from customized specs). State-cache layers without a backend are left out.
     """
     out = []
     for gid, group in enumerate(config.kv_cache_groups):
@@ -238,12 +230,9 @@ def negotiate(
 def settle_kernel_block_size(
     record: BackendNegotiation, kernel_block_size: int, answers: Callable[[], HookAnswers]
 ) -> BackendNegotiation:
-    """``record`` for a KV cache group whose kernel block size is ``kernel_block_size``.
+    """``record`` for a group whose kernel block size is ``kernel_block_size``.
 
-    A negotiated record must agree (``ValueError`` otherwise) and is returned as is; an
-    unsettled one (a group made by hand) gets the backend's own size: the largest it accepts
-    that divides ``kernel_block_size`` (None when that is the manager block size, or the spec
-    keeps whole blocks).
+    A negotiated record must agree; a hand-made one gets the largest size its backend takes.
     """
     kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
     agreed = record.group_kernel_block_size
@@ -264,11 +253,7 @@ def settle_kernel_block_size(
 def packed_kernel_stride(
     spec: KVCacheSpec, block_stride_bytes: int, kernel: int, backend: str, names: Sequence[str]
 ) -> int:
-    """Kernel pages between two manager blocks of a packed cache, else ``ValueError``.
-
-    Only compressed caches (more than one token per state, one head) whose block stride is a
-    whole number of kernel pages can be re-addressed so.
-    """
+    """Kernel pages between two manager blocks of a packed cache, else ``ValueError``."""
     rows = spec.get_num_kernel_states(kernel) if spec.tokens_per_state > 1 else 0
     page = rows * spec.state_content_size_bytes
     if spec.tokens_per_state <= 1 or spec.num_heads != 1 or block_stride_bytes % page:
@@ -281,11 +266,7 @@ def packed_kernel_stride(
 
 
 def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch.Tensor:
-    """A manager-block view ``[B, H, N, C]`` as ``[pages, H, kernel_rows, C]`` kernel pages.
-
-    ``stride`` kernel pages lie between two manager blocks; the view spans other layers'
-    pages between blocks without addressing them.
-    """
+    """A manager-block view ``[B, H, N, C]`` as ``[pages, H, kernel_rows, C]`` kernel pages."""
     page_stride = kernel_rows * view.stride(-2)
     num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
     return view.as_strided(

@@ -23,11 +23,7 @@ DEBUG_CHECKS_ENV = "KVCORE_DEBUG_CHECKS"
 def value_checks(
     validate: bool | None, device: torch.device, settings: Settings | None = None
 ) -> bool:
-    """Whether checks that read tensor values (a device sync on GPUs) run for this call.
-
-    An explicit ``validate`` wins; else ``settings`` (the environment's when None: a kernel
-    entry point is where a call begins).
-    """
+    """Whether checks that read tensor values run: ``validate``, else ``settings`` (or the env)."""
     if validate is not None:
         if not isinstance(validate, bool):
             raise TypeError(f"validate must be True, False or None, got {validate!r}")
@@ -36,10 +32,7 @@ def value_checks(
 
 
 def step_checks(debug_checks: bool | None, device: torch.device) -> bool:
-    """Whether a backend's ``forward`` runs the value checks; reads no environment.
-
-    ``debug_checks``: the metadata's; None: on for CPU tensors only.
-    """
+    """Whether ``forward`` runs the value checks, from the metadata's ``debug_checks``."""
     return device.type == "cpu" if debug_checks is None else debug_checks
 
 
@@ -49,11 +42,7 @@ def check_cache_view(
     head_size_v: int | None,
     dtypes: Collection[torch.dtype] | None = None,
 ) -> int:
-    """Validate a kernel-block view ``[B, H, N, C]``; return ``head_size_v``.
-
-    ``head_size_v=None`` means every content element after K is V.
-    ``dtypes`` restricts the view's dtype (default: any floating dtype).
-    """
+    """Validate a kernel-block view ``[B, H, N, C]``; return ``head_size_v`` (None: all after K)."""
     if not isinstance(kv_cache_view, torch.Tensor) or kv_cache_view.dim() != 4:
         got = (
             tuple(kv_cache_view.shape)
@@ -138,10 +127,9 @@ def check_kv_write(
     *,
     check_slots: bool = True,
 ) -> int:
-    """Validate a write of ``key``/``value`` through ``slot_mapping``; return the view's slot count.
+    """Validate a write of ``key``/``value`` through ``slot_mapping``; return the view's slots.
 
-    With ``check_slots`` every slot must be below ``B * N`` (a device sync on
-    GPUs: pass ``value_checks(...)``); negative slots mark padding and always pass.
+    ``check_slots``: every slot must be below ``B * N`` (a device sync on GPUs); negative: padding.
     """
     head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
     check_cache_view(kv_cache_view, head_size, head_size_v, dtypes)
@@ -176,10 +164,7 @@ def check_batch(
     block_table: torch.Tensor,
     num_tokens: int,
 ) -> tuple[list[int], list[int]]:
-    """Validate a varlen batch's values on the host; return its starts and lengths as lists.
-
-    Reads the tensors (a device sync on GPUs): a value check, see :func:`value_checks`.
-    """
+    """Validate a varlen batch's values (a value check); return its starts and lengths."""
     check_batch_shapes(query_start_loc, seq_lens, block_table)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()

@@ -1,10 +1,7 @@
 """Building the plugin manager from installed entry points, and looking backends up.
 
-Plugins are distributions declaring an entry point in group ``kvcore.plugins``; pluggy loads
-them one by one (``load_setuptools_entrypoints``, blocked names through ``set_blocked``). One
-that fails is skipped with a :class:`~kvcore.errors.PluginWarning` (a
-:class:`~kvcore.errors.PluginError` under ``KVCORE_STRICT_PLUGINS=1``) and the others keep
-working. Environment variables are read when a manager is built, never at import.
+pluggy loads entry points one by one (blocked ones through ``set_blocked``); one that fails
+is skipped with a ``PluginWarning`` (raised under ``KVCORE_STRICT_PLUGINS=1``).
 """
 
 from __future__ import annotations
@@ -53,11 +50,7 @@ class PluginSettings:
 
 
 def get_plugin_manager(*, autoload: bool = True) -> KVCorePluginManager:
-    """A fresh plugin manager: hookspecs, core defaults, then installed plugins.
-
-    With ``autoload=False`` (or ``KVCORE_DISABLE_PLUGIN_AUTOLOAD=1``) no entry point is
-    imported; register in-process plugins with ``pm.register(obj)``.
-    """
+    """A fresh plugin manager: hookspecs, core defaults, then installed plugins (if autoload)."""
     return build_plugin_manager(PluginSettings.from_env(autoload=autoload))
 
 
@@ -182,10 +175,7 @@ def get_backends(
 def get_backend(
     name: str, plugin_manager: pluggy.PluginManager | None = None
 ) -> type[AttentionBackend]:
-    """The backend class registered under ``name``.
-
-    A name registered by two plugins is ambiguous: ``PluginError`` naming both.
-    """
+    """The backend class registered under ``name`` (two plugins' name: ``PluginError``)."""
     pm = resolve_plugin_manager(plugin_manager)
     table = collect_backends(pm)
     found = table.entries.get(name, [])
@@ -213,10 +203,7 @@ def resolve_backend(
 
 
 def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[PluginInfo]:
-    """One record per plugin: entry points in every state, then in-process plugins.
-
-    Plugins that register one backend name are all marked ``conflict``.
-    """
+    """One record per plugin: entry points in every state, then in-process plugins."""
     pm = resolve_plugin_manager(plugin_manager)
     infos = pm.plugin_infos if isinstance(pm, KVCorePluginManager) else {}
     out = [

@@ -112,10 +112,7 @@ class KernelRequirements:
     def why_not(
         self, device_type: str | None, dtype: torch.dtype | None, head_size: int | None
     ) -> str | None:
-        """Why kernels with these requirements cannot serve the case; None when they can.
-
-        A None argument is not checked (say, a state cache has no head size).
-        """
+        """Why kernels with these requirements cannot serve the case (None: they can)."""
         if device_type is not None and self.devices is not None and device_type not in self.devices:
             extra = f"; {self.note}" if self.note else ""
             return (
@@ -136,11 +133,7 @@ class KernelRequirements:
     def view_violation(
         self, strides: Iterable[int], element_size: int, offset_bytes: int
     ) -> tuple[str, int, str] | None:
-        """The first memory rule a kernel view breaks, as (rule, value, what was needed).
-
-        ``strides`` are the view's strides in elements (of ``element_size``
-        bytes); ``offset_bytes`` is where the view starts in its allocation.
-        """
+        """The first memory rule a view breaks, as (rule, value, needed); strides in elements."""
         strides = list(strides)
         limit, align = self.max_stride_elements, self.alignment_bytes
         too_large = [s for s in strides if limit is not None and s >= limit]
