@@ -5,6 +5,7 @@ A check's ``TypeError``/``ValueError`` becomes a PluginError naming the plugin t
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -194,17 +195,8 @@ class HookAnswers:
         key = ("customized", backend, key_of(spec))
         if key in self._kept:
             return self._kept[key]
-        self._alive.append(spec)
-        new = (
-            call_first(
-                self.pm,
-                "kvcore_customize_spec",
-                lambda value: _check_customized(spec, value, label(backend)),
-                backend=backend,
-                spec=spec,
-            )
-            or spec
-        )
+        check = functools.partial(_check_customized, spec, backend=label(backend))
+        new = self._ask("kvcore_customize_spec", check, spec, backend, spec)
         padded = new.page_size_padded is not None and new.page_size_padded != spec.page_size_padded
         if new.is_attention and new.block_stride_alignment is None:
             sizes = self.kernel_block_sizes(backend, new)

@@ -53,7 +53,6 @@ class GroupNegotiation:
     kv_cache_spec: KVCacheSpec
     kernel_block_size: int | None
     ratio: int
-    has_pages: bool
     backends: tuple[BackendNegotiation, ...]
 
 
@@ -78,7 +77,7 @@ class Negotiation:
         return {
             name: g.ratio
             for g in self.groups
-            if g.has_pages and g.kv_cache_spec.has_layer_views
+            if g.kernel_block_size is not None and g.kv_cache_spec.has_layer_views
             for name in g.layer_names
         }
 
@@ -199,31 +198,14 @@ def negotiate(
                     stride = packed_kernel_stride(
                         spec, tensor.block_stride, own, label(backend), names
                     )
-            entries.append(
-                BackendNegotiation(
-                    backend,
-                    tuple(names),
-                    spec,
-                    kernel,
-                    own,
-                    stride,
-                    answers.requirements(backend, spec),
-                )
-            )
+            req = answers.requirements(backend, spec)
+            record = BackendNegotiation(backend, tuple(names), spec, kernel, own, stride, req)
+            entries.append(record)
         ratio = 1 if kernel is None or packed else group.kv_cache_spec.block_size // kernel
         if ratio > 1:
             _check_dense_split(group, kernel, answers)
-        records.append(
-            GroupNegotiation(
-                gid,
-                tuple(group.layer_names),
-                group.kv_cache_spec,
-                kernel,
-                ratio,
-                not is_encoder_only(group),
-                tuple(entries),
-            )
-        )
+        layers, spec = tuple(group.layer_names), group.kv_cache_spec
+        records.append(GroupNegotiation(gid, layers, spec, kernel, ratio, tuple(entries)))
     return Negotiation(tuple(records))
 
 
