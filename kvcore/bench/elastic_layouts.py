@@ -15,9 +15,8 @@ from collections.abc import Mapping
 import torch
 
 from kvcore.memory.elastic import merge_ranges
-from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.layout import KVCacheLayout, block_runs
 from kvcore.memory.planner import plan_kv_cache
-from kvcore.memory.runs import block_runs
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.specs import KVCacheSpec
 
