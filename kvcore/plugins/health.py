@@ -50,24 +50,16 @@ def check_plugins(
                 answers.requirements(backend, spec)
                 answers.priority(backend, spec, torch.device("cpu"))
             except PluginError as exc:
-                _mark_unhealthy(by_name, getattr(exc, "plugin_name", None) or owner, str(exc))
+                culprit = by_name.get(getattr(exc, "plugin_name", None) or owner)
+                if culprit is not None and str(exc) not in (culprit.error or ""):
+                    culprit.error = "; ".join(filter(None, [culprit.error, str(exc)]))
+                    culprit.status = "unhealthy" if culprit.status == "loaded" else culprit.status
                 continue
             by_name[owner].kernel_block_sizes[name] = [
                 {"multiple_of": s.base} if isinstance(s, MultipleOf) else s for s in sizes
             ]
             by_name[owner].layouts[name] = None if layouts is None else [x.name for x in layouts]
     return infos
-
-
-def _mark_unhealthy(by_name: dict[str, PluginInfo], culprit: str, message: str) -> None:
-    # NOTE: several wrappers may be named together
-    info = by_name.get(culprit) or next((i for n, i in by_name.items() if n in culprit), None)
-    if info is None:
-        return
-    if info.status == "loaded":
-        info.status = "unhealthy"
-    if message not in (info.error or ""):
-        info.error = "; ".join(filter(None, [info.error, message]))
 
 
 def is_healthy(infos: list[PluginInfo]) -> bool:
