@@ -51,9 +51,9 @@ def check_plugins(
                 answers.priority(backend, spec, torch.device("cpu"))
             except PluginError as exc:
                 culprit = by_name.get(getattr(exc, "plugin_name", None) or owner)
-                if culprit is not None and str(exc) not in (culprit.error or ""):
-                    culprit.error = "; ".join(filter(None, [culprit.error, str(exc)]))
-                    culprit.status = "unhealthy" if culprit.status == "loaded" else culprit.status
+                if culprit is not None:
+                    status = "unhealthy" if culprit.status == "loaded" else culprit.status
+                    culprit.flag(status, str(exc))
                 continue
             by_name[owner].kernel_block_sizes[name] = [
                 {"multiple_of": s.base} if isinstance(s, MultipleOf) else s for s in sizes

@@ -48,6 +48,12 @@ class PluginInfo:
             f"{self.distribution or '?'} {self.version or '?'})"
         )
 
+    def flag(self, status: str, message: str) -> None:
+        """Set ``status`` and add ``message`` to the error (once)."""
+        self.status = status
+        if message not in (self.error or ""):
+            self.error = "; ".join(filter(None, [self.error, message]))
+
     def to_json(self) -> dict[str, Any]:
         return attrs.asdict(self)
 

@@ -222,13 +222,11 @@ def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[Plu
         table = BackendTable({})
         culprit = by_name.get(getattr(exc, "plugin_name", None))
         if culprit is not None:
-            culprit.status, culprit.error = "failed", str(exc)
+            culprit.flag("failed", str(exc))
     for name, found in table.conflicts().items():
         owners = [owner for _, owner in found]
         for owner in owners:
-            info = by_name[owner]
-            info.status = "conflict"
-            info.error = "; ".join(filter(None, [info.error, conflict_message(pm, name, owners)]))
+            by_name[owner].flag("conflict", conflict_message(pm, name, owners))
     for info in out:
         plugin = pm.get_plugin(info.name)
         if plugin is not None:
