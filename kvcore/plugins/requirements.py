@@ -13,7 +13,7 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore._validate import positive_int
+from kvcore._validate import attrs_optional_positive, attrs_positive, positive_int
 
 
 def _tuple_or_none(value: Any) -> tuple[Any, ...] | None:
@@ -66,10 +66,6 @@ def _each(check: Callable[[Any], Any]) -> Callable[[Any, Any, Any], None]:
     return validate
 
 
-def _positive(inst: Any, attribute: Any, value: Any) -> None:
-    positive_int(f"KernelRequirements.{attribute.name}", value)
-
-
 @attrs.frozen(kw_only=True)
 class KernelRequirements:
     """The rules a backend's kernels hold the KV cache to (every field optional).
@@ -96,10 +92,8 @@ class KernelRequirements:
         converter=_tuple_or_none,
         validator=_each(lambda item: positive_int("KernelRequirements.head_sizes entry", item)),
     )
-    max_stride_elements: int | None = attrs.field(
-        default=None, validator=attrs.validators.optional(_positive)
-    )
-    alignment_bytes: int = attrs.field(default=1, validator=_positive)
+    max_stride_elements: int | None = attrs.field(default=None, validator=attrs_optional_positive)
+    alignment_bytes: int = attrs.field(default=1, validator=attrs_positive)
     note: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
     )
