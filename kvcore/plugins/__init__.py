@@ -1,16 +1,10 @@
 """Stage 3 of the pipeline: negotiation with attention-backend plugins.
 
-The backend protocol (``backend``), the hook specifications (``hookspecs``),
-the plugin manager and its loading (``manager``, ``registry``), checks of
-hook answers and pure block-size arithmetic (``checks``, ``selection``),
-``negotiation`` — the one module ``KVCache.create`` asks the hooks through,
-keeping one record per KV cache group (``records``) — the kernel rules
-(``requirements``: what a backend declares; ``kernel_rules``: the plan held
-to them; ``kernel_views``: packed kernel views), the backend a device gets
-(``auto``: ``select_backend``, ``"auto"``, preferred block sizes), the public
-one-shot helpers over the negotiation (``block_sizes``, ``layouts``) and the
-``kvcore plugins`` health check (``health``). Backend authors also use
-``paged_inputs`` to check a step's K/V inputs.
+``backend`` (the protocol) and ``hookspecs``; ``manager``/``registry`` (pluggy, loading,
+backends); ``answers`` (each hook asked once, answers checked); ``negotiation`` (one record per
+KV cache group); ``requirements``/``kernel_rules``/``auto`` (what kernels need, the plan held to
+it, the backend a device gets); ``block_sizes``/``layouts`` (public one-shot helpers);
+``health`` (``kvcore plugins``); ``paged_inputs`` (backends' input checks).
 """
 
 from kvcore.plugins.registry import (

@@ -1,35 +1,32 @@
-"""Every hook answer one negotiation needs, each asked once per (backend, spec).
+"""What the backends' plugins answered: each hook asked once per (backend, spec), checked, kept.
 
-:class:`HookAnswers` is how the negotiation stage talks to plugins: kernel
-block sizes, layouts, customized specs, kernel requirements and priorities,
-each kept once asked (unhashable specs by identity), so a later need for the
-same answer is served from here.
+A check's ``TypeError``/``ValueError`` becomes a PluginError naming the plugin that answered.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
 import pluggy
 
+from kvcore._validate import positive_int
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.checks import (
-    check_customized,
-    check_layouts,
-    check_priority,
-    check_requirements,
-    check_sizes,
-)
 from kvcore.plugins.manager import call_first
 from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
-from kvcore.plugins.selection import fixed_sizes
 from kvcore.specs import KVCacheSpec, MultipleOf
 
-ALL_LAYOUTS: tuple[KVCacheLayout, ...] = tuple(KVCacheLayout)
+#: Spec fields a ``kvcore_customize_spec`` answer may change: padding and alignment only.
+CUSTOMIZABLE_FIELDS = (
+    "num_head_slots",
+    "page_size_padded",
+    "block_stride_alignment",
+    "state_content_bytes",
+)
 
 
 def label(backend: type[AttentionBackend]) -> str:
@@ -37,16 +34,103 @@ def label(backend: type[AttentionBackend]) -> str:
     return getattr(backend, "name", None) or backend.__qualname__
 
 
-def _key(backend: type, spec: Any) -> tuple[type, Any]:
+def key_of(spec: Any) -> Any:
+    """``spec`` as a dict key (an unhashable spec by identity)."""
     try:
         hash(spec)
     except TypeError:
-        return backend, ("unhashable", id(spec))
-    return backend, spec
+        return ("unhashable", id(spec))
+    return spec
 
 
-def key_of(spec: Any) -> Any:
-    return _key(type, spec)[1]
+def check_sizes(value: Any) -> list[int | MultipleOf]:
+    """A kernel block size answer: a non-empty list of positive ints and MultipleOf."""
+    if not isinstance(value, (list, tuple)):
+        raise TypeError(f"expected a list of int or MultipleOf, got {value!r}")
+    if not value:
+        raise ValueError(
+            "expected at least one size, got an empty list "
+            "(return None for a backend the plugin does not own)"
+        )
+    for size in value:
+        positive = isinstance(size, int) and not isinstance(size, bool) and size > 0
+        if not (positive or isinstance(size, MultipleOf)):
+            raise TypeError(
+                f"expected positive ints or MultipleOf in the list, got {size!r} in {value!r}"
+            )
+    return list(value)
+
+
+def check_layouts(value: Any) -> list[KVCacheLayout]:
+    """A layouts answer: layouts (or their names), duplicates dropped."""
+    if isinstance(value, (str, KVCacheLayout)) or not isinstance(value, Iterable):
+        raise TypeError(f"expected a list of KV cache layouts, got {value!r}")
+    out = list(dict.fromkeys(KVCacheLayout.parse(item) for item in value))
+    if not out:
+        raise ValueError("expected at least one layout (return None to accept any)")
+    return out
+
+
+def _instance_of(cls: type, what: str) -> Callable[[Any], Any]:
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, cls):
+            raise TypeError(f"expected {what}, got {value!r}")
+        return value
+
+    return check
+
+
+def _check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCacheSpec:
+    """A customize answer for ``original``: a spec of its class that only pads or aligns it."""
+    allowed = f"a customize hook may only pad or align a spec ({', '.join(CUSTOMIZABLE_FIELDS)})"
+    if not isinstance(value, KVCacheSpec):
+        raise TypeError(f"expected a KVCacheSpec, got {value!r}")
+    if type(value) is not type(original):
+        raise TypeError(
+            f"for backend {backend!r} it changed the spec class from {type(original).__name__} "
+            f"to {type(value).__name__}; {allowed}"
+        )
+    changed = [
+        f"{f.name} from {getattr(original, f.name)!r} to {getattr(value, f.name)!r}"
+        for f in attrs.fields(type(original))
+        if f.name not in CUSTOMIZABLE_FIELDS and getattr(original, f.name) != getattr(value, f.name)
+    ]
+    if changed:
+        raise ValueError(
+            f"for backend {backend!r} it changed {'; '.join(changed)}, which changes what the "
+            f"layer stores; {allowed}: return attrs.evolve(spec, num_head_slots=...) or similar, "
+            "or None"
+        )
+    return value
+
+
+def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
+    """Whether a backend declaring ``sizes`` takes ``block_size``-token kernel blocks."""
+    return any(
+        s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes
+    )
+
+
+def pick_common_block_size(
+    manager: int, offers: Sequence[tuple[str, Sequence[int | MultipleOf]]]
+) -> int:
+    """The kernel block size every ``(backend name, sizes)`` offer takes.
+
+    The manager size when all accept it, else the largest offered int dividing it that all accept.
+    """
+    manager = positive_int("kv_manager_block_size", manager)
+    sizes = [s for _, s in offers]
+    candidates = {
+        s for ss in sizes for s in ss if not isinstance(s, MultipleOf) and manager % s == 0
+    }
+    for size in [manager, *sorted(candidates, reverse=True)]:
+        if all(accepts(s, size) for s in sizes):
+            return size
+    offered = "; ".join(f"{name}: {s}" for name, s in offers)
+    raise ValueError(
+        f"No common block size for {manager} ({offered}). Use a manager block size "
+        "that every backend accepts or divides into a size they all accept."
+    )
 
 
 class HookAnswers:
@@ -54,110 +138,101 @@ class HookAnswers:
 
     def __init__(self, plugin_manager: pluggy.PluginManager | None = None) -> None:
         self.pm = resolve_plugin_manager(plugin_manager)
-        self._sizes: dict[Any, list[int | MultipleOf]] = {}
-        self._specs: dict[Any, KVCacheSpec] = {}
-        self._layouts: dict[Any, list[KVCacheLayout] | None] = {}
-        self._requirements: dict[Any, KernelRequirements] = {}
+        self._kept: dict[tuple[str, type, Any], Any] = {}
         #: customized spec -> the backend whose customize hook padded its page
         self.padded_by: dict[Any, str] = {}
-        self._keep: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
+        self._alive: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
 
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
         return resolve_backend(backend, self.pm)
 
-    def kernel_block_sizes(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[int | MultipleOf]:
+    def _ask(
+        self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any
+    ) -> Any:
+        key = (hook, backend, key_of(spec))
+        if key not in self._kept:
+            self._alive.append(spec)
+            found = call_first(self.pm, hook, check, backend=backend, spec=spec)
+            self._kept[key] = default if found is None else found
+        return self._kept[key]
+
+    def kernel_block_sizes(
+        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
+    ) -> list[int | MultipleOf]:
         """``kvcore_supported_kernel_block_sizes`` for (backend, spec)."""
-        key = _key(backend, spec)
-        if key not in self._sizes:
-            self._keep.append(spec)
-            found = call_first(
-                self.pm, "kvcore_supported_kernel_block_sizes", check_sizes, backend=backend, spec=spec
-            )
-            self._sizes[key] = [MultipleOf(1)] if found is None else found
-        return self._sizes[key]
+        return self._ask(
+            "kvcore_supported_kernel_block_sizes", check_sizes, [MultipleOf(1)], backend, spec
+        )
 
-    def stated_layouts(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[KVCacheLayout] | None:
+    def stated_layouts(
+        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
+    ) -> list[KVCacheLayout] | None:
         """``kvcore_supported_layouts`` for (backend, spec): layouts, or None for any."""
-        key = _key(backend, spec)
-        if key not in self._layouts:
-            self._keep.append(spec)
-            self._layouts[key] = call_first(
-                self.pm, "kvcore_supported_layouts", check_layouts, backend=backend, spec=spec
-            )
-        return self._layouts[key]
+        return self._ask("kvcore_supported_layouts", check_layouts, None, backend, spec)
 
-    def requirements(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> KernelRequirements:
+    def requirements(
+        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
+    ) -> KernelRequirements:
         """``kvcore_kernel_requirements`` for (backend, spec) (no requirements when unanswered)."""
-        key = _key(backend, spec)
-        if key not in self._requirements:
-            self._keep.append(spec)
-            found = call_first(
-                self.pm, "kvcore_kernel_requirements", check_requirements, backend=backend, spec=spec
-            )
-            self._requirements[key] = NO_REQUIREMENTS if found is None else found
-        return self._requirements[key]
+        check = _instance_of(KernelRequirements, "a kvcore.KernelRequirements")
+        return self._ask("kvcore_kernel_requirements", check, NO_REQUIREMENTS, backend, spec)
 
-    def priority(self, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: Any) -> int:
+    def priority(
+        self, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: Any
+    ) -> int:
         """``kvcore_backend_priority`` for (backend, spec, device) (0 when unanswered)."""
+        check = _instance_of(int, "an int priority")
         found = call_first(
-            self.pm, "kvcore_backend_priority", check_priority, backend=backend, spec=spec, device=device
+            self.pm, "kvcore_backend_priority", check, backend=backend, spec=spec, device=device
         )
         return 0 if found is None else found
-
-    def layouts(self, backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[KVCacheLayout]:
-        """:meth:`stated_layouts`, with all six layouts for "any"."""
-        stated = self.stated_layouts(backend, spec)
-        return list(ALL_LAYOUTS) if stated is None else list(stated)
 
     def customized_spec(self, backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec:
         """``spec`` as ``backend`` stores it: the hook's answer, then block-stride alignment.
 
-        When every kernel size the backend takes is a fixed int and the spec
-        asks no alignment yet, it gets ``MultipleOf(max(sizes))``. The aligned
-        spec shares the sizes answer of the spec it came from.
+        When every kernel size the backend takes is an int, it gets ``MultipleOf(max(sizes))``.
         """
-        key = _key(backend, spec)
-        if key in self._specs:
-            return self._specs[key]
-        self._keep.append(spec)
-        new = call_first(
-            self.pm, "kvcore_customize_spec", lambda value: check_customized(spec, value, label(backend)),
-            backend=backend, spec=spec,
-        ) or spec
+        key = ("customized", backend, key_of(spec))
+        if key in self._kept:
+            return self._kept[key]
+        check = functools.partial(_check_customized, spec, backend=label(backend))
+        new = self._ask("kvcore_customize_spec", check, spec, backend, spec)
         padded = new.page_size_padded is not None and new.page_size_padded != spec.page_size_padded
         if new.is_attention and new.block_stride_alignment is None:
             sizes = self.kernel_block_sizes(backend, new)
-            fixed = fixed_sizes(sizes)
-            if sizes and len(fixed) == len(sizes):
-                new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(fixed)))
-                self._sizes.setdefault(_key(backend, new), sizes)
+            if not any(isinstance(s, MultipleOf) for s in sizes):
+                new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(sizes)))
+                self._kept.setdefault(
+                    ("kvcore_supported_kernel_block_sizes", backend, key_of(new)), sizes
+                )
         if padded:
             self.padded_by[key_of(new)] = label(backend)
-        self._specs[key] = new
+        self._kept[key] = new
         return new
+
+    def common_block_size(
+        self, manager: int, pairs: Sequence[tuple[type[AttentionBackend], Any]]
+    ) -> int:
+        """:func:`pick_common_block_size` over what each (backend, spec) takes."""
+        return pick_common_block_size(
+            manager, [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
+        )
 
     def common_layouts(
         self, pairs: Sequence[tuple[type[AttentionBackend], KVCacheSpec | None]]
     ) -> list[KVCacheLayout] | None:
-        """Layouts every (backend, spec) reads, in the first choosy backend's order.
-
-        None when no backend states a preference (every answer was "any").
-        """
-        stated = [self.stated_layouts(b, s) for b, s in pairs]
-        lists = [ls for ls in stated if ls is not None]
+        """Layouts every (backend, spec) reads, in the first choosy backend's order (None: any)."""
+        stated = [(label(b), self.stated_layouts(b, s)) for b, s in pairs]
+        lists = [ls for _, ls in stated if ls is not None]
         if not lists:
             return None
         common = [layout for layout in lists[0] if all(layout in ls for ls in lists[1:])]
         if not common:
             offered = "; ".join(
-                f"{label(b)}: [{', '.join(x.name for x in ls)}]"
-                for (b, _), ls in zip(pairs, stated) if ls is not None
+                f"{b}: [{', '.join(x.name for x in ls)}]" for b, ls in stated if ls is not None
             )
             raise ValueError(
                 f"the backends share no KV cache layout: {offered}. "
                 "Serve these layers with backends that agree on a layout."
             )
         return common
-
-
-__all__ = ["ALL_LAYOUTS", "HookAnswers", "key_of", "label"]

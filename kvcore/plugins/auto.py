@@ -1,10 +1,7 @@
 """The backend a device gets (``"auto"``) and the block size a backend prefers.
 
-Ability comes from each backend's ``kvcore_kernel_requirements`` (device
-types, cache dtypes, head sizes), preference from ``kvcore_backend_priority``.
-A backend states the block size it prefers as the first explicit ``int`` of
-its ``kvcore_supported_kernel_block_sizes`` answer (``[64, 32, 16]`` prefers
-64); a backend answering only ``MultipleOf`` sizes states no preference.
+Ability comes from each backend's ``kvcore_kernel_requirements``, preference from
+``kvcore_backend_priority``.
 """
 
 from __future__ import annotations
@@ -17,28 +14,29 @@ import torch
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import collect_backends
-from kvcore.plugins.selection import fixed_sizes
-from kvcore.specs import KVCacheSpec
+from kvcore.specs import KVCacheSpec, MultipleOf
 
 #: The backend name that means "the one :func:`select_backend` picks".
 AUTO = "auto"
 
 
 def parse_device(device: Any) -> torch.device:
-    """``device`` (a ``torch.device`` or its string) as a torch.device, else ValueError/TypeError.
-
-    The device need not exist here: asking what CUDA would get works on a CPU machine.
-    """
+    """``device`` (a ``torch.device`` or its string) as a torch.device; it need not exist here."""
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a torch.device or a string such as 'cuda', got {device!r}")
     try:
         return torch.device(device)
     except (RuntimeError, ValueError) as exc:
-        raise ValueError(f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'") from None
+        raise ValueError(
+            f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
 
 
 def serves(
-    answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: torch.device
+    answers: HookAnswers,
+    backend: type[AttentionBackend],
+    spec: KVCacheSpec | None,
+    device: torch.device,
 ) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device`` by its requirements; None when it can."""
     return answers.requirements(backend, spec).why_not(
@@ -54,41 +52,46 @@ def select_backend(
 ) -> type[AttentionBackend]:
     """The registered backend that serves ``spec`` on ``device``: what ``"auto"`` means.
 
-    Among registered, unambiguous backends whose requirements admit the
-    device type, the spec's dtype and head size, the highest
-    ``kvcore_backend_priority`` wins (ties: the first name in sort order).
-    None can: ``ValueError`` listing every backend and why it cannot serve.
+    Among unambiguous backends whose requirements admit the device type, dtype and head size, the
+    highest ``kvcore_backend_priority`` wins (ties: first name); none: ``ValueError`` saying why.
     """
     if spec is not None and not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
     return choose_backend(HookAnswers(plugin_manager), spec, parse_device(device))
 
 
-def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device) -> type[AttentionBackend]:
-    """:func:`select_backend` over answers already kept (a parsed device, a checked spec)."""
+def choose_backend(
+    answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device
+) -> type[AttentionBackend]:
+    """:func:`select_backend` over answers already kept."""
     table = collect_backends(answers.pm)
     reasons: dict[str, str] = {
-        name: "its name is registered by several plugins (block all but one with KVCORE_BLOCK_PLUGINS)"
+        name: "its name is registered by several plugins "
+        "(block all but one with KVCORE_BLOCK_PLUGINS)"
         for name in table.conflicts()
     }
-    able: list[tuple[int, str, type[AttentionBackend]]] = []
+    able: list[tuple[int, type[AttentionBackend]]] = []
     for name, (backend, _) in sorted(table.unambiguous().items()):
         why = serves(answers, backend, spec, device)
         if why is None:
-            able.append((answers.priority(backend, spec, device), name, backend))
+            able.append((answers.priority(backend, spec, device), backend))
         else:
             reasons[name] = why
     if able:
-        best = max(priority for priority, _, _ in able)
-        return next(backend for priority, _, backend in able if priority == best)
-    listed = "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items())) or "none is registered"
+        return max(able, key=lambda found: found[0])[1]  # NOTE: max keeps the first name of a tie
+    listed = (
+        "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items())) or "none is registered"
+    )
     raise ValueError(
         f"no registered attention backend can serve {spec!r} on {device} ({listed}). "
-        "Install or enable a plugin whose backend runs there, or pick a device and dtype one supports"
+        "Install or enable a plugin whose backend runs there, or pick a device and dtype one "
+        "supports"
     )
 
 
-def resolve_auto(answers: HookAnswers, backend: Any, spec: KVCacheSpec | None, device: torch.device) -> Any:
+def resolve_auto(
+    answers: HookAnswers, backend: Any, spec: KVCacheSpec | None, device: torch.device
+) -> Any:
     """``backend`` itself, or the backend :func:`select_backend` picks when it is ``"auto"``."""
     if isinstance(backend, str) and backend == AUTO:
         return choose_backend(answers, spec, device)
@@ -101,14 +104,7 @@ def preferred_block_size(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> int | None:
-    """The block size (tokens) ``backend`` prefers for ``spec``; None when it states none.
-
-    That is the first explicit ``int`` in its ``kvcore_supported_kernel_block_sizes``
-    answer; an answer of only ``MultipleOf`` sizes states no preference.
-    """
+    """The block size ``backend`` prefers for ``spec``: the first ``int`` its plugin declares."""
     answers = HookAnswers(plugin_manager)
-    fixed = fixed_sizes(answers.kernel_block_sizes(answers.backend(backend), spec))
-    return fixed[0] if fixed else None
-
-
-__all__ = ["AUTO", "choose_backend", "parse_device", "preferred_block_size", "resolve_auto", "select_backend", "serves"]
+    sizes = answers.kernel_block_sizes(answers.backend(backend), spec)
+    return next((s for s in sizes if not isinstance(s, MultipleOf)), None)

@@ -1,8 +1,7 @@
 """The interfaces an attention backend implements.
 
-A backend is a class (never instantiated by kvcore) with a unique ``name``.
-What it accepts — kernel block sizes, layouts, spec changes — is declared
-through the plugin hooks in :mod:`kvcore.plugins.hookspecs`, not through attributes.
+A backend is a class (never instantiated by kvcore) with a unique ``name``; what it accepts is
+declared through the hooks of :mod:`kvcore.plugins.hookspecs`, not through attributes.
 """
 
 from __future__ import annotations
@@ -20,15 +19,12 @@ from kvcore.specs import KVCacheSpec
 class CommonAttentionMetadata:
     """Per-step batch description shared by every attention group.
 
-    ``query_start_loc`` (``[num_reqs + 1]``, int32) delimits each request's new
-    tokens; ``seq_lens`` (``[num_reqs]``) counts each request's tokens including
-    the new ones; ``block_table_tensor`` (``[num_reqs, max_blocks]``, int32)
-    holds manager block ids; ``slot_mapping`` (``[num_actual_tokens]``, int64)
-    gives each new token's slot ``block_id * block_size + offset``.
-    ``debug_checks`` tells ``forward`` whether to run the checks that read
-    tensor values on the host (:func:`kvcore.plugins.paged_inputs.step_checks`):
-    the ``KVCORE_DEBUG_CHECKS`` its cache read at ``KVCache.create`` (filled in by
-    ``build_metadata``); None: on for CPU tensors, off on GPUs.
+    ``query_start_loc`` (``[num_reqs + 1]``, int32) delimits each request's new tokens;
+    ``seq_lens`` (``[num_reqs]``) counts each request's tokens including the new ones;
+    ``block_table_tensor`` (``[num_reqs, max_blocks]``, int32) holds manager block ids;
+    ``slot_mapping`` (``[num_actual_tokens]``, int64) gives each new token's slot
+    ``block_id * block_size + offset``. ``debug_checks``: whether ``forward`` runs the checks
+    that read tensor values (:func:`kvcore.plugins.paged_inputs.step_checks`).
     """
 
     query_start_loc: torch.Tensor = attrs.field(eq=False, repr=False)
@@ -44,11 +40,9 @@ class CommonAttentionMetadata:
 
 
 class AttentionMetadataBuilder:
-    """Turns :class:`CommonAttentionMetadata` into a backend's own metadata.
+    """Turns :class:`CommonAttentionMetadata` into a backend's own metadata (default: unchanged).
 
-    One builder exists per micro-batch, so persistent buffers kept by a builder
-    (for CUDA graphs) never collide. The default ``build`` returns the common
-    metadata unchanged.
+    One builder exists per micro-batch, so a builder's persistent buffers never collide.
     """
 
     #: Set to True to receive ``block_table_width`` (columns of the block table).
@@ -80,9 +74,8 @@ class AttentionMetadataBuilder:
 class AttentionBackend:
     """Base class of attention backends: the protocol every backend implements.
 
-    A subclass sets a non-empty str ``name`` and overrides :meth:`forward`;
-    ``register()`` refuses a class that does not. ``get_builder_cls()`` may
-    return a builder that turns the common metadata into the backend's own.
+    A subclass sets a non-empty str ``name`` and overrides :meth:`forward` (``register()``
+    refuses it otherwise); ``get_builder_cls()`` may return its metadata builder.
     """
 
     name: ClassVar[str]
@@ -123,7 +116,8 @@ class AttentionBackend:
         :returns: the attention output, ``[tokens, q_heads, head_size_v]``.
         """
         raise NotImplementedError(
-            f"{AttentionBackend.__qualname__}.forward is the protocol; an attention backend overrides it"
+            f"{AttentionBackend.__qualname__}.forward is the protocol; an attention backend "
+            "overrides it"
         )
 
 

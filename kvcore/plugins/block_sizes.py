@@ -1,16 +1,12 @@
-"""Block-size negotiation for standalone callers (SPEC §3).
+"""Block-size negotiation for standalone callers (SPEC §3), each call through one ``HookAnswers``.
 
-The scheduler hands out manager blocks; a kernel may only take smaller
-blocks, so each manager block is split into kernel blocks of a size every
-backend of a group accepts. What a backend accepts comes from the
-``kvcore_supported_kernel_block_sizes`` hook, never from the backend class.
-Each function here negotiates through :mod:`kvcore.plugins.negotiation`
-(one ``HookAnswers`` per call), then reads the answer; ``KVCache.create``
-negotiates once for its whole plan and keeps the record.
+A manager block is split into kernel blocks of a size every backend of a group accepts, as the
+``kvcore_supported_kernel_block_sizes`` hook declares (``KVCache.create`` negotiates once).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -18,19 +14,11 @@ import pluggy
 
 from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig
-from kvcore.plugins.answers import HookAnswers, label
+from kvcore.memory.layout import split_ratio
+from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.negotiation import group_kernel_block_size, splits_by_backends
-from kvcore.plugins.selection import get_block_table_width, pick_common_block_size
 from kvcore.specs import KVCacheSpec, MultipleOf
-
-__all__ = [
-    "customize_attention_spec",
-    "get_block_table_width",
-    "prepare_kernel_block_sizes",
-    "select_common_block_size",
-    "supported_kernel_block_sizes",
-]
 
 
 def supported_kernel_block_sizes(
@@ -53,14 +41,14 @@ def select_common_block_size(
 ) -> int:
     """The kernel block size shared by ``backends`` for ``kv_manager_block_size``-token blocks.
 
-    The manager size itself when every backend accepts it; else the largest
-    explicit ``int`` size offered by any backend that divides the manager size
-    and that every backend accepts (``MultipleOf`` answers never add
-    candidates). No backends: the manager size.
+    The manager size when every backend accepts it, else the largest offered ``int`` dividing it
+    that every backend accepts.
     """
     manager = positive_int("kv_manager_block_size", kv_manager_block_size)
     if isinstance(backends, (str, type)):
-        raise TypeError(f"backends must be a list of backends, got {backends!r}; wrap it: [{backends!r}]")
+        raise TypeError(
+            f"backends must be a list of backends, got {backends!r}; wrap it: [{backends!r}]"
+        )
     answers = HookAnswers(plugin_manager)
     classes = [answers.backend(b) for b in backends]
     specs = [None] * len(classes) if kv_cache_specs is None else list(kv_cache_specs)
@@ -69,8 +57,7 @@ def select_common_block_size(
             f"kv_cache_specs has {len(specs)} entries for {len(classes)} backends; "
             "pass one spec (or None) per backend"
         )
-    offers = [(label(b), answers.kernel_block_sizes(b, s)) for b, s in zip(classes, specs)]
-    return pick_common_block_size(manager, offers)
+    return answers.common_block_size(manager, list(zip(classes, specs)))
 
 
 def customize_attention_spec(
@@ -81,10 +68,7 @@ def customize_attention_spec(
 ) -> KVCacheSpec:
     """``spec`` as ``backend`` stores it: the plugin's changes, then block-stride alignment.
 
-    When every size the backend takes is a fixed ``int`` (so manager blocks may
-    be split into kernel blocks) and the spec asks no alignment yet, it gets
-    ``block_stride_alignment=MultipleOf(max(sizes))``: packed blocks must then
-    keep whole kernel blocks.
+    A backend taking only ``int`` sizes aligns blocks to ``MultipleOf(max(sizes))``.
     """
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
@@ -98,15 +82,7 @@ def prepare_kernel_block_sizes(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> list[int]:
-    """The kernel block size of every KV cache group, in order.
-
-    Encoder-only groups are skipped (they hold no pages). State caches, specs
-    without layer views and specs with one state per block keep their block
-    size. Attention groups take :func:`select_common_block_size` over their
-    backends, except groups with a block-outermost packed tensor (block
-    stride above layer stride): those keep the manager size and their
-    backends map their own kernel tables.
-    """
+    """The kernel block size of every KV cache group with pages, in order."""
     answers = HookAnswers(plugin_manager)
     out: list[int] = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -123,3 +99,25 @@ def prepare_kernel_block_sizes(
         if size is not None:
             out.append(size)
     return out
+
+
+def get_block_table_width(
+    max_num_blocks: int,
+    block_size: int,
+    kernel_block_size: int | None = None,
+    *,
+    token_alignment: int | None = 128,
+) -> int:
+    """Columns of a block table row, as vLLM sizes them.
+
+    Manager blocks rounded up to a multiple of ``token_alignment`` tokens, times the split ratio:
+    ``get_block_table_width(1875, 64) == 1876``, ``(5, 48) == 8``.
+    """
+    max_num_blocks = positive_int("max_num_blocks", max_num_blocks)
+    block_size = positive_int("block_size", block_size)
+    ratio = split_ratio(block_size, kernel_block_size)
+    if token_alignment is not None:
+        token_alignment = positive_int("token_alignment", token_alignment)
+        unit = math.lcm(block_size, token_alignment) // block_size
+        max_num_blocks = -(-max_num_blocks // unit) * unit
+    return max_num_blocks * ratio

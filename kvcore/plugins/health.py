@@ -1,17 +1,10 @@
-"""The plugin health check behind ``kvcore plugins``.
-
-Every hook of every registered backend is asked once about one
-representative full-attention spec; a hook that raises or answers the wrong
-type makes the plugin at fault ``unhealthy`` with that error. Each plugin's
-record also shows what its backends declare: kernel block sizes and layouts;
-:func:`requirements_json` and :func:`auto_picks` add their kernel
-requirements and what ``"auto"`` picks on the CPU (and CUDA, when present).
-"""
+"""The plugin health check behind ``kvcore plugins``: every hook of every backend, asked once."""
 
 from __future__ import annotations
 
 from typing import Any
 
+import attrs
 import pluggy
 import torch
 
@@ -30,19 +23,12 @@ REPRESENTATIVE_SPEC = FullAttentionSpec(16, 8, 128, torch.bfloat16)
 BAD_STATUSES = ("failed", "conflict", "unhealthy")
 
 
-def _size_json(size: int | MultipleOf) -> int | dict[str, int]:
-    """A declared kernel block size as JSON: ``16``, or ``{"multiple_of": 16}``."""
-    return {"multiple_of": size.base} if isinstance(size, MultipleOf) else size
-
-
 def check_plugins(
     plugin_manager: pluggy.PluginManager | None = None, answers: HookAnswers | None = None
 ) -> list[PluginInfo]:
-    """:func:`~kvcore.plugins.registry.list_plugins`, with every backend's hooks asked once.
+    """:func:`~kvcore.plugins.registry.list_plugins`, with what each backend declares.
 
-    Each record's ``kernel_block_sizes`` and ``layouts`` map its backends to
-    what they declare for :data:`REPRESENTATIVE_SPEC` (layouts ``None``: any).
-    Pass ``answers`` to read the kernel requirements from it afterwards.
+    A hook that raises or answers the wrong type marks its plugin ``unhealthy``.
     """
     pm = resolve_plugin_manager(plugin_manager)
     infos = list_plugins(pm)
@@ -52,35 +38,28 @@ def check_plugins(
     except PluginError:
         entries = {}  # NOTE: list_plugins already marked the plugin that failed
     answers = HookAnswers(pm) if answers is None else answers
+    spec = REPRESENTATIVE_SPEC
     for name, found in entries.items():
         for backend, owner in found:
-            info = by_name.get(owner)
-            if info is None:
+            if owner not in by_name:
                 continue
             try:
-                sizes = answers.kernel_block_sizes(backend, REPRESENTATIVE_SPEC)
-                layouts = answers.stated_layouts(backend, REPRESENTATIVE_SPEC)
-                answers.customized_spec(backend, REPRESENTATIVE_SPEC)
-                answers.requirements(backend, REPRESENTATIVE_SPEC)
-                answers.priority(backend, REPRESENTATIVE_SPEC, torch.device("cpu"))
+                sizes = answers.kernel_block_sizes(backend, spec)
+                layouts = answers.stated_layouts(backend, spec)
+                answers.customized_spec(backend, spec)
+                answers.requirements(backend, spec)
+                answers.priority(backend, spec, torch.device("cpu"))
             except PluginError as exc:
-                _mark_unhealthy(by_name, getattr(exc, "plugin_name", None) or owner, str(exc))
+                culprit = by_name.get(getattr(exc, "plugin_name", None) or owner)
+                if culprit is not None:
+                    status = "unhealthy" if culprit.status == "loaded" else culprit.status
+                    culprit.flag(status, str(exc))
                 continue
-            info.kernel_block_sizes[name] = [_size_json(s) for s in sizes]
-            info.layouts[name] = None if layouts is None else [x.name for x in layouts]
+            by_name[owner].kernel_block_sizes[name] = [
+                {"multiple_of": s.base} if isinstance(s, MultipleOf) else s for s in sizes
+            ]
+            by_name[owner].layouts[name] = None if layouts is None else [x.name for x in layouts]
     return infos
-
-
-def _mark_unhealthy(by_name: dict[str, PluginInfo], culprit: str, message: str) -> None:
-    info = by_name.get(culprit)
-    if info is None:  # several wrappers were named together
-        info = next((i for n, i in by_name.items() if n in culprit), None)
-    if info is None:
-        return
-    if info.status == "loaded":
-        info.status = "unhealthy"
-    if message not in (info.error or ""):
-        info.error = "; ".join(filter(None, [info.error, message]))
 
 
 def is_healthy(infos: list[PluginInfo]) -> bool:
@@ -88,15 +67,15 @@ def is_healthy(infos: list[PluginInfo]) -> bool:
     return not any(info.status in BAD_STATUSES for info in infos)
 
 
+def _dtype_name(value: Any) -> Any:
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+
 def requirements_json(req: KernelRequirements) -> dict[str, Any]:
     """A backend's requirements as JSON values (None: no rule)."""
-    return {
-        "devices": None if req.devices is None else list(req.devices),
-        "dtypes": None if req.dtypes is None else [str(d).removeprefix("torch.") for d in req.dtypes],
-        "head_sizes": None if req.head_sizes is None else list(req.head_sizes),
-        "max_stride_elements": req.max_stride_elements,
-        "alignment_bytes": req.alignment_bytes,
-    }
+    return attrs.asdict(
+        req, filter=lambda a, _: a.name != "note", value_serializer=lambda _, __, v: _dtype_name(v)
+    )
 
 
 def describe_requirements(req: KernelRequirements) -> str:
@@ -105,9 +84,15 @@ def describe_requirements(req: KernelRequirements) -> str:
     if req.devices is not None:
         parts.append("devices " + ", ".join(req.devices))
     if req.dtypes is not None:
-        parts.append("dtypes " + ", ".join(str(d).removeprefix("torch.") for d in req.dtypes))
+        parts.append("dtypes " + ", ".join(_dtype_name(d) for d in req.dtypes))
     if req.head_sizes is not None:
-        parts.append("head sizes " + _ranges(req.head_sizes))
+        runs: list[list[int]] = []
+        for v in sorted(set(req.head_sizes)):
+            if runs and v == runs[-1][1] + 1:
+                runs[-1][1] = v
+            else:
+                runs.append([v, v])
+        parts.append("head sizes " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs))
     if req.max_stride_elements is not None:
         parts.append(f"strides below {req.max_stride_elements} elements")
     if req.alignment_bytes > 1:
@@ -115,37 +100,12 @@ def describe_requirements(req: KernelRequirements) -> str:
     return "; ".join(parts) or "none"
 
 
-def _ranges(values: tuple[int, ...]) -> str:
-    runs: list[list[int]] = []
-    for v in sorted(set(values)):
-        if runs and v == runs[-1][1] + 1:
-            runs[-1][1] = v
-        else:
-            runs.append([v, v])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def auto_picks(answers: HookAnswers) -> dict[str, str | None]:
-    """Device type -> the backend ``"auto"`` picks for :data:`REPRESENTATIVE_SPEC` (None: none can).
-
-    The CPU always; CUDA when this machine has it.
-    """
-    devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+    """Device type (CPU, and CUDA when present) -> what ``"auto"`` picks (None: nothing)."""
     out: dict[str, str | None] = {}
-    for device in devices:
+    for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         try:
             out[device] = choose_backend(answers, REPRESENTATIVE_SPEC, torch.device(device)).name
         except ValueError:  # NOTE: PluginError too; check_plugins already reported it
             out[device] = None
     return out
-
-
-__all__: list[Any] = [
-    "BAD_STATUSES",
-    "REPRESENTATIVE_SPEC",
-    "auto_picks",
-    "check_plugins",
-    "describe_requirements",
-    "is_healthy",
-    "requirements_json",
-]

@@ -1,10 +1,7 @@
 """The hooks through which kvcore consults attention-backend plugins.
 
-A plugin is a module (or object) with functions marked ``@kvcore.hookimpl``
-and named after the hooks below. kvcore never reads block sizes, layouts or
-spec changes off a backend class: it asks these hooks, through pluggy (so
-hook wrappers are honoured), and in ``KVCache.create`` at most once per
-distinct (backend, spec).
+A plugin is a module (or object) with functions marked ``@kvcore.hookimpl`` and named after the
+hooks below; kvcore never reads block sizes, layouts or spec changes off a backend class.
 """
 
 from __future__ import annotations
@@ -61,9 +58,7 @@ def kvcore_supported_kernel_block_sizes(
 
 
 @hookspec(firstresult=True)
-def kvcore_customize_spec(
-    backend: type[AttentionBackend], spec: KVCacheSpec
-) -> KVCacheSpec | None:
+def kvcore_customize_spec(backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec | None:
     """Adjust a layer's KV cache spec to what a backend stores (e.g. head padding).
 
     Stops at the first non-None result. The core default returns ``spec``

@@ -1,13 +1,7 @@
 """Holding a plan to its backends' ``KernelRequirements``, before anything is allocated.
 
-:func:`check_abilities` refuses a layer whose backend cannot run on the
-device, read its dtype or take its head size. :func:`plan_meeting_rules`
-resolves the layout, plans and negotiates; it checks every layer's kernel view
-(built over a ``meta`` buffer, so nothing is allocated) against its
-backend's stride and alignment rules. With no explicit layout, layouts
-breaking a rule are skipped (the first preferred one meeting every rule
-wins); otherwise :class:`~kvcore.errors.KernelRequirementError` names the
-backend, layer, rule, value and a remedy.
+With no explicit layout the first preferred layout whose kernel views meet every rule wins;
+otherwise :class:`~kvcore.errors.KernelRequirementError` names backend, layer, rule and remedy.
 """
 
 from __future__ import annotations
@@ -15,7 +9,6 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import attrs
 import torch
 
 from kvcore.errors import KernelRequirementError, PluginError
@@ -26,86 +19,68 @@ from kvcore.memory.views import allocate_kv_cache
 from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.auto import choose_backend, serves
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.kernel_views import to_kernel_blocks
 from kvcore.plugins.layouts import layout_candidates, requested_layout, resolve_kv_cache_layout
-from kvcore.plugins.negotiation import negotiate
-from kvcore.plugins.records import Negotiation
+from kvcore.plugins.negotiation import Negotiation, negotiate, to_kernel_blocks
 from kvcore.specs import AttentionSpec, KVCacheSpec
 
 Backends = Mapping[str, type[AttentionBackend]]
-
-
-@attrs.frozen
-class Violation:
-    """One kernel view breaking one rule of its backend."""
-
-    backend: str
-    layer: str
-    rule: str
-    value: int
-    needed: str
-
-    def describe(self, layout: KVCacheLayout) -> str:
-        return (
-            f"backend {self.backend!r} cannot read layer {self.layer!r} in layout {layout.name}: "
-            f"rule {self.rule} needs {self.needed}, got {self.value}"
-        )
+Specs = Mapping[str, KVCacheSpec]
 
 
 def check_abilities(
-    answers: HookAnswers, specs: Mapping[str, KVCacheSpec], backends: Backends, device: torch.device
+    answers: HookAnswers, specs: Specs, backends: Backends, device: torch.device
 ) -> None:
     """Refuse a layer whose backend's requirements exclude the device, its dtype or head size."""
     for layer, backend in backends.items():
-        spec = specs[layer]
-        why = serves(answers, backend, spec, device)
+        why = serves(answers, backend, specs[layer], device)
         if why is None:
             continue
         try:
-            remedy = f"serve it with backend {label(choose_backend(answers, spec, device))!r} (or 'auto')"
+            other = choose_backend(answers, specs[layer], device)
+            remedy = f"serve it with backend {label(other)!r} (or 'auto')"
         except ValueError:
             remedy = "no registered backend can serve it there; use another device or dtype"
-        raise KernelRequirementError(f"backend {label(backend)!r} cannot serve layer {layer!r}: it {why}; {remedy}")
+        raise KernelRequirementError(
+            f"backend {label(backend)!r} cannot serve layer {layer!r}: it {why}; {remedy}"
+        )
 
 
 def kernel_views(config: KVCacheConfig, negotiation: Negotiation) -> dict[str, torch.Tensor]:
     """Every layer's kernel view of the plan, over a ``meta`` buffer (nothing allocated)."""
-    views = allocate_kv_cache(config, torch.device("meta"), None, negotiation.allocation_kernel_block_sizes)
-    for group in negotiation.groups:
-        for entry in group.backends:
-            if entry.kernel_block_stride:
-                rows = entry.kv_cache_spec.get_num_kernel_states(entry.kernel_block_size)
-                for name in entry.layer_names:
-                    views[name] = to_kernel_blocks(views[name], rows, entry.kernel_block_stride)
+    views = allocate_kv_cache(
+        config, torch.device("meta"), None, negotiation.allocation_kernel_block_sizes
+    )
+    for entry in (e for g in negotiation.groups for e in g.backends if e.kernel_block_stride):
+        rows = entry.kv_cache_spec.get_num_kernel_states(entry.kernel_block_size)
+        for name in entry.layer_names:
+            views[name] = to_kernel_blocks(views[name], rows, entry.kernel_block_stride)
     return views
 
 
-def first_violation(config: KVCacheConfig, negotiation: Negotiation) -> Violation | None:
+def first_violation(config: KVCacheConfig, negotiation: Negotiation) -> str | None:
     """The first kernel view of the plan that breaks its backend's stride or alignment rules."""
     entries = [e for g in negotiation.groups for e in g.backends if e.requirements.has_memory_rules]
-    if not entries:
-        return None
-    views = kernel_views(config, negotiation)
+    views = kernel_views(config, negotiation) if entries else {}
     for entry in entries:
         for name in entry.layer_names:
             view = views.get(name)
             if view is None or view.dim() != 4:
                 continue
+            size = view.element_size()
             found = entry.requirements.view_violation(
-                view.stride(), view.element_size(), view.storage_offset() * view.element_size()
+                view.stride(), size, view.storage_offset() * size
             )
             if found is not None:
-                return Violation(label(entry.backend), name, *found)
+                rule, value, needed = found
+                return (
+                    f"backend {label(entry.backend)!r} cannot read layer {name!r} in layout "
+                    f"{config.layout.name}: rule {rule} needs {needed}, got {value}"
+                )
     return None
 
 
-def _has_memory_rules(specs: Mapping[str, KVCacheSpec], backends: Backends, answers: HookAnswers) -> bool:
-    """Whether any layer's backend limits strides or alignment (its views must then be checked)."""
-    return any(answers.requirements(b, specs[n]).has_memory_rules for n, b in backends.items())
-
-
 def _plan(
-    specs: Mapping[str, KVCacheSpec],
+    specs: Specs,
     backends: Backends,
     answers: HookAnswers,
     layout: KVCacheLayout,
@@ -116,7 +91,7 @@ def _plan(
 
 
 def _meets(
-    specs: Mapping[str, KVCacheSpec],
+    specs: Specs,
     backends: Backends,
     answers: HookAnswers,
     layout: KVCacheLayout,
@@ -131,38 +106,58 @@ def _meets(
 
 
 def _remedy(
-    layer_specs: Mapping[str, KVCacheSpec],
+    layer_specs: Specs,
     backends: Backends,
     answers: HookAnswers,
     candidates: Sequence[KVCacheLayout],
-    skip: KVCacheLayout | None,
+    tried: Sequence[KVCacheLayout],
     budget: dict[str, Any],
 ) -> str:
-    """A layout, else a manager block size (with a layout), that meets every rule (error path only)."""
-    specs = {n: answers.customized_spec(backends[n], s) if n in backends else s for n, s in layer_specs.items()}
-    good = [lay for lay in candidates if lay is not skip and _meets(specs, backends, answers, lay, budget)]
+    """A layout, else a block size (with a layout), that meets every rule (error path only)."""
+
+    def customized(layers: Specs) -> Specs:
+        return {
+            n: answers.customized_spec(backends[n], s) if n in backends else s
+            for n, s in layers.items()
+        }
+
+    specs = customized(layer_specs)
+    good = [
+        lay
+        for lay in candidates
+        if lay not in tried and _meets(specs, backends, answers, lay, budget)
+    ]
     if good:
         return f"layout {good[0].name} meets every rule (pass layout={good[0].name!r} or None)"
     sizes = sorted({s.block_size for s in layer_specs.values() if isinstance(s, AttentionSpec)})
-    if len(sizes) == 1:
-        for size in (sizes[0] // 2, sizes[0] // 4, sizes[0] * 2, sizes[0] * 4):
-            try:
-                resized = {
+    for size in (
+        (sizes[0] // 2, sizes[0] // 4, sizes[0] * 2, sizes[0] * 4) if len(sizes) == 1 else ()
+    ):
+        try:
+            specs = customized(
+                {
                     n: s.copy_with_new_block_size(size) if isinstance(s, AttentionSpec) else s
                     for n, s in layer_specs.items()
                 }
-                specs = {n: answers.customized_spec(backends[n], s) if n in backends else s for n, s in resized.items()}
-            except ValueError:
-                continue
-            for lay in candidates:
-                if _meets(specs, backends, answers, lay, budget):
-                    return f"{size}-token blocks in layout {lay.name} meet every rule"
-    return "no layout or block size tried meets it; plan fewer blocks or serve these layers with another backend"
+            )
+        except ValueError:
+            continue
+        for lay in candidates:
+            if _meets(specs, backends, answers, lay, budget):
+                return f"{size}-token blocks in layout {lay.name} meet every rule"
+    return (
+        "no layout or block size tried meets it; plan fewer blocks or serve these layers with "
+        "another backend"
+    )
+
+
+def _has_memory_rules(specs: Specs, backends: Backends, answers: HookAnswers) -> bool:
+    return any(answers.requirements(b, specs[n]).has_memory_rules for n, b in backends.items())
 
 
 def plan_meeting_rules(
-    layer_specs: Mapping[str, KVCacheSpec],
-    specs: Mapping[str, KVCacheSpec],
+    layer_specs: Specs,
+    specs: Specs,
     backends: Backends,
     answers: HookAnswers,
     supported: Sequence[KVCacheLayout] | None,
@@ -171,23 +166,17 @@ def plan_meeting_rules(
 ) -> tuple[KVCacheLayout, KVCacheConfig, Negotiation]:
     """Resolve the layout, plan and negotiate so every kernel view meets its backend's rules.
 
-    ``layer_specs`` are the engine's specs, ``specs`` the customized ones;
-    ``budget`` holds ``available_memory``/``num_blocks`` for the planner.
+    ``layer_specs``: the engine's specs; ``specs``: the customized ones; ``budget``: the planner's.
     """
     candidates = layout_candidates([supported], specs.values())
-    explicit = requested_layout(layout)
-    strict = _has_memory_rules(specs, backends, answers)
-    if explicit is not None or not strict:
-        chosen = resolve_kv_cache_layout([supported], specs.values(), layout)
-        config, negotiation = _plan(specs, backends, answers, chosen, budget)
-        found = first_violation(config, negotiation)
-        if found is not None:
-            remedy = _remedy(layer_specs, backends, answers, candidates, chosen, budget)
-            raise KernelRequirementError(f"{found.describe(chosen)}; {remedy}")
-        return chosen, config, negotiation
-    first: tuple[KVCacheLayout, Violation] | None = None
+    explicit = requested_layout(layout) is not None
+    if explicit or not _has_memory_rules(specs, backends, answers):
+        tried = [resolve_kv_cache_layout([supported], specs.values(), layout)]
+    else:
+        tried = candidates
+    first: str | None = None
     error: ValueError | None = None
-    for candidate in candidates:
+    for candidate in tried:
         try:
             config, negotiation = _plan(specs, backends, answers, candidate, budget)
         except PluginError:
@@ -198,35 +187,28 @@ def plan_meeting_rules(
         found = first_violation(config, negotiation)
         if found is None:
             return candidate, config, negotiation
-        first = first or (candidate, found)
+        first = first or found
     if first is None:
         raise error  # type: ignore[misc]
-    remedy = _remedy(layer_specs, backends, answers, candidates, None, budget)
+    remedy = _remedy(layer_specs, backends, answers, candidates, tried, budget)
     names = ", ".join(c.name for c in candidates)
-    raise KernelRequirementError(
-        f"no layout of [{names}] meets every kernel rule: {first[1].describe(first[0])}; {remedy}"
-    )
+    prefix = "" if explicit else f"no layout of [{names}] meets every kernel rule: "
+    raise KernelRequirementError(f"{prefix}{first}; {remedy}")
 
 
 def layouts_meeting_rules(
-    specs: Mapping[str, KVCacheSpec],
+    specs: Specs,
     backends: Backends,
     answers: HookAnswers,
     supported: Sequence[KVCacheLayout] | None,
     budget: dict[str, Any],
 ) -> Sequence[KVCacheLayout] | None:
-    """``supported`` narrowed to layouts whose plan meets every rule (for a distributed agreement)."""
+    """``supported`` narrowed to layouts whose plan meets every rule (a distributed agreement)."""
     if not _has_memory_rules(specs, backends, answers):
         return supported
-    good = [c for c in layout_candidates([supported], specs.values()) if _meets(specs, backends, answers, c, budget)]
+    good = [
+        c
+        for c in layout_candidates([supported], specs.values())
+        if _meets(specs, backends, answers, c, budget)
+    ]
     return good or supported
-
-
-__all__ = [
-    "Violation",
-    "check_abilities",
-    "first_violation",
-    "kernel_views",
-    "layouts_meeting_rules",
-    "plan_meeting_rules",
-]

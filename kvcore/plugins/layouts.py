@@ -8,9 +8,8 @@ from collections.abc import Iterable, Mapping, Sequence
 import pluggy
 
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.plugins.answers import ALL_LAYOUTS, HookAnswers
+from kvcore.plugins.answers import HookAnswers, check_layouts
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.checks import check_layouts
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 DEFAULT_LAYOUT = KVCacheLayout.LBNHC
@@ -27,9 +26,9 @@ def supported_layouts(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> list[KVCacheLayout]:
-    """Layouts ``backend`` reads for ``spec``, most preferred first (all six if its plugin says None)."""
+    """Layouts ``backend`` reads for ``spec``, most preferred first (all six for None)."""
     answers = HookAnswers(plugin_manager)
-    return answers.layouts(answers.backend(backend), spec)
+    return answers.stated_layouts(answers.backend(backend), spec) or list(KVCacheLayout)
 
 
 def local_supported_layouts(
@@ -38,30 +37,18 @@ def local_supported_layouts(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> list[KVCacheLayout]:
-    """Layouts every backend of this worker reads, in the first choosy backend's order.
+    """Layouts every backend of this worker reads (all six when none is choosy).
 
-    This is one worker's entry of ``supported`` for :func:`resolve_kv_cache_layout`
-    (all six, in enum order, when no backend is choosy).
+    One worker's entry of ``supported`` for :func:`resolve_kv_cache_layout`.
     """
     specs = [None] * len(backends) if specs is None else list(specs)
     if len(specs) != len(backends):
-        raise ValueError(f"got {len(specs)} specs for {len(backends)} backends; pass one per backend")
+        raise ValueError(
+            f"got {len(specs)} specs for {len(backends)} backends; pass one per backend"
+        )
     answers = HookAnswers(plugin_manager)
     common = answers.common_layouts([(answers.backend(b), s) for b, s in zip(backends, specs)])
-    return list(ALL_LAYOUTS) if common is None else common
-
-
-def _flat_specs(specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec]) -> list[KVCacheSpec]:
-    values = specs.values() if isinstance(specs, Mapping) else specs
-    out: list[KVCacheSpec] = []
-    for spec in values:
-        if isinstance(spec, UniformTypeKVCacheSpecs):
-            out.extend(spec.kv_cache_specs.values())
-        elif isinstance(spec, KVCacheSpec):
-            out.append(spec)
-        else:
-            raise TypeError(f"specs must hold KVCacheSpec objects, got {spec!r}")
-    return out
+    return common or list(KVCacheLayout)
 
 
 def resolve_kv_cache_layout(
@@ -71,13 +58,9 @@ def resolve_kv_cache_layout(
 ) -> KVCacheLayout:
     """The layout to allocate with.
 
-    ``supported`` holds one list per worker, most preferred first (None: any
-    layout). Candidates are the layouts every worker supports, in the first
-    listing worker's order. When ``specs`` differ in (heads, states, page
-    bytes) only block-compact layouts can hold them, so candidates narrow to
-    those. An explicit request (``requested``, else ``KVCORE_KV_CACHE_LAYOUT``)
-    must be a candidate; otherwise the first candidate wins, as vLLM resolves
-    it; LBNHC only when no worker states a preference.
+    ``supported`` holds one list per worker, most preferred first (None: any layout).
+    An explicit request (``requested``, else ``KVCORE_KV_CACHE_LAYOUT``) must be one of
+    :func:`layout_candidates`; otherwise the first candidate wins, as vLLM resolves it.
     """
     candidates = layout_candidates(supported, specs)
     layout = requested_layout(requested)
@@ -108,14 +91,14 @@ def layout_candidates(
     supported: Sequence[Sequence[KVCacheLayout | str] | None],
     specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec] = (),
 ) -> list[KVCacheLayout]:
-    """The layouts :func:`resolve_kv_cache_layout` may pick, the one it picks by default first.
+    """The layouts :func:`resolve_kv_cache_layout` may pick, its default first.
 
-    Every worker's layouts, in the first listing worker's order, narrowed to
-    block-compact ones for mixed specs; LBNHC leads when no worker states a preference.
+    Only block-compact ones when ``specs`` differ in (heads, states, page bytes); LBNHC leads
+    when no worker states a preference.
     """
     stated = [check_layouts(w) for w in supported if w is not None]
     preference = bool(stated)
-    workers = stated or [list(ALL_LAYOUTS)]
+    workers = stated or [list(KVCacheLayout)]
     candidates = [layout for layout in workers[0] if all(layout in w for w in workers[1:])]
     if not candidates:
         raise ValueError(
@@ -123,9 +106,16 @@ def layout_candidates(
             + "; ".join(f"worker {i}: {_names(w)}" for i, w in enumerate(workers))
             + ". Use backends that share a layout on every worker."
         )
+    flat: list[KVCacheSpec] = []
+    for spec in specs.values() if isinstance(specs, Mapping) else specs:
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(f"specs must hold KVCacheSpec objects, got {spec!r}")
+        flat += (
+            spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
+        )
     shapes = {
         (s.num_heads, s.num_states, s.page_size_bytes)
-        for s in _flat_specs(specs)
+        for s in flat
         if s.has_layer_views and s.has_cache_pages
     }
     if len(shapes) > 1:

@@ -1,13 +1,7 @@
-"""Negotiation: the one place where ``KVCache.create`` asks the backend hooks.
+"""Negotiation: a plan and its backends' answers, turned into one frozen record per KV cache group.
 
-:class:`~kvcore.plugins.answers.HookAnswers` asks each hook at most once per
-distinct (backend, spec) and keeps the answer. :func:`negotiate` turns a
-plan and those answers into one frozen :class:`~kvcore.plugins.records.GroupNegotiation` per KV cache
-group — backends, the customized spec, the kernel block size, the split
-ratio of the views as allocated and each backend's kernel block stride —
-which the allocator, attention groups, metadata builders and zeroer then
-read instead of asking again. The public helpers of :mod:`kvcore.plugins.block_sizes` and
-:mod:`kvcore.plugins.layouts` are thin one-shot wrappers over the same code.
+Every later stage reads the :class:`Negotiation` and never asks the hooks again. A packed
+(block-outermost) cache keeps manager-block views, read through :func:`to_kernel_blocks`.
 """
 
 from __future__ import annotations
@@ -15,24 +9,81 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
+import torch
 
 from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.plan_groups import is_encoder_only
-from kvcore.plugins.answers import ALL_LAYOUTS, HookAnswers, key_of, label
+from kvcore.plugins.answers import HookAnswers, key_of, label
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.kernel_views import packed_kernel_stride
-from kvcore.plugins.records import BackendNegotiation, GroupNegotiation, Negotiation
-from kvcore.plugins.selection import pick_common_block_size
+from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec
 
 
-def can_split(spec: KVCacheSpec) -> bool:
-    """Whether manager blocks of ``spec`` may be split into kernel blocks.
+@attrs.frozen
+class BackendNegotiation:
+    """One attention group's answer: its backend, layers, spec and kernel blocks.
 
-    Only attention pages whose state count grows with the block size can; a
-    spec storing one state per block (``tokens_per_state <= 0``) keeps whole blocks.
+    ``kernel_block_size`` is None when kernel blocks equal manager blocks.
+    ``kernel_block_stride`` is 0 when the kernel blocks of manager block ``b`` are
+    ``b * ratio + j`` (dense pages), else the kernel pages between two blocks of a packed
+    cache (``b * stride + j``). ``requirements``: the backend's ``kvcore_kernel_requirements``.
     """
+
+    backend: type[AttentionBackend]
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+    group_kernel_block_size: int | None
+    kernel_block_size: int | None = None
+    kernel_block_stride: int = 0
+    requirements: KernelRequirements = NO_REQUIREMENTS
+
+
+@attrs.frozen
+class GroupNegotiation:
+    """What one KV cache group was negotiated to.
+
+    ``kernel_block_size`` is the group's (None for a group without pages); ``ratio`` is how
+    many consecutive rows of each view *as allocated* make one manager block (> 1 only for a
+    dense group split at allocation).
+    """
+
+    group_id: int
+    layer_names: tuple[str, ...]
+    kv_cache_spec: KVCacheSpec
+    kernel_block_size: int | None
+    ratio: int
+    backends: tuple[BackendNegotiation, ...]
+
+
+@attrs.frozen
+class Negotiation:
+    """One :class:`GroupNegotiation` per KV cache group of a plan, in group order."""
+
+    groups: tuple[GroupNegotiation, ...]
+
+    @property
+    def kernel_block_sizes(self) -> list[int]:
+        """One kernel block size per group that has pages (``prepare_kernel_block_sizes``' list)."""
+        return [g.kernel_block_size for g in self.groups if g.kernel_block_size is not None]
+
+    @property
+    def allocation_kernel_block_sizes(self) -> list[int | None]:
+        """Per group, what ``allocate_kv_cache`` splits views by (None: keep blocks)."""
+        return [g.kernel_block_size if g.ratio > 1 else None for g in self.groups]
+
+    def rows_per_block(self) -> dict[str, int]:
+        """Layer name -> rows of its allocated view per manager block, for layers with pages."""
+        return {
+            name: g.ratio
+            for g in self.groups
+            if g.kernel_block_size is not None and g.kv_cache_spec.has_layer_views
+            for name in g.layer_names
+        }
+
+
+def can_split(spec: KVCacheSpec) -> bool:
+    """Whether ``spec``'s blocks split into kernel blocks (attention, states grow with size)."""
     return spec.has_layer_views and spec.is_attention and spec.tokens_per_state > 0
 
 
@@ -47,12 +98,7 @@ def is_packed(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
 
 
 def splits_by_backends(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
-    """Whether a group's kernel block size is chosen by its backends.
-
-    Groups without pages, state caches, one-state-per-block specs and packed
-    groups keep their manager block size (packed groups' backends may still
-    map their own kernel tables).
-    """
+    """Whether a group's kernel block size is chosen by its backends (splittable, not packed)."""
     return (
         not is_encoder_only(group)
         and can_split(group.spec_of(group.layer_names[0]))
@@ -68,23 +114,22 @@ def group_kernel_block_size(
 ) -> int | None:
     """The kernel block size of KV cache group ``group_id`` (None: the group has no pages)."""
     group = config.kv_cache_groups[group_id]
-    spec = group.kv_cache_spec
     if is_encoder_only(group):
         return None
     if not splits_by_backends(config, group):
-        return spec.block_size
-    offers = [(label(b), answers.kernel_block_sizes(b, s)) for b, s in pairs]
-    return pick_common_block_size(spec.block_size, offers)
+        return group.kv_cache_spec.block_size
+    return answers.common_block_size(group.kv_cache_spec.block_size, pairs)
 
 
-def _check_dense_split(config: KVCacheConfig, group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> None:
+def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> None:
     """A padded page cannot be split into kernel blocks: say who padded it (not the layout)."""
     spec = group.kv_cache_spec
     if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
         return
     padder = answers.padded_by.get(key_of(spec))
     who = (
-        f"backend {padder!r}'s kvcore_customize_spec padded" if padder is not None
+        f"backend {padder!r}'s kvcore_customize_spec padded"
+        if padder is not None
         else "the plan padded (to unify page sizes across layer types)"
     )
     raise ValueError(
@@ -104,10 +149,8 @@ def backend_groups(
 ) -> list[dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]]]:
     """Per KV cache group, (backend, spec) -> its layers, in config order.
 
-    ``customize=True`` customizes each layer's spec through the hooks;
-    False when the config was planned from customized specs. Attention layers
-    need a backend; state-cache layers without one are left out, and groups
-    without layer views get none.
+    ``customize``: customize each layer's spec through the hooks (False: the config was planned
+    from customized specs). State-cache layers without a backend are left out.
     """
     out = []
     for gid, group in enumerate(config.kv_cache_groups):
@@ -136,10 +179,7 @@ def negotiate(
 ) -> Negotiation:
     """One record per KV cache group of ``config``, planned from customized specs.
 
-    Each group's kernel block size, the split ratio of its views as
-    allocated and each backend's own kernel block size and stride are decided
-    here, once; a packed group a backend cannot split raises ``ValueError``
-    before anything is allocated.
+    A packed group a backend cannot split raises ``ValueError`` before anything is allocated.
     """
     records = []
     for gid, by_key in enumerate(backend_groups(config, layer_backends, answers, customize=False)):
@@ -148,39 +188,33 @@ def negotiate(
         packed = is_packed(config, group)
         entries = []
         for (backend, spec), names in by_key.items():
-            own, stride = None, 0
+            own, stride = (kernel if kernel != spec.block_size else None), 0
             if kernel is not None and packed and can_split(spec):
-                offer = [(label(backend), answers.kernel_block_sizes(backend, spec))]
-                own = pick_common_block_size(kernel, offer)
+                own = answers.common_block_size(kernel, [(backend, spec)])
                 if own == spec.block_size:
                     own = None
                 else:
                     tensor = next(t for t in config.kv_cache_tensors if names[0] in t.layers)
-                    stride = packed_kernel_stride(spec, tensor.block_stride, own, label(backend), names)
-            elif kernel is not None and kernel != spec.block_size:
-                own = kernel
-            entries.append(BackendNegotiation(
-                backend, tuple(names), spec, kernel, own, stride, answers.requirements(backend, spec)
-            ))
+                    stride = packed_kernel_stride(
+                        spec, tensor.block_stride, own, label(backend), names
+                    )
+            req = answers.requirements(backend, spec)
+            record = BackendNegotiation(backend, tuple(names), spec, kernel, own, stride, req)
+            entries.append(record)
         ratio = 1 if kernel is None or packed else group.kv_cache_spec.block_size // kernel
         if ratio > 1:
-            _check_dense_split(config, group, kernel, answers)
-        records.append(GroupNegotiation(
-            gid, tuple(group.layer_names), group.kv_cache_spec, kernel, ratio,
-            not is_encoder_only(group), tuple(entries),
-        ))
+            _check_dense_split(group, kernel, answers)
+        layers, spec = tuple(group.layer_names), group.kv_cache_spec
+        records.append(GroupNegotiation(gid, layers, spec, kernel, ratio, tuple(entries)))
     return Negotiation(tuple(records))
 
 
 def settle_kernel_block_size(
     record: BackendNegotiation, kernel_block_size: int, answers: Callable[[], HookAnswers]
 ) -> BackendNegotiation:
-    """``record`` for a KV cache group whose kernel block size is ``kernel_block_size``.
+    """``record`` for a group whose kernel block size is ``kernel_block_size``.
 
-    A negotiated record must agree (``ValueError`` otherwise) and is returned
-    as is; an unsettled one (a group made by hand) gets the backend's own
-    size: the largest it accepts that divides ``kernel_block_size`` (None when
-    that is the manager block size, or the spec keeps whole blocks).
+    A negotiated record must agree; a hand-made one gets the largest size its backend takes.
     """
     kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
     agreed = record.group_kernel_block_size
@@ -193,24 +227,39 @@ def settle_kernel_block_size(
         return record
     spec, own = record.kv_cache_spec, None
     if can_split(spec):
-        offer = [(label(record.backend), answers().kernel_block_sizes(record.backend, spec))]
-        own = pick_common_block_size(kernel_block_size, offer)
+        own = answers().common_block_size(kernel_block_size, [(record.backend, spec)])
         own = None if own == spec.block_size else own
     return attrs.evolve(record, group_kernel_block_size=kernel_block_size, kernel_block_size=own)
 
 
-__all__ = [
-    "ALL_LAYOUTS",
-    "BackendNegotiation",
-    "GroupNegotiation",
-    "HookAnswers",
-    "Negotiation",
-    "backend_groups",
-    "can_split",
-    "group_kernel_block_size",
-    "is_packed",
-    "label",
-    "negotiate",
-    "settle_kernel_block_size",
-    "splits_by_backends",
-]
+def packed_kernel_stride(
+    spec: KVCacheSpec, block_stride_bytes: int, kernel: int, backend: str, names: Sequence[str]
+) -> int:
+    """Kernel pages between two manager blocks of a packed cache, else ``ValueError``."""
+    rows = spec.get_num_kernel_states(kernel) if spec.tokens_per_state > 1 else 0
+    page = rows * spec.state_content_size_bytes
+    if spec.tokens_per_state <= 1 or spec.num_heads != 1 or block_stride_bytes % page:
+        raise ValueError(
+            f"{backend} needs {kernel}-token kernel blocks, which packed {spec.block_size}-token "
+            f"blocks of {list(names)} cannot be split into; use a manager block size of {kernel} "
+            "or a layer-compact layout such as LBNHC"
+        )
+    return block_stride_bytes // page
+
+
+def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch.Tensor:
+    """A manager-block view ``[B, H, N, C]`` as ``[pages, H, kernel_rows, C]`` kernel pages."""
+    page_stride = kernel_rows * view.stride(-2)
+    num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
+    return view.as_strided(
+        (num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
+        (page_stride, *view.stride()[1:]),
+    )
+
+
+def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: int) -> torch.Tensor:
+    """The inverse of :func:`to_kernel_blocks`: ``num_blocks`` manager blocks of ``rows`` states."""
+    return view.as_strided(
+        (num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
+        (view.stride(0) * stride, *view.stride()[1:]),
+    )

@@ -1,22 +1,10 @@
-"""Input checks for paged-attention entry points, shared by backends.
+"""Host-side input checks for paged-attention entry points, shared by backends.
 
-Backends validate their arguments on the host before any kernel runs, so a
-bad call raises ``TypeError``/``ValueError`` naming the argument and the
-accepted form, and nothing is half-written.
-
-Two kinds of checks:
-- shapes, dtypes and devices: always on (they read no device data);
-- values held in tensors (slot ranges, query offsets, block ids): they read
-  device memory, a host sync that would stall every layer of a GPU step and
-  break CUDA graph capture. They run only where :func:`value_checks` says so:
-  an explicit ``validate=True``/``False`` argument wins; else
-  ``KVCORE_DEBUG_CHECKS=1``/``0`` turns them on/off everywhere (any other value
-  is a ``ValueError``); else they run for CPU tensors (no device to wait for)
-  and are off on GPUs, where kernels skip out-of-range slots instead of
-  storing out of bounds. The switch is read where a call begins: a kernel
-  function called directly reads it through :class:`kvcore.settings.Settings`;
-  a backend's ``forward`` (per layer) reads no environment, it takes the
-  metadata's ``debug_checks`` (:func:`step_checks`), which ``KVCache.create`` read.
+Shapes, dtypes and devices are always checked (no device data is read). Checks of values held
+in tensors (slots, query offsets, block ids) read device memory, a host sync that would stall a
+GPU step and break CUDA graph capture: they run where :func:`value_checks` says so (on for CPU
+tensors, off on GPUs, where kernels skip out-of-range slots instead of storing out of bounds),
+unless ``validate=`` or ``KVCORE_DEBUG_CHECKS`` says otherwise.
 """
 
 from __future__ import annotations
@@ -28,15 +16,14 @@ import torch
 from kvcore.settings import Settings
 
 _INDEX_DTYPES = (torch.int32, torch.int64)
-#: Environment switch of the value checks (read when a backend is called, so tests and debuggers can flip it).
+#: Environment switch of the value checks.
 DEBUG_CHECKS_ENV = "KVCORE_DEBUG_CHECKS"
 
 
-def value_checks(validate: bool | None, device: torch.device, settings: Settings | None = None) -> bool:
-    """Whether checks that read tensor values (a device sync on GPUs) run for this call.
-
-    ``settings``: the caller's (``Settings.from_env()`` when None: a backend entry point is where a call begins).
-    """
+def value_checks(
+    validate: bool | None, device: torch.device, settings: Settings | None = None
+) -> bool:
+    """Whether checks that read tensor values run: ``validate``, else ``settings`` (or the env)."""
     if validate is not None:
         if not isinstance(validate, bool):
             raise TypeError(f"validate must be True, False or None, got {validate!r}")
@@ -45,11 +32,7 @@ def value_checks(validate: bool | None, device: torch.device, settings: Settings
 
 
 def step_checks(debug_checks: bool | None, device: torch.device) -> bool:
-    """Whether a backend's ``forward`` runs the value checks; reads no environment.
-
-    ``debug_checks``: the metadata's (``KVCORE_DEBUG_CHECKS`` as ``KVCache.create``
-    read it); None: on for CPU tensors, off on other devices (no sync).
-    """
+    """Whether ``forward`` runs the value checks, from the metadata's ``debug_checks``."""
     return device.type == "cpu" if debug_checks is None else debug_checks
 
 
@@ -59,15 +42,19 @@ def check_cache_view(
     head_size_v: int | None,
     dtypes: Collection[torch.dtype] | None = None,
 ) -> int:
-    """Validate a kernel-block view ``[B, H, N, C]``; return ``head_size_v``.
-
-    ``head_size_v=None`` means every content element after K is V.
-    ``dtypes`` restricts the view's dtype (default: any floating dtype).
-    """
+    """Validate a kernel-block view ``[B, H, N, C]``; return ``head_size_v`` (None: all after K)."""
     if not isinstance(kv_cache_view, torch.Tensor) or kv_cache_view.dim() != 4:
-        got = tuple(kv_cache_view.shape) if isinstance(kv_cache_view, torch.Tensor) else type(kv_cache_view).__name__
-        raise TypeError(f"kv_cache_view must be a 4-D [blocks, heads, block_size, content] tensor, got {got}")
-    accepted = kv_cache_view.is_floating_point() if dtypes is None else kv_cache_view.dtype in dtypes
+        got = (
+            tuple(kv_cache_view.shape)
+            if isinstance(kv_cache_view, torch.Tensor)
+            else type(kv_cache_view).__name__
+        )
+        raise TypeError(
+            f"kv_cache_view must be a 4-D [blocks, heads, block_size, content] tensor, got {got}"
+        )
+    accepted = (
+        kv_cache_view.is_floating_point() if dtypes is None else kv_cache_view.dtype in dtypes
+    )
     if not accepted:
         wanted = "a floating dtype" if dtypes is None else str([str(d) for d in dtypes])
         raise TypeError(
@@ -88,25 +75,46 @@ def check_cache_view(
     return head_size_v
 
 
-def check_tokens(name: str, tensor: torch.Tensor, tokens: int, heads: int, size: int, like: torch.Tensor) -> None:
+def check_tokens(
+    name: str, tensor: torch.Tensor, tokens: int, heads: int, size: int, like: torch.Tensor
+) -> None:
     """``tensor`` must be ``[tokens, heads, size]`` with ``like``'s dtype and device."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
     if tuple(tensor.shape) != (tokens, heads, size):
-        raise ValueError(f"{name} must have shape {(tokens, heads, size)}, got {tuple(tensor.shape)}")
+        raise ValueError(
+            f"{name} must have shape {(tokens, heads, size)}, got {tuple(tensor.shape)}"
+        )
     if tensor.dtype != like.dtype:
-        raise TypeError(f"{name} has dtype {tensor.dtype} but the KV cache holds {like.dtype}; cast it first")
-    if tensor.device != like.device:
-        raise ValueError(f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it")
+        raise TypeError(
+            f"{name} has dtype {tensor.dtype} but the KV cache holds {like.dtype}; cast it first"
+        )
+    _on_device_of(name, tensor, like)
 
 
-def check_index(name: str, tensor: torch.Tensor, dim: int, like: torch.Tensor | None = None) -> None:
-    """``tensor`` must be an int32/int64 tensor of ``dim`` dims (on ``like``'s device)."""
-    if not isinstance(tensor, torch.Tensor) or tensor.dim() != dim or tensor.dtype not in _INDEX_DTYPES:
-        got = f"{tensor.dtype} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
-        raise TypeError(f"{name} must be a {dim}-D int32 or int64 tensor, got {got}")
+def _on_device_of(name: str, tensor: torch.Tensor, like: torch.Tensor | None) -> None:
     if like is not None and tensor.device != like.device:
-        raise ValueError(f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it")
+        raise ValueError(
+            f"{name} is on {tensor.device} but the KV cache is on {like.device}; move it"
+        )
+
+
+def check_index(
+    name: str, tensor: torch.Tensor, dim: int, like: torch.Tensor | None = None
+) -> None:
+    """``tensor`` must be an int32/int64 tensor of ``dim`` dims (on ``like``'s device)."""
+    if (
+        not isinstance(tensor, torch.Tensor)
+        or tensor.dim() != dim
+        or tensor.dtype not in _INDEX_DTYPES
+    ):
+        got = (
+            f"{tensor.dtype} {tuple(tensor.shape)}"
+            if isinstance(tensor, torch.Tensor)
+            else type(tensor).__name__
+        )
+        raise TypeError(f"{name} must be a {dim}-D int32 or int64 tensor, got {got}")
+    _on_device_of(name, tensor, like)
 
 
 def check_kv_write(
@@ -119,10 +127,9 @@ def check_kv_write(
     *,
     check_slots: bool = True,
 ) -> int:
-    """Validate a write of ``key``/``value`` through ``slot_mapping``; return the view's slot count.
+    """Validate a write of ``key``/``value`` through ``slot_mapping``; return the view's slots.
 
-    With ``check_slots`` every slot must be below ``B * N`` (a device sync on
-    GPUs: pass ``value_checks(...)``); negative slots mark padding and always pass.
+    ``check_slots``: every slot must be below ``B * N`` (a device sync on GPUs); negative: padding.
     """
     head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
     check_cache_view(kv_cache_view, head_size, head_size_v, dtypes)
@@ -152,18 +159,19 @@ def check_heads_and_window(num_q_heads: int, num_kv_heads: int, sliding_window: 
 
 
 def check_batch(
-    query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor, num_tokens: int
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    num_tokens: int,
 ) -> tuple[list[int], list[int]]:
-    """Validate a varlen batch's values on the host; return ``(query_start_loc, seq_lens)`` as lists.
-
-    Reads the tensors (a device sync on GPUs): a value check, see :func:`value_checks`.
-    """
+    """Validate a varlen batch's values (a value check); return its starts and lengths."""
     check_batch_shapes(query_start_loc, seq_lens, block_table)
     starts = query_start_loc.tolist()
     lens = seq_lens.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens:
         raise ValueError(
-            f"query_start_loc must run from 0 to the {num_tokens} query tokens, got {starts[0]}..{starts[-1]}"
+            f"query_start_loc must run from 0 to the {num_tokens} query tokens, "
+            f"got {starts[0]}..{starts[-1]}"
         )
     for i, seq_len in enumerate(lens):
         q_len = starts[i + 1] - starts[i]
@@ -175,8 +183,12 @@ def check_batch(
     return starts, lens
 
 
-def check_batch_shapes(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
-                       like: torch.Tensor | None = None) -> int:
+def check_batch_shapes(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_table: torch.Tensor,
+    like: torch.Tensor | None = None,
+) -> int:
     """Index dtypes, dims and lengths of a varlen batch (no sync); return the request count."""
     check_index("block_table", block_table, 2, like)
     check_index("query_start_loc", query_start_loc, 1, like)
@@ -185,12 +197,15 @@ def check_batch_shapes(query_start_loc: torch.Tensor, seq_lens: torch.Tensor, bl
     if query_start_loc.shape[0] != num_reqs + 1 or block_table.shape[0] < num_reqs:
         raise ValueError(
             f"{num_reqs} requests need query_start_loc of length {num_reqs + 1} and a block "
-            f"table of at least {num_reqs} rows, got {query_start_loc.shape[0]} and {block_table.shape[0]}"
+            f"table of at least {num_reqs} rows, got {query_start_loc.shape[0]} and "
+            f"{block_table.shape[0]}"
         )
     return num_reqs
 
 
-def check_block_ids(block_table: torch.Tensor, seq_lens: list[int], block_size: int, num_blocks: int) -> None:
+def check_block_ids(
+    block_table: torch.Tensor, seq_lens: list[int], block_size: int, num_blocks: int
+) -> None:
     """Every block a request reads must exist: a value check (reads the table)."""
     needed = max((-(-n // block_size) for n in seq_lens), default=0)
     if needed > block_table.shape[1]:

@@ -1,11 +1,7 @@
-"""Building the plugin manager: entry points, environment switches, listings.
+"""Building the plugin manager from installed entry points, and looking backends up.
 
-Plugins are distributions declaring an entry point in group
-``kvcore.plugins``. :func:`get_plugin_manager` loads them one by one; one
-that fails is skipped with a :class:`~kvcore.errors.PluginWarning` (or raises
-:class:`~kvcore.errors.PluginError` under ``KVCORE_STRICT_PLUGINS=1``) and
-the others keep working. Environment variables are read when a manager is
-built, never at import.
+pluggy loads entry points one by one (blocked ones through ``set_blocked``); one that fails
+is skipped with a ``PluginWarning`` (raised under ``KVCORE_STRICT_PLUGINS=1``).
 """
 
 from __future__ import annotations
@@ -18,17 +14,19 @@ from typing import Any
 import attrs
 import pluggy
 
-from kvcore.plugins.backend import AttentionBackend
-from kvcore.settings import env_flag, env_names
 from kvcore.errors import PluginError, PluginWarning
+from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.hookspecs import CORE_PLUGIN_NAME, ENTRY_POINT_GROUP
 from kvcore.plugins.manager import (
     BackendTable,
     KVCorePluginManager,
     PluginInfo,
     collect_backends,
+    conflict_message,
     describe_plugin,
 )
+from kvcore.settings import env_flag, env_names
+
 
 @attrs.frozen
 class PluginSettings:
@@ -52,33 +50,35 @@ class PluginSettings:
 
 
 def get_plugin_manager(*, autoload: bool = True) -> KVCorePluginManager:
-    """A fresh plugin manager: hookspecs, core defaults, then installed plugins.
-
-    With ``autoload=False`` (or ``KVCORE_DISABLE_PLUGIN_AUTOLOAD=1``) no entry
-    point is imported; register in-process plugins with ``pm.register(obj)``.
-    """
+    """A fresh plugin manager: hookspecs, core defaults, then installed plugins (if autoload)."""
     return build_plugin_manager(PluginSettings.from_env(autoload=autoload))
 
 
 def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
-    """:func:`get_plugin_manager` with explicit settings instead of the environment.
-
-    Entry points load one by one through pluggy's ``load_setuptools_entrypoints``
-    (blocked names through ``set_blocked``), so a failure names its plugin.
-    """
+    """:func:`get_plugin_manager` with explicit settings instead of the environment."""
     pm = KVCorePluginManager(trace_calls=settings.trace)
     for name in settings.block:
         pm.set_blocked(name)
-    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
-        info = _info_of(ep.name, ep.value, ep.dist)
+    for ep in sorted(
+        importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name
+    ):
+        info = PluginInfo(
+            name=ep.name,
+            distribution=None if ep.dist is None else ep.dist.metadata["Name"] or ep.dist.name,
+            version=None if ep.dist is None else ep.dist.version,
+            entry_point=f"{ep.name} = {ep.value}",
+        )
         if info.name in pm.plugin_infos:
-            message = f"{info.describe()} is skipped: {pm.plugin_infos[info.name].describe()} has that name"
-            if settings.strict:
-                raise PluginError(message)
-            warnings.warn(message, PluginWarning, stacklevel=3)
+            _report(
+                f"{info.describe()} is skipped: {pm.plugin_infos[info.name].describe()} has "
+                "that name",
+                settings.strict,
+            )
             continue
         pm.plugin_infos[info.name] = info
-        if not settings.autoload or (settings.allow is not None and info.name not in settings.allow):
+        if not settings.autoload or (
+            settings.allow is not None and info.name not in settings.allow
+        ):
             info.status = "disabled"
         elif pm.is_blocked(info.name):
             info.status = "blocked"
@@ -90,79 +90,56 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
             f"KVCORE_PLUGINS names {missing} but no installed plugin has that entry point; "
             f"installed: {sorted(pm.plugin_infos)}"
         )
-        warnings.warn(pm.settings_problems[-1], PluginWarning, stacklevel=3)
-    try:
-        pm.check_pending()
-    except pluggy.PluginValidationError as exc:
-        name = pm.get_name(exc.plugin) or "?"
-        raise PluginError(f"{describe_plugin(pm, name)}: {exc}") from exc
+        _report(pm.settings_problems[-1], strict=False)
     for name, found in collect_backends(pm).conflicts().items():
-        owners = " and ".join(describe_plugin(pm, owner) for _, owner in found)
-        warnings.warn(
-            f"attention backend {name!r} is registered by {owners}; kvcore uses none of them until "
-            f"all but one are blocked with KVCORE_BLOCK_PLUGINS",
-            PluginWarning,
-            stacklevel=3,
-        )
+        _report(conflict_message(pm, name, [owner for _, owner in found]), strict=False)
     return pm
 
 
-def _info_of(name: str, value: str, dist: Any) -> PluginInfo:
-    return PluginInfo(
-        name=name,
-        distribution=None if dist is None else dist.metadata["Name"] or dist.name,
-        version=None if dist is None else dist.version,
-        entry_point=f"{name} = {value}",
-    )
+def _report(message: str, strict: bool, cause: BaseException | None = None) -> None:
+    if strict:
+        raise PluginError(message) from cause
+    warnings.warn(message, PluginWarning, stacklevel=4)
 
 
 def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
-    """Load and register entry point ``info.name`` through pluggy, then check it; on failure undo and report."""
+    """Load entry point ``info.name`` through pluggy and check it; on failure undo and report."""
     try:
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=info.name)
+        try:
+            pm.check_pending()  # NOTE: plugins loaded before passed it: a failure is this one's
+        except pluggy.PluginValidationError as exc:
+            known = sorted(name for name, caller in vars(pm.hook).items() if caller.has_spec())
+            raise PluginError(f"{info.describe()}: {exc}; kvcore's hooks are {known}") from exc
+        collect_backends(pm, only=info.name)
     except Exception as exc:
-        # NOTE: pluggy imports, then registers: a plugin it holds failed registration (bad hook signature)
-        loaded = pm.get_plugin(info.name) is not None or isinstance(exc, pluggy.PluginValidationError)
-        problem = f"could not be registered: {exc}" if loaded else (
-            f"failed to import, so none of its kvcore_* hooks run ({type(exc).__name__}: {exc})")
-        return _fail(pm, info, problem, strict, exc)
+        if isinstance(exc, PluginError):
+            problem = str(exc)
+        elif pm.get_plugin(info.name) is not None or isinstance(exc, pluggy.PluginValidationError):
+            # NOTE: pluggy imports, then registers: a plugin it holds failed registration
+            problem = f"{info.describe()} could not be registered: {exc}"
+        else:
+            problem = (
+                f"{info.describe()} failed to import, so none of its kvcore_* hooks run "
+                f"({type(exc).__name__}: {exc})"
+            )
+        if pm.get_plugin(info.name) is not None:
+            pm.unregister(name=info.name)
+        info.status, info.error = "failed", problem
+        if strict:
+            raise PluginError(problem) from exc
+        warnings.warn(f"{problem}; skipping it", PluginWarning, stacklevel=3)
+        return None
     plugin = pm.get_plugin(info.name)
-    for held, dist in pm.list_plugin_distinfo():
-        if held is plugin:  # NOTE: the distribution pluggy took the entry point from
-            info.distribution, info.version = dist.metadata["Name"] or dist.project_name, dist.version
-    unknown = [
-        c.name for c in pm.get_hookcallers(plugin) or []
-        if not c.has_spec() and not all(i.optionalhook for i in c.get_hookimpls())
-    ]
-    if unknown:
-        known = sorted(c.name for c in pm.hook.__dict__.values() if isinstance(c, pluggy.HookCaller) and c.has_spec())
-        problem = f"implements unknown hook(s) {unknown}; kvcore's hooks are {known}"
-        return _fail(pm, info, problem, strict, None)
     marked = {c.name for c in pm.get_hookcallers(plugin) or []}
     unmarked = sorted(n for n in dir(plugin) if n.startswith("kvcore_") and n not in marked)
     if unmarked:
-        warnings.warn(
+        _report(
             f"{info.describe()} defines {unmarked} without @kvcore.hookimpl; kvcore ignores them",
-            PluginWarning,
-            stacklevel=3,
+            strict=False,
         )
-    try:
-        collect_backends(pm, only=info.name)
-    except PluginError as exc:
-        return _fail(pm, info, str(exc), strict, exc, described=True)
     info.status = "loaded"
     return None
-
-
-def _fail(pm: KVCorePluginManager, info: PluginInfo, problem: str, strict: bool, cause: BaseException | None,
-          described: bool = False) -> None:
-    if pm.get_plugin(info.name) is not None:
-        pm.unregister(name=info.name)
-    message = problem if described else f"{info.describe()} {problem}"
-    info.status, info.error = "failed", message
-    if strict:
-        raise PluginError(message) from cause
-    warnings.warn(f"{message}; skipping it", PluginWarning, stacklevel=4)
 
 
 @functools.lru_cache(maxsize=1)
@@ -187,31 +164,23 @@ def resolve_plugin_manager(plugin_manager: pluggy.PluginManager | None) -> plugg
     return plugin_manager
 
 
-def get_backends(plugin_manager: pluggy.PluginManager | None = None) -> dict[str, type[AttentionBackend]]:
+def get_backends(
+    plugin_manager: pluggy.PluginManager | None = None,
+) -> dict[str, type[AttentionBackend]]:
     """Every registered backend by name; names two plugins registered are left out."""
-    pm = resolve_plugin_manager(plugin_manager)
-    return {name: cls for name, (cls, _) in collect_backends(pm).unambiguous().items()}
+    table = collect_backends(resolve_plugin_manager(plugin_manager))
+    return {name: cls for name, (cls, _) in table.unambiguous().items()}
 
 
-def get_backend(name: str, plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
-    """The backend class registered under ``name``.
-
-    A name registered by two plugins is ambiguous: ``PluginError`` naming both.
-    """
+def get_backend(
+    name: str, plugin_manager: pluggy.PluginManager | None = None
+) -> type[AttentionBackend]:
+    """The backend class registered under ``name`` (two plugins' name: ``PluginError``)."""
     pm = resolve_plugin_manager(plugin_manager)
     table = collect_backends(pm)
     found = table.entries.get(name, [])
     if len(found) > 1:
-        raise PluginError(
-            f"attention backend {name!r} is registered by "
-            + " and by ".join(describe_plugin(pm, owner) for _, owner in found)
-            + ("; kvcore uses neither. Block one with KVCORE_BLOCK_PLUGINS="
-               + f"{found[-1][1]} (or {found[0][1]}), or uninstall it"
-               if len(found) == 2 else
-               f"; kvcore uses none of them. Keep one: block the other {len(found) - 1} with "
-               f"KVCORE_BLOCK_PLUGINS={','.join(owner for _, owner in found[1:])} (or another choice), "
-               "or uninstall them")
-        )
+        raise PluginError(conflict_message(pm, name, [owner for _, owner in found]))
     if not found:
         raise ValueError(
             f"Unknown attention backend {name!r}. Registered: {sorted(table.unambiguous())}; "
@@ -220,7 +189,9 @@ def get_backend(name: str, plugin_manager: pluggy.PluginManager | None = None) -
     return found[0][0]
 
 
-def resolve_backend(backend: Any, plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
+def resolve_backend(
+    backend: Any, plugin_manager: pluggy.PluginManager | None = None
+) -> type[AttentionBackend]:
     """A backend class, given the class itself or its registered name."""
     if isinstance(backend, str):
         return get_backend(backend, plugin_manager)
@@ -232,17 +203,17 @@ def resolve_backend(backend: Any, plugin_manager: pluggy.PluginManager | None = 
 
 
 def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[PluginInfo]:
-    """One record per plugin: entry points in every state, then in-process plugins.
-
-    Plugins that register one backend name are both marked ``conflict``.
-    """
+    """One record per plugin: entry points in every state, then in-process plugins."""
     pm = resolve_plugin_manager(plugin_manager)
     infos = pm.plugin_infos if isinstance(pm, KVCorePluginManager) else {}
-    out = [attrs.evolve(i, hooks=[], backends=[], kernel_block_sizes={}, layouts={}) for i in infos.values()]
+    out = [
+        attrs.evolve(i, hooks=[], backends=[], kernel_block_sizes={}, layouts={})
+        for i in infos.values()
+    ]
     out += [
-        PluginInfo(name=name)
-        for name, _ in pm.list_name_plugin()
-        if name not in infos and name != CORE_PLUGIN_NAME
+        PluginInfo(name=n)
+        for n, _ in pm.list_name_plugin()
+        if n not in infos and n != CORE_PLUGIN_NAME
     ]
     by_name = {info.name: info for info in out}
     try:
@@ -251,21 +222,16 @@ def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[Plu
         table = BackendTable({})
         culprit = by_name.get(getattr(exc, "plugin_name", None))
         if culprit is not None:
-            culprit.status, culprit.error = "failed", str(exc)
+            culprit.flag("failed", str(exc))
     for name, found in table.conflicts().items():
         owners = [owner for _, owner in found]
         for owner in owners:
-            info = by_name[owner]
-            rivals = [o for o in owners if o != owner]
-            others = " and ".join(describe_plugin(pm, o) for o in rivals)
-            info.status = "conflict"
-            info.error = "; ".join(filter(None, [info.error, (
-                f"backend name {name!r} is also registered by {others}; neither is used. "
-                f"Block one: KVCORE_BLOCK_PLUGINS={','.join(rivals)} or KVCORE_BLOCK_PLUGINS={owner}"
-            )]))
+            by_name[owner].flag("conflict", conflict_message(pm, name, owners))
     for info in out:
         plugin = pm.get_plugin(info.name)
         if plugin is not None:
             info.hooks = sorted(c.name for c in pm.get_hookcallers(plugin) or [])
-            info.backends = sorted(n for n, found in table.entries.items() if any(o == info.name for _, o in found))
+            info.backends = sorted(
+                n for n, found in table.entries.items() if any(o == info.name for _, o in found)
+            )
     return out

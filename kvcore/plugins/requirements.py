@@ -1,24 +1,19 @@
 """What a backend's kernels need of the memory they read, beyond a block size.
 
-A backend states its rules through the ``kvcore_kernel_requirements`` hook as
-one :class:`KernelRequirements`. Two kinds of rule live there:
-
-- *ability*: the device types, cache dtypes and head sizes the kernels take
-  (checked by :func:`~kvcore.plugins.auto.select_backend` and ``KVCache.create``);
-- *memory*: the largest stride a kernel can index and the byte alignment of
-  every non-last stride and of each view's start (checked on every kernel
-  view of a plan, before anything is allocated).
+*Ability* rules (device types, cache dtypes, head sizes) decide which backend may serve a layer;
+*memory* rules (largest stride, byte alignment) are checked on every kernel view of a plan,
+before anything is allocated.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
 import torch
 
-from kvcore._validate import positive_int
+from kvcore._validate import attrs_optional_positive, attrs_positive, positive_int
 
 
 def _tuple_or_none(value: Any) -> tuple[Any, ...] | None:
@@ -31,56 +26,44 @@ def _tuple_or_none(value: Any) -> tuple[Any, ...] | None:
 
 def _device_types(value: Any) -> tuple[Any, ...] | None:
     items = _tuple_or_none(value)
-    if items is None:
-        return None
-    return tuple(d.type if isinstance(d, torch.device) and d.index is None else d for d in items)
+    return (
+        None
+        if items is None
+        else tuple(d.type if isinstance(d, torch.device) and d.index is None else d for d in items)
+    )
 
 
-def _check_devices(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
-    if value is None:
-        return
-    if not value:
-        raise ValueError("KernelRequirements.devices is empty; pass None for any device")
-    for item in value:
-        if not isinstance(item, str):
-            raise TypeError(f"KernelRequirements.devices must hold device type names such as 'cuda', got {item!r}")
-        try:
-            parsed = torch.device(item)
-        except (RuntimeError, ValueError):
-            parsed = None
-        if parsed is None or parsed.type != item or parsed.index is not None:
-            raise ValueError(
-                f"KernelRequirements.devices holds {item!r}, which is not a torch device type; "
-                "use names such as 'cuda' or 'cpu' (no index)"
-            )
+def _device_type(item: Any) -> None:
+    if not isinstance(item, str):
+        raise TypeError(
+            f"KernelRequirements.devices must hold device type names such as 'cuda', got {item!r}"
+        )
+    try:
+        parsed = torch.device(item)
+    except (RuntimeError, ValueError):
+        parsed = None
+    if parsed is None or parsed.type != item or parsed.index is not None:
+        raise ValueError(
+            f"KernelRequirements.devices holds {item!r}, which is not a torch device type; "
+            "use names such as 'cuda' or 'cpu' (no index)"
+        )
 
 
-def _check_dtypes(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
-    if value is None:
-        return
-    if not value:
-        raise ValueError("KernelRequirements.dtypes is empty; pass None for any dtype")
-    for item in value:
-        if not isinstance(item, torch.dtype):
-            raise TypeError(f"KernelRequirements.dtypes must hold torch dtypes, got {item!r}")
+def _dtype(item: Any) -> None:
+    if not isinstance(item, torch.dtype):
+        raise TypeError(f"KernelRequirements.dtypes must hold torch dtypes, got {item!r}")
 
 
-def _check_head_sizes(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
-    if value is None:
-        return
-    if not value:
-        raise ValueError("KernelRequirements.head_sizes is empty; pass None for any head size")
-    for item in value:
-        positive_int("KernelRequirements.head_sizes entry", item)
+def _each(check: Callable[[Any], Any]) -> Callable[[Any, Any, Any], None]:
+    """A validator of an optional non-empty tuple whose items pass ``check``."""
 
+    def validate(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
+        if value is not None and not value:
+            raise ValueError(f"KernelRequirements.{attribute.name} is empty; pass None for any")
+        for item in value or ():
+            check(item)
 
-def _check_optional_positive(inst: Any, attribute: Any, value: Any) -> None:
-    if value is not None:
-        positive_int(f"KernelRequirements.{attribute.name}", value)
-
-
-def _check_positive(inst: Any, attribute: Any, value: Any) -> None:
-    positive_int(f"KernelRequirements.{attribute.name}", value)
+    return validate
 
 
 @attrs.frozen(kw_only=True)
@@ -98,63 +81,69 @@ class KernelRequirements:
         (say, how to run the kernels elsewhere); None: nothing to add.
     """
 
-    devices: tuple[str, ...] | None = attrs.field(default=None, converter=_device_types, validator=_check_devices)
+    devices: tuple[str, ...] | None = attrs.field(
+        default=None, converter=_device_types, validator=_each(_device_type)
+    )
     dtypes: tuple[torch.dtype, ...] | None = attrs.field(
-        default=None, converter=_tuple_or_none, validator=_check_dtypes
+        default=None, converter=_tuple_or_none, validator=_each(_dtype)
     )
     head_sizes: tuple[int, ...] | None = attrs.field(
-        default=None, converter=_tuple_or_none, validator=_check_head_sizes
+        default=None,
+        converter=_tuple_or_none,
+        validator=_each(lambda item: positive_int("KernelRequirements.head_sizes entry", item)),
     )
-    max_stride_elements: int | None = attrs.field(default=None, validator=_check_optional_positive)
-    alignment_bytes: int = attrs.field(default=1, validator=_check_positive)
-    note: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
+    max_stride_elements: int | None = attrs.field(default=None, validator=attrs_optional_positive)
+    alignment_bytes: int = attrs.field(default=1, validator=attrs_positive)
+    note: str | None = attrs.field(
+        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
+    )
 
     @property
     def has_memory_rules(self) -> bool:
         """Whether kernel views must be checked (a stride limit or an alignment above 1)."""
         return self.max_stride_elements is not None or self.alignment_bytes > 1
 
-    def why_not(self, device_type: str | None, dtype: torch.dtype | None, head_size: int | None) -> str | None:
-        """Why kernels with these requirements cannot serve the case; None when they can.
-
-        A None argument is not checked (say, a state cache has no head size).
-        """
+    def why_not(
+        self, device_type: str | None, dtype: torch.dtype | None, head_size: int | None
+    ) -> str | None:
+        """Why kernels with these requirements cannot serve the case (None: they can)."""
         if device_type is not None and self.devices is not None and device_type not in self.devices:
             extra = f"; {self.note}" if self.note else ""
-            return f"runs on {'/'.join(self.devices)} only, not {device_type} (rule: devices){extra}"
+            return (
+                f"runs on {'/'.join(self.devices)} only, not {device_type} (rule: devices){extra}"
+            )
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            return f"takes cache dtypes {names}, not {str(dtype).removeprefix('torch.')} (rule: dtypes)"
-        if head_size is not None and self.head_sizes is not None and head_size not in self.head_sizes:
+            got = str(dtype).removeprefix("torch.")
+            return f"takes cache dtypes {names}, not {got} (rule: dtypes)"
+        if (
+            head_size is not None
+            and self.head_sizes is not None
+            and head_size not in self.head_sizes
+        ):
             return f"takes head sizes {list(self.head_sizes)}, not {head_size} (rule: head_sizes)"
         return None
 
     def view_violation(
         self, strides: Iterable[int], element_size: int, offset_bytes: int
     ) -> tuple[str, int, str] | None:
-        """The first memory rule a kernel view breaks, as (rule, value, what was needed).
-
-        ``strides`` are the view's strides in elements (of ``element_size``
-        bytes); ``offset_bytes`` is where the view starts in its allocation.
-        """
+        """The first memory rule a view breaks, as (rule, value, needed); strides in elements."""
         strides = list(strides)
-        if self.max_stride_elements is not None:
-            for stride in strides:
-                if stride >= self.max_stride_elements:
-                    return ("max_stride_elements", stride, f"every stride below {self.max_stride_elements} elements")
-        if self.alignment_bytes > 1:
-            for stride in strides[:-1]:
-                if (stride * element_size) % self.alignment_bytes:
-                    return (
-                        "alignment_bytes", stride * element_size,
-                        f"non-last strides in multiples of {self.alignment_bytes} bytes",
-                    )
-            if offset_bytes % self.alignment_bytes:
-                return ("alignment_bytes", offset_bytes, f"view offsets in multiples of {self.alignment_bytes} bytes")
+        limit, align = self.max_stride_elements, self.alignment_bytes
+        too_large = [s for s in strides if limit is not None and s >= limit]
+        if too_large:
+            return ("max_stride_elements", too_large[0], f"every stride below {limit} elements")
+        unaligned = [s * element_size for s in strides[:-1] if (s * element_size) % align]
+        if unaligned:
+            return (
+                "alignment_bytes",
+                unaligned[0],
+                f"non-last strides in multiples of {align} bytes",
+            )
+        if offset_bytes % align:
+            return ("alignment_bytes", offset_bytes, f"view offsets in multiples of {align} bytes")
         return None
 
 
 #: What a backend whose plugin states nothing is held to.
 NO_REQUIREMENTS = KernelRequirements()
-
-__all__ = ["KernelRequirements", "NO_REQUIREMENTS"]

@@ -1,7 +1,7 @@
 """Attention groups: the layers of one KV cache group served by one backend.
 
 A group is a read-only view of its negotiation record
-(:class:`~kvcore.plugins.records.BackendNegotiation`: backend, layers,
+(:class:`~kvcore.plugins.negotiation.BackendNegotiation`: backend, layers,
 spec, kernel block size and stride) plus the per-step buffers its backend
 needs (metadata builders, the persistent kernel block table). It maps the
 scheduler's manager block tables and cache views to the kernel blocks its
@@ -20,10 +20,14 @@ import torch
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
-from kvcore.plugins.kernel_views import packed_kernel_stride, to_kernel_blocks, to_manager_blocks
-from kvcore.plugins.negotiation import settle_kernel_block_size
-from kvcore.plugins.records import BackendNegotiation
-from kvcore.plugins.selection import get_block_table_width
+from kvcore.plugins.block_sizes import get_block_table_width
+from kvcore.plugins.negotiation import (
+    BackendNegotiation,
+    packed_kernel_stride,
+    settle_kernel_block_size,
+    to_kernel_blocks,
+    to_manager_blocks,
+)
 from kvcore.settings import Settings
 from kvcore.specs import KVCacheSpec
 
@@ -258,7 +262,7 @@ class AttentionGroup:
         A view already addressing kernel blocks (a dense group split at
         allocation) is returned as is. A packed cache addressed by manager
         blocks is viewed as kernel blocks, ``kernel_block_stride`` pages
-        apart (:func:`~kvcore.plugins.kernel_views.to_kernel_blocks`).
+        apart (:func:`~kvcore.plugins.negotiation.to_kernel_blocks`).
         """
         if self.kernel_block_size is None:
             raise ValueError(f"group {self.kv_cache_group_id} does not split blocks")

@@ -10,8 +10,7 @@ import torch
 from kvcore.memory.config import KVCacheConfig
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.negotiation import backend_groups
-from kvcore.plugins.records import Negotiation
+from kvcore.plugins.negotiation import Negotiation, backend_groups
 from kvcore.runtime.attn_group import AttentionGroup, flatten_attention_groups
 
 

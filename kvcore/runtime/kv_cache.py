@@ -4,7 +4,7 @@
 through its backend's hooks (once per distinct backend and spec), resolve
 the layout from the backends' stated layouts, plan, negotiate each KV cache
 group's kernel blocks from the plan and the answers already kept (one
-:class:`~kvcore.plugins.records.GroupNegotiation` per group), allocate
+:class:`~kvcore.plugins.negotiation.GroupNegotiation` per group), allocate
 (dense groups split into kernel blocks there), build the attention groups
 and their metadata builders from that record, map packed groups' kernel
 views, and build the zeroer over the views as allocated. The result is what
@@ -31,7 +31,7 @@ from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.auto import resolve_auto
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, plan_meeting_rules
-from kvcore.plugins.records import Negotiation
+from kvcore.plugins.negotiation import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.group_builder import attention_groups_from, map_kv_caches_to_kernel_blocks
