@@ -31,13 +31,9 @@ from kvcore.runtime.zeroer import kernel as zero_kernel
 from kvcore.runtime.zeroer import zeroer as zero_module
 from kvcore.specs import FullAttentionSpec
 
-__all__ = ["add_arguments", "collect", "run", "targets"]
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def _model(args: argparse.Namespace, layout: KVCacheLayout, device: torch.device):
-    spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, _DTYPES[args.dtype])
+    spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, getattr(torch, args.dtype))
     pool = args.pool_blocks or 2 * max(args.blocks)
     layers = [f"layers.{i}.attn" for i in range(args.layers)]
     strides = compute_layout_strides(spec, pool, len(layers), layout)
@@ -103,16 +99,17 @@ def collect(args: argparse.Namespace, device: torch.device | str) -> dict[str, A
 
 def _derive(row: dict[str, Any]) -> dict[str, Any]:
     """Add GB/s and the ratios of one row."""
-    def gbps(us: float | None) -> float | None:
-        return None if not us else row["bytes"] / us / 1e3
-
     for name in ("zeroer", "zero", "memset"):
-        row[f"{name}_gbps"] = gbps(row[f"{name}_us"])
+        row[f"{name}_gbps"] = _ratio(row["bytes"] / 1e3, row[f"{name}_us"])
     row["speedup_vs_loop"] = row["loop_us"] / row["zeroer_us"]
     row["speedup_vs_loop_wall"] = row["loop_wall_us"] / row["zeroer_wall_us"]
     row["bw_vs_zero"] = row["zero_us"] / row["zeroer_us"]
-    row["bw_vs_memset"] = row["memset_us"] / row["zeroer_us"] if row["memset_us"] else None
+    row["bw_vs_memset"] = _ratio(row["memset_us"], row["zeroer_us"])
     return row
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -122,28 +119,24 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     large = [r for r in rows if r["blocks"] >= 512]
     single = [r for r in rows if r["blocks"] == 1]
     checks = [
-        ("host time per call (us) at <= 64 blocks", small, "zeroer_host_us", "<=", 15.0),
-        ("speedup vs per-layer loop (wall) at <= 64 blocks", small, "speedup_vs_loop_wall", ">=", 100.0),
-        ("speedup vs per-layer loop (device) at <= 64 blocks", small, "speedup_vs_loop", ">=", 100.0),
-        ("bandwidth vs zero_() at >= 512 blocks", large, "bw_vs_zero", ">=", 1.1),
-        ("bandwidth vs memset at >= 512 blocks", large, "bw_vs_memset", ">=", 0.93),
-        ("one block (host list, as begin_step): time / memset time", single, "list_memset", "<=", 1.15),
-        ("one block (device ids): time / memset time", single, "memset_us", "<=", 1.15),
-        ("one block: time / empty launch time", single, "empty", "<=", 2.0),
+        ("host time per call (us) at <= 64 blocks", small, "<=", 15.0,
+         lambda r: r.get("zeroer_host_us")),
+        ("speedup vs per-layer loop (wall) at <= 64 blocks", small, ">=", 100.0,
+         lambda r: r["speedup_vs_loop_wall"]),
+        ("speedup vs per-layer loop (device) at <= 64 blocks", small, ">=", 100.0,
+         lambda r: r["speedup_vs_loop"]),
+        ("bandwidth vs zero_() at >= 512 blocks", large, ">=", 1.1, lambda r: r["bw_vs_zero"]),
+        ("bandwidth vs memset at >= 512 blocks", large, ">=", 0.93, lambda r: r["bw_vs_memset"]),
+        ("one block (host list, as begin_step): time / memset time", single, "<=", 1.15,
+         lambda r: _ratio(r["zeroer_list_us"], r["memset_us"])),
+        ("one block (device ids): time / memset time", single, "<=", 1.15,
+         lambda r: _ratio(r["zeroer_us"], r["memset_us"])),
+        ("one block: time / empty launch time", single, "<=", 2.0,
+         lambda r: _ratio(r["zeroer_us"], result["empty_launch_us"])),
     ]
     out = []
-    for name, subset, key, op, bound in checks:
-        values = []
-        for r in subset:
-            if key == "empty":
-                values.append(r["zeroer_us"] / result["empty_launch_us"] if result["empty_launch_us"] else None)
-            elif key == "list_memset":
-                values.append(r["zeroer_list_us"] / r["memset_us"] if r["memset_us"] else None)
-            elif key == "memset_us":
-                values.append(r["zeroer_us"] / r["memset_us"] if r["memset_us"] else None)
-            else:
-                values.append(r.get(key))
-        values = [v for v in values if v is not None]
+    for name, subset, op, bound, value in checks:
+        values = [v for v in map(value, subset) if v is not None]
         worst = (min(values) if op == ">=" else max(values)) if values else None
         met = None if worst is None else (worst >= bound if op == ">=" else worst <= bound)
         out.append({"target": name, "bound": f"{op} {bound}", "worst": worst, "met": met})
@@ -180,7 +173,7 @@ def _print_table(result: dict[str, Any]) -> None:
     print(render(bandwidth, [[
         r["layout"], str(r["blocks"]), _fmt(r["zeroer_gbps"], ".0f"), _fmt(r["zero_gbps"], ".0f"),
         _fmt(r["memset_gbps"], ".0f"), _fmt(r["bw_vs_zero"], ".2f"), _fmt(r["bw_vs_memset"], ".2f"),
-        _fmt(r["memset_us"] / r["zeroer_list_us"] if r["memset_us"] else None, ".2f"),
+        _fmt(_ratio(r["memset_us"], r["zeroer_list_us"]), ".2f"),
     ] for r in rows], title="bandwidth (device time; list: the call with a host list of ids)", width=width))
     print()
     checks = [Column("target", wrap=True), Column("bound"), Column("measured", right=True), Column("met")]
