@@ -33,11 +33,13 @@ from kvcore.specs import FullAttentionSpec
 
 
 def _model(args: argparse.Namespace, layout: KVCacheLayout, device: torch.device):
-    spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, getattr(torch, args.dtype))
+    dtype = getattr(torch, args.dtype)
+    spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, dtype)
     pool = args.pool_blocks or 2 * max(args.blocks)
     layers = [f"layers.{i}.attn" for i in range(args.layers)]
-    strides = compute_layout_strides(spec, pool, len(layers), layout)
-    tensor = KVCacheTensor(pool * len(layers) * spec.page_size_bytes, layers, strides[0], strides[1])
+    layer_stride, block_stride = compute_layout_strides(spec, pool, len(layers), layout)[:2]
+    tensor = KVCacheTensor(pool * len(layers) * spec.page_size_bytes, layers, layer_stride,
+                           block_stride)
     config = KVCacheConfig(pool, [tensor], [KVCacheGroupSpec(layers, spec)], layout)
     kv = allocate_kv_cache(config, device)
     zeroer = KVBlockZeroer.from_views(device, {name: (kv[name], 1) for name in layers}, pool)
@@ -54,7 +56,8 @@ def collect(args: argparse.Namespace, device: torch.device | str) -> dict[str, A
     empty = empty_launch(device)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-        "model": {k: getattr(args, k) for k in ("layers", "kv_heads", "head_size", "block_size", "dtype")},
+        "model": {k: getattr(args, k)
+                  for k in ("layers", "kv_heads", "head_size", "block_size", "dtype")},
         "memset": memset[1] if memset else None,
         "empty_launch_us": timer.gpu_us(empty) if empty else None,
         "empty_launch_wall_us": timer.wall_us(empty) if empty else None,
@@ -149,37 +152,38 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 def _print_table(result: dict[str, Any]) -> None:
     width = terminal_width()
-    empty = result["empty_launch_us"]
-    rows = result["rows"]
-    times = [Column("layout"), Column("blocks", right=True), Column("size", right=True)] + [
-        Column(h, right=True) for h in ("zeroer us", "host us", "wall us", "loop us", "x loop",
-                                        "x loop wall")
-    ]
-    print(render(times, [[
-        r["layout"], str(r["blocks"]), format_bytes(r["bytes"]), _fmt(r["zeroer_us"], ".2f"),
-        _fmt(r.get("zeroer_host_us"), ".2f"), _fmt(r["zeroer_wall_us"], ".2f"), _fmt(r["loop_us"]),
-        _fmt(r["speedup_vs_loop"]), _fmt(r["speedup_vs_loop_wall"]),
-    ] for r in rows], title=f"KV block zeroing on {result['device']}: time per call "
-                            f"(empty Triton launch {_fmt(empty, '.2f')} us)", width=width))
+
+    def table(title: str, headers: tuple[str, ...], cells: Any) -> None:
+        columns = [Column("layout")] + [Column(h, right=True) for h in headers]
+        rows = [[r["layout"], str(r["blocks"]), *cells(r)] for r in result["rows"]]
+        print(render(columns, rows, title=title, width=width))
+
+    table(f"KV block zeroing on {result['device']}: time per call (empty Triton launch "
+          f"{_fmt(result['empty_launch_us'], '.2f')} us)",
+          ("blocks", "size", "zeroer us", "host us", "wall us", "loop us", "x loop", "x loop wall"),
+          lambda r: [format_bytes(r["bytes"]), _fmt(r["zeroer_us"], ".2f"),
+                     _fmt(r.get("zeroer_host_us"), ".2f"), _fmt(r["zeroer_wall_us"], ".2f"),
+                     _fmt(r["loop_us"]), _fmt(r["speedup_vs_loop"]),
+                     _fmt(r["speedup_vs_loop_wall"])])
     print(textwrap.fill(
-        "zeroer: device time of one launch on device ids (CUDA events); host: the zeroer call with a list of "
-        "ids until it returns (no sync); wall: that call and a sync; loop: device time of "
-        "view[ids] = 0 per layer; x loop: loop time / zeroer time (device; wall)", width))
+        "zeroer: device time of one launch on device ids (CUDA events); host: the zeroer call "
+        "with a list of ids until it returns (no sync); wall: that call and a sync; loop: device "
+        "time of view[ids] = 0 per layer; x loop: loop time / zeroer time (device; wall)", width))
     print()
-    bandwidth = [Column("layout"), Column("blocks", right=True)] + [
-        Column(h, right=True) for h in ("zeroer GB/s", "zero_() GB/s", "memset GB/s",
-                                        "x zero_() bw", "x memset bw", "list x memset")
-    ]
-    print(render(bandwidth, [[
-        r["layout"], str(r["blocks"]), _fmt(r["zeroer_gbps"], ".0f"), _fmt(r["zero_gbps"], ".0f"),
-        _fmt(r["memset_gbps"], ".0f"), _fmt(r["bw_vs_zero"], ".2f"), _fmt(r["bw_vs_memset"], ".2f"),
-        _fmt(_ratio(r["memset_us"], r["zeroer_list_us"]), ".2f"),
-    ] for r in rows], title="bandwidth (device time; list: the call with a host list of ids)", width=width))
+    table("bandwidth (device time; list: the call with a host list of ids)",
+          ("blocks", "zeroer GB/s", "zero_() GB/s", "memset GB/s", "x zero_() bw", "x memset bw",
+           "list x memset"),
+          lambda r: [_fmt(r["zeroer_gbps"], ".0f"), _fmt(r["zero_gbps"], ".0f"),
+                     _fmt(r["memset_gbps"], ".0f"), _fmt(r["bw_vs_zero"], ".2f"),
+                     _fmt(r["bw_vs_memset"], ".2f"),
+                     _fmt(_ratio(r["memset_us"], r["zeroer_list_us"]), ".2f")])
     print()
-    checks = [Column("target", wrap=True), Column("bound"), Column("measured", right=True), Column("met")]
-    print(render(checks, [[t["target"], t["bound"], _fmt(t["worst"], ".2f"),
-                           {True: "yes", False: "NO", None: "-"}[t["met"]]] for t in result["targets"]],
-                 title="targets (worst row)", width=width))
+    checks = [Column("target", wrap=True), Column("bound"), Column("measured", right=True),
+              Column("met")]
+    met = {True: "yes", False: "NO", None: "-"}
+    rows = [[t["target"], t["bound"], _fmt(t["worst"], ".2f"), met[t["met"]]]
+            for t in result["targets"]]
+    print(render(checks, rows, title="targets (worst row)", width=width))
     if result["memset"] is None:
         print("memset column skipped: no cudaMemsetAsync / cuMemsetD8Async found")
 
@@ -191,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
             "--blocks zeroes in one call; allocate at least that many"
         )
     if not torch.cuda.is_available():
-        print("kvcore bench zero: needs a CUDA GPU (none found); run it on a GPU machine", file=sys.stderr)
+        print("kvcore bench zero: needs a CUDA GPU (none found); run it on a GPU machine",
+              file=sys.stderr)
         return 2
 
     # NOTE: tuning knobs override the library's module defaults for this process only.
@@ -200,7 +205,8 @@ def run(args: argparse.Namespace) -> int:
     if args.chunk_kib:
         zero_module.CHUNK_BYTES = args.chunk_kib << 10
     result = collect(args, torch.device("cuda"))
-    result["tuning"] = {"programs_per_sm": zero_kernel.PROGRAMS_PER_SM, "chunk_bytes": zero_module.CHUNK_BYTES}
+    result["tuning"] = {"programs_per_sm": zero_kernel.PROGRAMS_PER_SM,
+                        "chunk_bytes": zero_module.CHUNK_BYTES}
     if args.json_out:
         with open(args.json_out, "w") as fh:
             json.dump(result, fh, indent=2)

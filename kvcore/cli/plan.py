@@ -15,6 +15,8 @@ import textwrap
 from collections import Counter
 from typing import Any
 
+import attrs
+
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes, format_bytes_exact
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
@@ -168,18 +170,8 @@ def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
         "state_only": state_only,
         "sequence_capacity": config.sequence_capacity(1) if state_only else None,
         "groups": groups,
-        "tensors": [
-            {
-                "group": group_ids[t.layers[0]],
-                "num_layers": len(t.layers),
-                "layers": list(t.layers),
-                "size": t.size,
-                "offset": t.offset,
-                "layer_stride": t.layer_stride,
-                "block_stride": t.block_stride,
-            }
-            for t in tensors
-        ],
+        "tensors": [{"group": group_ids[t.layers[0]], "num_layers": len(t.layers), **attrs.asdict(t)}
+                    for t in tensors],
         "notes": _window_notes(groups),
         "warnings": _warnings(model, groups),
     }
