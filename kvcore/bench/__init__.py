@@ -1,15 +1,11 @@
 """Micro-benchmarks behind ``kvcore bench <name>``.
 
-Each benchmark module defines ``add_arguments(parser)`` and ``run(args) -> int``
-(an exit code). ``BENCHMARKS`` maps a name to its module; modules that are not
-installed are left out of the command line.
+Benchmark ``name`` is module ``kvcore.bench.<name>``: its options are in
+:mod:`kvcore.bench.options` (no torch) and its ``run(args) -> int`` returns the
+exit code. Modules that are not installed are left out of the command line.
 """
 
-BENCHMARKS: dict[str, str] = {
-    "zero": "kvcore.bench.zero",
-    "plan": "kvcore.bench.plan",
-    "transfer": "kvcore.bench.transfer",
-    "hf": "kvcore.bench.hf",
-    "pool": "kvcore.bench.pool",
-    "elastic": "kvcore.bench.elastic",
-}
+from kvcore.bench.options import ARGUMENTS
+
+#: Benchmark name -> its module, in the order ``kvcore bench --help`` lists them.
+BENCHMARKS: dict[str, str] = {name: f"{__name__}.{name}" for name in ARGUMENTS}

@@ -232,9 +232,7 @@ def hf_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory bandwidth of the roofline, TB/s" + _D)
     parser.add_argument("--device", type=device_arg, default=None,
                         help="torch device, cpu or cuda[:N] (default: cuda when present, else cpu)")
-    _json(parser)
-    parser.add_argument("--json-out", default=None, metavar="PATH",
-                        help="also write the JSON to PATH")
+    _json(parser, json_out=True)
 
 
 def transfer_arguments(parser: argparse.ArgumentParser) -> None:
@@ -296,11 +294,12 @@ def elastic_arguments(parser: argparse.ArgumentParser) -> None:
     _json(parser, help="print one JSON object")
 
 
+#: Benchmark name -> the function that adds its options.
 ARGUMENTS: dict[str, Callable[[argparse.ArgumentParser], None]] = {
     "zero": zero_arguments,
     "plan": plan_arguments,
-    "pool": pool_arguments,
-    "hf": hf_arguments,
     "transfer": transfer_arguments,
+    "hf": hf_arguments,
+    "pool": pool_arguments,
     "elastic": elastic_arguments,
 }

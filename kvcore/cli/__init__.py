@@ -15,6 +15,7 @@ import json
 import os
 import re
 import sys
+import tokenize
 from collections.abc import Callable
 from pathlib import Path
 
@@ -95,8 +96,11 @@ def _docstring(module_name: str) -> str | None:
     spec = importlib.util.find_spec(module_name)
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
         return None
-    doc = ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8"))) or ""
-    return doc.replace("``", "")
+    # NOTE: only the first string token, not the whole module (help comes back at once).
+    with open(spec.origin, encoding="utf-8") as source:
+        tokens = tokenize.generate_tokens(source.readline)
+        first = next(t.string for t in tokens if t.type == tokenize.STRING)
+    return ast.literal_eval(first).strip().replace("``", "")
 
 
 def _add_commands(sub: argparse._SubParsersAction) -> None:
