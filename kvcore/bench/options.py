@@ -185,8 +185,8 @@ def plan_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def pool_arguments(parser: argparse.ArgumentParser) -> None:
-    _int(parser, "--requests", 64, f"requests per round; requests x blocks at most "
-         f"{POOL_MAX_BLOCKS:,}")
+    _int(parser, "--requests", 64,
+         f"requests per round; requests x blocks at most {POOL_MAX_BLOCKS:,}")
     _int(parser, "--blocks", 32, "blocks per request")
     _int(parser, "--block-size", 16, "tokens per block, for hashing")
     _int(parser, "--repeat", 50, "timed rounds")
