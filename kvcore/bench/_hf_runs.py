@@ -1,14 +1,8 @@
-"""The models and engines ``kvcore bench hf`` compares, each timed on the same requests.
+"""The random models and the engines ``kvcore bench hf`` compares (imports transformers).
 
-The models have random weights: a Llama, or a Granite-4.0-H-like hybrid (IBM
-Granite 4.0-H's dense "H-Micro" shape at the benchmark's size: mostly Mamba2
-mixers with heads of 64, state 128, one group and a 4-wide convolution, one
-attention layer in every eight, a dense shared MLP, no position embedding).
-Every runner does one untimed warm-up pass (kernel compilation, CUDA graph
-capture, allocator growth) and then times one full pass, with the device
-synchronized at both ends; output tokens are counted from what each engine
-returned. This module imports transformers: ``kvcore bench hf`` loads it only
-when it runs.
+Every runner does one untimed warm-up pass (compilation, CUDA graph capture,
+allocator growth), then times one full pass, the device synchronized at both
+ends; output tokens are counted from what each engine returned.
 """
 
 from __future__ import annotations
@@ -26,7 +20,7 @@ from kvcore.hf import Engine
 
 def model_config(kind: str, *, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
                  kv_heads: int, max_pos: int, **extra: Any) -> transformers.PretrainedConfig:
-    """A ``"llama"`` or ``"hybrid"`` config of these sizes (``extra``: more config fields)."""
+    """A Llama, or a Granite-4.0-H-like hybrid, config of these sizes."""
     common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                   num_hidden_layers=layers, num_attention_heads=heads,
                   num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
@@ -34,6 +28,8 @@ def model_config(kind: str, *, vocab: int, hidden: int, intermediate: int, layer
                   **extra)
     if kind != "hybrid":
         return transformers.LlamaConfig(**common)
+    # NOTE: Granite 4.0-H's dense "H-Micro" shape: Mamba2 mixers, one attention layer in eight,
+    # a dense shared MLP, no position embedding.
     layer_types = ["attention" if i % 8 == 4 else "mamba" for i in range(layers)]
     if "attention" not in layer_types:
         layer_types[-1] = "attention"

@@ -83,11 +83,7 @@ class Timer:
 
 
 def find_memset() -> tuple[Callable[[int, int], None], str] | None:
-    """``(memset(address, nbytes), how)`` writing zeros on the current stream, or None.
-
-    The CUDA runtime's ``cudaMemsetAsync`` where a libcudart loads, else the driver's
-    ``cuMemsetD8Async``.
-    """
+    """``(memset(address, nbytes), how)`` writing zeros on the current stream, or None."""
     site = os.path.dirname(os.path.dirname(torch.__file__))
     names = [ctypes.util.find_library("cudart"), "libcudart.so", "libcudart.so.13", "libcudart.so.12"]
     for pattern in ("torch/lib/libcudart*.so*", "nvidia/cuda_runtime/lib/libcudart.so*",

@@ -69,10 +69,7 @@ _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
 
 
 class _JsonErrorParser(argparse.ArgumentParser):
-    """argparse's parser whose usage errors are a JSON object on stdout (exit 2), for ``--json``.
-
-    Sub-command parsers are of the same class (argparse makes them so).
-    """
+    """A parser (and sub-parsers) whose usage errors are a JSON object on stdout, exit 2."""
 
     def error(self, message: str):  # type: ignore[override]
         _print_json_error(self.prog, "usage", message)
@@ -167,11 +164,9 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
-    """``--memory -5GiB`` as ``--memory=-5GiB``.
+    """``--memory -5GiB`` as ``--memory=-5GiB``, so that the value's type says what is wrong.
 
-    argparse reads a lone token that starts with ``-`` and is not a plain
-    number as an option, and would answer "expected one argument"; attached,
-    the value reaches its type, which says what is wrong with it.
+    (argparse would read the lone token as an option: "expected one argument".)
     """
     out: list[str] = []
     for token in argv:

@@ -1,10 +1,7 @@
 """``kvcore plugins``: every plugin kvcore sees, checked, including broken ones.
 
-Each plugin is one record (never a wide table), wrapped between words to the
-terminal width (80 columns when piped), so nothing is cut. The command exits
-1 when a plugin failed to load, conflicts with another or answers a hook
-badly, or when no attention backend is usable (none installed, or all kept
-from loading), 0 otherwise.
+Each plugin is one record, wrapped between words to the terminal width, so nothing is cut.
+Exit 1 when a plugin failed, conflicts or answers a hook badly, or no backend is usable.
 """
 
 from __future__ import annotations
