@@ -62,6 +62,23 @@ def test_write_and_read_move_exactly_the_listed_blocks(kind, layout):
         agent_b.close()
 
 
+@pytest.mark.parametrize("layout", ["BLNHC", "LBNHC"])
+def test_prepared_lists_make_as_few_copies_as_the_plan(layout):
+    """NIXL merges descriptors adjacent on both sides: the handle's copy count is the plan's."""
+    a, b, agent_a, agent_b = pair("uniform", layout)
+    try:
+        for local, remote in (([4, 1, 2], [5, 3, 8]), ([1, 2, 3], [6, 7, 8]), ([3, 2], [7, 6])):
+            planned = sum(p.num_runs for p in agent_a.plan("b", local, remote))
+            sent = rows(a, local)
+            handle = agent_a.write_blocks("b", local, remote)
+            handle.wait(timeout=30)
+            assert handle.num_runs == planned
+            assert all(torch.equal(rows(b, remote)[n], sent[n]) for n in sent)
+    finally:
+        agent_a.close()
+        agent_b.close()
+
+
 def test_incompatible_peers_are_refused_with_the_reason():
     a = make_cache("uniform", "BLNHC")
     agent = agent_or_skip("a", a)

@@ -28,9 +28,8 @@ from kvcore._units import format_bytes
 from kvcore.bench.options import elastic_arguments as add_arguments
 from kvcore.memory.backing import reserve_backing
 from kvcore.memory.elastic import ElasticMemory, merge_ranges
-from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.layout import KVCacheLayout, block_runs
 from kvcore.memory.planner import plan_kv_cache
-from kvcore.memory.runs import block_runs
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.model_files import load_model_file
 from kvcore.specs import KVCacheSpec

@@ -17,7 +17,8 @@ import torch
 
 from kvcore._units import format_bytes
 from kvcore.errors import KVCoreError
-from kvcore.memory.backing import BackingMemory, round_up
+from kvcore.memory.backing import BackingMemory
+from kvcore.memory.layout import round_up
 from kvcore.memory.elastic import merge_ranges
 
 _REMEDY = "install the optional extra: pip install 'kvcore[elastic]' (the cuda-bindings package)"

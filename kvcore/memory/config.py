@@ -1,7 +1,8 @@
-"""What the planner produces: groups of layers, tensors over one allocation."""
+"""What the planner produces: groups of layers, tensors over one allocation, and capacity."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Iterable
 from typing import Any
 
@@ -22,22 +23,6 @@ def _layer_names(value: Any) -> tuple[str, ...]:
     return names
 
 
-def _layer_name_list(value: Any) -> list[str]:
-    return list(_layer_names(value))
-
-
-def _instances_of(cls: type) -> Any:
-    def check(inst: Any, attribute: Any, value: list[Any]) -> None:
-        for item in value:
-            if not isinstance(item, cls):
-                raise TypeError(
-                    f"{type(inst).__name__}.{attribute.name} must hold {cls.__name__} "
-                    f"objects, got {item!r}"
-                )
-
-    return check
-
-
 def _check_layers(inst: Any, attribute: Any, value: tuple[str, ...]) -> None:
     if not value:
         raise ValueError(f"{type(inst).__name__}.{attribute.name} must name at least one layer")
@@ -45,14 +30,22 @@ def _check_layers(inst: Any, attribute: Any, value: tuple[str, ...]) -> None:
         raise ValueError(f"{type(inst).__name__}.{attribute.name} repeats a layer: {list(value)}")
 
 
+def _instances_of(cls: type, *, each: bool = False) -> Any:
+    """An attrs validator: the value (``each``: every item of it) is a ``cls``."""
+
+    def check(inst: Any, attribute: Any, value: Any) -> None:
+        for item in value if each else [value]:
+            if not isinstance(item, cls):
+                must = f"hold {cls.__name__} objects" if each else f"be a {cls.__name__}"
+                raise TypeError(f"{type(inst).__name__}.{attribute.name} must {must}, got {item!r}")
+
+    return check
+
+
 @attrs.frozen
 class KVCacheTensor:
-    """Layers that share one strided tensor inside the backing allocation.
-
-    Layer ``l`` (its index in ``layers``) of block ``b`` starts at byte
-    ``offset + l * layer_stride + b * block_stride`` of the allocation, whose
-    size is ``size`` bytes.
-    """
+    """Layers sharing one strided tensor: layer ``l``, block ``b`` starts at byte
+    ``offset + l * layer_stride + b * block_stride`` of the ``size``-byte allocation."""
 
     size: int = attrs.field(validator=attrs_positive)
     layers: tuple[str, ...] = attrs.field(converter=_layer_names, validator=_check_layers)
@@ -61,17 +54,14 @@ class KVCacheTensor:
     offset: int = attrs.field(default=0, validator=attrs_non_negative)
 
 
-def _check_spec(inst: Any, attribute: Any, value: Any) -> None:
-    if not isinstance(value, KVCacheSpec):
-        raise TypeError(f"{type(inst).__name__}.{attribute.name} must be a KVCacheSpec, got {value!r}")
-
-
 @attrs.define
 class KVCacheGroupSpec:
     """Layers that share one block table (and so one spec)."""
 
-    layer_names: list[str] = attrs.field(converter=_layer_name_list, validator=_check_layers)
-    kv_cache_spec: KVCacheSpec = attrs.field(validator=_check_spec)
+    layer_names: list[str] = attrs.field(
+        converter=lambda names: list(_layer_names(names)), validator=_check_layers
+    )
+    kv_cache_spec: KVCacheSpec = attrs.field(validator=_instances_of(KVCacheSpec))
 
     def spec_of(self, layer_name: str) -> KVCacheSpec:
         """The spec of one layer (the per-layer spec for uniform-type groups)."""
@@ -81,21 +71,22 @@ class KVCacheGroupSpec:
         return spec
 
 
+def _grows_with_tokens(spec: KVCacheSpec) -> bool:
+    """Whether a sequence needs more blocks of ``spec`` as it grows (attention, not state)."""
+    return spec.max_num_blocks_per_req(spec.block_size + 1) > 1
+
+
 @attrs.define
 class KVCacheConfig:
-    """A planned KV cache: ``num_blocks`` blocks shared by all groups.
-
-    All tensors have the same ``size`` and live in one allocation; groups
-    overlay each other from byte 0, and a block id belongs to one group at a
-    time.
-    """
+    """A planned KV cache: ``num_blocks`` blocks shared by all groups, which overlay
+    each other from byte 0 of one allocation (a block id belongs to one group at a time)."""
 
     num_blocks: int = attrs.field(validator=attrs_positive)
     kv_cache_tensors: list[KVCacheTensor] = attrs.field(
-        converter=list, validator=_instances_of(KVCacheTensor)
+        converter=list, validator=_instances_of(KVCacheTensor, each=True)
     )
     kv_cache_groups: list[KVCacheGroupSpec] = attrs.field(
-        converter=list, validator=_instances_of(KVCacheGroupSpec)
+        converter=list, validator=_instances_of(KVCacheGroupSpec, each=True)
     )
     layout: KVCacheLayout = attrs.field(default=KVCacheLayout.LBNHC, converter=KVCacheLayout.parse)
 
@@ -116,73 +107,50 @@ class KVCacheConfig:
     def layer_names(self) -> list[str]:
         return [name for g in self.kv_cache_groups for name in g.layer_names]
 
-    # ------------------------------------------------------------ capacity
-    #
-    # A sequence of T tokens takes, in every group that keeps a cache,
-    # ``spec.max_num_blocks_per_req(T)`` blocks: ceil(T / block_size) for
-    # attention (no sliding-window discount), one for a state cache. Block 0
-    # is the null block, so ``num_blocks - 1`` blocks are usable.
+    # NOTE: capacity. A sequence of T tokens takes ``spec.max_num_blocks_per_req(T)``
+    # blocks in every group that keeps a cache (no sliding-window discount); block 0
+    # is the null block.
 
     @property
     def usable_blocks(self) -> int:
         """Blocks a scheduler can hand out: all but the null block 0."""
         return self.num_blocks - 1
 
-    def _check_group_id(self, group_id: int) -> KVCacheGroupSpec:
+    def _spec_of_group(self, group_id: int) -> KVCacheSpec:
         group_id = as_int("group_id", group_id)
-        if not 0 <= group_id < len(self.kv_cache_groups):
+        count = len(self.kv_cache_groups)
+        if not 0 <= group_id < count:
             raise ValueError(
                 f"group_id={group_id} is out of range; this config has "
-                f"{len(self.kv_cache_groups)} KV cache groups (ids 0..{len(self.kv_cache_groups) - 1})"
+                f"{count} KV cache groups (ids 0..{count - 1})"
             )
-        return self.kv_cache_groups[group_id]
+        return self.kv_cache_groups[group_id].kv_cache_spec
 
     def is_state_group(self, group_id: int) -> bool:
-        """Whether group ``group_id`` keeps one block per sequence whatever its length.
-
-        True for state caches (``MambaSpec``); False for attention groups,
-        whose blocks grow with the tokens, and for encoder-only groups.
-        """
-        spec = self._check_group_id(group_id).kv_cache_spec
+        """Whether a group keeps one block per sequence whatever its length (a state cache)."""
+        spec = self._spec_of_group(group_id)
         return spec.has_cache_pages and not _grows_with_tokens(spec)
 
     def blocks_per_sequence(self, num_tokens: int) -> int:
-        """Blocks one sequence of ``num_tokens`` tokens takes over all groups.
-
-        Each attention group rounds up to whole blocks of its own block size;
-        each state group takes one block; encoder-only groups take none.
-        """
+        """Blocks one sequence of ``num_tokens`` tokens takes over all groups."""
         num_tokens = positive_int("num_tokens", num_tokens)
         return sum(
-            spec.max_num_blocks_per_req(num_tokens)
-            for spec in (g.kv_cache_spec for g in self.kv_cache_groups)
-            if spec.has_cache_pages
+            g.kv_cache_spec.max_num_blocks_per_req(num_tokens)
+            for g in self.kv_cache_groups
+            if g.kv_cache_spec.has_cache_pages
         )
 
     def sequence_capacity(self, num_tokens: int) -> int:
-        """Sequences of ``num_tokens`` tokens each that fit in the pool at once.
-
-        For a state-only model (e.g. all Mamba layers) this does not depend on
-        ``num_tokens``: one block per state group and sequence. 0 when the
-        config keeps no cache at all (encoder-only models).
-        """
+        """Sequences of ``num_tokens`` tokens each that fit in the pool at once (0: none)."""
         needed = self.blocks_per_sequence(num_tokens)
         return self.usable_blocks // needed if needed else 0
 
     @property
     def token_capacity(self) -> int:
-        """Tokens one sequence can hold with every group keeping all its blocks.
+        """Tokens one sequence can hold with every group keeping all its blocks (SPEC §2).
 
-        The largest ``T`` with ``blocks_per_sequence(T) <= num_blocks - 1``:
-        the null block is excluded, each attention group rounds up to whole
-        blocks, each state group needs one block, and sliding windows get no
-        discount (a model with windows may hold more). Never more than really
-        fits: 0 when no sequence fits at all (one block per group is more
-        than the usable blocks; say, two state groups in a pool of 2 blocks).
-        Also 0 when no group's blocks grow with the tokens (state-only or
-        encoder-only models), where a length says nothing:
-        :meth:`sequence_capacity` tells how many sequences of any length fit,
-        0 when not even one does.
+        0 when no sequence fits, or when no group's blocks grow with the tokens
+        (state-only or encoder-only models: see :meth:`sequence_capacity`).
         """
         growing = [
             g.kv_cache_spec.block_size
@@ -192,28 +160,13 @@ class KVCacheConfig:
         usable = self.usable_blocks
         if not growing or self.blocks_per_sequence(1) > usable:
             return 0
-        # NOTE: T = usable * max(block sizes) + 1 overflows the group with the
-        # largest blocks on its own, so the answer lies in [1, that bound).
-        lo, hi = 1, usable * max(growing)
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            if self.blocks_per_sequence(mid) <= usable:
-                lo = mid
-            else:
-                hi = mid - 1
-        return lo
+        # NOTE: usable * max(block sizes) + 1 tokens overflow the largest-block group alone.
+        tokens = range(1, usable * max(growing) + 1)
+        return bisect.bisect_right(tokens, usable, key=self.blocks_per_sequence)
 
     def group_token_capacity(self, group_id: int) -> int:
-        """Tokens one sequence can hold in attention group ``group_id`` alone.
-
-        That group keeping every usable block: ``(num_blocks - 1) *
-        block_size``. An upper bound for that group; the model as a whole holds
-        :attr:`token_capacity` (at most the smallest of these). A state group
-        holds a sequence of any length in one block, and an encoder-only group
-        keeps no cache, so both raise ``ValueError`` (see :meth:`is_state_group`
-        and :meth:`sequence_capacity`).
-        """
-        spec = self._check_group_id(group_id).kv_cache_spec
+        """Tokens one sequence can hold in attention group ``group_id`` alone (an upper bound)."""
+        spec = self._spec_of_group(group_id)
         if not spec.has_cache_pages:
             raise ValueError(
                 f"group {group_id} ({type(spec).__name__}) keeps no KV cache, so it has no "
@@ -227,8 +180,3 @@ class KVCacheConfig:
                 "(check is_state_group(group_id) first)"
             )
         return self.usable_blocks * spec.block_size
-
-
-def _grows_with_tokens(spec: KVCacheSpec) -> bool:
-    """Whether a sequence needs more blocks of ``spec`` as it grows (attention, not state)."""
-    return spec.max_num_blocks_per_req(spec.block_size + 1) > 1

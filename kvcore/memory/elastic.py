@@ -1,13 +1,9 @@
-"""Which bytes of the one allocation the first ``n`` blocks need, and committing exactly those.
+"""Which bytes the first ``n`` blocks of an elastic cache need, and committing exactly those.
 
-The plan, strides and views of an elastic cache are those of its
-``max_num_blocks`` blocks; only the memory behind them follows the current
-block count. What one committed granule holds is decided by the layout
-alone, read off the views: a block-outermost layout keeps blocks ``[0, n)``
-in one prefix of the allocation (it grows by whole blocks at the end); a
-layer-compact one keeps one run per layer (per layer and head in LHBNC),
-each reserved for every block, and the first ``n`` blocks of each run are
-committed (a grow maps one granule per run it reaches).
+Plan, strides and views are those of all ``max_num_blocks`` blocks; only the memory behind
+them follows the block count. The layout decides what a granule holds, read off the views:
+a block-outermost layout keeps blocks ``[0, n)`` in one prefix; a layer-compact one keeps
+one run per layer (per layer and head in LHBNC), each committed for its first ``n`` blocks.
 """
 
 from __future__ import annotations
@@ -20,18 +16,18 @@ import torch
 from kvcore._validate import as_int
 from kvcore.memory.backing import BackingMemory, reserve_backing
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.layout import KVCacheLayout, block_runs, round_up
 from kvcore.memory.planner import plan_kv_cache
-from kvcore.memory.runs import block_runs
 from kvcore.specs import KVCacheSpec
 
 #: A layer view as allocated and how many of its rows form one manager block.
 ViewRows = tuple[torch.Tensor, int]
+Ranges = list[tuple[int, int]]
 
 
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> Ranges:
     """Sorted, non-overlapping ranges covering the same bytes; touching ranges are joined."""
-    out: list[tuple[int, int]] = []
+    out: Ranges = []
     for start, end in sorted(ranges):
         if out and start <= out[-1][1]:
             out[-1] = (out[-1][0], max(out[-1][1], end))
@@ -40,14 +36,12 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
     return out
 
 
-def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> list[tuple[int, int]]:
-    """Byte ranges (from the allocation's start) that blocks ``[0, num_blocks)`` occupy in ``views``.
+def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> Ranges:
+    """Byte ranges (from the allocation's start) that blocks ``[0, num_blocks)`` occupy.
 
-    Per layer, each contiguous run of block 0 (one per head in LHBNC, see
-    :func:`~kvcore.memory.runs.block_runs`) repeats at the manager block
-    stride; blocks ``[0, n)`` of that run span from block 0's copy to the end
-    of block ``n - 1``'s. What lies between two blocks of one run is other
-    layers' or padding bytes of blocks below ``n``, never a higher block's.
+    Each run of block 0 repeats at the manager block stride, so blocks ``[0, n)`` of it span
+    from block 0's copy to the end of block ``n - 1``'s (what lies between belongs to other
+    layers or padding of blocks below ``n``, never to a higher block).
     """
     spans = []
     for view, rows in views.values():
@@ -60,13 +54,13 @@ def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> list[tu
     return merge_ranges(spans)
 
 
-def granule_ranges(ranges: Iterable[tuple[int, int]], granularity: int) -> list[tuple[int, int]]:
+def granule_ranges(ranges: Iterable[tuple[int, int]], granularity: int) -> Ranges:
     """``ranges`` widened to whole granules, merged."""
     g = granularity
-    return merge_ranges((start // g * g, -(-end // g) * g) for start, end in ranges)
+    return merge_ranges((start // g * g, round_up(end, g)) for start, end in ranges)
 
 
-def subtract_ranges(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def subtract_ranges(a: Ranges, b: Ranges) -> Ranges:
     """Bytes of the merged ranges ``a`` that are not in the merged ranges ``b``."""
     out, j = [], 0
     for start, end in a:
@@ -89,7 +83,7 @@ class ElasticMemory:
     def __init__(self, backing: BackingMemory) -> None:
         self.backing = backing
         self._views: dict[str, ViewRows] = {}
-        self._committed: list[tuple[int, int]] = []  # granule-aligned, merged
+        self._committed: Ranges = []  # granule-aligned, merged
         self.num_blocks = 0
 
     def track(self, views: Mapping[str, ViewRows]) -> None:
@@ -100,19 +94,12 @@ class ElasticMemory:
     def committed_bytes(self) -> int:
         return sum(end - start for start, end in self._committed)
 
-    def ranges_for(self, num_blocks: int) -> list[tuple[int, int]]:
-        """The granule-aligned ranges that back blocks ``[0, num_blocks)``."""
-        return granule_ranges(block_byte_ranges(self._views, num_blocks), self.backing.granularity)
-
     def resize(self, num_blocks: int) -> None:
-        """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed.
-
-        All or nothing: a grow that fails part-way gives back what it
-        committed and raises; nothing changes.
-        """
+        """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed
+        (all or nothing: a grow that fails gives back what it committed and raises)."""
         backing = self.backing
-        want = self.ranges_for(num_blocks)
-        added: list[tuple[int, int]] = []
+        want = granule_ranges(block_byte_ranges(self._views, num_blocks), backing.granularity)
+        added: Ranges = []
         try:
             for start, end in subtract_ranges(want, self._committed):
                 backing.commit(start, end)
@@ -131,18 +118,25 @@ def checked_max_blocks(max_num_blocks: Any) -> int:
     """``max_num_blocks`` as an int of at least 2, else a ``TypeError``/``ValueError``."""
     max_num_blocks = as_int("max_num_blocks", max_num_blocks)
     if max_num_blocks < 2:
-        raise ValueError(f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}")
+        raise ValueError(
+            f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}"
+        )
     return max_num_blocks
 
 
 def first_elastic_blocks(
-    specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout, max_num_blocks: Any,
-    num_blocks: int | None, available_memory: int | None,
+    specs: Mapping[str, KVCacheSpec],
+    layout: KVCacheLayout,
+    max_num_blocks: Any,
+    num_blocks: int | None,
+    available_memory: int | None,
 ) -> int:
-    """Blocks an elastic cache commits at creation: ``num_blocks``, or what ``available_memory`` buys."""
+    """Blocks an elastic cache commits at creation: ``num_blocks``, what ``available_memory``
+    buys, or (neither) all of them."""
     max_num_blocks = checked_max_blocks(max_num_blocks)
     if num_blocks is None and available_memory is not None:
-        num_blocks = min(plan_kv_cache(specs, layout, available_memory=available_memory).num_blocks, max_num_blocks)
+        planned = plan_kv_cache(specs, layout, available_memory=available_memory)
+        num_blocks = min(planned.num_blocks, max_num_blocks)
     if num_blocks is None:
         return max_num_blocks
     num_blocks = as_int("num_blocks", num_blocks)
@@ -154,13 +148,17 @@ def first_elastic_blocks(
     return num_blocks
 
 
-def reserve_elastic(config: KVCacheConfig, device: torch.device) -> tuple[ElasticMemory, torch.Tensor]:
-    """Reserve the allocation of ``config`` (its ``max_num_blocks`` blocks) without committing any of it."""
-    raw = [n for g in config.kv_cache_groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
+def reserve_elastic(
+    config: KVCacheConfig, device: torch.device
+) -> tuple[ElasticMemory, torch.Tensor]:
+    """Reserve the allocation of ``config`` (all its blocks) without committing any of it."""
+    raw = [
+        n for g in config.kv_cache_groups for n in g.layer_names if not g.spec_of(n).has_layer_views
+    ]
     if raw or not config.kv_cache_tensors:
         raise ValueError(
-            f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps a raw buffer "
-            "(or the model keeps no cache); drop max_num_blocks"
+            f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps "
+            "a raw buffer (or the model keeps no cache); drop max_num_blocks"
         )
     backing = reserve_backing(config.kv_cache_tensors[0].size, device)
     return ElasticMemory(backing), backing.tensor

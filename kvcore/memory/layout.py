@@ -1,21 +1,20 @@
-"""The six physical layouts of a KV cache tensor and their byte strides.
-
-Every KV cache tensor is logically ``[L, B, H, N, C]`` (layers, blocks, head
-slots, states per block, content bytes). A layout names the order of those
-dims in memory, outermost first.
-"""
+"""The six physical layouts of the logical ``[L, B, H, N, C]`` KV cache tensor, and its strides."""
 
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Sequence
 
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 L, B, H, N, C = range(5)
-_DIM_INDEX = {"L": L, "B": B, "H": H, "N": N, "C": C}
 _ALIASES = {"NHD": "LBNHC", "HND": "LBHNC"}
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
 
 
 class KVCacheLayout(enum.Enum):
@@ -36,9 +35,8 @@ class KVCacheLayout(enum.Enum):
         if not isinstance(text, str):
             raise TypeError(f"a KV cache layout name must be a str, got {text!r}")
         key = text.strip().upper()
-        key = _ALIASES.get(key, key)
         try:
-            return cls[key]
+            return cls[_ALIASES.get(key, key)]
         except KeyError:
             valid = ", ".join([m.name for m in cls] + list(_ALIASES))
             raise ValueError(f"unknown KV cache layout {text!r}; valid names: {valid}") from None
@@ -46,7 +44,7 @@ class KVCacheLayout(enum.Enum):
     @property
     def stride_order(self) -> tuple[int, ...]:
         """Logical dim indices (L=0 B=1 H=2 N=3 C=4), outermost first in memory."""
-        return tuple(_DIM_INDEX[ch] for ch in self.value)
+        return tuple("LBHNC".index(ch) for ch in self.value)
 
     @property
     def layer_view_order(self) -> tuple[int, ...]:
@@ -75,10 +73,7 @@ class KVCacheLayout(enum.Enum):
 
 
 def split_ratio(block_size: int, kernel_block_size: int | None) -> int:
-    """Kernel blocks per manager block: ``block_size // kernel_block_size`` (None: 1).
-
-    ``ValueError`` unless ``kernel_block_size`` is a positive int dividing ``block_size``.
-    """
+    """Kernel blocks per manager block (1 for None); ``ValueError`` unless it divides."""
     if kernel_block_size is None:
         return 1
     kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
@@ -90,9 +85,13 @@ def split_ratio(block_size: int, kernel_block_size: int | None) -> int:
     return block_size // kernel_block_size
 
 
-def _inner_grid_dim(order: Sequence[int]) -> int:
-    """Position in ``order`` of whichever of L and B is inner."""
-    return max(order.index(L), order.index(B))
+def kernel_extents(
+    spec: KVCacheSpec, num_blocks: int, num_layers: int, kernel_block_size: int | None
+) -> tuple[int, int, int, int, int]:
+    """Extents of the kernel-granular ``[L, B, H, N, C]`` shape (B counts kernel blocks)."""
+    ratio = split_ratio(spec.block_size, kernel_block_size)
+    states = spec.get_num_kernel_states(kernel_block_size or spec.block_size)
+    return (num_layers, num_blocks * ratio, spec.num_heads, states, spec.state_content_size_bytes)
 
 
 def compute_layout_strides(
@@ -103,15 +102,7 @@ def compute_layout_strides(
     kernel_block_size: int | None = None,
     fixed_strides: Sequence[int | None] = (None,) * 5,
 ) -> tuple[int, int, int, int, int]:
-    """Byte strides of the logical ``[L, B, H, N, C]`` dims under ``layout``.
-
-    The extents are those of the kernel-granular shape: with a kernel block
-    size, B counts kernel blocks and N the states of one kernel block. Walking
-    the physical order from the innermost dim out, each dim's stride is its
-    entry in ``fixed_strides`` when not None, else the running product of the
-    extents inside it. With ``spec.page_size_padded`` the stride of the inner
-    of L and B is raised to at least the padded page.
-    """
+    """Byte strides of the logical ``[L, B, H, N, C]`` dims under ``layout`` (SPEC §2)."""
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
     if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -134,9 +125,8 @@ def compute_layout_strides(
         for d, s in enumerate(fixed)
     )
 
-    block_size = spec.block_size
+    block_size, padded = spec.block_size, spec.page_size_padded
     ratio = split_ratio(block_size, kernel_block_size)
-    padded = spec.page_size_padded
     if padded is not None and ratio > 1:
         raise ValueError(
             f"a padded page ({padded} bytes) cannot be split into {ratio} kernel "
@@ -149,25 +139,21 @@ def compute_layout_strides(
             f"blocks cannot be split into {kernel_block_size}-token kernel blocks; "
             f"use kernel_block_size={block_size} (or None)"
         )
-
-    states = spec.get_num_kernel_states(kernel_block_size or block_size)
-    extents = (num_layers, num_blocks * ratio, spec.num_heads, states, spec.state_content_size_bytes)
+    extents = kernel_extents(spec, num_blocks, num_layers, kernel_block_size)
     order = layout.stride_order
-    grid_end = _inner_grid_dim(order)
-    if padded is not None:
-        grid = 1
-        for d in order[: grid_end + 1]:
-            grid *= extents[d]
-        if grid != num_layers * num_blocks:
-            raise ValueError(
-                f"layout {layout.name} puts heads between layers and blocks, so a padded "
-                f"page cannot be expressed for {spec.num_heads} heads; use a "
-                "block-compact layout such as LBNHC or BLNHC"
-            )
+    # NOTE: the "page grid" is the physical dims down to the inner one of L and B.
+    grid_end = max(order.index(L), order.index(B))
+    grid = math.prod(extents[d] for d in order[: grid_end + 1])
+    if padded is not None and grid != num_layers * num_blocks:
+        raise ValueError(
+            f"layout {layout.name} puts heads between layers and blocks, so a padded "
+            f"page cannot be expressed for {spec.num_heads} heads; use a "
+            "block-compact layout such as LBNHC or BLNHC"
+        )
 
-    strides: list[int] = [0] * 5
+    strides = [0] * 5
     running = 1
-    for pos in range(len(order) - 1, -1, -1):
+    for pos in range(4, -1, -1):
         d = order[pos]
         stride = fixed[d]
         if stride is None:
@@ -177,3 +163,41 @@ def compute_layout_strides(
         strides[d] = stride
         running = stride * extents[d]
     return tuple(strides)  # type: ignore[return-value]
+
+
+def block_runs(
+    shape: Sequence[int],
+    byte_strides: Sequence[int],
+    itemsize: int,
+    rows_per_block: int = 1,
+    *,
+    max_runs: int | None = None,
+) -> tuple[list[int], int]:
+    """Offsets (from block 0's first byte) and common length of the contiguous runs of
+    manager block 0 in a strided view (dim 0: rows, ``rows_per_block`` of them a block).
+
+    The runs cover each byte of the block once: one per combination of the dims outside
+    the innermost contiguous run (heads in LHBNC, kernel blocks of a split block, ...).
+    ``ValueError`` when there would be more than ``max_runs`` (None: no limit).
+    """
+    dims = [(n, s) for n, s in zip(shape[1:], byte_strides[1:]) if n > 1]
+    if rows_per_block > 1:
+        dims.append((rows_per_block, byte_strides[0]))
+    dims.append((itemsize, 1))
+    dims.sort(key=lambda d: d[1])
+    run, outer = 1, []
+    for extent, stride in dims:
+        if not outer and stride == run:
+            run *= extent
+        else:
+            outer.append((extent, stride))
+    count = math.prod(extent for extent, _ in outer)
+    if max_runs is not None and count > max_runs:
+        raise ValueError(
+            f"a view of shape {tuple(shape)} and byte strides {tuple(byte_strides)} splits "
+            f"into {count} runs per block; store each (head, state) contiguously"
+        )
+    offsets = [0]
+    for extent, stride in outer:
+        offsets = [o + i * stride for o in offsets for i in range(extent)]
+    return offsets, run

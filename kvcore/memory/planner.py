@@ -1,37 +1,14 @@
 """Plan a model's KV cache: groups, bytes per block, block count and tensors.
 
-The memory model. One allocation of ``num_blocks * bytes_per_block`` bytes
-backs every group; each group's tensor spans it from byte 0, and a block id
-belongs to one group at a time, so block ``b`` of one group may share bytes
-only with block ``b`` of another group.
-
-- Layer-compact layouts (``L`` outermost): layer ``l`` of a group owns the
-  region ``[l * num_blocks * s, (l + 1) * num_blocks * s)`` where ``s`` is the
-  group's per-layer block stride ``round_up(page, alignment)``; block ``b``
-  sits at ``b * s`` inside it. Groups with one ``s`` put block ``b`` of layer
-  ``l`` at the same address, so they overlay safely; groups with different
-  ``s`` would not (block ``b`` of one group would hit block ``2b`` of another),
-  and are refused. ``bytes_per_block`` is the largest group's ``n_layers * s``.
-  LHBNC additionally needs one head count and per-head block stride.
-- Block-outermost layouts (``B`` outermost): block ``b`` owns the region
-  ``[b * bytes_per_block, (b + 1) * bytes_per_block)`` and each group lays its
-  layers' pages inside it, so any mix of pages overlays safely.
-  ``bytes_per_block`` is the largest group's sum of pages, rounded up to the
-  lcm of the block-stride alignments (and view element sizes).
-
-A layout that cannot express the model's pages (padded multi-head pages in a
-layout that puts heads between layers and blocks, different per-layer block
-strides in a layer-compact layout, ...) is refused before the budget is
-checked, and the error names the layouts that can: each candidate is tried
-with a dry run, so a named layout really plans the model.
-
-A ``UniformTypeKVCacheSpecs`` group holds layers of different shapes: each
-distinct shape becomes one tensor, placed after the previous one (at a byte
-offset in the allocation for layer-compact layouts, inside the block for
-block-outermost layouts), those with the largest element size first so that
-every tensor starts at a multiple of its element size. Every tensor is
-checked as ``allocate_kv_cache`` will check it (aligned start and strides,
-last byte inside the allocation), so an accepted plan allocates.
+One allocation of ``num_blocks * bytes_per_block`` bytes backs every group; each group's
+tensors span it from byte 0 and a block id belongs to one group at a time.
+Layer-compact layouts give each layer of a group ``num_blocks`` blocks of stride
+``round_up(page, alignment)``: overlaid groups must share that stride (LHBNC also one head
+split). Block-outermost layouts give block ``b`` the bytes ``[b, b + 1) * bytes_per_block``
+and lay every group's pages inside it. A ``UniformTypeKVCacheSpecs`` group gets one tensor
+per distinct spec, placed one after another, largest element size first. A layout that
+cannot hold the model is refused before the budget is checked, naming the layouts that can
+(each tried with a dry run, so a named layout really plans and allocates).
 """
 
 from __future__ import annotations
@@ -40,25 +17,24 @@ import math
 from collections.abc import Mapping
 
 import attrs
+import torch
 
 from kvcore._units import format_bytes_exact
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, round_up
 from kvcore.memory.plan_groups import group_layers, is_encoder_only
+from kvcore.memory.views import create_kv_cache_views
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
-# NOTE: the order in which a refusal suggests the layouts that can plan a model
+# NOTE: the order in which a refusal names the layouts that can plan a model
 # (after those of the requested layout's family).
 _PREFERRED = tuple(KVCacheLayout[n] for n in ("LBNHC", "BLNHC", "LBHNC", "BLHNC", "LHBNC", "BHLNC"))
-
-
-# Block 0 is the null block, so a pool needs at least one more.
-_MIN_BLOCKS = 2
+_MIN_BLOCKS = 2  # block 0 is the null block, so a pool needs one more
 
 
 class _Refusal(ValueError):
-    """The layout cannot express the model's pages (internal; re-raised with a remedy)."""
+    """The layout cannot express the model's pages (re-raised with a remedy)."""
 
 
 @attrs.frozen
@@ -73,10 +49,6 @@ class _Part:
     @property
     def footprint(self) -> int:
         return len(self.layers) * self.stride
-
-
-def _round_up(value: int, multiple: int) -> int:
-    return -(-value // multiple) * multiple
 
 
 def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
@@ -106,15 +78,12 @@ def _parts(groups: list[KVCacheGroupSpec], layer_compact: bool) -> list[_Part]:
         by_spec: dict[KVCacheSpec, list[str]] = {}
         for name in group.layer_names:
             by_spec.setdefault(group.spec_of(name), []).append(name)
-        # NOTE: parts of one group sit one after another; placing those with
-        # the largest element size first keeps every part's start aligned
-        # (element sizes are powers of two and each footprint is a multiple
-        # of its own element size).
-        ordered = sorted(by_spec.items(), key=lambda item: -item[0].dtype_alignment)
-        for spec, names in ordered:
+        # NOTE: largest element size first keeps every part's start aligned (element
+        # sizes are powers of two and each footprint is a multiple of its own).
+        for spec, names in sorted(by_spec.items(), key=lambda item: -item[0].dtype_alignment):
             stride = spec.page_size_bytes
             if layer_compact:
-                stride = _round_up(stride, spec.get_block_stride_alignment())
+                stride = round_up(stride, spec.get_block_stride_alignment())
             parts.append(_Part(group_id, tuple(names), spec, stride))
     return parts
 
@@ -125,32 +94,29 @@ def _bytes_per_block(parts: list[_Part], layout: KVCacheLayout) -> int:
         footprints[part.group_id] = footprints.get(part.group_id, 0) + part.footprint
     largest = max(footprints.values())
     if layout.is_layer_compact:
-        if len(footprints) > 1 and len({p.stride for p in parts}) > 1:
-            found = sorted({p.stride for p in parts})
+        strides = sorted({p.stride for p in parts})
+        if len(footprints) > 1 and len(strides) > 1:
             raise _Refusal(
                 f"it keeps each layer's blocks together, so overlaid groups need one "
-                f"per-layer block footprint, but this model's groups need {found} bytes"
+                f"per-layer block footprint, but this model's groups need {strides} bytes"
             )
         return largest
-    alignment = 1
-    for part in parts:
-        alignment = math.lcm(
-            alignment, part.spec.get_block_stride_alignment(), part.spec.dtype_alignment
-        )
-    return _round_up(largest, alignment)
+    alignment = math.lcm(
+        *(p.spec.get_block_stride_alignment() for p in parts),
+        *(p.spec.dtype_alignment for p in parts),
+    )
+    return round_up(largest, alignment)
 
 
 def _strides(part: _Part, layout: KVCacheLayout, num_blocks: int, bytes_per_block: int):
+    fixed = [None] * 5
     if layout.is_block_outermost:
-        fixed = (None, bytes_per_block, None, None, None)
+        fixed[1] = bytes_per_block
     elif layout.is_block_compact:
-        fixed = (None, part.stride, None, None, None)
-    else:
-        fixed = (None,) * 5
+        fixed[1] = part.stride
     spec, layer = part.spec, part.layers[0]
     if spec.page_size_padded is not None and spec.num_heads > 1 and not layout.is_block_compact:
-        # NOTE: compute_layout_strides refuses this too; checking here keeps
-        # its generic remedy out of the planner's message.
+        # NOTE: compute_layout_strides refuses this too; this message names the layer.
         raise _Refusal(
             f"it puts heads between layers and blocks, so layer {layer!r} cannot keep "
             f"its {spec.num_heads}-head page padded to {spec.page_size_padded} bytes"
@@ -172,14 +138,15 @@ def _strides(part: _Part, layout: KVCacheLayout, num_blocks: int, bytes_per_bloc
 def _tensors(
     parts: list[_Part], layout: KVCacheLayout, num_blocks: int, bytes_per_block: int
 ) -> list[KVCacheTensor]:
+    """One tensor per part, each viewed once over a meta buffer (``_Refusal`` if it cannot be)."""
     size = bytes_per_block * num_blocks
+    meta = torch.empty(size, dtype=torch.int8, device="meta")
     tensors, offsets, heads = [], {}, {}
     overlaid = len({p.group_id for p in parts}) > 1
     for part in parts:
         strides = _strides(part, layout, num_blocks, bytes_per_block)
         if layout is KVCacheLayout.LHBNC and overlaid:
-            # NOTE: in LHBNC a block is split across heads, so overlaid groups
-            # must split it the same way.
+            # NOTE: in LHBNC a block is split across heads; overlaid groups must split it alike.
             heads.setdefault((part.spec.num_heads, strides[1]), part.layers[0])
             if len(heads) > 1:
                 raise _Refusal(
@@ -187,40 +154,23 @@ def _tensors(
                     f"them differently (heads, block stride) = {list(heads)}"
                 )
         offset = offsets.get(part.group_id, 0)
-        extent = part.footprint * (num_blocks if layout.is_layer_compact else 1)
-        offsets[part.group_id] = offset + extent
-        _check_fits(part, strides, offset, num_blocks, size)
-        tensors.append(KVCacheTensor(size, part.layers, strides[0], strides[1], offset))
+        blocks = num_blocks if layout.is_layer_compact else 1
+        offsets[part.group_id] = offset + part.footprint * blocks
+        tensor = KVCacheTensor(size, part.layers, strides[0], strides[1], offset)
+        if part.spec.has_layer_views:
+            try:
+                create_kv_cache_views(meta, part.spec, num_blocks, layout, tensor)
+            except ValueError as exc:
+                raise _Refusal(f"layer {part.layers[0]!r} cannot be viewed ({exc})") from exc
+        tensors.append(tensor)
     return tensors
-
-
-def _check_fits(part: _Part, strides: tuple[int, ...], offset: int, num_blocks: int, size: int) -> None:
-    """``_Refusal`` unless every layer's view starts aligned and ends inside the allocation.
-
-    What ``allocate_kv_cache`` will demand of the tensor, checked here so that
-    a layout the planner accepts (or names as able) really allocates.
-    """
-    spec, layer = part.spec, part.layers[0]
-    align = spec.dtype_alignment
-    itemsize = spec.view_dtype.itemsize
-    if offset % align or strides[0] % align or strides[1] % align or any(s % itemsize for s in strides[2:4]):
-        raise _Refusal(
-            f"layer {layer!r} would start at byte {offset} with strides {strides}, not "
-            f"multiples of its {align}-byte elements"
-        )
-    extents = (len(part.layers), num_blocks, spec.num_heads, spec.num_states, spec.state_content_size_bytes)
-    end = offset + sum((n - 1) * st for n, st in zip(extents, strides)) + 1
-    if end > size:
-        raise _Refusal(
-            f"layer {layer!r} would end at byte {end}, past the {size}-byte allocation"
-        )
 
 
 def _checked(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> tuple[list[_Part], int]:
     """Parts and bytes per block under ``layout``; ``_Refusal`` if it cannot hold them."""
     parts = _parts(groups, layout.is_layer_compact)
     bytes_per_block = _bytes_per_block(parts, layout)
-    _tensors(parts, layout, 2, bytes_per_block)  # a dry run: strides do not depend on the count
+    _tensors(parts, layout, _MIN_BLOCKS, bytes_per_block)  # NOTE: a dry run
     return parts, bytes_per_block
 
 
@@ -253,15 +203,9 @@ def plan_kv_cache(
 ) -> KVCacheConfig:
     """Plan the KV cache of a model whose layers are ``kv_cache_specs`` (in model order).
 
-    Give exactly one of ``available_memory`` (bytes; the most blocks that fit,
-    at least 2) or ``num_blocks``. Groups come from
-    :func:`kvcore.memory.plan_groups.group_layers`; every cache group gets one tensor
-    per distinct layer spec, all of size ``bytes_per_block * num_blocks`` and
-    overlaid from byte 0 (see the module docstring for the memory model).
-    Raises ``ValueError`` when the budget holds fewer than 2 blocks or when
-    ``layout`` cannot express the model's mixed pages (naming one that can).
-    A model of encoder-only layers keeps no cache: it gets no tensors and
-    ``num_blocks`` blocks, or 2 for any ``available_memory``.
+    Give exactly one of ``available_memory`` (bytes: the most blocks that fit, at least 2)
+    or ``num_blocks``. An encoder-only model keeps no cache: no tensors, and ``num_blocks``
+    blocks (2 for any budget).
     """
     layout = KVCacheLayout.parse(layout)
     specs = _check_specs(kv_cache_specs)
@@ -282,9 +226,7 @@ def plan_kv_cache(
 
     groups = group_layers(specs)
     if all(is_encoder_only(g) for g in groups):
-        # NOTE: encoder-only layers keep no cache, so no byte is allocated and
-        # any budget (0 included) holds the pool's minimum: the null block and
-        # one block.
+        # NOTE: no byte is allocated, so any budget (0 included) holds the minimum pool.
         return KVCacheConfig(num_blocks or _MIN_BLOCKS, [], groups, layout)
     try:
         parts, bytes_per_block = _checked(groups, layout)
@@ -294,12 +236,13 @@ def plan_kv_cache(
         num_blocks = available_memory // bytes_per_block
         if num_blocks < _MIN_BLOCKS:
             layers = f"{len(specs)} layer" + ("s" if len(specs) != 1 else "")
+            need = format_bytes_exact(_MIN_BLOCKS * bytes_per_block)
             raise ValueError(
-                f"available_memory={format_bytes_exact(available_memory)} holds {num_blocks} KV cache "
-                f"block{'s' if num_blocks != 1 else ''}; one block of the model's {layers} needs "
-                f"{format_bytes_exact(bytes_per_block)} and a pool needs {_MIN_BLOCKS} (block 0 is the "
-                f"null block), so plan with at least {format_bytes_exact(_MIN_BLOCKS * bytes_per_block)}, a "
-                "smaller block size or a smaller model"
+                f"available_memory={format_bytes_exact(available_memory)} holds {num_blocks} "
+                f"KV cache block{'s' if num_blocks != 1 else ''}; one block of the model's "
+                f"{layers} needs {format_bytes_exact(bytes_per_block)} and a pool needs "
+                f"{_MIN_BLOCKS} (block 0 is the null block), so plan with at least {need}, "
+                "a smaller block size or a smaller model"
             )
     tensors = _tensors(parts, layout, num_blocks, bytes_per_block)
     return KVCacheConfig(num_blocks, tensors, groups, layout)

@@ -10,7 +10,7 @@ from kvcore._units import format_bytes
 from kvcore._validate import positive_int
 from kvcore.errors import KVCoreError
 from kvcore.memory.config import KVCacheConfig, KVCacheTensor
-from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, split_ratio
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, kernel_extents, split_ratio
 from kvcore.specs import KVCacheSpec
 
 _BYTE_DTYPES = (torch.int8, torch.uint8)
@@ -24,18 +24,16 @@ def create_kv_cache_views(
     kv_cache_tensor: KVCacheTensor,
     kernel_block_size: int | None = None,
 ) -> list[torch.Tensor]:
-    """One ``[B', H, N, C]`` view per layer of ``kv_cache_tensor`` over ``raw``.
+    """One ``[B', H, N, C]`` view per layer of ``kv_cache_tensor`` over the int8 buffer ``raw``.
 
-    ``raw`` is the int8 backing buffer; layer ``l`` starts at byte
-    ``raw.storage_offset() + offset + l * layer_stride``. Views are re-typed to
-    ``spec.view_dtype``, so C then counts elements. With a kernel block size
-    smaller than the block size, each block is split into ``ratio`` kernel
-    blocks (``B' = B * ratio``), which needs blocks stored as dense pages.
+    Views are re-typed to ``spec.view_dtype``. A kernel block size smaller than the block
+    size splits each block into ``ratio`` kernel blocks (``B' = B * ratio``), which needs
+    blocks stored as dense pages.
     """
     if not isinstance(raw, torch.Tensor) or raw.dtype not in _BYTE_DTYPES or raw.dim() != 1:
+        got = f" {raw.dtype} {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else ""
         raise TypeError(
-            "raw must be a 1-D int8 tensor (the backing allocation), got "
-            f"{type(raw).__name__}{'' if not isinstance(raw, torch.Tensor) else f' {raw.dtype} {tuple(raw.shape)}'}"
+            f"raw must be a 1-D int8 tensor (the backing allocation), got {type(raw).__name__}{got}"
         )
     layout = KVCacheLayout.parse(layout)
     num_blocks = positive_int("num_blocks", num_blocks)
@@ -61,38 +59,30 @@ def create_kv_cache_views(
     # NOTE: a one-layer tensor's layer stride addresses nothing; leaving it
     # free keeps dims outside L (H in BHLNC) at kernel-block granularity.
     layer_stride = tensor.layer_stride if len(tensor.layers) > 1 else None
+    fixed = (layer_stride, tensor.block_stride // ratio, None, None, None)
+    num_layers = len(tensor.layers)
     strides = compute_layout_strides(
-        spec,
-        num_blocks,
-        len(tensor.layers),
-        layout,
-        kernel_block_size,
-        fixed_strides=(layer_stride, tensor.block_stride // ratio, None, None, None),
+        spec, num_blocks, num_layers, layout, kernel_block_size, fixed_strides=fixed
     )
-    shape = (
-        num_blocks * ratio,
-        spec.num_heads,
-        spec.get_num_kernel_states(kernel_block_size or spec.block_size),
-        spec.state_content_size_bytes,
-    )
+    shape = kernel_extents(spec, num_blocks, num_layers, kernel_block_size)[1:]
     view_strides = strides[1:]
     span = 1 + sum((n - 1) * s for n, s in zip(shape, view_strides))
     dtype = spec.view_dtype
-    itemsize = dtype.itemsize
     base = raw.storage_offset() + tensor.offset
-    if any(s % itemsize for s in view_strides[:3]) or base % itemsize or tensor.layer_stride % itemsize:
+    if any(s % dtype.itemsize for s in (*view_strides[:3], base, tensor.layer_stride)):
         raise ValueError(
             f"strides {strides} / start byte {base} of {list(tensor.layers)} are not "
-            f"multiples of the {itemsize}-byte {dtype}; align the tensor's strides, "
+            f"multiples of the {dtype.itemsize}-byte {dtype}; align the tensor's strides, "
             "offset and page padding to it"
         )
+    end = min(raw.numel(), tensor.size)
     views = []
     for index, name in enumerate(tensor.layers):
         start = tensor.offset + index * tensor.layer_stride
-        if start + span > min(raw.numel(), tensor.size):
+        if start + span > end:
             raise ValueError(
                 f"layer {name!r} spans bytes [{start}, {start + span}) but the buffer "
-                f"holds {min(raw.numel(), tensor.size)}; plan fewer blocks or a larger tensor"
+                f"holds {end}; plan fewer blocks or a larger tensor"
             )
         view = raw.as_strided(shape, view_strides, base + index * tensor.layer_stride)
         views.append(view.view(dtype))
@@ -100,11 +90,13 @@ def create_kv_cache_views(
 
 
 def checked_device(device: torch.device | str) -> torch.device:
-    """``device`` as a torch.device that this process can allocate on, else KVCoreError."""
+    """``device`` as a torch.device this process can allocate on, else KVCoreError."""
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise KVCoreError(f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'") from exc
+        raise KVCoreError(
+            f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'"
+        ) from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise KVCoreError(
@@ -115,8 +107,8 @@ def checked_device(device: torch.device | str) -> torch.device:
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
             raise KVCoreError(
-                f"device {str(device)!r} does not exist: this machine has {count} CUDA device(s); "
-                f"pass one of cuda:0 .. cuda:{count - 1}"
+                f"device {str(device)!r} does not exist: this machine has {count} CUDA "
+                f"device(s); pass one of cuda:0 .. cuda:{count - 1}"
             )
     return device
 
@@ -129,11 +121,11 @@ def _zeroed_buffer(size: int, device: torch.device | str) -> torch.Tensor:
     except (RuntimeError, MemoryError) as exc:  # torch.OutOfMemoryError is a RuntimeError
         if device.type == "cuda":
             torch.cuda.empty_cache()
+        detail = str(exc).splitlines()[0] if str(exc) else "no detail"
         raise KVCoreError(
             f"cannot allocate the {format_bytes(size)} KV cache on {device} "
-            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else 'no detail'}); "
-            "plan it with less memory (available_memory=... or fewer num_blocks) or use a "
-            "device with more free memory"
+            f"({type(exc).__name__}: {detail}); plan it with less memory "
+            "(available_memory=... or fewer num_blocks) or use a device with more free memory"
         ) from exc
 
 
@@ -147,14 +139,10 @@ def allocate_kv_cache(
 ) -> dict[str, torch.Tensor]:
     """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]``.
 
-    Every tensor of the config shares the buffer (groups overlay from byte 0).
-    Layers whose spec has no layer views receive the raw buffer itself.
-    ``layout`` must be the one the config was planned for (None: that one).
-    A device torch cannot allocate on, or an allocation too large, raises
-    :class:`~kvcore.errors.KVCoreError` (a ValueError) with nothing allocated.
-    ``kernel_block_sizes[g]`` splits group ``g``'s blocks into kernel blocks
-    (None keeps them whole). ``buffer``: view this int8 buffer of the
-    common size instead of allocating one (an elastic cache's reservation).
+    Layers whose spec has no layer views get the raw buffer. ``layout`` must be the plan's
+    (None: that one); ``kernel_block_sizes[g]`` splits group ``g``'s blocks (None: whole);
+    ``buffer`` is viewed instead of a new allocation (an elastic cache's reservation).
+    Nothing is allocated when a check fails (KVCoreError for the device or its memory).
     """
     if not isinstance(kv_cache_config, KVCacheConfig):
         raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
@@ -170,31 +158,41 @@ def allocate_kv_cache(
     layout = planned if layout is None else KVCacheLayout.parse(layout)
     if layout is not planned:
         raise ValueError(
-            f"layout {layout.name} is not the layout the config was planned for ({planned.name}); "
-            f"pass layout=None or {planned.name!r}, or plan again with plan_kv_cache(..., {layout.name!r})"
+            f"layout {layout.name} is not the layout the config was planned for "
+            f"({planned.name}); pass layout=None or {planned.name!r}, or plan again with "
+            f"plan_kv_cache(..., {layout.name!r})"
         )
     if kernel_block_sizes is not None:
         if isinstance(kernel_block_sizes, str) or not isinstance(kernel_block_sizes, Sequence):
             raise TypeError(
-                f"kernel_block_sizes must be a list of ints (one per group), got {kernel_block_sizes!r}"
+                "kernel_block_sizes must be a list of ints (one per group), got "
+                f"{kernel_block_sizes!r}"
             )
-        # NOTE: None keeps a group's blocks whole (e.g. encoder-only groups, which have no tensor).
         kernel_block_sizes = [
             None if k is None else positive_int(f"kernel_block_sizes[{i}]", k)
             for i, k in enumerate(kernel_block_sizes)
         ]
+    size = sizes[0]
     # NOTE: views over a meta buffer first, so a refusal allocates nothing.
-    _layer_views(kv_cache_config, torch.empty(sizes[0], dtype=torch.int8, device="meta"), layout, kernel_block_sizes)
+    meta = torch.empty(size, dtype=torch.int8, device="meta")
+    _layer_views(kv_cache_config, meta, layout, kernel_block_sizes)
     if buffer is None:
-        buffer = _zeroed_buffer(sizes[0], device)
-    elif buffer.dtype not in _BYTE_DTYPES or buffer.dim() != 1 or buffer.numel() != sizes[0]:
-        raise ValueError(f"buffer must be a 1-D int8 tensor of {sizes[0]} bytes, got {buffer.dtype} {tuple(buffer.shape)}")
+        buffer = _zeroed_buffer(size, device)
+    elif buffer.dtype not in _BYTE_DTYPES or buffer.dim() != 1 or buffer.numel() != size:
+        raise ValueError(
+            f"buffer must be a 1-D int8 tensor of {size} bytes, got "
+            f"{buffer.dtype} {tuple(buffer.shape)}"
+        )
     return _layer_views(kv_cache_config, buffer, layout, kernel_block_sizes)
 
 
 def _layer_views(
-    config: KVCacheConfig, buf: torch.Tensor, layout: KVCacheLayout, kernel_block_sizes: list[int | None] | None
+    config: KVCacheConfig,
+    buf: torch.Tensor,
+    layout: KVCacheLayout,
+    kernel_block_sizes: list[int | None] | None,
 ) -> dict[str, torch.Tensor]:
+    kernel_block_sizes = kernel_block_sizes or []
     kv_caches: dict[str, torch.Tensor] = {}
     for tensor in config.kv_cache_tensors:
         group_id, group = config.group_of(tensor.layers[0])
@@ -202,11 +200,7 @@ def _layer_views(
         if not spec.has_layer_views:
             kv_caches.update((name, buf) for name in tensor.layers)
             continue
-        kernel_block_size = None
-        if kernel_block_sizes is not None and group_id < len(kernel_block_sizes):
-            kernel_block_size = kernel_block_sizes[group_id]
-        views = create_kv_cache_views(
-            buf, spec, config.num_blocks_of(tensor), layout, tensor, kernel_block_size=kernel_block_size
-        )
+        kernel = kernel_block_sizes[group_id] if group_id < len(kernel_block_sizes) else None
+        views = create_kv_cache_views(buf, spec, config.num_blocks, layout, tensor, kernel)
         kv_caches.update(zip(tensor.layers, views))
     return kv_caches

@@ -16,8 +16,7 @@ from typing import Any
 
 import torch
 
-from kvcore.memory.layout import KVCacheLayout
-from kvcore.memory.runs import block_runs
+from kvcore.memory.layout import KVCacheLayout, block_runs
 
 #: Block ids are int32 in block tables; a descriptor claiming more blocks is not a real cache.
 MAX_BLOCKS = 2**31 - 1

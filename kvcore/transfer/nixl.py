@@ -27,17 +27,20 @@ from kvcore.transfer.heads import head_slice_mismatch, pair_head_rows
 from kvcore.transfer.host_pool import group_selection, raw_allocation, whole_block_patterns
 from kvcore.transfer.ids import paired_ids
 from kvcore.transfer.nixl_api import (
+    PreparedRuns,
     TransferError,
     TransferHandle,
+    contiguous_runs,
     descriptor_rows,
     mem_type,
     nixl_api,
     xfer_array,
 )
-from kvcore.transfer.pairs import PairedRuns, pair_runs
+from kvcore.transfer.pairs import PairedRuns, pair_runs, structure_mismatch
 from kvcore.transfer.transport import Transport, process_info, transport_between
 
 _MAGIC = b"kvcore-nixl/2\n"
+_LOCAL = "NIXL_INIT_AGENT"  # NOTE: NIXL's name for the initiator's own side of a prepared list
 
 
 class IncompatiblePeerError(KVCoreError):
@@ -125,6 +128,8 @@ class NixlAgent:
         self._peers: dict[str, KVCacheDescriptor] = {}
         self._block_reasons: dict[str, str | None] = {}
         self._transports: dict[str, Transport] = {}
+        #: (peer, or _LOCAL for this side; group ids) -> that side's runs, prepared with NIXL once
+        self._prepared: dict[tuple[str, tuple[int, ...]], PreparedRuns] = {}
 
     def metadata(self) -> bytes:
         """What a peer passes to :meth:`connect`: NIXL's agent metadata and this cache's descriptor."""
@@ -161,6 +166,9 @@ class NixlAgent:
                 "or its metadata is stale: restart the peer and pass its fresh metadata()"
             ) from exc
         added = added.decode() if isinstance(added, bytes) else str(added)
+        for key in [k for k in self._prepared if k[0] == added]:  # NOTE: a reconnected peer's old lists
+            with contextlib.suppress(Exception):
+                self._prepared.pop(key).release()
         self._peers[added] = desc
         self._block_reasons[added] = reason
         self._transports[added] = transport_between(self.descriptor, desc, info)
@@ -186,6 +194,13 @@ class NixlAgent:
     def plan(self, peer: str, local_ids: Any, remote_ids: Any, *, group_id: int | None = None,
              local_is_dst: bool = False) -> list[PairedRuns]:
         """Validated copies between local blocks (``src`` side) and the peer's."""
+        loc, rem = self._paired(peer, local_ids, remote_ids, local_is_dst)
+        groups = group_selection(self.kv_cache, self.descriptor, group_id)
+        return pair_runs(whole_block_patterns(self.descriptor, groups), loc,
+                         whole_block_patterns(self._peers[peer], groups), rem)
+
+    def _paired(self, peer: str, local_ids: Any, remote_ids: Any, local_is_dst: bool):
+        """Checked ``(local, remote)`` id tensors of a whole-block transfer with ``peer``."""
         remote = self._peer(peer)
         if self._block_reasons[peer] is not None:
             raise IncompatiblePeerError(
@@ -199,9 +214,7 @@ class NixlAgent:
         else:
             loc, rem = paired_ids(local_ids, local_n, remote_ids, remote_n,
                                   src_what="local block id", dst_what=f"block id of peer {peer!r}")
-        groups = group_selection(self.kv_cache, self.descriptor, group_id)
-        return pair_runs(whole_block_patterns(self.descriptor, groups), loc,
-                         whole_block_patterns(remote, groups), rem)
+        return loc, rem
 
     def _peer(self, peer: str) -> KVCacheDescriptor:
         if peer not in self._peers:
@@ -230,9 +243,42 @@ class NixlAgent:
 
     def _transfer(self, op: str, peer: str, src_ids: Any, dst_ids: Any, group_id: int | None,
                   *, local_is_dst: bool) -> TransferHandle:
+        """Whole blocks through both sides' prepared lists: one ``make_prepped_xfer`` by index."""
         local_ids, remote_ids = (dst_ids, src_ids) if local_is_dst else (src_ids, dst_ids)
-        plan = self.plan(peer, local_ids, remote_ids, group_id=group_id, local_is_dst=local_is_dst)
-        return self._post(op, peer, plan, local_is_src=True)
+        loc, rem = self._paired(peer, local_ids, remote_ids, local_is_dst)
+        groups = group_selection(self.kv_cache, self.descriptor, group_id)
+        local, far = self._prepare(_LOCAL, self.descriptor, groups), self._prepare(peer, self._peers[peer], groups)
+        transport = self._transports[peer]
+        if not loc.numel():
+            return TransferHandle(self._agent, None, 0, 0, transport)
+        order = torch.argsort(loc)  # NOTE: blocks adjacent on both sides become one copy in NIXL
+        local_index, local_addresses = local.indices(loc[order].numpy())
+        remote_index, remote_addresses = far.indices(rem[order].numpy())
+        lengths = local.lengths.repeat(loc.numel())
+        runs = contiguous_runs(local_addresses, remote_addresses, lengths)
+        try:
+            handle = self._agent.make_prepped_xfer(op, local.handle, local_index, far.handle, remote_index)
+        except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
+            raise TransferError(f"NIXL could not prepare the {op} with peer {peer!r} ({exc!r})") from exc
+        return self._start(op, peer, handle, runs, int(lengths.sum()))
+
+    def _prepare(self, owner: str, descriptor: KVCacheDescriptor, groups: tuple[int, ...]) -> PreparedRuns:
+        """``owner``'s runs of ``groups`` as a NIXL prepared list (made on first use, then kept)."""
+        key = (owner, groups)
+        if key not in self._prepared:
+            local = whole_block_patterns(self.descriptor, groups)
+            patterns = local if owner == _LOCAL else whole_block_patterns(descriptor, groups)
+            reason = structure_mismatch(local, patterns)
+            if reason is not None:
+                raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {owner!r}: {reason}")
+            try:
+                self._prepared[key] = PreparedRuns(self._agent, owner, descriptor, patterns)
+            except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
+                raise TransferError(
+                    f"NIXL could not prepare the descriptor list of {owner!r} ({exc!r}); if the peer "
+                    "process exited, reconnect to a live one (connect() with its fresh metadata())"
+                ) from exc
+        return self._prepared[key]
 
     def _post(self, op: str, peer: str, plan: list[PairedRuns], *, local_is_src: bool) -> TransferHandle:
         """Start one NIXL transfer of ``plan`` (whose ``src`` side is local when ``local_is_src``)."""
@@ -256,26 +302,35 @@ class NixlAgent:
             local = self._agent.get_xfer_descs(xfer_array(local_rows), local_type)
             far = self._agent.get_xfer_descs(xfer_array(remote_rows), remote_type)
             handle = self._agent.initialize_xfer(op, local, far, peer)
+        except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
+            raise TransferError(f"NIXL could not prepare the {op} with peer {peer!r} ({exc!r})") from exc
+        return self._start(op, peer, handle, runs, sum(p.nbytes for p in plan))
+
+    def _start(self, op: str, peer: str, handle: Any, runs: int, nbytes: int) -> TransferHandle:
+        """Post a NIXL transfer handle; a refusal releases it and raises :class:`TransferError`."""
+        try:
             state = self._agent.transfer(handle)
         except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
-            raise TransferError(
-                f"NIXL could not start the {op} with peer {peer!r} ({exc!r}); if the peer process "
-                "exited, reconnect to a live one (connect() with its fresh metadata())"
-            ) from exc
-        if state == "ERR":
+            state = repr(exc)
+        if state not in ("DONE", "PROC"):
             self._agent.release_xfer_handle(handle)
-            raise TransferError(f"NIXL refused the {op} with peer {peer!r}; is the peer process still running?")
-        handle = TransferHandle(self._agent, handle, runs, sum(p.nbytes for p in plan), transport)
-        handle.backend = _backend_of(self._agent, handle)
-        return handle
+            raise TransferError(
+                f"NIXL could not start the {op} with peer {peer!r} ({state}); if the peer process "
+                "exited, reconnect to a live one (connect() with its fresh metadata())"
+            )
+        started = TransferHandle(self._agent, handle, runs, nbytes, self._transports[peer])
+        started.backend = _backend_of(self._agent, started)
+        return started
 
     def close(self) -> None:
         """Forget the peers and deregister the allocation (errors of a dead peer are ignored)."""
+        for prepared in self._prepared.values():
+            with contextlib.suppress(Exception):  # NOTE: a dead peer's list may be gone already
+                prepared.release()
         for peer in list(self._peers):
-            try:
+            with contextlib.suppress(Exception):  # NOTE: a peer that died cannot be told; forgetting it is enough
                 self._agent.remove_remote_agent(peer)
-            except Exception:  # NOTE: a peer that died cannot be told; forgetting it is enough
-                pass
+        self._prepared.clear()
         self._peers.clear()
         self._block_reasons.clear()
         self._transports.clear()

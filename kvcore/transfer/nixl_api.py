@@ -93,3 +93,46 @@ def xfer_array(rows):
     """NIXL's Nx3 descriptor array (numpy comes with NIXL, so it is imported only here)."""
     np = importlib.import_module("numpy")
     return torch.cat(rows).numpy().astype(np.uint64)
+
+
+class PreparedRuns:
+    """One side's whole-block runs as a NIXL prepared descriptor list, prepared once.
+
+    Row ``r`` of the Nx5 strided list ``(address, length, device, stride, count)`` is run ``r`` of
+    the block patterns at every block; descriptor ``r * num_blocks + b`` is that run in block ``b``.
+    A transfer then names descriptors by index (``make_prepped_xfer``): no per-call descriptor lists.
+    """
+
+    def __init__(self, agent: Any, owner: str, descriptor: Any, patterns: Any) -> None:
+        np = importlib.import_module("numpy")
+        kind, device = mem_type(descriptor.allocations[patterns[0].allocation].device)
+        self.starts = np.array([descriptor.allocations[p.allocation].base_ptr + s for p in patterns for s in p.starts],
+                               dtype=np.int64)
+        self.strides = np.array([p.block_stride for p in patterns for _ in p.starts], dtype=np.int64)
+        self.lengths = np.array([n for p in patterns for n in p.lengths], dtype=np.int64)
+        self.num_blocks = descriptor.num_blocks
+        rows = np.stack([self.starts, self.lengths, np.full_like(self.starts, device), self.strides,
+                         np.full_like(self.starts, self.num_blocks)], axis=1).astype(np.uint64)
+        self._agent = agent
+        self.handle = agent.prep_xfer_dlist(owner, rows, kind)
+
+    def indices(self, ids: Any) -> Any:
+        """Descriptor indices of every run of blocks ``ids`` (run-major), and their addresses."""
+        np = importlib.import_module("numpy")
+        rows = np.arange(len(self.starts), dtype=np.int64)[:, None]
+        index = (rows * self.num_blocks + ids[None, :]).ravel()
+        return index.astype(np.int32), (self.starts[:, None] + self.strides[:, None] * ids[None, :]).ravel()
+
+    def release(self) -> None:
+        self._agent.release_dlist_handle(self.handle)
+
+
+def contiguous_runs(local_addresses: Any, remote_addresses: Any, lengths: Any) -> int:
+    """How many copies the paired descriptors make once those adjacent on both sides merge."""
+    if not len(lengths):
+        return 0
+    ends = lengths[:-1]
+    breaks = (local_addresses[1:] != local_addresses[:-1] + ends) | (
+        remote_addresses[1:] != remote_addresses[:-1] + ends
+    )
+    return 1 + int(breaks.sum())

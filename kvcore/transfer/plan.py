@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import attrs
 import torch
 
-from kvcore.memory.runs import block_runs
+from kvcore.memory.layout import block_runs
 from kvcore.transfer.descriptor import KVCacheDescriptor, LayerDescriptor
 from kvcore.transfer.ids import block_id_tensor
 

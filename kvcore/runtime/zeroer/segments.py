@@ -1,7 +1,7 @@
 """The segment table: where every manager block of every layer lives.
 
 A *segment* is a byte run repeated per manager block: block ``b`` owns ``[offset + b * block_stride, ... + page)``
-(a view's runs: :func:`kvcore.memory.runs.block_runs`). Runs of one stride that touch or overlap merge (overlaid
+(a view's runs: :func:`kvcore.memory.layout.block_runs`). Runs of one stride that touch or overlap merge (overlaid
 groups keep the widest page), so no byte is zeroed twice. The table does not depend on the blocks in use.
 """
 
@@ -12,7 +12,7 @@ from collections.abc import Iterable, Mapping
 import attrs
 import torch
 
-from kvcore.memory.runs import block_runs
+from kvcore.memory.layout import block_runs
 
 MAX_SEGMENTS = 1 << 20  # NOTE: views that would explode into more segments are refused
 
