@@ -16,7 +16,6 @@ commits and releases).
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import statistics
 import time
@@ -25,6 +24,7 @@ from collections.abc import Mapping
 import torch
 
 from kvcore._units import format_bytes
+from kvcore.bench import emit
 from kvcore.bench.options import elastic_arguments as add_arguments
 from kvcore.memory.backing import reserve_backing
 from kvcore.memory.elastic import ElasticMemory, merge_ranges
@@ -153,14 +153,29 @@ def measure_resize(specs, device: torch.device, max_blocks: int) -> list[dict]:
     return rows
 
 
-def _print_layouts(model: str, max_blocks: int, granularity: int, rows: list[dict]) -> None:
-    print(f"{model}: {max_blocks} blocks reserved, {format_bytes(granularity)} granules")
+def _print(result: dict, args: argparse.Namespace) -> None:
+    print(f"{result['model']}: {args.max_blocks} blocks reserved, "
+          f"{format_bytes(args.granularity)} granules")
     print(f"{'layout':7} {'block':>9} {'pieces':>6} {'granules/block':>14} {'blocks/grow':>11} "
           f"{'maps/grow':>9} {'max slack':>10}")
-    for r in rows:
+    for r in result["layouts"]:
         print(f"{r['layout']:7} {format_bytes(r['block_bytes']):>9} {r['pieces_per_block']:>6} "
               f"{r['granules_per_block']:>14.2f} {r['blocks_per_grow_event']:>11.1f} "
               f"{r['mappings_per_grow_event']:>9.1f} {format_bytes(r['max_slack_bytes']):>10}")
+    if args.measure:
+        b = result["backing"]
+        print(f"\nbacking on {b['device']} ({format_bytes(b['granularity'])} granules): commit "
+              f"{b['commit_granule_ms']:.3f} ms / release {b['release_granule_ms']:.3f} ms per "
+              f"granule; {b['commit_gib_ms']:.1f} / {b['release_gib_ms']:.1f} ms per GiB; "
+              f"{format_bytes(b['returned_bytes'])} of {format_bytes(b['held_grown_bytes'])} "
+              "given back")
+        for r in result["resize"]:
+            if "refused" in r:
+                print(f"  resize {r['layout']}: refused ({r['refused']})")
+                continue
+            print(f"  resize {r['layout']:6} 2 -> {args.max_blocks}: {r['granules']} granules, "
+                  f"grow {r['grow_ms']:.1f} ms ({r['grow_ms_per_granule']:.3f} ms/granule), "
+                  f"shrink {r['shrink_ms']:.1f} ms ({r['shrink_ms_per_granule']:.3f} ms/granule)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,22 +192,5 @@ def run(args: argparse.Namespace) -> int:
         device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
         result["backing"] = measure_backing(device, args.gib, args.repeat)
         result["resize"] = measure_resize(model.kv_cache_specs, device, args.max_blocks)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    _print_layouts(model.name, args.max_blocks, args.granularity, result["layouts"])
-    if args.measure:
-        b = result["backing"]
-        print(f"\nbacking on {b['device']} ({format_bytes(b['granularity'])} granules): commit "
-              f"{b['commit_granule_ms']:.3f} ms / release {b['release_granule_ms']:.3f} ms per "
-              f"granule; {b['commit_gib_ms']:.1f} / {b['release_gib_ms']:.1f} ms per GiB; "
-              f"{format_bytes(b['returned_bytes'])} of {format_bytes(b['held_grown_bytes'])} "
-              "given back")
-        for r in result["resize"]:
-            if "refused" in r:
-                print(f"  resize {r['layout']}: refused ({r['refused']})")
-                continue
-            print(f"  resize {r['layout']:6} 2 -> {args.max_blocks}: {r['granules']} granules, "
-                  f"grow {r['grow_ms']:.1f} ms ({r['grow_ms_per_granule']:.3f} ms/granule), "
-                  f"shrink {r['shrink_ms']:.1f} ms ({r['shrink_ms_per_granule']:.3f} ms/granule)")
+    emit(args, result, lambda r: _print(r, args))
     return 0

@@ -21,13 +21,13 @@ caching do not serve hybrids, so those parts are left out.
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Any
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvcore.bench import emit
 from kvcore.bench.options import hf_arguments as add_arguments
 
 #: A workload that runs in seconds on a CPU, for the message that refuses the GPU-sized defaults.
@@ -258,14 +258,7 @@ def _report_steps(kv: dict[str, Any], console: Console) -> None:
 
 def run(args: argparse.Namespace) -> int:
     out = collect(args)
-    text = json.dumps(out, indent=2, default=str)
-    if args.json_out:
-        with open(args.json_out, "w") as fh:
-            fh.write(text)
-    if args.json:
-        print(text)
-    else:
-        report(out, Console())
+    emit(args, out, lambda r: report(r, Console()))
     check = out.get("check", {})
     ok = all(check[k] == check["requests"] for k in ("plain", "prefix_caching") if k in check)
     return 0 if ok else 1

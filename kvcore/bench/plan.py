@@ -8,7 +8,6 @@ so every step of the planner runs: unification, grouping and one tensor per grou
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -19,6 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from kvcore._table import Column, render, terminal_width
+from kvcore.bench import emit
 from kvcore.bench.options import plan_arguments as add_arguments
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
@@ -101,10 +101,7 @@ def _print(result: dict) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every timed layout meets the target; 1 when one misses it or none can plan."""
     result = measure(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _print(result)
+    emit(args, result, _print)
     timed = [r for r in result["rows"] if "refused" not in r]
     if not timed:
         print("kvcore bench plan: every layout refused the model; nothing was timed",

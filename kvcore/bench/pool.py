@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import time
 from collections.abc import Callable
 
+from kvcore.bench import emit
 from kvcore.bench.options import POOL_MAX_BLOCKS
 from kvcore.bench.options import pool_arguments as add_arguments
 from kvcore.runtime.block_pool import BlockPool
@@ -116,6 +116,21 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
     return rows
 
 
+def _print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"BlockPool, ns per block ({result['requests']} requests x "
+                  f"{result['blocks_per_request']} blocks, this CPU)")
+    for column in ("operation", "caching off", "caching on", "on / off"):
+        table.add_column(column, justify="right")
+    for row in result["rows"]:
+        off = "-" if row["off_ns"] is None else f"{row['off_ns']:.0f}"
+        ratio = "-" if row["on_over_off"] is None else f"{row['on_over_off']:.2f}x"
+        table.add_row(row["label"], off, f"{row['on_ns']:.0f}", ratio)
+    Console().print(table)
+
+
 def run(args: argparse.Namespace) -> int:
     from rich.console import Console
     from rich.progress import Progress
@@ -125,20 +140,6 @@ def run(args: argparse.Namespace) -> int:
         task = bar.add_task("traffic, warm-up and timed rounds", total=args.repeat + 2)
         rows = measure(args.requests, args.blocks, args.block_size, args.repeat,
                        progress=lambda: bar.advance(task))
-    if args.json:
-        print(json.dumps({"requests": args.requests, "blocks_per_request": args.blocks,
-                          "block_size": args.block_size, "repeat": args.repeat, "rows": rows},
-                         indent=2))
-        return 0
-    from rich.table import Table
-
-    table = Table(title=f"BlockPool, ns per block ({args.requests} requests x {args.blocks} "
-                  "blocks, this CPU)")
-    for column in ("operation", "caching off", "caching on", "on / off"):
-        table.add_column(column, justify="right")
-    for row in rows:
-        off = "-" if row["off_ns"] is None else f"{row['off_ns']:.0f}"
-        ratio = "-" if row["on_over_off"] is None else f"{row['on_over_off']:.2f}x"
-        table.add_row(row["label"], off, f"{row['on_ns']:.0f}", ratio)
-    Console().print(table)
+    emit(args, {"requests": args.requests, "blocks_per_request": args.blocks,
+                "block_size": args.block_size, "repeat": args.repeat, "rows": rows}, _print_table)
     return 0

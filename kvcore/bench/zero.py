@@ -12,7 +12,6 @@ list of ids until it returns (no sync); wall times include the call and a sync.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
+from kvcore.bench import emit
 from kvcore.bench._timing import Timer, empty_launch, find_memset
 from kvcore.bench.options import zero_arguments as add_arguments
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -207,11 +207,5 @@ def run(args: argparse.Namespace) -> int:
     result = collect(args, torch.device("cuda"))
     result["tuning"] = {"programs_per_sm": zero_kernel.PROGRAMS_PER_SM,
                         "chunk_bytes": zero_module.CHUNK_BYTES}
-    if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(result, fh, indent=2)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _print_table(result)
+    emit(args, result, _print_table)
     return 0
