@@ -205,7 +205,3 @@ def main(argv: list[str] | None = None) -> int:
         # point stdout at devnull so Python's exit flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
