@@ -58,7 +58,8 @@ class Timer:
     def gpu_us(self, fn: Callable[[], object]) -> float:
         return self.gpu_group_us([fn])[0]
 
-    def gpu_group_us(self, fns: list[Callable[[], object]], repeats: int | None = None) -> list[float]:
+    def gpu_group_us(self, fns: list[Callable[[], object]],
+                     repeats: int | None = None) -> list[float]:
         """Median device times of ``fns``, timed in alternation (one round of all per repeat).
 
         Each is preceded by an L2 flush, and clock or thermal drift over the
@@ -73,7 +74,8 @@ class Timer:
         for _ in range(repeats or self.repeats):
             for fn, out in zip(fns, events):
                 self._flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
                 end.record()
@@ -85,7 +87,8 @@ class Timer:
 def find_memset() -> tuple[Callable[[int, int], None], str] | None:
     """``(memset(address, nbytes), how)`` writing zeros on the current stream, or None."""
     site = os.path.dirname(os.path.dirname(torch.__file__))
-    names = [ctypes.util.find_library("cudart"), "libcudart.so", "libcudart.so.13", "libcudart.so.12"]
+    names = [ctypes.util.find_library("cudart"), "libcudart.so", "libcudart.so.13",
+             "libcudart.so.12"]
     for pattern in ("torch/lib/libcudart*.so*", "nvidia/cuda_runtime/lib/libcudart.so*",
                     "nvidia/cu*/lib/libcudart.so*"):
         names += sorted(glob.glob(os.path.join(site, pattern)))

@@ -170,8 +170,10 @@ def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
         "state_only": state_only,
         "sequence_capacity": config.sequence_capacity(1) if state_only else None,
         "groups": groups,
-        "tensors": [{"group": group_ids[t.layers[0]], "num_layers": len(t.layers), **attrs.asdict(t)}
-                    for t in tensors],
+        "tensors": [
+            {"group": group_ids[t.layers[0]], "num_layers": len(t.layers), **attrs.asdict(t)}
+            for t in tensors
+        ],
         "notes": _window_notes(groups),
         "warnings": _warnings(model, groups),
     }

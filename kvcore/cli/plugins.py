@@ -102,7 +102,8 @@ def no_backend_reason(infos: list[PluginInfo], *, autoload: bool = True) -> str 
 
 def _field(label: str, value: str, width: int) -> list[str]:
     return textwrap.wrap(value or "-", width=max(width, _LABEL + 20),
-                         initial_indent=f"  {label:<{_LABEL}}", subsequent_indent=" " * (2 + _LABEL),
+                         initial_indent=f"  {label:<{_LABEL}}",
+                         subsequent_indent=" " * (2 + _LABEL),
                          break_long_words=False, break_on_hyphens=False)
 
 
