@@ -176,7 +176,7 @@ def test_range_arithmetic_matches_sets(a, b):
 
 
 def test_layout_costs_of_llama_at_2mib_granules(capsys):
-    from kvcore.bench.elastic_layouts import layout_cost
+    from kvcore.bench.elastic import layout_cost
     from kvcore.memory.layout import KVCacheLayout as L
     from kvcore.cli import main
     from kvcore.model_files import load_model_file

@@ -169,7 +169,7 @@ def test_state_groups_share_one_allocation_in_any_layout(models, references, lay
 def test_the_benchmarks_hybrid_is_granite_4_h_like():
     import argparse
 
-    from kvcore.bench._hf_configs import bench_config
+    from kvcore.bench._hf_runs import bench_config
 
     args = argparse.Namespace(model="hybrid", vocab=512, hidden=128, intermediate=256, layers=16, heads=4, kv_heads=2)
     config = bench_config(args, 1024)

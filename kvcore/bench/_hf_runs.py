@@ -1,53 +1,95 @@
-"""The engines ``kvcore bench hf`` compares, each timed on the same model and requests.
+"""The random models and the engines ``kvcore bench hf`` compares (imports transformers).
 
-Every runner does one untimed warm-up pass (kernel compilation, CUDA graph
-capture, allocator growth) and then times one full pass, with the device
-synchronized at both ends. Output tokens are counted from what each engine
-returned. This module imports transformers: ``kvcore bench hf`` loads it
-only when it runs.
+Every runner does one untimed warm-up pass (compilation, CUDA graph capture,
+allocator growth), then times one full pass, the device synchronized at both
+ends; output tokens are counted from what each engine returned.
 """
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from transformers import GenerationConfig
+import transformers
 
 from kvcore.hf import Engine
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def model_config(kind: str, *, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
+                 kv_heads: int, max_pos: int, **extra: Any) -> transformers.PretrainedConfig:
+    """A Llama, or a Granite-4.0-H-like hybrid, config of these sizes."""
+    common = dict(vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                  num_hidden_layers=layers, num_attention_heads=heads,
+                  num_key_value_heads=kv_heads, max_position_embeddings=max_pos,
+                  tie_word_embeddings=False, bos_token_id=1, eos_token_id=None, pad_token_id=0,
+                  **extra)
+    if kind != "hybrid":
+        return transformers.LlamaConfig(**common)
+    # NOTE: Granite 4.0-H's dense "H-Micro" shape: Mamba2 mixers, one attention layer in eight,
+    # a dense shared MLP, no position embedding.
+    layer_types = ["attention" if i % 8 == 4 else "mamba" for i in range(layers)]
+    if "attention" not in layer_types:
+        layer_types[-1] = "attention"
+    return transformers.GraniteMoeHybridConfig(
+        **common, shared_intermediate_size=intermediate, num_local_experts=0,
+        layer_types=layer_types, mamba_n_heads=2 * hidden // 64, mamba_d_head=64,
+        mamba_n_groups=1, mamba_d_state=128, mamba_d_conv=4, mamba_expand=2,
+        mamba_chunk_size=256, position_embedding_type="nope",
+    )
+
+
+def bench_config(args: argparse.Namespace, max_pos: int) -> transformers.PretrainedConfig:
+    """The timed model's config, from ``--model`` and the size flags."""
+    return model_config(args.model, vocab=args.vocab, hidden=args.hidden,
+                        intermediate=args.intermediate, layers=args.layers, heads=args.heads,
+                        kv_heads=args.kv_heads, max_pos=max_pos)
+
+
+def check_config(kind: str) -> transformers.PretrainedConfig:
+    """The smaller float32 model whose greedy tokens must equal ``model.generate``'s."""
+    return model_config(kind, vocab=4096, hidden=512, intermediate=1024,
+                        layers=6 if kind == "hybrid" else 4, heads=8, kv_heads=2, max_pos=1024,
+                        initializer_range=0.05)
+
+
+def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab, (count, length), generator=gen).tolist()
 
 
 def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
-    sync(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     start = time.perf_counter()
     out = fn()
-    sync(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start, out
 
 
-def stats_delta(after: Any, before: Any) -> dict[str, float]:
-    return {k: after[k] - before[k] for k in after}
-
-
 def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int,
-               engine_kwargs: dict[str, Any], *, profile: bool = False) -> dict[str, Any]:
-    """kvcore.hf.Engine: warm up on ``warmup``, then time ``prompts``; optionally a synced pass."""
+               engine_kwargs: dict[str, Any], *, profile: bool = False) -> tuple[dict, list]:
+    """kvcore.hf.Engine: warm up on ``warmup``, then time ``prompts``; optionally a synced pass.
+
+    Returns the figures and, apart, the outputs.
+    """
     start = time.perf_counter()
     engine = Engine(model, **engine_kwargs)
     build_s = time.perf_counter() - start
     warm_s, _ = timed(engine.device, lambda: engine.generate(warmup, new_tokens))
-    before = engine.stats()
-    seconds, outputs = timed(engine.device, lambda: engine.generate(prompts, new_tokens))
+
+    def stats_of_generate() -> tuple[float, Any, dict[str, float]]:
+        before = engine.stats()
+        seconds, outputs = timed(engine.device, lambda: engine.generate(prompts, new_tokens))
+        return seconds, outputs, {k: v - before[k] for k, v in engine.stats().items()}
+
+    seconds, outputs, stats = stats_of_generate()
     result = {
-        "seconds": seconds, "warmup_s": warm_s, "build_s": build_s, "outputs": outputs,
-        "output_tokens": sum(len(o) for o in outputs), "stats": stats_delta(engine.stats(), before),
+        "seconds": seconds, "warmup_s": warm_s, "build_s": build_s,
+        "output_tokens": sum(len(o) for o in outputs), "stats": stats,
         "num_blocks": engine.kv.num_blocks, "layout": engine.kv.layout.name,
         "kernel_block_sizes": list(engine.kv.kernel_block_sizes),
         "backend": next(iter(engine._layers.values())).backend.get_name(),  # an attention layer's
@@ -56,40 +98,40 @@ def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], ne
     }
     if profile:
         engine.sync_timing = True
-        before = engine.stats()
-        result["profile_s"], _ = timed(engine.device, lambda: engine.generate(prompts, new_tokens))
-        result["profile"] = stats_delta(engine.stats(), before)
+        result["profile_s"], _, result["profile"] = stats_of_generate()
     del engine
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
-    return result
+    return result, outputs
 
 
-def run_generate_batch(model: Any, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    """transformers' paged continuous batching (it runs its own loop thread: no inference_mode here)."""
-    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+def run_generate_batch(model: Any, prompts: list[list[int]], warmup: list[list[int]],
+                       new_tokens: int) -> dict[str, Any]:
+    """transformers' paged continuous batching (its own loop thread: no inference_mode here)."""
+    config = transformers.GenerationConfig(max_new_tokens=new_tokens, do_sample=False,
+                                           eos_token_id=None, pad_token_id=0)
     device = model.device
     warm_s, _ = timed(device, lambda: model.generate_batch(inputs=warmup, generation_config=config))
-    seconds, results = timed(device, lambda: model.generate_batch(inputs=prompts, generation_config=config))
+    seconds, results = timed(device, lambda: model.generate_batch(inputs=prompts,
+                                                                  generation_config=config))
     outputs = [r.generated_tokens for r in results.values()]
-    return {"seconds": seconds, "warmup_s": warm_s, "output_tokens": sum(len(o) for o in outputs),
+    return {"seconds": seconds, "warmup_s": warm_s, "output_tokens": sum(map(len, outputs)),
             "requests_done": len(outputs)}
 
 
 def run_static_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
     """Batched ``model.generate``: one static batch of equal-length prompts, dense KV cache."""
-    device = model.device
-    ids = torch.tensor(prompts, device=device)
-    mask = torch.ones_like(ids)
+    ids = torch.tensor(prompts, device=model.device)
 
     def generate(n: int) -> torch.Tensor:
         with torch.inference_mode():
-            return model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n,
-                                  do_sample=False, pad_token_id=0)
+            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                  min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    warm_s, _ = timed(device, lambda: generate(2))
-    seconds, out = timed(device, lambda: generate(new_tokens))
-    return {"seconds": seconds, "warmup_s": warm_s, "output_tokens": int(out[:, ids.shape[1]:].numel())}
+    warm_s, _ = timed(model.device, lambda: generate(2))
+    seconds, out = timed(model.device, lambda: generate(new_tokens))
+    return {"seconds": seconds, "warmup_s": warm_s,
+            "output_tokens": int(out[:, ids.shape[1]:].numel())}
 
 
 def run_reference(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -98,13 +140,17 @@ def run_reference(model: Any, prompts: list[list[int]], new_tokens: int) -> list
     with torch.inference_mode():
         for p in prompts:
             ids = torch.tensor([p], device=model.device)
-            out.append(model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, len(p):].tolist())
+            out.append(model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, len(p):]
+                       .tolist())
     return out
 
 
 def roofline(model: Any, requests: int, prompt_len: int, new_tokens: int, *, peak_tflops: float,
              hbm_tbps: float) -> dict[str, float]:
-    """Output tokens/s if prefill ran at the matrix peak and every decode step read weights and KV once."""
+    """Output tokens/s at the roofline.
+
+    Prefill runs at the matrix peak; every decode step reads the weights and the KV cache once.
+    """
     config = model.config
     size = next(model.parameters()).element_size()
     params = sum(p.numel() for p in model.parameters())
@@ -112,10 +158,40 @@ def roofline(model: Any, requests: int, prompt_len: int, new_tokens: int, *, pea
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     types = getattr(config, "layer_types", None)
     # NOTE: a hybrid's mixer layers keep a fixed-size state, not K/V per token.
-    attention_layers = config.num_hidden_layers if types is None else sum(t == "full_attention" for t in types)
+    attention_layers = (config.num_hidden_layers if types is None
+                        else sum(t == "full_attention" for t in types))
     kv_per_token = attention_layers * config.num_key_value_heads * head_dim * 2 * size
     prefill_s = 2 * (params - embed) * requests * prompt_len / (peak_tflops * 1e12)
-    decode_bytes = sum(params * size + requests * (prompt_len + j) * kv_per_token for j in range(1, new_tokens))
+    decode_bytes = sum(params * size + requests * (prompt_len + j) * kv_per_token
+                       for j in range(1, new_tokens))
     decode_s = decode_bytes / (hbm_tbps * 1e12)
     return {"prefill_s": prefill_s, "decode_s": decode_s,
             "tokens_per_s": requests * new_tokens / (prefill_s + decode_s), "params": params}
+
+
+def run_check(args: argparse.Namespace, engine_kwargs: dict[str, Any],
+              device: torch.device) -> dict[str, Any]:
+    """A small float32 model's greedy tokens through kvcore against ``model.generate``'s."""
+    from kvcore.hf.models import random_model
+
+    # NOTE: cuDNN's TF32 convolutions (a hybrid's mixers) round by call shape: off for equality.
+    tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
+    model = random_model(check_config(args.model), dtype=torch.float32, device=device, seed=5)
+    checks = random_prompts(args.check_requests, args.check_prompt_len, 4096, 6)
+    # Half the requests share a prefix, so the prefix cache serves them when it is on.
+    common = random_prompts(1, 2 * args.check_prompt_len, 4096, 7)[0]
+    checks += [common + q for q in checks[: max(1, len(checks) // 2)]]
+    want = run_reference(model, checks, args.check_new_tokens)
+    # NOTE: a small token budget admits requests over several steps, so later ones hit the cache.
+    small_kwargs = {**engine_kwargs, "num_blocks": None, "available_memory": 1 << 30,
+                    "max_num_batched_tokens": 2 * args.check_prompt_len}
+    out = {"requests": len(checks), "new_tokens": args.check_new_tokens,
+           "prompt_len": args.check_prompt_len}
+    for caching in (False,) if args.model == "hybrid" else (False, True):
+        result, got = run_kvcore(model, checks, checks[:2], args.check_new_tokens,
+                                 {**small_kwargs, "enable_prefix_caching": caching})
+        key = "prefix_caching" if caching else "plain"
+        out[key] = sum(a == b for a, b in zip(got, want))
+        out[f"{key}_hit_tokens"] = result["stats"]["prefix_cache_hit_tokens"]
+    torch.backends.cudnn.allow_tf32 = tf32
+    return out

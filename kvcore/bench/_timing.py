@@ -28,25 +28,14 @@ class Timer:
 
     def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
         self.device, self.repeats, self.warmup = device, repeats, warmup
-        self._flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if device.type == "cuda" else None
+        cuda = device.type == "cuda"
+        self._flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if cuda else None
 
     def sync(self) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def wall_us(self, fn: Callable[[], object]) -> float:
-        for _ in range(self.warmup):
-            fn()
-        times = []
-        for _ in range(self.repeats):
-            self.sync()
-            start = time.perf_counter()
-            fn()
-            self.sync()
-            times.append((time.perf_counter() - start) * 1e6)
-        return statistics.median(times)
-
-    def host_us(self, fn: Callable[[], object]) -> float:
+    def _host_times(self, fn: Callable[[], object], synced: bool) -> float:
         for _ in range(self.warmup):
             fn()
         times = []
@@ -54,28 +43,23 @@ class Timer:
             self.sync()  # NOTE: outside the timed span, so no call waits on a full launch queue
             start = time.perf_counter()
             fn()
+            if synced:
+                self.sync()
             times.append((time.perf_counter() - start) * 1e6)
         self.sync()
         return statistics.median(times)
 
+    def wall_us(self, fn: Callable[[], object]) -> float:
+        return self._host_times(fn, synced=True)
+
+    def host_us(self, fn: Callable[[], object]) -> float:
+        return self._host_times(fn, synced=False)
+
     def gpu_us(self, fn: Callable[[], object]) -> float:
-        if self._flush is None:
-            return self.wall_us(fn)
-        for _ in range(self.warmup):
-            fn()
-        pairs = []
-        for _ in range(self.repeats):
-            self._flush.zero_()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            pairs.append((start, end))
-        self.sync()
-        return statistics.median(s.elapsed_time(e) * 1e3 for s, e in pairs)
+        return self.gpu_group_us([fn])[0]
 
-
-    def gpu_group_us(self, fns: list[Callable[[], object]], repeats: int | None = None) -> list[float]:
+    def gpu_group_us(self, fns: list[Callable[[], object]],
+                     repeats: int | None = None) -> list[float]:
         """Median device times of ``fns``, timed in alternation (one round of all per repeat).
 
         Each is preceded by an L2 flush, and clock or thermal drift over the
@@ -90,7 +74,8 @@ class Timer:
         for _ in range(repeats or self.repeats):
             for fn, out in zip(fns, events):
                 self._flush.zero_()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start = torch.cuda.Event(enable_timing=True)
+                end = torch.cuda.Event(enable_timing=True)
                 start.record()
                 fn()
                 end.record()
@@ -99,43 +84,30 @@ class Timer:
         return [statistics.median(s.elapsed_time(e) * 1e3 for s, e in out) for out in events]
 
 
-def _cudart_candidates() -> list[str]:
-    names = [ctypes.util.find_library("cudart")] + ["libcudart.so", "libcudart.so.13", "libcudart.so.12"]
-    torch_lib = os.path.join(os.path.dirname(torch.__file__), "lib")
-    site = os.path.dirname(os.path.dirname(torch.__file__))
-    for pattern in (f"{torch_lib}/libcudart*.so*", f"{site}/nvidia/cuda_runtime/lib/libcudart.so*",
-                    f"{site}/nvidia/cu*/lib/libcudart.so*"):
-        names += sorted(glob.glob(pattern))
-    return [n for n in names if n]
-
-
 def find_memset() -> tuple[Callable[[int, int], None], str] | None:
     """``(memset(address, nbytes), how)`` writing zeros on the current stream, or None."""
-    for name in _cudart_candidates():
+    site = os.path.dirname(os.path.dirname(torch.__file__))
+    names = [ctypes.util.find_library("cudart"), "libcudart.so", "libcudart.so.13",
+             "libcudart.so.12"]
+    for pattern in ("torch/lib/libcudart*.so*", "nvidia/cuda_runtime/lib/libcudart.so*",
+                    "nvidia/cu*/lib/libcudart.so*"):
+        names += sorted(glob.glob(os.path.join(site, pattern)))
+    candidates = [(name, "cudaMemsetAsync") for name in names if name]
+    for name, symbol in [*candidates, ("libcuda.so.1", "cuMemsetD8Async")]:
         try:
-            fn = ctypes.CDLL(name).cudaMemsetAsync
+            fn = getattr(ctypes.CDLL(name), symbol)
         except (OSError, AttributeError):
             continue
+        # NOTE: (pointer, byte value, count, stream) in both; the value travels as an int.
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_void_p]
         fn.restype = ctypes.c_int
 
-        def cudart_memset(address: int, nbytes: int, fn=fn) -> None:
+        def memset(address: int, nbytes: int, fn=fn, symbol=symbol) -> None:
             if fn(address, 0, nbytes, torch.cuda.current_stream().cuda_stream):
-                raise RuntimeError("cudaMemsetAsync failed")
+                raise RuntimeError(f"{symbol} failed")
 
-        return cudart_memset, f"cudaMemsetAsync ({os.path.basename(name)})"
-    try:
-        fn = ctypes.CDLL("libcuda.so.1").cuMemsetD8Async
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t, ctypes.c_void_p]
-    fn.restype = ctypes.c_int
-
-    def driver_memset(address: int, nbytes: int) -> None:
-        if fn(address, 0, nbytes, torch.cuda.current_stream().cuda_stream):
-            raise RuntimeError("cuMemsetD8Async failed")
-
-    return driver_memset, "cuMemsetD8Async (libcuda.so.1)"
+        return memset, f"{symbol} ({os.path.basename(name)})"
+    return None
 
 
 try:

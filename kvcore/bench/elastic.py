@@ -16,22 +16,63 @@ commits and releases).
 from __future__ import annotations
 
 import argparse
-import json
 import mmap
 import statistics
 import time
+from collections.abc import Mapping
 
 import torch
 
 from kvcore._units import format_bytes
-from kvcore.bench.elastic_layouts import layout_costs
+from kvcore.bench import emit
 from kvcore.bench.options import elastic_arguments as add_arguments
 from kvcore.memory.backing import reserve_backing
-from kvcore.memory.elastic import ElasticMemory
-from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.elastic import ElasticMemory, merge_ranges
+from kvcore.memory.layout import KVCacheLayout, block_runs
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.model_files import load_model_file
+from kvcore.specs import KVCacheSpec
+
+
+def layout_cost(specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout, max_blocks: int,
+                granularity: int) -> dict:
+    """Growth figures of one layout, computed from the plan (no memory, no GPU).
+
+    Blocks are added one at a time and the granules each touches are counted
+    against those already committed; keys are stable for the JSON output.
+    """
+    config = plan_kv_cache(specs, layout, num_blocks=max_blocks)
+    buffer = torch.empty(config.kv_cache_tensors[0].size, dtype=torch.int8, device="meta")
+    # NOTE: block 0's byte runs over all layers: (start, run length, block stride) each.
+    pattern = []
+    for view in allocate_kv_cache(config, "meta", buffer=buffer).values():
+        item = view.element_size()
+        strides = [s * item for s in view.stride()]
+        offsets, run = block_runs(view.shape, strides, item)
+        pattern.extend((view.storage_offset() * item + o, run, strides[0]) for o in offsets)
+    committed: set[int] = set()
+    touched, events, mapped, slack = 0, 0, 0, 0
+    block_bytes = sum(run for _, run, _ in pattern)
+    pieces = len(merge_ranges((s, s + run) for s, run, _ in pattern))
+    for b in range(max_blocks):
+        granules: set[int] = set()
+        for start, run, stride in pattern:
+            first = start + b * stride
+            granules.update(range(first // granularity, (first + run - 1) // granularity + 1))
+        touched += len(granules)
+        new = granules - committed
+        if new and b > 0:
+            events += 1
+            mapped += len(new)
+        committed |= granules
+        slack = max(slack, len(committed) * granularity - (b + 1) * block_bytes)
+    return {
+        "layout": layout.name, "block_bytes": block_bytes, "pieces_per_block": pieces,
+        "granules_per_block": touched / max_blocks, "grow_events": events,
+        "blocks_per_grow_event": max_blocks / (events + 1),
+        "mappings_per_grow_event": mapped / events if events else 0.0, "max_slack_bytes": slack,
+    }
 
 
 def _held(device: torch.device) -> int:
@@ -44,13 +85,11 @@ def _held(device: torch.device) -> int:
         return int(f.read().split()[1]) * mmap.PAGESIZE
 
 
-def _touch(backing, start: int, end: int) -> None:
-    """Write the range (a CPU mapping is backed only once written; a GPU's is at commit)."""
-    backing.tensor[start:end].fill_(1)
-
-
 def measure_backing(device: torch.device, gib: int, repeat: int) -> dict:
-    """Commit / release time of one granule (median of ``repeat``) and of ``gib`` GiB, and memory given back."""
+    """Commit / release time of one granule (median of ``repeat``) and of ``gib`` GiB.
+
+    And the memory given back.
+    """
     size = gib * 2**30
     backing = reserve_backing(size, device)
     repeat = min(repeat, backing.size // backing.granularity - 1)
@@ -67,7 +106,7 @@ def measure_backing(device: torch.device, gib: int, repeat: int) -> dict:
     t0 = time.perf_counter()
     backing.commit(0, backing.size)
     t1 = time.perf_counter()
-    _touch(backing, 0, size)
+    backing.tensor[:size].fill_(1)  # NOTE: a CPU mapping is backed once written; a GPU's at commit
     grown = _held(device)
     t2 = time.perf_counter()
     backing.decommit(0, backing.size)
@@ -75,14 +114,18 @@ def measure_backing(device: torch.device, gib: int, repeat: int) -> dict:
     after = _held(device)
     return {
         "device": str(device), "granularity": g, "gib": gib,
-        "commit_granule_ms": statistics.median(commit) * 1e3, "release_granule_ms": statistics.median(release) * 1e3,
+        "commit_granule_ms": statistics.median(commit) * 1e3,
+        "release_granule_ms": statistics.median(release) * 1e3,
         "commit_gib_ms": (t1 - t0) * 1e3 / gib, "release_gib_ms": (t3 - t2) * 1e3 / gib,
         "held_grown_bytes": grown - before, "returned_bytes": grown - after,
     }
 
 
 def measure_resize(specs, device: torch.device, max_blocks: int) -> list[dict]:
-    """Commit for 2 blocks, grow to ``max_blocks`` and shrink back, per layout (what ``KVCache.resize`` maps)."""
+    """Commit for 2 blocks, grow to ``max_blocks`` and shrink back, per layout.
+
+    What ``KVCache.resize`` maps.
+    """
     rows = []
     for layout in KVCacheLayout:
         try:
@@ -92,7 +135,8 @@ def measure_resize(specs, device: torch.device, max_blocks: int) -> list[dict]:
             continue
         backing = reserve_backing(config.kv_cache_tensors[0].size, device)
         memory = ElasticMemory(backing)
-        memory.track({n: (v, 1) for n, v in allocate_kv_cache(config, device, buffer=backing.tensor).items()})
+        views = allocate_kv_cache(config, device, buffer=backing.tensor)
+        memory.track({n: (v, 1) for n, v in views.items()})
         memory.resize(2)
         small = memory.committed_bytes
         t0 = time.perf_counter()
@@ -102,45 +146,51 @@ def measure_resize(specs, device: torch.device, max_blocks: int) -> list[dict]:
         memory.resize(2)
         t2 = time.perf_counter()
         rows.append({"layout": layout.name, "granules": granules, "grow_ms": (t1 - t0) * 1e3,
-                     "shrink_ms": (t2 - t1) * 1e3, "grow_ms_per_granule": (t1 - t0) * 1e3 / max(granules, 1),
+                     "shrink_ms": (t2 - t1) * 1e3,
+                     "grow_ms_per_granule": (t1 - t0) * 1e3 / max(granules, 1),
                      "shrink_ms_per_granule": (t2 - t1) * 1e3 / max(granules, 1)})
-        del memory, backing
+        del memory, backing, views
     return rows
 
 
-def _print_layouts(model: str, max_blocks: int, granularity: int, rows: list[dict]) -> None:
-    print(f"{model}: {max_blocks} blocks reserved, {format_bytes(granularity)} granules")
+def _print(result: dict, args: argparse.Namespace) -> None:
+    print(f"{result['model']}: {args.max_blocks} blocks reserved, "
+          f"{format_bytes(args.granularity)} granules")
     print(f"{'layout':7} {'block':>9} {'pieces':>6} {'granules/block':>14} {'blocks/grow':>11} "
           f"{'maps/grow':>9} {'max slack':>10}")
-    for r in rows:
+    for r in result["layouts"]:
         print(f"{r['layout']:7} {format_bytes(r['block_bytes']):>9} {r['pieces_per_block']:>6} "
               f"{r['granules_per_block']:>14.2f} {r['blocks_per_grow_event']:>11.1f} "
               f"{r['mappings_per_grow_event']:>9.1f} {format_bytes(r['max_slack_bytes']):>10}")
-
-
-def run(args: argparse.Namespace) -> int:
-    model = load_model_file(args.model)
-    result: dict = {"model": model.name, "max_blocks": args.max_blocks, "granularity": args.granularity,
-                    "layouts": layout_costs(model.kv_cache_specs, args.max_blocks, args.granularity)}
-    if args.measure:
-        device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        result["backing"] = measure_backing(device, args.gib, args.repeat)
-        result["resize"] = measure_resize(model.kv_cache_specs, device, args.max_blocks)
-    if args.json:
-        print(json.dumps(result, indent=2))
-        return 0
-    _print_layouts(model.name, args.max_blocks, args.granularity, result["layouts"])
     if args.measure:
         b = result["backing"]
         print(f"\nbacking on {b['device']} ({format_bytes(b['granularity'])} granules): commit "
-              f"{b['commit_granule_ms']:.3f} ms / release {b['release_granule_ms']:.3f} ms per granule; "
-              f"{b['commit_gib_ms']:.1f} / {b['release_gib_ms']:.1f} ms per GiB; "
-              f"{format_bytes(b['returned_bytes'])} of {format_bytes(b['held_grown_bytes'])} given back")
+              f"{b['commit_granule_ms']:.3f} ms / release {b['release_granule_ms']:.3f} ms per "
+              f"granule; {b['commit_gib_ms']:.1f} / {b['release_gib_ms']:.1f} ms per GiB; "
+              f"{format_bytes(b['returned_bytes'])} of {format_bytes(b['held_grown_bytes'])} "
+              "given back")
         for r in result["resize"]:
             if "refused" in r:
                 print(f"  resize {r['layout']}: refused ({r['refused']})")
                 continue
-            print(f"  resize {r['layout']:6} 2 -> {args.max_blocks}: {r['granules']} granules, grow "
-                  f"{r['grow_ms']:.1f} ms ({r['grow_ms_per_granule']:.3f} ms/granule), shrink {r['shrink_ms']:.1f} ms "
-                  f"({r['shrink_ms_per_granule']:.3f} ms/granule)")
+            print(f"  resize {r['layout']:6} 2 -> {args.max_blocks}: {r['granules']} granules, "
+                  f"grow {r['grow_ms']:.1f} ms ({r['grow_ms_per_granule']:.3f} ms/granule), "
+                  f"shrink {r['shrink_ms']:.1f} ms ({r['shrink_ms_per_granule']:.3f} ms/granule)")
+
+
+def run(args: argparse.Namespace) -> int:
+    model = load_model_file(args.model)
+    result: dict = {"model": model.name, "max_blocks": args.max_blocks,
+                    "granularity": args.granularity, "layouts": []}
+    for layout in KVCacheLayout:
+        try:
+            result["layouts"].append(layout_cost(model.kv_cache_specs, layout, args.max_blocks,
+                                                 args.granularity))
+        except ValueError:  # NOTE: a hybrid model's mixed pages fit block-compact layouts only
+            continue
+    if args.measure:
+        device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        result["backing"] = measure_backing(device, args.gib, args.repeat)
+        result["resize"] = measure_resize(model.kv_cache_specs, device, args.max_blocks)
+    emit(args, result, lambda r: _print(r, args))
     return 0

@@ -8,22 +8,20 @@ so every step of the planner runs: unification, grouping and one tensor per grou
 from __future__ import annotations
 
 import argparse
-import json
 import os
+import statistics
 import sys
 import textwrap
-import statistics
 import time
 from contextlib import contextmanager
 
 import torch
 
 from kvcore._table import Column, render, terminal_width
+from kvcore.bench import emit
 from kvcore.bench.options import plan_arguments as add_arguments
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
-
-__all__ = ["add_arguments", "hybrid_model_specs", "measure", "run"]
 
 TARGET_MS = 20.0
 
@@ -96,18 +94,17 @@ def _print(result: dict) -> None:
     width = terminal_width()
     for r in result["rows"]:
         if "refused" in r:
-            print(textwrap.fill(f"{r['layout']} refused: {r['refused']}", width, subsequent_indent="  "))
+            print(textwrap.fill(f"{r['layout']} refused: {r['refused']}", width,
+                                subsequent_indent="  "))
 
 
 def run(args: argparse.Namespace) -> int:
     """Exit 0 when every timed layout meets the target; 1 when one misses it or none can plan."""
     result = measure(args)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _print(result)
+    emit(args, result, _print)
     timed = [r for r in result["rows"] if "refused" not in r]
     if not timed:
-        print("kvcore bench plan: every layout refused the model; nothing was timed", file=sys.stderr)
+        print("kvcore bench plan: every layout refused the model; nothing was timed",
+              file=sys.stderr)
         return 1
     return 0 if all(r["met"] for r in timed) else 1

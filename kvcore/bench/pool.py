@@ -13,18 +13,16 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import random
 import statistics
 import time
 from collections.abc import Callable
 
+from kvcore.bench import emit
 from kvcore.bench.options import POOL_MAX_BLOCKS
 from kvcore.bench.options import pool_arguments as add_arguments
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
-
-__all__ = ["add_arguments", "measure", "run"]
 
 _ROWS = (
     ("allocate", "allocate (plain free blocks)"),
@@ -62,7 +60,7 @@ def _round(off: BlockPool, on: BlockPool, hashes: list[list[bytes]], tokens: lis
     hits: list[list[int]] = []
     t["hit"] = _time(lambda: [hits.append(on.get_cached_blocks(h)) for h in hashes])
     if sum(map(len, hits)) != k * n:
-        raise RuntimeError(f"the benchmark's cached prefixes hit {sum(map(len, hits))} of {k * n} blocks")
+        raise RuntimeError(f"the cached prefixes hit {sum(map(len, hits))} of {k * n} blocks")
     for ids in hits:
         on.free(ids)
     evicted: list[list[int]] = []
@@ -85,8 +83,8 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
     if k * n > POOL_MAX_BLOCKS:
         raise ValueError(
             f"{k:,} requests x {n:,} blocks = {k * n:,} blocks per round, more than the "
-            f"{POOL_MAX_BLOCKS:,} this benchmark takes (a larger round runs for minutes and measures "
-            "the same ns per block); lower --requests or --blocks"
+            f"{POOL_MAX_BLOCKS:,} this benchmark takes (a larger round runs for minutes and "
+            "measures the same ns per block); lower --requests or --blocks"
         )
     tick = progress or (lambda: None)
     rng = random.Random(0)
@@ -113,9 +111,24 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
     for op, label in _ROWS:
         off_ns = statistics.median(samples[("off", op)]) if ("off", op) in samples else None
         on_ns = statistics.median(samples[("on", op)])
-        ratio = on_ns / off_ns if off_ns else None
-        rows.append({"op": op, "label": label, "off_ns": off_ns, "on_ns": on_ns, "on_over_off": ratio})
+        rows.append({"op": op, "label": label, "off_ns": off_ns, "on_ns": on_ns,
+                     "on_over_off": on_ns / off_ns if off_ns else None})
     return rows
+
+
+def _print_table(result: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"BlockPool, ns per block ({result['requests']} requests x "
+                  f"{result['blocks_per_request']} blocks, this CPU)")
+    for column in ("operation", "caching off", "caching on", "on / off"):
+        table.add_column(column, justify="right")
+    for row in result["rows"]:
+        off = "-" if row["off_ns"] is None else f"{row['off_ns']:.0f}"
+        ratio = "-" if row["on_over_off"] is None else f"{row['on_over_off']:.2f}x"
+        table.add_row(row["label"], off, f"{row['on_ns']:.0f}", ratio)
+    Console().print(table)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -127,18 +140,6 @@ def run(args: argparse.Namespace) -> int:
         task = bar.add_task("traffic, warm-up and timed rounds", total=args.repeat + 2)
         rows = measure(args.requests, args.blocks, args.block_size, args.repeat,
                        progress=lambda: bar.advance(task))
-    if args.json:
-        print(json.dumps({"requests": args.requests, "blocks_per_request": args.blocks,
-                          "block_size": args.block_size, "repeat": args.repeat, "rows": rows}, indent=2))  # fmt: skip
-        return 0
-    from rich.table import Table
-
-    table = Table(title=f"BlockPool, ns per block ({args.requests} requests x {args.blocks} blocks, this CPU)")
-    for column in ("operation", "caching off", "caching on", "on / off"):
-        table.add_column(column, justify="right")
-    for row in rows:
-        off = "-" if row["off_ns"] is None else f"{row['off_ns']:.0f}"
-        ratio = "-" if row["on_over_off"] is None else f"{row['on_over_off']:.2f}x"
-        table.add_row(row["label"], off, f"{row['on_ns']:.0f}", ratio)
-    Console().print(table)
+    emit(args, {"requests": args.requests, "blocks_per_request": args.blocks,
+                "block_size": args.block_size, "repeat": args.repeat, "rows": rows}, _print_table)
     return 0

@@ -12,7 +12,6 @@ list of ids until it returns (no sync); wall times include the call and a sync.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import textwrap
 from typing import Any
@@ -21,6 +20,7 @@ import torch
 
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
+from kvcore.bench import emit
 from kvcore.bench._timing import Timer, empty_launch, find_memset
 from kvcore.bench.options import zero_arguments as add_arguments
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
@@ -31,17 +31,15 @@ from kvcore.runtime.zeroer import kernel as zero_kernel
 from kvcore.runtime.zeroer import zeroer as zero_module
 from kvcore.specs import FullAttentionSpec
 
-__all__ = ["add_arguments", "collect", "run", "targets"]
-
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-
 
 def _model(args: argparse.Namespace, layout: KVCacheLayout, device: torch.device):
-    spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, _DTYPES[args.dtype])
+    dtype = getattr(torch, args.dtype)
+    spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, dtype)
     pool = args.pool_blocks or 2 * max(args.blocks)
     layers = [f"layers.{i}.attn" for i in range(args.layers)]
-    strides = compute_layout_strides(spec, pool, len(layers), layout)
-    tensor = KVCacheTensor(pool * len(layers) * spec.page_size_bytes, layers, strides[0], strides[1])
+    layer_stride, block_stride = compute_layout_strides(spec, pool, len(layers), layout)[:2]
+    tensor = KVCacheTensor(pool * len(layers) * spec.page_size_bytes, layers, layer_stride,
+                           block_stride)
     config = KVCacheConfig(pool, [tensor], [KVCacheGroupSpec(layers, spec)], layout)
     kv = allocate_kv_cache(config, device)
     zeroer = KVBlockZeroer.from_views(device, {name: (kv[name], 1) for name in layers}, pool)
@@ -58,7 +56,8 @@ def collect(args: argparse.Namespace, device: torch.device | str) -> dict[str, A
     empty = empty_launch(device)
     result: dict[str, Any] = {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
-        "model": {k: getattr(args, k) for k in ("layers", "kv_heads", "head_size", "block_size", "dtype")},
+        "model": {k: getattr(args, k)
+                  for k in ("layers", "kv_heads", "head_size", "block_size", "dtype")},
         "memset": memset[1] if memset else None,
         "empty_launch_us": timer.gpu_us(empty) if empty else None,
         "empty_launch_wall_us": timer.wall_us(empty) if empty else None,
@@ -103,16 +102,17 @@ def collect(args: argparse.Namespace, device: torch.device | str) -> dict[str, A
 
 def _derive(row: dict[str, Any]) -> dict[str, Any]:
     """Add GB/s and the ratios of one row."""
-    def gbps(us: float | None) -> float | None:
-        return None if not us else row["bytes"] / us / 1e3
-
     for name in ("zeroer", "zero", "memset"):
-        row[f"{name}_gbps"] = gbps(row[f"{name}_us"])
+        row[f"{name}_gbps"] = _ratio(row["bytes"] / 1e3, row[f"{name}_us"])
     row["speedup_vs_loop"] = row["loop_us"] / row["zeroer_us"]
     row["speedup_vs_loop_wall"] = row["loop_wall_us"] / row["zeroer_wall_us"]
     row["bw_vs_zero"] = row["zero_us"] / row["zeroer_us"]
-    row["bw_vs_memset"] = row["memset_us"] / row["zeroer_us"] if row["memset_us"] else None
+    row["bw_vs_memset"] = _ratio(row["memset_us"], row["zeroer_us"])
     return row
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -122,28 +122,24 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     large = [r for r in rows if r["blocks"] >= 512]
     single = [r for r in rows if r["blocks"] == 1]
     checks = [
-        ("host time per call (us) at <= 64 blocks", small, "zeroer_host_us", "<=", 15.0),
-        ("speedup vs per-layer loop (wall) at <= 64 blocks", small, "speedup_vs_loop_wall", ">=", 100.0),
-        ("speedup vs per-layer loop (device) at <= 64 blocks", small, "speedup_vs_loop", ">=", 100.0),
-        ("bandwidth vs zero_() at >= 512 blocks", large, "bw_vs_zero", ">=", 1.1),
-        ("bandwidth vs memset at >= 512 blocks", large, "bw_vs_memset", ">=", 0.93),
-        ("one block (host list, as begin_step): time / memset time", single, "list_memset", "<=", 1.15),
-        ("one block (device ids): time / memset time", single, "memset_us", "<=", 1.15),
-        ("one block: time / empty launch time", single, "empty", "<=", 2.0),
+        ("host time per call (us) at <= 64 blocks", small, "<=", 15.0,
+         lambda r: r.get("zeroer_host_us")),
+        ("speedup vs per-layer loop (wall) at <= 64 blocks", small, ">=", 100.0,
+         lambda r: r["speedup_vs_loop_wall"]),
+        ("speedup vs per-layer loop (device) at <= 64 blocks", small, ">=", 100.0,
+         lambda r: r["speedup_vs_loop"]),
+        ("bandwidth vs zero_() at >= 512 blocks", large, ">=", 1.1, lambda r: r["bw_vs_zero"]),
+        ("bandwidth vs memset at >= 512 blocks", large, ">=", 0.93, lambda r: r["bw_vs_memset"]),
+        ("one block (host list, as begin_step): time / memset time", single, "<=", 1.15,
+         lambda r: _ratio(r["zeroer_list_us"], r["memset_us"])),
+        ("one block (device ids): time / memset time", single, "<=", 1.15,
+         lambda r: _ratio(r["zeroer_us"], r["memset_us"])),
+        ("one block: time / empty launch time", single, "<=", 2.0,
+         lambda r: _ratio(r["zeroer_us"], result["empty_launch_us"])),
     ]
     out = []
-    for name, subset, key, op, bound in checks:
-        values = []
-        for r in subset:
-            if key == "empty":
-                values.append(r["zeroer_us"] / result["empty_launch_us"] if result["empty_launch_us"] else None)
-            elif key == "list_memset":
-                values.append(r["zeroer_list_us"] / r["memset_us"] if r["memset_us"] else None)
-            elif key == "memset_us":
-                values.append(r["zeroer_us"] / r["memset_us"] if r["memset_us"] else None)
-            else:
-                values.append(r.get(key))
-        values = [v for v in values if v is not None]
+    for name, subset, op, bound, value in checks:
+        values = [v for v in map(value, subset) if v is not None]
         worst = (min(values) if op == ">=" else max(values)) if values else None
         met = None if worst is None else (worst >= bound if op == ">=" else worst <= bound)
         out.append({"target": name, "bound": f"{op} {bound}", "worst": worst, "met": met})
@@ -156,37 +152,38 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 def _print_table(result: dict[str, Any]) -> None:
     width = terminal_width()
-    empty = result["empty_launch_us"]
-    rows = result["rows"]
-    times = [Column("layout"), Column("blocks", right=True), Column("size", right=True)] + [
-        Column(h, right=True) for h in ("zeroer us", "host us", "wall us", "loop us", "x loop",
-                                        "x loop wall")
-    ]
-    print(render(times, [[
-        r["layout"], str(r["blocks"]), format_bytes(r["bytes"]), _fmt(r["zeroer_us"], ".2f"),
-        _fmt(r.get("zeroer_host_us"), ".2f"), _fmt(r["zeroer_wall_us"], ".2f"), _fmt(r["loop_us"]),
-        _fmt(r["speedup_vs_loop"]), _fmt(r["speedup_vs_loop_wall"]),
-    ] for r in rows], title=f"KV block zeroing on {result['device']}: time per call "
-                            f"(empty Triton launch {_fmt(empty, '.2f')} us)", width=width))
+
+    def table(title: str, headers: tuple[str, ...], cells: Any) -> None:
+        columns = [Column("layout")] + [Column(h, right=True) for h in headers]
+        rows = [[r["layout"], str(r["blocks"]), *cells(r)] for r in result["rows"]]
+        print(render(columns, rows, title=title, width=width))
+
+    table(f"KV block zeroing on {result['device']}: time per call (empty Triton launch "
+          f"{_fmt(result['empty_launch_us'], '.2f')} us)",
+          ("blocks", "size", "zeroer us", "host us", "wall us", "loop us", "x loop", "x loop wall"),
+          lambda r: [format_bytes(r["bytes"]), _fmt(r["zeroer_us"], ".2f"),
+                     _fmt(r.get("zeroer_host_us"), ".2f"), _fmt(r["zeroer_wall_us"], ".2f"),
+                     _fmt(r["loop_us"]), _fmt(r["speedup_vs_loop"]),
+                     _fmt(r["speedup_vs_loop_wall"])])
     print(textwrap.fill(
-        "zeroer: device time of one launch on device ids (CUDA events); host: the zeroer call with a list of "
-        "ids until it returns (no sync); wall: that call and a sync; loop: device time of "
-        "view[ids] = 0 per layer; x loop: loop time / zeroer time (device; wall)", width))
+        "zeroer: device time of one launch on device ids (CUDA events); host: the zeroer call "
+        "with a list of ids until it returns (no sync); wall: that call and a sync; loop: device "
+        "time of view[ids] = 0 per layer; x loop: loop time / zeroer time (device; wall)", width))
     print()
-    bandwidth = [Column("layout"), Column("blocks", right=True)] + [
-        Column(h, right=True) for h in ("zeroer GB/s", "zero_() GB/s", "memset GB/s",
-                                        "x zero_() bw", "x memset bw", "list x memset")
-    ]
-    print(render(bandwidth, [[
-        r["layout"], str(r["blocks"]), _fmt(r["zeroer_gbps"], ".0f"), _fmt(r["zero_gbps"], ".0f"),
-        _fmt(r["memset_gbps"], ".0f"), _fmt(r["bw_vs_zero"], ".2f"), _fmt(r["bw_vs_memset"], ".2f"),
-        _fmt(r["memset_us"] / r["zeroer_list_us"] if r["memset_us"] else None, ".2f"),
-    ] for r in rows], title="bandwidth (device time; list: the call with a host list of ids)", width=width))
+    table("bandwidth (device time; list: the call with a host list of ids)",
+          ("blocks", "zeroer GB/s", "zero_() GB/s", "memset GB/s", "x zero_() bw", "x memset bw",
+           "list x memset"),
+          lambda r: [_fmt(r["zeroer_gbps"], ".0f"), _fmt(r["zero_gbps"], ".0f"),
+                     _fmt(r["memset_gbps"], ".0f"), _fmt(r["bw_vs_zero"], ".2f"),
+                     _fmt(r["bw_vs_memset"], ".2f"),
+                     _fmt(_ratio(r["memset_us"], r["zeroer_list_us"]), ".2f")])
     print()
-    checks = [Column("target", wrap=True), Column("bound"), Column("measured", right=True), Column("met")]
-    print(render(checks, [[t["target"], t["bound"], _fmt(t["worst"], ".2f"),
-                           {True: "yes", False: "NO", None: "-"}[t["met"]]] for t in result["targets"]],
-                 title="targets (worst row)", width=width))
+    checks = [Column("target", wrap=True), Column("bound"), Column("measured", right=True),
+              Column("met")]
+    met = {True: "yes", False: "NO", None: "-"}
+    rows = [[t["target"], t["bound"], _fmt(t["worst"], ".2f"), met[t["met"]]]
+            for t in result["targets"]]
+    print(render(checks, rows, title="targets (worst row)", width=width))
     if result["memset"] is None:
         print("memset column skipped: no cudaMemsetAsync / cuMemsetD8Async found")
 
@@ -198,7 +195,8 @@ def run(args: argparse.Namespace) -> int:
             "--blocks zeroes in one call; allocate at least that many"
         )
     if not torch.cuda.is_available():
-        print("kvcore bench zero: needs a CUDA GPU (none found); run it on a GPU machine", file=sys.stderr)
+        print("kvcore bench zero: needs a CUDA GPU (none found); run it on a GPU machine",
+              file=sys.stderr)
         return 2
 
     # NOTE: tuning knobs override the library's module defaults for this process only.
@@ -207,12 +205,7 @@ def run(args: argparse.Namespace) -> int:
     if args.chunk_kib:
         zero_module.CHUNK_BYTES = args.chunk_kib << 10
     result = collect(args, torch.device("cuda"))
-    result["tuning"] = {"programs_per_sm": zero_kernel.PROGRAMS_PER_SM, "chunk_bytes": zero_module.CHUNK_BYTES}
-    if args.json_out:
-        with open(args.json_out, "w") as fh:
-            json.dump(result, fh, indent=2)
-    if args.json:
-        print(json.dumps(result, indent=2))
-    else:
-        _print_table(result)
+    result["tuning"] = {"programs_per_sm": zero_kernel.PROGRAMS_PER_SM,
+                        "chunk_bytes": zero_module.CHUNK_BYTES}
+    emit(args, result, _print_table)
     return 0

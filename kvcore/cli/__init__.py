@@ -1,40 +1,75 @@
 """The kvcore command line: plan a model's KV cache, list presets and plugins, benchmark.
 
-Only the module of the sub-command being run is imported, so ``kvcore --help``
-and ``kvcore --version`` never import torch.
+Every command's options are defined here without torch, so ``kvcore --help``
+and usage errors come back at once; the module that runs a command (and the
+benchmark module, with torch and maybe transformers) is imported when it runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib
+import importlib.util
 import json
 import os
 import re
 import sys
+import tokenize
+from collections.abc import Callable
+from pathlib import Path
 
 from kvcore import __version__
+from kvcore._units import SIZE_UNITS_HELP
+from kvcore.bench import BENCHMARKS
+from kvcore.bench.options import (
+    ARGUMENTS,
+    LAYOUT_NAMES,
+    layout_arg,
+    positive_int_arg,
+    size_arg,
+)
 
-# NOTE: name -> (module defining add_parser(subparsers), one-line help). The
-# help is here so that `kvcore --help` lists every command without importing
-# any; tests check it matches what each module registers.
-_COMMANDS: dict[str, tuple[str, str]] = {
-    "plan": ("kvcore.cli.plan", "plan a model's KV cache for a memory budget"),
-    "models": ("kvcore.cli.model_presets", "list the model presets that kvcore plan knows"),
-    "plugins": ("kvcore.cli.plugins", "list and health-check installed kvcore plugins"),
-    "bench": ("kvcore.cli.bench", "run a micro-benchmark"),
-    "completion": ("kvcore.cli.completion", "print a shell completion script (bash, zsh, tcsh)"),
+#: Command name -> its one-line help.
+_COMMANDS = {
+    "plan": "plan a model's KV cache for a memory budget",
+    "models": "list the model presets that kvcore plan knows",
+    "plugins": "list and health-check installed kvcore plugins",
+    "bench": "run a micro-benchmark",
+    "completion": "print a shell completion script (bash, zsh, tcsh)",
 }
-_EPILOG = "Run 'kvcore COMMAND --help' for the options of one command."
+# NOTE: where kvcore.model_files keeps the presets (a test checks they agree); that
+# module imports torch, so it is imported only when a command runs.
+_PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
+_DESCRIPTIONS = {
+    "plan": "Plan the KV cache of a model described in TOML (a file, or a preset: see "
+    "'kvcore models') and show its groups, tensors, bytes per block, block count and "
+    f"capacity. Sizes: {SIZE_UNITS_HELP}.",
+    "models": f"List the model presets (TOML files in {_PRESET_DIR}) that 'kvcore plan NAME' "
+    "takes by name: their layers and layer kinds. Any other model is a TOML file in the same "
+    "format (see kvcore/model_files.py).",
+    "plugins": "List every kvcore plugin (entry points in group kvcore.plugins) with its status, "
+    "hooks and backends; ask every backend's hooks once about a representative full-attention "
+    "spec and show the kernel block sizes and layouts it declares. Exits 1 when a plugin "
+    "failed, conflicts with another or answers a hook badly.",
+    "bench": "kvcore bench: run one micro-benchmark (kvcore bench zero, kvcore bench plan, ...).",
+    "completion": """\
+The script is generated from kvcore's own argparse parser by shtab, so it
+knows every command, benchmark and option (and the layout and dtype choices).
+Install it once, e.g. for bash:
+
+    kvcore completion bash > ~/.local/share/bash-completion/completions/kvcore
+
+or for zsh (a directory on your $fpath):
+
+    kvcore completion zsh > ~/.zfunc/_kvcore""",
+}
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
 _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
 
 
 class _JsonErrorParser(argparse.ArgumentParser):
-    """argparse's parser whose usage errors are a JSON object on stdout (exit 2), for ``--json``.
-
-    Sub-command parsers are of the same class (argparse makes them so).
-    """
+    """A parser (and sub-parsers) whose usage errors are a JSON object on stdout, exit 2."""
 
     def error(self, message: str):  # type: ignore[override]
         _print_json_error(self.prog, "usage", message)
@@ -48,42 +83,90 @@ def _print_json_error(command: str, kind: str, message: str) -> None:
     sys.stdout.flush()
 
 
-def _positionals(argv: list[str]) -> list[str]:
-    return [token for token in argv if not token.startswith("-")]
+def _lazy(module_name: str, function: str = "run") -> Callable[[argparse.Namespace], int]:
+    """``module_name.function``, importing the module (torch and all) only when called."""
+    return lambda args: getattr(importlib.import_module(module_name), function)(args)
 
 
-def build_parser(argv: list[str] | None = None, *, json_errors: bool = False) -> argparse.ArgumentParser:
-    """The ``kvcore`` parser.
+def _docstring(module_name: str) -> str | None:
+    """A benchmark module's docstring as help text, read without importing it; None if absent."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    # NOTE: only the first string token, not the whole module (help comes back at once).
+    with open(spec.origin, encoding="utf-8") as source:
+        tokens = tokenize.generate_tokens(source.readline)
+        first = next(t.string for t in tokens if t.type == tokenize.STRING)
+    return ast.literal_eval(first).strip().replace("``", "")
 
-    With ``argv``, only the sub-command it names gets its arguments (and its
-    module imported); the others are listed by name and help. Without, every
-    sub-command is complete. ``json_errors``: usage errors as JSON objects.
-    """
-    parser_class = _JsonErrorParser if json_errors else argparse.ArgumentParser
-    parser = parser_class(prog="kvcore", description=__doc__.splitlines()[0], epilog=_EPILOG)
-    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    words = None if argv is None else _positionals(argv)
-    for name, (module_name, summary) in _COMMANDS.items():
-        if words is not None and words[:1] != [name]:
-            sub.add_parser(name, help=summary)
+
+def _add_commands(sub: argparse._SubParsersAction) -> None:
+    def command(name: str, func: Callable | None, **kwargs) -> argparse.ArgumentParser:
+        parser = sub.add_parser(name, help=_COMMANDS[name], description=_DESCRIPTIONS[name],
+                                **kwargs)
+        if func is not None:
+            parser.set_defaults(func=func)
+        return parser
+
+    plan = command("plan", _lazy("kvcore.cli.plan"))
+    plan.add_argument("model",
+                      help="a model TOML file, or a preset name ('kvcore models' lists them)")
+    budget = plan.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--memory", type=size_arg, metavar="SIZE", help="KV cache memory, e.g. "
+                        "40GiB (= 40G, binary) or 80GB (decimal, 10^9 bytes)")
+    budget.add_argument("--num-blocks", type=positive_int_arg, metavar="N",
+                        help="plan exactly N blocks")
+    plan.add_argument("--layout", type=layout_arg, default="LBNHC", help="physical layout, one "
+                      f"of {', '.join(LAYOUT_NAMES)} (default: %(default)s)")
+    plan.add_argument("--block-size", type=positive_int_arg, metavar="TOKENS",
+                      help="block size for every layer type (default: the model file's)")
+    plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    models = command("models", _lazy("kvcore.cli.plan", "run_models"))
+    models.add_argument("--json", action="store_true",
+                        help="print a JSON list instead of a table")
+    plugins = command("plugins", _lazy("kvcore.cli.plugins"))
+    plugins.add_argument("--json", action="store_true",
+                         help="print a JSON list, one object per plugin")
+    bench = command("bench", None)
+    benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module_name in BENCHMARKS.items():
+        doc = _docstring(module_name)
+        if doc is None:  # not installed
             continue
-        module = importlib.import_module(module_name)
-        if name == "bench":
-            # NOTE: benchmarks are loaded lazily too (their modules import torch,
-            # or transformers): only the one named after "bench" is imported.
-            module.add_parser(sub, only=None if words is None else (words[1:2] or [""])[0])
-        else:
-            module.add_parser(sub)
+        summary = doc.strip().splitlines()[0].split(": ", 1)[-1].rstrip(".")
+        one = benchmarks.add_parser(name, help=summary, description=doc,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        ARGUMENTS[name](one)
+        one.set_defaults(func=_lazy(module_name))
+    completion = command("completion", _completion,
+                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    completion.add_argument("shell", choices=("bash", "zsh", "tcsh"),
+                            help="the shell to complete in")
+
+
+def _completion(args: argparse.Namespace) -> int:
+    try:
+        import shtab
+    except ImportError:
+        raise ValueError("shell completion needs the shtab package: pip install shtab") from None
+    print(shtab.complete(build_parser(), shell=args.shell))
+    return 0
+
+
+def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
+    """The ``kvcore`` parser; ``json_errors``: usage errors as JSON objects."""
+    parser_class = _JsonErrorParser if json_errors else argparse.ArgumentParser
+    parser = parser_class(prog="kvcore", description=__doc__.splitlines()[0],
+                          epilog="Run 'kvcore COMMAND --help' for the options of one command.")
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
+    _add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
     return parser
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
-    """``--memory -5GiB`` as ``--memory=-5GiB``.
+    """``--memory -5GiB`` as ``--memory=-5GiB``, so that the value's type says what is wrong.
 
-    argparse reads a lone token that starts with ``-`` and is not a plain
-    number as an option, and would answer "expected one argument"; attached,
-    the value reaches its type, which says what is wrong with it.
+    (argparse would read the lone token as an option: "expected one argument".)
     """
     out: list[str] = []
     for token in argv:
@@ -104,9 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     as ``{"error": {"command", "type", "message"}}`` instead (exit code 2).
     """
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
-    # NOTE: with --json anywhere, errors come back as a JSON object on stdout, usage errors too.
     json_errors = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
-    args = build_parser(argv, json_errors=json_errors).parse_args(argv)
+    args = build_parser(json_errors=json_errors).parse_args(argv)
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()
@@ -123,7 +205,3 @@ def main(argv: list[str] | None = None) -> int:
         # point stdout at devnull so Python's exit flush does not fail again.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,10 @@
-"""``kvcore plan``: plan a model's KV cache and show groups, tensors and capacity."""
+"""``kvcore plan`` and ``kvcore models``: a model's KV cache plan, and the presets plan takes.
+
+Every number a plan reports is one a user can rely on: capacities come from
+:class:`~kvcore.memory.config.KVCacheConfig` (null block excluded, whole
+blocks per group), padding is measured on the planned specs, and a block size
+is only suggested after the model has been grouped with it.
+"""
 
 from __future__ import annotations
 
@@ -6,45 +12,175 @@ import argparse
 import json
 import sys
 import textwrap
+from collections import Counter
 from typing import Any
 
+import attrs
+
 from kvcore._table import Column, render, terminal_width
-from kvcore._units import SIZE_UNITS_HELP, format_bytes, format_bytes_exact
-from kvcore.bench._args import layout_arg, layout_names, positive_int_arg, size_arg
+from kvcore._units import format_bytes, format_bytes_exact
+from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
+from kvcore.memory.plan_groups import group_layers, is_encoder_only
+from kvcore.memory.planner import plan_kv_cache
+from kvcore.model_files import (
+    PRESET_DIR,
+    ModelDescription,
+    find_model,
+    load_model_file,
+    preset_names,
+)
+from kvcore.model_runner.binding import extract_layer_index
 
-# NOTE: the planner, the model loader and the summary import torch: they are
-# imported in run(), so that 'kvcore plan --help' and usage errors are quick.
-
-_DESCRIPTION = """\
-Plan the KV cache of a model described in TOML (a file, or a preset: see
-'kvcore models') and show its groups, tensors, bytes per block, block count
-and capacity. Sizes: """ + SIZE_UNITS_HELP + "."
+#: Padding above this share of a group's pages gets a warning.
+PADDING_WARN_PERCENT = 10.0
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    parser = subparsers.add_parser(
-        "plan", help="plan a model's KV cache for a memory budget", description=_DESCRIPTION
+def _padding(group: KVCacheGroupSpec) -> tuple[int, int]:
+    """``(padded bytes, real bytes)`` of one block of every layer of ``group``."""
+    specs = [group.spec_of(name) for name in group.layer_names]
+    return sum(s.page_size_bytes for s in specs), sum(s.real_page_size_bytes for s in specs)
+
+
+def _percent(padded: int, real: int) -> float:
+    return 100.0 * (padded - real) / padded if padded else 0.0
+
+
+def block_size_remedy(model: ModelDescription) -> tuple[int, float] | None:
+    """The smallest block size whose groups pad at most the warning share, and their worst.
+
+    Block sizes tried are multiples of 16 (which attention kernels take) up to 2048;
+    None if none of them does.
+    """
+    for block_size in range(16, 2048 + 1, 16):
+        try:
+            specs = {n: s.copy_with_new_block_size(block_size)
+                     for n, s in model.kv_cache_specs.items()}
+            groups = [g for g in group_layers(specs) if not is_encoder_only(g)]
+            worst = max((_percent(*_padding(g)) for g in groups), default=0.0)
+        except ValueError:  # e.g. MLA pages that do not divide: not a remedy
+            continue
+        if worst <= PADDING_WARN_PERCENT:
+            return block_size, worst
+    return None
+
+
+def _group(config: KVCacheConfig, group_id: int) -> dict[str, Any]:
+    group = config.kv_cache_groups[group_id]
+    spec = group.kv_cache_spec
+    keeps = not is_encoder_only(group)
+    padded, real = _padding(group) if keeps else (0, 0)
+    state = config.is_state_group(group_id)
+    pages = [group.spec_of(n).page_size_bytes for n in group.layer_names]
+    out: dict[str, Any] = {
+        "id": group_id,
+        "kind": type(spec).__name__,
+        "block_size": spec.block_size,
+        "page_size_bytes": max(pages) if keeps else 0,
+        "padding_bytes": padded - real,
+        "padding_percent": round(_percent(padded, real), 2),
+        "num_layers": len(group.layer_names),
+        "layers": list(group.layer_names),
+        "keeps_cache": keeps,
+        "is_state": state,
+        "token_capacity": config.group_token_capacity(group_id) if keeps and not state else None,
+    }
+    for key in ("sliding_window", "attention_chunk_size"):
+        if getattr(spec, key, None) is not None:
+            out[key] = getattr(spec, key)
+    return out
+
+
+def _warnings(model: ModelDescription, groups: list[dict[str, Any]]) -> list[str]:
+    """A warning for every group whose pages are more than 10% padding, with the remedy."""
+    padded = [g for g in groups if g["padding_percent"] > PADDING_WARN_PERCENT]
+    if not padded:
+        return []
+    remedy = block_size_remedy(model)
+    fix = (
+        f"--block-size {remedy[0]} pads at most {remedy[1]:.1f}%" if remedy
+        else "none up to 2048 pads 10% or less, so change the layer shapes"
     )
-    parser.add_argument("model", help="a model TOML file, or a preset name ('kvcore models' lists them)")
-    budget = parser.add_mutually_exclusive_group(required=True)
-    budget.add_argument(
-        "--memory", type=size_arg, metavar="SIZE",
-        help="KV cache memory, e.g. 40GiB (= 40G, binary) or 80GB (decimal, 10^9 bytes)",
-    )  # fmt: skip
-    budget.add_argument("--num-blocks", type=positive_int_arg, metavar="N", help="plan exactly N blocks")
-    parser.add_argument("--layout", type=layout_arg, default="LBNHC",
-                        help=f"physical layout, one of {layout_names()} (default: %(default)s)")
-    parser.add_argument("--block-size", type=positive_int_arg, metavar="TOKENS",
-                        help="block size for every layer type (default: the model file's)")
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON")
-    parser.set_defaults(func=run)
-    return parser
+    out = []
+    for g in padded:
+        page, pad = g["page_size_bytes"], g["padding_bytes"] // g["num_layers"]
+        out.append(
+            f"group {g['id']} ({g['kind'].removesuffix('Spec')}): each {format_bytes(page - pad)} "
+            f"page is padded to {format_bytes(page)}, the model's largest page, so "
+            f"{g['padding_percent']:.1f}% of this group's memory is padding. Remedy: a block "
+            f"size whose page matches or divides the largest page; {fix} (padding does not "
+            "depend on the layout)."
+        )
+    return out
+
+
+def _ids(ids: list[int]) -> str:
+    if len(ids) == 1:
+        return f"group {ids[0]}"
+    if ids == list(range(ids[0], ids[-1] + 1)):
+        return f"groups {ids[0]}-{ids[-1]}"
+    return f"groups {', '.join(map(str, ids))}"
+
+
+def _window_notes(groups: list[dict[str, Any]]) -> list[str]:
+    """What each sliding window or attention chunk means for capacity (one note per kind)."""
+    by_window: dict[tuple[str, int, int], list[int]] = {}
+    for g in groups:
+        if g["kind"] == "FullAttentionSpec" or not g["keeps_cache"]:
+            continue  # NOTE: a full-attention spec's window fields describe merged layers
+        for key in ("sliding_window", "attention_chunk_size"):
+            if key in g:
+                by_window.setdefault((key, g[key], g["block_size"]), []).append(g["id"])
+    notes = []
+    for (key, tokens, block_size), ids in by_window.items():
+        if key == "sliding_window":
+            blocks = -(-(tokens - 1) // block_size) + 1  # blocks holding the last `tokens` at most
+            notes.append(
+                f"{_ids(ids)}: sliding window of {tokens:,} tokens: attention reads only each "
+                f"token's last {tokens:,} tokens, so a scheduler that frees blocks behind the "
+                f"window keeps at most {blocks:,} blocks per sequence in each of these groups; "
+                "the token capacity above counts every block (no window discount)."
+            )
+        else:
+            notes.append(
+                f"{_ids(ids)}: attention within chunks of {tokens:,} tokens; the token "
+                "capacity above counts every block of the sequence."
+            )
+    return notes
+
+
+def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
+    """The plan as plain data (what ``kvcore plan --json`` prints)."""
+    tensors = config.kv_cache_tensors
+    group_ids = {name: i for i, g in enumerate(config.kv_cache_groups) for name in g.layer_names}
+    groups = [_group(config, i) for i in range(len(config.kv_cache_groups))]
+    kept = [g for g in groups if g["keeps_cache"]]
+    # NOTE: a state-only model holds sequences of any length, one block per group each.
+    state_only = bool(kept) and all(g["is_state"] for g in kept)
+    return {
+        "model": model.name,
+        "source": model.source,
+        "layout": config.layout.name,
+        "num_layers": len(model.kv_cache_specs),
+        "num_blocks": config.num_blocks,
+        "bytes_per_block": tensors[0].size // config.num_blocks if tensors else 0,
+        "total_bytes": tensors[0].size if tensors else 0,
+        "usable_blocks": config.usable_blocks,
+        "token_capacity": config.token_capacity,
+        "blocks_for_one_token": config.blocks_per_sequence(1) if kept else 0,
+        "state_only": state_only,
+        "sequence_capacity": config.sequence_capacity(1) if state_only else None,
+        "groups": groups,
+        "tensors": [
+            {"group": group_ids[t.layers[0]], "num_layers": len(t.layers), **attrs.asdict(t)}
+            for t in tensors
+        ],
+        "notes": _window_notes(groups),
+        "warnings": _warnings(model, groups),
+    }
 
 
 def span(layers: list[str]) -> str:
     """Layer indices as ranges (``0-4, 6-10``), or the first and last name."""
-    from kvcore.model_runner.binding import extract_layer_index
-
     try:
         indices = [extract_layer_index(name) for name in layers]
     except ValueError:
@@ -68,22 +204,23 @@ def _group_rows(summary: dict[str, Any]) -> list[list[str]]:
         else:
             tokens = f"{g['token_capacity']:,}"
         rows.append([
-            str(g["id"]), g["kind"].removesuffix("Spec"), str(g["num_layers"]), str(g["block_size"]),
-            format_bytes(g["page_size_bytes"]) if g["keeps_cache"] else "-",
-            f"{g['padding_percent']:.1f}%" if g["padding_bytes"] else "0%", tokens, span(g["layers"]),
-        ])  # fmt: skip
+            str(g["id"]), g["kind"].removesuffix("Spec"), str(g["num_layers"]),
+            str(g["block_size"]), format_bytes(g["page_size_bytes"]) if g["keeps_cache"] else "-",
+            f"{g['padding_percent']:.1f}%" if g["padding_bytes"] else "0%", tokens,
+            span(g["layers"]),
+        ])
     return rows
 
 
 def _capacity_line(summary: dict[str, Any]) -> tuple[str, str]:
     groups = [g for g in summary["groups"] if g["keeps_cache"]]
+    need, usable = summary["blocks_for_one_token"], summary["usable_blocks"]
     if not groups:
         return "capacity", "no layer keeps a KV cache (encoder-only model)"
     if summary["state_only"] and summary["sequence_capacity"] == 0:
         return "capacity", (
-            f"no sequence fits: one sequence needs {summary['blocks_for_one_token']} blocks (one per "
-            f"state group) but only {summary['usable_blocks']:,} are usable; plan at least "
-            f"{summary['blocks_for_one_token'] + 1} blocks"
+            f"no sequence fits: one sequence needs {need} blocks (one per state group) but only "
+            f"{usable:,} are usable; plan at least {need + 1} blocks"
         )
     if summary["state_only"]:
         where = "its one group" if len(groups) == 1 else f"each of the {len(groups)} groups"
@@ -93,8 +230,8 @@ def _capacity_line(summary: dict[str, Any]) -> tuple[str, str]:
         )
     if summary["token_capacity"] == 0:
         return "token capacity", (
-            f"0 tokens: one sequence needs {summary['blocks_for_one_token']} blocks (one per "
-            f"group) but only {summary['usable_blocks']:,} are usable; plan more blocks"
+            f"0 tokens: one sequence needs {need} blocks (one per group) but only {usable:,} "
+            "are usable; plan more blocks"
         )
     states = sum(g["is_state"] for g in groups)
     state_text = f"; each of the {states} state groups takes 1 block" if states else ""
@@ -104,32 +241,28 @@ def _capacity_line(summary: dict[str, Any]) -> tuple[str, str]:
     )
 
 
-def print_plan(summary: dict[str, Any], out=None) -> None:
+def print_plan(summary: dict[str, Any]) -> None:
     """The plan as tables and lines that fit the terminal (80 columns when piped)."""
-    out = out or sys.stdout
     width = terminal_width()
-    group_columns = [
-        Column("group", right=True), Column("kind"), Column("layers", right=True),
-        Column("block size", right=True), Column("page", right=True), Column("padding", right=True),
-        Column("max tokens", right=True), Column("layer indices", wrap=True),
-    ]  # fmt: skip
+    right = [Column(h, right=True) for h in ("layers", "block size", "page", "padding",
+                                             "max tokens")]
+    group_columns = [Column("group", right=True), Column("kind"), *right,
+                     Column("layer indices", wrap=True)]
     title = f"{summary['model']}: KV cache groups ({summary['layout']})"
-    print(render(group_columns, _group_rows(summary), title=title, width=width), file=out)
-    if sum(g["token_capacity"] is not None for g in summary["groups"]) > 1 or (
-        summary["token_capacity"] and any(g["is_state"] for g in summary["groups"])
+    print(render(group_columns, _group_rows(summary), title=title, width=width))
+    groups = summary["groups"]
+    if sum(g["token_capacity"] is not None for g in groups) > 1 or (
+        summary["token_capacity"] and any(g["is_state"] for g in groups)
     ):
-        print(textwrap.fill("max tokens: one sequence in that group alone, with every usable block "
-                            "(groups share the blocks, so together they hold the token capacity "
-                            "below)", width), file=out)
-    tensor_columns = [Column("group", right=True), Column("layers", right=True),
-                      Column("layer stride", right=True), Column("block stride", right=True),
-                      Column("size", right=True)]
+        print(textwrap.fill("max tokens: one sequence in that group alone, with every usable "
+                            "block (groups share the blocks, so together they hold the token "
+                            "capacity below)", width))
+    tensor_columns = [Column(h, right=True) for h in ("group", "layers", "layer stride",
+                                                      "block stride", "size")]
     rows = [[str(t["group"]), str(t["num_layers"]), format_bytes(t["layer_stride"]),
              format_bytes(t["block_stride"]), format_bytes(t["size"])] for t in summary["tensors"]]
-    print(file=out)
-    print(render(tensor_columns, rows, title="tensors (one allocation; every group's tensor starts "
-                 "at byte 0)", width=width), file=out)
-    print(file=out)
+    title = "tensors (one allocation; every group's tensor starts at byte 0)"
+    print(f"\n{render(tensor_columns, rows, title=title, width=width)}\n")
     usable = summary["usable_blocks"]
     lines = [
         ("bytes per block", format_bytes_exact(summary["bytes_per_block"])),
@@ -138,27 +271,47 @@ def print_plan(summary: dict[str, Any], out=None) -> None:
         _capacity_line(summary),
     ]
     for label, text in lines:
-        print(textwrap.fill(text, width, initial_indent=f"{label + ':':<17}", subsequent_indent=" " * 17),
-              file=out)
+        print(textwrap.fill(text, width, initial_indent=f"{label + ':':<17}",
+                            subsequent_indent=" " * 17))
     for note in summary["notes"]:
-        print(textwrap.fill(note, width, initial_indent="note: ", subsequent_indent="  "), file=out)
+        print(textwrap.fill(note, width, initial_indent="note: ", subsequent_indent="  "))
 
 
 def run(args: argparse.Namespace) -> int:
-    from kvcore.cli.plan_summary import summarize
-    from kvcore.memory.planner import plan_kv_cache
-    from kvcore.model_files import load_model_file
-
     model = load_model_file(args.model, block_size=args.block_size)
-    config = plan_kv_cache(
-        model.kv_cache_specs, args.layout, available_memory=args.memory, num_blocks=args.num_blocks
-    )
+    config = plan_kv_cache(model.kv_cache_specs, args.layout, available_memory=args.memory,
+                           num_blocks=args.num_blocks)
     summary = summarize(model, config)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print_plan(summary)
     for warning in summary["warnings"]:
-        print(textwrap.fill(warning, terminal_width(), initial_indent="warning: ", subsequent_indent="  "),
-              file=sys.stderr)
+        print(textwrap.fill(warning, terminal_width(), initial_indent="warning: ",
+                            subsequent_indent="  "), file=sys.stderr)
+    return 0
+
+
+def run_models(args: argparse.Namespace) -> int:
+    """``kvcore models``: every preset's name, title, layer count, layer kinds and file."""
+    presets = []
+    for name in preset_names():
+        model = load_model_file(name)
+        kinds = Counter(type(s).__name__.removesuffix("Spec")
+                        for s in model.kv_cache_specs.values())
+        presets.append({"preset": name, "name": model.name,
+                        "num_layers": len(model.kv_cache_specs), "kinds": dict(kinds),
+                        "file": str(find_model(name))})
+    if args.json:
+        print(json.dumps(presets, indent=2))
+        return 0
+    if not presets:
+        print(f"No model presets found in {PRESET_DIR}.")
+        return 0
+    columns = [Column("preset"), Column("model"), Column("layers", right=True),
+               Column("layer kinds", wrap=True)]
+    rows = [[p["preset"], p["name"], str(p["num_layers"]),
+             ", ".join(f"{n} x {kind}" for kind, n in p["kinds"].items())] for p in presets]
+    print(render(columns, rows, title="kvcore plan presets ('kvcore plan PRESET --memory 40GiB')"))
+    print(f"files: {PRESET_DIR}")
     return 0

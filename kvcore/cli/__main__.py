@@ -1,5 +1,0 @@
-import sys
-
-from kvcore.cli import main
-
-sys.exit(main())
