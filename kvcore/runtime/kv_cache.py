@@ -32,9 +32,8 @@ from kvcore.plugins.auto import resolve_auto
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, plan_meeting_rules
 from kvcore.plugins.records import Negotiation
-from kvcore.runtime.attn_group import AttentionGroup
+from kvcore.runtime.attn_group import AttentionGroup, attention_groups_from, map_kv_caches_to_kernel_blocks
 from kvcore.runtime.block_pool import BlockPool
-from kvcore.runtime.group_builder import attention_groups_from, map_kv_caches_to_kernel_blocks
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
