@@ -9,20 +9,12 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore._validate import (
-    attrs_positive,
-    positive_int,
-)
-
+from kvcore._validate import attrs_positive, positive_int
 
 
 @attrs.frozen
 class MultipleOf:
-    """A kernel block size constraint: any size divisible by ``base``.
-
-    A bare ``int`` in a backend's list of kernel block sizes accepts only
-    itself; ``MultipleOf(16)`` accepts 16, 32, 48, ...
-    """
+    """A kernel block size constraint: any size divisible by ``base`` (a bare ``int`` accepts only itself)."""
 
     base: int = attrs.field(validator=attrs_positive)
 
@@ -50,23 +42,25 @@ def check_cache_dtype(where: str, value: Any) -> torch.dtype:
     return value
 
 
+def padded_page_size(spec: KVCacheSpec) -> int:
+    """``page_size_bytes`` of a spec with a ``page_size_padded`` field: the padded page, else the real one."""
+    return spec.real_page_size_bytes if spec.page_size_padded is None else spec.page_size_padded
+
+
 def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
     if value is not None and not isinstance(value, MultipleOf):
-        raise TypeError(
-            f"{type(inst).__name__}.{attribute.name} must be None or a MultipleOf, "
-            f"got {value!r}"
-        )
-
+        raise TypeError(f"{type(inst).__name__}.{attribute.name} must be None or a MultipleOf, got {value!r}")
 
 
 @attrs.frozen
 class KVCacheSpec:
     """Base of all specs: a cache whose manager blocks hold ``block_size`` tokens.
 
-    Subclasses define ``page_size_bytes`` and, for views, ``tokens_per_state``,
+    The base view is one raw page per block, ``[B, 1, 1, page]``; subclasses
+    define ``page_size_bytes`` and, for other views, ``tokens_per_state``,
     ``num_heads``, ``state_content_size_bytes`` and ``view_dtype``.
-    ``block_stride_alignment`` (a ``MultipleOf`` in tokens) asks packed layouts
-    to keep blocks aligned to whole kernel blocks of that many tokens.
+    ``block_stride_alignment`` (a ``MultipleOf`` in tokens) asks packed
+    layouts to keep blocks aligned to whole kernel blocks of that many tokens.
     """
 
     block_size: int = attrs.field(validator=attrs_positive)
@@ -82,7 +76,6 @@ class KVCacheSpec:
     @property
     def tokens_per_state(self) -> int | Fraction:
         """Tokens per stored state; <= 0 means one state per block."""
-        # NOTE: the base view is one raw page per block, [B, 1, 1, page].
         return -1
 
     @property
@@ -107,17 +100,13 @@ class KVCacheSpec:
 
     @property
     def dtype_alignment(self) -> int:
-        """Bytes every block (and every layer) of this spec must start at a multiple of.
-
-        The largest element size among the spec's dtypes, so that every view
-        and every state tensor inside a block is aligned to its element size.
-        """
+        """Bytes every block and layer of this spec must start at a multiple of (its largest element)."""
         return self.view_dtype.itemsize
 
     @property
     def real_page_size_bytes(self) -> int:
         """``H * N * C``: the page without padding."""
-        return self.num_heads * self.num_states * self.state_content_size_bytes
+        return self._page_of_tokens(self.block_size)
 
     @property
     def page_size_padded(self) -> int | None:
@@ -148,9 +137,8 @@ class KVCacheSpec:
         states = Fraction(kernel_block_size) / tps
         if states.denominator != 1:
             raise ValueError(
-                f"block size {kernel_block_size} does not hold a whole number "
-                f"of states at tokens_per_state={tps}; use a block size divisible "
-                f"by {tps}"
+                f"block size {kernel_block_size} does not hold a whole number of states at "
+                f"tokens_per_state={tps}; use a block size divisible by {tps}"
             )
         return int(states)
 
@@ -172,31 +160,24 @@ class KVCacheSpec:
         if self.block_stride_alignment is None:
             return 1
         tokens = math.gcd(self.block_stride_alignment.base, self.block_size)
-        if tokens == self.block_size:
-            return 1
-        return self._page_of_tokens(tokens)
+        return 1 if tokens == self.block_size else self._page_of_tokens(tokens)
+
+    def _page_of_tokens(self, tokens: int) -> int:
+        """Unpadded bytes of a ``tokens``-token block."""
+        return self.num_heads * self.get_num_kernel_states(tokens) * self.state_content_size_bytes
 
     def _check_page_padding(self, element: str) -> None:
-        """``ValueError`` unless ``page_size_padded`` (when set) holds the page in whole elements.
-
-        ``element`` names the unit of ``dtype_alignment`` in the message.
-        """
+        """``ValueError`` unless ``page_size_padded`` (when set) holds the page in whole elements."""
         padded, real, align = self.page_size_padded, self.real_page_size_bytes, self.dtype_alignment
-        if padded is None:
-            return
         name = type(self).__name__
-        if padded < real:
+        if padded is not None and padded < real:
             raise ValueError(
                 f"{name}.page_size_padded={padded} is smaller than the page it pads "
                 f"({real} bytes); pass at least {real} or None"
             )
-        if padded % align:
+        if padded is not None and padded % align:
             raise ValueError(
                 f"{name}.page_size_padded={padded} is not a multiple of {element}, so "
                 f"blocks after the first would start mid-element; pass a multiple of "
                 f"{align} (e.g. {-(-padded // align) * align}) or None"
             )
-
-    def _page_of_tokens(self, tokens: int) -> int:
-        """Unpadded bytes of a ``tokens``-token block."""
-        return self.num_heads * self.get_num_kernel_states(tokens) * self.state_content_size_bytes
