@@ -45,8 +45,11 @@ def _widths(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int
     # then wrappable cells wrapped to their longest word too. Never below a word.
     header_floors = [max(c, _longest_word(col.header)) for c, col in zip(cells, columns)]
     cell_floors = [
-        max(max((_longest_word(r[i]) for r in rows), default=0), _longest_word(col.header))
-        if col.wrap else header_floors[i]
+        (
+            max(max((_longest_word(r[i]) for r in rows), default=0), _longest_word(col.header))
+            if col.wrap
+            else header_floors[i]
+        )
         for i, col in enumerate(columns)
     ]
     for floors in (header_floors, cell_floors):
@@ -86,6 +89,8 @@ def render(
     emit([_wrap(col.header, w) for col, w in zip(columns, widths)], bottom=True)
     lines.append(GAP.join("-" * w for w in widths))
     for row in rows:
-        emit([_wrap(cell, w) if col.wrap else [cell] for col, w, cell in zip(columns, widths, row)],
-             bottom=False)
+        emit(
+            [_wrap(cell, w) if col.wrap else [cell] for col, w, cell in zip(columns, widths, row)],
+            bottom=False,
+        )
     return "\n".join(lines)

@@ -29,7 +29,9 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool | None
         return None
     if value in _TRUE or value in _FALSE:
         return value in _TRUE
-    raise ValueError(f"{name}={raw!r} is not a switch; accepted values: 0/1/true/false (or no/yes, off/on)")
+    raise ValueError(
+        f"{name}={raw!r} is not a switch; accepted values: 0/1/true/false (or no/yes, off/on)"
+    )
 
 
 def env_names(name: str, environ: Mapping[str, str] | None = None) -> frozenset[str] | None:
@@ -58,6 +60,9 @@ class Settings:
         return cls(
             debug_checks=env_flag("KVCORE_DEBUG_CHECKS", environ),
             # NOTE: Triton's own reading of the variable, so kvcore never disagrees with it.
-            triton_interpret=(os.environ if environ is None else environ).get("TRITON_INTERPRET", "").strip().lower()
+            triton_interpret=(os.environ if environ is None else environ)
+            .get("TRITON_INTERPRET", "")
+            .strip()
+            .lower()
             in ("1", "true", "yes", "on", "y"),
         )

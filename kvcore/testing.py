@@ -29,7 +29,16 @@ SPLITTABLE = [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC]
 
 
 def build_cache(
-    layout, block_size, num_blocks, kv_heads, head_size, dtype, *, kernel_block_size=None, num_layers=2, device=DEVICE
+    layout,
+    block_size,
+    num_blocks,
+    kv_heads,
+    head_size,
+    dtype,
+    *,
+    kernel_block_size=None,
+    num_layers=2,
+    device=DEVICE,
 ):
     """Allocate a ``num_layers``-layer cache through kvcore; return its kernel-block views."""
     spec = FullAttentionSpec(block_size, kv_heads, head_size, dtype)
@@ -78,11 +87,16 @@ class PagedBatch:
         return torch.tensor(out, dtype=torch.int64)
 
     def tokens(self, tensors: list, new_only: bool) -> torch.Tensor:
-        parts = [t[n - q:] if new_only else t[: n - q] for t, n, q in zip(tensors, self.seq_lens, self.q_lens)]
+        parts = [
+            t[n - q :] if new_only else t[: n - q]
+            for t, n, q in zip(tensors, self.seq_lens, self.q_lens)
+        ]
         return torch.cat(parts)
 
 
-def make_batch(gen, seq_lens, q_lens, *, kv_heads, q_heads, head_size, dtype, num_blocks, block_size, ratio=1):
+def make_batch(
+    gen, seq_lens, q_lens, *, kv_heads, q_heads, head_size, dtype, num_blocks, block_size, ratio=1
+):
     """Random K/V/queries; each request gets distinct random manager blocks."""
     width = max(-(-n // block_size) for n in seq_lens)
     perm = torch.randperm(num_blocks, generator=gen)

@@ -38,7 +38,9 @@ def extract_layer_index(layer_name: str, num_attn_module: int = 1) -> int:
     if num_attn_module > 1 and "attn" in layer_name and len(numbers) == 2:
         return numbers[0] * num_attn_module + numbers[1]
     if len(numbers) != 1:
-        expected = "one or two integers" if num_attn_module > 1 and "attn" in layer_name else "one integer"
+        expected = (
+            "one or two integers" if num_attn_module > 1 and "attn" in layer_name else "one integer"
+        )
         raise ValueError(
             f"layer name {layer_name!r} holds {len(numbers)} integer parts {numbers}, "
             f"expected {expected} (e.g. 'model.layers.3.self_attn')"
@@ -53,7 +55,9 @@ def _model_order(names: Iterable[str], num_attn_module: int) -> list[str]:
     return sorted(index, key=index.__getitem__)
 
 
-def _check_grouped(names: Iterable[str], kv_cache_groups: Sequence[KVCacheGroupSpec] | None) -> None:
+def _check_grouped(
+    names: Iterable[str], kv_cache_groups: Sequence[KVCacheGroupSpec] | None
+) -> None:
     if kv_cache_groups is None:
         return
     grouped = {n for g in kv_cache_groups for n in g.layer_names}
@@ -181,7 +185,9 @@ def initialize_kv_cache_for_kv_sharing(
     owner = _group_of_layer(shared_kv_cache_layers, kv_cache_groups)
     absent = sorted({t for t in shared_kv_cache_layers.values() if t not in kv_caches})
     if absent:
-        raise ValueError(f"targets {absent} have no allocated cache in kv_caches; allocate them first")
+        raise ValueError(
+            f"targets {absent} have no allocated cache in kv_caches; allocate them first"
+        )
     for layer, target in shared_kv_cache_layers.items():
         kv_caches[layer] = kv_caches[target]
         owner[target].layer_names.append(layer)

@@ -24,7 +24,9 @@ def scatter_mm_placeholders(embeds: torch.Tensor, is_embed: torch.Tensor | None)
     if is_embed is None:
         return embeds
     if is_embed.dtype != torch.bool or is_embed.dim() != 1:
-        raise ValueError(f"is_embed must be a 1-D bool mask, got {is_embed.dtype} {tuple(is_embed.shape)}")
+        raise ValueError(
+            f"is_embed must be a 1-D bool mask, got {is_embed.dtype} {tuple(is_embed.shape)}"
+        )
     count = int(is_embed.sum())
     if count != embeds.shape[0]:
         raise ValueError(
@@ -36,7 +38,9 @@ def scatter_mm_placeholders(embeds: torch.Tensor, is_embed: torch.Tensor | None)
     return out
 
 
-def gather_mm_placeholders(placeholders: torch.Tensor, is_embed: torch.Tensor | None) -> torch.Tensor:
+def gather_mm_placeholders(
+    placeholders: torch.Tensor, is_embed: torch.Tensor | None
+) -> torch.Tensor:
     """The embeddings at the True positions of ``is_embed`` (undoes the scatter)."""
     if is_embed is None:
         return placeholders

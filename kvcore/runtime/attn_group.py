@@ -17,7 +17,11 @@ import torch
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.memory.config import KVCacheConfig
 from kvcore.plugins.answers import HookAnswers, label
-from kvcore.plugins.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
+from kvcore.plugins.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
 from kvcore.plugins.kernel_views import packed_kernel_stride, to_kernel_blocks, to_manager_blocks
 from kvcore.plugins.negotiation import backend_groups, settle_kernel_block_size
 from kvcore.plugins.records import BackendNegotiation, Negotiation
@@ -96,7 +100,11 @@ class AttentionGroup:
 
     @property
     def blocks_per_manager_block(self) -> int:
-        return 1 if self.kernel_block_size is None else self.kv_cache_spec.block_size // self.kernel_block_size
+        return (
+            1
+            if self.kernel_block_size is None
+            else self.kv_cache_spec.block_size // self.kernel_block_size
+        )
 
     def create_metadata_builders(
         self,
@@ -120,7 +128,9 @@ class AttentionGroup:
         max_model_len = positive_int("max_model_len", max_model_len)
         num_metadata_builders = positive_int("num_metadata_builders", num_metadata_builders)
         if settings is not None and not isinstance(settings, Settings):
-            raise TypeError(f"settings must be a kvcore.settings.Settings or None, got {settings!r}")
+            raise TypeError(
+                f"settings must be a kvcore.settings.Settings or None, got {settings!r}"
+            )
         self.settings = settings or Settings()
         if kernel_block_size is not None:
             self.record = settle_kernel_block_size(
@@ -134,15 +144,24 @@ class AttentionGroup:
             own,
             token_alignment=None if spec.tokens_per_state <= 0 else 128,
         )
-        kwargs: dict[str, Any] = {"block_table_width": width} if builder_cls.requires_block_table_width else {}
+        kwargs: dict[str, Any] = (
+            {"block_table_width": width} if builder_cls.requires_block_table_width else {}
+        )
         if own is not None:
             shape = (num_metadata_builders, max_num_seqs, width)
             self.kernel_block_table = torch.zeros(shape, dtype=torch.int32, device=device)
-            self.kernel_block_offsets = torch.arange(self.blocks_per_manager_block, dtype=torch.int32, device=device)
+            self.kernel_block_offsets = torch.arange(
+                self.blocks_per_manager_block, dtype=torch.int32, device=device
+            )
         builder_spec = spec if own is None else spec.copy_with_new_block_size(own)
         self.metadata_builders = [
             builder_cls(
-                builder_spec, self.layer_names, device, max_num_seqs=max_num_seqs, max_model_len=max_model_len, **kwargs
+                builder_spec,
+                self.layer_names,
+                device,
+                max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len,
+                **kwargs,
             )
             for _ in range(num_metadata_builders)
         ]
@@ -175,7 +194,9 @@ class AttentionGroup:
             common_attn_metadata = attrs.evolve(common_attn_metadata, **changes)
         return builder.build(common_prefix_len, common_attn_metadata, **kwargs)
 
-    def map_to_kernel_block_table(self, block_table: torch.Tensor, ubatch_idx: int = 0) -> torch.Tensor:
+    def map_to_kernel_block_table(
+        self, block_table: torch.Tensor, ubatch_idx: int = 0
+    ) -> torch.Tensor:
         """Manager block table ``[rows, cols]`` -> kernel block table ``[rows, cols * ratio]``.
 
         One fused ``add`` into a slice of the persistent buffer, so the result
@@ -226,8 +247,11 @@ class AttentionGroup:
         if kv_cache.shape[-2] == kernel_rows:
             return kv_cache
         stride = packed_kernel_stride(
-            spec, kv_cache.stride(0) * kv_cache.element_size(), self.kernel_block_size,
-            label(self.backend), self.layer_names,
+            spec,
+            kv_cache.stride(0) * kv_cache.element_size(),
+            self.kernel_block_size,
+            label(self.backend),
+            self.layer_names,
         )
         if self.kernel_block_stride and stride != self.kernel_block_stride:
             raise ValueError(
@@ -239,7 +263,9 @@ class AttentionGroup:
             self.record = attrs.evolve(self.record, kernel_block_stride=stride)
         return to_kernel_blocks(kv_cache, kernel_rows, stride)
 
-    def map_kv_cache_to_manager_blocks(self, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    def map_kv_cache_to_manager_blocks(
+        self, kv_cache: torch.Tensor, num_blocks: int
+    ) -> torch.Tensor:
         """View a packed cache addressed by kernel blocks as manager blocks."""
         if not self.kernel_block_stride:
             raise ValueError(
@@ -271,13 +297,17 @@ def build_attention_groups(
     classes = {name: answers.backend(backend) for name, backend in layer_backends.items()}
     return [
         [AttentionGroup(backend, names, spec, gid) for (backend, spec), names in by_key.items()]
-        for gid, by_key in enumerate(backend_groups(kv_cache_config, classes, answers, customize=True))
+        for gid, by_key in enumerate(
+            backend_groups(kv_cache_config, classes, answers, customize=True)
+        )
     ]
 
 
 def attention_groups_from(negotiation: Negotiation) -> list[list[AttentionGroup]]:
     """The attention groups a negotiation decided, one list per KV cache group."""
-    return [[AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups]
+    return [
+        [AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups
+    ]
 
 
 def flatten_attention_groups(attn_groups: Iterable[Any]) -> list[AttentionGroup]:
@@ -289,7 +319,9 @@ def flatten_attention_groups(attn_groups: Iterable[Any]) -> list[AttentionGroup]
         elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
             out.extend(flatten_attention_groups(item))
         else:
-            raise TypeError(f"attn_groups must hold AttentionGroup objects (or lists of them), got {item!r}")
+            raise TypeError(
+                f"attn_groups must hold AttentionGroup objects (or lists of them), got {item!r}"
+            )
     return out
 
 

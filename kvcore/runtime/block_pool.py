@@ -27,7 +27,9 @@ MAX_NUM_BLOCKS = 1 << 26
 
 def _hashes(hashes: Sequence[bytes]) -> list[bytes]:
     if isinstance(hashes, (bytes, bytearray, str)):
-        raise TypeError("hashes must be a list of block hashes (bytes), not one value; wrap it: [h]")
+        raise TypeError(
+            "hashes must be a list of block hashes (bytes), not one value; wrap it: [h]"
+        )
     out = list(hashes)
     for i, h in enumerate(out):
         if type(h) is not bytes or not h:
@@ -195,7 +197,10 @@ class BlockPool:
         return self._hit_range(hashes, group_id, _window(window))[1]
 
     def find_common_prefix(
-        self, groups: Mapping[int, tuple[Sequence[bytes], int, int | None]], *, max_tokens: int | None = None
+        self,
+        groups: Mapping[int, tuple[Sequence[bytes], int, int | None]],
+        *,
+        max_tokens: int | None = None,
     ) -> int:
         """Tokens of the longest prefix that every listed group hits; changes nothing.
 
@@ -223,7 +228,9 @@ class BlockPool:
         while changed and limit:  # NOTE: a sliding window's hit may shrink; repeat until all agree
             changed = False
             for group_id, hashes, block_size, window in checked:
-                hit = self._hit_range(hashes[: limit // block_size], group_id, window)[1] * block_size
+                hit = (
+                    self._hit_range(hashes[: limit // block_size], group_id, window)[1] * block_size
+                )
                 if hit < limit:
                     limit, changed = hit, True
         return limit
@@ -252,7 +259,9 @@ class BlockPool:
             refs[block_id] += 1
         return [NULL_BLOCK_ID] * start + ids
 
-    def cache_blocks(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, group_id: int = 0) -> None:
+    def cache_blocks(
+        self, hashes: Sequence[bytes], block_ids: Sequence[int], *, group_id: int = 0
+    ) -> None:
         """Record held, full blocks under their hashes: ``hashes[i]`` is ``block_ids[i]``'s.
 
         Call it once a block is full and the step writing it has begun. A
@@ -262,7 +271,9 @@ class BlockPool:
         block still to be zeroed, a block cached under another hash or group.
         """
         if not self._caching:
-            raise ValueError("this BlockPool was built without prefix caching; pass enable_caching=True")
+            raise ValueError(
+                "this BlockPool was built without prefix caching; pass enable_caching=True"
+            )
         hashes = _hashes(hashes)
         ids = [as_int("block id", b) for b in block_ids]
         group_id = non_negative_int("group_id", group_id)
@@ -318,7 +329,9 @@ class BlockPool:
         """
         num_blocks = as_int("num_blocks", num_blocks)
         if num_blocks < 2:
-            raise ValueError(f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}")
+            raise ValueError(
+                f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}"
+            )
         old = self._num_blocks
         if num_blocks < old:
             held = [b for b in range(num_blocks, old) if self._refs[b]]

@@ -18,7 +18,12 @@ import torch
 from kvcore._validate import as_int, positive_int
 from kvcore.distributed import agree_layout, agree_num_blocks
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.elastic import ElasticMemory, checked_max_blocks, first_elastic_blocks, reserve_elastic
+from kvcore.memory.elastic import (
+    ElasticMemory,
+    checked_max_blocks,
+    first_elastic_blocks,
+    reserve_elastic,
+)
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache, checked_device
@@ -27,7 +32,11 @@ from kvcore.plugins.auto import resolve_auto
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, plan_meeting_rules
 from kvcore.plugins.records import Negotiation
-from kvcore.runtime.attn_group import AttentionGroup, attention_groups_from, map_kv_caches_to_kernel_blocks
+from kvcore.runtime.attn_group import (
+    AttentionGroup,
+    attention_groups_from,
+    map_kv_caches_to_kernel_blocks,
+)
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
@@ -54,7 +63,11 @@ def _served_specs(
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
         raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
-    missing = [n for n, s in layer_specs.items() if isinstance(s, AttentionSpec) and n not in layer_backends]
+    missing = [
+        n
+        for n, s in layer_specs.items()
+        if isinstance(s, AttentionSpec) and n not in layer_backends
+    ]
     if missing:
         raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
     backends = {}
@@ -64,8 +77,13 @@ def _served_specs(
                 f"layer_backends[{layer!r}] is {backend!r}; pass a backend class, a registered "
                 "backend name or 'auto'"
             )
-        backends[layer] = answers.backend(resolve_auto(answers, backend, layer_specs[layer], device))
-    specs = {n: answers.customized_spec(backends[n], s) if n in backends else s for n, s in layer_specs.items()}
+        backends[layer] = answers.backend(
+            resolve_auto(answers, backend, layer_specs[layer], device)
+        )
+    specs = {
+        n: answers.customized_spec(backends[n], s) if n in backends else s
+        for n, s in layer_specs.items()
+    }
     check_abilities(answers, specs, backends, device)
     return specs, backends
 
@@ -135,35 +153,50 @@ class KVCache:
         answers = HookAnswers(plugin_manager)
         # NOTE: specs are customized before planning: the planner sees each backend's alignment.
         specs, backends = _served_specs(layer_specs, layer_backends, answers, device)
-        supported = answers.common_layouts(list(dict.fromkeys((b, specs[n]) for n, b in backends.items())))
+        supported = answers.common_layouts(
+            list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
+        )
         if group is not None:  # every rank agrees on one layout and one block count
             budget = {"available_memory": available_memory, "num_blocks": num_blocks}
             supported = layouts_meeting_rules(specs, backends, answers, supported, budget)
             layout = agree_layout(supported, specs.values(), group, layout)
             if num_blocks is None:
-                num_blocks = plan_kv_cache(specs, layout, available_memory=available_memory).num_blocks
+                num_blocks = plan_kv_cache(
+                    specs, layout, available_memory=available_memory
+                ).num_blocks
             num_blocks, available_memory = agree_num_blocks(num_blocks, group), None
         budget = {"available_memory": available_memory, "num_blocks": num_blocks}
-        if max_num_blocks is not None:  # an elastic cache is planned (strides, views) for all its blocks
+        if (
+            max_num_blocks is not None
+        ):  # an elastic cache is planned (strides, views) for all its blocks
             budget = {"available_memory": None, "num_blocks": checked_max_blocks(max_num_blocks)}
         layout, config, negotiation = plan_meeting_rules(
             layer_specs, specs, backends, answers, supported, layout, budget
         )
         elastic = buffer = None
         if max_num_blocks is not None:
-            num_blocks = first_elastic_blocks(specs, layout, max_num_blocks, num_blocks, available_memory)
+            num_blocks = first_elastic_blocks(
+                specs, layout, max_num_blocks, num_blocks, available_memory
+            )
             elastic, buffer = reserve_elastic(config, device)
-        kv_caches = allocate_kv_cache(config, device, layout, negotiation.allocation_kernel_block_sizes, buffer=buffer)
+        kv_caches = allocate_kv_cache(
+            config, device, layout, negotiation.allocation_kernel_block_sizes, buffer=buffer
+        )
         attn_groups = attention_groups_from(negotiation)
         for record, groups in zip(negotiation.groups, attn_groups):
             for attn_group in groups:
                 attn_group.create_metadata_builders(
-                    device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                    kernel_block_size=record.kernel_block_size, settings=settings,
+                    device,
+                    max_num_seqs=max_num_seqs,
+                    max_model_len=max_model_len,
+                    kernel_block_size=record.kernel_block_size,
+                    settings=settings,
                 )
         rows = negotiation.rows_per_block()
         zeroer = KVBlockZeroer.from_views(
-            device, {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}, config.num_blocks,
+            device,
+            {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches},
+            config.num_blocks,
             settings=settings,
         )
         if elastic is None:
@@ -174,9 +207,19 @@ class KVCache:
             elastic.resize(num_blocks)
             zeroer.num_blocks = num_blocks
         return cls(
-            config, layout, attn_groups, kv_caches, map_kv_caches_to_kernel_blocks(kv_caches, attn_groups),
-            BlockPool(num_blocks, enable_caching=enable_prefix_caching), zeroer, device,
-            max_num_seqs, max_model_len, negotiation, elastic, settings,
+            config,
+            layout,
+            attn_groups,
+            kv_caches,
+            map_kv_caches_to_kernel_blocks(kv_caches, attn_groups),
+            BlockPool(num_blocks, enable_caching=enable_prefix_caching),
+            zeroer,
+            device,
+            max_num_seqs,
+            max_model_len,
+            negotiation,
+            elastic,
+            settings,
         )
 
     @property
@@ -241,7 +284,9 @@ class KVCache:
             for attn_group in groups:
                 if layer_name in attn_group.layer_names:
                     return attn_group
-        raise ValueError(f"layer {layer_name!r} is in no attention group; layers: {self.config.layer_names}")
+        raise ValueError(
+            f"layer {layer_name!r} is in no attention group; layers: {self.config.layer_names}"
+        )
 
     def begin_step(self) -> list[int]:
         """Zero every block allocated since the last step, in one launch; returns their ids.
@@ -258,7 +303,9 @@ class KVCache:
                 raise
         return new_blocks
 
-    def build_metadata(self, common: list[CommonAttentionMetadata], ubatch_idx: int = 0) -> dict[str, Any]:
+    def build_metadata(
+        self, common: list[CommonAttentionMetadata], ubatch_idx: int = 0
+    ) -> dict[str, Any]:
         """Each layer's backend metadata for one step; ``common[g]`` has group ``g``'s block table."""
         if not isinstance(common, (list, tuple)):
             raise TypeError(
@@ -283,4 +330,3 @@ class KVCache:
                 metadata = attn_group.build_metadata(common[group_id], ubatch_idx)
                 out.update(dict.fromkeys(attn_group.layer_names, metadata))
         return out
-

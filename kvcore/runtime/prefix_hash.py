@@ -70,7 +70,9 @@ def _token_array(token_ids: Sequence[int]) -> array:
     except (TypeError, OverflowError):
         for i, t in enumerate(ids):  # name the offending id
             if not 0 <= as_int(f"token_ids[{i}]", t) < 2**64:
-                raise ValueError(f"token_ids[{i}] = {t} is not a token id; ids must be in [0, 2**64)") from None
+                raise ValueError(
+                    f"token_ids[{i}] = {t} is not a token id; ids must be in [0, 2**64)"
+                ) from None
         tokens = array("Q", [as_int("token id", t) for t in ids])  # other int-like values
     # NOTE: array takes a bool as 0 or 1; only ids whose low byte is 0 or 1 are looked at.
     low = tokens.tobytes()[_LOW_BYTE::8]

@@ -24,7 +24,8 @@ class MultipleOf:
 
 #: dtypes a cache cannot store: no byte view or kernel takes them.
 _NOT_CACHE_DTYPES = frozenset(
-    getattr(torch, name) for name in ("bool", "qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    getattr(torch, name)
+    for name in ("bool", "qint8", "quint8", "qint32", "quint4x2", "quint2x4")
     if hasattr(torch, name)
 )
 
@@ -49,7 +50,9 @@ def padded_page_size(spec: KVCacheSpec) -> int:
 
 def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
     if value is not None and not isinstance(value, MultipleOf):
-        raise TypeError(f"{type(inst).__name__}.{attribute.name} must be None or a MultipleOf, got {value!r}")
+        raise TypeError(
+            f"{type(inst).__name__}.{attribute.name} must be None or a MultipleOf, got {value!r}"
+        )
 
 
 @attrs.frozen

@@ -19,7 +19,10 @@ def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
         raise TypeError(
             f"MambaSpec.shapes must be a sequence of shapes (e.g. [(4, 128), (8, 64)]), got {value!r}"
         ) from None
-    return tuple(tuple(as_int(f"MambaSpec.shapes[{i}] dim", d) for d in shape) for i, shape in enumerate(shapes))
+    return tuple(
+        tuple(as_int(f"MambaSpec.shapes[{i}] dim", d) for d in shape)
+        for i, shape in enumerate(shapes)
+    )
 
 
 def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
@@ -28,7 +31,9 @@ def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
     try:
         return tuple(value)
     except TypeError:
-        raise TypeError(f"MambaSpec.dtypes must be a torch.dtype or a sequence of them, got {value!r}") from None
+        raise TypeError(
+            f"MambaSpec.dtypes must be a torch.dtype or a sequence of them, got {value!r}"
+        ) from None
 
 
 @attrs.frozen

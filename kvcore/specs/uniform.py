@@ -14,7 +14,9 @@ from kvcore.specs.base import KVCacheSpec
 
 def _spec_mapping(value: Any) -> dict[str, KVCacheSpec]:
     if not isinstance(value, Mapping):
-        raise TypeError(f"UniformTypeKVCacheSpecs.kv_cache_specs must map layer names to specs, got {value!r}")
+        raise TypeError(
+            f"UniformTypeKVCacheSpecs.kv_cache_specs must map layer names to specs, got {value!r}"
+        )
     return dict(value)
 
 
@@ -29,10 +31,14 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
             raise ValueError("UniformTypeKVCacheSpecs needs at least one layer spec")
         for name, spec in self.kv_cache_specs.items():
             if not isinstance(spec, KVCacheSpec):
-                raise TypeError(f"UniformTypeKVCacheSpecs: layer {name!r} maps to {spec!r}, not a KVCacheSpec")
+                raise TypeError(
+                    f"UniformTypeKVCacheSpecs: layer {name!r} maps to {spec!r}, not a KVCacheSpec"
+                )
         kinds = sorted({type(s).__name__ for s in self.kv_cache_specs.values()})
         if len(kinds) != 1:
-            raise ValueError("UniformTypeKVCacheSpecs needs layers of one spec type, got " + ", ".join(kinds))
+            raise ValueError(
+                "UniformTypeKVCacheSpecs needs layers of one spec type, got " + ", ".join(kinds)
+            )
         for name, spec in self.kv_cache_specs.items():
             if spec.block_size != self.block_size:
                 raise ValueError(
@@ -48,7 +54,9 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         )
 
     @classmethod
-    def from_specs(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
+    def from_specs(
+        cls, kv_cache_specs: Mapping[str, KVCacheSpec]
+    ) -> UniformTypeKVCacheSpecs | None:
         """Group ``kv_cache_specs`` when they share one type and block size, else None."""
         if not cls.is_uniform_type(kv_cache_specs):
             return None
