@@ -1,15 +1,9 @@
 """The pool of manager block ids a scheduler hands to sequences, with an optional prefix cache.
 
-Block 0 is the null block: never handed out, so a block table can use it as
-padding (or for blocks a sliding window no longer needs).
-
-With ``enable_caching=True`` a full, written block can be recorded under its
-chained hash (:func:`kvcore.block_hashes`) in its KV cache group's map; a
-block whose last holder frees it stays cached and evictable. What a group may
-cache is the engine's choice: full attention every full block; a sliding
-window every full block, a hit needing only those inside the window
-(``window=``); a state cache nothing, unless the engine keeps the state exactly
-as it was at that block's boundary.
+Block 0 is the null block: never handed out, so a block table can use it as padding. What
+a group may cache is the engine's choice: full attention and sliding windows every full
+block (a window's hit needs only the blocks inside it); a state cache nothing, unless the
+engine keeps the state exactly as it was at that block's boundary.
 """
 
 from __future__ import annotations
@@ -23,6 +17,22 @@ from kvcore.errors import OutOfBlocksError
 NULL_BLOCK_ID = 0
 #: Most blocks one pool manages: its host bookkeeping costs about 50 bytes a block.
 MAX_NUM_BLOCKS = 1 << 26
+
+
+def _checked_size(num_blocks: int) -> int:
+    num_blocks = positive_int("num_blocks", num_blocks)
+    if num_blocks < 2:
+        raise ValueError(
+            f"a block pool needs at least 2 blocks (block {NULL_BLOCK_ID} is the "
+            f"reserved null block), got num_blocks={num_blocks}; plan more blocks"
+        )
+    if num_blocks > MAX_NUM_BLOCKS:
+        raise ValueError(
+            f"num_blocks={num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks a BlockPool "
+            "manages (its host bookkeeping takes about 50 bytes a block); use larger blocks "
+            "(a bigger block_size) or plan fewer of them"
+        )
+    return num_blocks
 
 
 def _hashes(hashes: Sequence[bytes]) -> list[bytes]:
@@ -47,27 +57,15 @@ def _window(window: int | None) -> int | None:
 class BlockPool:
     """Free list of block ids ``1 .. num_blocks - 1``, optionally with a prefix cache.
 
-    Allocate, free, hit and evict cost O(1) per block. ``allocate`` takes
-    free blocks first (first freed, first reused), then evicts the least
-    recently freed cached block. One pool serves every KV cache group (block
-    ids are global); a hash cached in one group never hits in another.
-    :meth:`take_new_blocks` reports the blocks to zero: those ``allocate``
-    handed out since the last call and still held, never cache hits.
+    Allocate, free, hit and evict cost O(1) per block. ``allocate`` takes free
+    blocks first (first freed, first reused), then evicts the least recently
+    freed cached block. With ``enable_caching=True`` each KV cache group caches
+    full, written blocks under their chained hashes (:func:`kvcore.block_hashes`);
+    a hash cached in one group never hits in another (block ids are global).
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = False) -> None:
-        num_blocks = positive_int("num_blocks", num_blocks)
-        if num_blocks < 2:
-            raise ValueError(
-                f"a block pool needs at least 2 blocks (block {NULL_BLOCK_ID} is the "
-                f"reserved null block), got num_blocks={num_blocks}; plan more blocks"
-            )
-        if num_blocks > MAX_NUM_BLOCKS:
-            raise ValueError(
-                f"num_blocks={num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks a BlockPool "
-                "manages (its host bookkeeping takes about 50 bytes a block); use larger blocks "
-                "(a bigger block_size) or plan fewer of them"
-            )
+        num_blocks = _checked_size(num_blocks)
         if not isinstance(enable_caching, bool):
             raise TypeError(f"enable_caching must be True or False, got {enable_caching!r}")
         self._num_blocks = num_blocks
@@ -279,8 +277,9 @@ class BlockPool:
         group_id = non_negative_int("group_id", group_id)
         if len(hashes) != len(ids):
             raise ValueError(
-                f"cache_blocks got {len(hashes)} hashes for {len(ids)} block ids; give one hash per "
-                "block (block_hashes hashes full blocks only: a partial last block cannot be cached)"
+                f"cache_blocks got {len(hashes)} hashes for {len(ids)} block ids; give one hash "
+                "per block (block_hashes hashes full blocks only: a partial last block cannot be "
+                "cached)"
             )
         if len(set(ids)) != len(ids):
             raise ValueError(f"cache_blocks got a block id twice in {ids}; list each block once")
@@ -292,9 +291,9 @@ class BlockPool:
                 )
             if block_id in self._new:
                 raise ValueError(
-                    f"block {block_id} was allocated but no step has been handed it yet (take_new_blocks / "
-                    "KVCache.begin_step has not reported it, so it is still to be zeroed); cache it after "
-                    "the step that writes it"
+                    f"block {block_id} was allocated but no step has been handed it yet "
+                    "(take_new_blocks / KVCache.begin_step has not reported it, so it is still to "
+                    "be zeroed); cache it after the step that writes it"
                 )
             key = self._keys.get(block_id)
             if key is not None and key != (group_id, h):
@@ -309,15 +308,12 @@ class BlockPool:
                 self._keys[block_id] = (group_id, h)
 
     def take_new_blocks(self) -> list[int]:
-        """Ids handed out by ``allocate`` since the last call and still held, each once."""
+        """The blocks to zero: ids ``allocate`` handed out since the last call and still held."""
         new, self._new = list(self._new), {}
         return new
 
     def requeue_new_blocks(self, block_ids: Sequence[int]) -> None:
-        """Report ids :meth:`take_new_blocks` returned again at the next call (their zeroing failed).
-
-        Those freed in between are left out, as always.
-        """
+        """Report ids :meth:`take_new_blocks` returned at its next call again (zeroing them failed)."""
         ids = [self._check_id(b) for b in block_ids]
         self._new = {**dict.fromkeys(b for b in ids if self._refs[b] > 0), **self._new}
 
@@ -327,19 +323,15 @@ class BlockPool:
         Growing appends free ids. Shrinking refuses, naming them, while ids at
         or above ``num_blocks`` are held; evictable blocks there are evicted.
         """
-        num_blocks = as_int("num_blocks", num_blocks)
-        if num_blocks < 2:
-            raise ValueError(
-                f"a block pool needs at least 2 blocks (block 0 is the null block), got {num_blocks}"
-            )
+        num_blocks = _checked_size(num_blocks)
         old = self._num_blocks
         if num_blocks < old:
             held = [b for b in range(num_blocks, old) if self._refs[b]]
             if held:
                 shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
                 raise ValueError(
-                    f"cannot shrink the pool to {num_blocks} blocks: {len(held)} block(s) at or above "
-                    f"{num_blocks} are held ({shown}); free them first or shrink less"
+                    f"cannot shrink the pool to {num_blocks} blocks: {len(held)} block(s) at or "
+                    f"above {num_blocks} are held ({shown}); free them first or shrink less"
                 )
             for block_id in [b for b in self._evictable if b >= num_blocks]:
                 del self._evictable[block_id]
@@ -352,7 +344,7 @@ class BlockPool:
         self._num_blocks = num_blocks
 
     def _hit_range(self, hashes: list[bytes], group_id: int, window: int | None) -> tuple[int, int]:
-        """``(start, end)``: the longest hit is ``hashes[:end]``; only ``hashes[start:end]`` are needed."""
+        """``(start, end)``: the hit is ``hashes[:end]``; only ``hashes[start:end]`` are needed."""
         cache = self._maps.get(group_id)
         if not cache:
             return 0, 0
