@@ -77,9 +77,9 @@ class AttentionGroup:
 
     def __repr__(self) -> str:
         return (
-            f"AttentionGroup(backend={label(self.backend)!r}, layer_names={self.layer_names!r}, "
-            f"kv_cache_spec={self.kv_cache_spec!r}, kv_cache_group_id={self.kv_cache_group_id}, "
-            f"kernel_block_size={self.kernel_block_size}, kernel_block_stride={self.kernel_block_stride})"
+            f"AttentionGroup({label(self.backend)!r}, {self.layer_names!r}, {self.kv_cache_spec!r}, "
+            f"kv_cache_group_id={self.kv_cache_group_id}, kernel_block_size="
+            f"{self.kernel_block_size}, kernel_block_stride={self.kernel_block_stride})"
         )
 
     @property
@@ -128,9 +128,7 @@ class AttentionGroup:
         max_model_len = positive_int("max_model_len", max_model_len)
         num_metadata_builders = positive_int("num_metadata_builders", num_metadata_builders)
         if settings is not None and not isinstance(settings, Settings):
-            raise TypeError(
-                f"settings must be a kvcore.settings.Settings or None, got {settings!r}"
-            )
+            raise TypeError(f"settings must be a kvcore.settings.Settings or None, got {settings!r}")
         self.settings = settings or Settings()
         if kernel_block_size is not None:
             self.record = settle_kernel_block_size(
@@ -138,15 +136,13 @@ class AttentionGroup:
             )
         spec, own = self.kv_cache_spec, self.kernel_block_size
         builder_cls = self.backend.get_builder_cls()
+        alignment = None if spec.tokens_per_state <= 0 else 128  # NOTE: state slots are not tokens
         width = get_block_table_width(
-            spec.max_num_blocks_per_req(max_model_len),
-            spec.block_size,
-            own,
-            token_alignment=None if spec.tokens_per_state <= 0 else 128,
+            spec.max_num_blocks_per_req(max_model_len), spec.block_size, own, token_alignment=alignment
         )
-        kwargs: dict[str, Any] = (
-            {"block_table_width": width} if builder_cls.requires_block_table_width else {}
-        )
+        kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
+        if builder_cls.requires_block_table_width:
+            kwargs["block_table_width"] = width
         if own is not None:
             shape = (num_metadata_builders, max_num_seqs, width)
             self.kernel_block_table = torch.zeros(shape, dtype=torch.int32, device=device)
@@ -155,14 +151,7 @@ class AttentionGroup:
             )
         builder_spec = spec if own is None else spec.copy_with_new_block_size(own)
         self.metadata_builders = [
-            builder_cls(
-                builder_spec,
-                self.layer_names,
-                device,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                **kwargs,
-            )
+            builder_cls(builder_spec, self.layer_names, device, **kwargs)
             for _ in range(num_metadata_builders)
         ]
 
@@ -208,7 +197,8 @@ class AttentionGroup:
             raise ValueError("call create_metadata_builders() before mapping block tables")
         if block_table.dim() != 2:
             raise ValueError(
-                f"block_table must be 2-D [requests, manager blocks], got shape {tuple(block_table.shape)}"
+                "block_table must be 2-D [requests, manager blocks], got shape "
+                f"{tuple(block_table.shape)}"
             )
         num_ubatches, max_rows, width = self.kernel_block_table.shape
         if not 0 <= ubatch_idx < num_ubatches:
