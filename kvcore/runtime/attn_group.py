@@ -77,9 +77,10 @@ class AttentionGroup:
 
     def __repr__(self) -> str:
         return (
-            f"AttentionGroup({label(self.backend)!r}, {self.layer_names!r}, {self.kv_cache_spec!r}, "
-            f"kv_cache_group_id={self.kv_cache_group_id}, kernel_block_size="
-            f"{self.kernel_block_size}, kernel_block_stride={self.kernel_block_stride})"
+            f"AttentionGroup({label(self.backend)!r}, {self.layer_names!r}, "
+            f"{self.kv_cache_spec!r}, kv_cache_group_id={self.kv_cache_group_id}, "
+            f"kernel_block_size={self.kernel_block_size}, "
+            f"kernel_block_stride={self.kernel_block_stride})"
         )
 
     @property
@@ -128,7 +129,7 @@ class AttentionGroup:
         max_model_len = positive_int("max_model_len", max_model_len)
         num_metadata_builders = positive_int("num_metadata_builders", num_metadata_builders)
         if settings is not None and not isinstance(settings, Settings):
-            raise TypeError(f"settings must be a kvcore.settings.Settings or None, got {settings!r}")
+            raise TypeError(f"settings must be a kvcore.settings.Settings or None: {settings!r}")
         self.settings = settings or Settings()
         if kernel_block_size is not None:
             self.record = settle_kernel_block_size(
@@ -137,9 +138,8 @@ class AttentionGroup:
         spec, own = self.kv_cache_spec, self.kernel_block_size
         builder_cls = self.backend.get_builder_cls()
         alignment = None if spec.tokens_per_state <= 0 else 128  # NOTE: state slots are not tokens
-        width = get_block_table_width(
-            spec.max_num_blocks_per_req(max_model_len), spec.block_size, own, token_alignment=alignment
-        )
+        max_blocks = spec.max_num_blocks_per_req(max_model_len)
+        width = get_block_table_width(max_blocks, spec.block_size, own, token_alignment=alignment)
         kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
         if builder_cls.requires_block_table_width:
             kwargs["block_table_width"] = width

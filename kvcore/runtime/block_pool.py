@@ -313,7 +313,7 @@ class BlockPool:
         return new
 
     def requeue_new_blocks(self, block_ids: Sequence[int]) -> None:
-        """Report ids :meth:`take_new_blocks` returned at its next call again (zeroing them failed)."""
+        """Report ids :meth:`take_new_blocks` returned again at its next call (zeroing failed)."""
         ids = [self._check_id(b) for b in block_ids]
         self._new = {**dict.fromkeys(b for b in ids if self._refs[b] > 0), **self._new}
 

@@ -49,7 +49,7 @@ def _served_specs(
     answers: HookAnswers,
     device: torch.device,
 ) -> tuple[dict[str, KVCacheSpec], dict[str, type[AttentionBackend]]]:
-    """Each layer's spec as its backend stores it, and each layer's backend class ("auto" resolved)."""
+    """Each layer's spec as its backend stores it, and each layer's backend ("auto" resolved)."""
     if not isinstance(layer_specs, Mapping):
         raise TypeError(f"layer_specs must map layer names to KVCacheSpecs, got {layer_specs!r}")
     if not isinstance(layer_backends, Mapping):
@@ -63,11 +63,8 @@ def _served_specs(
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
         raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
-    missing = [
-        n
-        for n, s in layer_specs.items()
-        if isinstance(s, AttentionSpec) and n not in layer_backends
-    ]
+    attention = [n for n, s in layer_specs.items() if isinstance(s, AttentionSpec)]
+    missing = [n for n in attention if n not in layer_backends]
     if missing:
         raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
     backends = {}
@@ -77,13 +74,11 @@ def _served_specs(
                 f"layer_backends[{layer!r}] is {backend!r}; pass a backend class, a registered "
                 "backend name or 'auto'"
             )
-        backends[layer] = answers.backend(
-            resolve_auto(answers, backend, layer_specs[layer], device)
-        )
-    specs = {
-        n: answers.customized_spec(backends[n], s) if n in backends else s
-        for n, s in layer_specs.items()
-    }
+        chosen = resolve_auto(answers, backend, layer_specs[layer], device)
+        backends[layer] = answers.backend(chosen)
+    specs = dict(layer_specs)
+    for name, backend in backends.items():
+        specs[name] = answers.customized_spec(backend, specs[name])
     check_abilities(answers, specs, backends, device)
     return specs, backends
 
@@ -153,22 +148,18 @@ class KVCache:
         answers = HookAnswers(plugin_manager)
         # NOTE: specs are customized before planning: the planner sees each backend's alignment.
         specs, backends = _served_specs(layer_specs, layer_backends, answers, device)
-        supported = answers.common_layouts(
-            list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
-        )
+        pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
+        supported = answers.common_layouts(pairs)
         if group is not None:  # every rank agrees on one layout and one block count
             budget = {"available_memory": available_memory, "num_blocks": num_blocks}
             supported = layouts_meeting_rules(specs, backends, answers, supported, budget)
             layout = agree_layout(supported, specs.values(), group, layout)
             if num_blocks is None:
-                num_blocks = plan_kv_cache(
-                    specs, layout, available_memory=available_memory
-                ).num_blocks
+                probe = plan_kv_cache(specs, layout, available_memory=available_memory)
+                num_blocks = probe.num_blocks
             num_blocks, available_memory = agree_num_blocks(num_blocks, group), None
         budget = {"available_memory": available_memory, "num_blocks": num_blocks}
-        if (
-            max_num_blocks is not None
-        ):  # an elastic cache is planned (strides, views) for all its blocks
+        if max_num_blocks is not None:  # NOTE: an elastic cache is planned for all its blocks
             budget = {"available_memory": None, "num_blocks": checked_max_blocks(max_num_blocks)}
         layout, config, negotiation = plan_meeting_rules(
             layer_specs, specs, backends, answers, supported, layout, budget
@@ -224,7 +215,7 @@ class KVCache:
 
     @property
     def kernel_block_sizes(self) -> list[int]:
-        """One kernel block size per KV cache group with pages (``prepare_kernel_block_sizes``' list)."""
+        """One kernel block size per KV cache group with pages."""
         return self.negotiation.kernel_block_sizes
 
     @property
@@ -253,13 +244,14 @@ class KVCache:
         """
         if self.elastic is None:
             raise ValueError(
-                "this KVCache is not elastic; create it with KVCache.create(..., max_num_blocks=M) to resize it"
+                "this KVCache is not elastic; create it with KVCache.create(..., max_num_blocks=M) "
+                "to resize it"
             )
         num_blocks = as_int("num_blocks", num_blocks)
         if not 2 <= num_blocks <= self.max_num_blocks:
             raise ValueError(
-                f"num_blocks must be between 2 and max_num_blocks={self.max_num_blocks}, got {num_blocks}; "
-                "create the cache with a larger max_num_blocks to grow further"
+                f"num_blocks must be between 2 and max_num_blocks={self.max_num_blocks}, got "
+                f"{num_blocks}; create the cache with a larger max_num_blocks to grow further"
             )
         if num_blocks > self.num_blocks:
             self.elastic.resize(num_blocks)  # NOTE: may fail (no memory) before the pool changes
@@ -306,7 +298,7 @@ class KVCache:
     def build_metadata(
         self, common: list[CommonAttentionMetadata], ubatch_idx: int = 0
     ) -> dict[str, Any]:
-        """Each layer's backend metadata for one step; ``common[g]`` has group ``g``'s block table."""
+        """Each layer's backend metadata for one step (``common[g]``: group ``g``'s batch)."""
         if not isinstance(common, (list, tuple)):
             raise TypeError(
                 f"common must be a list of CommonAttentionMetadata, one per KV cache group, got "

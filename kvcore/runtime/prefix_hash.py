@@ -36,7 +36,8 @@ def _encode_extra_keys(extra_keys: ExtraKey | Iterable[ExtraKey] | None) -> byte
         keys = list(extra_keys)
     else:
         raise TypeError(
-            f"extra_keys must be None, one int/str/bytes key or a sequence of them, got {extra_keys!r}"
+            "extra_keys must be None, one int/str/bytes key or a sequence of them, got "
+            f"{extra_keys!r}"
         )
     parts = [_U32.pack(len(keys))]
     for i, key in enumerate(keys):
