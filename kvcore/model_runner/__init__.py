@@ -15,7 +15,7 @@ def is_uniform_query_len(num_reqs: int, num_tokens: int, max_query_len: int) -> 
 def get_uniform_decode_token_count(
     num_reqs: int, num_tokens: int, max_query_len: int, decode_graph_eligible: bool
 ) -> int | None:
-    """Tokens per request of a uniform decode batch (a CUDA-graph candidate); None for any other batch."""
+    """Tokens per request of a uniform decode batch (a CUDA-graph candidate), else None."""
     if decode_graph_eligible and is_uniform_query_len(num_reqs, num_tokens, max_query_len):
         return max_query_len
     return None
