@@ -16,10 +16,10 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
-from kvcore.specs import FullAttentionSpec
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
+from kvcore.specs import FullAttentionSpec
 
 #: Where kit caches live by default: CUDA when present (CPU Triton kernels need TRITON_INTERPRET=1).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -42,15 +42,8 @@ def build_cache(
 ):
     """Allocate a ``num_layers``-layer cache through kvcore; return its kernel-block views."""
     spec = FullAttentionSpec(block_size, kv_heads, head_size, dtype)
-    strides = compute_layout_strides(spec, num_blocks, num_layers, layout)
     names = [f"model.layers.{i}.attn" for i in range(num_layers)]
-    tensor = KVCacheTensor(
-        size=spec.page_size_bytes * num_blocks * num_layers,
-        layers=names,
-        layer_stride=strides[0],
-        block_stride=strides[1],
-    )
-    config = KVCacheConfig(num_blocks, [tensor], [KVCacheGroupSpec(names, spec)], layout)
+    config = plan_kv_cache(dict.fromkeys(names, spec), layout, num_blocks=num_blocks)
     sizes = None if kernel_block_size is None else [kernel_block_size]
     caches = allocate_kv_cache(config, device, kernel_block_sizes=sizes)
     return [caches[name] for name in names]
