@@ -1,10 +1,8 @@
 """Plain-text tables for the command line that never cut a value.
 
-A column is as wide as its widest cell. When the table is wider than the
-terminal (80 columns when output is piped), headers wrap between words first,
-then cells of wrappable columns wrap between words; a word is never broken
-and nothing is replaced by "…". A table that still does not fit is printed
-wider than the terminal rather than cut.
+Too wide for the terminal (80 columns when piped), headers wrap between words
+first, then cells of wrappable columns; a word is never broken, and a table
+that still does not fit is printed wider rather than cut.
 """
 
 from __future__ import annotations
