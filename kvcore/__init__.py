@@ -20,8 +20,9 @@ from typing import Any
 __version__ = "0.1.0"
 
 _EXPORTS = {
-    "kvcore.specs": "AttentionSpec ChunkedLocalAttentionSpec CrossAttentionSpec EncoderOnlyAttentionSpec "
-    "FullAttentionSpec KVCacheSpec MambaSpec MLAAttentionSpec MultipleOf SlidingWindowSpec UniformTypeKVCacheSpecs",
+    "kvcore.specs": "AttentionSpec ChunkedLocalAttentionSpec CrossAttentionSpec "
+    "EncoderOnlyAttentionSpec FullAttentionSpec KVCacheSpec MambaSpec MLAAttentionSpec MultipleOf "
+    "SlidingWindowSpec UniformTypeKVCacheSpecs",
     "kvcore.memory.layout": "compute_layout_strides KVCacheLayout",
     "kvcore.memory.config": "KVCacheConfig KVCacheGroupSpec KVCacheTensor",
     "kvcore.memory.planner": "plan_kv_cache",
@@ -32,19 +33,21 @@ _EXPORTS = {
     "kvcore.plugins.requirements": "KernelRequirements",
     "kvcore.plugins.auto": "select_backend",
     "kvcore.plugins.registry": "get_backend get_plugin_manager",
-    "kvcore.plugins.block_sizes": "customize_attention_spec get_block_table_width prepare_kernel_block_sizes "
-    "select_common_block_size",
+    "kvcore.plugins.block_sizes": "customize_attention_spec get_block_table_width "
+    "prepare_kernel_block_sizes select_common_block_size",
     "kvcore.plugins.layouts": "resolve_kv_cache_layout supported_layouts",
-    "kvcore.runtime.attn_group": "AttentionGroup build_attention_groups map_kv_caches_to_kernel_blocks",
+    "kvcore.runtime.attn_group": "AttentionGroup build_attention_groups "
+    "map_kv_caches_to_kernel_blocks",
     "kvcore.runtime.block_pool": "BlockPool",
     "kvcore.runtime.prefix_hash": "block_hashes sliding_window_blocks",
     "kvcore.runtime.kv_cache": "KVCache",
     "kvcore.runtime.zeroer": "KVBlockZeroer",
     "kvcore.model_runner": "get_uniform_decode_token_count is_uniform_query_len",
-    "kvcore.model_runner.binding": "add_kv_sharing_layers_to_kv_cache_groups bind_kv_cache bind_kv_cache_to_layers "
-    "clear_layer_kv_caches extract_layer_index initialize_kv_cache_for_kv_sharing",
-    "kvcore.model_runner.multimodal": "EncoderTimingStats gather_mm_placeholders sanity_check_mm_encoder_outputs "
-    "scatter_mm_placeholders",
+    "kvcore.model_runner.binding": "add_kv_sharing_layers_to_kv_cache_groups bind_kv_cache "
+    "bind_kv_cache_to_layers clear_layer_kv_caches extract_layer_index "
+    "initialize_kv_cache_for_kv_sharing",
+    "kvcore.model_runner.multimodal": "EncoderTimingStats gather_mm_placeholders "
+    "sanity_check_mm_encoder_outputs scatter_mm_placeholders",
 }
 _ORIGIN = {name: module for module, names in _EXPORTS.items() for name in names.split()}
 

@@ -27,7 +27,8 @@ def _check_rank(tp_rank: Any, tp_size: Any) -> tuple[int, int]:
     tp_rank = as_int("tp_rank", tp_rank)
     if not 0 <= tp_rank < tp_size:
         raise ValueError(
-            f"tp_rank={tp_rank} is out of range for tp_size={tp_size}; pass a rank in 0..{tp_size - 1}"
+            f"tp_rank={tp_rank} is out of range for tp_size={tp_size}; "
+            f"pass a rank in 0..{tp_size - 1}"
         )
     return tp_rank, tp_size
 
@@ -143,7 +144,8 @@ def _parse_local(supported: Iterable[KVCacheLayout | str] | None) -> list[KVCach
         return None
     if isinstance(supported, (str, KVCacheLayout)):
         raise TypeError(
-            f"supported must be a list of layouts, got the single value {supported!r}; wrap it in a list"
+            f"supported must be a list of layouts, got the single value {supported!r}; "
+            "wrap it in a list"
         )
     layouts = [KVCacheLayout.parse(item) for item in supported]
     if not layouts:

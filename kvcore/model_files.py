@@ -193,7 +193,7 @@ def _spec(
 
 
 def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[str, KVCacheSpec]:
-    """Layer name -> spec, in model order, from a parsed TOML description (``block_size``: for every type)."""
+    """Layer name -> spec, in model order, of a parsed TOML description."""
     if block_size is not None:
         block_size = _block_size_override(block_size)
     unknown = sorted(set(data) - _TOP_KEYS)
@@ -273,7 +273,7 @@ def read_model_file(path: Path) -> dict[str, Any]:
 
 
 def load_model_file(model: str | Path, *, block_size: int | None = None) -> ModelDescription:
-    """Load a model description from a TOML path or a preset name (``block_size``: for every type)."""
+    """Load a model from a TOML path or a preset name (``block_size``: that of every type)."""
     if block_size is not None:
         block_size = _block_size_override(block_size)
     path = find_model(model)

@@ -54,4 +54,4 @@ class Settings:
         environ = os.environ if environ is None else environ
         # NOTE: TRITON_INTERPRET is parsed as Triton itself parses it, so kvcore never disagrees.
         interpret = environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE + ("y",)
-        return cls(debug_checks=env_flag("KVCORE_DEBUG_CHECKS", environ), triton_interpret=interpret)
+        return cls(env_flag("KVCORE_DEBUG_CHECKS", environ), interpret)

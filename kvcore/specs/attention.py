@@ -22,7 +22,8 @@ def _tokens_per_state(value: Any) -> int | Fraction:
         return int(value) if value.denominator == 1 else value
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
-            f"tokens_per_state must be an int or a fractions.Fraction, got {value!r} ({type(value).__name__})"
+            "tokens_per_state must be an int or a fractions.Fraction, got "
+            f"{value!r} ({type(value).__name__})"
         )
     return value
 

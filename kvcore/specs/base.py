@@ -14,7 +14,7 @@ from kvcore._validate import attrs_positive, positive_int
 
 @attrs.frozen
 class MultipleOf:
-    """A kernel block size constraint: any size divisible by ``base`` (a bare ``int`` accepts only itself)."""
+    """A kernel block size constraint: any size divisible by ``base`` (an ``int`` takes itself)."""
 
     base: int = attrs.field(validator=attrs_positive)
 
@@ -31,7 +31,7 @@ _NOT_CACHE_DTYPES = frozenset(
 
 
 def check_cache_dtype(where: str, value: Any) -> torch.dtype:
-    """``value`` if it is a dtype a KV cache can hold; ``TypeError``/``ValueError`` naming ``where``."""
+    """``value`` if a KV cache can hold that dtype, else an error naming ``where``."""
     if not isinstance(value, torch.dtype):
         raise TypeError(f"{where} must be a torch.dtype (e.g. torch.bfloat16), got {value!r}")
     if value in _NOT_CACHE_DTYPES or value.is_complex:
@@ -44,7 +44,7 @@ def check_cache_dtype(where: str, value: Any) -> torch.dtype:
 
 
 def padded_page_size(spec: KVCacheSpec) -> int:
-    """``page_size_bytes`` of a spec with a ``page_size_padded`` field: the padded page, else the real one."""
+    """``page_size_bytes`` of a spec with a ``page_size_padded`` field (else the real page)."""
     return spec.real_page_size_bytes if spec.page_size_padded is None else spec.page_size_padded
 
 
@@ -103,7 +103,7 @@ class KVCacheSpec:
 
     @property
     def dtype_alignment(self) -> int:
-        """Bytes every block and layer of this spec must start at a multiple of (its largest element)."""
+        """Bytes every block and layer must start at a multiple of (the largest element)."""
         return self.view_dtype.itemsize
 
     @property
@@ -170,7 +170,7 @@ class KVCacheSpec:
         return self.num_heads * self.get_num_kernel_states(tokens) * self.state_content_size_bytes
 
     def _check_page_padding(self, element: str) -> None:
-        """``ValueError`` unless ``page_size_padded`` (when set) holds the page in whole elements."""
+        """``ValueError`` unless ``page_size_padded`` (if set) holds the page in whole elements."""
         padded, real, align = self.page_size_padded, self.real_page_size_bytes, self.dtype_alignment
         name = type(self).__name__
         if padded is not None and padded < real:

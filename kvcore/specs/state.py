@@ -17,7 +17,8 @@ def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
         shapes = [tuple(shape) for shape in value]
     except TypeError:
         raise TypeError(
-            f"MambaSpec.shapes must be a sequence of shapes (e.g. [(4, 128), (8, 64)]), got {value!r}"
+            "MambaSpec.shapes must be a sequence of shapes (e.g. [(4, 128), (8, 64)]), got "
+            f"{value!r}"
         ) from None
     return tuple(
         tuple(as_int(f"MambaSpec.shapes[{i}] dim", d) for d in shape)

@@ -22,7 +22,7 @@ def _spec_mapping(value: Any) -> dict[str, KVCacheSpec]:
 
 @attrs.frozen
 class UniformTypeKVCacheSpecs(KVCacheSpec):
-    """One KV cache group whose layers differ in shape but share one spec type; its page is their sum."""
+    """One KV cache group of layers of one spec type but different shapes (page: their sum)."""
 
     kv_cache_specs: dict[str, KVCacheSpec] = attrs.field(converter=_spec_mapping, hash=False)
 
