@@ -49,12 +49,11 @@ class AttentionGroup:
         kv_cache_spec: KVCacheSpec,
         kv_cache_group_id: int,
         kernel_block_size: int | None = None,
-        kernel_block_stride: int = 0,
     ) -> None:
         if kernel_block_size is not None:
             kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
         self.record = BackendNegotiation(
-            backend, tuple(layer_names), kv_cache_spec, None, kernel_block_size, kernel_block_stride
+            backend, tuple(layer_names), kv_cache_spec, None, kernel_block_size
         )
         self.kv_cache_group_id = kv_cache_group_id
         # NOTE: persistent per micro-batch, so CUDA graphs capture the mapped table.
@@ -236,12 +235,10 @@ class AttentionGroup:
         kernel_rows = spec.get_num_kernel_states(self.kernel_block_size)
         if kv_cache.shape[-2] == kernel_rows:
             return kv_cache
+        block_bytes = kv_cache.stride(0) * kv_cache.element_size()
+        who = label(self.backend)
         stride = packed_kernel_stride(
-            spec,
-            kv_cache.stride(0) * kv_cache.element_size(),
-            self.kernel_block_size,
-            label(self.backend),
-            self.layer_names,
+            spec, block_bytes, self.kernel_block_size, who, self.layer_names
         )
         if self.kernel_block_stride and stride != self.kernel_block_stride:
             raise ValueError(
@@ -285,11 +282,10 @@ def build_attention_groups(
         raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
     answers = HookAnswers(plugin_manager)
     classes = {name: answers.backend(backend) for name, backend in layer_backends.items()}
+    by_group = backend_groups(kv_cache_config, classes, answers, customize=True)
     return [
         [AttentionGroup(backend, names, spec, gid) for (backend, spec), names in by_key.items()]
-        for gid, by_key in enumerate(
-            backend_groups(kv_cache_config, classes, answers, customize=True)
-        )
+        for gid, by_key in enumerate(by_group)
     ]
 
 
