@@ -226,11 +226,9 @@ class BlockPool:
         while changed and limit:  # NOTE: a sliding window's hit may shrink; repeat until all agree
             changed = False
             for group_id, hashes, block_size, window in checked:
-                hit = (
-                    self._hit_range(hashes[: limit // block_size], group_id, window)[1] * block_size
-                )
-                if hit < limit:
-                    limit, changed = hit, True
+                blocks = self._hit_range(hashes[: limit // block_size], group_id, window)[1]
+                if blocks * block_size < limit:
+                    limit, changed = blocks * block_size, True
         return limit
 
     def get_cached_blocks(
