@@ -59,11 +59,17 @@ def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
 class KVCacheSpec:
     """Base of all specs: a cache whose manager blocks hold ``block_size`` tokens.
 
-    The base view is one raw page per block, ``[B, 1, 1, page]``; subclasses
-    define ``page_size_bytes`` and, for other views, ``tokens_per_state``,
-    ``num_heads``, ``state_content_size_bytes`` and ``view_dtype``.
-    ``block_stride_alignment`` (a ``MultipleOf`` in tokens) asks packed
-    layouts to keep blocks aligned to whole kernel blocks of that many tokens.
+    A layer's view is ``[B, H, N, C]``: ``num_heads`` head slots, ``num_states``
+    states per block (``tokens_per_state`` tokens each; <= 0: one state per
+    block), ``state_content_size_bytes`` bytes per (head, state), re-typed to
+    ``view_dtype``. The base view is one raw page per block, ``[B, 1, 1, page]``;
+    subclasses define ``page_size_bytes`` (and the others for other views).
+    ``page_size_padded``: bytes each page is padded to, or None.
+    ``has_layer_views`` is False only for specs that lay out a raw buffer
+    themselves, ``has_cache_pages`` only for layers that keep no pages
+    (encoder-only attention); ``is_attention`` marks layers an attention
+    backend serves. ``block_stride_alignment`` (a ``MultipleOf`` in tokens)
+    asks packed layouts to keep blocks aligned to whole kernel blocks.
     """
 
     block_size: int = attrs.field(validator=attrs_positive)
@@ -71,20 +77,18 @@ class KVCacheSpec:
         default=None, kw_only=True, validator=_optional_multiple_of
     )
 
+    tokens_per_state = property(lambda self: -1)
+    num_heads = property(lambda self: 1)
+    view_dtype = property(lambda self: torch.int8)
+    page_size_padded = property(lambda self: None)
+    has_layer_views = property(lambda self: True)
+    has_cache_pages = property(lambda self: True)
+    is_attention = property(lambda self: False)
+
     @property
     def page_size_bytes(self) -> int:
         """Bytes one block of one layer occupies (padding included)."""
         raise NotImplementedError(f"{type(self).__name__} does not define a page size")
-
-    @property
-    def tokens_per_state(self) -> int | Fraction:
-        """Tokens per stored state; <= 0 means one state per block."""
-        return -1
-
-    @property
-    def num_heads(self) -> int:
-        """``H``: head slots of the logical view."""
-        return 1
 
     @property
     def num_states(self) -> int:
@@ -97,11 +101,6 @@ class KVCacheSpec:
         return self.page_size_bytes
 
     @property
-    def view_dtype(self) -> torch.dtype:
-        """The dtype per-layer views are re-typed to."""
-        return torch.int8
-
-    @property
     def dtype_alignment(self) -> int:
         """Bytes every block and layer must start at a multiple of (the largest element)."""
         return self.view_dtype.itemsize
@@ -110,26 +109,6 @@ class KVCacheSpec:
     def real_page_size_bytes(self) -> int:
         """``H * N * C``: the page without padding."""
         return self._page_of_tokens(self.block_size)
-
-    @property
-    def page_size_padded(self) -> int | None:
-        """Bytes each page is padded to, or None."""
-        return None
-
-    @property
-    def has_layer_views(self) -> bool:
-        """False only for specs that lay out a raw buffer themselves."""
-        return True
-
-    @property
-    def has_cache_pages(self) -> bool:
-        """False only for specs whose layers keep no KV cache pages (encoder-only attention)."""
-        return True
-
-    @property
-    def is_attention(self) -> bool:
-        """Whether the layers are attention layers, served by an attention backend."""
-        return False
 
     def get_num_kernel_states(self, kernel_block_size: int) -> int:
         """``N`` for a block of ``kernel_block_size`` tokens."""
