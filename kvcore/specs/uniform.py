@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from fractions import Fraction
 from typing import Any
 
 import attrs
@@ -34,11 +33,10 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
                 raise TypeError(
                     f"UniformTypeKVCacheSpecs: layer {name!r} maps to {spec!r}, not a KVCacheSpec"
                 )
-        kinds = sorted({type(s).__name__ for s in self.kv_cache_specs.values()})
+        kinds = {type(s) for s in self.kv_cache_specs.values()}
         if len(kinds) != 1:
-            raise ValueError(
-                "UniformTypeKVCacheSpecs needs layers of one spec type, got " + ", ".join(kinds)
-            )
+            names = ", ".join(sorted(k.__name__ for k in kinds))
+            raise ValueError(f"UniformTypeKVCacheSpecs needs layers of one spec type, got {names}")
         for name, spec in self.kv_cache_specs.items():
             if spec.block_size != self.block_size:
                 raise ValueError(
