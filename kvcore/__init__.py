@@ -1,14 +1,8 @@
 """kvcore: a standalone KV-cache memory core for LLM inference engines.
 
-Engines describe each layer's KV cache with a spec; kvcore plans one backing
-allocation, gives every layer a strided view in one of six layouts, negotiates
-kernel block sizes with attention-backend plugins, and zeroes new blocks in one
-launch. Every public name is importable from here.
-
-Names load on first use (PEP 562): ``import kvcore`` alone does not import
-torch, so ``kvcore --help`` and ``kvcore --version`` start fast. ``_EXPORTS``
-below is the one list of public names, grouped by the module that defines them
-(in pipeline order); add a new public name there.
+Every public name is importable from here and loads on first use (PEP 562), so
+``import kvcore`` alone does not import torch. ``_EXPORTS`` is the one list of
+public names, by defining module in pipeline order; add a new public name there.
 """
 
 from __future__ import annotations

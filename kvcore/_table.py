@@ -42,13 +42,10 @@ def _widths(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int
     # NOTE: two floors, tried in turn: headers wrapped to their longest word,
     # then wrappable cells wrapped to their longest word too. Never below a word.
     header_floors = [max(c, _longest_word(col.header)) for c, col in zip(cells, columns)]
+    words = [max((_longest_word(r[i]) for r in rows), default=0) for i in range(len(columns))]
     cell_floors = [
-        (
-            max(max((_longest_word(r[i]) for r in rows), default=0), _longest_word(col.header))
-            if col.wrap
-            else header_floors[i]
-        )
-        for i, col in enumerate(columns)
+        max(w, _longest_word(col.header)) if col.wrap else floor
+        for w, col, floor in zip(words, columns, header_floors)
     ]
     for floors in (header_floors, cell_floors):
         for i in sorted(range(len(columns)), key=lambda i: floors[i] - widths[i]):
