@@ -128,14 +128,15 @@ class BlockPool:
         """
         n = non_negative_int("number of blocks to allocate", n)
         free = self._free
-        if n > self.num_free_blocks:
-            raise OutOfBlocksError(n, self.num_free_blocks)
+        if n > len(free) + len(self._evictable):
+            raise OutOfBlocksError(n, len(free) + len(self._evictable))
         ids = [free.popleft() for _ in range(min(n, len(free)))]
-        ids.extend(self._evict_oldest() for _ in range(n - len(ids)))
-        refs = self._refs
+        if len(ids) < n:
+            ids.extend(self._evict_oldest() for _ in range(n - len(ids)))
+        refs, new = self._refs, self._new
         for block_id in ids:
             refs[block_id] = 1
-        self._new.update(dict.fromkeys(ids))
+            new[block_id] = None
         return ids
 
     def free(self, block_ids: Iterable[int] | int) -> None:
@@ -154,9 +155,11 @@ class BlockPool:
             ids = [as_int("block id", b) for b in block_ids]
         else:
             ids = [as_int("block id", block_ids)]
-        refs, counts = self._refs, Counter(ids)
-        for block_id in counts:
-            self._check_id(block_id)
+        refs, num_blocks = self._refs, self._num_blocks
+        for block_id in ids:
+            if not 0 < block_id < num_blocks:
+                self._check_id(block_id)  # raises, naming the null block or the range
+        counts = Counter(ids) if len(ids) > 1 else dict.fromkeys(ids, 1)
         for block_id, count in counts.items():
             if count > refs[block_id]:
                 if refs[block_id] == 0:
