@@ -100,11 +100,8 @@ class AttentionGroup:
 
     @property
     def blocks_per_manager_block(self) -> int:
-        return (
-            1
-            if self.kernel_block_size is None
-            else self.kv_cache_spec.block_size // self.kernel_block_size
-        )
+        kernel = self.kernel_block_size
+        return 1 if kernel is None else self.kv_cache_spec.block_size // kernel
 
     def create_metadata_builders(
         self,
@@ -145,9 +142,8 @@ class AttentionGroup:
         if own is not None:
             shape = (num_metadata_builders, max_num_seqs, width)
             self.kernel_block_table = torch.zeros(shape, dtype=torch.int32, device=device)
-            self.kernel_block_offsets = torch.arange(
-                self.blocks_per_manager_block, dtype=torch.int32, device=device
-            )
+            ratio = self.blocks_per_manager_block
+            self.kernel_block_offsets = torch.arange(ratio, dtype=torch.int32, device=device)
         builder_spec = spec if own is None else spec.copy_with_new_block_size(own)
         self.metadata_builders = [
             builder_cls(builder_spec, self.layer_names, device, **kwargs)
