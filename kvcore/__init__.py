@@ -1,14 +1,8 @@
 """kvcore: a standalone KV-cache memory core for LLM inference engines.
 
-Engines describe each layer's KV cache with a spec; kvcore plans one backing
-allocation, gives every layer a strided view in one of six layouts, negotiates
-kernel block sizes with attention-backend plugins, and zeroes new blocks in one
-launch. Every public name is importable from here.
-
-Names load on first use (PEP 562): ``import kvcore`` alone does not import
-torch, so ``kvcore --help`` and ``kvcore --version`` start fast. ``_EXPORTS``
-below is the one list of public names, grouped by the module that defines them
-(in the package's pipeline order); add a new public name there.
+Every public name is importable from here and loads on first use (PEP 562), so
+``import kvcore`` alone does not import torch. ``_EXPORTS`` is the one list of
+public names, by defining module in pipeline order; add a new public name there.
 """
 
 from __future__ import annotations
@@ -19,64 +13,37 @@ from typing import Any
 
 __version__ = "0.1.0"
 
-_EXPORTS: dict[str, tuple[str, ...]] = {
-    "kvcore.specs": (
-        "AttentionSpec",
-        "ChunkedLocalAttentionSpec",
-        "CrossAttentionSpec",
-        "EncoderOnlyAttentionSpec",
-        "FullAttentionSpec",
-        "KVCacheSpec",
-        "MambaSpec",
-        "MLAAttentionSpec",
-        "MultipleOf",
-        "SlidingWindowSpec",
-        "UniformTypeKVCacheSpecs",
-    ),
-    "kvcore.memory.layout": ("compute_layout_strides", "KVCacheLayout"),
-    "kvcore.memory.config": ("KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor"),
-    "kvcore.memory.planner": ("plan_kv_cache",),
-    "kvcore.memory.views": ("allocate_kv_cache", "create_kv_cache_views"),
-    "kvcore.memory.budget": ("MemorySnapshot", "request_memory"),
-    "kvcore.plugins.backend": (
-        "AttentionBackend",
-        "AttentionMetadataBuilder",
-        "CommonAttentionMetadata",
-    ),
-    "kvcore.plugins.hookspecs": ("hookimpl", "hookspec"),
-    "kvcore.plugins.requirements": ("KernelRequirements",),
-    "kvcore.plugins.auto": ("select_backend",),
-    "kvcore.plugins.registry": ("get_backend", "get_plugin_manager"),
-    "kvcore.plugins.block_sizes": (
-        "customize_attention_spec",
-        "get_block_table_width",
-        "prepare_kernel_block_sizes",
-        "select_common_block_size",
-    ),
-    "kvcore.plugins.layouts": ("resolve_kv_cache_layout", "supported_layouts"),
-    "kvcore.runtime.attn_group": ("AttentionGroup",),
-    "kvcore.runtime.group_builder": ("build_attention_groups", "map_kv_caches_to_kernel_blocks"),
-    "kvcore.runtime.block_pool": ("BlockPool",),
-    "kvcore.runtime.prefix_hash": ("block_hashes", "sliding_window_blocks"),
-    "kvcore.runtime.kv_cache": ("KVCache",),
-    "kvcore.runtime.zeroer": ("KVBlockZeroer",),
-    "kvcore.model_runner.uniform_decode": ("get_uniform_decode_token_count", "is_uniform_query_len"),
-    "kvcore.model_runner.multimodal": (
-        "EncoderTimingStats",
-        "gather_mm_placeholders",
-        "sanity_check_mm_encoder_outputs",
-        "scatter_mm_placeholders",
-    ),
-    "kvcore.model_runner.binding": (
-        "add_kv_sharing_layers_to_kv_cache_groups",
-        "bind_kv_cache",
-        "bind_kv_cache_to_layers",
-        "clear_layer_kv_caches",
-        "extract_layer_index",
-        "initialize_kv_cache_for_kv_sharing",
-    ),
+_EXPORTS = {
+    "kvcore.specs": "AttentionSpec ChunkedLocalAttentionSpec CrossAttentionSpec "
+    "EncoderOnlyAttentionSpec FullAttentionSpec KVCacheSpec MambaSpec MLAAttentionSpec MultipleOf "
+    "SlidingWindowSpec UniformTypeKVCacheSpecs",
+    "kvcore.memory.layout": "compute_layout_strides KVCacheLayout",
+    "kvcore.memory.config": "KVCacheConfig KVCacheGroupSpec KVCacheTensor",
+    "kvcore.memory.planner": "plan_kv_cache",
+    "kvcore.memory.views": "allocate_kv_cache create_kv_cache_views",
+    "kvcore.memory.budget": "MemorySnapshot request_memory",
+    "kvcore.plugins.backend": "AttentionBackend AttentionMetadataBuilder CommonAttentionMetadata",
+    "kvcore.plugins.hookspecs": "hookimpl hookspec",
+    "kvcore.plugins.requirements": "KernelRequirements",
+    "kvcore.plugins.auto": "select_backend",
+    "kvcore.plugins.registry": "get_backend get_plugin_manager",
+    "kvcore.plugins.block_sizes": "customize_attention_spec get_block_table_width "
+    "prepare_kernel_block_sizes select_common_block_size",
+    "kvcore.plugins.layouts": "resolve_kv_cache_layout supported_layouts",
+    "kvcore.runtime.attn_group": "AttentionGroup build_attention_groups "
+    "map_kv_caches_to_kernel_blocks",
+    "kvcore.runtime.block_pool": "BlockPool",
+    "kvcore.runtime.prefix_hash": "block_hashes sliding_window_blocks",
+    "kvcore.runtime.kv_cache": "KVCache",
+    "kvcore.runtime.zeroer": "KVBlockZeroer",
+    "kvcore.model_runner": "get_uniform_decode_token_count is_uniform_query_len",
+    "kvcore.model_runner.binding": "add_kv_sharing_layers_to_kv_cache_groups bind_kv_cache "
+    "bind_kv_cache_to_layers clear_layer_kv_caches extract_layer_index "
+    "initialize_kv_cache_for_kv_sharing",
+    "kvcore.model_runner.multimodal": "EncoderTimingStats gather_mm_placeholders "
+    "sanity_check_mm_encoder_outputs scatter_mm_placeholders",
 }
-_ORIGIN = {name: module for module, names in _EXPORTS.items() for name in names}
+_ORIGIN = {name: module for module, names in _EXPORTS.items() for name in names.split()}
 
 __all__ = [*_ORIGIN, "distributed", "errors", "__version__"]
 

@@ -1,10 +1,8 @@
 """Plain-text tables for the command line that never cut a value.
 
-A column is as wide as its widest cell. When the table is wider than the
-terminal (80 columns when output is piped), headers wrap between words first,
-then cells of wrappable columns wrap between words; a word is never broken
-and nothing is replaced by "…". A table that still does not fit is printed
-wider than the terminal rather than cut.
+Too wide for the terminal (80 columns when piped), headers wrap between words
+first, then cells of wrappable columns; a word is never broken, and a table
+that still does not fit is printed wider rather than cut.
 """
 
 from __future__ import annotations
@@ -44,10 +42,10 @@ def _widths(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int
     # NOTE: two floors, tried in turn: headers wrapped to their longest word,
     # then wrappable cells wrapped to their longest word too. Never below a word.
     header_floors = [max(c, _longest_word(col.header)) for c, col in zip(cells, columns)]
+    words = [max((_longest_word(r[i]) for r in rows), default=0) for i in range(len(columns))]
     cell_floors = [
-        max(max((_longest_word(r[i]) for r in rows), default=0), _longest_word(col.header))
-        if col.wrap else header_floors[i]
-        for i, col in enumerate(columns)
+        max(w, _longest_word(col.header)) if col.wrap else floor
+        for w, col, floor in zip(words, columns, header_floors)
     ]
     for floors in (header_floors, cell_floors):
         for i in sorted(range(len(columns)), key=lambda i: floors[i] - widths[i]):
@@ -86,6 +84,8 @@ def render(
     emit([_wrap(col.header, w) for col, w in zip(columns, widths)], bottom=True)
     lines.append(GAP.join("-" * w for w in widths))
     for row in rows:
-        emit([_wrap(cell, w) if col.wrap else [cell] for col, w, cell in zip(columns, widths, row)],
-             bottom=False)
+        emit(
+            [_wrap(cell, w) if col.wrap else [cell] for col, w, cell in zip(columns, widths, row)],
+            bottom=False,
+        )
     return "\n".join(lines)

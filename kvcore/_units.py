@@ -1,18 +1,11 @@
-"""Byte sizes as people write and read them: ``40GiB`` in, ``1.25 MiB`` out.
-
-Binary units (``KiB``, ``MiB``, ``GiB``, ``TiB``, and the bare ``K``, ``M``,
-``G``, ``T`` as their short forms) are powers of 1024; decimal units (``KB``,
-``MB``, ``GB``, ``TB``) are powers of 1000, as disk and network vendors use
-them. So ``40G`` and ``40GiB`` are 40 x 2^30 bytes, while ``40GB`` is
-40 x 10^9 bytes, about 37.25 GiB.
-"""
+"""Byte sizes as people write and read them: ``40GiB`` in, ``1.25 MiB`` out (units below)."""
 
 from __future__ import annotations
 
 import re
 from fractions import Fraction
 
-#: One sentence for command-line help: which units mean what.
+#: Which units mean what (also the command-line help).
 SIZE_UNITS_HELP = (
     "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024 (40G = 40GiB); "
     "KB/MB/GB/TB are powers of 1000 (40GB = 40 x 10^9 bytes, about 37.25 GiB)"

@@ -1,8 +1,5 @@
-"""Small argument checks shared by kvcore's public constructors and functions.
-
-Each check raises ``TypeError`` for a value of the wrong type and ``ValueError``
-for a value out of range, naming the argument, the value and what is accepted.
-"""
+"""Argument checks shared by kvcore's public functions: ``TypeError`` for a wrong type,
+``ValueError`` for a value out of range, each naming the argument and the value."""
 
 from __future__ import annotations
 
@@ -36,17 +33,15 @@ def non_negative_int(name: str, value: Any) -> int:
     return value
 
 
+# NOTE: attrs validators, naming the field as ``Class.field``.
 def attrs_positive(inst: Any, attribute: Any, value: Any) -> None:
-    """attrs validator: a positive integer."""
     positive_int(f"{type(inst).__name__}.{attribute.name}", value)
 
 
 def attrs_non_negative(inst: Any, attribute: Any, value: Any) -> None:
-    """attrs validator: zero or a positive integer."""
     non_negative_int(f"{type(inst).__name__}.{attribute.name}", value)
 
 
 def attrs_optional_positive(inst: Any, attribute: Any, value: Any) -> None:
-    """attrs validator: None or a positive integer."""
     if value is not None:
         attrs_positive(inst, attribute, value)

@@ -1,11 +1,8 @@
-"""Tensor parallelism: shard KV heads across ranks, agree on one block count and one layout.
+"""Tensor parallelism (SPEC §8): shard KV heads across ranks, agree on one block count and layout.
 
-Every rank of a tensor-parallel group holds the KV heads its query heads read.
-``shard_spec`` turns the model's spec into the spec of one rank;
-``agree_num_blocks`` and ``agree_layout`` make every rank plan the same number
-of blocks in the same layout, so one scheduler block table is valid on all of
-them. Communication goes through ``torch.distributed`` only (gloo on CPU, NCCL
-on CUDA); without an initialized process group both agreements are local.
+Every rank plans the same blocks in the same layout, so one scheduler block
+table is valid on all of them. Communication goes through ``torch.distributed``
+only; without an initialized process group both agreements are local.
 """
 
 from __future__ import annotations
@@ -20,12 +17,7 @@ import torch.distributed as dist
 from kvcore._validate import as_int, positive_int
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.layouts import resolve_kv_cache_layout
-from kvcore.specs import (
-    AttentionSpec,
-    KVCacheSpec,
-    MLAAttentionSpec,
-    UniformTypeKVCacheSpecs,
-)
+from kvcore.specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 
 __all__ = ["agree_layout", "agree_num_blocks", "kv_head_range", "shard_spec"]
 
@@ -48,19 +40,16 @@ def _per_rank(count: int, tp_size: int, what: str) -> int:
     if count < tp_size and tp_size % count == 0:
         return 1
     raise ValueError(
-        f"{what}={count} cannot be split over tp_size={tp_size}: neither divides "
-        f"the other; pick a tensor-parallel size that divides {count} or is a "
-        f"multiple of it"
+        f"{what}={count} cannot be split over tp_size={tp_size}: neither divides the other; "
+        f"pick a tensor-parallel size that divides {count} or is a multiple of it"
     )
 
 
 def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
     """The global KV head indices rank ``tp_rank`` of ``tp_size`` holds.
 
-    With at least as many heads as ranks, each rank holds a contiguous slice of
-    ``num_kv_heads // tp_size`` heads. With fewer heads, heads are replicated:
-    each rank holds the single head its query heads read,
-    ``tp_rank * num_kv_heads // tp_size``.
+    A contiguous slice of ``num_kv_heads // tp_size`` heads, or, with fewer
+    heads than ranks, the one head its query heads read (heads replicated).
     """
     tp_rank, tp_size = _check_rank(tp_rank, tp_size)
     num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
@@ -78,38 +67,25 @@ def _shard_attention(spec: AttentionSpec, tp_size: int) -> AttentionSpec:
         slots = _per_rank(slots, tp_size, "num_head_slots")
     padded = spec.page_size_padded
     if padded is not None:
-        # NOTE: the padded page shrinks by the factor the real page shrinks by
-        # when that is exact; otherwise the padding is dropped and the planner
-        # re-pads when it unifies this rank's pages.
-        old_real = spec.real_page_size_bytes
-        new_real = (slots if slots is not None else heads) * spec.num_states * (
-            spec.state_content_size_bytes
+        # NOTE: scaled by the factor the real page shrinks by when exact, else dropped
+        # (the planner re-pads when it unifies this rank's pages).
+        new_real = (
+            (heads if slots is None else slots) * spec.num_states * spec.state_content_size_bytes
         )
-        scaled, rest = divmod(padded * new_real, old_real)
+        scaled, rest = divmod(padded * new_real, spec.real_page_size_bytes)
         padded = scaled if rest == 0 else None
-    return attrs.evolve(
-        spec, num_kv_heads=heads, num_head_slots=slots, page_size_padded=padded
-    )
+    return attrs.evolve(spec, num_kv_heads=heads, num_head_slots=slots, page_size_padded=padded)
 
 
 def shard_spec(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> KVCacheSpec:
     """The spec rank ``tp_rank`` of a ``tp_size``-way tensor-parallel group stores.
 
-    Rules by spec type:
-
-    - attention specs: ``num_kv_heads`` (and ``num_head_slots`` when set) split
-      evenly across ranks, or become 1 per rank when there are fewer heads than
-      ranks (replication; see ``kv_head_range``). A count that neither divides
-      nor is divided by ``tp_size`` raises ``ValueError``. ``page_size_padded``
-      is scaled by the factor the page shrinks by when that is exact, else
-      dropped (the planner pads again when it unifies page sizes).
-    - ``MLAAttentionSpec``: replicated unchanged; the latent cache is shared by
-      all query heads, so every rank keeps all of it.
-    - ``UniformTypeKVCacheSpecs``: each layer's spec is sharded by these rules.
-    - state caches (``MambaSpec``) and other specs: returned as given; their
-      shapes are expected to describe one rank already.
-
-    ``tp_size == 1`` returns ``spec`` itself.
+    Attention specs split ``num_kv_heads`` (and ``num_head_slots``) evenly, or
+    keep 1 per rank when there are fewer heads than ranks (``kv_head_range``);
+    a count that neither divides nor is divided by ``tp_size`` is a
+    ``ValueError``. MLA (one latent cache shared by all heads), state caches
+    and other specs are returned as given; ``UniformTypeKVCacheSpecs`` shard
+    each layer.
     """
     tp_rank, tp_size = _check_rank(tp_rank, tp_size)
     if not isinstance(spec, KVCacheSpec):
@@ -144,13 +120,8 @@ def _collective_device(group: Any) -> torch.device:
 
 
 def agree_num_blocks(num_blocks: int, group: Any = None) -> int:
-    """The smallest ``num_blocks`` of all ranks in ``group`` (all-reduce MIN).
-
-    Each rank passes the block count its own memory allows; every rank gets
-    the same answer. Returns ``num_blocks`` unchanged when ``torch.distributed``
-    is not initialized. With NCCL, ``torch.cuda.current_device()`` must be the
-    rank's device.
-    """
+    """The smallest ``num_blocks`` of all ranks in ``group`` (all-reduce MIN; NCCL needs the rank's
+    current CUDA device set); ``num_blocks`` itself without an initialized process group."""
     num_blocks = as_int("num_blocks", num_blocks)
     if not _initialized():
         return positive_int("num_blocks", num_blocks)
@@ -203,13 +174,10 @@ def agree_layout(
 ) -> KVCacheLayout:
     """One KV cache layout for every rank in ``group``.
 
-    ``supported`` lists the layouts this rank's backends accept, most preferred
-    first (None: any layout). The lists of all ranks are all-gathered and
-    resolved once with ``resolve_kv_cache_layout`` (with this rank's ``specs``
-    and ``requested``). When no layout suits every rank, or ranks resolve
-    differently, every rank raises the same ``ValueError`` naming each rank's
-    list. Without an initialized process group this rank's list is resolved
-    alone.
+    ``supported``: this rank's acceptable layouts, most preferred first (None:
+    any). All ranks' lists are all-gathered and resolved once with
+    ``resolve_kv_cache_layout``; when they cannot agree every rank raises the
+    same ``ValueError`` naming each rank's list.
     """
     specs = tuple(specs)
     if not _initialized():

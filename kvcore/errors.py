@@ -1,8 +1,4 @@
-"""Exceptions and warnings raised by kvcore.
-
-Every error is also a ``ValueError`` so that callers who only know the
-standard library still catch kvcore's refusals of bad input.
-"""
+"""kvcore's exceptions and warnings; every error is also a ``ValueError`` (bad input, refused)."""
 
 from __future__ import annotations
 
@@ -12,19 +8,13 @@ class KVCoreError(ValueError):
 
 
 class PluginError(KVCoreError):
-    """A plugin failed to import, raised inside a hook, or returned a wrong type.
-
-    The message always names the entry point, its distribution and version,
-    and the hook involved.
-    """
+    """A plugin failed to import, raised in a hook or returned a wrong type (named with its
+    entry point, distribution, version and hook)."""
 
 
 class KernelRequirementError(KVCoreError):
-    """A kernel view of a plan breaks a rule its backend declared (``KernelRequirements``).
-
-    Raised before anything is allocated; the message names the backend, the
-    layer, the rule, the value and a remedy when one exists.
-    """
+    """A kernel view of a plan breaks a rule its backend declared (``KernelRequirements``);
+    raised before anything is allocated, naming backend, layer, rule, value and a remedy."""
 
 
 class PluginWarning(UserWarning):
@@ -38,7 +28,6 @@ class OutOfBlocksError(KVCoreError):
         self.requested = requested
         self.free = free
         super().__init__(
-            f"cannot allocate {requested} KV cache blocks: only {free} are free. "
-            "Free finished sequences' blocks, lower the batch size, or plan "
-            "the cache with more memory."
+            f"cannot allocate {requested} KV cache blocks: only {free} are free. Free finished "
+            "sequences' blocks, lower the batch size, or plan the cache with more memory."
         )

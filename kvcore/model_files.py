@@ -76,22 +76,16 @@ _KINDS: dict[str, type[KVCacheSpec]] = {
     "encoder_only": EncoderOnlyAttentionSpec,
     "mamba": MambaSpec,
 }
-#: Most layers a description may name: real models have a few hundred; a
-#: typo such as 100000000 would otherwise build specs for minutes.
+#: Most layers a description may name (real models have a few hundred; more is a typo).
 MAX_LAYERS = 10_000
-#: Largest page (one block of one layer) a description may give: 1 TiB, more
-#: than any device holds; a larger one comes from a typo in a size.
+#: Largest page (one block of one layer) a description may give: 1 TiB (more is a typo).
 MAX_PAGE_BYTES = 1 << 40
 _TOP_KEYS = {"name", "description", "num_layers", "block_size", "pattern", "layer_name", "types"}
 _OWN_KEYS = {"kind", "module", "block_size"}
-# NOTE: spec fields a kind does not take from a file: a full-attention spec's
-# window fields record merged layers (a file says kind = "sliding" instead),
-# and MLA keeps no separate V.
-_NOT_FOR: dict[str, set[str]] = {
-    "full": {"sliding_window", "attention_chunk_size"},
-    "mla": {"sliding_window", "attention_chunk_size", "head_size_v"},
-}
-_NOT_FOR = {kind: _NOT_FOR.get(kind, set()) for kind in _KINDS}
+# NOTE: a full-attention spec's window fields record merged layers (a file says kind =
+# "sliding" instead), and MLA keeps no separate V.
+_WINDOWS = {"sliding_window", "attention_chunk_size"}
+_NOT_FOR = {"full": _WINDOWS, "mla": _WINDOWS | {"head_size_v"}}
 _HINTS = {
     "sliding_window": "for sliding-window layers use kind = 'sliding'",
     "attention_chunk_size": "for chunked local attention use kind = 'chunked'",
@@ -139,7 +133,9 @@ def find_model(model: str | Path) -> Path:
 def _dtype(where: str, name: Any) -> torch.dtype:
     value = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(value, torch.dtype):
-        raise ValueError(f"{where}: unknown dtype {name!r}; use a torch dtype name such as 'bfloat16'")
+        raise ValueError(
+            f"{where}: unknown dtype {name!r}; use a torch dtype name such as 'bfloat16'"
+        )
     return value
 
 
@@ -150,22 +146,12 @@ def _convert(where: str, key: str, value: Any) -> Any:
         return tuple(_dtype(where, v) for v in value)
     if key == "tokens_per_state" and isinstance(value, str):
         return Fraction(value)
-    if key == "block_stride_alignment":
-        return MultipleOf(value)
-    return value
+    return MultipleOf(value) if key == "block_stride_alignment" else value
 
 
-def _valid_keys(kind: str) -> set[str]:
-    """Keys a type table of ``kind`` takes: its spec's fields and kvcore's own keys."""
-    return set(attrs.fields_dict(_KINDS[kind])) - _NOT_FOR[kind] | _OWN_KEYS
-
-
-def _required_keys(kind: str) -> list[str]:
-    fields = attrs.fields(_KINDS[kind])
-    return [f.name for f in fields if f.default is attrs.NOTHING and f.init and f.name != "block_size"]
-
-
-def _spec(type_name: str, table: Any, block_size: int, layers: list[int]) -> tuple[KVCacheSpec, str]:
+def _spec(
+    type_name: str, table: Any, block_size: int, layers: list[int]
+) -> tuple[KVCacheSpec, str]:
     """The spec of one type table and its module; ``layers``: the indices that use it."""
     where = f"types.{type_name}"
     if layers:
@@ -180,7 +166,7 @@ def _spec(type_name: str, table: Any, block_size: int, layers: list[int]) -> tup
     cls = _KINDS[kind]
     module = table.pop("module", "mixer" if cls is MambaSpec else "self_attn")
     block_size = table.pop("block_size", block_size)
-    valid = _valid_keys(kind)
+    valid = set(attrs.fields_dict(cls)) - _NOT_FOR.get(kind, set()) | _OWN_KEYS
     unknown = sorted(set(table) - valid)
     if unknown:
         hints = [f"; {_HINTS[k]}" for k in unknown if k in _HINTS]
@@ -188,7 +174,8 @@ def _spec(type_name: str, table: Any, block_size: int, layers: list[int]) -> tup
             f"{where} has unknown keys {unknown}; a {kind!r} type takes: "
             f"{', '.join(sorted(valid))}{''.join(hints)}"
         )
-    missing = [k for k in _required_keys(kind) if k not in table]
+    required = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.init]
+    missing = [k for k in required if k not in table and k != "block_size"]
     if missing:
         keys = ", ".join(f"{k} ({_REQUIRED[k]})" if k in _REQUIRED else k for k in missing)
         raise ValueError(f"{where}: a {kind!r} type needs the key{'s' * (len(missing) > 1)} {keys}")
@@ -206,10 +193,7 @@ def _spec(type_name: str, table: Any, block_size: int, layers: list[int]) -> tup
 
 
 def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[str, KVCacheSpec]:
-    """Layer name -> spec, in model order, from a parsed TOML description.
-
-    ``block_size`` overrides the block size of every layer type.
-    """
+    """Layer name -> spec, in model order, of a parsed TOML description."""
     if block_size is not None:
         block_size = _block_size_override(block_size)
     unknown = sorted(set(data) - _TOP_KEYS)
@@ -233,25 +217,19 @@ def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[
     if bad:
         raise ValueError(f"pattern names unknown types {bad}; defined: {', '.join(types)}")
     template = data.get("layer_name", "model.layers.{index}.{module}")
-    default_bs = data.get("block_size", 16)
-    indices: dict[str, list[int]] = {name: [] for name in types}  # so errors name a layer
-    for index in range(num_layers):
-        type_name = pattern[index % len(pattern)]
-        if type_name != NO_CACHE:
-            indices[type_name].append(index)
+    layer_types = [pattern[index % len(pattern)] for index in range(num_layers)]
     specs = {}
     for name, table in types.items():
         if block_size is not None and isinstance(table, dict):
             table = {**table, "block_size": block_size}
-        specs[name] = _spec(name, table, default_bs, indices[name])
+        used = [index for index, t in enumerate(layer_types) if t == name]  # so errors name a layer
+        specs[name] = _spec(name, table, data.get("block_size", 16), used)
     out: dict[str, KVCacheSpec] = {}
-    for index in range(num_layers):
-        type_name = pattern[index % len(pattern)]
-        if type_name == NO_CACHE:
-            continue
-        spec, module = specs[type_name]
-        out[_layer_name(template, index, module)] = spec
-    if len(out) != sum(len(v) for v in indices.values()):
+    for index, type_name in enumerate(layer_types):
+        if type_name != NO_CACHE:
+            spec, module = specs[type_name]
+            out[_layer_name(template, index, module)] = spec
+    if len(out) != sum(t != NO_CACHE for t in layer_types):
         raise ValueError(f"layer_name {template!r} gives two layers one name; include {{index}}")
     if not out:
         raise ValueError("the pattern gives no layer a cache; name at least one type")
@@ -295,11 +273,7 @@ def read_model_file(path: Path) -> dict[str, Any]:
 
 
 def load_model_file(model: str | Path, *, block_size: int | None = None) -> ModelDescription:
-    """Load a model description from a TOML path or a preset name.
-
-    ``block_size`` overrides every layer type's block size; a bad override is
-    reported as such, before the file is read.
-    """
+    """Load a model from a TOML path or a preset name (``block_size``: that of every type)."""
     if block_size is not None:
         block_size = _block_size_override(block_size)
     path = find_model(model)

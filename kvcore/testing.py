@@ -16,10 +16,10 @@ from __future__ import annotations
 import attrs
 import torch
 
-from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
-from kvcore.specs import FullAttentionSpec
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
+from kvcore.specs import FullAttentionSpec
 
 #: Where kit caches live by default: CUDA when present (CPU Triton kernels need TRITON_INTERPRET=1).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -29,19 +29,21 @@ SPLITTABLE = [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC]
 
 
 def build_cache(
-    layout, block_size, num_blocks, kv_heads, head_size, dtype, *, kernel_block_size=None, num_layers=2, device=DEVICE
+    layout,
+    block_size,
+    num_blocks,
+    kv_heads,
+    head_size,
+    dtype,
+    *,
+    kernel_block_size=None,
+    num_layers=2,
+    device=DEVICE,
 ):
     """Allocate a ``num_layers``-layer cache through kvcore; return its kernel-block views."""
     spec = FullAttentionSpec(block_size, kv_heads, head_size, dtype)
-    strides = compute_layout_strides(spec, num_blocks, num_layers, layout)
     names = [f"model.layers.{i}.attn" for i in range(num_layers)]
-    tensor = KVCacheTensor(
-        size=spec.page_size_bytes * num_blocks * num_layers,
-        layers=names,
-        layer_stride=strides[0],
-        block_stride=strides[1],
-    )
-    config = KVCacheConfig(num_blocks, [tensor], [KVCacheGroupSpec(names, spec)], layout)
+    config = plan_kv_cache(dict.fromkeys(names, spec), layout, num_blocks=num_blocks)
     sizes = None if kernel_block_size is None else [kernel_block_size]
     caches = allocate_kv_cache(config, device, kernel_block_sizes=sizes)
     return [caches[name] for name in names]
@@ -78,11 +80,16 @@ class PagedBatch:
         return torch.tensor(out, dtype=torch.int64)
 
     def tokens(self, tensors: list, new_only: bool) -> torch.Tensor:
-        parts = [t[n - q:] if new_only else t[: n - q] for t, n, q in zip(tensors, self.seq_lens, self.q_lens)]
+        parts = [
+            t[n - q :] if new_only else t[: n - q]
+            for t, n, q in zip(tensors, self.seq_lens, self.q_lens)
+        ]
         return torch.cat(parts)
 
 
-def make_batch(gen, seq_lens, q_lens, *, kv_heads, q_heads, head_size, dtype, num_blocks, block_size, ratio=1):
+def make_batch(
+    gen, seq_lens, q_lens, *, kv_heads, q_heads, head_size, dtype, num_blocks, block_size, ratio=1
+):
     """Random K/V/queries; each request gets distinct random manager blocks."""
     width = max(-(-n // block_size) for n in seq_lens)
     perm = torch.randperm(num_blocks, generator=gen)

@@ -11,7 +11,7 @@ import torch
 from _plugin_dists import clean_plugin_env, make_backend  # noqa: F401
 
 import kvcore
-from kvcore.runtime.group_builder import build_attention_groups, map_kv_caches_to_kernel_blocks
+from kvcore import build_attention_groups, map_kv_caches_to_kernel_blocks
 from kvcore.memory.layout import compute_layout_strides
 from kvcore.specs import KVCacheSpec, MultipleOf
 

@@ -11,7 +11,7 @@ from kvcore.model_runner.multimodal import (
     sanity_check_mm_encoder_outputs,
     scatter_mm_placeholders,
 )
-from kvcore.model_runner.uniform_decode import get_uniform_decode_token_count, is_uniform_query_len
+from kvcore.model_runner import get_uniform_decode_token_count, is_uniform_query_len
 
 
 @pytest.mark.parametrize(

@@ -1,6 +1,21 @@
-"""Helpers for an engine's model runner, kept beside the core, not inside it.
+"""Helpers for an engine's model runner, kept beside the core: binding views to layers and KV
+sharing (``binding``), the seed's multimodal helpers (``multimodal``, unused by kvcore itself),
+and here the seed's uniform-decode batch checks (SPEC §3)."""
 
-Binding views to layer objects and KV sharing (``binding``); the seed's
-uniform-decode batch checks (``uniform_decode``) and its multimodal helpers —
-placeholder scatter/gather, encoder output checks and timing (``multimodal``).
-"""
+
+def is_uniform_query_len(num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
+    """Whether the batch's shape says every request has ``max_query_len`` tokens.
+
+    Only the shape is tested (a prompt chunk may look like a decode batch):
+    classify scheduled batches with :func:`get_uniform_decode_token_count`.
+    """
+    return num_reqs > 0 and num_tokens == num_reqs * max_query_len
+
+
+def get_uniform_decode_token_count(
+    num_reqs: int, num_tokens: int, max_query_len: int, decode_graph_eligible: bool
+) -> int | None:
+    """Tokens per request of a uniform decode batch (a CUDA-graph candidate), else None."""
+    if decode_graph_eligible and is_uniform_query_len(num_reqs, num_tokens, max_query_len):
+        return max_query_len
+    return None

@@ -1,9 +1,5 @@
-"""Hand allocated caches to a model's layers, and let layers share another layer's cache.
-
-A *forward context* maps layer names to layer objects. A layer receives its
-cache through its ``bind_kv_cache(tensor)`` method when it has one, else by
-assignment to its ``kv_cache`` attribute.
-"""
+"""Hand allocated caches to a model's layers (a *forward context* maps names to layer objects),
+and let layers share another layer's cache."""
 
 from __future__ import annotations
 
@@ -26,19 +22,18 @@ class BindsKVCache(Protocol):
 def extract_layer_index(layer_name: str, num_attn_module: int = 1) -> int:
     """The layer index in a dotted name: ``"model.layers.3.self_attn"`` -> 3.
 
-    With ``num_attn_module > 1`` attention layers may carry a second integer,
-    the attention module within the layer: ``"layers.3.attn.1"`` ->
-    ``3 * num_attn_module + 1``. Raises ``ValueError`` when the name does not
-    hold exactly the integers expected.
+    With ``num_attn_module > 1`` an attention layer may carry the module index
+    too: ``"layers.3.attn.1"`` -> ``3 * num_attn_module + 1``.
     """
     if not isinstance(layer_name, str):
         raise TypeError(f"layer_name must be a str, got {layer_name!r}")
     num_attn_module = positive_int("num_attn_module", num_attn_module)
     numbers = [int(part) for part in layer_name.split(".") if part.isascii() and part.isdigit()]
-    if num_attn_module > 1 and "attn" in layer_name and len(numbers) == 2:
+    per_module = num_attn_module > 1 and "attn" in layer_name
+    if per_module and len(numbers) == 2:
         return numbers[0] * num_attn_module + numbers[1]
     if len(numbers) != 1:
-        expected = "one or two integers" if num_attn_module > 1 and "attn" in layer_name else "one integer"
+        expected = "one or two integers" if per_module else "one integer"
         raise ValueError(
             f"layer name {layer_name!r} holds {len(numbers)} integer parts {numbers}, "
             f"expected {expected} (e.g. 'model.layers.3.self_attn')"
@@ -53,32 +48,25 @@ def _model_order(names: Iterable[str], num_attn_module: int) -> list[str]:
     return sorted(index, key=index.__getitem__)
 
 
-def _check_grouped(names: Iterable[str], kv_cache_groups: Sequence[KVCacheGroupSpec] | None) -> None:
-    if kv_cache_groups is None:
-        return
-    grouped = {n for g in kv_cache_groups for n in g.layer_names}
-    missing = [n for n in names if n not in grouped]
-    if missing:
-        raise ValueError(
-            f"layers {missing} have caches but are in no KV cache group; add them to "
-            "a group (for KV sharing, see add_kv_sharing_layers_to_kv_cache_groups)"
-        )
-
-
 def bind_kv_cache_to_layers(
     kv_caches: Mapping[str, torch.Tensor],
     forward_context: Mapping[str, Any],
     num_attn_module: int = 1,
     kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
 ) -> None:
-    """Give every layer of ``forward_context`` named in ``kv_caches`` its cache, in model order.
+    """Give every layer named in ``kv_caches`` its cache, in model order, or none at all.
 
-    Every layer is checked before any is bound: a layer missing from the
-    context, or one with neither ``bind_kv_cache`` nor ``kv_cache``, raises
-    ``ValueError``/``TypeError`` and nothing is bound.
+    A layer takes it through its ``bind_kv_cache(tensor)`` method when it has
+    one, else by assignment to its ``kv_cache`` attribute.
     """
     order = _model_order(kv_caches, num_attn_module)
-    _check_grouped(order, kv_cache_groups)
+    grouped = {n for g in kv_cache_groups or () for n in g.layer_names}
+    ungrouped = [n for n in order if n not in grouped]
+    if kv_cache_groups is not None and ungrouped:
+        raise ValueError(
+            f"layers {ungrouped} have caches but are in no KV cache group; add them to "
+            "a group (for KV sharing, see add_kv_sharing_layers_to_kv_cache_groups)"
+        )
     missing = [n for n in order if n not in forward_context]
     if missing:
         raise ValueError(f"layers {missing} have caches but are not in the forward context")
@@ -105,11 +93,9 @@ def bind_kv_cache(
     kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     layer_kv_caches: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """Fill the runner's list of caches and bind each layer's cache.
+    """Fill the empty ``runner_kv_caches`` with ``kv_caches`` in model order and bind each layer.
 
-    ``runner_kv_caches`` (which must be empty) receives ``kv_caches`` in model
-    order; several layers at one index (an encoder-decoder layer's self- and
-    cross-attention) are appended in their input order. Layers receive
+    Layers at one index keep their input order. Layers receive
     ``layer_kv_caches`` when given (kernel-block views), else ``kv_caches``.
     """
     if len(runner_kv_caches) != 0:
@@ -118,17 +104,13 @@ def bind_kv_cache(
             "an empty list (clear it, or call clear_layer_kv_caches before rebinding)"
         )
     order = _model_order(kv_caches, num_attn_module)
-    bind_kv_cache_to_layers(
-        kv_caches if layer_kv_caches is None else layer_kv_caches,
-        forward_context,
-        num_attn_module,
-        kv_cache_groups,
-    )
+    bound = kv_caches if layer_kv_caches is None else layer_kv_caches
+    bind_kv_cache_to_layers(bound, forward_context, num_attn_module, kv_cache_groups)
     runner_kv_caches.extend(kv_caches[name] for name in order)
 
 
 def clear_layer_kv_caches(layers: Iterable[Any] | Mapping[str, Any]) -> None:
-    """Drop the caches bound to ``layers`` (objects, or a forward context) so memory can be freed."""
+    """Drop the caches bound to ``layers`` (objects, or a forward context) to free memory."""
     if isinstance(layers, Mapping):
         layers = layers.values()
     for layer in layers:
@@ -159,12 +141,8 @@ def add_kv_sharing_layers_to_kv_cache_groups(
     kv_cache_groups: Sequence[KVCacheGroupSpec],
     runner_only_attn_layers: set[str] | None = None,
 ) -> None:
-    """Add each sharing layer to its target's group (so it gets attention metadata).
-
-    ``shared_kv_cache_layers`` maps a layer that reuses another layer's cache
-    to that target. Sharing layers are also added to ``runner_only_attn_layers``
-    when given. Unknown targets raise ``ValueError`` before anything changes.
-    """
+    """Add each layer of ``shared_kv_cache_layers`` (sharing layer -> target) to its target's
+    group, and to ``runner_only_attn_layers`` when given; all checked before anything changes."""
     owner = _group_of_layer(shared_kv_cache_layers, kv_cache_groups)
     for layer, target in shared_kv_cache_layers.items():
         owner[target].layer_names.append(layer)
@@ -177,11 +155,11 @@ def initialize_kv_cache_for_kv_sharing(
     kv_cache_groups: Sequence[KVCacheGroupSpec],
     kv_caches: MutableMapping[str, torch.Tensor],
 ) -> None:
-    """Point each sharing layer at its target's cache in ``kv_caches`` and add it to the target's group."""
+    """Point each sharing layer at its target's cache and add it to the target's group."""
     owner = _group_of_layer(shared_kv_cache_layers, kv_cache_groups)
     absent = sorted({t for t in shared_kv_cache_layers.values() if t not in kv_caches})
     if absent:
-        raise ValueError(f"targets {absent} have no allocated cache in kv_caches; allocate them first")
+        raise ValueError(f"targets {absent} have no allocated cache in kv_caches; allocate them")
     for layer, target in shared_kv_cache_layers.items():
         kv_caches[layer] = kv_caches[target]
         owner[target].layer_names.append(layer)

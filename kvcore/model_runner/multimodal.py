@@ -1,9 +1,4 @@
-"""The seed's multimodal helpers, for an engine's model runner (kvcore itself uses none of them).
-
-SPEC §3 exports them from ``kvcore``: scatter encoder embeddings over their
-placeholder positions and gather them back, check an encoder's outputs, and
-time the encoder per request.
-"""
+"""The seed's multimodal helpers (SPEC §3), for an engine's model runner; kvcore uses none."""
 
 from __future__ import annotations
 
@@ -14,17 +9,14 @@ import torch
 
 
 def scatter_mm_placeholders(embeds: torch.Tensor, is_embed: torch.Tensor | None) -> torch.Tensor:
-    """Spread ``embeds`` ``[num_embeds, dim]`` over the placeholder positions.
-
-    ``is_embed`` is a boolean mask over ``num_placeholders`` positions with
-    ``num_embeds`` True entries; the result is ``[num_placeholders, dim]``
-    with the embeddings in order at the True positions and NaN elsewhere.
-    ``is_embed=None`` returns ``embeds`` itself.
-    """
+    """``embeds`` ``[num_embeds, dim]`` at the True positions of the 1-D mask ``is_embed``,
+    NaN elsewhere (``is_embed=None``: ``embeds`` itself)."""
     if is_embed is None:
         return embeds
     if is_embed.dtype != torch.bool or is_embed.dim() != 1:
-        raise ValueError(f"is_embed must be a 1-D bool mask, got {is_embed.dtype} {tuple(is_embed.shape)}")
+        raise ValueError(
+            f"is_embed must be a 1-D bool mask, got {is_embed.dtype} {tuple(is_embed.shape)}"
+        )
     count = int(is_embed.sum())
     if count != embeds.shape[0]:
         raise ValueError(
@@ -36,7 +28,9 @@ def scatter_mm_placeholders(embeds: torch.Tensor, is_embed: torch.Tensor | None)
     return out
 
 
-def gather_mm_placeholders(placeholders: torch.Tensor, is_embed: torch.Tensor | None) -> torch.Tensor:
+def gather_mm_placeholders(
+    placeholders: torch.Tensor, is_embed: torch.Tensor | None
+) -> torch.Tensor:
     """The embeddings at the True positions of ``is_embed`` (undoes the scatter)."""
     if is_embed is None:
         return placeholders
@@ -51,11 +45,7 @@ def gather_mm_placeholders(placeholders: torch.Tensor, is_embed: torch.Tensor | 
 def sanity_check_mm_encoder_outputs(
     mm_embeddings: Sequence[torch.Tensor] | torch.Tensor, expected_num_items: int
 ) -> None:
-    """Check a multimodal encoder's output: one 2-D tensor per input item.
-
-    Accepts a list/tuple of ``[tokens, dim]`` tensors or one 3-D tensor;
-    raises ``ValueError`` naming what the encoder returned otherwise.
-    """
+    """``ValueError`` unless an encoder returned one 2-D tensor per item (or one 3-D tensor)."""
     hint = "the model's multimodal embedding method returned it"
     if not isinstance(mm_embeddings, (list, tuple, torch.Tensor)):
         raise ValueError(
@@ -80,7 +70,4 @@ class EncoderTimingStats:
     num_encoder_calls: int = 0
 
     def to_dict(self) -> dict[str, float | int]:
-        return {
-            "encoder_forward_secs": self.encoder_forward_secs,
-            "num_encoder_calls": self.num_encoder_calls,
-        }
+        return attrs.asdict(self)

@@ -1,6 +1,2 @@
-"""Stage 4 of the pipeline: what an engine keeps for its lifetime.
-
-Attention groups (``attn_group``, ``group_builder``), the block pool
-(``block_pool``), the block zeroer (``zeroer``) and the ``KVCache`` facade
-(``kv_cache``) that wires them from one negotiation.
-"""
+"""Stage 4 of the pipeline, what an engine keeps for its lifetime: attention groups, the block
+pool, the block zeroer and the ``KVCache`` facade that wires them from one negotiation."""

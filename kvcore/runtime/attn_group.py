@@ -1,16 +1,13 @@
 """Attention groups: the layers of one KV cache group served by one backend.
 
 A group is a read-only view of its negotiation record
-(:class:`~kvcore.plugins.negotiation.BackendNegotiation`: backend, layers,
-spec, kernel block size and stride) plus the per-step buffers its backend
-needs (metadata builders, the persistent kernel block table). It maps the
-scheduler's manager block tables and cache views to the kernel blocks its
-backend accepts.
+(:class:`~kvcore.plugins.negotiation.BackendNegotiation`) plus the per-step buffers
+its backend needs (metadata builders, the persistent kernel block table).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -18,11 +15,18 @@ import pluggy
 import torch
 
 from kvcore._validate import non_negative_int, positive_int
+from kvcore.memory.config import KVCacheConfig
 from kvcore.plugins.answers import HookAnswers, label
-from kvcore.plugins.backend import AttentionBackend, AttentionMetadataBuilder, CommonAttentionMetadata
+from kvcore.plugins.backend import (
+    AttentionBackend,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
 from kvcore.plugins.block_sizes import get_block_table_width
 from kvcore.plugins.negotiation import (
     BackendNegotiation,
+    Negotiation,
+    backend_groups,
     packed_kernel_stride,
     settle_kernel_block_size,
     to_kernel_blocks,
@@ -35,18 +39,13 @@ from kvcore.specs import KVCacheSpec
 class AttentionGroup:
     """Layers of one KV cache group that share a backend and a (customized) spec.
 
-    When the backend needs blocks smaller than the manager's, ``kernel_block_size``
-    is set and block tables / cache views address kernel blocks: kernel block
-    ``j`` of manager block ``b`` is ``b * ratio + j`` for dense pages
-    (``kernel_block_stride`` 0), or ``b * kernel_block_stride + j`` where the
-    stride is the number of kernel pages between two blocks of a packed
-    (block-outermost) cache.
-
-    Every decision is read from :attr:`record`. Groups built by
-    ``KVCache.create`` carry a complete record and never ask the plugin hooks
-    again; a group made by hand (or by ``build_attention_groups``) is settled
-    by ``create_metadata_builders(kernel_block_size=...)`` and learns a packed
-    stride from the first view it maps — once: another stride is refused.
+    With ``kernel_block_size`` set, block tables and views address kernel
+    blocks: kernel block ``j`` of manager block ``b`` is ``b * ratio + j``
+    (dense pages, ``kernel_block_stride`` 0) or ``b * kernel_block_stride + j``
+    (a packed, block-outermost cache). Every decision is read from
+    :attr:`record`: complete for groups from ``KVCache.create``; a group made
+    by hand is settled by ``create_metadata_builders(kernel_block_size=...)``
+    and learns a packed stride from the first view it maps (once).
     """
 
     def __init__(
@@ -56,74 +55,59 @@ class AttentionGroup:
         kv_cache_spec: KVCacheSpec,
         kv_cache_group_id: int,
         kernel_block_size: int | None = None,
-        kernel_block_stride: int = 0,
     ) -> None:
         if kernel_block_size is not None:
             kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
         self.record = BackendNegotiation(
-            backend, tuple(layer_names), kv_cache_spec, None, kernel_block_size, kernel_block_stride
+            backend, tuple(layer_names), kv_cache_spec, None, kernel_block_size
         )
         self.kv_cache_group_id = kv_cache_group_id
-        # Persistent per micro-batch so CUDA graphs capture the mapped table.
+        # NOTE: persistent per micro-batch, so CUDA graphs capture the mapped table.
         self.kernel_block_table: torch.Tensor | None = None
         self.kernel_block_offsets: torch.Tensor | None = None
         self.metadata_builders: list[AttentionMetadataBuilder] = []
-        #: The settings the builders were created with (``KVCache.create`` reads them from the environment).
         self.settings = Settings()
 
     @classmethod
-    def from_negotiation(cls, record: BackendNegotiation, kv_cache_group_id: int) -> AttentionGroup:
+    def from_record(cls, record: BackendNegotiation, kv_cache_group_id: int) -> AttentionGroup:
         """The group a negotiation record describes (kernel blocks already decided)."""
         group = cls(record.backend, record.layer_names, record.kv_cache_spec, kv_cache_group_id)
         group.record = record
         return group
 
+    backend = property(lambda self: self.record.backend)
+    layer_names = property(lambda self: list(self.record.layer_names))
+    kv_cache_spec = property(lambda self: self.record.kv_cache_spec)
+    kernel_block_stride = property(lambda self: self.record.kernel_block_stride)
+
     def __repr__(self) -> str:
         return (
-            f"AttentionGroup(backend={label(self.backend)!r}, layer_names={self.layer_names!r}, "
-            f"kv_cache_spec={self.kv_cache_spec!r}, kv_cache_group_id={self.kv_cache_group_id}, "
-            f"kernel_block_size={self.kernel_block_size}, kernel_block_stride={self.kernel_block_stride})"
+            f"AttentionGroup({label(self.backend)!r}, {self.layer_names!r}, "
+            f"{self.kv_cache_spec!r}, kv_cache_group_id={self.kv_cache_group_id}, "
+            f"kernel_block_size={self.kernel_block_size}, "
+            f"kernel_block_stride={self.kernel_block_stride})"
         )
 
     @property
-    def backend(self) -> type[AttentionBackend]:
-        return self.record.backend
-
-    @property
-    def layer_names(self) -> list[str]:
-        return list(self.record.layer_names)
-
-    @property
-    def kv_cache_spec(self) -> KVCacheSpec:
-        return self.record.kv_cache_spec
-
-    @property
     def kernel_block_size(self) -> int | None:
+        """Tokens per kernel block; None when kernel blocks are the manager blocks."""
         return self.record.kernel_block_size
 
     @kernel_block_size.setter
     def kernel_block_size(self, value: int | None) -> None:
-        # NOTE: the seed's groups are mutable dataclasses; setting the size by hand
-        # re-states the record (a negotiated group refuses another size).
         if value is not None:
             value = positive_int("kernel_block_size", value)
-        agreed = self.record.group_kernel_block_size
-        if agreed is not None and value != self.record.kernel_block_size:
+        if self.record.group_kernel_block_size is not None and value != self.kernel_block_size:
             raise ValueError(
                 f"attention group of {self.layer_names} was negotiated with kernel block size "
-                f"{self.record.kernel_block_size}; it cannot be changed to {value}"
+                f"{self.kernel_block_size}; it cannot be changed to {value}"
             )
         self.record = attrs.evolve(self.record, kernel_block_size=value)
 
     @property
-    def kernel_block_stride(self) -> int:
-        return self.record.kernel_block_stride
-
-    @property
     def blocks_per_manager_block(self) -> int:
-        if self.kernel_block_size is None:
-            return 1
-        return self.kv_cache_spec.block_size // self.kernel_block_size
+        kernel = self.kernel_block_size
+        return 1 if kernel is None else self.kv_cache_spec.block_size // kernel
 
     def create_metadata_builders(
         self,
@@ -138,53 +122,37 @@ class AttentionGroup:
     ) -> None:
         """Create one metadata builder per micro-batch and the kernel block table.
 
-        ``kernel_block_size`` is the KV cache group's kernel block size
-        (None: the record's). A negotiated group (from ``KVCache.create``)
-        takes its own size from its record; any other group is settled here:
-        its backend's own size is the largest it accepts that divides
-        ``kernel_block_size`` (smaller in a packed group). Specs storing one
-        state per block are never split. ``settings`` (default: none set)
-        are kept: :meth:`build_metadata` puts their ``debug_checks`` on each
-        step's metadata, so ``forward`` reads no environment.
+        ``kernel_block_size`` is the KV cache group's (None: the record's). A
+        negotiated group must agree; a hand-made one takes the largest size its
+        backend accepts that divides it. ``settings`` (default: none set)
+        give each step's metadata its ``debug_checks``.
         """
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
         num_metadata_builders = positive_int("num_metadata_builders", num_metadata_builders)
         if settings is not None and not isinstance(settings, Settings):
-            raise TypeError(f"settings must be a kvcore.settings.Settings or None, got {settings!r}")
+            raise TypeError(f"settings must be a kvcore.settings.Settings or None: {settings!r}")
         self.settings = settings or Settings()
         if kernel_block_size is not None:
             self.record = settle_kernel_block_size(
                 self.record, kernel_block_size, lambda: HookAnswers(plugin_manager)
             )
         spec, own = self.kv_cache_spec, self.kernel_block_size
-        builder_spec = spec if own is None else spec.copy_with_new_block_size(own)
         builder_cls = self.backend.get_builder_cls()
-        width = get_block_table_width(
-            spec.max_num_blocks_per_req(max_model_len),
-            spec.block_size,
-            own,
-            token_alignment=None if spec.tokens_per_state <= 0 else 128,
-        )
-        kwargs: dict[str, Any] = {}
+        alignment = None if spec.tokens_per_state <= 0 else 128  # NOTE: state slots are not tokens
+        max_blocks = spec.max_num_blocks_per_req(max_model_len)
+        width = get_block_table_width(max_blocks, spec.block_size, own, token_alignment=alignment)
+        kwargs: dict[str, Any] = {"max_num_seqs": max_num_seqs, "max_model_len": max_model_len}
         if builder_cls.requires_block_table_width:
             kwargs["block_table_width"] = width
         if own is not None:
-            self.kernel_block_table = torch.zeros(
-                num_metadata_builders, max_num_seqs, width, dtype=torch.int32, device=device
-            )
-            self.kernel_block_offsets = torch.arange(
-                self.blocks_per_manager_block, dtype=torch.int32, device=device
-            )
+            shape = (num_metadata_builders, max_num_seqs, width)
+            self.kernel_block_table = torch.zeros(shape, dtype=torch.int32, device=device)
+            ratio = self.blocks_per_manager_block
+            self.kernel_block_offsets = torch.arange(ratio, dtype=torch.int32, device=device)
+        builder_spec = spec if own is None else spec.copy_with_new_block_size(own)
         self.metadata_builders = [
-            builder_cls(
-                builder_spec,
-                self.layer_names,
-                device,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len,
-                **kwargs,
-            )
+            builder_cls(builder_spec, self.layer_names, device, **kwargs)
             for _ in range(num_metadata_builders)
         ]
 
@@ -203,10 +171,7 @@ class AttentionGroup:
         common_prefix_len: int = 0,
         **kwargs: Any,
     ) -> Any:
-        """The backend's metadata for one step, with block tables in kernel blocks.
-
-        Metadata whose ``debug_checks`` is None gets the group's settings' switch.
-        """
+        """The backend's metadata for one step, with block tables in kernel blocks."""
         builder = self.get_metadata_builder(ubatch_idx)
         changes: dict[str, Any] = {}
         if self.kernel_block_size is not None:
@@ -219,7 +184,9 @@ class AttentionGroup:
             common_attn_metadata = attrs.evolve(common_attn_metadata, **changes)
         return builder.build(common_prefix_len, common_attn_metadata, **kwargs)
 
-    def map_to_kernel_block_table(self, block_table: torch.Tensor, ubatch_idx: int = 0) -> torch.Tensor:
+    def map_to_kernel_block_table(
+        self, block_table: torch.Tensor, ubatch_idx: int = 0
+    ) -> torch.Tensor:
         """Manager block table ``[rows, cols]`` -> kernel block table ``[rows, cols * ratio]``.
 
         One fused ``add`` into a slice of the persistent buffer, so the result
@@ -229,10 +196,10 @@ class AttentionGroup:
             return block_table
         if self.kernel_block_table is None or self.kernel_block_offsets is None:
             raise ValueError("call create_metadata_builders() before mapping block tables")
-        ratio = self.blocks_per_manager_block
         if block_table.dim() != 2:
             raise ValueError(
-                f"block_table must be 2-D [requests, manager blocks], got shape {tuple(block_table.shape)}"
+                "block_table must be 2-D [requests, manager blocks], got shape "
+                f"{tuple(block_table.shape)}"
             )
         num_ubatches, max_rows, width = self.kernel_block_table.shape
         if not 0 <= ubatch_idx < num_ubatches:
@@ -240,6 +207,7 @@ class AttentionGroup:
                 f"micro-batch {ubatch_idx} has no kernel block table ({num_ubatches} built); "
                 "call create_metadata_builders(num_metadata_builders=...) with more"
             )
+        ratio = self.blocks_per_manager_block
         rows, cols = block_table.shape
         if rows > max_rows or cols * ratio > width:
             raise ValueError(
@@ -259,10 +227,9 @@ class AttentionGroup:
     def map_kv_cache_to_kernel_blocks(self, kv_cache: torch.Tensor) -> torch.Tensor:
         """The kernel view of a layer's view as allocated.
 
-        A view already addressing kernel blocks (a dense group split at
-        allocation) is returned as is. A packed cache addressed by manager
-        blocks is viewed as kernel blocks, ``kernel_block_stride`` pages
-        apart (:func:`~kvcore.plugins.negotiation.to_kernel_blocks`).
+        A view already addressing kernel blocks (a dense group, split at
+        allocation) is returned as is; a packed cache is viewed as kernel
+        blocks, ``kernel_block_stride`` pages apart.
         """
         if self.kernel_block_size is None:
             raise ValueError(f"group {self.kv_cache_group_id} does not split blocks")
@@ -270,9 +237,10 @@ class AttentionGroup:
         kernel_rows = spec.get_num_kernel_states(self.kernel_block_size)
         if kv_cache.shape[-2] == kernel_rows:
             return kv_cache
+        block_bytes = kv_cache.stride(0) * kv_cache.element_size()
+        who = label(self.backend)
         stride = packed_kernel_stride(
-            spec, kv_cache.stride(0) * kv_cache.element_size(), self.kernel_block_size,
-            label(self.backend), self.layer_names,
+            spec, block_bytes, self.kernel_block_size, who, self.layer_names
         )
         if self.kernel_block_stride and stride != self.kernel_block_stride:
             raise ValueError(
@@ -280,11 +248,13 @@ class AttentionGroup:
                 f"{self.kv_cache_group_id} was negotiated for ({self.kernel_block_stride} kernel "
                 "pages per block); pass the views allocate_kv_cache made for this config"
             )
-        if not self.kernel_block_stride:  # NOTE: a hand-made group learns its stride once
+        if not self.kernel_block_stride:
             self.record = attrs.evolve(self.record, kernel_block_stride=stride)
         return to_kernel_blocks(kv_cache, kernel_rows, stride)
 
-    def map_kv_cache_to_manager_blocks(self, kv_cache: torch.Tensor, num_blocks: int) -> torch.Tensor:
+    def map_kv_cache_to_manager_blocks(
+        self, kv_cache: torch.Tensor, num_blocks: int
+    ) -> torch.Tensor:
         """View a packed cache addressed by kernel blocks as manager blocks."""
         if not self.kernel_block_stride:
             raise ValueError(
@@ -296,6 +266,38 @@ class AttentionGroup:
         return to_manager_blocks(kv_cache, rows, self.kernel_block_stride, num_blocks)
 
 
+def build_attention_groups(
+    kv_cache_config: KVCacheConfig,
+    layer_backends: Mapping[str, type[AttentionBackend] | str],
+    *,
+    plugin_manager: pluggy.PluginManager | None = None,
+) -> list[list[AttentionGroup]]:
+    """Per KV cache group, one :class:`AttentionGroup` per (backend, customized spec).
+
+    ``layer_backends`` maps every attention layer of the config to a backend
+    class or name (state-cache layers may be left out); specs are customized
+    here through the hooks. Groups keep the config's layer order; KV cache
+    groups without layer views get an empty list. Each group's kernel blocks
+    are settled by ``create_metadata_builders(kernel_block_size=...)``.
+    """
+    if not isinstance(layer_backends, Mapping):
+        raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
+    answers = HookAnswers(plugin_manager)
+    classes = {name: answers.backend(backend) for name, backend in layer_backends.items()}
+    by_group = backend_groups(kv_cache_config, classes, answers, customize=True)
+    return [
+        [AttentionGroup(backend, names, spec, gid) for (backend, spec), names in by_key.items()]
+        for gid, by_key in enumerate(by_group)
+    ]
+
+
+def attention_groups_from(negotiation: Negotiation) -> list[list[AttentionGroup]]:
+    """The attention groups a negotiation decided, one list per KV cache group."""
+    return [
+        [AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups
+    ]
+
+
 def flatten_attention_groups(attn_groups: Iterable[Any]) -> list[AttentionGroup]:
     """``attn_groups`` flat or nested per KV cache group, as one flat list."""
     out: list[AttentionGroup] = []
@@ -305,5 +307,25 @@ def flatten_attention_groups(attn_groups: Iterable[Any]) -> list[AttentionGroup]
         elif isinstance(item, Iterable) and not isinstance(item, (str, bytes)):
             out.extend(flatten_attention_groups(item))
         else:
-            raise TypeError(f"attn_groups must hold AttentionGroup objects (or lists of them), got {item!r}")
+            raise TypeError(
+                f"attn_groups must hold AttentionGroup objects (or lists of them), got {item!r}"
+            )
     return out
+
+
+def map_kv_caches_to_kernel_blocks(
+    kv_caches: Mapping[str, torch.Tensor],
+    attn_groups: Iterable[AttentionGroup] | Iterable[Iterable[AttentionGroup]],
+) -> dict[str, torch.Tensor]:
+    """The views kernels read: each split group's layers addressed by kernel blocks.
+
+    ``kv_caches`` (the views as allocated) is not changed; ``attn_groups``
+    may be flat or nested per KV cache group.
+    """
+    mapped = dict(kv_caches)
+    for group in flatten_attention_groups(attn_groups):
+        if group.kernel_block_size is not None:
+            for name in group.layer_names:
+                if name in kv_caches:
+                    mapped[name] = group.map_kv_cache_to_kernel_blocks(kv_caches[name])
+    return mapped

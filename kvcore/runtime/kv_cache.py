@@ -1,14 +1,9 @@
-"""KVCache: the whole path from layer specs to zeroed, kernel-ready views.
+"""KVCache: the whole path from layer specs to zeroed, kernel-ready views (SPEC §7).
 
-:meth:`KVCache.create` runs, in this order: customize each layer's spec
-through its backend's hooks (once per distinct backend and spec), resolve
-the layout from the backends' stated layouts, plan, negotiate each KV cache
-group's kernel blocks from the plan and the answers already kept (one
-:class:`~kvcore.plugins.negotiation.GroupNegotiation` per group), allocate
-(dense groups split into kernel blocks there), build the attention groups
-and their metadata builders from that record, map packed groups' kernel
-views, and build the zeroer over the views as allocated. The result is what
-an engine's model runner keeps for its lifetime.
+:meth:`KVCache.create` customizes each layer's spec through its backend's
+hooks, resolves the layout, plans, negotiates each KV cache group's kernel
+blocks once (one record per group, :mod:`kvcore.plugins.negotiation`), allocates,
+and builds the attention groups, kernel views and zeroer from that record.
 """
 
 from __future__ import annotations
@@ -23,7 +18,12 @@ import torch
 from kvcore._validate import as_int, positive_int
 from kvcore.distributed import agree_layout, agree_num_blocks
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.elastic import ElasticMemory, checked_max_blocks, first_elastic_blocks, reserve_elastic
+from kvcore.memory.elastic import (
+    ElasticMemory,
+    checked_max_blocks,
+    first_elastic_blocks,
+    reserve_elastic,
+)
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache, checked_device
@@ -32,9 +32,12 @@ from kvcore.plugins.auto import resolve_auto
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, plan_meeting_rules
 from kvcore.plugins.negotiation import Negotiation
-from kvcore.runtime.attn_group import AttentionGroup
+from kvcore.runtime.attn_group import (
+    AttentionGroup,
+    attention_groups_from,
+    map_kv_caches_to_kernel_blocks,
+)
 from kvcore.runtime.block_pool import BlockPool
-from kvcore.runtime.group_builder import attention_groups_from, map_kv_caches_to_kernel_blocks
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
@@ -46,12 +49,7 @@ def _served_specs(
     answers: HookAnswers,
     device: torch.device,
 ) -> tuple[dict[str, KVCacheSpec], dict[str, type[AttentionBackend]]]:
-    """Each layer's spec as its backend stores it, and each layer's backend class.
-
-    ``"auto"`` picks a backend per layer (:func:`kvcore.select_backend`). The
-    hooks are asked once per distinct (backend, spec): eight identical layers
-    cost one ``kvcore_customize_spec`` call.
-    """
+    """Each layer's spec as its backend stores it, and each layer's backend ("auto" resolved)."""
     if not isinstance(layer_specs, Mapping):
         raise TypeError(f"layer_specs must map layer names to KVCacheSpecs, got {layer_specs!r}")
     if not isinstance(layer_backends, Mapping):
@@ -65,7 +63,8 @@ def _served_specs(
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
         raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
-    missing = [n for n, s in layer_specs.items() if isinstance(s, AttentionSpec) and n not in layer_backends]
+    attention = [n for n, s in layer_specs.items() if isinstance(s, AttentionSpec)]
+    missing = [n for n in attention if n not in layer_backends]
     if missing:
         raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
     backends = {}
@@ -75,11 +74,11 @@ def _served_specs(
                 f"layer_backends[{layer!r}] is {backend!r}; pass a backend class, a registered "
                 "backend name or 'auto'"
             )
-        backends[layer] = answers.backend(resolve_auto(answers, backend, layer_specs[layer], device))
-    specs = {
-        name: answers.customized_spec(backends[name], spec) if name in backends else spec
-        for name, spec in layer_specs.items()
-    }
+        chosen = resolve_auto(answers, backend, layer_specs[layer], device)
+        backends[layer] = answers.backend(chosen)
+    specs = dict(layer_specs)
+    for name, backend in backends.items():
+        specs[name] = answers.customized_spec(backend, specs[name])
     check_abilities(answers, specs, backends, device)
     return specs, backends
 
@@ -88,21 +87,16 @@ def _served_specs(
 class KVCache:
     """A planned, allocated KV cache with everything an engine needs per step.
 
-    ``kv_caches`` are the views as allocated, which KV connectors and offload
-    keep using (groups of dense pages are already split into kernel blocks
-    there; packed groups stay addressed by manager block). ``layer_kv_caches``
-    are the views attention kernels take, addressed by kernel block.
-    ``attn_groups[g]`` holds the attention groups of KV cache group ``g``;
-    :meth:`build_metadata` maps each group's manager block table to kernel
-    blocks. ``block_pool`` hands out manager block ids; call
-    :meth:`begin_step` once per step, after allocating and before any kernel
-    reads the new blocks.
+    ``kv_caches`` are the views as allocated, which KV connectors keep using;
+    ``layer_kv_caches`` the views attention kernels take, by kernel block.
+    ``attn_groups[g]`` holds the attention groups of KV cache group ``g``.
+    Call :meth:`begin_step` once per step, after allocating blocks from
+    ``block_pool`` and before any kernel reads them.
     """
 
     config: KVCacheConfig
     layout: KVCacheLayout
     attn_groups: list[list[AttentionGroup]]
-    kernel_block_sizes: list[int]
     kv_caches: dict[str, torch.Tensor] = attrs.field(repr=False)
     layer_kv_caches: dict[str, torch.Tensor] = attrs.field(repr=False)
     block_pool: BlockPool
@@ -110,11 +104,11 @@ class KVCache:
     device: torch.device
     max_num_seqs: int
     max_model_len: int
-    negotiation: Negotiation | None = attrs.field(default=None, repr=False)
+    negotiation: Negotiation = attrs.field(repr=False)
     #: The committed part of an elastic cache's reservation (None: a plain allocation).
-    elastic: ElasticMemory | None = attrs.field(default=None, repr=False)
-    #: The environment settings read when the cache was created (passed down to builders and zeroer).
-    settings: Settings = attrs.field(factory=Settings, repr=False)
+    elastic: ElasticMemory | None = attrs.field(repr=False)
+    #: The environment read when the cache was created (passed down to builders and zeroer).
+    settings: Settings = attrs.field(repr=False)
 
     @classmethod
     def create(
@@ -136,53 +130,49 @@ class KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
         ``layer_backends`` maps each attention layer to its backend class, a
-        registered backend name, or ``"auto"`` (:func:`kvcore.select_backend`
-        for the layer's spec and ``device``). Every layer's kernel view is
-        checked against its backend's ``KernelRequirements`` before anything
-        is allocated (:mod:`kvcore.plugins.kernel_rules`). Give exactly one of ``available_memory``
+        registered name, or ``"auto"`` (:func:`kvcore.select_backend`). Every
+        kernel view is checked against its backend's ``KernelRequirements``
+        before anything is allocated. Give exactly one of ``available_memory``
         (bytes) and ``num_blocks``. With a ``torch.distributed`` process
-        ``group``, all ranks agree on one layout and one block count.
-        ``enable_prefix_caching`` builds ``block_pool`` with ``enable_caching=True``.
-        With ``max_num_blocks`` the cache is elastic: address space for that
-        many blocks is reserved (the plan and views are theirs) and memory is
-        committed for the first ``num_blocks`` (or what ``available_memory``
-        buys; neither: all of them); :meth:`resize` changes that later.
-        The environment (``KVCORE_DEBUG_CHECKS``, ``TRITON_INTERPRET``) is read
-        here, once, into :class:`kvcore.settings.Settings`; no later call reads it.
+        ``group``, all ranks agree on one layout and one block count. With
+        ``max_num_blocks`` the cache is elastic: the plan and views are those
+        of ``max_num_blocks`` blocks, memory is committed for the first
+        ``num_blocks`` (or what ``available_memory`` buys; neither: all), and
+        :meth:`resize` changes that later. The environment is read here, once
+        (:class:`kvcore.settings.Settings`).
         """
         settings = Settings.from_env()
         device = checked_device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
         answers = HookAnswers(plugin_manager)
-        # 1. Customize specs (before planning: the planner sees each backend's alignment).
+        # NOTE: specs are customized before planning: the planner sees each backend's alignment.
         specs, backends = _served_specs(layer_specs, layer_backends, answers, device)
-        # 2. Resolve the layout (with every rank when a process group is given), skipping
-        # layouts whose kernel views break a backend's rules; 3. plan; 4. negotiate kernel
-        # blocks once, from the plan and the answers kept in step 1.
-        supported = answers.common_layouts(list(dict.fromkeys((b, specs[n]) for n, b in backends.items())))
-        budget = {"available_memory": available_memory, "num_blocks": num_blocks}
-        if group is not None:
+        pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
+        supported = answers.common_layouts(pairs)
+        if group is not None:  # every rank agrees on one layout and one block count
+            budget = {"available_memory": available_memory, "num_blocks": num_blocks}
             supported = layouts_meeting_rules(specs, backends, answers, supported, budget)
             layout = agree_layout(supported, specs.values(), group, layout)
             if num_blocks is None:
                 probe = plan_kv_cache(specs, layout, available_memory=available_memory)
-                num_blocks, available_memory = probe.num_blocks, None
-            num_blocks = agree_num_blocks(num_blocks, group)
-            budget = {"available_memory": None, "num_blocks": num_blocks}
-        if max_num_blocks is not None:
-            # An elastic cache is planned (strides, views) for all of its blocks.
+                num_blocks = probe.num_blocks
+            num_blocks, available_memory = agree_num_blocks(num_blocks, group), None
+        budget = {"available_memory": available_memory, "num_blocks": num_blocks}
+        if max_num_blocks is not None:  # NOTE: an elastic cache is planned for all its blocks
             budget = {"available_memory": None, "num_blocks": checked_max_blocks(max_num_blocks)}
         layout, config, negotiation = plan_meeting_rules(
             layer_specs, specs, backends, answers, supported, layout, budget
         )
+        elastic = buffer = None
         if max_num_blocks is not None:
-            num_blocks = first_elastic_blocks(specs, layout, max_num_blocks, num_blocks, available_memory)
-        # 5. Allocate, 6. attention groups and their builders, 7. kernel views, 8. zeroer.
-        elastic, buffer = None, None
-        if max_num_blocks is not None:
+            num_blocks = first_elastic_blocks(
+                specs, layout, max_num_blocks, num_blocks, available_memory
+            )
             elastic, buffer = reserve_elastic(config, device)
-        kv_caches = allocate_kv_cache(config, device, layout, negotiation.allocation_kernel_block_sizes, buffer=buffer)
+        kv_caches = allocate_kv_cache(
+            config, device, layout, negotiation.allocation_kernel_block_sizes, buffer=buffer
+        )
         attn_groups = attention_groups_from(negotiation)
         for record, groups in zip(negotiation.groups, attn_groups):
             for attn_group in groups:
@@ -193,36 +183,40 @@ class KVCache:
                     kernel_block_size=record.kernel_block_size,
                     settings=settings,
                 )
-        layer_kv_caches = map_kv_caches_to_kernel_blocks(kv_caches, attn_groups)
         rows = negotiation.rows_per_block()
         zeroer = KVBlockZeroer.from_views(
-            device, {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}, config.num_blocks,
+            device,
+            {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches},
+            config.num_blocks,
             settings=settings,
         )
-        kernel_block_sizes = negotiation.kernel_block_sizes
-        if elastic is not None:
+        if elastic is None:
+            num_blocks = config.num_blocks
+        else:
             elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
-                           for name, view in kv_caches.items()})
+                           for name, view in kv_caches.items()})  # fmt: skip
             elastic.resize(num_blocks)
             zeroer.num_blocks = num_blocks
         return cls(
-            config=config,
-            layout=layout,
-            attn_groups=attn_groups,
-            kernel_block_sizes=kernel_block_sizes,
-            kv_caches=kv_caches,
-            layer_kv_caches=layer_kv_caches,
-            block_pool=BlockPool(
-                config.num_blocks if elastic is None else num_blocks, enable_caching=enable_prefix_caching
-            ),
-            zeroer=zeroer,
-            device=device,
-            max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len,
-            negotiation=negotiation,
-            elastic=elastic,
-            settings=settings,
+            config,
+            layout,
+            attn_groups,
+            kv_caches,
+            map_kv_caches_to_kernel_blocks(kv_caches, attn_groups),
+            BlockPool(num_blocks, enable_caching=enable_prefix_caching),
+            zeroer,
+            device,
+            max_num_seqs,
+            max_model_len,
+            negotiation,
+            elastic,
+            settings,
         )
+
+    @property
+    def kernel_block_sizes(self) -> list[int]:
+        """One kernel block size per KV cache group with pages."""
+        return self.negotiation.kernel_block_sizes
 
     @property
     def num_blocks(self) -> int:
@@ -242,24 +236,22 @@ class KVCache:
         return self.config.kv_cache_tensors[0].size if self.config.kv_cache_tensors else 0
 
     def resize(self, num_blocks: int) -> None:
-        """Grow or shrink an elastic cache to ``num_blocks`` blocks, in place.
+        """Grow or shrink an elastic cache to ``num_blocks`` blocks, in place, all or nothing.
 
         No byte of a live block moves and every view keeps its address.
-        Growing commits memory and adds free blocks to the pool (zeroed when
-        handed out). Shrinking refuses, naming them, while blocks at or above
-        ``num_blocks`` are held; cached blocks there are evicted and the
-        memory behind them goes back to the system or device. Any refusal or
-        failure leaves the cache as it was.
+        Shrinking refuses, naming them, while blocks at or above
+        ``num_blocks`` are held; cached blocks there are evicted.
         """
         if self.elastic is None:
             raise ValueError(
-                "this KVCache is not elastic; create it with KVCache.create(..., max_num_blocks=M) to resize it"
+                "this KVCache is not elastic; create it with KVCache.create(..., max_num_blocks=M) "
+                "to resize it"
             )
         num_blocks = as_int("num_blocks", num_blocks)
         if not 2 <= num_blocks <= self.max_num_blocks:
             raise ValueError(
-                f"num_blocks must be between 2 and max_num_blocks={self.max_num_blocks}, got {num_blocks}; "
-                "create the cache with a larger max_num_blocks to grow further"
+                f"num_blocks must be between 2 and max_num_blocks={self.max_num_blocks}, got "
+                f"{num_blocks}; create the cache with a larger max_num_blocks to grow further"
             )
         if num_blocks > self.num_blocks:
             self.elastic.resize(num_blocks)  # NOTE: may fail (no memory) before the pool changes
@@ -284,7 +276,9 @@ class KVCache:
             for attn_group in groups:
                 if layer_name in attn_group.layer_names:
                     return attn_group
-        raise ValueError(f"layer {layer_name!r} is in no attention group; layers: {self.config.layer_names}")
+        raise ValueError(
+            f"layer {layer_name!r} is in no attention group; layers: {self.config.layer_names}"
+        )
 
     def begin_step(self) -> list[int]:
         """Zero every block allocated since the last step, in one launch; returns their ids.
@@ -301,12 +295,10 @@ class KVCache:
                 raise
         return new_blocks
 
-    def build_metadata(self, common: list[CommonAttentionMetadata], ubatch_idx: int = 0) -> dict[str, Any]:
-        """Each layer's backend metadata for one step.
-
-        ``common[g]`` describes the batch with KV cache group ``g``'s manager
-        block table; each attention group maps it to kernel blocks.
-        """
+    def build_metadata(
+        self, common: list[CommonAttentionMetadata], ubatch_idx: int = 0
+    ) -> dict[str, Any]:
+        """Each layer's backend metadata for one step (``common[g]``: group ``g``'s batch)."""
         if not isinstance(common, (list, tuple)):
             raise TypeError(
                 f"common must be a list of CommonAttentionMetadata, one per KV cache group, got "
@@ -330,4 +322,3 @@ class KVCache:
                 metadata = attn_group.build_metadata(common[group_id], ubatch_idx)
                 out.update(dict.fromkeys(attn_group.layer_names, metadata))
         return out
-

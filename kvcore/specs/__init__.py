@@ -1,12 +1,6 @@
-"""KV cache specs: what one layer stores per block.
+"""Stage 1, what one layer stores per block: frozen, validated spec classes (SPEC §3)."""
 
-A spec describes one layer's cache in the logical shape ``[B, H, N, C]``:
-``B`` blocks of ``block_size`` tokens, ``H`` head slots, ``N`` stored states
-per block and ``C`` content bytes per (head, state). Specs are frozen attrs
-classes validated at construction.
-"""
-
-from kvcore.specs.attention import (
+from kvcore.specs.attention import (  # noqa: F401
     AttentionSpec,
     ChunkedLocalAttentionSpec,
     CrossAttentionSpec,
@@ -15,20 +9,6 @@ from kvcore.specs.attention import (
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from kvcore.specs.base import KVCacheSpec, MultipleOf
-from kvcore.specs.state import MambaSpec
-from kvcore.specs.uniform import UniformTypeKVCacheSpecs
-
-__all__ = [
-    "AttentionSpec",
-    "ChunkedLocalAttentionSpec",
-    "CrossAttentionSpec",
-    "EncoderOnlyAttentionSpec",
-    "FullAttentionSpec",
-    "KVCacheSpec",
-    "MLAAttentionSpec",
-    "MambaSpec",
-    "MultipleOf",
-    "SlidingWindowSpec",
-    "UniformTypeKVCacheSpecs",
-]
+from kvcore.specs.base import KVCacheSpec, MultipleOf  # noqa: F401
+from kvcore.specs.state import MambaSpec  # noqa: F401
+from kvcore.specs.uniform import UniformTypeKVCacheSpecs  # noqa: F401

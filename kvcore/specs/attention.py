@@ -8,13 +8,8 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore._validate import (
-    attrs_non_negative,
-    attrs_optional_positive,
-    attrs_positive,
-)
-
-from kvcore.specs.base import KVCacheSpec, check_cache_dtype
+from kvcore._validate import attrs_non_negative, attrs_optional_positive, attrs_positive
+from kvcore.specs.base import KVCacheSpec, check_cache_dtype, padded_page_size
 
 
 def _check_dtype(inst: Any, attribute: Any, value: Any) -> None:
@@ -22,15 +17,19 @@ def _check_dtype(inst: Any, attribute: Any, value: Any) -> None:
 
 
 def _tokens_per_state(value: Any) -> int | Fraction:
-    """Normalize ``tokens_per_state``: integral Fractions become ints."""
+    """Integral Fractions become ints; anything but an int or a Fraction is a ``TypeError``."""
     if isinstance(value, Fraction):
         return int(value) if value.denominator == 1 else value
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(
-            "tokens_per_state must be an int or a fractions.Fraction, "
-            f"got {value!r} ({type(value).__name__})"
+            "tokens_per_state must be an int or a fractions.Fraction, got "
+            f"{value!r} ({type(value).__name__})"
         )
     return value
+
+
+def _optional_positive() -> Any:
+    return attrs.field(default=None, kw_only=True, validator=attrs_optional_positive)
 
 
 @attrs.frozen
@@ -39,29 +38,21 @@ class AttentionSpec(KVCacheSpec):
 
     ``head_size_v=None`` means equal to ``head_size``. ``num_head_slots``
     overrides ``H`` (e.g. padded heads), ``state_content_bytes`` overrides
-    ``C`` (e.g. quantized K/V with scales), ``page_size_padded`` pads each page.
-    ``tokens_per_state`` > 1 compresses several tokens into one state; a
-    ``Fraction`` < 1 stores several states per token; <= 0 stores one state per
-    block whatever its size.
+    ``C`` (e.g. quantized K/V with scales), ``page_size_padded`` pads each
+    page. ``tokens_per_state`` > 1 compresses several tokens into one state;
+    a ``Fraction`` < 1 stores several states per token; <= 0 stores one
+    state per block whatever its size.
     """
 
     num_kv_heads: int = attrs.field(validator=attrs_positive)
     head_size: int = attrs.field(validator=attrs_positive)
     dtype: torch.dtype = attrs.field(validator=_check_dtype)
     head_size_v: int | None = attrs.field(
-        default=None,
-        kw_only=True,
-        validator=attrs.validators.optional(attrs_non_negative),
+        default=None, kw_only=True, validator=attrs.validators.optional(attrs_non_negative)
     )
-    page_size_padded: int | None = attrs.field(  # type: ignore[assignment]
-        default=None, kw_only=True, validator=attrs_optional_positive
-    )
-    num_head_slots: int | None = attrs.field(
-        default=None, kw_only=True, validator=attrs_optional_positive
-    )
-    state_content_bytes: int | None = attrs.field(
-        default=None, kw_only=True, validator=attrs_optional_positive
-    )
+    page_size_padded: int | None = _optional_positive()  # type: ignore[assignment]
+    num_head_slots: int | None = _optional_positive()
+    state_content_bytes: int | None = _optional_positive()
     tokens_per_state: int | Fraction = attrs.field(  # type: ignore[assignment]
         default=1, kw_only=True, converter=_tokens_per_state
     )
@@ -77,8 +68,7 @@ class AttentionSpec(KVCacheSpec):
                 "int (> 1 compresses tokens, <= 0 keeps one state per block) or a "
                 "Fraction below 1 (several states per token)"
             )
-        # Raises when block_size does not hold whole states.
-        self.get_num_kernel_states(self.block_size)
+        self.get_num_kernel_states(self.block_size)  # NOTE: raises unless blocks hold whole states
         itemsize = self.dtype.itemsize
         if self.state_content_size_bytes % itemsize:
             raise ValueError(
@@ -88,9 +78,13 @@ class AttentionSpec(KVCacheSpec):
             )
         self._check_page_padding(f"the {itemsize}-byte {self.dtype}")
 
+    page_size_bytes = property(padded_page_size)
+    is_attention = property(lambda self: True)
+    view_dtype = property(lambda self: self.dtype)
+
     @property
     def num_heads(self) -> int:
-        return self.num_head_slots if self.num_head_slots is not None else self.num_kv_heads
+        return self.num_kv_heads if self.num_head_slots is None else self.num_head_slots
 
     @property
     def state_content_size_bytes(self) -> int:
@@ -98,35 +92,13 @@ class AttentionSpec(KVCacheSpec):
             return self.state_content_bytes
         return (self.head_size + self.head_size_v) * self.dtype.itemsize
 
-    @property
-    def page_size_bytes(self) -> int:
-        if self.page_size_padded is not None:
-            return self.page_size_padded
-        return self.real_page_size_bytes
-
-    @property
-    def is_attention(self) -> bool:
-        return True
-
-    @property
-    def view_dtype(self) -> torch.dtype:
-        return self.dtype
-
 
 @attrs.frozen
 class FullAttentionSpec(AttentionSpec):
-    """Causal attention over the whole context.
+    """Causal attention over the whole context (a merged layer's window kept in its fields)."""
 
-    ``sliding_window`` / ``attention_chunk_size`` record a merged layer's
-    window when a model mixes them into full-attention groups.
-    """
-
-    sliding_window: int | None = attrs.field(
-        default=None, kw_only=True, validator=attrs_optional_positive
-    )
-    attention_chunk_size: int | None = attrs.field(
-        default=None, kw_only=True, validator=attrs_optional_positive
-    )
+    sliding_window: int | None = _optional_positive()
+    attention_chunk_size: int | None = _optional_positive()
 
 
 @attrs.frozen
@@ -148,9 +120,7 @@ class MLAAttentionSpec(FullAttentionSpec):
     """Multi-head latent attention: one latent vector per state (no separate V)."""
 
     head_size_v: int | None = attrs.field(
-        default=0,
-        kw_only=True,
-        validator=attrs.validators.optional(attrs_non_negative),
+        default=0, kw_only=True, validator=attrs.validators.optional(attrs_non_negative)
     )
 
     def __attrs_post_init__(self) -> None:
@@ -167,9 +137,7 @@ class MLAAttentionSpec(FullAttentionSpec):
 class EncoderOnlyAttentionSpec(AttentionSpec):
     """Bidirectional encoder attention: no KV cache pages are allocated."""
 
-    @property
-    def has_cache_pages(self) -> bool:
-        return False
+    has_cache_pages = property(lambda self: False)
 
 
 @attrs.frozen

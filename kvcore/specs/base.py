@@ -9,20 +9,12 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore._validate import (
-    attrs_positive,
-    positive_int,
-)
-
+from kvcore._validate import attrs_positive, positive_int
 
 
 @attrs.frozen
 class MultipleOf:
-    """A kernel block size constraint: any size divisible by ``base``.
-
-    A bare ``int`` in a backend's list of kernel block sizes accepts only
-    itself; ``MultipleOf(16)`` accepts 16, 32, 48, ...
-    """
+    """A kernel block size constraint: any size divisible by ``base`` (an ``int`` takes itself)."""
 
     base: int = attrs.field(validator=attrs_positive)
 
@@ -32,13 +24,14 @@ class MultipleOf:
 
 #: dtypes a cache cannot store: no byte view or kernel takes them.
 _NOT_CACHE_DTYPES = frozenset(
-    getattr(torch, name) for name in ("bool", "qint8", "quint8", "qint32", "quint4x2", "quint2x4")
+    getattr(torch, name)
+    for name in ("bool", "qint8", "quint8", "qint32", "quint4x2", "quint2x4")
     if hasattr(torch, name)
 )
 
 
 def check_cache_dtype(where: str, value: Any) -> torch.dtype:
-    """``value`` if it is a dtype a KV cache can hold; ``TypeError``/``ValueError`` naming ``where``."""
+    """``value`` if a KV cache can hold that dtype, else an error naming ``where``."""
     if not isinstance(value, torch.dtype):
         raise TypeError(f"{where} must be a torch.dtype (e.g. torch.bfloat16), got {value!r}")
     if value in _NOT_CACHE_DTYPES or value.is_complex:
@@ -50,23 +43,33 @@ def check_cache_dtype(where: str, value: Any) -> torch.dtype:
     return value
 
 
+def padded_page_size(spec: KVCacheSpec) -> int:
+    """``page_size_bytes`` of a spec with a ``page_size_padded`` field (else the real page)."""
+    return spec.real_page_size_bytes if spec.page_size_padded is None else spec.page_size_padded
+
+
 def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
     if value is not None and not isinstance(value, MultipleOf):
         raise TypeError(
-            f"{type(inst).__name__}.{attribute.name} must be None or a MultipleOf, "
-            f"got {value!r}"
+            f"{type(inst).__name__}.{attribute.name} must be None or a MultipleOf, got {value!r}"
         )
-
 
 
 @attrs.frozen
 class KVCacheSpec:
     """Base of all specs: a cache whose manager blocks hold ``block_size`` tokens.
 
-    Subclasses define ``page_size_bytes`` and, for views, ``tokens_per_state``,
-    ``num_heads``, ``state_content_size_bytes`` and ``view_dtype``.
-    ``block_stride_alignment`` (a ``MultipleOf`` in tokens) asks packed layouts
-    to keep blocks aligned to whole kernel blocks of that many tokens.
+    A layer's view is ``[B, H, N, C]``: ``num_heads`` head slots, ``num_states``
+    states per block (``tokens_per_state`` tokens each; <= 0: one state per
+    block), ``state_content_size_bytes`` bytes per (head, state), re-typed to
+    ``view_dtype``. The base view is one raw page per block, ``[B, 1, 1, page]``;
+    subclasses define ``page_size_bytes`` (and the others for other views).
+    ``page_size_padded``: bytes each page is padded to, or None.
+    ``has_layer_views`` is False only for specs that lay out a raw buffer
+    themselves, ``has_cache_pages`` only for layers that keep no pages
+    (encoder-only attention); ``is_attention`` marks layers an attention
+    backend serves. ``block_stride_alignment`` (a ``MultipleOf`` in tokens)
+    asks packed layouts to keep blocks aligned to whole kernel blocks.
     """
 
     block_size: int = attrs.field(validator=attrs_positive)
@@ -74,21 +77,18 @@ class KVCacheSpec:
         default=None, kw_only=True, validator=_optional_multiple_of
     )
 
+    tokens_per_state = property(lambda self: -1)
+    num_heads = property(lambda self: 1)
+    view_dtype = property(lambda self: torch.int8)
+    page_size_padded = property(lambda self: None)
+    has_layer_views = property(lambda self: True)
+    has_cache_pages = property(lambda self: True)
+    is_attention = property(lambda self: False)
+
     @property
     def page_size_bytes(self) -> int:
         """Bytes one block of one layer occupies (padding included)."""
         raise NotImplementedError(f"{type(self).__name__} does not define a page size")
-
-    @property
-    def tokens_per_state(self) -> int | Fraction:
-        """Tokens per stored state; <= 0 means one state per block."""
-        # NOTE: the base view is one raw page per block, [B, 1, 1, page].
-        return -1
-
-    @property
-    def num_heads(self) -> int:
-        """``H``: head slots of the logical view."""
-        return 1
 
     @property
     def num_states(self) -> int:
@@ -101,43 +101,14 @@ class KVCacheSpec:
         return self.page_size_bytes
 
     @property
-    def view_dtype(self) -> torch.dtype:
-        """The dtype per-layer views are re-typed to."""
-        return torch.int8
-
-    @property
     def dtype_alignment(self) -> int:
-        """Bytes every block (and every layer) of this spec must start at a multiple of.
-
-        The largest element size among the spec's dtypes, so that every view
-        and every state tensor inside a block is aligned to its element size.
-        """
+        """Bytes every block and layer must start at a multiple of (the largest element)."""
         return self.view_dtype.itemsize
 
     @property
     def real_page_size_bytes(self) -> int:
         """``H * N * C``: the page without padding."""
-        return self.num_heads * self.num_states * self.state_content_size_bytes
-
-    @property
-    def page_size_padded(self) -> int | None:
-        """Bytes each page is padded to, or None."""
-        return None
-
-    @property
-    def has_layer_views(self) -> bool:
-        """False only for specs that lay out a raw buffer themselves."""
-        return True
-
-    @property
-    def has_cache_pages(self) -> bool:
-        """False only for specs whose layers keep no KV cache pages (encoder-only attention)."""
-        return True
-
-    @property
-    def is_attention(self) -> bool:
-        """Whether the layers are attention layers, served by an attention backend."""
-        return False
+        return self._page_of_tokens(self.block_size)
 
     def get_num_kernel_states(self, kernel_block_size: int) -> int:
         """``N`` for a block of ``kernel_block_size`` tokens."""
@@ -148,9 +119,8 @@ class KVCacheSpec:
         states = Fraction(kernel_block_size) / tps
         if states.denominator != 1:
             raise ValueError(
-                f"block size {kernel_block_size} does not hold a whole number "
-                f"of states at tokens_per_state={tps}; use a block size divisible "
-                f"by {tps}"
+                f"block size {kernel_block_size} does not hold a whole number of states at "
+                f"tokens_per_state={tps}; use a block size divisible by {tps}"
             )
         return int(states)
 
@@ -172,31 +142,24 @@ class KVCacheSpec:
         if self.block_stride_alignment is None:
             return 1
         tokens = math.gcd(self.block_stride_alignment.base, self.block_size)
-        if tokens == self.block_size:
-            return 1
-        return self._page_of_tokens(tokens)
+        return 1 if tokens == self.block_size else self._page_of_tokens(tokens)
+
+    def _page_of_tokens(self, tokens: int) -> int:
+        """Unpadded bytes of a ``tokens``-token block."""
+        return self.num_heads * self.get_num_kernel_states(tokens) * self.state_content_size_bytes
 
     def _check_page_padding(self, element: str) -> None:
-        """``ValueError`` unless ``page_size_padded`` (when set) holds the page in whole elements.
-
-        ``element`` names the unit of ``dtype_alignment`` in the message.
-        """
+        """``ValueError`` unless ``page_size_padded`` (if set) holds the page in whole elements."""
         padded, real, align = self.page_size_padded, self.real_page_size_bytes, self.dtype_alignment
-        if padded is None:
-            return
         name = type(self).__name__
-        if padded < real:
+        if padded is not None and padded < real:
             raise ValueError(
                 f"{name}.page_size_padded={padded} is smaller than the page it pads "
                 f"({real} bytes); pass at least {real} or None"
             )
-        if padded % align:
+        if padded is not None and padded % align:
             raise ValueError(
                 f"{name}.page_size_padded={padded} is not a multiple of {element}, so "
                 f"blocks after the first would start mid-element; pass a multiple of "
                 f"{align} (e.g. {-(-padded // align) * align}) or None"
             )
-
-    def _page_of_tokens(self, tokens: int) -> int:
-        """Unpadded bytes of a ``tokens``-token block."""
-        return self.num_heads * self.get_num_kernel_states(tokens) * self.state_content_size_bytes

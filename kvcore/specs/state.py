@@ -8,13 +8,8 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore._validate import (
-    as_int,
-    attrs_optional_positive,
-    positive_int,
-)
-
-from kvcore.specs.base import KVCacheSpec, check_cache_dtype
+from kvcore._validate import as_int, attrs_optional_positive, positive_int
+from kvcore.specs.base import KVCacheSpec, check_cache_dtype, padded_page_size
 
 
 def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
@@ -22,8 +17,8 @@ def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
         shapes = [tuple(shape) for shape in value]
     except TypeError:
         raise TypeError(
-            f"MambaSpec.shapes must be a sequence of shapes (e.g. [(4, 128), (8, 64)]), "
-            f"got {value!r}"
+            "MambaSpec.shapes must be a sequence of shapes (e.g. [(4, 128), (8, 64)]), got "
+            f"{value!r}"
         ) from None
     return tuple(
         tuple(as_int(f"MambaSpec.shapes[{i}] dim", d) for d in shape)
@@ -70,9 +65,7 @@ class MambaSpec(KVCacheSpec):
                 raise ValueError(f"{name}: state shape {shape} has a non-positive dim")
         self._check_page_padding(f"{self.dtype_alignment} bytes (its largest state element)")
 
-    @property
-    def tokens_per_state(self) -> int:
-        return -1
+    page_size_bytes = property(padded_page_size)
 
     @property
     def state_bytes(self) -> tuple[int, ...]:
@@ -84,14 +77,7 @@ class MambaSpec(KVCacheSpec):
         return sum(self.state_bytes)
 
     @property
-    def page_size_bytes(self) -> int:
-        if self.page_size_padded is not None:
-            return self.page_size_padded
-        return self.real_page_size_bytes
-
-    @property
     def dtype_alignment(self) -> int:
-        """The largest element size among the states (each state must stay aligned)."""
         return max(d.itemsize for d in self.dtypes)
 
     @property
@@ -111,12 +97,9 @@ class MambaSpec(KVCacheSpec):
         stride) divisible by its element size, else ``ValueError``.
         """
         if not isinstance(view, torch.Tensor) or view.dim() != 4 or view.shape[1:3] != (1, 1):
-            raise ValueError(
-                f"split_states needs a [B, 1, 1, C] layer view, got "
-                f"{tuple(view.shape) if isinstance(view, torch.Tensor) else view!r}"
-            )
-        raw = view.view(torch.int8) if view.dtype != torch.int8 else view
-        raw = raw[:, 0, 0, :]
+            shown = tuple(view.shape) if isinstance(view, torch.Tensor) else repr(view)
+            raise ValueError(f"split_states needs a [B, 1, 1, C] layer view, got {shown}")
+        raw = view.view(torch.int8)[:, 0, 0, :]
         if raw.shape[1] != self.state_content_size_bytes:
             raise ValueError(
                 f"the view holds {raw.shape[1]} bytes per block, this spec's states "
@@ -131,7 +114,6 @@ class MambaSpec(KVCacheSpec):
                     f"{raw.stride(0)}, not multiples of {dtype.itemsize}; order the "
                     "states by decreasing element size or pad the page"
                 )
-            part = raw[:, start : start + nbytes].view(dtype)
-            out.append(part.reshape(raw.shape[0], *shape))
+            out.append(raw[:, start : start + nbytes].view(dtype).reshape(raw.shape[0], *shape))
             start += nbytes
         return out

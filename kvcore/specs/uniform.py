@@ -4,11 +4,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from fractions import Fraction
 from typing import Any
 
 import attrs
-
 
 from kvcore.specs.base import KVCacheSpec
 
@@ -23,14 +21,9 @@ def _spec_mapping(value: Any) -> dict[str, KVCacheSpec]:
 
 @attrs.frozen
 class UniformTypeKVCacheSpecs(KVCacheSpec):
-    """One KV cache group whose layers differ in shape but share one spec type.
+    """One KV cache group of layers of one spec type but different shapes (page: their sum)."""
 
-    The page of the group is the sum of its layers' pages.
-    """
-
-    kv_cache_specs: dict[str, KVCacheSpec] = attrs.field(
-        converter=_spec_mapping, hash=False
-    )
+    kv_cache_specs: dict[str, KVCacheSpec] = attrs.field(converter=_spec_mapping, hash=False)
 
     def __attrs_post_init__(self) -> None:
         if not self.kv_cache_specs:
@@ -42,10 +35,8 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
                 )
         kinds = {type(s) for s in self.kv_cache_specs.values()}
         if len(kinds) != 1:
-            raise ValueError(
-                "UniformTypeKVCacheSpecs needs layers of one spec type, got "
-                + ", ".join(sorted(k.__name__ for k in kinds))
-            )
+            names = ", ".join(sorted(k.__name__ for k in kinds))
+            raise ValueError(f"UniformTypeKVCacheSpecs needs layers of one spec type, got {names}")
         for name, spec in self.kv_cache_specs.items():
             if spec.block_size != self.block_size:
                 raise ValueError(
@@ -61,24 +52,21 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         )
 
     @classmethod
-    def from_specs(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
+    def from_specs(
+        cls, kv_cache_specs: Mapping[str, KVCacheSpec]
+    ) -> UniformTypeKVCacheSpecs | None:
         """Group ``kv_cache_specs`` when they share one type and block size, else None."""
         if not cls.is_uniform_type(kv_cache_specs):
             return None
-        block_size = next(iter(kv_cache_specs.values())).block_size
-        return cls(block_size, kv_cache_specs)
+        return cls(next(iter(kv_cache_specs.values())).block_size, kv_cache_specs)
 
     @property
-    def tokens_per_state(self) -> int | Fraction:
-        return next(iter(self.kv_cache_specs.values())).tokens_per_state
+    def _first(self) -> KVCacheSpec:
+        return next(iter(self.kv_cache_specs.values()))
 
-    @property
-    def has_cache_pages(self) -> bool:
-        return next(iter(self.kv_cache_specs.values())).has_cache_pages
-
-    @property
-    def is_attention(self) -> bool:
-        return next(iter(self.kv_cache_specs.values())).is_attention
+    tokens_per_state = property(lambda self: self._first.tokens_per_state)
+    has_cache_pages = property(lambda self: self._first.has_cache_pages)
+    is_attention = property(lambda self: self._first.is_attention)
 
     @property
     def page_size_bytes(self) -> int:
@@ -88,18 +76,12 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     def dtype_alignment(self) -> int:
         return math.lcm(*(s.dtype_alignment for s in self.kv_cache_specs.values()))
 
-    @property
-    def real_page_size_bytes(self) -> int:
-        return sum(s.real_page_size_bytes for s in self.kv_cache_specs.values())
-
     def _page_of_tokens(self, tokens: int) -> int:
         return sum(s._page_of_tokens(tokens) for s in self.kv_cache_specs.values())
 
     def copy_with_new_block_size(self, block_size: int) -> UniformTypeKVCacheSpecs:
-        return UniformTypeKVCacheSpecs(
-            block_size,
-            {n: s.copy_with_new_block_size(block_size) for n, s in self.kv_cache_specs.items()},
-        )
+        specs = {n: s.copy_with_new_block_size(block_size) for n, s in self.kv_cache_specs.items()}
+        return UniformTypeKVCacheSpecs(block_size, specs)
 
     def max_num_blocks_per_req(self, max_model_len: int) -> int:
         return max(s.max_num_blocks_per_req(max_model_len) for s in self.kv_cache_specs.values())
