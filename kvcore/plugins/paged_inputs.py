@@ -9,7 +9,8 @@ unless ``validate=`` or ``KVCORE_DEBUG_CHECKS`` says otherwise.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Callable, Collection
+from typing import Any
 
 import torch
 
@@ -34,6 +35,34 @@ def value_checks(
 def step_checks(debug_checks: bool | None, device: torch.device) -> bool:
     """Whether ``forward`` runs the value checks, from the metadata's ``debug_checks``."""
     return device.type == "cpu" if debug_checks is None else debug_checks
+
+
+def write_then_attend(write_kv: Callable[..., None], paged_attention: Callable[..., torch.Tensor],
+                      query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                      kv_cache_view: torch.Tensor, metadata: Any, *, head_size: int, scale: float,
+                      sliding_window: int | None = None, out: torch.Tensor | None = None,
+                      **kernel_options: Any) -> torch.Tensor:
+    """The ``forward`` of a backend made of two kernels: store, then attend.
+
+    ``write_kv(view, key, value, slot_mapping, head_size, *, validate)`` stores this step's K/V;
+    ``paged_attention(query, view, block_table, query_start_loc, seq_lens, *, head_size, scale,
+    sliding_window, head_size_v, out, max_query_len, max_seq_len, validate, **kernel_options)``
+    attends over :class:`CommonAttentionMetadata`'s kernel block table. Rows past
+    ``num_actual_tokens`` are padding; value checks follow ``metadata.debug_checks`` only (this
+    runs per layer: never the environment, no device sync on GPUs by default).
+    """
+    n = metadata.num_actual_tokens
+    validate = step_checks(metadata.debug_checks, kv_cache_view.device)
+    write_kv(
+        kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size, validate=validate
+    )
+    return paged_attention(
+        query[:n], kv_cache_view, metadata.block_table_tensor, metadata.query_start_loc,
+        metadata.seq_lens, head_size=head_size, scale=scale, sliding_window=sliding_window,
+        head_size_v=value.shape[-1], out=None if out is None else out[:n],
+        max_query_len=metadata.max_query_len, max_seq_len=metadata.max_seq_len, validate=validate,
+        **kernel_options,
+    )
 
 
 def check_cache_view(

@@ -7,7 +7,7 @@ from typing import ClassVar
 import torch
 
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
-from kvcore.plugins.paged_inputs import step_checks
+from kvcore.plugins.paged_inputs import write_then_attend
 from kvcore_triton.attention import KernelConfig, paged_attention
 from kvcore_triton.store import write_kv
 
@@ -47,23 +47,7 @@ class TritonAttentionBackend(AttentionBackend):
         here synchronizes the device and a whole step can be captured in a
         CUDA graph.
         """
-        n = metadata.num_actual_tokens
-        # NOTE: the metadata's switch, never the environment (this runs per layer).
-        validate = step_checks(metadata.debug_checks, kv_cache_view.device)
-        write_kv(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size, validate=validate)
-        return paged_attention(
-            query[:n],
-            kv_cache_view,
-            metadata.block_table_tensor,
-            metadata.query_start_loc,
-            metadata.seq_lens,
-            head_size=head_size,
-            scale=scale,
-            sliding_window=sliding_window,
-            head_size_v=value.shape[-1],
-            out=None if out is None else out[:n],
-            max_query_len=metadata.max_query_len,
-            max_seq_len=metadata.max_seq_len,
-            validate=validate,
-            config=config,
+        return write_then_attend(
+            write_kv, paged_attention, query, key, value, kv_cache_view, metadata,
+            head_size=head_size, scale=scale, sliding_window=sliding_window, out=out, config=config,
         )
