@@ -193,14 +193,11 @@ def test_rebound_mixers_point_at_the_caches_new_views(models):
 
 
 def test_the_gpu_warm_up_pass_leaves_every_state_slot_untouched(models, references):
-    from kvcore.hf.defaults import warm_prefill
-
     prompts, expected = references
     engine = make_engine(models["bamba"])
     fill_stale(engine)
     before = {n: v.clone() for n, v in engine.kv.kv_caches.items()}
-    with engine.serving(), engine.mixers.scratch():
-        warm_prefill(engine.model, engine.kv, engine._layers)
+    engine._warm_prefill()
     assert all(torch.equal(v, before[n]) for n, v in engine.kv.kv_caches.items())
     assert engine.mixers.step is None
     assert engine.generate(prompts, MAX_NEW) == expected["bamba"]

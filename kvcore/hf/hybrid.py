@@ -123,11 +123,18 @@ def mixer_spec(config: Any, dtype: torch.dtype, block_size: int) -> MambaSpec:
     return MambaSpec(block_size, [(heads, head_dim, d_state), (conv_dim, kernel)], [recurrent_dtype, dtype])
 
 
-def hybrid_layer_roles(config: Any, layer_types: list[str]) -> list[tuple[str | None, str | None]]:
+def hybrid_layer_roles(config: Any) -> list[tuple[str | None, str | None]]:
     """Per decoder layer of hybrid ``config``: ``(attention module path, mixer module path)``, None where absent."""
     family = HYBRID_FAMILIES[config.model_type]
+    num_layers = positive_int("config.num_hidden_layers", getattr(config, "num_hidden_layers", None))
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    if types is None or len(types) != num_layers:
+        raise ValueError(
+            f"this {config.model_type} config lists {None if types is None else len(types)} layer types for "
+            f"{num_layers} layers; give config.layer_types one entry per layer"
+        )
     roles: list[tuple[str | None, str | None]] = []
-    for i, layer_type in enumerate(layer_types):
+    for i, layer_type in enumerate(types):
         attention = f"model.layers.{i}.{family.attention}"
         mixer = f"model.layers.{i}.{family.mixer}"
         if layer_type in MIXER_LAYER_TYPES:
@@ -146,13 +153,25 @@ def hybrid_layer_roles(config: Any, layer_types: list[str]) -> list[tuple[str | 
     return roles
 
 
-def hybrid_layer_types(config: Any) -> list[str]:
-    """``config``'s per-layer types (``layer_types``, else ``layers_block_type``), one per decoder layer."""
-    num_layers = positive_int("config.num_hidden_layers", getattr(config, "num_hidden_layers", None))
-    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
-    if types is None or len(types) != num_layers:
+def check_hybrid_options(
+    config: Any, num_attention: int, prefix_caching: bool, tp_size: int, cuda_graphs: bool | None
+) -> None:
+    """Refuse what a hybrid model cannot be served with."""
+    kind = config.model_type
+    if num_attention == 0:
         raise ValueError(
-            f"this {config.model_type} config lists {None if types is None else len(types)} layer types for "
-            f"{num_layers} layers; give config.layer_types one entry per layer"
+            f"this {kind!r} config has mixer layers only; kvcore.hf serves hybrids with at least one "
+            "attention layer (set the config's layer types)"
         )
-    return list(types)
+    if prefix_caching:
+        raise ValueError(
+            f"prefix caching cannot serve the hybrid {kind!r}: its mixer states are kept per sequence, not per "
+            "block, so no cached block names the state after a prefix; pass enable_prefix_caching=False"
+        )
+    if tp_size > 1:
+        raise ValueError(f"kvcore.hf serves the hybrid {kind!r} on one device only; its mixer states are not sharded")
+    if cuda_graphs:
+        raise ValueError(
+            f"CUDA graphs cannot capture the hybrid {kind!r}: its mixers run per request with shapes that "
+            "change every step; pass cuda_graphs=False (or None)"
+        )

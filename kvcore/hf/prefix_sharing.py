@@ -11,26 +11,28 @@ hashes, generated tokens included.
 
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
-from kvcore.hf.groups import GroupInfo
-from kvcore.hf.requests import Request
+from kvcore.hf.requests import GroupInfo, Request
 
 
 class PrefixSharing:
     """Per-request hit lookup and block recording over the prefix cache of a caching :class:`~kvcore.BlockPool`."""
 
-    def __init__(self, pool: BlockPool, groups: list[GroupInfo], tables: list[np.ndarray]) -> None:
+    def __init__(
+        self, pool: BlockPool, groups: list[GroupInfo], tables: list[np.ndarray], counts: collections.Counter[str]
+    ) -> None:
         if not pool.enable_caching:
             raise ValueError("prefix caching needs a BlockPool built with enable_caching=True")
         self.pool = pool
         self.groups = groups
         #: The scheduler's block tables (one row per running request and group).
         self.tables = tables
-        self.hits = 0
-        self.hit_tokens = 0
+        self.counts = counts
 
     def _hashes(self, request: Request, block_size: int, num_blocks: int) -> list[bytes]:
         """The first ``num_blocks`` chained hashes of ``request``'s tokens (kept on the request)."""
@@ -72,8 +74,8 @@ class PrefixSharing:
             request.num_blocks[i] = request.num_cached_blocks[i] = len(ids)
             request.window_start[i] = next((j for j, b in enumerate(ids) if b), len(ids))
         request.num_computed = tokens
-        self.hits += 1
-        self.hit_tokens += tokens
+        self.counts["prefix_cache_hits"] += 1
+        self.counts["prefix_cache_hit_tokens"] += tokens
 
     def cache_full_blocks(self, request: Request) -> None:
         """Record the blocks of ``request`` that the last step filled."""

@@ -18,21 +18,12 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-import attrs
 import numpy as np
 
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.hf.groups import GroupInfo
 from kvcore.hf.prefix_sharing import PrefixSharing
-from kvcore.hf.requests import Request
-
-
-@attrs.define
-class SchedulerCounters:
-    blocks_allocated: int = 0
-    preemptions: int = 0
-    window_freed_blocks: int = 0
+from kvcore.hf.requests import GroupInfo, Request
 
 
 class Scheduler:
@@ -46,7 +37,8 @@ class Scheduler:
         self.max_model_len = kv.max_model_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.counters = SchedulerCounters()
+        #: Counts by :class:`~kvcore.hf.EngineStats` field (blocks, preemptions, prefix hits; the engine's too).
+        self.counts: collections.Counter[str] = collections.Counter()
         #: ``grow(k)``: try to add at least ``k`` free blocks (an elastic cache); True when it did.
         self.grow: Callable[[int], bool] | None = None
         # NOTE: the one home of every running request's block ids: per group, one row per request
@@ -56,7 +48,7 @@ class Scheduler:
             np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), dtype=np.int32) for g in self.groups
         ]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self.prefix = PrefixSharing(self.pool, self.groups, self.tables) if prefix_caching else None
+        self.prefix = PrefixSharing(self.pool, self.groups, self.tables, self.counts) if prefix_caching else None
 
     def _width(self, group: GroupInfo, num_blocks: int) -> int:
         """Block-table columns one request may index in ``group``.
@@ -147,7 +139,7 @@ class Scheduler:
                 held = request.num_blocks[g]
                 self.tables[g][request.row, held : held + need] = self.pool.allocate(need)
                 request.num_blocks[g] += need
-                self.counters.blocks_allocated += need
+                self.counts["blocks_allocated"] += need
         return True
 
     def _drop_out_of_window(self, request: Request, g: int, first_visible: int) -> None:
@@ -163,7 +155,7 @@ class Scheduler:
         request.window_start[g] = end
         if gone:
             self.pool.free(gone)
-            self.counters.window_freed_blocks += len(gone)
+            self.counts["window_freed_blocks"] += len(gone)
 
     def _release(self, request: Request) -> None:
         """Free every block of ``request`` (last block first) and its row."""
@@ -181,7 +173,7 @@ class Scheduler:
         self._release(request)
         request.reset(len(self.groups))
         self.waiting.appendleft(request)
-        self.counters.preemptions += 1
+        self.counts["preemptions"] += 1
 
     # -- after the step ----------------------------------------------------------------------
 
