@@ -18,7 +18,6 @@ from typing import Any
 import torch
 
 from kvcore._validate import positive_int
-from kvcore.distributed import shard_spec
 from kvcore.errors import KVCoreError
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
@@ -32,7 +31,7 @@ from kvcore.hf.scheduler import Scheduler
 from kvcore.hf.specs import check_model, layer_specs
 from kvcore.hf.stats import PHASES, EngineStats
 from kvcore.hf.step import Step, StepBuilder
-from kvcore.hf.tp import resolve_tp
+from kvcore.hf.tp import resolve_tp, shard_specs
 
 
 class Engine:
@@ -82,9 +81,7 @@ class Engine:
         self.max_model_len = positive_int("config.max_position_embeddings", config.max_position_embeddings)
         tp_rank, tp_size = resolve_tp(model, group)
         settings = resolve_defaults(
-            lambda size: {
-                n: shard_spec(s, tp_rank, tp_size) for n, s in layer_specs(config, model.dtype, size).items()
-            },
+            lambda size: shard_specs(layer_specs(config, model.dtype, size), tp_rank, tp_size),
             self.device, backend, None if block_size is None else positive_int("block_size", block_size),
             max_num_batched_tokens,
         )

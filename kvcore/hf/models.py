@@ -17,6 +17,8 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
+from kvcore.hf.tp import load_tp_model
+
 _MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8,
            "mamba_chunk_size": 16, "mamba_expand": 2}
 
@@ -100,9 +102,4 @@ def random_model(
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str = "cpu") -> Any:
     """A local checkpoint directory (``from_pretrained`` with local files only)."""
-    if not os.path.isdir(path):
-        raise ValueError(f"model path {str(path)!r} is not a directory; pass a local checkpoint directory")
-    kwargs: dict[str, Any] = {"local_files_only": True, "attn_implementation": "sdpa"}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+    return load_tp_model(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()

@@ -46,14 +46,11 @@ class GroupInfo:
 
 @attrs.define(eq=False)
 class Request:
-    """One prompt being served: its tokens so far and how many blocks it holds in every KV cache group.
+    """One prompt being served: its tokens (prompt, then generated) and its blocks per KV cache group.
 
-    ``tokens`` holds the prompt followed by the generated tokens;
-    ``num_computed`` counts the leading tokens whose K/V are in the cache.
-    The block ids themselves live in one place, the request's ``row`` of the
-    scheduler's block tables (``Scheduler.blocks``), while it runs (-1
-    otherwise): ``num_blocks[g]`` leading entries of group ``g``'s row (0, the
-    null block, where a sliding window dropped a block).
+    ``num_computed`` leading tokens have their K/V in the cache. The block ids live in the request's
+    ``row`` of the scheduler's tables while it runs (-1 otherwise): ``num_blocks[g]`` leading entries
+    of group ``g``'s row (0, the null block, where a sliding window dropped a block).
     """
 
     req_id: int

@@ -1,16 +1,12 @@
 """Continuous batching: which requests run this step, with how many tokens, in which blocks.
 
-Each step has a token budget. Running requests come first, oldest first: a
-decoding request takes one token, a prefilling one the next chunk of its
-prompt. Waiting requests are then admitted while the budget, ``max_num_seqs``
-and the free blocks last. Blocks are allocated per KV cache group as a
-request grows; a sliding-window group hands back blocks no query can see
-any more. When the pool runs dry, the newest running request is preempted:
-its blocks are freed and it is recomputed later from its tokens (greedy
-decoding makes the result identical). A request that could never fit alone
-is refused when it is added, so the oldest request can always progress.
-A state group (a hybrid's mixer states) holds one block per request, its
-state slot, taken at admission and freed with the request's other blocks.
+Each step has a token budget: running requests first, oldest first (a decode takes one token, a
+prefill the next chunk of its prompt), then waiting ones while the budget, ``max_num_seqs`` and
+the free blocks last. Blocks are allocated per KV cache group as a request grows; a sliding-window
+group hands back blocks no query can see any more; a state group holds one block per request (its
+state slot). When the pool runs dry, the newest running request is preempted and recomputed later
+(greedy decoding makes the result identical). A request that could never fit alone is refused
+when it is added, so the oldest request can always progress.
 """
 
 from __future__ import annotations
@@ -42,25 +38,22 @@ class Scheduler:
         #: ``grow(k)``: try to add at least ``k`` free blocks (an elastic cache); True when it did.
         self.grow: Callable[[int], bool] | None = None
         # NOTE: the one home of every running request's block ids: per group, one row per request
-        # (``Request.row``; 0 past its ``num_blocks``), which the batch builder slices per step.
-        # NOTE: an elastic cache may grow to kv.max_num_blocks: rows are sized for that.
-        self.tables = [
-            np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), dtype=np.int32) for g in self.groups
-        ]
+        # (``Request.row``; 0 past its ``num_blocks``), sized for an elastic cache's largest pool.
+        self.tables = [np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), np.int32) for g in self.groups]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         self.prefix = PrefixSharing(self.pool, self.groups, self.tables, self.counts) if prefix_caching else None
 
     def _width(self, group: GroupInfo, num_blocks: int) -> int:
         """Block-table columns one request may index in ``group``.
 
-        A full-attention request never holds more blocks than the pool; a
-        sliding-window one indexes block ``position // block_size`` up to the
-        model's length although it holds only the window's blocks.
+        NOTE: a sliding-window request indexes block ``position // block_size`` up to the model's
+        length although it holds only the window's blocks; a full-attention one holds at most the pool.
         """
         if group.state:
             return 1
-        tokens = self.max_model_len if group.sliding_window is not None else min(
-            self.max_model_len, num_blocks * group.block_size)
+        tokens = self.max_model_len
+        if group.sliding_window is None:
+            tokens = min(tokens, num_blocks * group.block_size)
         return -(-tokens // group.block_size)
 
     def blocks(self, request: Request, g: int) -> np.ndarray:
@@ -85,23 +78,18 @@ class Scheduler:
         """This step's requests and token counts (running first, then admitted ones)."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
-        preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        preemptions = self.counts["preemptions"]
+        for request in list(self.running):
+            if budget == 0 or request.row < 0:  # NOTE: row -1: preempted for an older request
+                break
             n = min(request.num_new_tokens, budget)
-            while not self._grow(request, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            else:
-                batch.append((request, n))
-                budget -= n
-                index += 1
-                continue
-            break
+            while request.row >= 0 and not self._grow(request, n):
+                self._preempt(self.running.pop())
+            if request.row < 0:
+                break
+            batch.append((request, n))
+            budget -= n
+        preempted = self.counts["preemptions"] > preemptions
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             request.row = self._free_rows.pop()
@@ -110,7 +98,6 @@ class Scheduler:
             n = min(request.num_new_tokens, budget)
             if not self._grow(request, n):
                 self._release(request)
-                request.reset(len(self.groups))
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -158,20 +145,18 @@ class Scheduler:
             self.counts["window_freed_blocks"] += len(gone)
 
     def _release(self, request: Request) -> None:
-        """Free every block of ``request`` (last block first) and its row."""
-        if request.row < 0:
-            return
-        for g, rows in enumerate(self.tables):
-            held = [b for b in reversed(self.blocks(request, g).tolist()) if b]
-            if held:
-                self.pool.free(held)
-            rows[request.row] = 0
-        self._free_rows.append(request.row)
-        request.row = -1
+        """Free every block of ``request`` (last block first) and its row; it would start afresh."""
+        if request.row >= 0:
+            for g, rows in enumerate(self.tables):
+                held = [b for b in reversed(self.blocks(request, g).tolist()) if b]
+                if held:
+                    self.pool.free(held)
+                rows[request.row] = 0
+            self._free_rows.append(request.row)
+        request.reset(len(self.groups))
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
-        request.reset(len(self.groups))
         self.waiting.appendleft(request)
         self.counts["preemptions"] += 1
 
@@ -189,7 +174,6 @@ class Scheduler:
         requests = [*self.running, *self.waiting]
         for request in requests:
             self._release(request)
-            request.reset(len(self.groups))
         self.running.clear()
         self.waiting.clear()
         return len(requests)
