@@ -1,12 +1,9 @@
 """What ``kvcore.hf.Engine`` serves with when the caller does not say: backend, block size, step budget.
 
-``backend="auto"`` resolves per layer spec to :func:`kvcore.select_backend`'s
-pick for the model's device (CPU: the torch reference; CUDA: the
-highest-priority backend whose requirements admit the spec). The block size
-defaults to what the first layer's backend prefers (the first explicit size
-of its ``kvcore_supported_kernel_block_sizes`` answer; 16 when it states
-none) and the tokens per step to 4,096 on a GPU and 2,048 elsewhere (the
-budget ``kvcore bench hf`` measured fastest with on the H200).
+``backend="auto"`` is :func:`kvcore.select_backend`'s pick per layer spec for the model's device.
+The block size defaults to the first attention layer's backend's preference (16 when it states
+none), grown for a hybrid until an attention page holds a state page; the tokens per step to 4,096
+on a GPU and 2,048 elsewhere (the budget ``kvcore bench hf`` measured fastest with on the H200).
 """
 
 from __future__ import annotations
@@ -69,11 +66,9 @@ def resolve(
 def _state_page_multiple(specs: Mapping[str, KVCacheSpec], attention: Mapping[str, KVCacheSpec]) -> int:
     """How many times the attention block must grow so its page holds a state page (1: no state caches).
 
-    A hybrid's pages are unified to the largest (SPEC §6). A state page (a whole
-    Mamba state) is usually many attention pages, and padding every attention
-    page up to it would waste most of the cache; larger attention blocks whose
-    page reaches the state page waste at most one attention page per state page.
-    A state page under two attention pages is left to the planner's padding.
+    A hybrid's pages are unified to the largest (SPEC §6): padding every attention page up to a
+    whole Mamba state would waste most of the cache, larger attention blocks at most one attention
+    page per state page.
     """
     states = [s.real_page_size_bytes for s in specs.values() if not s.is_attention and s.has_cache_pages]
     pages = [s.real_page_size_bytes for s in attention.values()]

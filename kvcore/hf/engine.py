@@ -225,7 +225,16 @@ class Engine:
         """Step until every queued request is done; returns the tokens of those finished meanwhile, by id."""
         with self.serving():
             while self.scheduler.has_work:
-                self._step()
+                try:
+                    self._step()
+                except BaseException:
+                    # NOTE: a step that raised may have written part of its K/V and mixer states;
+                    # no request can resume from that, so every queued one is dropped with its blocks.
+                    self.scheduler.abort_all()
+                    self._done = {}
+                    if self.mixers is not None:
+                        self.mixers.step = None
+                    raise
         done, self._done = self._done, {}
         return done
 
@@ -245,24 +254,7 @@ class Engine:
 
     # -- one step ----------------------------------------------------------------------------
 
-    def step(self) -> int:
-        """Run one step (inside :meth:`serving` when called in a loop); returns the tokens it computed."""
-        with self.serving():
-            return self._step()
-
-    def _step(self) -> int:
-        try:
-            return self._run_step()
-        except BaseException:
-            # NOTE: a step that raised may have written part of its K/V and mixer states; no
-            # request can resume from that, so every queued one is dropped with its blocks.
-            self.scheduler.abort_all()
-            self._done = {}
-            if self.mixers is not None:
-                self.mixers.step = None
-            raise
-
-    def _run_step(self) -> int:
+    def _step(self) -> None:
         counts, clock = self.counts, self._clock
         t0 = clock()
         batch = self.scheduler.schedule()
@@ -301,7 +293,6 @@ class Engine:
                 counts["requests_finished"] += 1
         for phase, seconds in zip(PHASES, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4)):
             counts[f"{phase}_s"] += seconds
-        return sum(n for _, n in batch)
 
     def _clock(self) -> float:
         if self.sync_timing and self.device.type == "cuda":
@@ -327,7 +318,7 @@ class Engine:
 
 
 def _modules(model: torch.nn.Module, names: list[str]) -> dict[str, torch.nn.Module]:
-    """The modules of ``model`` that hold a KV cache or a state, by path; sinks are refused."""
+    """The modules of ``model`` that hold a KV cache or a state, by path."""
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules]
     if missing:
@@ -335,7 +326,4 @@ def _modules(model: torch.nn.Module, names: list[str]) -> dict[str, torch.nn.Mod
             f"{type(model).__name__} has no attention modules {missing[:2]}...; pass the "
             "*ForCausalLM model (its decoder layers are model.layers.<i>)"
         )
-    sinks = [n for n in names if getattr(modules[n], "sinks", None) is not None]
-    if sinks:
-        raise ValueError(f"{sinks[0]} has attention sinks, which no kvcore backend implements")
     return {n: modules[n] for n in names}

@@ -1,11 +1,8 @@
 """Models to serve: small random-weight ones built from configs, or a local checkpoint.
 
-The random models are for tests, demos and benchmarks (no download). Their
-output embeddings are scaled so that logits are peaky: the greedy token then
-wins by a wide margin, and float rounding that differs between two exact
-attention implementations cannot flip it. Weights are drawn wider than
-transformers' default initializer so that attention, not only the last
-token, decides the next token.
+The random models (tests, demos, benchmarks; no download) have peaky logits, so that float
+rounding that differs between two exact attention implementations cannot flip a greedy token,
+and weights drawn wider than transformers' default so that attention decides the next token.
 """
 
 from __future__ import annotations

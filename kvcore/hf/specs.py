@@ -70,7 +70,7 @@ def check_model(model: Any) -> None:
             f"{model_type!r}, whose modeling code kvcore has not verified token for token"
         )
     if not is_hybrid(config):
-        chunked = [i for i, (kind, _) in enumerate(layer_kinds(config)) if kind == "chunked"]
+        chunked = [i for i, t in enumerate(_layer_types(config)) if t == "chunked_attention"]
         if chunked:
             raise ValueError(
                 f"model.layers.{chunked[0]}.self_attn uses chunked local attention, which no kvcore backend "
@@ -78,35 +78,19 @@ def check_model(model: Any) -> None:
             )
 
 
-def layer_kinds(config: Any) -> list[tuple[str, int | None]]:
-    """Per decoder layer: ``("full", None)``, ``("sliding", window)`` or ``("chunked", chunk)``."""
+def _layer_types(config: Any) -> list[str]:
+    """``config.layer_types``; without them (Llama, Mistral) one type, window or chunk if any, for every layer."""
     num_layers = positive_int("config.num_hidden_layers", getattr(config, "num_hidden_layers", None))
-    window = getattr(config, "sliding_window", None)
-    chunk = getattr(config, "attention_chunk_size", None)
     types = getattr(config, "layer_types", None)
     if types is None:
-        # NOTE: configs without layer_types (Llama, Mistral) apply their window, if any, to every layer.
+        chunk, window = getattr(config, "attention_chunk_size", None), getattr(config, "sliding_window", None)
         types = ["chunked_attention" if chunk else "sliding_attention" if window else "full_attention"] * num_layers
     if len(types) != num_layers:
         raise ValueError(
             f"config.layer_types lists {len(types)} layers but num_hidden_layers={num_layers}; "
             "give one type per layer"
         )
-    kinds: list[tuple[str, int | None]] = []
-    for i, layer_type in enumerate(types):
-        if layer_type == "full_attention":
-            kinds.append(("full", None))
-        elif layer_type == "sliding_attention" and window:
-            kinds.append(("sliding", positive_int("config.sliding_window", window)))
-        elif layer_type == "chunked_attention" and chunk:
-            kinds.append(("chunked", positive_int("config.attention_chunk_size", chunk)))
-        else:
-            raise ValueError(
-                f"layer {i} is {layer_type!r} but the config sets no "
-                f"{'sliding_window' if layer_type == 'sliding_attention' else 'attention_chunk_size'}; "
-                "set it or change config.layer_types"
-            )
-    return kinds
+    return list(types)
 
 
 def specs_from_config(
@@ -135,7 +119,7 @@ def layer_specs(config: Any, dtype: torch.dtype | str | None, block_size: int) -
     num_heads = positive_int("config.num_attention_heads", getattr(config, "num_attention_heads", None))
     kv_heads = positive_int("config.num_key_value_heads", getattr(config, "num_key_value_heads", None) or num_heads)
     head_dim = positive_int("head_dim", getattr(config, "head_dim", None) or config.hidden_size // num_heads)
-    full = FullAttentionSpec(block_size, kv_heads, head_dim, value)
+    full: KVCacheSpec = FullAttentionSpec(block_size, kv_heads, head_dim, value)
     specs: dict[str, KVCacheSpec] = {}
     if is_hybrid(config):
         state = mixer_spec(config, value, block_size)
@@ -145,12 +129,21 @@ def layer_specs(config: Any, dtype: torch.dtype | str | None, block_size: int) -
             if attention is not None:
                 specs[attention] = full
         return specs
-    for i, (kind, size) in enumerate(layer_kinds(config)):
-        if kind == "sliding":
-            spec: KVCacheSpec = SlidingWindowSpec(block_size, kv_heads, head_dim, value, sliding_window=size)
-        elif kind == "chunked":
-            spec = ChunkedLocalAttentionSpec(block_size, kv_heads, head_dim, value, attention_chunk_size=size)
-        else:
+    window, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
+    for i, layer_type in enumerate(_layer_types(config)):
+        if layer_type == "full_attention":
             spec = full
+        elif layer_type == "sliding_attention" and window:
+            window = positive_int("config.sliding_window", window)
+            spec = SlidingWindowSpec(block_size, kv_heads, head_dim, value, sliding_window=window)
+        elif layer_type == "chunked_attention" and chunk:
+            chunk = positive_int("config.attention_chunk_size", chunk)
+            spec = ChunkedLocalAttentionSpec(block_size, kv_heads, head_dim, value, attention_chunk_size=chunk)
+        else:
+            raise ValueError(
+                f"layer {i} is {layer_type!r} but the config sets no "
+                f"{'sliding_window' if layer_type == 'sliding_attention' else 'attention_chunk_size'}; "
+                "set it or change config.layer_types"
+            )
         specs[f"model.layers.{i}.self_attn"] = spec
     return specs
