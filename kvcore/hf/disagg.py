@@ -23,7 +23,7 @@ from kvcore.hf.requests import Request, check_prompt
 
 if TYPE_CHECKING:
     from kvcore.hf.engine import Engine
-    from kvcore.hf.prefix_sharing import PrefixSharing
+    from kvcore.hf.scheduler import Scheduler
 
 
 @attrs.frozen
@@ -46,19 +46,18 @@ class PrefixBlocks:
         return [b for b in self.block_ids[group_id] if b != NULL_BLOCK_ID]
 
 
-def _prefix_cache(engine: Engine) -> PrefixSharing:
-    prefix = engine.scheduler.prefix
-    if prefix is None:
+def _scheduler(engine: Engine) -> Scheduler:
+    if not engine.scheduler.prefix_caching:
         raise ValueError("prefix hand-off needs an Engine built with enable_prefix_caching=True")
-    return prefix
+    return engine.scheduler
 
 
-def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> PrefixSharing:
+def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> Scheduler:
     """``blocks`` fits ``engine``'s groups (and, when ``held``, names blocks it holds), or ValueError."""
     if not isinstance(blocks, PrefixBlocks):
         raise TypeError(f"expected kvcore.hf.disagg.PrefixBlocks, got {type(blocks).__name__}")
-    prefix = _prefix_cache(engine)
-    groups = prefix.groups
+    scheduler = _scheduler(engine)
+    groups = scheduler.groups
     if len(blocks.block_ids) != len(groups):
         raise ValueError(
             f"the prefix lists blocks of {len(blocks.block_ids)} KV cache groups but this engine has "
@@ -83,7 +82,7 @@ def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> PrefixSharing
             missing = [b for b in ids if b != NULL_BLOCK_ID and not engine.kv.block_pool.is_allocated(b)]
             if missing:
                 raise ValueError(f"group {g}: blocks {missing} are not held by this engine (released already?)")
-    return prefix
+    return scheduler
 
 
 def export_prefix(engine: Engine, prompt: Sequence[int]) -> PrefixBlocks:
@@ -92,9 +91,9 @@ def export_prefix(engine: Engine, prompt: Sequence[int]) -> PrefixBlocks:
     Run the prompt first; the prefix may be empty (a short prompt, or blocks evicted). Call
     :func:`release_prefix` once the blocks' bytes have been read.
     """
-    prefix = _prefix_cache(engine)
+    scheduler = _scheduler(engine)
     tokens = check_prompt(0, prompt, 1, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
-    num_tokens, ids = prefix.lookup(Request(-1, tokens, len(tokens), 1))
+    num_tokens, ids = scheduler.lookup(Request(-1, tokens, len(tokens), 1))
     blocks = PrefixBlocks(tokens[:num_tokens], ids)
     _check(engine, blocks, held=True)
     return blocks
@@ -108,8 +107,8 @@ def reserve_prefix(engine: Engine, like: PrefixBlocks) -> PrefixBlocks:
 
     :raises kvcore.errors.OutOfBlocksError: the pool lacks the blocks; nothing is held.
     """
-    prefix = _check(engine, like, held=False)
-    counts = [len(like.held_ids(g)) for g in range(len(prefix.groups))]
+    scheduler = _check(engine, like, held=False)
+    counts = [len(like.held_ids(g)) for g in range(len(scheduler.groups))]
     fresh = iter(engine.kv.block_pool.allocate(sum(counts)))
     engine.kv.begin_step()
     ids = [[next(fresh) if b != NULL_BLOCK_ID else NULL_BLOCK_ID for b in group] for group in like.block_ids]
@@ -121,10 +120,10 @@ def import_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
 
     They stay cached and evictable; a block of a prefix the engine already caches is just freed.
     """
-    prefix = _check(engine, blocks, held=True)
+    scheduler = _check(engine, blocks, held=True)
     pool = engine.kv.block_pool
     plans = []
-    for g, group in enumerate(prefix.groups):
+    for g, group in enumerate(scheduler.groups):
         hashes = block_hashes(list(blocks.tokens), group.block_size)
         pairs = [(h, b) for h, b in zip(hashes, blocks.block_ids[g]) if b != NULL_BLOCK_ID]
         taken = [b for h, b in pairs if pool.block_hash(b) not in (None, (g, h))]

@@ -7,6 +7,11 @@ group hands back blocks no query can see any more; a state group holds one block
 state slot). When the pool runs dry, the newest running request is preempted and recomputed later
 (greedy decoding makes the result identical). A request that could never fit alone is refused
 when it is added, so the oldest request can always progress.
+
+With prefix caching, a request starts at the longest prefix every group caches (a sliding-window
+group needs only the blocks inside the window), at a boundary of every group's blocks and short
+of the last token (whose logits the step needs); blocks that become full are recorded under their
+chained hashes, generated tokens included.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import numpy as np
 
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.hf.prefix_sharing import PrefixSharing
+from kvcore.runtime.prefix_hash import block_hashes
 from kvcore.hf.requests import GroupInfo, Request
 
 
@@ -41,7 +46,9 @@ class Scheduler:
         # (``Request.row``; 0 past its ``num_blocks``), sized for an elastic cache's largest pool.
         self.tables = [np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), np.int32) for g in self.groups]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self.prefix = PrefixSharing(self.pool, self.groups, self.tables, self.counts) if prefix_caching else None
+        if prefix_caching and not self.pool.enable_caching:
+            raise ValueError("prefix caching needs a BlockPool built with enable_caching=True")
+        self.prefix_caching = prefix_caching
 
     def _width(self, group: GroupInfo, num_blocks: int) -> int:
         """Block-table columns one request may index in ``group``.
@@ -93,8 +100,8 @@ class Scheduler:
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             request.row = self._free_rows.pop()
-            if self.prefix is not None:
-                self.prefix.admit(request)
+            if self.prefix_caching:
+                self._admit_cached(request)
             n = min(request.num_new_tokens, budget)
             if not self._grow(request, n):
                 self._release(request)
@@ -160,14 +167,69 @@ class Scheduler:
         self.waiting.appendleft(request)
         self.counts["preemptions"] += 1
 
+    # -- prefix caching ----------------------------------------------------------------------
+
+    def _hashes(self, request: Request, block_size: int, num_blocks: int) -> list[bytes]:
+        """The first ``num_blocks`` chained hashes of ``request``'s tokens (kept on the request)."""
+        hashes = request.block_hashes.setdefault(block_size, [])
+        if len(hashes) < num_blocks:
+            start = len(hashes) * block_size
+            parent = hashes[-1] if hashes else None
+            hashes.extend(block_hashes(request.tokens[start : num_blocks * block_size], block_size, parent=parent))
+        return hashes[:num_blocks]
+
+    def lookup(self, request: Request) -> tuple[int, list[list[int]]]:
+        """The longest cached prefix of ``request`` short of its last token, and its blocks per group.
+
+        Each returned block gains a reference (the caller holds it).
+        """
+        groups, pool, limit = self.groups, self.pool, request.num_tokens - 1
+        hashes = [self._hashes(request, g.block_size, limit // g.block_size) for g in groups]
+        tokens = pool.find_common_prefix(
+            {i: (h, g.block_size, g.window_blocks) for i, (g, h) in enumerate(zip(groups, hashes))},
+            max_tokens=limit,
+        )
+        ids: list[list[int]] = [[] for _ in groups]
+        for i, (g, h) in enumerate(zip(groups, hashes)):
+            if tokens:
+                ids[i] = pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=g.window_blocks)
+            if len(ids[i]) * g.block_size != tokens:
+                raise RuntimeError(f"group {i}: prefix cache returned {len(ids[i])} blocks for {tokens} tokens")
+        return tokens, ids
+
+    def _admit_cached(self, request: Request) -> None:
+        """Start ``request`` at its longest cached prefix: shared blocks, no prefill for them."""
+        tokens, hit = self.lookup(request)
+        if tokens == 0:
+            return
+        for i, ids in enumerate(hit):
+            self.tables[i][request.row, : len(ids)] = ids
+            request.num_blocks[i] = request.num_cached_blocks[i] = len(ids)
+            request.window_start[i] = next((j for j, b in enumerate(ids) if b), len(ids))
+        request.num_computed = tokens
+        self.counts["prefix_cache_hits"] += 1
+        self.counts["prefix_cache_hit_tokens"] += tokens
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        """Record the blocks of ``request`` that the last step filled."""
+        for i, g in enumerate(self.groups):
+            full, done = request.num_computed // g.block_size, request.num_cached_blocks[i]
+            if full <= done:
+                continue
+            hashes = self._hashes(request, g.block_size, full)[done:full]
+            pairs = [(h, b) for h, b in zip(hashes, self.tables[i][request.row, done:full].tolist()) if b]
+            if pairs:
+                self.pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=i)
+            request.num_cached_blocks[i] = full
+
     # -- after the step ----------------------------------------------------------------------
 
     def finish_step(self, batch: list[tuple[Request, int]]) -> None:
         """Record computed tokens and cache newly full blocks."""
         for request, n in batch:
             request.num_computed += n
-            if self.prefix is not None:
-                self.prefix.cache_full_blocks(request)
+            if self.prefix_caching:
+                self._cache_full_blocks(request)
 
     def abort_all(self) -> int:
         """Drop every queued request (running or waiting) and free all it holds; returns how many."""
