@@ -28,7 +28,7 @@ from kvcore.hf.hybrid import check_hybrid_options
 from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.requests import Request, check_prompt
 from kvcore.hf.scheduler import Scheduler
-from kvcore.hf.specs import check_model, layer_specs
+from kvcore.hf.specs import check_model, layer_specs, model_modules
 from kvcore.hf.stats import PHASES, EngineStats
 from kvcore.hf.step import Step, StepBuilder
 from kvcore.hf.tp import resolve_tp, shard_specs
@@ -91,7 +91,7 @@ class Engine:
         if mixers:
             check_hybrid_options(config, len(attention), enable_prefix_caching, tp_size, cuda_graphs)
             cuda_graphs = False
-        modules = _modules(model, list(specs))
+        modules = model_modules(model, list(specs))
         if num_blocks is None and available_memory is None:
             cuda = self.device.type == "cuda"
             available_memory = int(torch.cuda.mem_get_info(self.device)[0] * 0.9) if cuda else 256 << 20
@@ -161,14 +161,13 @@ class Engine:
     # -- requests --------------------------------------------------------------------------
 
     def _request(self, index: int, prompt: Any, max_new_tokens: Any) -> Request:
-        tokens = check_prompt(index, prompt, max_new_tokens, vocab_size=self.vocab_size,
-                              max_model_len=self.max_model_len)
+        tokens = check_prompt(index, prompt, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
         need, have = self.scheduler.peak_blocks(len(tokens) + max_new_tokens), self.kv.max_num_blocks - 1
         if need > have:
             raise ValueError(
-                f"prompt {index} ({len(tokens)} tokens, max_new_tokens={max_new_tokens}) needs up to "
-                f"{need} KV cache blocks but the whole cache has {have}; plan more blocks "
-                "(num_blocks / available_memory) or shorten the request"
+                f"prompt {index} ({len(tokens)} tokens, max_new_tokens={max_new_tokens}) needs up to {need} KV "
+                f"cache blocks but the whole cache has {have}; plan more blocks (num_blocks / available_memory) "
+                "or shorten the request"
             )
         return Request(self._next_id + index, tokens, len(tokens), max_new_tokens)
 
@@ -316,14 +315,3 @@ class Engine:
         """Counts since construction: steps, tokens, blocks, preemptions, prefix-cache hits, phase times."""
         return EngineStats(**self.counts)
 
-
-def _modules(model: torch.nn.Module, names: list[str]) -> dict[str, torch.nn.Module]:
-    """The modules of ``model`` that hold a KV cache or a state, by path."""
-    modules = dict(model.named_modules())
-    missing = [n for n in names if n not in modules]
-    if missing:
-        raise ValueError(
-            f"{type(model).__name__} has no attention modules {missing[:2]}...; pass the "
-            "*ForCausalLM model (its decoder layers are model.layers.<i>)"
-        )
-    return {n: modules[n] for n in names}

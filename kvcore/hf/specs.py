@@ -78,6 +78,18 @@ def check_model(model: Any) -> None:
             )
 
 
+def model_modules(model: torch.nn.Module, names: list[str]) -> dict[str, torch.nn.Module]:
+    """The modules of ``model`` that hold a KV cache or a state, by path (``ValueError`` if missing)."""
+    modules = dict(model.named_modules())
+    missing = [n for n in names if n not in modules]
+    if missing:
+        raise ValueError(
+            f"{type(model).__name__} has no attention modules {missing[:2]}...; pass the "
+            "*ForCausalLM model (its decoder layers are model.layers.<i>)"
+        )
+    return {n: modules[n] for n in names}
+
+
 def _layer_types(config: Any) -> list[str]:
     """``config.layer_types``; without them (Llama, Mistral) one type, window or chunk if any, for every layer."""
     num_layers = positive_int("config.num_hidden_layers", getattr(config, "num_hidden_layers", None))
