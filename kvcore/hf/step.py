@@ -39,7 +39,6 @@ class Step:
     logits_indices: torch.Tensor = attrs.field(repr=False)
     sampled: list[Request] = attrs.field(repr=False)
     common: list[CommonAttentionMetadata] = attrs.field(repr=False)
-    num_tokens: int
 
 
 class StepBuilder:
@@ -96,7 +95,7 @@ class StepBuilder:
             self._plan_on_host(_unpack(host_long, host_int, *shape)[3])
         input_ids, position_ids, logits_at, common = _unpack(long_t, int_t, *shape)
         sampled = [r for (r, _), s in zip(entries, sampling) if s and r is not None]
-        return Step(input_ids, position_ids, logits_at, sampled, common, num_tokens)
+        return Step(input_ids, position_ids, logits_at, sampled, common)
 
     def _static_buffers(self) -> tuple[torch.Tensor, ...]:
         """Pinned host and device buffers for the largest padded step (one decode token per row)."""
