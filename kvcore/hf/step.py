@@ -9,7 +9,8 @@ nowhere (slot -1).
 ``pad_to`` builds the step a CUDA graph replays: the batch padded with one-token requests
 to a captured size and written into persistent buffers, with full-width block tables and
 ``max_seq_len = max_model_len``, so that every step of one size has one shape and one
-address. A CPU step is built on the host and moved in two copies (int64, int32).
+address. Either way the step is packed on the host with numpy and moved in two copies
+(int64, int32).
 """
 
 from __future__ import annotations
