@@ -74,8 +74,10 @@ class StepBuilder:
         tables, slots = [], []
         for info, table in zip(self.groups, self.tables):
             size = info.block_size
-            width = table.shape[1] if pad_to else min(table.shape[1], -(-max_seq_len // size))
-            rows_table = np.where(real[:, None], table[rows, :width], 0)
+            width = table.shape[1] if pad_to else 1 if info.state else -(-max_seq_len // size)
+            rows_table = np.zeros((num_reqs, width), dtype=np.int32)
+            held = table[rows[real], :width]  # NOTE: padding rows stay 0 (as wide as their length needs)
+            rows_table[real, : held.shape[1]] = held
             column, offset = (0, 0) if info.state else (positions // size, positions % size)
             slot = rows_table[owner, column].astype(np.int64) * size + offset
             tables.append(rows_table)
