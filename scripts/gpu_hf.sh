@@ -23,18 +23,18 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, '|
 '| transformers', transformers.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
 
 step "1. tests/test_cuda_graph_decode.py"
-timeout -k 5 60 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda_graph_decode.py >"$OUT/graph_decode.txt" 2>&1
+timeout -k 5 45 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cuda_graph_decode.py >"$OUT/graph_decode.txt" 2>&1
 rc=$?; tail -2 "$OUT/graph_decode.txt"; verdict $rc "$OUT/graph_decode.txt"
 
 step "2. hf tests on CUDA (interpreter off)"
-timeout -k 5 150 $PY -m pytest -q -rs -p no:cacheprovider tests/test_hf_engine.py tests/test_hf_defaults.py \
+timeout -k 5 125 $PY -m pytest -q -rs -p no:cacheprovider tests/test_hf_engine.py tests/test_hf_defaults.py \
   tests/test_hf_faults.py tests/test_hf_elastic.py tests/test_elastic_gpu.py \
   plugins/kvcore-flashinfer/tests/test_flashinfer_fake.py >"$OUT/hf_tests.txt" 2>&1
 rc=$?; grep -E "^(SKIPPED|FAILED|ERROR)" "$OUT/hf_tests.txt" | head -12; tail -2 "$OUT/hf_tests.txt"
 verdict $rc "$OUT/hf_tests.txt"
 
 step "3. kvcore bench hf: kvcore row only (8 layers, 64 requests; graph_steps must be > 0)"
-timeout -k 5 90 $PY -m kvcore bench hf --backend auto --layers 8 --requests 64 \
+timeout -k 5 65 $PY -m kvcore bench hf --backend auto --layers 8 --requests 64 \
   --skip eager,generate_batch,static,check,profile,prefix --json-out "$OUT/bench_hf.json" >"$OUT/bench_hf.txt" 2>&1
 rc=$?; grep -v -E "Warning|warn\(" "$OUT/bench_hf.txt" | tail -12
 if [ $rc = 0 ]; then
