@@ -161,7 +161,8 @@ class Engine:
     # -- requests --------------------------------------------------------------------------
 
     def _request(self, index: int, prompt: Any, max_new_tokens: Any) -> Request:
-        tokens = check_prompt(index, prompt, max_new_tokens, vocab_size=self.vocab_size, max_model_len=self.max_model_len)
+        tokens = check_prompt(index, prompt, max_new_tokens, vocab_size=self.vocab_size,
+                              max_model_len=self.max_model_len)
         need, have = self.scheduler.peak_blocks(len(tokens) + max_new_tokens), self.kv.max_num_blocks - 1
         if need > have:
             raise ValueError(
