@@ -46,7 +46,13 @@ def test_warm_up_captures_every_missing_size_once(monkeypatch):
     graphs.graphs[2] = object()
     captured = []
     monkeypatch.setattr(graphs, "capture_size", lambda size, forward: captured.append((size, forward())))
-    graphs.capture_all(lambda size: lambda: -size, progress=False)
+
+    class Steps:  # stages the padding-only step of a size
+        def build(self, batch, *, pad_to):
+            assert batch == []
+            return pad_to
+
+    graphs.capture_all(Steps(), lambda step: -step, progress=False)
     assert graphs.sizes == [1, 2, 4, 5] and captured == [(1, -1), (4, -4), (5, -5)]
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -145,13 +145,8 @@ class Engine:
             return
         self._warm_prefill()
         if self.graphs is not None and self.graphs.capture:
-
-            def stage(size: int) -> Callable[[], torch.Tensor]:
-                step = self.steps.build([], pad_to=size)
-                return lambda: self._forward(step)
-
             with self.serving():
-                self.graphs.capture_all(stage, progress=progress)
+                self.graphs.capture_all(self.steps, self._forward, progress=progress)
 
     def _warm_prefill(self, num_tokens: int = 32) -> None:
         """Run one step of a padding request of ``num_tokens`` (reads the null block, writes nothing)."""

@@ -1,7 +1,7 @@
 """CUDA graphs of decode steps: one per padded batch size, all captured when the engine is built.
 
 A decode step (every request computes exactly its last token), padded to a captured
-size by :meth:`StepBuilder.build(pad_to=...) <kvcore.hf.step.StepBuilder.build>`, has one
+size by ``StepBuilder.build(batch, pad_to=size)`` (:mod:`kvcore.hf.step`), has one
 shape and one address per size, so its whole forward (kernel-block table mapping, K/V
 writes, attention, the greedy argmax) is captured once and replayed with no Python in
 between. ``capture=False`` runs the same padded steps eagerly (CPU tests of this path).
@@ -13,6 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from kvcore.hf.step import Step, StepBuilder
 
 #: Backends whose decode steps are captured by default (no host work inside ``forward``).
 GRAPH_BACKENDS = ("triton", "flashinfer")
@@ -56,15 +58,18 @@ class DecodeGraphs:
         self.graphs[size] = graph
         torch.cuda.synchronize(self.device)  # NOTE: the pinned buffers are refilled next
 
-    def capture_all(self, stage: Callable[[int], Callable[[], torch.Tensor]], *, progress: bool = True) -> None:
-        """Capture every size not captured yet; ``stage(size)`` stages its padded step and returns its forward."""
+    def capture_all(
+        self, steps: StepBuilder, forward: Callable[[Step], torch.Tensor], *, progress: bool = True
+    ) -> None:
+        """Capture every size not captured yet, each on a padding-only step that ``steps`` stages."""
         sizes = [s for s in self.sizes if s not in self.graphs]
         if progress and sizes:
             from rich.progress import track
 
             sizes = track(sizes, description="kvcore: capturing decode CUDA graphs", transient=True)
         for size in sizes:
-            self.capture_size(size, stage(size))
+            step = steps.build([], pad_to=size)
+            self.capture_size(size, lambda: forward(step))
 
     def run(self, size: int, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The next token of every row of the staged padded step of ``size``: replayed, or ``forward()``."""
