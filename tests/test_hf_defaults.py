@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.hf.defaults import BATCHED_TOKENS, BLOCK_SIZE, resolve, warm_up
+from kvcore.hf.defaults import BATCHED_TOKENS, BLOCK_SIZE, resolve
 from kvcore.specs import FullAttentionSpec, SlidingWindowSpec
 
 pytest.importorskip("kvcore_triton")
@@ -39,16 +39,21 @@ def test_explicit_values_win():
     assert resolve(_specs, torch.device("cuda"), "flashinfer", None, None).block_size == 16
 
 
-def test_warm_up_captures_every_missing_size_once():
-    class Graphs:
-        sizes, graphs, captured = [1, 2, 4], {2: object()}, []
+def test_warm_up_captures_every_missing_size_once(monkeypatch):
+    from kvcore.hf.graphs import DecodeGraphs
 
-        def capture_size(self, size):
-            self.captured.append(size)
+    graphs = DecodeGraphs(torch.device("cpu"), 5, capture=False)
+    graphs.graphs[2] = object()
+    captured = []
+    monkeypatch.setattr(graphs, "capture_size", lambda size, forward: captured.append((size, forward())))
 
-    graphs = Graphs()
-    warm_up(graphs, progress=False)
-    assert graphs.captured == [1, 4]
+    class Steps:  # stages the padding-only step of a size
+        def build(self, batch, *, pad_to):
+            assert batch == []
+            return pad_to
+
+    graphs.capture_all(Steps(), lambda step: -step, progress=False)
+    assert graphs.sizes == [1, 2, 4, 5] and captured == [(1, -1), (4, -4), (5, -5)]
 
 
 @pytest.mark.kvcore_gpu
@@ -69,16 +74,14 @@ def test_cuda_engine_captures_every_decode_graph_when_built():
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_warm_prefill_compiles_without_touching_the_cache(arch):
     from kvcore.hf import Engine
-    from kvcore.hf.defaults import warm_prefill
     from kvcore.hf.models import model_config, random_model
 
     model = random_model(model_config(arch), seed=1)
-    engine = Engine(model, num_blocks=8)
+    engine = Engine(model, num_blocks=3, block_size=4)  # a pool of 12 tokens: shorter than the warm-up
     for view in engine.kv.layer_kv_caches.values():
         view.normal_()  # random bytes: the warm-up must write none of them
     before = {name: view.clone() for name, view in engine.kv.layer_kv_caches.items()}
-    with engine.serving():
-        warm_prefill(engine.model, engine.kv, engine._layers, num_tokens=20)
+    engine._warm_prefill(num_tokens=20)
     assert all(torch.equal(before[n], v) for n, v in engine.kv.layer_kv_caches.items())
     assert engine.stats().steps == 0
 

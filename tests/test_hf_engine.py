@@ -218,9 +218,7 @@ def test_padded_static_decode_step_of_the_cuda_graph_path(models, references):
 
     prompts, expected = references
     engine = Engine(models["mistral"], num_blocks=10, max_num_seqs=3, max_num_batched_tokens=24)
-    widths = [t.shape[1] for t in engine.scheduler.tables]
-    engine.graphs = DecodeGraphs(engine.model, engine.kv, engine._layers, widths, engine._block_sizes,
-                                 max_num_seqs=3, capture=False)
+    engine.graphs = DecodeGraphs(engine.device, 3, capture=False)
     assert engine.graphs.sizes == [1, 2, 3]
     assert engine.generate(prompts, MAX_NEW) == expected["mistral"]
     assert engine.stats().graph_steps > 0

@@ -1,9 +1,7 @@
 """Serve HF ``transformers`` causal LMs through kvcore's paged KV cache (``pip install kvcore[hf]``).
 
-transformers' own modeling code runs unchanged; its attention calls reach
-kvcore's backends through a function registered with transformers'
-``AttentionInterface`` (:mod:`kvcore.hf.attention_interface`). ``import kvcore`` never
-imports transformers: only ``import kvcore.hf`` does.
+transformers' own modeling code runs unchanged; its attention calls reach kvcore's backends through
+a function registered with ``AttentionInterface``. ``import kvcore`` never imports transformers.
 """
 
 from __future__ import annotations

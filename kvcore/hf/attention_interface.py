@@ -1,15 +1,11 @@
 """The attention function kvcore registers with transformers' ``AttentionInterface``.
 
-transformers calls it from every attention module with this step's queries,
-keys and values (``[1, heads, tokens, head_dim]``: all tokens of a step packed
-into one row), the module's ``scaling`` and ``sliding_window``, and every extra
-keyword argument given to ``model(...)``. The engine passes a
-:class:`StepContext` as the ``kvcore_step`` keyword; the function looks up the
-calling module's layer there and hands the call to that layer's kvcore
-backend ``forward``, which writes the new K/V into the paged cache and attends.
-No mask is needed: the backend reads request boundaries from the metadata.
-The window is the layer's KV cache group's (checked against the module once,
-when the engine binds it), not the one transformers passes per call.
+transformers calls it from every attention module with the step's queries, keys and values
+(``[1, heads, tokens, head_dim]``: a step's tokens packed into one row) and every extra keyword
+given to ``model(...)``; the engine passes a :class:`StepContext` as ``kvcore_step``. The call goes
+to the calling layer's kvcore backend ``forward``, which writes the new K/V into the paged cache
+and attends; request boundaries come from the metadata, so no mask is needed. The window is the
+layer's KV cache group's (checked against the module when the engine binds it).
 """
 
 from __future__ import annotations

@@ -1,26 +1,20 @@
 """What ``kvcore.hf.Engine`` serves with when the caller does not say: backend, block size, step budget.
 
-``backend="auto"`` resolves per layer spec to :func:`kvcore.select_backend`'s
-pick for the model's device (CPU: the torch reference; CUDA: the
-highest-priority backend whose requirements admit the spec). The block size
-defaults to what the first layer's backend prefers (the first explicit size
-of its ``kvcore_supported_kernel_block_sizes`` answer; 16 when it states
-none) and the tokens per step to 4,096 on a GPU and 2,048 elsewhere (the
-budget ``kvcore bench hf`` measured fastest with on the H200).
+``backend="auto"`` is :func:`kvcore.select_backend`'s pick per layer spec for the model's device.
+The block size defaults to the first attention layer's backend's preference (16 when it states
+none), grown for a hybrid until an attention page holds a state page; the tokens per step to 4,096
+on a GPU and 2,048 elsewhere (the budget ``kvcore bench hf`` measured fastest with on the H200).
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
 import torch
 
-from kvcore.hf.attention_interface import STEP_KWARG, StepContext
 from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
-from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.specs import KVCacheSpec
 
 #: Block size when the backend prefers none.
@@ -72,11 +66,9 @@ def resolve(
 def _state_page_multiple(specs: Mapping[str, KVCacheSpec], attention: Mapping[str, KVCacheSpec]) -> int:
     """How many times the attention block must grow so its page holds a state page (1: no state caches).
 
-    A hybrid's pages are unified to the largest (SPEC §6). A state page (a whole
-    Mamba state) is usually many attention pages, and padding every attention
-    page up to it would waste most of the cache; larger attention blocks whose
-    page reaches the state page waste at most one attention page per state page.
-    A state page under two attention pages is left to the planner's padding.
+    A hybrid's pages are unified to the largest (SPEC §6): padding every attention page up to a
+    whole Mamba state would waste most of the cache, larger attention blocks at most one attention
+    page per state page.
     """
     states = [s.real_page_size_bytes for s in specs.values() if not s.is_attention and s.has_cache_pages]
     pages = [s.real_page_size_bytes for s in attention.values()]
@@ -84,45 +76,3 @@ def _state_page_multiple(specs: Mapping[str, KVCacheSpec], attention: Mapping[st
     if not states or not pages or max(states) < 2 * max(pages):
         return 1
     return -(-max(states) // max(pages))
-
-
-def warm_up(graphs: Any, *, progress: bool = True) -> None:
-    """Capture every decode-graph batch size now, with a progress bar (not in the first ``generate``)."""
-    sizes = [s for s in graphs.sizes if s not in graphs.graphs]
-    if not sizes:
-        return
-    if not progress:
-        for size in sizes:
-            graphs.capture_size(size)
-        return
-    from rich.progress import Progress
-
-    with Progress(transient=True) as bar:
-        task = bar.add_task("kvcore: capturing decode CUDA graphs", total=len(sizes))
-        for size in sizes:
-            graphs.capture_size(size)
-            bar.advance(task)
-
-
-def warm_prefill(model: Any, kv: Any, layers: Mapping[Any, Any], *, num_tokens: int = 32) -> None:
-    """Run one prefill step of ``num_tokens`` padding tokens, so that kernels compile now.
-
-    The request reads only the null block 0 and writes nowhere (every slot is -1): the
-    cache is untouched. Its output is thrown away.
-    """
-    device = kv.device
-    ints = functools.partial(torch.tensor, dtype=torch.int32, device=device)
-    common = [
-        CommonAttentionMetadata(
-            query_start_loc=ints([0, num_tokens]), seq_lens=ints([num_tokens]),
-            block_table_tensor=torch.zeros(1, -(-num_tokens // kv.block_size(g)), dtype=torch.int32, device=device),
-            slot_mapping=torch.full((num_tokens,), -1, dtype=torch.int64, device=device), num_reqs=1,
-            num_actual_tokens=num_tokens, max_query_len=num_tokens, max_seq_len=num_tokens,
-        )
-        for g in range(kv.num_groups)
-    ]
-    step = StepContext(layers, kv.build_metadata(common))
-    ids = torch.zeros(1, num_tokens, dtype=torch.int64, device=device)
-    positions = torch.arange(num_tokens, device=device).unsqueeze(0)
-    with torch.inference_mode():
-        model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1, **{STEP_KWARG: step})

@@ -1,21 +1,13 @@
 """Disaggregated serving: hand a prompt's cached KV blocks from one engine to another.
 
-A prefill engine computes a prompt (``generate([prompt], 1)`` with prefix
-caching on); :func:`export_prefix` names the blocks of that prompt's cached
-prefix, per KV cache group, and holds them until :func:`release_prefix`.
-Any transport (NIXL, a host copy) moves those blocks' bytes into blocks a
-decode engine hands out with :func:`reserve_prefix`; :func:`import_prefix`
-records them in the decode engine's prefix cache under the prompt's chained
-hashes and lets them go, cached and evictable. The decode engine's
-``generate([prompt], n)`` then hits them and computes only the prompt's
-tail: ``stats().prefix_cache_hit_tokens`` counts the tokens it skipped.
-
-The prefix is the one the decode engine's prefix cache would hit: the
-longest prefix at a boundary of every group's blocks, short of the prompt's
-last token (whose logits the step needs). A sliding-window group holds only
-the blocks inside the window before that boundary; the others are the null
-block (0), which never moves. Both engines must serve the same model with
-the same block size (a NIXL peer with another cache is refused on connect).
+A prefill engine computes a prompt (``generate([prompt], 1)``, prefix caching on);
+:func:`export_prefix` names, per KV cache group, the blocks of the prefix its prefix cache would
+hit and holds them until :func:`release_prefix`. Any transport (NIXL, a host copy) moves their
+bytes into blocks a decode engine hands out with :func:`reserve_prefix`; :func:`import_prefix`
+records those under the prompt's hashes, cached and evictable, so that the decode engine's
+``generate([prompt], n)`` computes only the prompt's tail. A sliding-window group holds only the
+blocks inside the window (the others are the null block 0, never moved). Both engines must serve
+the same model with the same block size.
 """
 
 from __future__ import annotations
@@ -27,20 +19,19 @@ import attrs
 
 from kvcore.runtime.block_pool import NULL_BLOCK_ID
 from kvcore.runtime.prefix_hash import block_hashes
-from kvcore.hf.requests import check_prompt
+from kvcore.hf.requests import Request, check_prompt
 
 if TYPE_CHECKING:
     from kvcore.hf.engine import Engine
-    from kvcore.hf.prefix_sharing import PrefixSharing
+    from kvcore.hf.scheduler import Scheduler
 
 
 @attrs.frozen
 class PrefixBlocks:
     """A prompt prefix's blocks in one engine: ``block_ids[g]`` has one id per block of group ``g``.
 
-    ``tokens`` is the prefix (a multiple of every group's block size); a
-    sliding-window group's blocks before its window are 0 (not held, not moved).
-    Plain data: it pickles, so it can travel with a NIXL peer's metadata.
+    ``tokens`` is the prefix (a multiple of every group's block size); a sliding-window group's
+    blocks before its window are 0. Plain data: it pickles (it travels with NIXL metadata).
     """
 
     tokens: tuple[int, ...] = attrs.field(converter=tuple)
@@ -55,28 +46,18 @@ class PrefixBlocks:
         return [b for b in self.block_ids[group_id] if b != NULL_BLOCK_ID]
 
 
-def _prefix_cache(engine: Engine) -> PrefixSharing:
-    prefix = engine.scheduler.prefix
-    if prefix is None:
+def _scheduler(engine: Engine) -> Scheduler:
+    if not engine.scheduler.prefix_caching:
         raise ValueError("prefix hand-off needs an Engine built with enable_prefix_caching=True")
-    return prefix
+    return engine.scheduler
 
 
-def _pattern(prefix: PrefixSharing, num_tokens: int) -> list[tuple[int, int]]:
-    """Per group: (blocks in a prefix of ``num_tokens``, leading blocks outside the window)."""
-    out = []
-    for group in prefix.groups:
-        n = num_tokens // group.block_size
-        out.append((n, 0 if group.window_blocks is None else max(0, n - group.window_blocks)))
-    return out
-
-
-def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> PrefixSharing:
+def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> Scheduler:
     """``blocks`` fits ``engine``'s groups (and, when ``held``, names blocks it holds), or ValueError."""
     if not isinstance(blocks, PrefixBlocks):
         raise TypeError(f"expected kvcore.hf.disagg.PrefixBlocks, got {type(blocks).__name__}")
-    prefix = _prefix_cache(engine)
-    groups = prefix.groups
+    scheduler = _scheduler(engine)
+    groups = scheduler.groups
     if len(blocks.block_ids) != len(groups):
         raise ValueError(
             f"the prefix lists blocks of {len(blocks.block_ids)} KV cache groups but this engine has "
@@ -88,7 +69,9 @@ def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> PrefixSharing
             f"a prefix of {blocks.num_tokens} tokens is not a multiple of this engine's block sizes {sizes}; "
             "both engines must use the same block_size"
         )
-    for g, ((n, start), ids) in enumerate(zip(_pattern(prefix, blocks.num_tokens), blocks.block_ids)):
+    for g, (group, ids) in enumerate(zip(groups, blocks.block_ids)):
+        n = blocks.num_tokens // group.block_size
+        start = 0 if group.window_blocks is None else max(0, n - group.window_blocks)  # outside the window
         shape = [i != NULL_BLOCK_ID for i in ids]
         if shape != [False] * start + [True] * (n - start):
             raise ValueError(
@@ -99,39 +82,33 @@ def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> PrefixSharing
             missing = [b for b in ids if b != NULL_BLOCK_ID and not engine.kv.block_pool.is_allocated(b)]
             if missing:
                 raise ValueError(f"group {g}: blocks {missing} are not held by this engine (released already?)")
-    return prefix
+    return scheduler
 
 
 def export_prefix(engine: Engine, prompt: Sequence[int]) -> PrefixBlocks:
     """The blocks of ``prompt``'s cached prefix in ``engine`` (prefill side); each gains a reference.
 
-    Run the prompt first (``engine.generate([prompt], 1)``). The prefix may be
-    empty (a prompt shorter than a block and a token, or blocks evicted).
-    Call :func:`release_prefix` once the blocks' bytes have been read.
+    Run the prompt first; the prefix may be empty (a short prompt, or blocks evicted). Call
+    :func:`release_prefix` once the blocks' bytes have been read.
     """
-    prefix = _prefix_cache(engine)
+    scheduler = _scheduler(engine)
     tokens = check_prompt(0, prompt, 1, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
-    limit = len(tokens) - 1
-    hashes = [block_hashes(tokens[: limit - limit % g.block_size], g.block_size) for g in prefix.groups]
-    num_tokens, ids = prefix.hit(hashes, limit)
+    num_tokens, ids = scheduler.lookup(Request(-1, tokens, len(tokens), 1))
     blocks = PrefixBlocks(tokens[:num_tokens], ids)
     _check(engine, blocks, held=True)
     return blocks
 
 
 def reserve_prefix(engine: Engine, like: PrefixBlocks) -> PrefixBlocks:
-    """Fresh blocks of ``engine`` for the prefix ``like`` describes (decode side), zeroed now.
+    """Fresh blocks of ``engine`` for the prefix ``like`` (another engine's) describes, zeroed now.
 
-    Same tokens, same positions as ``like`` (another engine's ids); fill
-    them, group by group, then :func:`import_prefix` (or :func:`release_prefix`
-    to give up). Call it between steps: the blocks are zeroed at once, so no
-    later step wipes what the transfer writes (``stats().blocks_zeroed``
-    counts only the zeroing of steps).
+    Fill them, then :func:`import_prefix` (or :func:`release_prefix` to give up). Call it between
+    steps: zeroed at once, no later step wipes what the transfer writes.
 
     :raises kvcore.errors.OutOfBlocksError: the pool lacks the blocks; nothing is held.
     """
-    prefix = _check(engine, like, held=False)
-    counts = [len(like.held_ids(g)) for g in range(len(prefix.groups))]
+    scheduler = _check(engine, like, held=False)
+    counts = [len(like.held_ids(g)) for g in range(len(scheduler.groups))]
     fresh = iter(engine.kv.block_pool.allocate(sum(counts)))
     engine.kv.begin_step()
     ids = [[next(fresh) if b != NULL_BLOCK_ID else NULL_BLOCK_ID for b in group] for group in like.block_ids]
@@ -139,16 +116,14 @@ def reserve_prefix(engine: Engine, like: PrefixBlocks) -> PrefixBlocks:
 
 
 def import_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
-    """Record ``blocks`` (from :func:`reserve_prefix`, now filled) in ``engine``'s prefix cache and release them.
+    """Record ``blocks`` (reserved, now filled) in ``engine``'s prefix cache and release them.
 
-    They stay cached and evictable: a request whose prompt starts with
-    ``blocks.tokens`` shares them instead of computing that prefix. A block
-    of a prefix the engine already caches is simply freed.
+    They stay cached and evictable; a block of a prefix the engine already caches is just freed.
     """
-    prefix = _check(engine, blocks, held=True)
+    scheduler = _check(engine, blocks, held=True)
     pool = engine.kv.block_pool
     plans = []
-    for g, group in enumerate(prefix.groups):
+    for g, group in enumerate(scheduler.groups):
         hashes = block_hashes(list(blocks.tokens), group.block_size)
         pairs = [(h, b) for h, b in zip(hashes, blocks.block_ids[g]) if b != NULL_BLOCK_ID]
         taken = [b for h, b in pairs if pool.block_hash(b) not in (None, (g, h))]
@@ -162,10 +137,9 @@ def import_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
 
 
 def release_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
-    """Drop this holder's reference to every block of ``blocks`` (last block first, so the tail is evicted first).
+    """Drop this holder's reference to every block of ``blocks`` (last first: the tail is evicted first).
 
-    Release (or import) each :class:`PrefixBlocks` once: a block others still
-    share cannot tell a second release from theirs.
+    Release (or import) each :class:`PrefixBlocks` once: a shared block cannot tell a second release.
     """
     _check(engine, blocks, held=True)
     held = [b for g in range(len(blocks.block_ids)) for b in reversed(blocks.held_ids(g))]

@@ -1,20 +1,10 @@
-"""Hybrid configs: which decoder layers hold a mixer (Mamba2, short convolution) and its state spec.
+"""Hybrid configs: which decoder layers hold a mixer and the state spec every mixer layer gets.
 
-A hybrid model interleaves attention layers with mixers that carry a state
-from token to token instead of a growing KV cache. Each mixer layer gets one
-:class:`~kvcore.MambaSpec` holding the states transformers keeps for it, in
-the dtypes transformers keeps them:
-
-- Mamba2 family (Bamba, GraniteMoeHybrid, FalconH1, NemotronH): the SSM
-  state ``[heads, head_dim, d_state]`` in float32 (also under a bf16 model),
-  then the convolution window ``[intermediate + 2 * groups * d_state, d_conv]``
-  in the model dtype;
-- LFM2 short convolution: the window ``[hidden, L_cache]`` in the model dtype;
-- gated delta net (Qwen3-Next): the delta-rule state ``[value heads, key head
-  dim, value head dim]`` in float32, then the convolution window
-  ``[2 * key_dim + value_dim, kernel]`` in the model dtype.
-
-Hybrids whose states kvcore cannot own exactly are refused by name.
+Each mixer layer gets one :class:`~kvcore.MambaSpec` holding the states transformers keeps for
+it, in transformers' dtypes: Mamba2 (Bamba, GraniteMoeHybrid, FalconH1, NemotronH) and the gated
+delta net (Qwen3-Next) keep a float32 recurrent state, then a convolution window in the model
+dtype; LFM2's short convolution keeps only its window. Hybrids whose states kvcore cannot own
+exactly are refused by name.
 """
 
 from __future__ import annotations
@@ -72,11 +62,14 @@ REFUSED_HYBRIDS: dict[str, tuple[str, str]] = {
     "zamba2": ("Zamba2", _SHARED_ATTENTION),
 }
 
-#: ``layer_types`` entries of a mixer layer, of a layer with both a mixer and attention (FalconH1),
-#: and of layers that hold no cache at all (NemotronH's MLP / MoE layers).
-MIXER_LAYER_TYPES = ("linear_attention", "conv", "mamba")
-BOTH_LAYER_TYPES = ("hybrid",)
-CACHELESS_LAYER_TYPES = ("mlp", "moe")
+#: ``layer_types`` entry -> (attention?, mixer?): FalconH1's "hybrid" layers hold both, NemotronH's
+#: MLP / MoE layers neither.
+_LAYER_ROLES = {
+    **dict.fromkeys(("linear_attention", "conv", "mamba"), (False, True)),
+    "hybrid": (True, True),
+    **dict.fromkeys(("mlp", "moe"), (False, False)),
+    **dict.fromkeys(("full_attention", "attention"), (True, False)),
+}
 
 
 def refuse_unservable_hybrid(config: Any) -> None:
@@ -123,31 +116,9 @@ def mixer_spec(config: Any, dtype: torch.dtype, block_size: int) -> MambaSpec:
     return MambaSpec(block_size, [(heads, head_dim, d_state), (conv_dim, kernel)], [recurrent_dtype, dtype])
 
 
-def hybrid_layer_roles(config: Any, layer_types: list[str]) -> list[tuple[str | None, str | None]]:
+def hybrid_layer_roles(config: Any) -> list[tuple[str | None, str | None]]:
     """Per decoder layer of hybrid ``config``: ``(attention module path, mixer module path)``, None where absent."""
     family = HYBRID_FAMILIES[config.model_type]
-    roles: list[tuple[str | None, str | None]] = []
-    for i, layer_type in enumerate(layer_types):
-        attention = f"model.layers.{i}.{family.attention}"
-        mixer = f"model.layers.{i}.{family.mixer}"
-        if layer_type in MIXER_LAYER_TYPES:
-            roles.append((None, mixer))
-        elif layer_type in BOTH_LAYER_TYPES:
-            roles.append((attention, mixer))
-        elif layer_type in CACHELESS_LAYER_TYPES:
-            roles.append((None, None))
-        elif layer_type in ("full_attention", "attention"):
-            roles.append((attention, None))
-        else:
-            raise ValueError(
-                f"layer {i} of this {config.model_type} config is {layer_type!r}, a layer type kvcore does not "
-                "know; kvcore serves attention, mixer and MLP layers"
-            )
-    return roles
-
-
-def hybrid_layer_types(config: Any) -> list[str]:
-    """``config``'s per-layer types (``layer_types``, else ``layers_block_type``), one per decoder layer."""
     num_layers = positive_int("config.num_hidden_layers", getattr(config, "num_hidden_layers", None))
     types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
     if types is None or len(types) != num_layers:
@@ -155,4 +126,38 @@ def hybrid_layer_types(config: Any) -> list[str]:
             f"this {config.model_type} config lists {None if types is None else len(types)} layer types for "
             f"{num_layers} layers; give config.layer_types one entry per layer"
         )
-    return list(types)
+    roles: list[tuple[str | None, str | None]] = []
+    for i, layer_type in enumerate(types):
+        if layer_type not in _LAYER_ROLES:
+            raise ValueError(
+                f"layer {i} of this {config.model_type} config is {layer_type!r}, a layer type kvcore does not "
+                "know; kvcore serves attention, mixer and MLP layers"
+            )
+        attention, mixer = _LAYER_ROLES[layer_type]
+        roles.append((f"model.layers.{i}.{family.attention}" if attention else None,
+                      f"model.layers.{i}.{family.mixer}" if mixer else None))
+    return roles
+
+
+def check_hybrid_options(
+    config: Any, num_attention: int, prefix_caching: bool, tp_size: int, cuda_graphs: bool | None
+) -> None:
+    """Refuse what a hybrid model cannot be served with."""
+    kind = config.model_type
+    if num_attention == 0:
+        raise ValueError(
+            f"this {kind!r} config has mixer layers only; kvcore.hf serves hybrids with at least one "
+            "attention layer (set the config's layer types)"
+        )
+    if prefix_caching:
+        raise ValueError(
+            f"prefix caching cannot serve the hybrid {kind!r}: its mixer states are kept per sequence, not per "
+            "block, so no cached block names the state after a prefix; pass enable_prefix_caching=False"
+        )
+    if tp_size > 1:
+        raise ValueError(f"kvcore.hf serves the hybrid {kind!r} on one device only; its mixer states are not sharded")
+    if cuda_graphs:
+        raise ValueError(
+            f"CUDA graphs cannot capture the hybrid {kind!r}: its mixers run per request with shapes that "
+            "change every step; pass cuda_graphs=False (or None)"
+        )

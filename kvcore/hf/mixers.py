@@ -1,21 +1,13 @@
 """Run a hybrid model's mixers per request on their states in kvcore's state caches.
 
-Attention keeps the engine's single packed row of tokens, but transformers'
-mixers (Mamba2, short convolution) cannot keep two requests in one row apart.
-While the engine serves, each mixer module's ``forward`` is replaced on the
-instance (the class and transformers stay untouched) by one that splits the
-packed row:
-
-- all single-token requests (decodes) go in one ``[B, 1]`` call on states
-  gathered from their slots and scattered back afterwards;
-- each multi-token prefill chunk goes in its own ``[1, n]`` call on views of
-  its slot, which transformers updates in place.
-
-The mixer reads and writes its states through a real transformers ``Cache``
-whose one linear-attention layer holds kvcore tensors and always has a
-previous state: a new sequence's slot was zeroed by ``KVCache.begin_step``,
-which is what a fresh state is, so chunked prefill simply continues from the
-slot.
+transformers' mixers (Mamba2, short convolution, gated delta net) cannot keep two requests of
+the engine's one packed row apart, so while the engine serves, each mixer module's ``forward`` is
+replaced on the instance (the class stays untouched) by one that splits the row: all single-token
+requests go in one ``[B, 1]`` call on states gathered from their slots and scattered back; each
+prefill chunk goes in its own ``[1, n]`` call on views of its slot. The states reach the mixer
+through a real transformers ``Cache`` whose one linear-attention layer holds kvcore tensors and
+always has a previous state: a new sequence's slot was zeroed by ``KVCache.begin_step``, which is
+what a fresh state is, so chunked prefill simply continues from the slot.
 """
 
 from __future__ import annotations
@@ -78,39 +70,34 @@ class _MixerLayer:
     def __init__(self, module: torch.nn.Module, group_id: int, states: list[torch.Tensor]) -> None:
         self.module = module
         self.group_id = group_id
-        self.point_at(states)
+        # NOTE: Mamba2 and gated-delta-net specs hold (recurrent, conv); a short convolution's only (conv,).
+        self.conv, self.recurrent = (states[1], states[0]) if len(states) == 2 else (states[0], None)
         params = inspect.signature(module.forward).parameters
         self.cache_kwarg = "cache_params" if "cache_params" in params else "past_key_values"
         self.slot_cache = _SlotCache(module.layer_idx)
 
-    def point_at(self, states: list[torch.Tensor]) -> None:
-        """Read and write ``states`` (``MambaSpec.split_states`` of the layer's cache view) from now on."""
-        # NOTE: Mamba2 and gated-delta-net specs hold (recurrent, conv); a short convolution's only (conv,).
-        self.conv, self.recurrent = (states[1], states[0]) if len(states) == 2 else (states[0], None)
+    def _call(self, original: Any, x: torch.Tensor, pick: Any) -> tuple[torch.Tensor, ...]:
+        """``original(x)`` on the states ``pick`` takes from the layer's; returns the output and those states."""
+        conv = pick(self.conv)
+        recurrent = None if self.recurrent is None else pick(self.recurrent)
+        return original(x, **{self.cache_kwarg: self.slot_cache.point(conv, recurrent)}), conv, recurrent
 
     def run(self, step: MixerStep, hidden: torch.Tensor, original: Any) -> torch.Tensor:
         if step.scratch:
-            conv = torch.zeros_like(self.conv[:1])
-            recurrent = None if self.recurrent is None else torch.zeros_like(self.recurrent[:1])
-            return original(hidden, **{self.cache_kwarg: self.slot_cache.point(conv, recurrent)})
+            return self._call(original, hidden, lambda t: torch.zeros_like(t[:1]))[0]
         out = torch.empty_like(hidden)
-        g = self.group_id
         if step.decode_columns is not None:
-            slots = step.decode_slots[g]
-            conv = self.conv.index_select(0, slots)
-            recurrent = None if self.recurrent is None else self.recurrent.index_select(0, slots)
+            slots = step.decode_slots[self.group_id]
             x = hidden[0].index_select(0, step.decode_columns).unsqueeze(1)
-            y = original(x, **{self.cache_kwarg: self.slot_cache.point(conv, recurrent)})
+            y, conv, recurrent = self._call(original, x, lambda t: t.index_select(0, slots))
             out[0].index_copy_(0, step.decode_columns, y[:, 0].to(out.dtype))
             self.conv.index_copy_(0, slots, conv)
             if recurrent is not None:
                 self.recurrent.index_copy_(0, slots, recurrent)
         for start, n, slot_of in step.prefills:
-            slot = slot_of[g]
-            conv = self.conv[slot : slot + 1]
-            recurrent = None if self.recurrent is None else self.recurrent[slot : slot + 1]
-            y = original(hidden[:, start : start + n], **{self.cache_kwarg: self.slot_cache.point(conv, recurrent)})
-            out[:, start : start + n] = y
+            slot = slot_of[self.group_id]
+            x = hidden[:, start : start + n]
+            out[:, start : start + n] = self._call(original, x, lambda t: t[slot : slot + 1])[0]
         return out
 
 
@@ -126,43 +113,31 @@ class MixerRunner:
                 f"transformers {transformers.__version__} lacks; upgrade transformers (5.17 and later work)"
             )
         modules = dict(model.named_modules())
-        group_of = {name: g for g, group in enumerate(kv.config.kv_cache_groups) for name in group.layer_names}
         self.device = kv.device
-        self.state_groups = sorted({group_of[name] for name in mixer_names})
-        self.layers = {
-            name: _MixerLayer(modules[name], group_of[name], self._states(kv, name)) for name in mixer_names
-        }
+        self.layers: dict[str, _MixerLayer] = {}
+        for name in mixer_names:
+            g, group = kv.config.group_of(name)
+            spec = group.kv_cache_spec
+            if not isinstance(spec, MambaSpec):
+                raise RuntimeError(f"{name} is a mixer but its KV cache group holds {type(spec).__name__}")
+            self.layers[name] = _MixerLayer(modules[name], g, spec.split_states(kv.layer_kv_caches[name]))
+        self.state_groups = sorted({layer.group_id for layer in self.layers.values()})
         self.step: MixerStep | None = None
-
-    @staticmethod
-    def _states(kv: KVCache, name: str) -> list[torch.Tensor]:
-        spec = kv.config.group_of(name)[1].kv_cache_spec
-        if not isinstance(spec, MambaSpec):
-            raise RuntimeError(f"{name} is a mixer but its KV cache group holds {type(spec).__name__}")
-        return spec.split_states(kv.layer_kv_caches[name])
-
-    def rebind(self, kv: KVCache) -> None:
-        """Point every mixer at ``kv``'s current views (after the cache's tensors were reallocated)."""
-        for name, layer in self.layers.items():
-            layer.point_at(self._states(kv, name))
 
     def plan(self, batch: list[tuple[Request, int]], tables: Sequence[np.ndarray]) -> MixerStep:
         """Columns and slots of this step's requests (``batch`` in packed order; ``tables``: the scheduler's)."""
-        columns, decode_slots, prefills = [], {g: [] for g in self.state_groups}, []
+        decodes, prefills = [], []
         start = 0
         for request, n in batch:
             slots = {g: int(tables[g][request.row, 0]) for g in self.state_groups}
             if n == 1:
-                columns.append(start)
-                for g in self.state_groups:
-                    decode_slots[g].append(slots[g])
+                decodes.append([start, *slots.values()])
             else:
                 prefills.append((start, n, slots))
             start += n
-        if not columns:
+        if not decodes:
             return MixerStep(None, {}, prefills)
-        host = torch.tensor([columns] + [decode_slots[g] for g in self.state_groups], dtype=torch.long)
-        ids = host.to(self.device)
+        ids = torch.tensor(decodes, dtype=torch.long).T.contiguous().to(self.device)
         return MixerStep(ids[0], {g: ids[i + 1] for i, g in enumerate(self.state_groups)}, prefills)
 
     @contextlib.contextmanager

@@ -1,11 +1,8 @@
 """Models to serve: small random-weight ones built from configs, or a local checkpoint.
 
-The random models are for tests, demos and benchmarks (no download). Their
-output embeddings are scaled so that logits are peaky: the greedy token then
-wins by a wide margin, and float rounding that differs between two exact
-attention implementations cannot flip it. Weights are drawn wider than
-transformers' default initializer so that attention, not only the last
-token, decides the next token.
+The random models (tests, demos, benchmarks; no download) have peaky logits, so that float
+rounding that differs between two exact attention implementations cannot flip a greedy token,
+and weights drawn wider than transformers' default so that attention decides the next token.
 """
 
 from __future__ import annotations
@@ -16,6 +13,8 @@ from typing import Any
 import torch
 import transformers
 from transformers import AutoModelForCausalLM
+
+from kvcore.hf.tp import load_tp_model
 
 _MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8,
            "mamba_chunk_size": 16, "mamba_expand": 2}
@@ -100,9 +99,4 @@ def random_model(
 
 def load_model(path: str | os.PathLike, *, dtype: torch.dtype | None = None, device: str = "cpu") -> Any:
     """A local checkpoint directory (``from_pretrained`` with local files only)."""
-    if not os.path.isdir(path):
-        raise ValueError(f"model path {str(path)!r} is not a directory; pass a local checkpoint directory")
-    kwargs: dict[str, Any] = {"local_files_only": True, "attn_implementation": "sdpa"}
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    return AutoModelForCausalLM.from_pretrained(path, **kwargs).to(device).eval()
+    return load_tp_model(path, dtype=dtype, attn_implementation="sdpa").to(device).eval()

@@ -1,4 +1,4 @@
-"""A generation request as the engine tracks it, and the checks a new request must pass."""
+"""What the scheduler keeps: each KV cache group's record, each request, and a new request's checks."""
 
 from __future__ import annotations
 
@@ -8,18 +8,49 @@ from typing import Any
 import attrs
 
 from kvcore._validate import as_int
+from kvcore.runtime.prefix_hash import sliding_window_blocks
+from kvcore.specs.attention import SlidingWindowSpec
+from kvcore.specs.base import KVCacheSpec
+from kvcore.specs.state import MambaSpec
+
+
+@attrs.frozen
+class GroupInfo:
+    """One KV cache group as the engine serves it, worked out once from its spec."""
+
+    block_size: int
+    #: Tokens of the sliding window, None for full attention.
+    sliding_window: int | None
+    #: A state group: one block (the request's state slot) whatever its length.
+    state: bool = False
+
+    @property
+    def window_blocks(self) -> int | None:
+        """Blocks a prefix-cache hit needs in this group (the window before the next token); None: all."""
+        return None if self.sliding_window is None else sliding_window_blocks(self.sliding_window, self.block_size)
+
+    @classmethod
+    def of(cls, spec: KVCacheSpec) -> GroupInfo:
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        return cls(spec.block_size, window, state=isinstance(spec, MambaSpec))
+
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """Most blocks one request of ``num_tokens`` ever holds in this group at once."""
+        if self.state:
+            return 1
+        full = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return full
+        return min(full, (self.sliding_window - 1 + max_chunk) // self.block_size + 2)
 
 
 @attrs.define(eq=False)
 class Request:
-    """One prompt being served: its tokens so far and how many blocks it holds in every KV cache group.
+    """One prompt being served: its tokens (prompt, then generated) and its blocks per KV cache group.
 
-    ``tokens`` holds the prompt followed by the generated tokens;
-    ``num_computed`` counts the leading tokens whose K/V are in the cache.
-    The block ids themselves live in one place, the request's ``row`` of the
-    scheduler's block tables (``Scheduler.blocks``), while it runs (-1
-    otherwise): ``num_blocks[g]`` leading entries of group ``g``'s row (0, the
-    null block, where a sliding window dropped a block).
+    ``num_computed`` leading tokens have their K/V in the cache. The block ids live in the request's
+    ``row`` of the scheduler's tables while it runs (-1 otherwise): ``num_blocks[g]`` leading entries
+    of group ``g``'s row (0, the null block, where a sliding window dropped a block).
     """
 
     req_id: int

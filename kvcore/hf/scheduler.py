@@ -1,16 +1,17 @@
 """Continuous batching: which requests run this step, with how many tokens, in which blocks.
 
-Each step has a token budget. Running requests come first, oldest first: a
-decoding request takes one token, a prefilling one the next chunk of its
-prompt. Waiting requests are then admitted while the budget, ``max_num_seqs``
-and the free blocks last. Blocks are allocated per KV cache group as a
-request grows; a sliding-window group hands back blocks no query can see
-any more. When the pool runs dry, the newest running request is preempted:
-its blocks are freed and it is recomputed later from its tokens (greedy
-decoding makes the result identical). A request that could never fit alone
-is refused when it is added, so the oldest request can always progress.
-A state group (a hybrid's mixer states) holds one block per request, its
-state slot, taken at admission and freed with the request's other blocks.
+Each step has a token budget: running requests first, oldest first (a decode takes one token, a
+prefill the next chunk of its prompt), then waiting ones while the budget, ``max_num_seqs`` and
+the free blocks last. Blocks are allocated per KV cache group as a request grows; a sliding-window
+group hands back blocks no query can see any more; a state group holds one block per request (its
+state slot). When the pool runs dry, the newest running request is preempted and recomputed later
+(greedy decoding makes the result identical). A request that could never fit alone is refused
+when it is added, so the oldest request can always progress.
+
+With prefix caching, a request starts at the longest prefix every group caches (a sliding-window
+group needs only the blocks inside the window), at a boundary of every group's blocks and short
+of the last token (whose logits the step needs); blocks that become full are recorded under their
+chained hashes, generated tokens included.
 """
 
 from __future__ import annotations
@@ -18,21 +19,12 @@ from __future__ import annotations
 import collections
 from collections.abc import Callable
 
-import attrs
 import numpy as np
 
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.hf.groups import GroupInfo
-from kvcore.hf.prefix_sharing import PrefixSharing
-from kvcore.hf.requests import Request
-
-
-@attrs.define
-class SchedulerCounters:
-    blocks_allocated: int = 0
-    preemptions: int = 0
-    window_freed_blocks: int = 0
+from kvcore.runtime.prefix_hash import block_hashes
+from kvcore.hf.requests import GroupInfo, Request
 
 
 class Scheduler:
@@ -46,29 +38,29 @@ class Scheduler:
         self.max_model_len = kv.max_model_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        self.counters = SchedulerCounters()
+        #: Counts by :class:`~kvcore.hf.EngineStats` field (blocks, preemptions, prefix hits; the engine's too).
+        self.counts: collections.Counter[str] = collections.Counter()
         #: ``grow(k)``: try to add at least ``k`` free blocks (an elastic cache); True when it did.
         self.grow: Callable[[int], bool] | None = None
         # NOTE: the one home of every running request's block ids: per group, one row per request
-        # (``Request.row``; 0 past its ``num_blocks``), which the batch builder slices per step.
-        # NOTE: an elastic cache may grow to kv.max_num_blocks: rows are sized for that.
-        self.tables = [
-            np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), dtype=np.int32) for g in self.groups
-        ]
+        # (``Request.row``; 0 past its ``num_blocks``), sized for an elastic cache's largest pool.
+        self.tables = [np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), np.int32) for g in self.groups]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        self.prefix = PrefixSharing(self.pool, self.groups, self.tables) if prefix_caching else None
+        if prefix_caching and not self.pool.enable_caching:
+            raise ValueError("prefix caching needs a BlockPool built with enable_caching=True")
+        self.prefix_caching = prefix_caching
 
     def _width(self, group: GroupInfo, num_blocks: int) -> int:
         """Block-table columns one request may index in ``group``.
 
-        A full-attention request never holds more blocks than the pool; a
-        sliding-window one indexes block ``position // block_size`` up to the
-        model's length although it holds only the window's blocks.
+        NOTE: a sliding-window request indexes block ``position // block_size`` up to the model's
+        length although it holds only the window's blocks; a full-attention one holds at most the pool.
         """
         if group.state:
             return 1
-        tokens = self.max_model_len if group.sliding_window is not None else min(
-            self.max_model_len, num_blocks * group.block_size)
+        tokens = self.max_model_len
+        if group.sliding_window is None:
+            tokens = min(tokens, num_blocks * group.block_size)
         return -(-tokens // group.block_size)
 
     def blocks(self, request: Request, g: int) -> np.ndarray:
@@ -93,32 +85,26 @@ class Scheduler:
         """This step's requests and token counts (running first, then admitted ones)."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
-        preempted = False
-        index = 0
-        while index < len(self.running) and budget > 0:
-            request = self.running[index]
+        preemptions = self.counts["preemptions"]
+        for request in list(self.running):
+            if budget == 0 or request.row < 0:  # NOTE: row -1: preempted for an older request
+                break
             n = min(request.num_new_tokens, budget)
-            while not self._grow(request, n):
-                victim = self.running.pop()
-                self._preempt(victim)
-                preempted = True
-                if victim is request:
-                    break
-            else:
-                batch.append((request, n))
-                budget -= n
-                index += 1
-                continue
-            break
+            while request.row >= 0 and not self._grow(request, n):
+                self._preempt(self.running.pop())
+            if request.row < 0:
+                break
+            batch.append((request, n))
+            budget -= n
+        preempted = self.counts["preemptions"] > preemptions
         while self.waiting and budget > 0 and not preempted and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             request.row = self._free_rows.pop()
-            if self.prefix is not None:
-                self.prefix.admit(request)
+            if self.prefix_caching:
+                self._admit_cached(request)
             n = min(request.num_new_tokens, budget)
             if not self._grow(request, n):
                 self._release(request)
-                request.reset(len(self.groups))
                 break
             self.waiting.popleft()
             self.running.append(request)
@@ -147,7 +133,7 @@ class Scheduler:
                 held = request.num_blocks[g]
                 self.tables[g][request.row, held : held + need] = self.pool.allocate(need)
                 request.num_blocks[g] += need
-                self.counters.blocks_allocated += need
+                self.counts["blocks_allocated"] += need
         return True
 
     def _drop_out_of_window(self, request: Request, g: int, first_visible: int) -> None:
@@ -163,25 +149,78 @@ class Scheduler:
         request.window_start[g] = end
         if gone:
             self.pool.free(gone)
-            self.counters.window_freed_blocks += len(gone)
+            self.counts["window_freed_blocks"] += len(gone)
 
     def _release(self, request: Request) -> None:
-        """Free every block of ``request`` (last block first) and its row."""
-        if request.row < 0:
-            return
-        for g, rows in enumerate(self.tables):
-            held = [b for b in reversed(self.blocks(request, g).tolist()) if b]
-            if held:
-                self.pool.free(held)
-            rows[request.row] = 0
-        self._free_rows.append(request.row)
-        request.row = -1
+        """Free every block of ``request`` (last block first) and its row; it would start afresh."""
+        if request.row >= 0:
+            for g, rows in enumerate(self.tables):
+                held = [b for b in reversed(self.blocks(request, g).tolist()) if b]
+                if held:
+                    self.pool.free(held)
+                rows[request.row] = 0
+            self._free_rows.append(request.row)
+        request.reset(len(self.groups))
 
     def _preempt(self, request: Request) -> None:
         self._release(request)
-        request.reset(len(self.groups))
         self.waiting.appendleft(request)
-        self.counters.preemptions += 1
+        self.counts["preemptions"] += 1
+
+    # -- prefix caching ----------------------------------------------------------------------
+
+    def _hashes(self, request: Request, block_size: int, num_blocks: int) -> list[bytes]:
+        """The first ``num_blocks`` chained hashes of ``request``'s tokens (kept on the request)."""
+        hashes = request.block_hashes.setdefault(block_size, [])
+        if len(hashes) < num_blocks:
+            start = len(hashes) * block_size
+            parent = hashes[-1] if hashes else None
+            hashes.extend(block_hashes(request.tokens[start : num_blocks * block_size], block_size, parent=parent))
+        return hashes[:num_blocks]
+
+    def lookup(self, request: Request) -> tuple[int, list[list[int]]]:
+        """The longest cached prefix of ``request`` short of its last token, and its blocks per group.
+
+        Each returned block gains a reference (the caller holds it).
+        """
+        groups, pool, limit = self.groups, self.pool, request.num_tokens - 1
+        hashes = [self._hashes(request, g.block_size, limit // g.block_size) for g in groups]
+        tokens = pool.find_common_prefix(
+            {i: (h, g.block_size, g.window_blocks) for i, (g, h) in enumerate(zip(groups, hashes))},
+            max_tokens=limit,
+        )
+        ids: list[list[int]] = [[] for _ in groups]
+        for i, (g, h) in enumerate(zip(groups, hashes)):
+            if tokens:
+                ids[i] = pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=g.window_blocks)
+            if len(ids[i]) * g.block_size != tokens:
+                raise RuntimeError(f"group {i}: prefix cache returned {len(ids[i])} blocks for {tokens} tokens")
+        return tokens, ids
+
+    def _admit_cached(self, request: Request) -> None:
+        """Start ``request`` at its longest cached prefix: shared blocks, no prefill for them."""
+        tokens, hit = self.lookup(request)
+        if tokens == 0:
+            return
+        for i, ids in enumerate(hit):
+            self.tables[i][request.row, : len(ids)] = ids
+            request.num_blocks[i] = request.num_cached_blocks[i] = len(ids)
+            request.window_start[i] = next((j for j, b in enumerate(ids) if b), len(ids))
+        request.num_computed = tokens
+        self.counts["prefix_cache_hits"] += 1
+        self.counts["prefix_cache_hit_tokens"] += tokens
+
+    def _cache_full_blocks(self, request: Request) -> None:
+        """Record the blocks of ``request`` that the last step filled."""
+        for i, g in enumerate(self.groups):
+            full, done = request.num_computed // g.block_size, request.num_cached_blocks[i]
+            if full <= done:
+                continue
+            hashes = self._hashes(request, g.block_size, full)[done:full]
+            pairs = [(h, b) for h, b in zip(hashes, self.tables[i][request.row, done:full].tolist()) if b]
+            if pairs:
+                self.pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=i)
+            request.num_cached_blocks[i] = full
 
     # -- after the step ----------------------------------------------------------------------
 
@@ -189,15 +228,14 @@ class Scheduler:
         """Record computed tokens and cache newly full blocks."""
         for request, n in batch:
             request.num_computed += n
-            if self.prefix is not None:
-                self.prefix.cache_full_blocks(request)
+            if self.prefix_caching:
+                self._cache_full_blocks(request)
 
     def abort_all(self) -> int:
         """Drop every queued request (running or waiting) and free all it holds; returns how many."""
         requests = [*self.running, *self.waiting]
         for request in requests:
             self._release(request)
-            request.reset(len(self.groups))
         self.running.clear()
         self.waiting.clear()
         return len(requests)

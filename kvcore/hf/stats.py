@@ -14,11 +14,9 @@ PHASES = ("schedule", "prepare", "zero", "forward", "sample")
 class EngineStats(Mapping):
     """A snapshot of :meth:`kvcore.hf.Engine.stats`: read fields as attributes or keys.
 
-    ``prefill_tokens`` are tokens whose K/V were computed for a prompt (or
-    recomputed after a preemption), ``decode_tokens`` those of generated
-    tokens. ``blocks_zeroed`` counts blocks zeroed by ``KVCache.begin_step``;
-    prefix-cache hits are shared, never zeroed. The ``*_s`` fields are host
-    seconds per step phase; ``sample_s`` includes waiting for the device.
+    ``prefill_tokens`` were computed for a prompt (or recomputed after a preemption),
+    ``decode_tokens`` for generated tokens; prefix-cache hits are shared, never zeroed. The ``*_s``
+    fields are host seconds per step phase (``sample_s`` includes waiting for the device).
     """
 
     steps: int = 0
@@ -40,9 +38,7 @@ class EngineStats(Mapping):
     sample_s: float = 0.0
 
     def __getitem__(self, key: str) -> int | float:
-        if key not in attrs.fields_dict(type(self)):
-            raise KeyError(key)
-        return getattr(self, key)
+        return attrs.asdict(self)[key]
 
     def __iter__(self) -> Iterator[str]:
         return iter(attrs.fields_dict(type(self)))

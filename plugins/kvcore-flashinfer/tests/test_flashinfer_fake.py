@@ -128,9 +128,7 @@ def test_engine_tokens_equal_the_torch_backend_with_graph_step_plans():
     prompts = [torch.randint(3, 256, (n,), generator=gen).tolist() for n in (21, 6, 30)]
     expected = Engine(model, backend="torch", num_blocks=12, max_num_seqs=3).generate(prompts, 5)
     engine = Engine(model, backend="flashinfer", num_blocks=12, max_num_seqs=3, max_num_batched_tokens=24)
-    widths = [t.shape[1] for t in engine.scheduler.tables]
-    engine.graphs = DecodeGraphs(engine.model, engine.kv, engine._layers, widths, engine._block_sizes,
-                                 max_num_seqs=3, capture=False)
+    engine.graphs = DecodeGraphs(engine.device, 3, capture=False)
     assert engine.generate(prompts, 5) == expected
     assert engine.stats().graph_steps > 0
     builders = [g.metadata_builders[0] for groups in engine.kv.attn_groups for g in groups]

@@ -1,0 +1,149 @@
+"""One step's model inputs and attention metadata, built from the scheduled requests.
+
+All tokens of a step are packed into one row (``[1, T]``); request ``i`` owns columns
+``query_start_loc[i]:query_start_loc[i + 1]``. Each KV cache group gets its own block
+table (rows of the scheduler's tables) and slot mapping; a state group's table is each
+request's state slot. A padding request (``None``) reads only the null block and writes
+nowhere (slot -1).
+
+``pad_to`` builds the step a CUDA graph replays: the batch padded with one-token requests
+to a captured size and written into persistent buffers, with full-width block tables and
+``max_seq_len = max_model_len``, so that every step of one size has one shape and one
+address. Either way the step is packed on the host with numpy and moved in two copies
+(int64, int32).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+import torch
+
+from kvcore.plugins.backend import CommonAttentionMetadata
+from kvcore.runtime.kv_cache import KVCache
+from kvcore.hf.requests import GroupInfo, Request
+
+#: Scheduled requests (None: padding) and their token counts, in packed order.
+Batch = Sequence[tuple["Request | None", int]]
+
+
+@attrs.frozen(eq=False)
+class Step:
+    """Device tensors for one forward pass, and which requests sample a token from it."""
+
+    input_ids: torch.Tensor = attrs.field(repr=False)
+    position_ids: torch.Tensor = attrs.field(repr=False)
+    #: Column of each sampling request's last token (the ``sampled`` requests first).
+    logits_indices: torch.Tensor = attrs.field(repr=False)
+    sampled: list[Request] = attrs.field(repr=False)
+    common: list[CommonAttentionMetadata] = attrs.field(repr=False)
+
+
+class StepBuilder:
+    """Packs scheduled requests into a :class:`Step` over one engine's block tables."""
+
+    def __init__(self, kv: KVCache, groups: list[GroupInfo], tables: list[np.ndarray]) -> None:
+        self.kv, self.groups, self.tables = kv, groups, tables
+        self._static: tuple[torch.Tensor, ...] | None = None
+
+    def build(self, batch: Batch, *, pad_to: int | None = None) -> Step:
+        """The step of ``batch``; ``pad_to``: padded to that many requests in the static buffers."""
+        entries = [*batch, *[(None, 1)] * ((pad_to or 0) - len(batch))]
+        num_reqs = len(entries)
+        real = np.array([r is not None for r, _ in entries])
+        counts = np.array([n for _, n in entries], dtype=np.int64)
+        computed = np.array([r.num_computed if r else 0 for r, _ in entries], dtype=np.int64)
+        rows = np.array([r.row if r else 0 for r, _ in entries], dtype=np.int64)
+        starts = np.zeros(num_reqs + 1, dtype=np.int64)
+        np.cumsum(counts, out=starts[1:])
+        num_tokens = int(starts[-1])
+        seq_lens = computed + counts
+        owner = np.repeat(np.arange(num_reqs), counts)
+        positions = computed[owner] + np.arange(num_tokens) - starts[owner]
+        tokens = np.fromiter(
+            itertools.chain.from_iterable(r.tokens[r.num_computed : r.num_computed + n] if r else [0] * n
+                                          for r, n in entries),
+            dtype=np.int64, count=num_tokens,
+        )
+        sampling = [r is None or r.num_computed + n == r.num_tokens for r, n in entries]
+        logits_indices = starts[1:][sampling] - 1
+        max_seq_len = self.kv.max_model_len if pad_to else int(seq_lens.max())
+        tables, slots = [], []
+        for info, table in zip(self.groups, self.tables):
+            size = info.block_size
+            width = table.shape[1] if pad_to else 1 if info.state else -(-max_seq_len // size)
+            rows_table = np.zeros((num_reqs, width), dtype=np.int32)
+            held = table[rows[real], :width]  # NOTE: padding rows stay 0 (as wide as their length needs)
+            rows_table[real, : held.shape[1]] = held
+            column, offset = (0, 0) if info.state else (positions // size, positions % size)
+            slot = rows_table[owner, column].astype(np.int64) * size + offset
+            tables.append(rows_table)
+            slots.append(np.where(real[owner], slot, -1))
+        longs = np.concatenate([tokens, positions, logits_indices, *slots])
+        ints = np.concatenate([starts, seq_lens, *(t.ravel() for t in tables)]).astype(np.int32)
+        shape = (num_reqs, num_tokens, len(logits_indices), [t.shape for t in tables],
+                 int(counts.max()), max_seq_len)
+        if pad_to is None:
+            device = self.kv.device
+            long_t, int_t = torch.from_numpy(longs).to(device), torch.from_numpy(ints).to(device)
+        else:
+            host_long, host_int, long_t, int_t = self._static_buffers()
+            host_long[: len(longs)] = torch.from_numpy(longs)
+            host_int[: len(ints)] = torch.from_numpy(ints)
+            long_t[: len(longs)].copy_(host_long[: len(longs)], non_blocking=True)
+            int_t[: len(ints)].copy_(host_int[: len(ints)], non_blocking=True)
+            self._plan_on_host(_unpack(host_long, host_int, *shape)[3])
+        input_ids, position_ids, logits_at, common = _unpack(long_t, int_t, *shape)
+        sampled = [r for (r, _), s in zip(entries, sampling) if s and r is not None]
+        return Step(input_ids, position_ids, logits_at, sampled, common)
+
+    def _static_buffers(self) -> tuple[torch.Tensor, ...]:
+        """Pinned host and device buffers for the largest padded step (one decode token per row)."""
+        if self._static is None:
+            batch, device = self.tables[0].shape[0], self.kv.device
+            pin = device.type == "cuda"
+            host_long = torch.zeros((3 + len(self.tables)) * batch, dtype=torch.int64, pin_memory=pin)
+            num_ints = 2 * batch + 1 + sum(batch * t.shape[1] for t in self.tables)
+            host_int = torch.zeros(num_ints, dtype=torch.int32, pin_memory=pin)
+            self._static = (host_long, host_int, host_long.to(device, copy=True), host_int.to(device, copy=True))
+        return self._static
+
+    def _plan_on_host(self, common: list[CommonAttentionMetadata]) -> None:
+        """Let metadata builders that plan on the host (``plan_graph_step``) plan a padded step.
+
+        They get its CPU tensors, block tables in kernel blocks, before capture and before
+        every replay (no device sync).
+        """
+        for g, attn_groups in enumerate(self.kv.attn_groups):
+            for attn_group in attn_groups:
+                builder = attn_group.metadata_builders[0]
+                if not hasattr(builder, "plan_graph_step"):
+                    continue
+                table = common[g].block_table_tensor
+                if attn_group.kernel_block_size is not None:
+                    ratio = attn_group.blocks_per_manager_block
+                    step = attn_group.kernel_block_stride or ratio
+                    table = (table[..., None] * step + torch.arange(ratio, dtype=torch.int32)).flatten(1)
+                builder.plan_graph_step(attrs.evolve(common[g], block_table_tensor=table))
+
+
+def _unpack(longs: torch.Tensor, ints: torch.Tensor, num_reqs: int, num_tokens: int, num_sampled: int,
+            table_shapes: list[tuple[int, int]], max_query_len: int, max_seq_len: int) -> tuple:
+    """Views of a packed step: input ids, positions, logits indices, and each group's metadata."""
+    query_start_loc, seq_lens = ints[: num_reqs + 1], ints[num_reqs + 1 : 2 * num_reqs + 1]
+    long_at, int_at = 2 * num_tokens + num_sampled, 2 * num_reqs + 1
+    common = []
+    for shape in table_shapes:
+        size = shape[0] * shape[1]
+        common.append(CommonAttentionMetadata(
+            query_start_loc=query_start_loc, seq_lens=seq_lens,
+            block_table_tensor=ints[int_at : int_at + size].view(shape),
+            slot_mapping=longs[long_at : long_at + num_tokens], num_reqs=num_reqs,
+            num_actual_tokens=num_tokens, max_query_len=max_query_len, max_seq_len=max_seq_len,
+        ))
+        long_at, int_at = long_at + num_tokens, int_at + size
+    return (longs[:num_tokens].unsqueeze(0), longs[num_tokens : 2 * num_tokens].unsqueeze(0),
+            longs[2 * num_tokens : 2 * num_tokens + num_sampled], common)
