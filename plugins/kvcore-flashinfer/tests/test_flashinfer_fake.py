@@ -16,6 +16,10 @@ from kvcore.specs import FullAttentionSpec
 from kvcore.testing import LAYOUTS, SPLITTABLE, build_cache, dense_reference, make_batch
 from kvcore_flashinfer import FlashInferAttentionBackend, FlashInferMetadataBuilder, _runtime
 from kvcore_flashinfer import bench as fi_bench
+from kvcore_triton._checks import INTERPRETED
+
+# NOTE: the stand-in runs kvcore-triton's K/V store on CPU tensors: only through the interpreter.
+pytestmark = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 (CPU tensors)")
 
 MIXED = ([17, 40, 9], [17, 6, 1])  # prefill, chunked prefill, decode
 DECODE = ([23, 40], [1, 1])
