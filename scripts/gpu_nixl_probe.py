@@ -33,7 +33,7 @@ from kvcore.bench.transfer_nixl import ProcessPeer, _same_blocks
 from kvcore.bench.transfer_nixl import _fill as fill
 from kvcore.transfer import NixlAgent
 from kvcore.transfer.pairs import pair_runs
-from kvcore.transfer.plan import whole_block_patterns
+from kvcore.transfer.regions import whole_block_patterns
 
 MODEL = {"layers": 32, "kv_heads": 8, "head_size": 128, "block_size": 16, "dtype": "bfloat16"}
 

@@ -16,7 +16,7 @@ from _nixl_workers import fill, rows
 from _transfer_caches import brute_force_bytes, make_cache, raw_buffer
 
 from kvcore.transfer.pairs import pair_runs
-from kvcore.transfer.plan import group_selection, whole_block_patterns
+from kvcore.transfer.regions import group_selection, whole_block_patterns
 
 transfer = pytest.importorskip("kvcore.transfer")
 # Every cache shape and layout family (agents take ~1 s to start, so not every pair).

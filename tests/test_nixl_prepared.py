@@ -18,7 +18,7 @@ pytest.importorskip("numpy")
 from kvcore.transfer import describe, plan_transfer  # noqa: E402
 from kvcore.transfer.nixl_api import PreparedRuns, paired_indices  # noqa: E402
 from kvcore.transfer.pairs import pair_runs  # noqa: E402
-from kvcore.transfer.plan import group_selection, whole_block_patterns  # noqa: E402
+from kvcore.transfer.regions import group_selection, whole_block_patterns  # noqa: E402
 
 CASES = [(kind, layout) for kind, layouts in KINDS.items() for layout in layouts]
 

@@ -22,7 +22,7 @@ from kvcore._table import Column, render
 from kvcore.transfer import KVCacheDescriptor, describe
 from kvcore.transfer.nixl_api import PreparedRuns, nixl_api, paired_indices, xfer_arrays
 from kvcore.transfer.pairs import pair_runs
-from kvcore.transfer.plan import group_selection, whole_block_patterns
+from kvcore.transfer.regions import group_selection, whole_block_patterns
 
 
 def _nixl_lists() -> Any:

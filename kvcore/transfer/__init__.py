@@ -13,7 +13,7 @@ from kvcore.transfer.descriptor import (
 from kvcore.transfer.host_pool import HostKVPool
 from kvcore.transfer.nixl import IncompatiblePeerError, NixlAgent
 from kvcore.transfer.nixl_api import NixlUnavailableError, TransferError, TransferHandle
-from kvcore.transfer.plan import Region, plan_transfer
+from kvcore.transfer.regions import Region, plan_transfer
 from kvcore.transfer.transport import Transport
 
 __all__ = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvcore.transfer.descriptor import GroupDescriptor, KVCacheDescriptor
 from kvcore.transfer.pairs import structure_mismatch
-from kvcore.transfer.plan import block_patterns
+from kvcore.transfer.regions import block_patterns
 
 # Content fields two caches must share for their (state, head) rows to be interchangeable.
 _SAME_ROWS = ("kind", "content_bytes", "head_size", "head_size_v", "tokens_per_state", "k_bytes",

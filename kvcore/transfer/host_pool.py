@@ -20,7 +20,7 @@ from kvcore._validate import positive_int
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer.descriptor import describe, raw_allocation
 from kvcore.transfer.pairs import PairedRuns, merge_pairs, packed_patterns, pair_runs
-from kvcore.transfer.plan import BlockPattern, group_selection, paired_ids, whole_block_patterns
+from kvcore.transfer.regions import BlockPattern, group_selection, paired_ids, whole_block_patterns
 
 #: Bytes gathered per chunk: large copies, and enough chunks to overlap gather and copy.
 CHUNK_BYTES = 32 << 20

@@ -29,7 +29,7 @@ from kvcore.transfer.nixl_api import (
     xfer_arrays,
 )
 from kvcore.transfer.pairs import PairedRuns, pair_head_rows, structure_mismatch
-from kvcore.transfer.plan import group_selection, paired_ids, whole_block_patterns
+from kvcore.transfer.regions import group_selection, paired_ids, whole_block_patterns
 from kvcore.transfer.transport import Transport, process_info, transport_between
 
 _MAGIC = b"kvcore-nixl/3\n"

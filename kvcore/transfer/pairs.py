@@ -14,7 +14,7 @@ import attrs
 import torch
 
 from kvcore.transfer.descriptor import KVCacheDescriptor, LayerDescriptor
-from kvcore.transfer.plan import BlockPattern, pattern_runs
+from kvcore.transfer.regions import BlockPattern, pattern_runs
 
 
 @attrs.frozen
