@@ -11,11 +11,8 @@ for i in 1 2; do
   PYTHONPATH=$PWD/.old timeout 60 $PY scripts/gpu_zeroer_probe.py --label before 2>&1 | tail -1 | tee -a "$OUT/zeroer.jsonl"
   PYTHONPATH=$NEW timeout 60 $PY scripts/gpu_zeroer_probe.py --label after --parts 2>&1 | tail -1 | tee -a "$OUT/zeroer.jsonl"
 done
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nixl-site .whl/nixl-*.whl .whl/nixl_cu*.whl
-CUDART_DIR=$($PY -c "import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); \
-c = sorted(glob.glob(d + '/nvidia/**/libcudart.so.' + torch.version.cuda.split('.')[0], recursive=True)); print(os.path.dirname(c[0]) if c else '')")
-[ -n "$CUDART_DIR" ] && export LD_LIBRARY_PATH=$CUDART_DIR:${LD_LIBRARY_PATH:-}
-export PYTHONPATH=/tmp/nixl-site:$NEW
+export PYTHONPATH=$NEW
+source scripts/_nixl_env.sh
 probe() { local tag=$1; shift; echo "== nixl probe $tag"; timeout 150 $PY scripts/gpu_nixl_probe.py --json "$OUT/probe_$tag.json" "$@" 2>&1 | grep -v "NIXL INFO" | tail -8; }
 probe default
 probe threads4 --threads 4 --layouts BLNHC

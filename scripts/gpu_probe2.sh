@@ -13,11 +13,8 @@ for label in before after; do
   PYTHONPATH=$P timeout 100 $PY -m kvcore bench zero --json-out "$OUT/zero_$label.json" > "$OUT/zero_$label.txt" 2>&1
   echo "   $label rc=$?"; tail -25 "$OUT/zero_$label.txt"
 done
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nixl-site .whl/nixl-*.whl .whl/nixl_cu*.whl
-CUDART_DIR=$($PY -c "import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); \
-c = sorted(glob.glob(d + '/nvidia/**/libcudart.so.' + torch.version.cuda.split('.')[0], recursive=True)); print(os.path.dirname(c[0]) if c else '')")
-[ -n "$CUDART_DIR" ] && export LD_LIBRARY_PATH=$CUDART_DIR:${LD_LIBRARY_PATH:-}
-export PYTHONPATH=/tmp/nixl-site:$NEW
+export PYTHONPATH=$NEW
+source scripts/_nixl_env.sh
 $PY -m pip install -q --no-deps --no-build-isolation -e plugins/kvcore-torch -e plugins/kvcore-triton >/dev/null 2>&1
 echo "== NIXL GPU tests"
 timeout 150 $PY -m pytest -q -rs -p no:cacheprovider tests/test_nixl_gpu.py tests/test_nixl.py tests/test_transfer_bench.py 2>&1 | grep -v "NIXL INFO" | tail -6

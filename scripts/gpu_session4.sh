@@ -9,14 +9,10 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET= HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/kvcore-gpu4}; mkdir -p "$OUT"
 PY=${PY:-python3}
 START=$SECONDS; BUDGET=${BUDGET:-570}
-$PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nixl-site .whl/nixl-*.whl \
-  .whl/nixl_cu*.whl >"$OUT/pip.txt" 2>&1 || echo "NIXL wheels did not install (see pip.txt)"
 $PY -m pip install -q --no-deps --no-build-isolation -e plugins/kvcore-torch -e plugins/kvcore-triton \
   -e plugins/kvcore-flashinfer >>"$OUT/pip.txt" 2>&1 || echo "plugin installs failed (see pip.txt)"
-CUDART_DIR=$($PY -c "import glob, os, torch; d = os.path.dirname(os.path.dirname(torch.__file__)); \
-c = sorted(glob.glob(d + '/nvidia/**/libcudart.so.' + torch.version.cuda.split('.')[0], recursive=True)); print(os.path.dirname(c[0]) if c else '')")
-[ -n "$CUDART_DIR" ] && export LD_LIBRARY_PATH=$CUDART_DIR:${LD_LIBRARY_PATH:-}
-export PYTHONPATH=/tmp/nixl-site:$PWD:$PWD/tests:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton:$PWD/plugins/kvcore-flashinfer
+export PYTHONPATH=$PWD:$PWD/tests:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton:$PWD/plugins/kvcore-flashinfer
+source scripts/_nixl_env.sh
 : >"$OUT/summary.txt"
 step() {  # step NAME TIMEOUT CMD...: run while time is left, log to $OUT/NAME.txt, show its tail
   local name=$1 limit=$2; shift 2
