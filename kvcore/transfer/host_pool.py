@@ -60,31 +60,36 @@ class CopyHandle:
             self._event.synchronize()
 
 
-def _staged_chunks(
-    patterns: tuple[BlockPattern, ...], device_ids: torch.Tensor, host_ids: torch.Tensor,
-    slot_bytes: int,
-) -> tuple[int, list[tuple[torch.Tensor, PairedRuns]]] | None:
-    """``(run bytes, [(table rows, copies from the chunk buffer)])`` of equal, aligned runs."""
-    if len(patterns) != 1 or not device_ids.numel():
+def _staging(patterns: tuple[BlockPattern, ...]) -> tuple[int, int, torch.Tensor] | None:
+    """``(run bytes, runs per block stride, run starts in runs)`` when the blocks of ``patterns``
+    are equal, aligned runs (they can be gathered as rows of one table), else None."""
+    if len(patterns) != 1:
         return None
     p = patterns[0]
     run = p.lengths[0]
     if any(n != run for n in p.lengths) or p.block_stride % run or any(s % run for s in p.starts):
         return None
+    return run, p.block_stride // run, torch.tensor(p.starts, dtype=torch.int64) // run
+
+
+def _staged_chunks(
+    staging: tuple[int, int, torch.Tensor], block: int, device_ids: torch.Tensor,
+    host_ids: torch.Tensor, slot_bytes: int,
+) -> list[tuple[torch.Tensor, PairedRuns]]:
+    """``[(table rows, copies from the chunk buffer)]`` of ``block``-byte blocks, by chunk."""
+    _, stride_rows, starts = staging
     order = torch.argsort(host_ids, stable=True)  # host-slot order: consecutive slots merge
     device_ids, host_ids = device_ids[order], host_ids[order]
-    starts = torch.tensor(p.starts, dtype=torch.int64) // run
-    rows = device_ids[:, None] * (p.block_stride // run) + starts[None, :]
-    block = p.block_bytes
+    rows = device_ids[:, None] * stride_rows + starts[None, :]
     per_chunk = max(1, CHUNK_BYTES // block)
     chunks = []
     for first in range(0, device_ids.numel(), per_chunk):
         hosts = host_ids[first : first + per_chunk]
-        staging = torch.arange(hosts.numel(), dtype=torch.int64) * block
-        lengths = torch.full_like(staging, block)
-        copies = PairedRuns(0, 0, *merge_pairs(staging, hosts * slot_bytes, lengths))
+        staging_offsets = torch.arange(hosts.numel(), dtype=torch.int64) * block
+        lengths = torch.full_like(staging_offsets, block)
+        copies = PairedRuns(0, 0, *merge_pairs(staging_offsets, hosts * slot_bytes, lengths))
         chunks.append((rows[first : first + per_chunk].reshape(-1), copies))
-    return run, chunks
+    return chunks
 
 
 def _run_table(buffer: torch.Tensor, run_bytes: int) -> torch.Tensor:
@@ -112,6 +117,8 @@ class HostKVPool:
         self.kv_cache = kv_cache
         self.staging = bool(staging)
         self.descriptor = describe(kv_cache)
+        #: group selection -> (patterns, staging), worked out on first use (the cache is fixed)
+        self._layouts: dict[int | None, tuple[tuple[BlockPattern, ...], Any]] = {}
         self.device = kv_cache.device
         self._device_buf = raw_allocation(kv_cache)
         selections = [None, *(g.group_id for g in self.descriptor.groups if g.layers)]
@@ -120,8 +127,17 @@ class HostKVPool:
                                 pin_memory=self.device.type == "cuda")
         self._stream: torch.cuda.Stream | None = None
 
+    def _layout(self, group_id: int | None) -> tuple[tuple[BlockPattern, ...], Any]:
+        """The block patterns of a group selection and their staging (:func:`_staging`)."""
+        known = self._layouts.get(group_id) if group_id is None or type(group_id) is int else None
+        if known is None:
+            groups = group_selection(self.descriptor, group_id)  # NOTE: checks group_id
+            patterns = whole_block_patterns(self.descriptor, groups)
+            known = self._layouts[group_id] = (patterns, _staging(patterns))
+        return known
+
     def _patterns(self, group_id: int | None) -> tuple[BlockPattern, ...]:
-        return whole_block_patterns(self.descriptor, group_selection(self.descriptor, group_id))
+        return self._layout(group_id)[0]
 
     def _slot_bytes(self, group_id: int | None) -> int:
         try:
@@ -166,10 +182,10 @@ class HostKVPool:
     def _move(self, device_ids: Any, host_ids: Any, group_id: int | None, *, to_host: bool,
               non_blocking: bool) -> CopyHandle:
         dev, host = self._ids(device_ids, host_ids, to_host)
-        patterns = self._patterns(group_id)
-        staged = _staged_chunks(patterns, dev, host, self.block_bytes) if self.staging else None
-        if staged is not None:
-            handle = self._staged_copy(*staged, to_host=to_host)
+        patterns, staging = self._layout(group_id)
+        if self.staging and staging is not None and dev.numel():
+            chunks = _staged_chunks(staging, patterns[0].block_bytes, dev, host, self.block_bytes)
+            handle = self._staged_copy(staging[0], chunks, to_host=to_host)
         else:
             handle = self._copy(pair_runs(patterns, dev, packed_patterns(patterns), host), to_host)
         if self.device.type == "cuda":
