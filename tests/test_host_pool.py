@@ -84,6 +84,8 @@ def test_consecutive_blocks_merge_into_one_copy_in_block_outermost_layouts():
     assert pool.block_bytes == compact.block_bytes == sum(
         v[0].numel() * v.element_size() for v in kv.kv_caches.values()
     )
+    handle = pool.offload([2, 3, 4], [0, 1, 2], non_blocking=True)  # NOTE: on CPU: done on return
+    assert handle.done() and handle.num_runs == 1
 
 
 def test_bad_input_moves_nothing():
@@ -123,7 +125,9 @@ def test_cuda_round_trip_through_pinned_host_memory(layout, chunk_blocks, monkey
     assert pool.host.is_pinned()
     fill_random(kv, seed=11)
     before = {name: bits(view).clone() for name, view in kv.kv_caches.items()}
-    pool.offload([1, 2, 5], [3, 0, 1], non_blocking=True).wait()
+    handle = pool.offload([1, 2, 5], [3, 0, 1], non_blocking=True)
+    handle.wait()
+    assert handle.done()
     kv_raw = raw_buffer(kv)
     kv_raw.zero_()
     torch.cuda.synchronize()

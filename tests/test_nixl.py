@@ -160,7 +160,9 @@ def test_bad_transfer_input_moves_nothing():
         with pytest.raises(ValueError, match="got 2 block ids of peer 'b' and 1 local block id;"):
             agent_a.read_blocks("b", [1, 2], [3])
         assert torch.equal(raw_buffer(a), before_a) and torch.equal(raw_buffer(b), before_b)
-        assert agent_a.write_blocks("b", [], []).nbytes == 0
+        empty = agent_a.write_blocks("b", [], [])
+        assert empty.nbytes == 0 and empty.num_runs == 0 and empty.done()
+        assert not agent_a._prepared  # NOTE: nothing was prepared with NIXL for no blocks
     finally:
         agent_a.close()
         agent_b.close()

@@ -48,6 +48,13 @@ class StepBuilder:
     def __init__(self, kv: KVCache, groups: list[GroupInfo], tables: list[np.ndarray]) -> None:
         self.kv, self.groups, self.tables = kv, groups, tables
         self._static: tuple[torch.Tensor, ...] | None = None
+        #: A padded step's views of the static buffers, by shape (made once, reused every replay).
+        self._padded_views: dict[tuple, tuple[tuple, tuple]] = {}
+        #: (group, attention group) pairs whose builder plans on the host (``plan_graph_step``).
+        self._host_planners = [
+            (g, attn_group) for g, attn_groups in enumerate(kv.attn_groups) for attn_group in attn_groups
+            if hasattr(attn_group.metadata_builders[0], "plan_graph_step")
+        ]
 
     def build(self, batch: Batch, *, pad_to: int | None = None) -> Step:
         """The step of ``batch``; ``pad_to``: padded to that many requests in the static buffers."""
@@ -89,14 +96,20 @@ class StepBuilder:
         if pad_to is None:
             device = self.kv.device
             long_t, int_t = torch.from_numpy(longs).to(device), torch.from_numpy(ints).to(device)
+            input_ids, position_ids, logits_at, common = _unpack(long_t, int_t, *shape)
         else:
             host_long, host_int, long_t, int_t = self._static_buffers()
             host_long[: len(longs)] = torch.from_numpy(longs)
             host_int[: len(ints)] = torch.from_numpy(ints)
             long_t[: len(longs)].copy_(host_long[: len(longs)], non_blocking=True)
             int_t[: len(ints)].copy_(host_int[: len(ints)], non_blocking=True)
-            self._plan_on_host(_unpack(host_long, host_int, *shape)[3])
-        input_ids, position_ids, logits_at, common = _unpack(long_t, int_t, *shape)
+            key = (*shape[:3], tuple(shape[3]), *shape[4:])
+            if key not in self._padded_views:
+                host = _unpack(host_long, host_int, *shape) if self._host_planners else None
+                self._padded_views[key] = (host, _unpack(long_t, int_t, *shape))
+            host, (input_ids, position_ids, logits_at, common) = self._padded_views[key]
+            if host is not None:
+                self._plan_on_host(host[3])
         sampled = [r for (r, _), s in zip(entries, sampling) if s and r is not None]
         return Step(input_ids, position_ids, logits_at, sampled, common)
 
@@ -117,17 +130,15 @@ class StepBuilder:
         They get its CPU tensors, block tables in kernel blocks, before capture and before
         every replay (no device sync).
         """
-        for g, attn_groups in enumerate(self.kv.attn_groups):
-            for attn_group in attn_groups:
-                builder = attn_group.metadata_builders[0]
-                if not hasattr(builder, "plan_graph_step"):
-                    continue
-                table = common[g].block_table_tensor
-                if attn_group.kernel_block_size is not None:
-                    ratio = attn_group.blocks_per_manager_block
-                    step = attn_group.kernel_block_stride or ratio
-                    table = (table[..., None] * step + torch.arange(ratio, dtype=torch.int32)).flatten(1)
-                builder.plan_graph_step(attrs.evolve(common[g], block_table_tensor=table))
+        for g, attn_group in self._host_planners:
+            table = common[g].block_table_tensor
+            if attn_group.kernel_block_size is not None:
+                ratio = attn_group.blocks_per_manager_block
+                step = attn_group.kernel_block_stride or ratio
+                table = (table[..., None] * step + torch.arange(ratio, dtype=torch.int32)).flatten(1)
+            attn_group.metadata_builders[0].plan_graph_step(
+                attrs.evolve(common[g], block_table_tensor=table)
+            )
 
 
 def _unpack(longs: torch.Tensor, ints: torch.Tensor, num_reqs: int, num_tokens: int, num_sampled: int,

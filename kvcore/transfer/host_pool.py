@@ -55,6 +55,10 @@ class CopyHandle:
     def __init__(self, event: torch.cuda.Event | None, runs: int, nbytes: int) -> None:
         self._event, self.num_runs, self.nbytes = event, runs, nbytes
 
+    def done(self) -> bool:
+        """Whether the copies are done (never blocks)."""
+        return self._event is None or self._event.query()
+
     def wait(self) -> None:
         if self._event is not None:
             self._event.synchronize()

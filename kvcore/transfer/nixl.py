@@ -198,10 +198,10 @@ class NixlAgent:
             )
         loc, rem = self._ids(op, peer, local_ids, remote_ids)
         groups = group_selection(self.descriptor, group_id)
-        local = self._prepare(_LOCAL, self.descriptor, groups)
-        far = self._prepare(peer, remote, groups)
         if not loc.numel():
             return TransferHandle(self._agent, None, 0, 0, self._transports[peer])
+        local = self._prepare(_LOCAL, self.descriptor, groups)
+        far = self._prepare(peer, remote, groups)
         local_index, remote_index, runs, nbytes = paired_indices(local, far, loc, rem)
         try:
             handle = self._agent.make_prepped_xfer(op, local.handle, local_index, far.handle,
@@ -217,13 +217,13 @@ class NixlAgent:
         """``owner``'s runs of ``groups`` as a NIXL prepared list (made on first use, then kept)."""
         key = (owner, groups)
         if key not in self._prepared:
-            local = whole_block_patterns(self.descriptor, groups)
-            patterns = local if owner == _LOCAL else whole_block_patterns(descriptor, groups)
-            reason = structure_mismatch(local, patterns)
-            if reason is not None:
-                raise IncompatiblePeerError(
-                    f"cannot exchange KV blocks with peer {owner!r}: {reason}"
-                )
+            patterns = whole_block_patterns(descriptor, groups)
+            if owner != _LOCAL:  # NOTE: connect() checked whole blocks pair up; this is per group
+                reason = structure_mismatch(whole_block_patterns(self.descriptor, groups), patterns)
+                if reason is not None:
+                    raise IncompatiblePeerError(
+                        f"cannot exchange KV blocks with peer {owner!r}: {reason}"
+                    )
             try:
                 self._prepared[key] = PreparedRuns(descriptor, patterns).prepare(self._agent, owner)
             except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
@@ -282,16 +282,18 @@ class NixlAgent:
 
     def _start(self, op: str, peer: str, handle: Any, runs: int, nbytes: int) -> TransferHandle:
         """Post a NIXL transfer handle; a refusal releases it and raises :class:`TransferError`."""
+        cause: Exception | None = None
         try:
             state = self._agent.transfer(handle)
         except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
-            state = repr(exc)
+            state, cause = repr(exc), exc
         if state not in ("DONE", "PROC"):
-            self._agent.release_xfer_handle(handle)
+            with contextlib.suppress(Exception):  # NOTE: the refusal below is what the caller needs
+                self._agent.release_xfer_handle(handle)
             raise TransferError(
                 f"NIXL could not start the {op} with peer {peer!r} ({state}); if the peer process "
                 "exited, reconnect to a live one (connect() with its fresh metadata())"
-            )
+            ) from cause
         started = TransferHandle(self._agent, handle, runs, nbytes, self._transports[peer])
         with contextlib.suppress(Exception):  # NOTE: older NIXL builds lack the query: None then
             started.backend = self._agent.query_xfer_backend(handle)

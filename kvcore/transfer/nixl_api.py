@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from kvcore.transfer.descriptor import KVCacheDescriptor
-from kvcore.transfer.pairs import PairedRuns
+from kvcore.transfer.pairs import PairedRuns, merge_pairs
 
 
 class NixlUnavailableError(ImportError):
@@ -155,9 +155,7 @@ def paired_indices(local: PreparedRuns, far: PreparedRuns, loc: torch.Tensor,
     order = torch.argsort(loc)  # NOTE: blocks adjacent on both sides become one copy in NIXL
     local_index, local_addresses = local.indices(loc[order].numpy())
     remote_index, remote_addresses = far.indices(rem[order].numpy())
-    lengths = local.lengths.repeat(loc.numel())
-    breaks = (local_addresses[1:] != local_addresses[:-1] + lengths[:-1]) | (
-        remote_addresses[1:] != remote_addresses[:-1] + lengths[:-1]
-    )
-    runs = 1 + int(breaks.sum()) if len(lengths) else 0
-    return local_index, remote_index, runs, int(lengths.sum())
+    lengths = torch.from_numpy(local.lengths.repeat(loc.numel()))
+    local_t, remote_t = torch.from_numpy(local_addresses), torch.from_numpy(remote_addresses)
+    merged = merge_pairs(local_t, remote_t, lengths)
+    return local_index, remote_index, merged[0].numel(), int(lengths.sum())
