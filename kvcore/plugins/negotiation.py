@@ -190,10 +190,8 @@ def negotiate(
         for (backend, spec), names in by_key.items():
             own, stride = (kernel if kernel != spec.block_size else None), 0
             if kernel is not None and packed and can_split(spec):
-                own = answers.common_block_size(kernel, [(backend, spec)])
-                if own == spec.block_size:
-                    own = None
-                else:
+                own = _own_kernel_size(answers, backend, spec, kernel)
+                if own is not None:
                     tensor = next(t for t in config.kv_cache_tensors if names[0] in t.layers)
                     stride = packed_kernel_stride(
                         spec, tensor.block_stride, own, label(backend), names
@@ -225,11 +223,19 @@ def settle_kernel_block_size(
                 f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
             )
         return record
-    spec, own = record.kv_cache_spec, None
+    spec = record.kv_cache_spec
+    own = None
     if can_split(spec):
-        own = answers().common_block_size(kernel_block_size, [(record.backend, spec)])
-        own = None if own == spec.block_size else own
+        own = _own_kernel_size(answers(), record.backend, spec, kernel_block_size)
     return attrs.evolve(record, group_kernel_block_size=kernel_block_size, kernel_block_size=own)
+
+
+def _own_kernel_size(
+    answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec, kernel: int
+) -> int | None:
+    """The kernel block size ``backend`` takes in a group of ``kernel`` (None: whole blocks)."""
+    own = answers.common_block_size(kernel, [(backend, spec)])
+    return None if own == spec.block_size else own
 
 
 def packed_kernel_stride(
