@@ -50,11 +50,9 @@ def _hashes(hashes: Sequence[bytes]) -> list[bytes]:
 class BlockPool:
     """Free list of block ids ``1 .. num_blocks - 1``, optionally with a prefix cache.
 
-    Allocate, free, hit and evict cost O(1) per block. ``allocate`` takes free
-    blocks first (first freed, first reused), then evicts the least recently
-    freed cached block. With ``enable_caching=True`` each KV cache group caches
-    full, written blocks under their chained hashes (:func:`kvcore.block_hashes`);
-    a hash cached in one group never hits in another (block ids are global).
+    O(1) per block. ``allocate`` takes free blocks first (first freed, first reused), then
+    evicts the least recently freed cached block. With ``enable_caching=True`` each KV cache
+    group caches full, written blocks under their :func:`kvcore.block_hashes`.
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = False) -> None:
@@ -123,11 +121,8 @@ class BlockPool:
     def free(self, block_ids: Iterable[int] | int) -> None:
         """Drop one reference to each block (one id or an iterable of ids), all or nothing.
 
-        A cached block whose last reference goes becomes evictable, in the
-        order given (free a request's blocks last first, so its tail is
-        evicted before its shared head). A block freed before
-        :meth:`take_new_blocks` reported it loses its hash. The null block, ids
-        outside the pool and ids freed more often than held raise ``ValueError``.
+        A cached block whose last reference goes becomes evictable, in the order given (free
+        a request's blocks last first: its tail is evicted before its shared head).
         """
         # NOTE: a 0-d tensor or array is one id, though it is Iterable (and iterating it raises).
         if isinstance(block_ids, Iterable) and getattr(block_ids, "ndim", 1) != 0:
@@ -163,10 +158,8 @@ class BlockPool:
     ) -> int:
         """How many leading blocks of ``hashes`` a hit would cover; changes nothing.
 
-        ``window=None``: the longest prefix whose blocks are all cached.
-        ``window=w`` (a sliding window of ``w`` blocks, see
-        :func:`kvcore.sliding_window_blocks`): the longest prefix whose last
-        ``w`` blocks are cached (all of it when shorter). Without caching: 0.
+        With ``window=w`` (:func:`kvcore.sliding_window_blocks`) only the last ``w`` blocks
+        of the prefix must be cached.
         """
         return self._hit_range(_hashes(hashes), group_id, window)[1]
 
@@ -176,12 +169,9 @@ class BlockPool:
         *,
         max_tokens: int | None = None,
     ) -> int:
-        """Tokens of the longest prefix that every listed group hits; changes nothing.
+        """Tokens of the longest prefix every group hits (a multiple of each block size).
 
-        ``groups[group_id] = (hashes, block_size, window)`` for each group that
-        caches. ``max_tokens`` caps the hit (say, one less than the prompt).
-        The answer is a multiple of every block size; then call
-        :meth:`get_cached_blocks` per group with ``hashes[: tokens // block_size]``.
+        ``groups[group_id] = (hashes, block_size, window)``; ``max_tokens`` caps the hit.
         """
         checked = []
         for group_id, entry in groups.items():
@@ -207,12 +197,10 @@ class BlockPool:
     def get_cached_blocks(
         self, hashes: Sequence[bytes], *, group_id: int = 0, window: int | None = None
     ) -> list[int]:
-        """The blocks of the longest cached prefix of ``hashes``; each gains a reference.
+        """The blocks of the prefix :meth:`find_cached_prefix` measures; each gains a reference.
 
-        The prefix is the one :meth:`find_cached_prefix` measures. With a
-        ``window``, positions before it hold ``NULL_BLOCK_ID`` (0), take no
-        reference and must be left out of :meth:`free`. Hits are shared, not
-        new: never reported by :meth:`take_new_blocks`, never zeroed or written.
+        With a ``window``, positions before it hold ``NULL_BLOCK_ID`` and take no reference.
+        Hits are shared: never reported by :meth:`take_new_blocks`, never zeroed.
         """
         hashes = _hashes(hashes)
         start, end = self._hit_range(hashes, group_id, window)
@@ -226,13 +214,9 @@ class BlockPool:
     def cache_blocks(
         self, hashes: Sequence[bytes], block_ids: Sequence[int], *, group_id: int = 0
     ) -> None:
-        """Record held, full blocks under their hashes: ``hashes[i]`` is ``block_ids[i]``'s.
+        """Record held, full, written blocks under their hashes (``hashes[i]``: ``block_ids[i]``).
 
-        Call it once a block is full and the step writing it has begun. A
-        block already cached under the same key is left as it is; a hash the
-        group already caches keeps its first block. Refused, pool unchanged:
-        caching off, lists of different lengths, ids not held or repeated, a
-        block still to be zeroed, a block cached under another hash or group.
+        A hash the group already caches keeps its first block. All or nothing.
         """
         if not self.enable_caching:
             raise ValueError(
@@ -284,11 +268,7 @@ class BlockPool:
         self._to_zero = {**dict.fromkeys(b for b in ids if self._refs[b] > 0), **self._to_zero}
 
     def resize(self, num_blocks: int) -> None:
-        """Grow or shrink the pool to ids ``1 .. num_blocks - 1``, all or nothing.
-
-        Growing appends free ids. Shrinking refuses, naming them, while ids at
-        or above ``num_blocks`` are held; evictable blocks there are evicted.
-        """
+        """Grow or shrink to ids ``1 .. num_blocks - 1``; refused while ids above are held."""
         num_blocks = _checked_size(num_blocks)
         old = self.num_blocks
         held = [b for b in range(num_blocks, old) if self._refs[b]]
