@@ -218,17 +218,13 @@ class AttentionGroup:
         """The kernel view of a layer's view as allocated (already one for a dense group)."""
         if self.kernel_block_size is None:
             raise ValueError(f"group {self.kv_cache_group_id} does not split blocks")
-        kernel_rows = self.kv_cache_spec.get_num_kernel_states(self.kernel_block_size)
+        spec, kernel = self.kv_cache_spec, self.kernel_block_size
+        kernel_rows = spec.get_num_kernel_states(kernel)
         if kv_cache.shape[-2] == kernel_rows:
             return kv_cache
         block_bytes = kv_cache.stride(0) * kv_cache.element_size()
-        stride = packed_kernel_stride(
-            self.kv_cache_spec,
-            block_bytes,
-            self.kernel_block_size,
-            label(self.backend),
-            self.layer_names,
-        )
+        who = label(self.backend)
+        stride = packed_kernel_stride(spec, block_bytes, kernel, who, self.layer_names)
         if self.kernel_block_stride not in (0, stride):
             raise ValueError(
                 f"a view with block stride {kv_cache.stride(0)} elements is not the view group "
