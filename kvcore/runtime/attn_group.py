@@ -1,8 +1,7 @@
-"""Attention groups: the layers of one KV cache group served by one backend.
+"""Attention groups: the layers of one KV cache group that one backend serves.
 
-A group is a read-only view of its negotiation record
-(:class:`~kvcore.plugins.negotiation.BackendNegotiation`) plus the per-step buffers
-its backend needs (metadata builders, the persistent kernel block table).
+A group reads every decision from its negotiation record and holds the per-step
+buffers its backend needs (metadata builders, the persistent kernel block table).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ from kvcore.plugins.backend import (
 from kvcore.plugins.block_sizes import get_block_table_width
 from kvcore.plugins.negotiation import (
     BackendNegotiation,
-    Negotiation,
     backend_groups,
     packed_kernel_stride,
     settle_kernel_block_size,
@@ -39,13 +37,11 @@ from kvcore.specs import KVCacheSpec
 class AttentionGroup:
     """Layers of one KV cache group that share a backend and a (customized) spec.
 
-    With ``kernel_block_size`` set, block tables and views address kernel
-    blocks: kernel block ``j`` of manager block ``b`` is ``b * ratio + j``
-    (dense pages, ``kernel_block_stride`` 0) or ``b * kernel_block_stride + j``
-    (a packed, block-outermost cache). Every decision is read from
-    :attr:`record`: complete for groups from ``KVCache.create``; a group made
-    by hand is settled by ``create_metadata_builders(kernel_block_size=...)``
-    and learns a packed stride from the first view it maps (once).
+    With ``kernel_block_size`` set, kernel block ``j`` of manager block ``b`` is
+    ``b * ratio + j`` (dense pages) or ``b * kernel_block_stride + j`` (a packed,
+    block-outermost cache). Every decision is read from :attr:`record`; a group made
+    by hand is settled by ``create_metadata_builders(kernel_block_size=...)`` and
+    learns a packed stride from the first view it maps.
     """
 
     def __init__(
@@ -56,11 +52,8 @@ class AttentionGroup:
         kv_cache_group_id: int,
         kernel_block_size: int | None = None,
     ) -> None:
-        if kernel_block_size is not None:
-            kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
-        self.record = BackendNegotiation(
-            backend, tuple(layer_names), kv_cache_spec, None, kernel_block_size
-        )
+        self.record = BackendNegotiation(backend, tuple(layer_names), kv_cache_spec, None)
+        self.kernel_block_size = kernel_block_size
         self.kv_cache_group_id = kv_cache_group_id
         # NOTE: persistent per micro-batch, so CUDA graphs capture the mapped table.
         self.kernel_block_table: torch.Tensor | None = None
@@ -95,8 +88,7 @@ class AttentionGroup:
 
     @kernel_block_size.setter
     def kernel_block_size(self, value: int | None) -> None:
-        if value is not None:
-            value = positive_int("kernel_block_size", value)
+        value = None if value is None else positive_int("kernel_block_size", value)
         if self.record.group_kernel_block_size is not None and value != self.kernel_block_size:
             raise ValueError(
                 f"attention group of {self.layer_names} was negotiated with kernel block size "
@@ -122,10 +114,8 @@ class AttentionGroup:
     ) -> None:
         """Create one metadata builder per micro-batch and the kernel block table.
 
-        ``kernel_block_size`` is the KV cache group's (None: the record's). A
-        negotiated group must agree; a hand-made one takes the largest size its
-        backend accepts that divides it. ``settings`` (default: none set)
-        give each step's metadata its ``debug_checks``.
+        ``kernel_block_size`` is the KV cache group's (None: the record's); a group made
+        by hand takes the largest size its backend accepts that divides it.
         """
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
@@ -189,8 +179,8 @@ class AttentionGroup:
     ) -> torch.Tensor:
         """Manager block table ``[rows, cols]`` -> kernel block table ``[rows, cols * ratio]``.
 
-        One fused ``add`` into a slice of the persistent buffer, so the result
-        keeps its address across steps (CUDA-graph safe).
+        One fused ``add`` into the persistent buffer: the result keeps its address
+        across steps (CUDA-graph safe).
         """
         if self.kernel_block_size is None:
             return block_table
@@ -225,24 +215,17 @@ class AttentionGroup:
         return out
 
     def map_kv_cache_to_kernel_blocks(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The kernel view of a layer's view as allocated.
-
-        A view already addressing kernel blocks (a dense group, split at
-        allocation) is returned as is; a packed cache is viewed as kernel
-        blocks, ``kernel_block_stride`` pages apart.
-        """
+        """The kernel view of a layer's view as allocated (already one for a dense group)."""
         if self.kernel_block_size is None:
             raise ValueError(f"group {self.kv_cache_group_id} does not split blocks")
-        spec = self.kv_cache_spec
-        kernel_rows = spec.get_num_kernel_states(self.kernel_block_size)
+        spec, kernel = self.kv_cache_spec, self.kernel_block_size
+        kernel_rows = spec.get_num_kernel_states(kernel)
         if kv_cache.shape[-2] == kernel_rows:
             return kv_cache
         block_bytes = kv_cache.stride(0) * kv_cache.element_size()
         who = label(self.backend)
-        stride = packed_kernel_stride(
-            spec, block_bytes, self.kernel_block_size, who, self.layer_names
-        )
-        if self.kernel_block_stride and stride != self.kernel_block_stride:
+        stride = packed_kernel_stride(spec, block_bytes, kernel, who, self.layer_names)
+        if self.kernel_block_stride not in (0, stride):
             raise ValueError(
                 f"a view with block stride {kv_cache.stride(0)} elements is not the view group "
                 f"{self.kv_cache_group_id} was negotiated for ({self.kernel_block_stride} kernel "
@@ -274,11 +257,8 @@ def build_attention_groups(
 ) -> list[list[AttentionGroup]]:
     """Per KV cache group, one :class:`AttentionGroup` per (backend, customized spec).
 
-    ``layer_backends`` maps every attention layer of the config to a backend
-    class or name (state-cache layers may be left out); specs are customized
-    here through the hooks. Groups keep the config's layer order; KV cache
-    groups without layer views get an empty list. Each group's kernel blocks
-    are settled by ``create_metadata_builders(kernel_block_size=...)``.
+    Specs are customized here through the hooks; state-cache layers may be left out of
+    ``layer_backends``; groups without layer views get an empty list.
     """
     if not isinstance(layer_backends, Mapping):
         raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
@@ -288,13 +268,6 @@ def build_attention_groups(
     return [
         [AttentionGroup(backend, names, spec, gid) for (backend, spec), names in by_key.items()]
         for gid, by_key in enumerate(by_group)
-    ]
-
-
-def attention_groups_from(negotiation: Negotiation) -> list[list[AttentionGroup]]:
-    """The attention groups a negotiation decided, one list per KV cache group."""
-    return [
-        [AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups
     ]
 
 
@@ -319,13 +292,11 @@ def map_kv_caches_to_kernel_blocks(
 ) -> dict[str, torch.Tensor]:
     """The views kernels read: each split group's layers addressed by kernel blocks.
 
-    ``kv_caches`` (the views as allocated) is not changed; ``attn_groups``
-    may be flat or nested per KV cache group.
+    ``kv_caches`` is not changed; ``attn_groups`` may be flat or nested per KV cache group.
     """
     mapped = dict(kv_caches)
     for group in flatten_attention_groups(attn_groups):
-        if group.kernel_block_size is not None:
-            for name in group.layer_names:
-                if name in kv_caches:
-                    mapped[name] = group.map_kv_cache_to_kernel_blocks(kv_caches[name])
+        for name in group.layer_names if group.kernel_block_size is not None else ():
+            if name in kv_caches:
+                mapped[name] = group.map_kv_cache_to_kernel_blocks(kv_caches[name])
     return mapped

@@ -1,9 +1,6 @@
 """The pool of manager block ids a scheduler hands to sequences, with an optional prefix cache.
 
-Block 0 is the null block: never handed out, so a block table can use it as padding. What
-a group may cache is the engine's choice: full attention and sliding windows every full
-block (a window's hit needs only the blocks inside it); a state cache nothing, unless the
-engine keeps the state exactly as it was at that block's boundary.
+Block 0 is the null block: never handed out, so a block table can use it as padding.
 """
 
 from __future__ import annotations
@@ -50,31 +47,24 @@ def _hashes(hashes: Sequence[bytes]) -> list[bytes]:
     return out
 
 
-def _window(window: int | None) -> int | None:
-    return None if window is None else positive_int("window (blocks)", window)
-
-
 class BlockPool:
     """Free list of block ids ``1 .. num_blocks - 1``, optionally with a prefix cache.
 
-    Allocate, free, hit and evict cost O(1) per block. ``allocate`` takes free
-    blocks first (first freed, first reused), then evicts the least recently
-    freed cached block. With ``enable_caching=True`` each KV cache group caches
-    full, written blocks under their chained hashes (:func:`kvcore.block_hashes`);
-    a hash cached in one group never hits in another (block ids are global).
+    O(1) per block. ``allocate`` takes free blocks first (first freed, first reused), then
+    evicts the least recently freed cached block. With ``enable_caching=True`` each KV cache
+    group caches full, written blocks under their :func:`kvcore.block_hashes`.
     """
 
     def __init__(self, num_blocks: int, *, enable_caching: bool = False) -> None:
         num_blocks = _checked_size(num_blocks)
         if not isinstance(enable_caching, bool):
             raise TypeError(f"enable_caching must be True or False, got {enable_caching!r}")
-        self._num_blocks = num_blocks
-        self._caching = enable_caching
+        self.enable_caching = enable_caching
         self._free = deque(range(1, num_blocks))
-        # NOTE: _refs[b] counts b's holders (at most 1 without caching); _new holds the
-        # blocks allocated and still held that take_new_blocks has not reported (to zero).
+        # NOTE: _refs[b] counts b's holders (at most 1 without caching); _to_zero holds the
+        # blocks allocated and still held that take_new_blocks has not reported yet.
         self._refs = [0] * num_blocks
-        self._new: dict[int, None] = {}
+        self._to_zero: dict[int, None] = {}
         self._evictable: OrderedDict[int, None] = OrderedDict()
         self._maps: dict[int, dict[bytes, int]] = {}  # group id -> hash -> block
         self._keys: dict[int, tuple[int, bytes]] = {}  # block -> (group id, hash)
@@ -82,11 +72,7 @@ class BlockPool:
     @property
     def num_blocks(self) -> int:
         """All blocks, the null block included."""
-        return self._num_blocks
-
-    @property
-    def enable_caching(self) -> bool:
-        return self._caching
+        return len(self._refs)
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,7 +82,7 @@ class BlockPool:
     @property
     def num_used_blocks(self) -> int:
         """Blocks held by at least one reference."""
-        return self._num_blocks - 1 - self.num_free_blocks
+        return self.num_blocks - 1 - self.num_free_blocks
 
     @property
     def num_cached_blocks(self) -> int:
@@ -110,7 +96,7 @@ class BlockPool:
 
     def is_allocated(self, block_id: int) -> bool:
         block_id = as_int("block_id", block_id)
-        return 0 <= block_id < self._num_blocks and self._refs[block_id] > 0
+        return 0 <= block_id < self.num_blocks and self._refs[block_id] > 0
 
     def ref_count(self, block_id: int) -> int:
         """How many holders share ``block_id`` (0 when free; at most 1 without caching)."""
@@ -121,52 +107,36 @@ class BlockPool:
         return self._keys.get(self._check_id(block_id))
 
     def allocate(self, n: int) -> list[int]:
-        """Hand out ``n`` block ids, or none at all.
-
-        :raises OutOfBlocksError: fewer than ``n`` blocks are free (the error
-            carries ``requested`` and ``free``); nothing is allocated.
-        """
+        """Hand out ``n`` block ids, or none at all (:class:`OutOfBlocksError`)."""
         n = non_negative_int("number of blocks to allocate", n)
-        free = self._free
-        if n > len(free) + len(self._evictable):
-            raise OutOfBlocksError(n, len(free) + len(self._evictable))
-        ids = [free.popleft() for _ in range(min(n, len(free)))]
-        if len(ids) < n:
-            ids.extend(self._evict_oldest() for _ in range(n - len(ids)))
-        refs, new = self._refs, self._new
+        if n > self.num_free_blocks:
+            raise OutOfBlocksError(n, self.num_free_blocks)
+        ids = [self._free.popleft() for _ in range(min(n, len(self._free)))]
+        ids.extend(self._evict_oldest() for _ in range(n - len(ids)))
         for block_id in ids:
-            refs[block_id] = 1
-            new[block_id] = None
+            self._refs[block_id] = 1
+            self._to_zero[block_id] = None
         return ids
 
     def free(self, block_ids: Iterable[int] | int) -> None:
-        """Drop one reference to each block (one id or an iterable of ids).
+        """Drop one reference to each block (one id or an iterable of ids), all or nothing.
 
-        A cached block whose last reference goes becomes evictable, in the
-        order given (free a request's blocks last first, so its tail is
-        evicted before its shared head). A block freed before
-        :meth:`take_new_blocks` reported it loses its hash. Every id is
-        checked first: the null block, ids outside the pool, ids not held
-        (double frees) or repeated more often than held raise ``ValueError``
-        and leave the pool unchanged.
+        A cached block whose last reference goes becomes evictable, in the order given (free
+        a request's blocks last first: its tail is evicted before its shared head).
         """
         # NOTE: a 0-d tensor or array is one id, though it is Iterable (and iterating it raises).
         if isinstance(block_ids, Iterable) and getattr(block_ids, "ndim", 1) != 0:
-            ids = [as_int("block id", b) for b in block_ids]
+            ids = [self._check_id(b) for b in block_ids]
         else:
-            ids = [as_int("block id", block_ids)]
-        refs, num_blocks = self._refs, self._num_blocks
-        for block_id in ids:
-            if not 0 < block_id < num_blocks:
-                self._check_id(block_id)  # raises, naming the null block or the range
-        counts = Counter(ids) if len(ids) > 1 else dict.fromkeys(ids, 1)
-        for block_id, count in counts.items():
+            ids = [self._check_id(block_ids)]
+        refs = self._refs
+        for block_id, count in Counter(ids).items():
+            if refs[block_id] == 0:
+                raise ValueError(
+                    f"block {block_id} is not allocated (double free?); free each "
+                    "allocated block once per reference"
+                )
             if count > refs[block_id]:
-                if refs[block_id] == 0:
-                    raise ValueError(
-                        f"block {block_id} is not allocated (double free?); free each "
-                        "allocated block once per reference"
-                    )
                 times = "twice" if count == 2 else f"{count} times"
                 raise ValueError(
                     f"block {block_id} appears {times} in one free() call but has only "
@@ -175,8 +145,8 @@ class BlockPool:
         for block_id in ids:
             refs[block_id] -= 1
             if refs[block_id] == 0:
-                if block_id in self._new:  # NOTE: never zeroed nor written: not cached
-                    del self._new[block_id]
+                if block_id in self._to_zero:  # NOTE: never zeroed nor written: not cached
+                    del self._to_zero[block_id]
                     self._drop(block_id)
                 if block_id in self._keys:
                     self._evictable[block_id] = None
@@ -188,14 +158,10 @@ class BlockPool:
     ) -> int:
         """How many leading blocks of ``hashes`` a hit would cover; changes nothing.
 
-        ``window=None``: the longest prefix whose blocks are all cached.
-        ``window=w`` (a sliding window of ``w`` blocks, see
-        :func:`kvcore.sliding_window_blocks`): the longest prefix whose last
-        ``w`` blocks are cached (all of it when shorter). Without caching: 0.
+        With ``window=w`` (:func:`kvcore.sliding_window_blocks`) only the last ``w`` blocks
+        of the prefix must be cached.
         """
-        hashes = _hashes(hashes)
-        group_id = non_negative_int("group_id", group_id)
-        return self._hit_range(hashes, group_id, _window(window))[1]
+        return self._hit_range(_hashes(hashes), group_id, window)[1]
 
     def find_common_prefix(
         self,
@@ -203,12 +169,9 @@ class BlockPool:
         *,
         max_tokens: int | None = None,
     ) -> int:
-        """Tokens of the longest prefix that every listed group hits; changes nothing.
+        """Tokens of the longest prefix every group hits (a multiple of each block size).
 
-        ``groups[group_id] = (hashes, block_size, window)`` for each group that
-        caches. ``max_tokens`` caps the hit (say, one less than the prompt).
-        The answer is a multiple of every block size; then call
-        :meth:`get_cached_blocks` per group with ``hashes[: tokens // block_size]``.
+        ``groups[group_id] = (hashes, block_size, window)``; ``max_tokens`` caps the hit.
         """
         checked = []
         for group_id, entry in groups.items():
@@ -217,16 +180,13 @@ class BlockPool:
                     f"groups[{group_id!r}] must be (hashes, block_size, window), got {entry!r}; "
                     "window is None for full attention"
                 )
-            hashes, block_size, window = entry
-            checked.append((non_negative_int("group_id", group_id), _hashes(hashes),
-                            positive_int("block_size", block_size), _window(window)))  # fmt: skip
-        if not checked:
-            return 0
-        limit = min(len(h) * bs for _, h, bs, _ in checked)
+            block_size = positive_int("block_size", entry[1])
+            checked.append((group_id, _hashes(entry[0]), block_size, entry[2]))
+        limit = min((len(h) * bs for _, h, bs, _ in checked), default=0)
         if max_tokens is not None:
             limit = min(limit, non_negative_int("max_tokens", max_tokens))
         changed = True
-        while changed and limit:  # NOTE: a sliding window's hit may shrink; repeat until all agree
+        while changed:  # NOTE: a sliding window's hit may shrink; repeat until all agree
             changed = False
             for group_id, hashes, block_size, window in checked:
                 blocks = self._hit_range(hashes[: limit // block_size], group_id, window)[1]
@@ -237,44 +197,33 @@ class BlockPool:
     def get_cached_blocks(
         self, hashes: Sequence[bytes], *, group_id: int = 0, window: int | None = None
     ) -> list[int]:
-        """The blocks of the longest cached prefix of ``hashes``; each gains a reference.
+        """The blocks of the prefix :meth:`find_cached_prefix` measures; each gains a reference.
 
-        The prefix is the one :meth:`find_cached_prefix` measures. With a
-        ``window``, positions before it hold ``NULL_BLOCK_ID`` (0), take no
-        reference and must be left out of :meth:`free`. Hits are shared, not
-        new: never reported by :meth:`take_new_blocks`, never zeroed or written.
+        With a ``window``, positions before it hold ``NULL_BLOCK_ID`` and take no reference.
+        Hits are shared: never reported by :meth:`take_new_blocks`, never zeroed.
         """
         hashes = _hashes(hashes)
-        group_id = non_negative_int("group_id", group_id)
-        start, end = self._hit_range(hashes, group_id, _window(window))
-        if end == 0:
-            return []
-        cache = self._maps[group_id]
-        ids = [cache[h] for h in hashes[start:end]]
-        refs = self._refs
+        start, end = self._hit_range(hashes, group_id, window)
+        ids = [self._maps[group_id][h] for h in hashes[start:end]]
         for block_id in ids:
-            if refs[block_id] == 0:
+            if self._refs[block_id] == 0:
                 del self._evictable[block_id]
-            refs[block_id] += 1
-        return [NULL_BLOCK_ID] * start + ids
+            self._refs[block_id] += 1
+        return [NULL_BLOCK_ID] * start + ids if ids else []
 
     def cache_blocks(
         self, hashes: Sequence[bytes], block_ids: Sequence[int], *, group_id: int = 0
     ) -> None:
-        """Record held, full blocks under their hashes: ``hashes[i]`` is ``block_ids[i]``'s.
+        """Record held, full, written blocks under their hashes (``hashes[i]``: ``block_ids[i]``).
 
-        Call it once a block is full and the step writing it has begun. A
-        block already cached under the same key is left as it is; a hash the
-        group already caches keeps its first block. Refused, pool unchanged:
-        caching off, lists of different lengths, ids not held or repeated, a
-        block still to be zeroed, a block cached under another hash or group.
+        A hash the group already caches keeps its first block. All or nothing.
         """
-        if not self._caching:
+        if not self.enable_caching:
             raise ValueError(
                 "this BlockPool was built without prefix caching; pass enable_caching=True"
             )
         hashes = _hashes(hashes)
-        ids = [as_int("block id", b) for b in block_ids]
+        ids = [self._check_id(b) for b in block_ids]
         group_id = non_negative_int("group_id", group_id)
         if len(hashes) != len(ids):
             raise ValueError(
@@ -285,22 +234,22 @@ class BlockPool:
         if len(set(ids)) != len(ids):
             raise ValueError(f"cache_blocks got a block id twice in {ids}; list each block once")
         for h, block_id in zip(hashes, ids):
-            if self._refs[self._check_id(block_id)] == 0:
+            if self._refs[block_id] == 0:
                 raise ValueError(
                     f"block {block_id} is not allocated; cache only blocks you hold, "
                     "once their contents are written"
                 )
-            if block_id in self._new:
+            if block_id in self._to_zero:
                 raise ValueError(
                     f"block {block_id} was allocated but no step has been handed it yet "
                     "(take_new_blocks / KVCache.begin_step has not reported it, so it is still to "
                     "be zeroed); cache it after the step that writes it"
                 )
-            key = self._keys.get(block_id)
-            if key is not None and key != (group_id, h):
+            if self._keys.get(block_id, (group_id, h)) != (group_id, h):
                 raise ValueError(
-                    f"block {block_id} is already cached under another hash (group {key[0]}); "
-                    "a block's contents are fixed once it is full: cache each block once"
+                    f"block {block_id} is already cached under another hash "
+                    f"(group {self._keys[block_id][0]}); a block's contents are fixed once it "
+                    "is full: cache each block once"
                 )
         cache = self._maps.setdefault(group_id, {})
         for h, block_id in zip(hashes, ids):
@@ -310,45 +259,38 @@ class BlockPool:
 
     def take_new_blocks(self) -> list[int]:
         """The blocks to zero: ids ``allocate`` handed out since the last call and still held."""
-        new, self._new = list(self._new), {}
+        new, self._to_zero = list(self._to_zero), {}
         return new
 
     def requeue_new_blocks(self, block_ids: Sequence[int]) -> None:
         """Report ids :meth:`take_new_blocks` returned again at its next call (zeroing failed)."""
         ids = [self._check_id(b) for b in block_ids]
-        self._new = {**dict.fromkeys(b for b in ids if self._refs[b] > 0), **self._new}
+        self._to_zero = {**dict.fromkeys(b for b in ids if self._refs[b] > 0), **self._to_zero}
 
     def resize(self, num_blocks: int) -> None:
-        """Grow or shrink the pool to ids ``1 .. num_blocks - 1``, all or nothing.
-
-        Growing appends free ids. Shrinking refuses, naming them, while ids at
-        or above ``num_blocks`` are held; evictable blocks there are evicted.
-        """
+        """Grow or shrink to ids ``1 .. num_blocks - 1``; refused while ids above are held."""
         num_blocks = _checked_size(num_blocks)
-        old = self._num_blocks
-        if num_blocks < old:
-            held = [b for b in range(num_blocks, old) if self._refs[b]]
-            if held:
-                shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
-                raise ValueError(
-                    f"cannot shrink the pool to {num_blocks} blocks: {len(held)} block(s) at or "
-                    f"above {num_blocks} are held ({shown}); free them first or shrink less"
-                )
-            for block_id in [b for b in self._evictable if b >= num_blocks]:
-                del self._evictable[block_id]
-                self._drop(block_id)
-            self._free = deque(b for b in self._free if b < num_blocks)
-            del self._refs[num_blocks:]
-        else:
-            self._free.extend(range(old, num_blocks))
-            self._refs.extend([0] * (num_blocks - old))
-        self._num_blocks = num_blocks
+        old = self.num_blocks
+        held = [b for b in range(num_blocks, old) if self._refs[b]]
+        if held:
+            shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
+            raise ValueError(
+                f"cannot shrink the pool to {num_blocks} blocks: {len(held)} block(s) at or "
+                f"above {num_blocks} are held ({shown}); free them first or shrink less"
+            )
+        for block_id in [b for b in self._evictable if b >= num_blocks]:
+            del self._evictable[block_id]
+            self._drop(block_id)
+        self._free = deque(b for b in self._free if b < num_blocks)
+        self._free.extend(range(old, num_blocks))
+        self._refs = self._refs[:num_blocks] + [0] * (num_blocks - old)
 
     def _hit_range(self, hashes: list[bytes], group_id: int, window: int | None) -> tuple[int, int]:
         """``(start, end)``: the hit is ``hashes[:end]``; only ``hashes[start:end]`` are needed."""
-        cache = self._maps.get(group_id)
-        if not cache:
-            return 0, 0
+        group_id = non_negative_int("group_id", group_id)
+        if window is not None:
+            window = positive_int("window (blocks)", window)
+        cache = self._maps.get(group_id, {})
         if window is None:
             end = 0
             while end < len(hashes) and hashes[end] in cache:
@@ -378,13 +320,13 @@ class BlockPool:
                 f"block {NULL_BLOCK_ID} is the reserved null block and is never "
                 "allocated; drop it from the ids (e.g. padding in a block table)"
             )
-        if not 0 < block_id < self._num_blocks:
+        if not 0 < block_id < self.num_blocks:
             raise ValueError(
-                f"block id {block_id} is outside this pool of {self._num_blocks} "
-                f"blocks; valid ids are 1..{self._num_blocks - 1}"
+                f"block id {block_id} is outside this pool of {self.num_blocks} "
+                f"blocks; valid ids are 1..{self.num_blocks - 1}"
             )
         return block_id
 
     def __repr__(self) -> str:
-        cached = f", cached={len(self._keys)}" if self._caching else ""
-        return f"BlockPool(num_blocks={self._num_blocks}, free={self.num_free_blocks}{cached})"
+        cached = f", cached={len(self._keys)}" if self.enable_caching else ""
+        return f"BlockPool(num_blocks={self.num_blocks}, free={self.num_free_blocks}{cached})"

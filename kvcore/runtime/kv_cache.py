@@ -1,9 +1,7 @@
 """KVCache: the whole path from layer specs to zeroed, kernel-ready views (SPEC §7).
 
-:meth:`KVCache.create` customizes each layer's spec through its backend's
-hooks, resolves the layout, plans, negotiates each KV cache group's kernel
-blocks once (one record per group, :mod:`kvcore.plugins.negotiation`), allocates,
-and builds the attention groups, kernel views and zeroer from that record.
+Every stage after planning reads the one negotiation record per KV cache group
+(:mod:`kvcore.plugins.negotiation`): attention groups, kernel views and the zeroer.
 """
 
 from __future__ import annotations
@@ -32,11 +30,7 @@ from kvcore.plugins.auto import resolve_auto
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, plan_meeting_rules
 from kvcore.plugins.negotiation import Negotiation
-from kvcore.runtime.attn_group import (
-    AttentionGroup,
-    attention_groups_from,
-    map_kv_caches_to_kernel_blocks,
-)
+from kvcore.runtime.attn_group import AttentionGroup, map_kv_caches_to_kernel_blocks
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
@@ -76,9 +70,10 @@ def _served_specs(
             )
         chosen = resolve_auto(answers, backend, layer_specs[layer], device)
         backends[layer] = answers.backend(chosen)
-    specs = dict(layer_specs)
-    for name, backend in backends.items():
-        specs[name] = answers.customized_spec(backend, specs[name])
+    specs = {
+        n: answers.customized_spec(backends[n], s) if n in backends else s
+        for n, s in layer_specs.items()
+    }
     check_abilities(answers, specs, backends, device)
     return specs, backends
 
@@ -87,11 +82,9 @@ def _served_specs(
 class KVCache:
     """A planned, allocated KV cache with everything an engine needs per step.
 
-    ``kv_caches`` are the views as allocated, which KV connectors keep using;
-    ``layer_kv_caches`` the views attention kernels take, by kernel block.
-    ``attn_groups[g]`` holds the attention groups of KV cache group ``g``.
-    Call :meth:`begin_step` once per step, after allocating blocks from
-    ``block_pool`` and before any kernel reads them.
+    ``kv_caches`` are the views as allocated (KV connectors use them), ``layer_kv_caches``
+    the views kernels take; ``attn_groups[g]`` are KV cache group ``g``'s attention groups.
+    Call :meth:`begin_step` once per step, after allocating blocks and before kernels run.
     """
 
     config: KVCacheConfig
@@ -105,10 +98,8 @@ class KVCache:
     max_num_seqs: int
     max_model_len: int
     negotiation: Negotiation = attrs.field(repr=False)
-    #: The committed part of an elastic cache's reservation (None: a plain allocation).
-    elastic: ElasticMemory | None = attrs.field(repr=False)
-    #: The environment read when the cache was created (passed down to builders and zeroer).
-    settings: Settings = attrs.field(repr=False)
+    elastic: ElasticMemory | None = attrs.field(repr=False)  # NOTE: None: a plain allocation
+    settings: Settings = attrs.field(repr=False)  # NOTE: read once, in create
 
     @classmethod
     def create(
@@ -129,28 +120,22 @@ class KVCache:
     ) -> KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
-        ``layer_backends`` maps each attention layer to its backend class, a
-        registered name, or ``"auto"`` (:func:`kvcore.select_backend`). Every
-        kernel view is checked against its backend's ``KernelRequirements``
-        before anything is allocated. Give exactly one of ``available_memory``
-        (bytes) and ``num_blocks``. With a ``torch.distributed`` process
-        ``group``, all ranks agree on one layout and one block count. With
-        ``max_num_blocks`` the cache is elastic: the plan and views are those
-        of ``max_num_blocks`` blocks, memory is committed for the first
-        ``num_blocks`` (or what ``available_memory`` buys; neither: all), and
-        :meth:`resize` changes that later. The environment is read here, once
-        (:class:`kvcore.settings.Settings`).
+        ``layer_backends`` maps each attention layer to a backend class, a registered
+        name or ``"auto"``. Give one of ``available_memory`` (bytes) and ``num_blocks``.
+        With a ``torch.distributed`` ``group`` all ranks agree on one layout and block
+        count. With ``max_num_blocks`` the cache is elastic: planned for that many
+        blocks, memory committed for ``num_blocks`` (or what ``available_memory`` buys;
+        neither: all), changed later by :meth:`resize`.
         """
         settings = Settings.from_env()
         device = checked_device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
         answers = HookAnswers(plugin_manager)
-        # NOTE: specs are customized before planning: the planner sees each backend's alignment.
         specs, backends = _served_specs(layer_specs, layer_backends, answers, device)
         pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
         supported = answers.common_layouts(pairs)
-        if group is not None:  # every rank agrees on one layout and one block count
+        if group is not None:  # NOTE: every rank agrees on one layout and one block count
             budget = {"available_memory": available_memory, "num_blocks": num_blocks}
             supported = layouts_meeting_rules(specs, backends, answers, supported, budget)
             layout = agree_layout(supported, specs.values(), group, layout)
@@ -173,16 +158,14 @@ class KVCache:
         kv_caches = allocate_kv_cache(
             config, device, layout, negotiation.allocation_kernel_block_sizes, buffer=buffer
         )
-        attn_groups = attention_groups_from(negotiation)
-        for record, groups in zip(negotiation.groups, attn_groups):
-            for attn_group in groups:
-                attn_group.create_metadata_builders(
-                    device,
-                    max_num_seqs=max_num_seqs,
-                    max_model_len=max_model_len,
-                    kernel_block_size=record.kernel_block_size,
-                    settings=settings,
-                )
+        attn_groups = [
+            [AttentionGroup.from_record(r, g.group_id) for r in g.backends]
+            for g in negotiation.groups
+        ]
+        for attn_group in (a for groups in attn_groups for a in groups):
+            attn_group.create_metadata_builders(
+                device, max_num_seqs=max_num_seqs, max_model_len=max_model_len, settings=settings
+            )
         rows = negotiation.rows_per_block()
         zeroer = KVBlockZeroer.from_views(
             device,
@@ -236,11 +219,9 @@ class KVCache:
         return self.config.kv_cache_tensors[0].size if self.config.kv_cache_tensors else 0
 
     def resize(self, num_blocks: int) -> None:
-        """Grow or shrink an elastic cache to ``num_blocks`` blocks, in place, all or nothing.
+        """Grow or shrink an elastic cache to ``num_blocks`` blocks in place, all or nothing.
 
-        No byte of a live block moves and every view keeps its address.
-        Shrinking refuses, naming them, while blocks at or above
-        ``num_blocks`` are held; cached blocks there are evicted.
+        No live byte moves; shrinking refuses while blocks at or above ``num_blocks`` are held.
         """
         if self.elastic is None:
             raise ValueError(
@@ -281,10 +262,9 @@ class KVCache:
         )
 
     def begin_step(self) -> list[int]:
-        """Zero every block allocated since the last step, in one launch; returns their ids.
+        """Zero every block allocated since the last step in one launch; returns their ids.
 
-        All or nothing: when zeroing raises (a failed launch, Ctrl-C) the
-        blocks stay pending and the next call zeroes them.
+        When zeroing raises (a failed launch, Ctrl-C) the blocks stay pending for the next call.
         """
         new_blocks = self.block_pool.take_new_blocks()
         if new_blocks:

@@ -1,10 +1,6 @@
-"""Chained block hashes that name a KV block's contents for the prefix cache.
+"""Chained block hashes (128-bit XXH3, equal on every machine) that name a block's contents.
 
-A block's hash covers its tokens, its parent's hash (so the whole prefix) and
-extra keys (a LoRA id, an image hash, a tenant salt): 128-bit XXH3 over a
-canonical, length-prefixed and typed encoding, equal in every process and on
-every machine. XXH3 is not cryptographic: a server whose users do not trust
-each other should give each tenant its own extra key.
+XXH3 is not cryptographic: users who do not trust each other need a per-tenant extra key.
 """
 
 from __future__ import annotations
@@ -28,12 +24,10 @@ ExtraKey = int | str | bytes
 
 
 def _encode_extra_keys(extra_keys: ExtraKey | Iterable[ExtraKey] | None) -> bytes:
-    if extra_keys is None:
-        keys: list[object] = []
-    elif isinstance(extra_keys, (int, str, bytes)):
-        keys = [extra_keys]  # NOTE: one key; a bool is refused below
-    elif isinstance(extra_keys, Iterable):
-        keys = list(extra_keys)
+    if isinstance(extra_keys, (int, str, bytes)):
+        extra_keys = [extra_keys]  # NOTE: one key; a bool is refused below
+    if extra_keys is None or isinstance(extra_keys, Iterable):
+        keys = [] if extra_keys is None else list(extra_keys)
     else:
         raise TypeError(
             "extra_keys must be None, one int/str/bytes key or a sequence of them, got "
@@ -100,11 +94,8 @@ def block_hashes(
 ) -> list[bytes]:
     """One chained 16-byte hash per full block of ``token_ids``; a partial last block gets none.
 
-    Block ``i``'s hash covers its tokens, block ``i - 1``'s hash (``parent``
-    for block 0; None at the start of a sequence) and ``extra_keys`` (one
-    int, str or bytes, or a sequence of them, applied to every block). Two
-    calls split at a block boundary, the second given the first's last hash
-    as ``parent``, equal one call.
+    Block ``i``'s hash covers its tokens, block ``i - 1``'s hash (``parent`` for block 0)
+    and ``extra_keys`` (an int, str or bytes, or a sequence of them: a LoRA id, a salt).
     """
     block_size = positive_int("block_size", block_size)
     if parent is not None and (type(parent) is not bytes or not parent):
@@ -113,11 +104,9 @@ def block_hashes(
         )
     tail = _encode_extra_keys(extra_keys) + _U32.pack(block_size)
     tokens = _token_array(token_ids)
-    raw = memoryview(tokens).cast("B")
-    step = 8 * block_size
+    raw, step = memoryview(tokens).cast("B"), 8 * block_size
     digest, join, pack = xxhash.xxh3_128_digest, b"".join, _U32.pack
-    out: list[bytes] = []
-    prev = parent or b""
+    out, prev = [], parent or b""
     for start in range(0, (len(tokens) // block_size) * step, step):
         prev = digest(join((_DOMAIN, pack(len(prev)), prev, tail, raw[start : start + step])))
         out.append(prev)
@@ -125,11 +114,9 @@ def block_hashes(
 
 
 def sliding_window_blocks(sliding_window: int, block_size: int) -> int:
-    """Blocks a sliding-window group needs cached for a hit (``window=`` of the pool's lookups).
+    """Blocks a sliding-window group needs cached for a hit: ``ceil((window - 1) / block_size)``.
 
-    The next token attends itself and the ``sliding_window - 1`` tokens
-    before it: ``ceil((sliding_window - 1) / block_size)`` blocks, at least 1.
+    The next token attends itself and the ``sliding_window - 1`` tokens before it (at least 1).
     """
-    sliding_window = positive_int("sliding_window", sliding_window)
-    block_size = positive_int("block_size", block_size)
-    return max(1, -(-(sliding_window - 1) // block_size))
+    tokens = positive_int("sliding_window", sliding_window) - 1
+    return max(1, -(-tokens // positive_int("block_size", block_size)))

@@ -32,11 +32,8 @@ def _kernel():
 class KVBlockZeroer:
     """Zero listed manager blocks in every layer's cache with one kernel launch per allocation.
 
-    Built from each layer's view and rows per manager block (:meth:`from_views`)
-    or from the seed's arguments (attention groups, kernel block sizes,
-    ``kv_caches``). ``backend``: ``"triton"`` (on CPU only under
-    ``TRITON_INTERPRET=1``), ``"torch"`` (an indexed fill per segment, without
-    Triton) or ``"auto"``. ``num_blocks`` is settable up to ``max_num_blocks``.
+    ``backend``: ``"triton"`` (on CPU only under ``TRITON_INTERPRET=1``), ``"torch"`` (an
+    indexed fill per segment) or ``"auto"``. ``num_blocks`` is settable up to ``max_num_blocks``.
     """
 
     def __init__(self, device: torch.device | str, attn_groups: Iterable[Any], kernel_block_sizes: list[int | None],
@@ -114,12 +111,11 @@ class KVBlockZeroer:
         return self._ids
 
     def zero_block_ids(self, block_ids: Any, *, validate: bool = False) -> None:
-        """Zero manager blocks ``block_ids`` in every layer.
+        """Zero manager blocks ``block_ids`` in every layer; refused host ids write nothing.
 
-        Host ids are checked first (:mod:`.inputs`); nothing is written when they are refused.
-        On CUDA a list of at most 64 ids goes by value, others through the persistent
-        :mod:`.id_buffer`: no allocation, no device sync. An integer tensor on the device is used
-        as is (graph-capturable; the kernel skips ids out of range, ``validate=True`` raises: a sync).
+        On CUDA up to 64 listed ids go by value, more through the persistent :mod:`.id_buffer`
+        (no allocation, no sync); a device tensor is used as is (graph-capturable; ids out of
+        range are skipped, or raise with ``validate=True``: a sync).
         """
         if isinstance(block_ids, torch.Tensor) and block_ids.device.type != "cpu":
             if block_ids.device != self.device:
