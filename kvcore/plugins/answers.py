@@ -1,7 +1,4 @@
-"""What the backends' plugins answered: each hook asked once per (backend, spec), checked, kept.
-
-A check's ``TypeError``/``ValueError`` becomes a PluginError naming the plugin that answered.
-"""
+"""What the backends' plugins answered: each hook asked once per (backend, spec), checked, kept."""
 
 from __future__ import annotations
 
@@ -22,15 +19,12 @@ from kvcore.specs import KVCacheSpec, MultipleOf
 
 #: Spec fields a ``kvcore_customize_spec`` answer may change: padding and alignment only.
 CUSTOMIZABLE_FIELDS = (
-    "num_head_slots",
-    "page_size_padded",
-    "block_stride_alignment",
-    "state_content_bytes",
+    "num_head_slots", "page_size_padded", "block_stride_alignment", "state_content_bytes"
 )
 
 
 def label(backend: type[AttentionBackend]) -> str:
-    """A backend's name in messages (its class name when it has none, as the base class)."""
+    """A backend's name in messages (its class name when it has none)."""
     return getattr(backend, "name", None) or backend.__qualname__
 
 
@@ -156,31 +150,19 @@ class HookAnswers:
             self._kept[key] = default if found is None else found
         return self._kept[key]
 
-    def kernel_block_sizes(
-        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
-    ) -> list[int | MultipleOf]:
-        """``kvcore_supported_kernel_block_sizes`` for (backend, spec)."""
-        return self._ask(
-            "kvcore_supported_kernel_block_sizes", check_sizes, [MultipleOf(1)], backend, spec
-        )
+    def kernel_block_sizes(self, backend: type, spec: Any) -> list[int | MultipleOf]:
+        sizes = [MultipleOf(1)]
+        return self._ask("kvcore_supported_kernel_block_sizes", check_sizes, sizes, backend, spec)
 
-    def stated_layouts(
-        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
-    ) -> list[KVCacheLayout] | None:
-        """``kvcore_supported_layouts`` for (backend, spec): layouts, or None for any."""
+    def stated_layouts(self, backend: type, spec: Any) -> list[KVCacheLayout] | None:
+        """Layouts the backend reads, or None for any."""
         return self._ask("kvcore_supported_layouts", check_layouts, None, backend, spec)
 
-    def requirements(
-        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
-    ) -> KernelRequirements:
-        """``kvcore_kernel_requirements`` for (backend, spec) (no requirements when unanswered)."""
+    def requirements(self, backend: type, spec: Any) -> KernelRequirements:
         check = _instance_of(KernelRequirements, "a kvcore.KernelRequirements")
         return self._ask("kvcore_kernel_requirements", check, NO_REQUIREMENTS, backend, spec)
 
-    def priority(
-        self, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: Any
-    ) -> int:
-        """``kvcore_backend_priority`` for (backend, spec, device) (0 when unanswered)."""
+    def priority(self, backend: type, spec: Any, device: Any) -> int:
         check = _instance_of(int, "an int priority")
         found = call_first(
             self.pm, "kvcore_backend_priority", check, backend=backend, spec=spec, device=device
@@ -188,10 +170,7 @@ class HookAnswers:
         return 0 if found is None else found
 
     def customized_spec(self, backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec:
-        """``spec`` as ``backend`` stores it: the hook's answer, then block-stride alignment.
-
-        When every kernel size the backend takes is an int, it gets ``MultipleOf(max(sizes))``.
-        """
+        """The hook's answer, aligned to ``MultipleOf(max(sizes))`` when every size is an int."""
         key = ("customized", backend, key_of(spec))
         if key in self._kept:
             return self._kept[key]
@@ -210,17 +189,11 @@ class HookAnswers:
         self._kept[key] = new
         return new
 
-    def common_block_size(
-        self, manager: int, pairs: Sequence[tuple[type[AttentionBackend], Any]]
-    ) -> int:
-        """:func:`pick_common_block_size` over what each (backend, spec) takes."""
-        return pick_common_block_size(
-            manager, [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
-        )
+    def common_block_size(self, manager: int, pairs: Sequence[tuple[type, Any]]) -> int:
+        offers = [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
+        return pick_common_block_size(manager, offers)
 
-    def common_layouts(
-        self, pairs: Sequence[tuple[type[AttentionBackend], KVCacheSpec | None]]
-    ) -> list[KVCacheLayout] | None:
+    def common_layouts(self, pairs: Sequence[tuple[type, Any]]) -> list[KVCacheLayout] | None:
         """Layouts every (backend, spec) reads, in the first choosy backend's order (None: any)."""
         stated = [(label(b), self.stated_layouts(b, s)) for b, s in pairs]
         lists = [ls for _, ls in stated if ls is not None]
