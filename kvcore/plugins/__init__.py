@@ -8,27 +8,19 @@ it, the backend a device gets); ``block_sizes``/``layouts`` (public one-shot hel
 """
 
 from kvcore.plugins.registry import (
-    PluginSettings,
-    build_plugin_manager,
     default_plugin_manager,
     get_backend,
     get_backends,
     get_plugin_manager,
     list_plugins,
     reset_default_plugin_manager,
-    resolve_backend,
-    resolve_plugin_manager,
 )
 
 __all__ = [
-    "PluginSettings",
-    "build_plugin_manager",
     "default_plugin_manager",
     "get_backend",
     "get_backends",
     "get_plugin_manager",
     "list_plugins",
     "reset_default_plugin_manager",
-    "resolve_backend",
-    "resolve_plugin_manager",
 ]

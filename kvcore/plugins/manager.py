@@ -276,7 +276,9 @@ def _check_backend(pm: pluggy.PluginManager, backend: Any, owner: str) -> None:
     if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
         problem = f"registered {backend!r}, not a kvcore.AttentionBackend subclass"
     elif not isinstance(getattr(backend, "name", None), str) or not backend.name:
-        problem = f"registered {backend.__qualname__} without a non-empty str class attribute 'name'"
+        problem = (
+            f"registered {backend.__qualname__} without a non-empty str class attribute 'name'"
+        )
     elif not implements_forward(backend):
         problem = (
             f"registered {backend.__qualname__} ({backend.name!r}), which does not implement "

@@ -27,7 +27,7 @@ class BackendNegotiation:
     ``kernel_block_size`` is None when kernel blocks equal manager blocks.
     ``kernel_block_stride`` is 0 when the kernel blocks of manager block ``b`` are
     ``b * ratio + j`` (dense pages), else the kernel pages between two blocks of a packed
-    cache (``b * stride + j``). ``requirements``: the backend's ``kvcore_kernel_requirements``.
+    cache (``b * stride + j``).
     """
 
     backend: type[AttentionBackend]
@@ -43,9 +43,8 @@ class BackendNegotiation:
 class GroupNegotiation:
     """What one KV cache group was negotiated to.
 
-    ``kernel_block_size`` is the group's (None for a group without pages); ``ratio`` is how
-    many consecutive rows of each view *as allocated* make one manager block (> 1 only for a
-    dense group split at allocation).
+    ``kernel_block_size`` is None for a group without pages; ``ratio`` is how many rows of each
+    view *as allocated* make one manager block (> 1 only for a dense group split at allocation).
     """
 
     group_id: int
@@ -89,21 +88,17 @@ def can_split(spec: KVCacheSpec) -> bool:
 
 def is_packed(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
     """Whether a group's tensor interleaves other layers' pages between its blocks."""
-    names = set(group.layer_names)
     return any(
         len(t.layers) > 1 and t.block_stride > t.layer_stride
         for t in config.kv_cache_tensors
-        if not names.isdisjoint(t.layers)
+        if not set(group.layer_names).isdisjoint(t.layers)
     )
 
 
 def splits_by_backends(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
     """Whether a group's kernel block size is chosen by its backends (splittable, not packed)."""
-    return (
-        not is_encoder_only(group)
-        and can_split(group.spec_of(group.layer_names[0]))
-        and not is_packed(config, group)
-    )
+    splittable = not is_encoder_only(group) and can_split(group.spec_of(group.layer_names[0]))
+    return splittable and not is_packed(config, group)
 
 
 def group_kernel_block_size(
@@ -121,25 +116,6 @@ def group_kernel_block_size(
     return answers.common_block_size(group.kv_cache_spec.block_size, pairs)
 
 
-def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> None:
-    """A padded page cannot be split into kernel blocks: say who padded it (not the layout)."""
-    spec = group.kv_cache_spec
-    if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
-        return
-    padder = answers.padded_by.get(key_of(spec))
-    who = (
-        f"backend {padder!r}'s kvcore_customize_spec padded"
-        if padder is not None
-        else "the plan padded (to unify page sizes across layer types)"
-    )
-    raise ValueError(
-        f"{who} the {spec.real_page_size_bytes}-byte pages of {list(group.layer_names)} to "
-        f"{spec.page_size_padded} bytes, and padded pages cannot be split into {kernel}-token "
-        f"kernel blocks; use a manager block size of {kernel} tokens"
-        + (", or a backend that does not pad pages" if padder is not None else "")
-    )
-
-
 def backend_groups(
     config: KVCacheConfig,
     layer_backends: Mapping[str, type[AttentionBackend]],
@@ -155,19 +131,19 @@ def backend_groups(
     out = []
     for gid, group in enumerate(config.kv_cache_groups):
         by_key: dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]] = {}
-        if group.spec_of(group.layer_names[0]).has_layer_views:
-            for name in group.layer_names:
-                layer_spec = group.spec_of(name)
-                if name not in layer_backends:
-                    if layer_spec.is_attention:
-                        raise ValueError(
-                            f"attention layer {name!r} (KV cache group {gid}) has no backend in "
-                            "layer_backends; map every attention layer of the config to a backend"
-                        )
-                    continue
-                backend = layer_backends[name]
-                spec = answers.customized_spec(backend, layer_spec) if customize else layer_spec
-                by_key.setdefault((backend, spec), []).append(name)
+        has_views = group.spec_of(group.layer_names[0]).has_layer_views
+        for name in group.layer_names if has_views else []:
+            spec = group.spec_of(name)
+            if name not in layer_backends:
+                if spec.is_attention:
+                    raise ValueError(
+                        f"attention layer {name!r} (KV cache group {gid}) has no backend in "
+                        "layer_backends; map every attention layer of the config to a backend"
+                    )
+                continue
+            backend = layer_backends[name]
+            spec = answers.customized_spec(backend, spec) if customize else spec
+            by_key.setdefault((backend, spec), []).append(name)
         out.append(by_key)
     return out
 
@@ -207,6 +183,25 @@ def negotiate(
     return Negotiation(tuple(records))
 
 
+def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> None:
+    """A padded page cannot be split into kernel blocks: say who padded it (not the layout)."""
+    spec = group.kv_cache_spec
+    if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
+        return
+    padder = answers.padded_by.get(key_of(spec))
+    who = (
+        "the plan padded (to unify page sizes across layer types)"
+        if padder is None
+        else f"backend {padder!r}'s kvcore_customize_spec padded"
+    )
+    raise ValueError(
+        f"{who} the {spec.real_page_size_bytes}-byte pages of {list(group.layer_names)} to "
+        f"{spec.page_size_padded} bytes, and padded pages cannot be split into {kernel}-token "
+        f"kernel blocks; use a manager block size of {kernel} tokens"
+        + (", or a backend that does not pad pages" if padder is not None else "")
+    )
+
+
 def settle_kernel_block_size(
     record: BackendNegotiation, kernel_block_size: int, answers: Callable[[], HookAnswers]
 ) -> BackendNegotiation:
@@ -216,15 +211,14 @@ def settle_kernel_block_size(
     """
     kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
     agreed = record.group_kernel_block_size
+    if agreed is not None and kernel_block_size != agreed:
+        raise ValueError(
+            f"attention group of {list(record.layer_names)} was negotiated with kernel block "
+            f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
+        )
     if agreed is not None:
-        if kernel_block_size != agreed:
-            raise ValueError(
-                f"attention group of {list(record.layer_names)} was negotiated with kernel block "
-                f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
-            )
         return record
-    spec = record.kv_cache_spec
-    own = None
+    spec, own = record.kv_cache_spec, None
     if can_split(spec):
         own = _own_kernel_size(answers(), record.backend, spec, kernel_block_size)
     return attrs.evolve(record, group_kernel_block_size=kernel_block_size, kernel_block_size=own)
@@ -255,11 +249,10 @@ def packed_kernel_stride(
 
 def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch.Tensor:
     """A manager-block view ``[B, H, N, C]`` as ``[pages, H, kernel_rows, C]`` kernel pages."""
-    page_stride = kernel_rows * view.stride(-2)
     num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
     return view.as_strided(
         (num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
-        (page_stride, *view.stride()[1:]),
+        (kernel_rows * view.stride(-2), *view.stride()[1:]),
     )
 
 

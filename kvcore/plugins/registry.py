@@ -58,7 +58,8 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
     pm = KVCorePluginManager(trace_calls=settings.trace)
     for name in settings.block:
         pm.set_blocked(name)
-    for ep in sorted(importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+    entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    for ep in sorted(entry_points, key=lambda e: e.name):
         info = PluginInfo(
             name=ep.name,
             distribution=None if ep.dist is None else ep.dist.metadata["Name"] or ep.dist.name,
@@ -70,7 +71,8 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
             _report(f"{info.describe()} is skipped: {other} has that name", settings.strict)
             continue
         pm.plugin_infos[info.name] = info
-        if not settings.autoload or (settings.allow is not None and info.name not in settings.allow):
+        allowed = settings.allow is None or info.name in settings.allow
+        if not (settings.autoload and allowed):
             info.status = "disabled"
         elif pm.is_blocked(info.name):
             info.status = "blocked"

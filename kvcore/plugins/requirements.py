@@ -101,11 +101,13 @@ class KernelRequirements:
         """Why kernels with these requirements cannot serve the case (None: they can)."""
         if device_type is not None and self.devices is not None and device_type not in self.devices:
             extra = f"; {self.note}" if self.note else ""
-            return f"runs on {'/'.join(self.devices)} only, not {device_type} (rule: devices){extra}"
+            devices = "/".join(self.devices)
+            return f"runs on {devices} only, not {device_type} (rule: devices){extra}"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             names = ", ".join(dtype_name(d) for d in self.dtypes)
             return f"takes cache dtypes {names}, not {dtype_name(dtype)} (rule: dtypes)"
-        if head_size is not None and self.head_sizes is not None and head_size not in self.head_sizes:
+        sizes = self.head_sizes
+        if head_size is not None and sizes is not None and head_size not in sizes:
             return f"takes head sizes {list(self.head_sizes)}, not {head_size} (rule: head_sizes)"
         return None
 
