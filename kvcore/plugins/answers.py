@@ -38,7 +38,6 @@ def key_of(spec: Any) -> Any:
 
 
 def check_sizes(value: Any) -> list[int | MultipleOf]:
-    """A kernel block size answer: a non-empty list of positive ints and MultipleOf."""
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"expected a list of int or MultipleOf, got {value!r}")
     if not value:
@@ -56,7 +55,6 @@ def check_sizes(value: Any) -> list[int | MultipleOf]:
 
 
 def check_layouts(value: Any) -> list[KVCacheLayout]:
-    """A layouts answer: layouts (or their names), duplicates dropped."""
     if isinstance(value, (str, KVCacheLayout)) or not isinstance(value, Iterable):
         raise TypeError(f"expected a list of KV cache layouts, got {value!r}")
     out = list(dict.fromkeys(KVCacheLayout.parse(item) for item in value))
@@ -75,7 +73,6 @@ def _instance_of(cls: type, what: str) -> Callable[[Any], Any]:
 
 
 def _check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCacheSpec:
-    """A customize answer for ``original``: a spec of its class that only pads or aligns it."""
     allowed = f"a customize hook may only pad or align a spec ({', '.join(CUSTOMIZABLE_FIELDS)})"
     if not isinstance(value, KVCacheSpec):
         raise TypeError(f"expected a KVCacheSpec, got {value!r}")
@@ -99,7 +96,6 @@ def _check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCach
 
 
 def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
-    """Whether a backend declaring ``sizes`` takes ``block_size``-token kernel blocks."""
     return any(
         s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes
     )
@@ -108,10 +104,7 @@ def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
 def pick_common_block_size(
     manager: int, offers: Sequence[tuple[str, Sequence[int | MultipleOf]]]
 ) -> int:
-    """The kernel block size every ``(backend name, sizes)`` offer takes.
-
-    The manager size when all accept it, else the largest offered int dividing it that all accept.
-    """
+    """The manager size when every offer takes it, else the largest offered int dividing it."""
     manager = positive_int("kv_manager_block_size", manager)
     sizes = [s for _, s in offers]
     candidates = {
@@ -155,7 +148,6 @@ class HookAnswers:
         return self._ask("kvcore_supported_kernel_block_sizes", check_sizes, sizes, backend, spec)
 
     def stated_layouts(self, backend: type, spec: Any) -> list[KVCacheLayout] | None:
-        """Layouts the backend reads, or None for any."""
         return self._ask("kvcore_supported_layouts", check_layouts, None, backend, spec)
 
     def requirements(self, backend: type, spec: Any) -> KernelRequirements:

@@ -22,7 +22,7 @@ AUTO = "auto"
 def serves(
     answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device: torch.device
 ) -> str | None:
-    """Why ``backend`` cannot serve ``spec`` on ``device`` by its requirements; None when it can."""
+    """Why ``backend`` cannot serve ``spec`` on ``device``; None when it can."""
     return answers.requirements(backend, spec).why_not(
         device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None)
     )
@@ -55,7 +55,6 @@ def select_backend(
 def choose_backend(
     answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device
 ) -> type[AttentionBackend]:
-    """:func:`select_backend` over answers already kept."""
     table = collect_backends(answers.pm)
     reasons = dict.fromkeys(
         table.conflicts(),

@@ -13,7 +13,7 @@ from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.auto import choose_backend
 from kvcore.plugins.manager import PluginInfo, collect_backends
 from kvcore.plugins.registry import list_plugins, resolve_plugin_manager
-from kvcore.plugins.requirements import KernelRequirements, dtype_name
+from kvcore.plugins.requirements import KernelRequirements
 from kvcore.specs import FullAttentionSpec, MultipleOf
 
 #: The spec every backend is asked about: 16-token blocks, 8 KV heads of 128, bf16.
@@ -65,10 +65,14 @@ def is_healthy(infos: list[PluginInfo]) -> bool:
     return not any(info.status in BAD_STATUSES for info in infos)
 
 
+def _dtype_name(value: Any) -> Any:
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+
 def requirements_json(req: KernelRequirements) -> dict[str, Any]:
     """A backend's requirements as JSON values (None: no rule)."""
     return attrs.asdict(
-        req, filter=lambda a, _: a.name != "note", value_serializer=lambda _, __, v: dtype_name(v)
+        req, filter=lambda a, _: a.name != "note", value_serializer=lambda _, __, v: _dtype_name(v)
     )
 
 
@@ -78,9 +82,9 @@ def describe_requirements(req: KernelRequirements) -> str:
     if req.devices is not None:
         parts.append("devices " + ", ".join(req.devices))
     if req.dtypes is not None:
-        parts.append("dtypes " + ", ".join(dtype_name(d) for d in req.dtypes))
+        parts.append("dtypes " + ", ".join(_dtype_name(d) for d in req.dtypes))
     if req.head_sizes is not None:
-        runs: list[list[int]] = []  # NOTE: consecutive sizes as one range, "1-256"
+        runs: list[list[int]] = []
         for v in sorted(set(req.head_sizes)):
             if runs and v == runs[-1][1] + 1:
                 runs[-1][1] = v

@@ -30,7 +30,6 @@ Specs = Mapping[str, KVCacheSpec]
 def check_abilities(
     answers: HookAnswers, specs: Specs, backends: Backends, device: torch.device
 ) -> None:
-    """Refuse a layer whose backend's requirements exclude the device, its dtype or head size."""
     for layer, backend in backends.items():
         why = serves(answers, backend, specs[layer], device)
         if why is None:
@@ -102,7 +101,7 @@ def _remedy(
     candidates: Sequence[KVCacheLayout],
     budget: dict,
 ) -> str:
-    """A layout, else a block size (with a layout), that meets every rule (error path only)."""
+    """A layout, else a block size (with a layout), that meets every rule."""
 
     def customized(layers: Specs) -> Specs:
         return {
@@ -147,7 +146,7 @@ def plan_meeting_rules(
     layout: KVCacheLayout | str | None,
     budget: dict[str, Any],
 ) -> tuple[KVCacheLayout, KVCacheConfig, Negotiation]:
-    """Resolve the layout, plan and negotiate so every kernel view meets its backend's rules.
+    """The layout, plan and negotiation whose kernel views meet every backend's rules.
 
     ``layer_specs``: the engine's specs; ``specs``: the customized ones; ``budget``: the planner's.
     """

@@ -1,8 +1,5 @@
-"""kvcore's pluggy manager: hook calls that name the plugin at fault, and registered backends.
-
-While kvcore calls a hook, each plain implementation notes what it answered or raised, so an
-error is put on its ``HookImpl.plugin_name`` without calling any plugin again.
-"""
+"""kvcore's pluggy manager: hook calls that name the plugin at fault (each plain implementation
+notes what it answered or raised, under its ``HookImpl.plugin_name``), and registered backends."""
 
 from __future__ import annotations
 
@@ -49,7 +46,6 @@ class PluginInfo:
         )
 
     def flag(self, status: str, message: str) -> None:
-        """Set ``status`` and add ``message`` to the error (once)."""
         self.status = status
         if message not in (self.error or ""):
             self.error = "; ".join(filter(None, [self.error, message]))
@@ -94,7 +90,6 @@ class KVCorePluginManager(pluggy.PluginManager):
 
 
 def describe_plugin(pm: pluggy.PluginManager, plugin_name: str | None) -> str:
-    """A label naming a plugin, its entry point, distribution and version."""
     if plugin_name is None:
         return "a hook implementation"
     if isinstance(pm, KVCorePluginManager) and plugin_name in pm.plugin_infos:
@@ -107,7 +102,6 @@ def describe_plugin(pm: pluggy.PluginManager, plugin_name: str | None) -> str:
 def plugin_error(
     pm: pluggy.PluginManager, plugin_name: str | None, hook_name: str, problem: str
 ) -> PluginError:
-    """A PluginError naming the plugin and hook; ``error.plugin_name`` is set."""
     if isinstance(pm, KVCorePluginManager) and plugin_name in pm.plugin_infos:
         remedy = f"fix or uninstall the plugin, or skip it with KVCORE_BLOCK_PLUGINS={plugin_name}"
     else:
@@ -118,7 +112,6 @@ def plugin_error(
 
 
 def conflict_message(pm: pluggy.PluginManager, name: str, owners: list[str]) -> str:
-    """What to say about backend ``name`` registered by several plugins (``owners``)."""
     return (
         f"attention backend {name!r} is registered by "
         + " and by ".join(describe_plugin(pm, owner) for owner in owners)
@@ -150,7 +143,7 @@ def _noting(function: Callable[..., Any], plugin_name: str) -> Callable[..., Any
 
 
 def _by_wrappers(caller: pluggy.HookCaller, what: str) -> tuple[str | None, str]:
-    """``(plugin, note)`` when no plain implementation is at fault: the one wrapper, else a note."""
+    """The one wrapper when no plain implementation is at fault, else a note naming them all."""
     impls = reversed(caller.get_hookimpls())
     wrappers = [i.plugin_name for i in impls if i.wrapper or i.hookwrapper]
     if len(wrappers) == 1:
@@ -161,7 +154,6 @@ def _by_wrappers(caller: pluggy.HookCaller, what: str) -> tuple[str | None, str]
 def _call(
     pm: pluggy.PluginManager, caller: pluggy.HookCaller, kwargs: dict[str, Any]
 ) -> tuple[Any, list[tuple[str, Any, BaseException | None]]]:
-    """``caller(**kwargs)`` through pluggy and the turns taken; a raising plugin is named."""
     for impl in caller.get_hookimpls():
         # NOTE: pluggy keeps one HookImpl per implementation: its function is swapped once
         # (wrappers are left as they are: their generators pass answers on).
@@ -185,11 +177,8 @@ def _call(
 def call_first(
     pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], **kwargs: Any
 ) -> Any:
-    """Call a firstresult hook; ``check`` validates and normalizes a non-None answer.
-
-    A ``TypeError``/``ValueError`` from ``check`` becomes a PluginError naming the plugin whose
-    own answer is refused, else the wrapper that changed it.
-    """
+    """Call a firstresult hook; ``check`` validates a non-None answer (a refusal names the plugin
+    whose own answer it is, else the wrapper that changed it)."""
     caller = getattr(pm.hook, hook_name)
     result, turns = _call(pm, caller, kwargs)
     if result is None:
@@ -231,10 +220,8 @@ _REGISTER = "kvcore_register_backends"
 
 
 def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> BackendTable:
-    """Ask ``kvcore_register_backends`` of every plugin (or of plugin ``only``) once.
-
-    Each call goes through pluggy with a ``register`` that knows its plugin and checks the class.
-    """
+    """Ask every plugin's (or plugin ``only``'s) ``kvcore_register_backends`` once, through pluggy,
+    with a ``register`` that knows the plugin and checks the class."""
     full = only is None and isinstance(pm, KVCorePluginManager)
     if full and pm._backends is not None:
         return pm._backends
@@ -272,7 +259,6 @@ def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> Backe
 
 
 def _check_backend(pm: pluggy.PluginManager, backend: Any, owner: str) -> None:
-    """A registered class must be a named AttentionBackend subclass that implements forward."""
     if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
         problem = f"registered {backend!r}, not a kvcore.AttentionBackend subclass"
     elif not isinstance(getattr(backend, "name", None), str) or not backend.name:

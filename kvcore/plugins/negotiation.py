@@ -1,8 +1,5 @@
-"""Negotiation: a plan and its backends' answers, turned into one frozen record per KV cache group.
-
-Every later stage reads the :class:`Negotiation` and never asks the hooks again. A packed
-(block-outermost) cache keeps manager-block views, read through :func:`to_kernel_blocks`.
-"""
+"""A plan and its backends' answers, turned into one frozen record per KV cache group that every
+later stage reads (the hooks are never asked again)."""
 
 from __future__ import annotations
 
@@ -22,12 +19,11 @@ from kvcore.specs import KVCacheSpec
 
 @attrs.frozen
 class BackendNegotiation:
-    """One attention group's answer: its backend, layers, spec and kernel blocks.
+    """One attention group's backend, layers, spec and kernel blocks.
 
-    ``kernel_block_size`` is None when kernel blocks equal manager blocks.
-    ``kernel_block_stride`` is 0 when the kernel blocks of manager block ``b`` are
-    ``b * ratio + j`` (dense pages), else the kernel pages between two blocks of a packed
-    cache (``b * stride + j``).
+    ``kernel_block_size``: None when kernel blocks are the manager blocks. ``kernel_block_stride``:
+    0 when kernel block ``j`` of manager block ``b`` is ``b * ratio + j`` (dense pages), else the
+    kernel pages between two blocks of a packed cache (``b * stride + j``).
     """
 
     backend: type[AttentionBackend]
@@ -41,11 +37,8 @@ class BackendNegotiation:
 
 @attrs.frozen
 class GroupNegotiation:
-    """What one KV cache group was negotiated to.
-
-    ``kernel_block_size`` is None for a group without pages; ``ratio`` is how many rows of each
-    view *as allocated* make one manager block (> 1 only for a dense group split at allocation).
-    """
+    """One KV cache group: ``kernel_block_size`` None without pages; ``ratio`` rows of a view as
+    allocated per manager block (> 1 only for a dense group split at allocation)."""
 
     group_id: int
     layer_names: tuple[str, ...]
@@ -63,16 +56,13 @@ class Negotiation:
 
     @property
     def kernel_block_sizes(self) -> list[int]:
-        """One kernel block size per group that has pages (``prepare_kernel_block_sizes``' list)."""
         return [g.kernel_block_size for g in self.groups if g.kernel_block_size is not None]
 
     @property
     def allocation_kernel_block_sizes(self) -> list[int | None]:
-        """Per group, what ``allocate_kv_cache`` splits views by (None: keep blocks)."""
         return [g.kernel_block_size if g.ratio > 1 else None for g in self.groups]
 
     def rows_per_block(self) -> dict[str, int]:
-        """Layer name -> rows of its allocated view per manager block, for layers with pages."""
         return {
             name: g.ratio
             for g in self.groups
@@ -82,12 +72,10 @@ class Negotiation:
 
 
 def can_split(spec: KVCacheSpec) -> bool:
-    """Whether ``spec``'s blocks split into kernel blocks (attention, states grow with size)."""
     return spec.has_layer_views and spec.is_attention and spec.tokens_per_state > 0
 
 
 def is_packed(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
-    """Whether a group's tensor interleaves other layers' pages between its blocks."""
     return any(
         len(t.layers) > 1 and t.block_stride > t.layer_stride
         for t in config.kv_cache_tensors
@@ -96,7 +84,6 @@ def is_packed(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
 
 
 def splits_by_backends(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
-    """Whether a group's kernel block size is chosen by its backends (splittable, not packed)."""
     splittable = not is_encoder_only(group) and can_split(group.spec_of(group.layer_names[0]))
     return splittable and not is_packed(config, group)
 
@@ -123,11 +110,8 @@ def backend_groups(
     *,
     customize: bool,
 ) -> list[dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]]]:
-    """Per KV cache group, (backend, spec) -> its layers, in config order.
-
-    ``customize``: customize each layer's spec through the hooks (False: the config was planned
-    from customized specs). State-cache layers without a backend are left out.
-    """
+    """Per KV cache group, (backend, spec) -> its layers; ``customize``: specs through the hooks
+    (False: the config was planned from customized specs)."""
     out = []
     for gid, group in enumerate(config.kv_cache_groups):
         by_key: dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]] = {}
@@ -153,10 +137,7 @@ def negotiate(
     layer_backends: Mapping[str, type[AttentionBackend]],
     answers: HookAnswers,
 ) -> Negotiation:
-    """One record per KV cache group of ``config``, planned from customized specs.
-
-    A packed group a backend cannot split raises ``ValueError`` before anything is allocated.
-    """
+    """One record per KV cache group of ``config`` (planned from customized specs)."""
     records = []
     for gid, by_key in enumerate(backend_groups(config, layer_backends, answers, customize=False)):
         group = config.kv_cache_groups[gid]
@@ -184,7 +165,7 @@ def negotiate(
 
 
 def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> None:
-    """A padded page cannot be split into kernel blocks: say who padded it (not the layout)."""
+    """A padded page cannot be split: say who padded it (not the layout)."""
     spec = group.kv_cache_spec
     if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
         return
@@ -205,10 +186,7 @@ def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswer
 def settle_kernel_block_size(
     record: BackendNegotiation, kernel_block_size: int, answers: Callable[[], HookAnswers]
 ) -> BackendNegotiation:
-    """``record`` for a group whose kernel block size is ``kernel_block_size``.
-
-    A negotiated record must agree; a hand-made one gets the largest size its backend takes.
-    """
+    """``record`` in a group of ``kernel_block_size`` (a hand-made record takes its backend's)."""
     kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
     agreed = record.group_kernel_block_size
     if agreed is not None and kernel_block_size != agreed:
@@ -227,7 +205,6 @@ def settle_kernel_block_size(
 def _own_kernel_size(
     answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec, kernel: int
 ) -> int | None:
-    """The kernel block size ``backend`` takes in a group of ``kernel`` (None: whole blocks)."""
     own = answers.common_block_size(kernel, [(backend, spec)])
     return None if own == spec.block_size else own
 
@@ -257,7 +234,7 @@ def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch
 
 
 def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: int) -> torch.Tensor:
-    """The inverse of :func:`to_kernel_blocks`: ``num_blocks`` manager blocks of ``rows`` states."""
+    """The inverse of :func:`to_kernel_blocks`."""
     return view.as_strided(
         (num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
         (view.stride(0) * stride, *view.stride()[1:]),

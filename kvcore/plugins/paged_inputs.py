@@ -30,7 +30,6 @@ def value_checks(
 
 
 def step_checks(debug_checks: bool | None, device: torch.device) -> bool:
-    """Whether ``forward`` runs the value checks, from the metadata's ``debug_checks``."""
     return device.type == "cpu" if debug_checks is None else debug_checks
 
 

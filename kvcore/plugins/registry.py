@@ -1,8 +1,5 @@
-"""Building the plugin manager from installed entry points, and looking backends up.
-
-pluggy loads entry points one by one (blocked ones through ``set_blocked``); one that fails
-is skipped with a ``PluginWarning`` (raised under ``KVCORE_STRICT_PLUGINS=1``).
-"""
+"""Building the plugin manager from installed entry points (loaded one by one by pluggy, blocked
+through ``set_blocked``), and looking backends up."""
 
 from __future__ import annotations
 
@@ -97,7 +94,6 @@ def _report(message: str, strict: bool) -> None:
 
 
 def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
-    """Load entry point ``info.name`` through pluggy and check it; on failure undo and report."""
     try:
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=info.name)
         try:
@@ -186,7 +182,6 @@ def get_backend(
 def resolve_backend(
     backend: Any, plugin_manager: pluggy.PluginManager | None = None
 ) -> type[AttentionBackend]:
-    """A backend class, given the class itself or its registered name."""
     if isinstance(backend, str):
         return get_backend(backend, plugin_manager)
     if isinstance(backend, type) and issubclass(backend, AttentionBackend):

@@ -16,7 +16,6 @@ from kvcore._validate import attrs_optional_positive, attrs_positive, positive_i
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...] | None:
-    """One item or an iterable of them as a tuple (None stays None); index-free devices as types."""
     if value is None:
         return None
     if isinstance(value, (str, bytes, torch.dtype)) or not isinstance(value, Iterable):
@@ -46,7 +45,6 @@ def _dtype(item: Any) -> None:
 
 
 def _each(check: Callable[[Any], Any]) -> Callable[[Any, Any, Any], None]:
-    """A validator of an optional non-empty tuple whose items pass ``check``."""
 
     def validate(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
         if value is not None and not value:
@@ -92,7 +90,6 @@ class KernelRequirements:
 
     @property
     def has_memory_rules(self) -> bool:
-        """Whether kernel views must be checked (a stride limit or an alignment above 1)."""
         return self.max_stride_elements is not None or self.alignment_bytes > 1
 
     def why_not(
@@ -104,8 +101,9 @@ class KernelRequirements:
             devices = "/".join(self.devices)
             return f"runs on {devices} only, not {device_type} (rule: devices){extra}"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
-            names = ", ".join(dtype_name(d) for d in self.dtypes)
-            return f"takes cache dtypes {names}, not {dtype_name(dtype)} (rule: dtypes)"
+            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
+            got = str(dtype).removeprefix("torch.")
+            return f"takes cache dtypes {names}, not {got} (rule: dtypes)"
         sizes = self.head_sizes
         if head_size is not None and sizes is not None and head_size not in sizes:
             return f"takes head sizes {list(self.head_sizes)}, not {head_size} (rule: head_sizes)"
@@ -126,11 +124,6 @@ class KernelRequirements:
         if offset_bytes % align:
             return ("alignment_bytes", offset_bytes, f"view offsets in multiples of {align} bytes")
         return None
-
-
-def dtype_name(value: Any) -> Any:
-    """``torch.float16`` as ``"float16"``; anything else unchanged."""
-    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
 
 
 #: What a backend whose plugin states nothing is held to.
