@@ -55,10 +55,6 @@ def _each(check: Callable[[Any], Any]) -> Callable[[Any, Any, Any], None]:
     return validate
 
 
-def _head_size(item: Any) -> None:
-    positive_int("KernelRequirements.head_sizes entry", item)
-
-
 @attrs.frozen(kw_only=True)
 class KernelRequirements:
     """The rules a backend's kernels hold the KV cache to (every field optional).
@@ -80,7 +76,9 @@ class KernelRequirements:
         default=None, converter=_as_tuple, validator=_each(_dtype)
     )
     head_sizes: tuple[int, ...] | None = attrs.field(
-        default=None, converter=_as_tuple, validator=_each(_head_size)
+        default=None,
+        converter=_as_tuple,
+        validator=_each(lambda item: positive_int("KernelRequirements.head_sizes entry", item)),
     )
     max_stride_elements: int | None = attrs.field(default=None, validator=attrs_optional_positive)
     alignment_bytes: int = attrs.field(default=1, validator=attrs_positive)
