@@ -6,7 +6,8 @@ hooks below; kvcore never reads block sizes, layouts or spec changes off a backe
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pluggy
 import torch
