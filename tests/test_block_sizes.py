@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import kvcore
-from kvcore.plugins.block_sizes import supported_kernel_block_sizes
 from kvcore.errors import PluginError
 from kvcore.memory.layout import compute_layout_strides
 from kvcore.specs import KVCacheSpec, MultipleOf
@@ -161,7 +160,7 @@ def test_customize_refuses_non_spec_answers(pm):
     pm.register(Bad(), name="bad-customizer")
     with pytest.raises(PluginError, match="bad-customizer.*expected a KVCacheSpec.*kvcore_customize_spec"):
         kvcore.customize_attention_spec(b0, kvcore.FullAttentionSpec(16, 1, 8, torch.float16), plugin_manager=pm)
-    assert supported_kernel_block_sizes(b0, plugin_manager=pm) == [16]
+    assert pm.hook.kvcore_supported_kernel_block_sizes(backend=b0, spec=None) == [16]
 
 
 class RawSpec(KVCacheSpec):

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 import kvcore
 from kvcore.errors import PluginError
 from kvcore.memory.layout import KVCacheLayout as KL
-from kvcore.plugins.layouts import local_supported_layouts, resolve_kv_cache_layout, supported_layouts
+from kvcore.plugins.answers import HookAnswers
+from kvcore.plugins.layouts import resolve_kv_cache_layout, supported_layouts
 
 FULL = kvcore.FullAttentionSpec(16, 8, 64, torch.bfloat16)
 SLIDING = kvcore.SlidingWindowSpec(16, 8, 64, torch.bfloat16, sliding_window=128)
@@ -97,10 +98,12 @@ def test_layouts_come_from_the_hook():
                 name="layouts-plugin")
     assert supported_layouts(b1, FULL, plugin_manager=pm) == [KL.BLNHC, KL.LBNHC, KL.LHBNC]
     assert supported_layouts(b3, plugin_manager=pm) == list(KL)
-    assert local_supported_layouts([b3, b1, b2], plugin_manager=pm) == [KL.BLNHC, KL.LHBNC]
-    assert resolve_kv_cache_layout([local_supported_layouts([b1, b2], plugin_manager=pm)]) == KL.BLNHC
+    common = HookAnswers(pm).common_layouts  # one worker's entry of resolve_kv_cache_layout
+    assert common([(b3, None), (b1, None), (b2, None)]) == [KL.BLNHC, KL.LHBNC]
+    assert common([(b3, None)]) is None  # no choosy backend: any layout
+    assert resolve_kv_cache_layout([common([(b1, None), (b2, None)])]) == KL.BLNHC
     with pytest.raises(PluginError, match="layouts-plugin.*kvcore_supported_layouts"):
         supported_layouts(bad, plugin_manager=pm)
     pm.register(Layouts({b3: [KL.BHLNC]}))
     with pytest.raises(ValueError, match=r"share no KV cache layout: l0: \[BLNHC, LBNHC, LHBNC\]; l2: \[BHLNC\]"):
-        local_supported_layouts([b1, b3], plugin_manager=pm)
+        HookAnswers(pm).common_layouts([(b1, None), (b3, None)])

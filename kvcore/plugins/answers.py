@@ -1,7 +1,4 @@
-"""What the backends' plugins answered: each hook asked once per (backend, spec), checked, kept.
-
-A check's ``TypeError``/``ValueError`` becomes a PluginError naming the plugin that answered.
-"""
+"""What the backends' plugins answered: each hook asked once per (backend, spec), checked, kept."""
 
 from __future__ import annotations
 
@@ -22,29 +19,16 @@ from kvcore.specs import KVCacheSpec, MultipleOf
 
 #: Spec fields a ``kvcore_customize_spec`` answer may change: padding and alignment only.
 CUSTOMIZABLE_FIELDS = (
-    "num_head_slots",
-    "page_size_padded",
-    "block_stride_alignment",
-    "state_content_bytes",
+    "num_head_slots", "page_size_padded", "block_stride_alignment", "state_content_bytes"
 )
 
 
 def label(backend: type[AttentionBackend]) -> str:
-    """A backend's name in messages (its class name when it has none, as the base class)."""
+    """A backend's name in messages (its class name when it has none)."""
     return getattr(backend, "name", None) or backend.__qualname__
 
 
-def key_of(spec: Any) -> Any:
-    """``spec`` as a dict key (an unhashable spec by identity)."""
-    try:
-        hash(spec)
-    except TypeError:
-        return ("unhashable", id(spec))
-    return spec
-
-
 def check_sizes(value: Any) -> list[int | MultipleOf]:
-    """A kernel block size answer: a non-empty list of positive ints and MultipleOf."""
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"expected a list of int or MultipleOf, got {value!r}")
     if not value:
@@ -62,7 +46,6 @@ def check_sizes(value: Any) -> list[int | MultipleOf]:
 
 
 def check_layouts(value: Any) -> list[KVCacheLayout]:
-    """A layouts answer: layouts (or their names), duplicates dropped."""
     if isinstance(value, (str, KVCacheLayout)) or not isinstance(value, Iterable):
         raise TypeError(f"expected a list of KV cache layouts, got {value!r}")
     out = list(dict.fromkeys(KVCacheLayout.parse(item) for item in value))
@@ -81,7 +64,6 @@ def _instance_of(cls: type, what: str) -> Callable[[Any], Any]:
 
 
 def _check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCacheSpec:
-    """A customize answer for ``original``: a spec of its class that only pads or aligns it."""
     allowed = f"a customize hook may only pad or align a spec ({', '.join(CUSTOMIZABLE_FIELDS)})"
     if not isinstance(value, KVCacheSpec):
         raise TypeError(f"expected a KVCacheSpec, got {value!r}")
@@ -105,7 +87,6 @@ def _check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCach
 
 
 def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
-    """Whether a backend declaring ``sizes`` takes ``block_size``-token kernel blocks."""
     return any(
         s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes
     )
@@ -114,10 +95,7 @@ def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
 def pick_common_block_size(
     manager: int, offers: Sequence[tuple[str, Sequence[int | MultipleOf]]]
 ) -> int:
-    """The kernel block size every ``(backend name, sizes)`` offer takes.
-
-    The manager size when all accept it, else the largest offered int dividing it that all accept.
-    """
+    """The manager size when every offer takes it, else the largest offered int dividing it."""
     manager = positive_int("kv_manager_block_size", manager)
     sizes = [s for _, s in offers]
     candidates = {
@@ -138,10 +116,9 @@ class HookAnswers:
 
     def __init__(self, plugin_manager: pluggy.PluginManager | None = None) -> None:
         self.pm = resolve_plugin_manager(plugin_manager)
-        self._kept: dict[tuple[str, type, Any], Any] = {}
+        self._kept: dict[tuple[str, type, Any], Any] = {}  # NOTE: specs are frozen, hashable
         #: customized spec -> the backend whose customize hook padded its page
-        self.padded_by: dict[Any, str] = {}
-        self._alive: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
+        self.padded_by: dict[KVCacheSpec, str] = {}
 
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
         return resolve_backend(backend, self.pm)
@@ -149,38 +126,24 @@ class HookAnswers:
     def _ask(
         self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any
     ) -> Any:
-        key = (hook, backend, key_of(spec))
+        key = (hook, backend, spec)
         if key not in self._kept:
-            self._alive.append(spec)
             found = call_first(self.pm, hook, check, backend=backend, spec=spec)
             self._kept[key] = default if found is None else found
         return self._kept[key]
 
-    def kernel_block_sizes(
-        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
-    ) -> list[int | MultipleOf]:
-        """``kvcore_supported_kernel_block_sizes`` for (backend, spec)."""
-        return self._ask(
-            "kvcore_supported_kernel_block_sizes", check_sizes, [MultipleOf(1)], backend, spec
-        )
+    def kernel_block_sizes(self, backend: type, spec: Any) -> list[int | MultipleOf]:
+        sizes = [MultipleOf(1)]
+        return self._ask("kvcore_supported_kernel_block_sizes", check_sizes, sizes, backend, spec)
 
-    def stated_layouts(
-        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
-    ) -> list[KVCacheLayout] | None:
-        """``kvcore_supported_layouts`` for (backend, spec): layouts, or None for any."""
+    def stated_layouts(self, backend: type, spec: Any) -> list[KVCacheLayout] | None:
         return self._ask("kvcore_supported_layouts", check_layouts, None, backend, spec)
 
-    def requirements(
-        self, backend: type[AttentionBackend], spec: KVCacheSpec | None
-    ) -> KernelRequirements:
-        """``kvcore_kernel_requirements`` for (backend, spec) (no requirements when unanswered)."""
+    def requirements(self, backend: type, spec: Any) -> KernelRequirements:
         check = _instance_of(KernelRequirements, "a kvcore.KernelRequirements")
         return self._ask("kvcore_kernel_requirements", check, NO_REQUIREMENTS, backend, spec)
 
-    def priority(
-        self, backend: type[AttentionBackend], spec: KVCacheSpec | None, device: Any
-    ) -> int:
-        """``kvcore_backend_priority`` for (backend, spec, device) (0 when unanswered)."""
+    def priority(self, backend: type, spec: Any, device: Any) -> int:
         check = _instance_of(int, "an int priority")
         found = call_first(
             self.pm, "kvcore_backend_priority", check, backend=backend, spec=spec, device=device
@@ -188,11 +151,8 @@ class HookAnswers:
         return 0 if found is None else found
 
     def customized_spec(self, backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec:
-        """``spec`` as ``backend`` stores it: the hook's answer, then block-stride alignment.
-
-        When every kernel size the backend takes is an int, it gets ``MultipleOf(max(sizes))``.
-        """
-        key = ("customized", backend, key_of(spec))
+        """The hook's answer, aligned to ``MultipleOf(max(sizes))`` when every size is an int."""
+        key = ("customized", backend, spec)
         if key in self._kept:
             return self._kept[key]
         check = functools.partial(_check_customized, spec, backend=label(backend))
@@ -202,25 +162,17 @@ class HookAnswers:
             sizes = self.kernel_block_sizes(backend, new)
             if not any(isinstance(s, MultipleOf) for s in sizes):
                 new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(sizes)))
-                self._kept.setdefault(
-                    ("kvcore_supported_kernel_block_sizes", backend, key_of(new)), sizes
-                )
+                self._kept.setdefault(("kvcore_supported_kernel_block_sizes", backend, new), sizes)
         if padded:
-            self.padded_by[key_of(new)] = label(backend)
+            self.padded_by[new] = label(backend)
         self._kept[key] = new
         return new
 
-    def common_block_size(
-        self, manager: int, pairs: Sequence[tuple[type[AttentionBackend], Any]]
-    ) -> int:
-        """:func:`pick_common_block_size` over what each (backend, spec) takes."""
-        return pick_common_block_size(
-            manager, [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
-        )
+    def common_block_size(self, manager: int, pairs: Sequence[tuple[type, Any]]) -> int:
+        offers = [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
+        return pick_common_block_size(manager, offers)
 
-    def common_layouts(
-        self, pairs: Sequence[tuple[type[AttentionBackend], KVCacheSpec | None]]
-    ) -> list[KVCacheLayout] | None:
+    def common_layouts(self, pairs: Sequence[tuple[type, Any]]) -> list[KVCacheLayout] | None:
         """Layouts every (backend, spec) reads, in the first choosy backend's order (None: any)."""
         stated = [(label(b), self.stated_layouts(b, s)) for b, s in pairs]
         lists = [ls for _, ls in stated if ls is not None]

@@ -1,7 +1,6 @@
 """The backend a device gets (``"auto"``) and the block size a backend prefers.
 
-Ability comes from each backend's ``kvcore_kernel_requirements``, preference from
-``kvcore_backend_priority``.
+Ability comes from ``kvcore_kernel_requirements``, preference from ``kvcore_backend_priority``.
 """
 
 from __future__ import annotations
@@ -20,25 +19,10 @@ from kvcore.specs import KVCacheSpec, MultipleOf
 AUTO = "auto"
 
 
-def parse_device(device: Any) -> torch.device:
-    """``device`` (a ``torch.device`` or its string) as a torch.device; it need not exist here."""
-    if not isinstance(device, (str, torch.device)):
-        raise TypeError(f"device must be a torch.device or a string such as 'cuda', got {device!r}")
-    try:
-        return torch.device(device)
-    except (RuntimeError, ValueError) as exc:
-        raise ValueError(
-            f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'"
-        ) from None
-
-
 def serves(
-    answers: HookAnswers,
-    backend: type[AttentionBackend],
-    spec: KVCacheSpec | None,
-    device: torch.device,
+    answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device: torch.device
 ) -> str | None:
-    """Why ``backend`` cannot serve ``spec`` on ``device`` by its requirements; None when it can."""
+    """Why ``backend`` cannot serve ``spec`` on ``device``; None when it can."""
     return answers.requirements(backend, spec).why_not(
         device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None)
     )
@@ -57,35 +41,37 @@ def select_backend(
     """
     if spec is not None and not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
-    return choose_backend(HookAnswers(plugin_manager), spec, parse_device(device))
+    if not isinstance(device, (str, torch.device)):
+        raise TypeError(f"device must be a torch.device or a string such as 'cuda', got {device!r}")
+    try:
+        device = torch.device(device)  # NOTE: it need not exist on this machine
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(
+            f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'"
+        ) from None
+    return choose_backend(HookAnswers(plugin_manager), spec, device)
 
 
 def choose_backend(
     answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device
 ) -> type[AttentionBackend]:
-    """:func:`select_backend` over answers already kept."""
     table = collect_backends(answers.pm)
-    reasons: dict[str, str] = {
-        name: "its name is registered by several plugins "
-        "(block all but one with KVCORE_BLOCK_PLUGINS)"
-        for name in table.conflicts()
-    }
+    reasons = dict.fromkeys(
+        table.conflicts(),
+        "its name is registered by several plugins (block all but one with KVCORE_BLOCK_PLUGINS)",
+    )
     able: list[tuple[int, type[AttentionBackend]]] = []
     for name, (backend, _) in sorted(table.unambiguous().items()):
-        why = serves(answers, backend, spec, device)
-        if why is None:
+        reasons[name] = serves(answers, backend, spec, device)
+        if reasons[name] is None:
             able.append((answers.priority(backend, spec, device), backend))
-        else:
-            reasons[name] = why
     if able:
         return max(able, key=lambda found: found[0])[1]  # NOTE: max keeps the first name of a tie
-    listed = (
-        "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items())) or "none is registered"
-    )
+    listed = "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items()))
     raise ValueError(
-        f"no registered attention backend can serve {spec!r} on {device} ({listed}). "
-        "Install or enable a plugin whose backend runs there, or pick a device and dtype one "
-        "supports"
+        f"no registered attention backend can serve {spec!r} on {device} "
+        f"({listed or 'none is registered'}). Install or enable a plugin whose backend runs "
+        "there, or pick a device and dtype one supports"
     )
 
 

@@ -1,8 +1,5 @@
-"""The interfaces an attention backend implements.
-
-A backend is a class (never instantiated by kvcore) with a unique ``name``; what it accepts is
-declared through the hooks of :mod:`kvcore.plugins.hookspecs`, not through attributes.
-"""
+"""The protocol an attention backend implements: a class (never instantiated by kvcore) with a
+unique ``name``; what it accepts is declared through the hooks, not through attributes."""
 
 from __future__ import annotations
 
@@ -23,8 +20,8 @@ class CommonAttentionMetadata:
     ``seq_lens`` (``[num_reqs]``) counts each request's tokens including the new ones;
     ``block_table_tensor`` (``[num_reqs, max_blocks]``, int32) holds manager block ids;
     ``slot_mapping`` (``[num_actual_tokens]``, int64) gives each new token's slot
-    ``block_id * block_size + offset``. ``debug_checks``: whether ``forward`` runs the checks
-    that read tensor values (:func:`kvcore.plugins.paged_inputs.step_checks`).
+    ``block_id * block_size + offset``. ``debug_checks``: whether ``forward`` runs the value
+    checks (:func:`kvcore.plugins.paged_inputs.step_checks`).
     """
 
     query_start_loc: torch.Tensor = attrs.field(eq=False, repr=False)
@@ -40,10 +37,7 @@ class CommonAttentionMetadata:
 
 
 class AttentionMetadataBuilder:
-    """Turns :class:`CommonAttentionMetadata` into a backend's own metadata (default: unchanged).
-
-    One builder exists per micro-batch, so a builder's persistent buffers never collide.
-    """
+    """Turns :class:`CommonAttentionMetadata` into a backend's metadata (one per micro-batch)."""
 
     #: Set to True to receive ``block_table_width`` (columns of the block table).
     requires_block_table_width: ClassVar[bool] = False
@@ -104,13 +98,10 @@ class AttentionBackend:
         """Write this step's K/V into ``kv_cache_view``, then attend.
 
         :param query: ``[tokens, q_heads, head_size]``; rows past
-            ``metadata.num_actual_tokens`` are padding.
-        :param key: ``[tokens, kv_heads, head_size]`` of this step.
-        :param value: ``[tokens, kv_heads, head_size_v]`` of this step.
+            ``metadata.num_actual_tokens`` are padding. ``key``/``value``: this step's K/V,
+            ``[tokens, kv_heads, head_size]`` / ``[tokens, kv_heads, head_size_v]``.
         :param kv_cache_view: the layer's kernel view (``KVCache.layer_kv_caches``).
         :param metadata: what the backend's builder built (block tables in kernel blocks).
-        :param head_size: K's head size (``C`` packs K then V).
-        :param scale: softmax scale.
         :param sliding_window: attend to at most this many past tokens, or None.
         :param out: optional ``[tokens, q_heads, head_size_v]`` output buffer.
         :returns: the attention output, ``[tokens, q_heads, head_size_v]``.

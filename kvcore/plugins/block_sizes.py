@@ -1,8 +1,5 @@
-"""Block-size negotiation for standalone callers (SPEC §3), each call through one ``HookAnswers``.
-
-A manager block is split into kernel blocks of a size every backend of a group accepts, as the
-``kvcore_supported_kernel_block_sizes`` hook declares (``KVCache.create`` negotiates once).
-"""
+"""Block-size negotiation for standalone callers (SPEC §3): each call asks the hooks through one
+``HookAnswers``, as ``KVCache.create`` does once for the whole cache."""
 
 from __future__ import annotations
 
@@ -18,18 +15,7 @@ from kvcore.memory.layout import split_ratio
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.negotiation import group_kernel_block_size, splits_by_backends
-from kvcore.specs import KVCacheSpec, MultipleOf
-
-
-def supported_kernel_block_sizes(
-    backend: type[AttentionBackend] | str,
-    spec: KVCacheSpec | None = None,
-    *,
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> list[int | MultipleOf]:
-    """The kernel block sizes ``backend`` accepts for ``spec``, as its plugin declares."""
-    answers = HookAnswers(plugin_manager)
-    return answers.kernel_block_sizes(answers.backend(backend), spec)
+from kvcore.specs import KVCacheSpec
 
 
 def select_common_block_size(
@@ -39,7 +25,7 @@ def select_common_block_size(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> int:
-    """The kernel block size shared by ``backends`` for ``kv_manager_block_size``-token blocks.
+    """The kernel block size ``backends`` share for ``kv_manager_block_size``-token blocks.
 
     The manager size when every backend accepts it, else the largest offered ``int`` dividing it
     that every backend accepts.
@@ -66,10 +52,8 @@ def customize_attention_spec(
     *,
     plugin_manager: pluggy.PluginManager | None = None,
 ) -> KVCacheSpec:
-    """``spec`` as ``backend`` stores it: the plugin's changes, then block-stride alignment.
-
-    A backend taking only ``int`` sizes aligns blocks to ``MultipleOf(max(sizes))``.
-    """
+    """``spec`` as ``backend`` stores it: the plugin's changes, then block-stride alignment
+    (``MultipleOf(max(sizes))`` for a backend taking only ``int`` sizes)."""
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
     answers = HookAnswers(plugin_manager)
@@ -86,15 +70,13 @@ def prepare_kernel_block_sizes(
     answers = HookAnswers(plugin_manager)
     out: list[int] = []
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
-        if gid < len(attn_groups):
-            pairs = [(g.backend, g.kv_cache_spec) for g in attn_groups[gid]]
-        elif splits_by_backends(kv_cache_config, group):
+        if gid >= len(attn_groups) and splits_by_backends(kv_cache_config, group):
             raise ValueError(
                 f"attn_groups has {len(attn_groups)} entries but KV cache group {gid} needs "
                 "one; pass build_attention_groups(kv_cache_config, ...)"
             )
-        else:
-            pairs = []
+        groups = attn_groups[gid] if gid < len(attn_groups) else []
+        pairs = [(g.backend, g.kv_cache_spec) for g in groups]
         size = group_kernel_block_size(kv_cache_config, gid, pairs, answers)
         if size is not None:
             out.append(size)
@@ -108,16 +90,12 @@ def get_block_table_width(
     *,
     token_alignment: int | None = 128,
 ) -> int:
-    """Columns of a block table row, as vLLM sizes them.
-
-    Manager blocks rounded up to a multiple of ``token_alignment`` tokens, times the split ratio:
-    ``get_block_table_width(1875, 64) == 1876``, ``(5, 48) == 8``.
-    """
+    """Columns of a block table row, as vLLM sizes them: manager blocks rounded up to cover a
+    multiple of ``token_alignment`` tokens, times the split ratio (``(1875, 64) == 1876``)."""
     max_num_blocks = positive_int("max_num_blocks", max_num_blocks)
     block_size = positive_int("block_size", block_size)
     ratio = split_ratio(block_size, kernel_block_size)
     if token_alignment is not None:
-        token_alignment = positive_int("token_alignment", token_alignment)
-        unit = math.lcm(block_size, token_alignment) // block_size
+        unit = math.lcm(block_size, positive_int("token_alignment", token_alignment)) // block_size
         max_num_blocks = -(-max_num_blocks // unit) * unit
     return max_num_blocks * ratio

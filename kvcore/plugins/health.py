@@ -26,10 +26,8 @@ BAD_STATUSES = ("failed", "conflict", "unhealthy")
 def check_plugins(
     plugin_manager: pluggy.PluginManager | None = None, answers: HookAnswers | None = None
 ) -> list[PluginInfo]:
-    """:func:`~kvcore.plugins.registry.list_plugins`, with what each backend declares.
-
-    A hook that raises or answers the wrong type marks its plugin ``unhealthy``.
-    """
+    """:func:`~kvcore.plugins.registry.list_plugins` with what each backend declares; a hook
+    that raises or answers the wrong type marks its plugin ``unhealthy``."""
     pm = resolve_plugin_manager(plugin_manager)
     infos = list_plugins(pm)
     by_name = {info.name: info for info in infos}
@@ -37,7 +35,7 @@ def check_plugins(
         entries = collect_backends(pm).entries
     except PluginError:
         entries = {}  # NOTE: list_plugins already marked the plugin that failed
-    answers = HookAnswers(pm) if answers is None else answers
+    answers = answers or HookAnswers(pm)
     spec = REPRESENTATIVE_SPEC
     for name, found in entries.items():
         for backend, owner in found:

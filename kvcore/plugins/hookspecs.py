@@ -6,7 +6,8 @@ hooks below; kvcore never reads block sizes, layouts or spec changes off a backe
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pluggy
 import torch
@@ -18,6 +19,7 @@ from kvcore.specs import KVCacheSpec, MultipleOf
 
 PROJECT_NAME = "kvcore"
 ENTRY_POINT_GROUP = "kvcore.plugins"
+CORE_PLUGIN_NAME = "kvcore-core"
 
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
 hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
@@ -25,15 +27,12 @@ hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
 
 @hookspec
 def kvcore_register_backends(register: Callable[[type[AttentionBackend]], None]) -> None:
-    """Register the attention backends this plugin provides.
+    """Register the attention backends this plugin provides (every plugin is asked).
 
-    Every plugin's implementation is called (a collecting hook); each calls
-    ``register(BackendClass)`` once per backend it ships.
-
-    :param register: callback taking an ``AttentionBackend`` subclass with a
-        non-empty str ``name`` that implements ``forward``; it refuses anything
-        else (the plugin then fails to load, named). A name two plugins
-        register is ambiguous: kvcore serves neither and names both.
+    :param register: call ``register(BackendClass)`` once per backend; it refuses anything but
+        an ``AttentionBackend`` subclass with a non-empty str ``name`` that implements
+        ``forward`` (the plugin then fails to load, named). A name two plugins register is
+        ambiguous: kvcore serves neither and names both.
     :returns: nothing; return values are ignored.
     """
 
@@ -44,16 +43,12 @@ def kvcore_supported_kernel_block_sizes(
 ) -> list[int | MultipleOf] | None:
     """Kernel block sizes (in tokens) a backend's kernels accept for a spec.
 
-    Stops at the first non-None result. The core default, tried last,
-    accepts any size (``[MultipleOf(1)]``).
+    Stops at the first non-None result. The core default, tried last, accepts any size.
 
     :param backend: the backend class kvcore is asking about.
     :param spec: the layer's KV cache spec, or None when no spec is known.
-    :returns: a non-empty list of ``int`` (that size only) and
-        ``MultipleOf(base)`` (any multiple of ``base``) for a backend this
-        plugin owns, else None. The first ``int`` of the list is the block
-        size the backend prefers (``kvcore.plugins.auto.preferred_block_size``);
-        a list of only ``MultipleOf`` states no preference.
+    :returns: a non-empty list of ``int`` (that size only) and ``MultipleOf(base)`` for a
+        backend this plugin owns, else None. The first ``int`` is the size the backend prefers.
     """
 
 
@@ -61,13 +56,11 @@ def kvcore_supported_kernel_block_sizes(
 def kvcore_customize_spec(backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec | None:
     """Adjust a layer's KV cache spec to what a backend stores (e.g. head padding).
 
-    Stops at the first non-None result. The core default returns ``spec``
-    unchanged.
+    Stops at the first non-None result. The core default returns ``spec`` unchanged.
 
     :param backend: the backend class that will serve the layer.
     :param spec: the spec the engine described for the layer.
-    :returns: a new spec (specs are immutable; use ``attrs.evolve``) for a
-        backend this plugin owns, else None.
+    :returns: a new spec (``attrs.evolve``) for a backend this plugin owns, else None.
     """
 
 
@@ -77,13 +70,12 @@ def kvcore_supported_layouts(
 ) -> list[KVCacheLayout] | None:
     """Physical KV cache layouts a backend's kernels can read.
 
-    Stops at the first non-None result. With no answer (the core default),
-    every layout is accepted.
+    Stops at the first non-None result. With no answer (the core default), any layout goes.
 
     :param backend: the backend class kvcore is asking about.
     :param spec: the layer's KV cache spec, or None when no spec is known.
-    :returns: layouts (``KVCacheLayout`` members or their names), most
-        preferred first, for a backend this plugin owns; None for any layout.
+    :returns: layouts (members or names), most preferred first, for a backend this plugin owns;
+        None for any layout.
     """
 
 
@@ -93,11 +85,9 @@ def kvcore_kernel_requirements(
 ) -> KernelRequirements | None:
     """What a backend's kernels need of the memory they read: devices, dtypes, strides.
 
-    Stops at the first non-None result. The core default, tried last, states
-    no requirement (``KernelRequirements()``). ``KVCache.create`` asks once
-    per distinct (backend, spec) and checks every kernel view of the plan
-    against the answer before allocating; :func:`kvcore.select_backend` reads
-    its ``devices``, ``dtypes`` and ``head_sizes``.
+    Stops at the first non-None result. The core default, tried last, states no requirement.
+    ``KVCache.create`` checks every kernel view of the plan against it before allocating;
+    :func:`kvcore.select_backend` reads its ``devices``, ``dtypes`` and ``head_sizes``.
 
     :param backend: the backend class kvcore is asking about.
     :param spec: the layer's (customized) KV cache spec, or None when no spec is known.
@@ -111,9 +101,8 @@ def kvcore_backend_priority(
 ) -> int | None:
     """How much a backend wants to serve ``spec`` on ``device`` (higher wins).
 
-    Stops at the first non-None result. The core default, tried last, is 0.
-    Only consulted among backends whose requirements admit the device, dtype
-    and head size: ability is stated by the requirements, preference here.
+    Stops at the first non-None result. The core default, tried last, is 0. Only asked about
+    backends whose requirements admit the device, dtype and head size.
 
     :param backend: the backend class kvcore is asking about.
     :param spec: the layer's KV cache spec, or None when no spec is known.
@@ -134,16 +123,9 @@ class CoreDefaults:
         return spec
 
     @hookimpl(trylast=True)
-    def kvcore_supported_layouts(self, backend: Any, spec: Any) -> None:
-        return None
-
-    @hookimpl(trylast=True)
     def kvcore_kernel_requirements(self, backend: Any, spec: Any) -> KernelRequirements:
         return NO_REQUIREMENTS
 
     @hookimpl(trylast=True)
     def kvcore_backend_priority(self, backend: Any, spec: Any, device: Any) -> int:
         return 0
-
-
-CORE_PLUGIN_NAME = "kvcore-core"

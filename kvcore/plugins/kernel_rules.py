@@ -30,7 +30,6 @@ Specs = Mapping[str, KVCacheSpec]
 def check_abilities(
     answers: HookAnswers, specs: Specs, backends: Backends, device: torch.device
 ) -> None:
-    """Refuse a layer whose backend's requirements exclude the device, its dtype or head size."""
     for layer, backend in backends.items():
         why = serves(answers, backend, specs[layer], device)
         if why is None:
@@ -67,9 +66,8 @@ def first_violation(config: KVCacheConfig, negotiation: Negotiation) -> str | No
             if view is None or view.dim() != 4:
                 continue
             size = view.element_size()
-            found = entry.requirements.view_violation(
-                view.stride(), size, view.storage_offset() * size
-            )
+            offset = view.storage_offset() * size
+            found = entry.requirements.view_violation(view.stride(), size, offset)
             if found is not None:
                 rule, value, needed = found
                 return (
@@ -80,25 +78,15 @@ def first_violation(config: KVCacheConfig, negotiation: Negotiation) -> str | No
 
 
 def _plan(
-    specs: Specs,
-    backends: Backends,
-    answers: HookAnswers,
-    layout: KVCacheLayout,
-    budget: dict[str, Any],
+    specs: Specs, backends: Backends, answers: HookAnswers, layout: KVCacheLayout, budget: dict
 ) -> tuple[KVCacheConfig, Negotiation]:
     config = plan_kv_cache(specs, layout, **budget)
     return config, negotiate(config, backends, answers)
 
 
-def _meets(
-    specs: Specs,
-    backends: Backends,
-    answers: HookAnswers,
-    layout: KVCacheLayout,
-    budget: dict[str, Any],
-) -> bool:
+def _meets(*args: Any) -> bool:
     try:
-        return first_violation(*_plan(specs, backends, answers, layout, budget)) is None
+        return first_violation(*_plan(*args)) is None
     except PluginError:
         raise
     except ValueError:
@@ -109,11 +97,11 @@ def _remedy(
     layer_specs: Specs,
     backends: Backends,
     answers: HookAnswers,
+    untried: Sequence[KVCacheLayout],
     candidates: Sequence[KVCacheLayout],
-    tried: Sequence[KVCacheLayout],
-    budget: dict[str, Any],
+    budget: dict,
 ) -> str:
-    """A layout, else a block size (with a layout), that meets every rule (error path only)."""
+    """A layout, else a block size (with a layout), that meets every rule."""
 
     def customized(layers: Specs) -> Specs:
         return {
@@ -122,24 +110,18 @@ def _remedy(
         }
 
     specs = customized(layer_specs)
-    good = [
-        lay
-        for lay in candidates
-        if lay not in tried and _meets(specs, backends, answers, lay, budget)
-    ]
+    good = [lay for lay in untried if _meets(specs, backends, answers, lay, budget)]
     if good:
         return f"layout {good[0].name} meets every rule (pass layout={good[0].name!r} or None)"
     sizes = sorted({s.block_size for s in layer_specs.values() if isinstance(s, AttentionSpec)})
-    for size in (
-        (sizes[0] // 2, sizes[0] // 4, sizes[0] * 2, sizes[0] * 4) if len(sizes) == 1 else ()
-    ):
+    tries = [sizes[0] // 2, sizes[0] // 4, sizes[0] * 2, sizes[0] * 4] if len(sizes) == 1 else []
+    for size in tries:
         try:
-            specs = customized(
-                {
-                    n: s.copy_with_new_block_size(size) if isinstance(s, AttentionSpec) else s
-                    for n, s in layer_specs.items()
-                }
-            )
+            resized = {
+                n: s.copy_with_new_block_size(size) if isinstance(s, AttentionSpec) else s
+                for n, s in layer_specs.items()
+            }
+            specs = customized(resized)
         except ValueError:
             continue
         for lay in candidates:
@@ -164,16 +146,15 @@ def plan_meeting_rules(
     layout: KVCacheLayout | str | None,
     budget: dict[str, Any],
 ) -> tuple[KVCacheLayout, KVCacheConfig, Negotiation]:
-    """Resolve the layout, plan and negotiate so every kernel view meets its backend's rules.
+    """The layout, plan and negotiation whose kernel views meet every backend's rules.
 
     ``layer_specs``: the engine's specs; ``specs``: the customized ones; ``budget``: the planner's.
     """
     candidates = layout_candidates([supported], specs.values())
     explicit = requested_layout(layout) is not None
+    tried = candidates
     if explicit or not _has_memory_rules(specs, backends, answers):
         tried = [resolve_kv_cache_layout([supported], specs.values(), layout)]
-    else:
-        tried = candidates
     first: str | None = None
     error: ValueError | None = None
     for candidate in tried:
@@ -184,13 +165,14 @@ def plan_meeting_rules(
         except ValueError as exc:
             error = error or exc
             continue
-        found = first_violation(config, negotiation)
-        if found is None:
+        violation = first_violation(config, negotiation)
+        if violation is None:
             return candidate, config, negotiation
-        first = first or found
+        first = first or violation
     if first is None:
         raise error  # type: ignore[misc]
-    remedy = _remedy(layer_specs, backends, answers, candidates, tried, budget)
+    untried = [c for c in candidates if c not in tried]
+    remedy = _remedy(layer_specs, backends, answers, untried, candidates, budget)
     names = ", ".join(c.name for c in candidates)
     prefix = "" if explicit else f"no layout of [{names}] meets every kernel rule: "
     raise KernelRequirementError(f"{prefix}{first}; {remedy}")
@@ -206,9 +188,5 @@ def layouts_meeting_rules(
     """``supported`` narrowed to layouts whose plan meets every rule (a distributed agreement)."""
     if not _has_memory_rules(specs, backends, answers):
         return supported
-    good = [
-        c
-        for c in layout_candidates([supported], specs.values())
-        if _meets(specs, backends, answers, c, budget)
-    ]
-    return good or supported
+    candidates = layout_candidates([supported], specs.values())
+    return [c for c in candidates if _meets(specs, backends, answers, c, budget)] or supported

@@ -15,6 +15,9 @@ from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 DEFAULT_LAYOUT = KVCacheLayout.LBNHC
 LAYOUT_ENV = "KVCORE_KV_CACHE_LAYOUT"
 
+Supported = Sequence[Sequence[KVCacheLayout | str] | None]
+Specs = Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec]
+
 
 def _names(layouts: Iterable[KVCacheLayout]) -> str:
     return "[" + ", ".join(layout.name for layout in layouts) + "]"
@@ -31,74 +34,45 @@ def supported_layouts(
     return answers.stated_layouts(answers.backend(backend), spec) or list(KVCacheLayout)
 
 
-def local_supported_layouts(
-    backends: Sequence[type[AttentionBackend] | str],
-    specs: Sequence[KVCacheSpec | None] | None = None,
-    *,
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> list[KVCacheLayout]:
-    """Layouts every backend of this worker reads (all six when none is choosy).
-
-    One worker's entry of ``supported`` for :func:`resolve_kv_cache_layout`.
-    """
-    specs = [None] * len(backends) if specs is None else list(specs)
-    if len(specs) != len(backends):
-        raise ValueError(
-            f"got {len(specs)} specs for {len(backends)} backends; pass one per backend"
-        )
-    answers = HookAnswers(plugin_manager)
-    common = answers.common_layouts([(answers.backend(b), s) for b, s in zip(backends, specs)])
-    return common or list(KVCacheLayout)
-
-
 def resolve_kv_cache_layout(
-    supported: Sequence[Sequence[KVCacheLayout | str] | None],
-    specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec] = (),
-    requested: KVCacheLayout | str | None = None,
+    supported: Supported, specs: Specs = (), requested: KVCacheLayout | str | None = None
 ) -> KVCacheLayout:
     """The layout to allocate with.
 
-    ``supported`` holds one list per worker, most preferred first (None: any layout).
-    An explicit request (``requested``, else ``KVCORE_KV_CACHE_LAYOUT``) must be one of
+    ``supported`` holds one list per worker, most preferred first (None: any layout). An explicit
+    request (``requested``, else ``KVCORE_KV_CACHE_LAYOUT``) must be one of
     :func:`layout_candidates`; otherwise the first candidate wins, as vLLM resolves it.
     """
     candidates = layout_candidates(supported, specs)
     layout = requested_layout(requested)
-    if layout is not None:
-        if layout not in candidates:
-            raise ValueError(
-                f"requested KV cache layout {layout.name} is not usable here; candidates: "
-                f"{_names(candidates)}. Request one of them (argument or {LAYOUT_ENV})"
-            )
-        return layout
-    return candidates[0]
+    if layout is None:
+        return candidates[0]
+    if layout not in candidates:
+        raise ValueError(
+            f"requested KV cache layout {layout.name} is not usable here; candidates: "
+            f"{_names(candidates)}. Request one of them (argument or {LAYOUT_ENV})"
+        )
+    return layout
 
 
 def requested_layout(requested: KVCacheLayout | str | None) -> KVCacheLayout | None:
     """An explicit layout: ``requested``, else ``KVCORE_KV_CACHE_LAYOUT``, else None."""
     if requested is not None:
         return KVCacheLayout.parse(requested)
-    from_env = os.environ.get(LAYOUT_ENV, "").strip() or None
-    if from_env is None:
-        return None
+    from_env = os.environ.get(LAYOUT_ENV, "").strip()
     try:
-        return KVCacheLayout.parse(from_env)
+        return KVCacheLayout.parse(from_env) if from_env else None
     except ValueError as exc:
         raise ValueError(f"{LAYOUT_ENV}={from_env!r}: {exc}; fix or unset {LAYOUT_ENV}") from None
 
 
-def layout_candidates(
-    supported: Sequence[Sequence[KVCacheLayout | str] | None],
-    specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec] = (),
-) -> list[KVCacheLayout]:
+def layout_candidates(supported: Supported, specs: Specs = ()) -> list[KVCacheLayout]:
     """The layouts :func:`resolve_kv_cache_layout` may pick, its default first.
 
     Only block-compact ones when ``specs`` differ in (heads, states, page bytes); LBNHC leads
     when no worker states a preference.
     """
-    stated = [check_layouts(w) for w in supported if w is not None]
-    preference = bool(stated)
-    workers = stated or [list(KVCacheLayout)]
+    workers = [check_layouts(w) for w in supported if w is not None] or [list(KVCacheLayout)]
     candidates = [layout for layout in workers[0] if all(layout in w for w in workers[1:])]
     if not candidates:
         raise ValueError(
@@ -110,9 +84,8 @@ def layout_candidates(
     for spec in specs.values() if isinstance(specs, Mapping) else specs:
         if not isinstance(spec, KVCacheSpec):
             raise TypeError(f"specs must hold KVCacheSpec objects, got {spec!r}")
-        flat += (
-            spec.kv_cache_specs.values() if isinstance(spec, UniformTypeKVCacheSpecs) else [spec]
-        )
+        is_uniform = isinstance(spec, UniformTypeKVCacheSpecs)
+        flat += spec.kv_cache_specs.values() if is_uniform else [spec]
     shapes = {
         (s.num_heads, s.num_states, s.page_size_bytes)
         for s in flat
@@ -127,7 +100,7 @@ def layout_candidates(
                 f"support {_names(candidates)}"
             )
         candidates = compact
-    if not preference and DEFAULT_LAYOUT in candidates:
+    if all(w is None for w in supported) and DEFAULT_LAYOUT in candidates:
         candidates.remove(DEFAULT_LAYOUT)
         candidates.insert(0, DEFAULT_LAYOUT)
     return candidates

@@ -1,8 +1,5 @@
-"""kvcore's pluggy manager: hook calls that name the plugin at fault, and registered backends.
-
-While kvcore calls a hook, each plain implementation notes what it answered or raised, so an
-error is put on its ``HookImpl.plugin_name`` without calling any plugin again.
-"""
+"""kvcore's pluggy manager: hook calls that name the plugin at fault (each plain implementation
+notes what it answered or raised, under its ``HookImpl.plugin_name``), and registered backends."""
 
 from __future__ import annotations
 
@@ -49,7 +46,6 @@ class PluginInfo:
         )
 
     def flag(self, status: str, message: str) -> None:
-        """Set ``status`` and add ``message`` to the error (once)."""
         self.status = status
         if message not in (self.error or ""):
             self.error = "; ".join(filter(None, [self.error, message]))
@@ -74,7 +70,14 @@ class KVCorePluginManager(pluggy.PluginManager):
             logger.setLevel(logging.DEBUG)
             if not logger.handlers and not logging.getLogger().handlers:
                 logger.addHandler(logging.StreamHandler())
-            self.add_hookcall_monitoring(_trace_before, _trace_after)
+            self.add_hookcall_monitoring(
+                lambda hook, impls, kwargs: logger.debug(
+                    "%s(%s) asks %s", hook, kwargs, [i.plugin_name for i in reversed(impls)]
+                ),
+                lambda outcome, hook, impls, kwargs: logger.debug(
+                    "%s -> %r", hook, outcome.exception or outcome.get_result()
+                ),
+            )
 
     # NOTE: any (un)registration may change which backends exist.
     def register(self, plugin: Any, name: str | None = None) -> str | None:
@@ -86,16 +89,7 @@ class KVCorePluginManager(pluggy.PluginManager):
         return super().unregister(plugin, name)
 
 
-def _trace_before(hook_name: str, impls: list[pluggy.HookImpl], kwargs: dict[str, Any]) -> None:
-    logger.debug("%s(%s) asks %s", hook_name, kwargs, [i.plugin_name for i in reversed(impls)])
-
-
-def _trace_after(outcome: pluggy.Result, hook_name: str, impls: Any, kwargs: Any) -> None:
-    logger.debug("%s -> %r", hook_name, outcome.exception or outcome.get_result())
-
-
 def describe_plugin(pm: pluggy.PluginManager, plugin_name: str | None) -> str:
-    """A label naming a plugin, its entry point, distribution and version."""
     if plugin_name is None:
         return "a hook implementation"
     if isinstance(pm, KVCorePluginManager) and plugin_name in pm.plugin_infos:
@@ -108,7 +102,6 @@ def describe_plugin(pm: pluggy.PluginManager, plugin_name: str | None) -> str:
 def plugin_error(
     pm: pluggy.PluginManager, plugin_name: str | None, hook_name: str, problem: str
 ) -> PluginError:
-    """A PluginError naming the plugin and hook; ``error.plugin_name`` is set."""
     if isinstance(pm, KVCorePluginManager) and plugin_name in pm.plugin_infos:
         remedy = f"fix or uninstall the plugin, or skip it with KVCORE_BLOCK_PLUGINS={plugin_name}"
     else:
@@ -119,7 +112,6 @@ def plugin_error(
 
 
 def conflict_message(pm: pluggy.PluginManager, name: str, owners: list[str]) -> str:
-    """What to say about backend ``name`` registered by several plugins (``owners``)."""
     return (
         f"attention backend {name!r} is registered by "
         + " and by ".join(describe_plugin(pm, owner) for owner in owners)
@@ -128,35 +120,22 @@ def conflict_message(pm: pluggy.PluginManager, name: str, owners: list[str]) -> 
     )
 
 
-@attrs.frozen
-class _Turn:
-    """One hook implementation's turn in a call kvcore made: its answer or its exception."""
-
-    plugin_name: str
-    answer: Any = None
-    error: BaseException | None = None
-
-
-#: The turns taken in the hook call kvcore is making now (None outside kvcore's calls).
-_TURNS: contextvars.ContextVar[list[_Turn] | None] = contextvars.ContextVar(
-    "kvcore_turns", default=None
+#: ``(plugin, answer, exception)`` of each plain implementation run in kvcore's current call.
+_TURNS: contextvars.ContextVar[list[tuple[str, Any, BaseException | None]]] = (
+    contextvars.ContextVar("kvcore_turns")
 )
 
 
 def _noting(function: Callable[..., Any], plugin_name: str) -> Callable[..., Any]:
-    """``function``, noting each answer or exception in :data:`_TURNS` inside kvcore's calls."""
-
     @functools.wraps(function)
     def noted(*args: Any, **kwargs: Any) -> Any:
-        turns = _TURNS.get()
+        turns = _TURNS.get([])  # NOTE: outside kvcore's calls, nothing is kept
         try:
             answer = function(*args, **kwargs)
         except BaseException as exc:
-            if turns is not None:
-                turns.append(_Turn(plugin_name, error=exc))
+            turns.append((plugin_name, None, exc))
             raise
-        if turns is not None:
-            turns.append(_Turn(plugin_name, answer=answer))
+        turns.append((plugin_name, answer, None))
         return answer
 
     noted.kvcore_noting = True  # type: ignore[attr-defined]
@@ -164,10 +143,9 @@ def _noting(function: Callable[..., Any], plugin_name: str) -> Callable[..., Any
 
 
 def _by_wrappers(caller: pluggy.HookCaller, what: str) -> tuple[str | None, str]:
-    """``(plugin, note)`` when no plain implementation is at fault: the one wrapper, else a note."""
-    wrappers = [
-        i.plugin_name for i in reversed(caller.get_hookimpls()) if i.wrapper or i.hookwrapper
-    ]
+    """The one wrapper when no plain implementation is at fault, else a note naming them all."""
+    impls = reversed(caller.get_hookimpls())
+    wrappers = [i.plugin_name for i in impls if i.wrapper or i.hookwrapper]
     if len(wrappers) == 1:
         return wrappers[0], ""
     return None, f" ({what} one of the wrappers of plugins {wrappers})" if wrappers else ""
@@ -175,45 +153,32 @@ def _by_wrappers(caller: pluggy.HookCaller, what: str) -> tuple[str | None, str]
 
 def _call(
     pm: pluggy.PluginManager, caller: pluggy.HookCaller, kwargs: dict[str, Any]
-) -> tuple[Any, list[_Turn]]:
-    """``caller(**kwargs)`` through pluggy and the turns taken; a raising plugin is named."""
+) -> tuple[Any, list[tuple[str, Any, BaseException | None]]]:
     for impl in caller.get_hookimpls():
         # NOTE: pluggy keeps one HookImpl per implementation: its function is swapped once
         # (wrappers are left as they are: their generators pass answers on).
         if not (impl.wrapper or impl.hookwrapper or hasattr(impl.function, "kvcore_noting")):
             impl.function = _noting(impl.function, impl.plugin_name)  # type: ignore[misc]
-    turns: list[_Turn] = []
+    turns: list[tuple[str, Any, BaseException | None]] = []
     token = _TURNS.set(turns)
     try:
         return caller(**kwargs), turns
     except PluginError:
         raise
     except Exception as exc:
-        raised = [t.plugin_name for t in turns if t.error is exc]
+        raised = [name for name, _, error in turns if error is exc]
         owner, note = (raised[0], "") if raised else _by_wrappers(caller, "raised in")
-        raise plugin_error(
-            pm, owner, caller.name, f"raised {type(exc).__name__}: {exc}{note}"
-        ) from exc
+        problem = f"raised {type(exc).__name__}: {exc}{note}"
+        raise plugin_error(pm, owner, caller.name, problem) from exc
     finally:
         _TURNS.reset(token)
-
-
-def _refuses(check: Callable[[Any], Any], answer: Any) -> bool:
-    try:
-        check(answer)
-    except (TypeError, ValueError):
-        return True
-    return False
 
 
 def call_first(
     pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], **kwargs: Any
 ) -> Any:
-    """Call a firstresult hook; ``check`` validates and normalizes a non-None answer.
-
-    A ``TypeError``/``ValueError`` from ``check`` becomes a PluginError naming the plugin whose
-    own answer is refused, else the wrapper that changed it.
-    """
+    """Call a firstresult hook; ``check`` validates a non-None answer (a refusal names the plugin
+    whose own answer it is, else the wrapper that changed it)."""
     caller = getattr(pm.hook, hook_name)
     result, turns = _call(pm, caller, kwargs)
     if result is None:
@@ -222,12 +187,20 @@ def call_first(
         return check(result)
     except (TypeError, ValueError) as exc:
         # NOTE: pluggy stops at the first answer; a wrapper may have replaced it since.
-        first = next((t for t in turns if t.answer is not None), None)
-        if first is not None and (first.answer is result or _refuses(check, first.answer)):
-            owner, note = first.plugin_name, ""
+        first = next((turn for turn in turns if turn[1] is not None), None)
+        if first is not None and (first[1] is result or _refuses(check, first[1])):
+            owner, note = first[0], ""
         else:
             owner, note = _by_wrappers(caller, "changed by")
         raise plugin_error(pm, owner, hook_name, f"returned a wrong value ({exc}){note}") from exc
+
+
+def _refuses(check: Callable[[Any], Any], answer: Any) -> bool:
+    try:
+        check(answer)
+    except (TypeError, ValueError):
+        return True
+    return False
 
 
 @attrs.frozen
@@ -247,12 +220,10 @@ _REGISTER = "kvcore_register_backends"
 
 
 def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> BackendTable:
-    """Ask ``kvcore_register_backends`` of every plugin (or of plugin ``only``) once.
-
-    Each call goes through pluggy with a ``register`` that knows its plugin and checks the class.
-    """
-    full = only is None
-    if full and isinstance(pm, KVCorePluginManager) and pm._backends is not None:
+    """Ask every plugin's (or plugin ``only``'s) ``kvcore_register_backends`` once, through pluggy,
+    with a ``register`` that knows the plugin and checks the class."""
+    full = only is None and isinstance(pm, KVCorePluginManager)
+    if full and pm._backends is not None:
         return pm._backends
     entries: dict[str, list[tuple[type[AttentionBackend], str]]] = {}
     calling: set[str] = set()  # NOTE: the plugin whose implementation runs now
@@ -266,16 +237,15 @@ def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> Backe
         _check_backend(pm, backend, owner)
         found = entries.setdefault(backend.name, [])
         if any(other == owner and cls is not backend for cls, other in found):
-            raise plugin_error(
-                pm, owner, _REGISTER, f"registered two classes named {backend.name!r}"
-            )
+            problem = f"registered two classes named {backend.name!r}"
+            raise plugin_error(pm, owner, _REGISTER, problem)
         if (backend, owner) not in found:
             found.append((backend, owner))
 
     impls = getattr(pm.hook, _REGISTER).get_hookimpls()
     plain = [i for i in impls if not (i.wrapper or i.hookwrapper)]
     for impl in reversed(plain):
-        if full or impl.plugin_name == only:
+        if only in (None, impl.plugin_name):
             calling.add(impl.plugin_name)
             alone = pm.subset_hook_caller(_REGISTER, [i.plugin for i in plain if i is not impl])
             try:
@@ -283,13 +253,12 @@ def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> Backe
             finally:
                 calling.discard(impl.plugin_name)
     table = BackendTable(entries)
-    if full and isinstance(pm, KVCorePluginManager):
+    if full:
         pm._backends = table
     return table
 
 
 def _check_backend(pm: pluggy.PluginManager, backend: Any, owner: str) -> None:
-    """A registered class must be a named AttentionBackend subclass that implements forward."""
     if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
         problem = f"registered {backend!r}, not a kvcore.AttentionBackend subclass"
     elif not isinstance(getattr(backend, "name", None), str) or not backend.name:

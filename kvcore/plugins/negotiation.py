@@ -1,8 +1,5 @@
-"""Negotiation: a plan and its backends' answers, turned into one frozen record per KV cache group.
-
-Every later stage reads the :class:`Negotiation` and never asks the hooks again. A packed
-(block-outermost) cache keeps manager-block views, read through :func:`to_kernel_blocks`.
-"""
+"""A plan and its backends' answers, turned into one frozen record per KV cache group that every
+later stage reads (the hooks are never asked again)."""
 
 from __future__ import annotations
 
@@ -14,7 +11,7 @@ import torch
 from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.plan_groups import is_encoder_only
-from kvcore.plugins.answers import HookAnswers, key_of, label
+from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec
@@ -22,12 +19,11 @@ from kvcore.specs import KVCacheSpec
 
 @attrs.frozen
 class BackendNegotiation:
-    """One attention group's answer: its backend, layers, spec and kernel blocks.
+    """One attention group's backend, layers, spec and kernel blocks.
 
-    ``kernel_block_size`` is None when kernel blocks equal manager blocks.
-    ``kernel_block_stride`` is 0 when the kernel blocks of manager block ``b`` are
-    ``b * ratio + j`` (dense pages), else the kernel pages between two blocks of a packed
-    cache (``b * stride + j``). ``requirements``: the backend's ``kvcore_kernel_requirements``.
+    ``kernel_block_size``: None when kernel blocks are the manager blocks. ``kernel_block_stride``:
+    0 when kernel block ``j`` of manager block ``b`` is ``b * ratio + j`` (dense pages), else the
+    kernel pages between two blocks of a packed cache (``b * stride + j``).
     """
 
     backend: type[AttentionBackend]
@@ -41,12 +37,8 @@ class BackendNegotiation:
 
 @attrs.frozen
 class GroupNegotiation:
-    """What one KV cache group was negotiated to.
-
-    ``kernel_block_size`` is the group's (None for a group without pages); ``ratio`` is how
-    many consecutive rows of each view *as allocated* make one manager block (> 1 only for a
-    dense group split at allocation).
-    """
+    """One KV cache group: ``kernel_block_size`` None without pages; ``ratio`` rows of a view as
+    allocated per manager block (> 1 only for a dense group split at allocation)."""
 
     group_id: int
     layer_names: tuple[str, ...]
@@ -64,16 +56,13 @@ class Negotiation:
 
     @property
     def kernel_block_sizes(self) -> list[int]:
-        """One kernel block size per group that has pages (``prepare_kernel_block_sizes``' list)."""
         return [g.kernel_block_size for g in self.groups if g.kernel_block_size is not None]
 
     @property
     def allocation_kernel_block_sizes(self) -> list[int | None]:
-        """Per group, what ``allocate_kv_cache`` splits views by (None: keep blocks)."""
         return [g.kernel_block_size if g.ratio > 1 else None for g in self.groups]
 
     def rows_per_block(self) -> dict[str, int]:
-        """Layer name -> rows of its allocated view per manager block, for layers with pages."""
         return {
             name: g.ratio
             for g in self.groups
@@ -83,27 +72,20 @@ class Negotiation:
 
 
 def can_split(spec: KVCacheSpec) -> bool:
-    """Whether ``spec``'s blocks split into kernel blocks (attention, states grow with size)."""
     return spec.has_layer_views and spec.is_attention and spec.tokens_per_state > 0
 
 
 def is_packed(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
-    """Whether a group's tensor interleaves other layers' pages between its blocks."""
-    names = set(group.layer_names)
     return any(
         len(t.layers) > 1 and t.block_stride > t.layer_stride
         for t in config.kv_cache_tensors
-        if not names.isdisjoint(t.layers)
+        if not set(group.layer_names).isdisjoint(t.layers)
     )
 
 
 def splits_by_backends(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
-    """Whether a group's kernel block size is chosen by its backends (splittable, not packed)."""
-    return (
-        not is_encoder_only(group)
-        and can_split(group.spec_of(group.layer_names[0]))
-        and not is_packed(config, group)
-    )
+    splittable = not is_encoder_only(group) and can_split(group.spec_of(group.layer_names[0]))
+    return splittable and not is_packed(config, group)
 
 
 def group_kernel_block_size(
@@ -121,25 +103,6 @@ def group_kernel_block_size(
     return answers.common_block_size(group.kv_cache_spec.block_size, pairs)
 
 
-def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> None:
-    """A padded page cannot be split into kernel blocks: say who padded it (not the layout)."""
-    spec = group.kv_cache_spec
-    if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
-        return
-    padder = answers.padded_by.get(key_of(spec))
-    who = (
-        f"backend {padder!r}'s kvcore_customize_spec padded"
-        if padder is not None
-        else "the plan padded (to unify page sizes across layer types)"
-    )
-    raise ValueError(
-        f"{who} the {spec.real_page_size_bytes}-byte pages of {list(group.layer_names)} to "
-        f"{spec.page_size_padded} bytes, and padded pages cannot be split into {kernel}-token "
-        f"kernel blocks; use a manager block size of {kernel} tokens"
-        + (", or a backend that does not pad pages" if padder is not None else "")
-    )
-
-
 def backend_groups(
     config: KVCacheConfig,
     layer_backends: Mapping[str, type[AttentionBackend]],
@@ -147,27 +110,24 @@ def backend_groups(
     *,
     customize: bool,
 ) -> list[dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]]]:
-    """Per KV cache group, (backend, spec) -> its layers, in config order.
-
-    ``customize``: customize each layer's spec through the hooks (False: the config was planned
-    from customized specs). State-cache layers without a backend are left out.
-    """
+    """Per KV cache group, (backend, spec) -> its layers; ``customize``: specs through the hooks
+    (False: the config was planned from customized specs)."""
     out = []
     for gid, group in enumerate(config.kv_cache_groups):
         by_key: dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]] = {}
-        if group.spec_of(group.layer_names[0]).has_layer_views:
-            for name in group.layer_names:
-                layer_spec = group.spec_of(name)
-                if name not in layer_backends:
-                    if layer_spec.is_attention:
-                        raise ValueError(
-                            f"attention layer {name!r} (KV cache group {gid}) has no backend in "
-                            "layer_backends; map every attention layer of the config to a backend"
-                        )
-                    continue
-                backend = layer_backends[name]
-                spec = answers.customized_spec(backend, layer_spec) if customize else layer_spec
-                by_key.setdefault((backend, spec), []).append(name)
+        has_views = group.spec_of(group.layer_names[0]).has_layer_views
+        for name in group.layer_names if has_views else []:
+            spec = group.spec_of(name)
+            if name not in layer_backends:
+                if spec.is_attention:
+                    raise ValueError(
+                        f"attention layer {name!r} (KV cache group {gid}) has no backend in "
+                        "layer_backends; map every attention layer of the config to a backend"
+                    )
+                continue
+            backend = layer_backends[name]
+            spec = answers.customized_spec(backend, spec) if customize else spec
+            by_key.setdefault((backend, spec), []).append(name)
         out.append(by_key)
     return out
 
@@ -177,10 +137,7 @@ def negotiate(
     layer_backends: Mapping[str, type[AttentionBackend]],
     answers: HookAnswers,
 ) -> Negotiation:
-    """One record per KV cache group of ``config``, planned from customized specs.
-
-    A packed group a backend cannot split raises ``ValueError`` before anything is allocated.
-    """
+    """One record per KV cache group of ``config`` (planned from customized specs)."""
     records = []
     for gid, by_key in enumerate(backend_groups(config, layer_backends, answers, customize=False)):
         group = config.kv_cache_groups[gid]
@@ -207,24 +164,39 @@ def negotiate(
     return Negotiation(tuple(records))
 
 
+def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> None:
+    """A padded page cannot be split: say who padded it (not the layout)."""
+    spec = group.kv_cache_spec
+    if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
+        return
+    padder = answers.padded_by.get(spec)
+    who = (
+        "the plan padded (to unify page sizes across layer types)"
+        if padder is None
+        else f"backend {padder!r}'s kvcore_customize_spec padded"
+    )
+    raise ValueError(
+        f"{who} the {spec.real_page_size_bytes}-byte pages of {list(group.layer_names)} to "
+        f"{spec.page_size_padded} bytes, and padded pages cannot be split into {kernel}-token "
+        f"kernel blocks; use a manager block size of {kernel} tokens"
+        + (", or a backend that does not pad pages" if padder is not None else "")
+    )
+
+
 def settle_kernel_block_size(
     record: BackendNegotiation, kernel_block_size: int, answers: Callable[[], HookAnswers]
 ) -> BackendNegotiation:
-    """``record`` for a group whose kernel block size is ``kernel_block_size``.
-
-    A negotiated record must agree; a hand-made one gets the largest size its backend takes.
-    """
+    """``record`` in a group of ``kernel_block_size`` (a hand-made record takes its backend's)."""
     kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
     agreed = record.group_kernel_block_size
+    if agreed is not None and kernel_block_size != agreed:
+        raise ValueError(
+            f"attention group of {list(record.layer_names)} was negotiated with kernel block "
+            f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
+        )
     if agreed is not None:
-        if kernel_block_size != agreed:
-            raise ValueError(
-                f"attention group of {list(record.layer_names)} was negotiated with kernel block "
-                f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
-            )
         return record
-    spec = record.kv_cache_spec
-    own = None
+    spec, own = record.kv_cache_spec, None
     if can_split(spec):
         own = _own_kernel_size(answers(), record.backend, spec, kernel_block_size)
     return attrs.evolve(record, group_kernel_block_size=kernel_block_size, kernel_block_size=own)
@@ -233,7 +205,6 @@ def settle_kernel_block_size(
 def _own_kernel_size(
     answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec, kernel: int
 ) -> int | None:
-    """The kernel block size ``backend`` takes in a group of ``kernel`` (None: whole blocks)."""
     own = answers.common_block_size(kernel, [(backend, spec)])
     return None if own == spec.block_size else own
 
@@ -255,16 +226,15 @@ def packed_kernel_stride(
 
 def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch.Tensor:
     """A manager-block view ``[B, H, N, C]`` as ``[pages, H, kernel_rows, C]`` kernel pages."""
-    page_stride = kernel_rows * view.stride(-2)
     num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
     return view.as_strided(
         (num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
-        (page_stride, *view.stride()[1:]),
+        (kernel_rows * view.stride(-2), *view.stride()[1:]),
     )
 
 
 def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: int) -> torch.Tensor:
-    """The inverse of :func:`to_kernel_blocks`: ``num_blocks`` manager blocks of ``rows`` states."""
+    """The inverse of :func:`to_kernel_blocks`."""
     return view.as_strided(
         (num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
         (view.stride(0) * stride, *view.stride()[1:]),

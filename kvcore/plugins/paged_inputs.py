@@ -1,10 +1,9 @@
 """Host-side input checks for paged-attention entry points, shared by backends.
 
-Shapes, dtypes and devices are always checked (no device data is read). Checks of values held
-in tensors (slots, query offsets, block ids) read device memory, a host sync that would stall a
-GPU step and break CUDA graph capture: they run where :func:`value_checks` says so (on for CPU
-tensors, off on GPUs, where kernels skip out-of-range slots instead of storing out of bounds),
-unless ``validate=`` or ``KVCORE_DEBUG_CHECKS`` says otherwise.
+Shapes, dtypes and devices are always checked. Checks of tensor values (slots, query offsets,
+block ids) read device memory, a sync that stalls a GPU step and breaks CUDA graph capture: they
+run where :func:`value_checks` says (on for CPU tensors, off on GPUs, whose kernels skip
+out-of-range slots), unless ``validate=`` or ``KVCORE_DEBUG_CHECKS`` says otherwise.
 """
 
 from __future__ import annotations
@@ -16,8 +15,6 @@ import torch
 
 from kvcore.settings import Settings
 
-_INDEX_DTYPES = (torch.int32, torch.int64)
-#: Environment switch of the value checks.
 DEBUG_CHECKS_ENV = "KVCORE_DEBUG_CHECKS"
 
 
@@ -33,7 +30,6 @@ def value_checks(
 
 
 def step_checks(debug_checks: bool | None, device: torch.device) -> bool:
-    """Whether ``forward`` runs the value checks, from the metadata's ``debug_checks``."""
     return device.type == "cpu" if debug_checks is None else debug_checks
 
 
@@ -42,14 +38,10 @@ def write_then_attend(write_kv: Callable[..., None], paged_attention: Callable[.
                       kv_cache_view: torch.Tensor, metadata: Any, *, head_size: int, scale: float,
                       sliding_window: int | None = None, out: torch.Tensor | None = None,
                       **kernel_options: Any) -> torch.Tensor:
-    """The ``forward`` of a backend made of two kernels: store, then attend.
+    """The ``forward`` of a backend made of two kernels: ``write_kv``, then ``paged_attention``.
 
-    ``write_kv(view, key, value, slot_mapping, head_size, *, validate)`` stores this step's K/V;
-    ``paged_attention(query, view, block_table, query_start_loc, seq_lens, *, head_size, scale,
-    sliding_window, head_size_v, out, max_query_len, max_seq_len, validate, **kernel_options)``
-    attends over :class:`CommonAttentionMetadata`'s kernel block table. Rows past
-    ``num_actual_tokens`` are padding; value checks follow ``metadata.debug_checks`` only (this
-    runs per layer: never the environment, no device sync on GPUs by default).
+    Rows past ``num_actual_tokens`` are padding; value checks follow ``metadata.debug_checks``
+    only (this runs per layer: never the environment, no device sync on GPUs by default).
     """
     n = metadata.num_actual_tokens
     validate = step_checks(metadata.debug_checks, kv_cache_view.device)
@@ -65,6 +57,12 @@ def write_then_attend(write_kv: Callable[..., None], paged_attention: Callable[.
     )
 
 
+def _got(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{value.dtype} {tuple(value.shape)}"
+    return type(value).__name__
+
+
 def check_cache_view(
     kv_cache_view: torch.Tensor,
     head_size: int,
@@ -73,21 +71,15 @@ def check_cache_view(
 ) -> int:
     """Validate a kernel-block view ``[B, H, N, C]``; return ``head_size_v`` (None: all after K)."""
     if not isinstance(kv_cache_view, torch.Tensor) or kv_cache_view.dim() != 4:
-        got = (
-            tuple(kv_cache_view.shape)
-            if isinstance(kv_cache_view, torch.Tensor)
-            else type(kv_cache_view).__name__
-        )
         raise TypeError(
-            f"kv_cache_view must be a 4-D [blocks, heads, block_size, content] tensor, got {got}"
+            "kv_cache_view must be a 4-D [blocks, heads, block_size, content] tensor, got "
+            + _got(kv_cache_view)
         )
-    accepted = (
-        kv_cache_view.is_floating_point() if dtypes is None else kv_cache_view.dtype in dtypes
-    )
-    if not accepted:
+    view_dtype = kv_cache_view.dtype
+    if not (kv_cache_view.is_floating_point() if dtypes is None else view_dtype in dtypes):
         wanted = "a floating dtype" if dtypes is None else str([str(d) for d in dtypes])
         raise TypeError(
-            f"kv_cache_view has dtype {kv_cache_view.dtype}, this backend takes {wanted}; "
+            f"kv_cache_view has dtype {view_dtype}, this backend takes {wanted}; "
             "re-type the layer's view to the spec's dtype (allocate_kv_cache does this)"
         )
     content = kv_cache_view.shape[-1]
@@ -97,9 +89,8 @@ def check_cache_view(
         head_size_v = content - head_size
     if head_size_v <= 0 or head_size + head_size_v > content:
         raise ValueError(
-            f"head_size={head_size} and head_size_v={head_size_v} do not fit the "
-            f"{content} content elements of kv_cache_view; K is view[..., :head_size] "
-            "and V follows it"
+            f"head_size={head_size} and head_size_v={head_size_v} do not fit the {content} "
+            "content elements of kv_cache_view; K is view[..., :head_size] and V follows it"
         )
     return head_size_v
 
@@ -132,17 +123,9 @@ def check_index(
     name: str, tensor: torch.Tensor, dim: int, like: torch.Tensor | None = None
 ) -> None:
     """``tensor`` must be an int32/int64 tensor of ``dim`` dims (on ``like``'s device)."""
-    if (
-        not isinstance(tensor, torch.Tensor)
-        or tensor.dim() != dim
-        or tensor.dtype not in _INDEX_DTYPES
-    ):
-        got = (
-            f"{tensor.dtype} {tuple(tensor.shape)}"
-            if isinstance(tensor, torch.Tensor)
-            else type(tensor).__name__
-        )
-        raise TypeError(f"{name} must be a {dim}-D int32 or int64 tensor, got {got}")
+    is_index = isinstance(tensor, torch.Tensor) and tensor.dtype in (torch.int32, torch.int64)
+    if not is_index or tensor.dim() != dim:
+        raise TypeError(f"{name} must be a {dim}-D int32 or int64 tensor, got {_got(tensor)}")
     _on_device_of(name, tensor, like)
 
 
@@ -195,8 +178,7 @@ def check_batch(
 ) -> tuple[list[int], list[int]]:
     """Validate a varlen batch's values (a value check); return its starts and lengths."""
     check_batch_shapes(query_start_loc, seq_lens, block_table)
-    starts = query_start_loc.tolist()
-    lens = seq_lens.tolist()
+    starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens:
         raise ValueError(
             f"query_start_loc must run from 0 to the {num_tokens} query tokens, "

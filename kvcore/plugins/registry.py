@@ -1,8 +1,5 @@
-"""Building the plugin manager from installed entry points, and looking backends up.
-
-pluggy loads entry points one by one (blocked ones through ``set_blocked``); one that fails
-is skipped with a ``PluginWarning`` (raised under ``KVCORE_STRICT_PLUGINS=1``).
-"""
+"""Building the plugin manager from installed entry points (loaded one by one by pluggy, blocked
+through ``set_blocked``), and looking backends up."""
 
 from __future__ import annotations
 
@@ -23,7 +20,6 @@ from kvcore.plugins.manager import (
     PluginInfo,
     collect_backends,
     conflict_message,
-    describe_plugin,
 )
 from kvcore.settings import env_flag, env_names
 
@@ -59,9 +55,8 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
     pm = KVCorePluginManager(trace_calls=settings.trace)
     for name in settings.block:
         pm.set_blocked(name)
-    for ep in sorted(
-        importlib.metadata.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name
-    ):
+    entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
+    for ep in sorted(entry_points, key=lambda e: e.name):
         info = PluginInfo(
             name=ep.name,
             distribution=None if ep.dist is None else ep.dist.metadata["Name"] or ep.dist.name,
@@ -69,16 +64,12 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
             entry_point=f"{ep.name} = {ep.value}",
         )
         if info.name in pm.plugin_infos:
-            _report(
-                f"{info.describe()} is skipped: {pm.plugin_infos[info.name].describe()} has "
-                "that name",
-                settings.strict,
-            )
+            other = pm.plugin_infos[info.name].describe()
+            _report(f"{info.describe()} is skipped: {other} has that name", settings.strict)
             continue
         pm.plugin_infos[info.name] = info
-        if not settings.autoload or (
-            settings.allow is not None and info.name not in settings.allow
-        ):
+        allowed = settings.allow is None or info.name in settings.allow
+        if not (settings.autoload and allowed):
             info.status = "disabled"
         elif pm.is_blocked(info.name):
             info.status = "blocked"
@@ -96,14 +87,13 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
     return pm
 
 
-def _report(message: str, strict: bool, cause: BaseException | None = None) -> None:
+def _report(message: str, strict: bool) -> None:
     if strict:
-        raise PluginError(message) from cause
+        raise PluginError(message)
     warnings.warn(message, PluginWarning, stacklevel=4)
 
 
 def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
-    """Load entry point ``info.name`` through pluggy and check it; on failure undo and report."""
     try:
         pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP, name=info.name)
         try:
@@ -113,9 +103,10 @@ def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
             raise PluginError(f"{info.describe()}: {exc}; kvcore's hooks are {known}") from exc
         collect_backends(pm, only=info.name)
     except Exception as exc:
+        registered = pm.get_plugin(info.name) is not None
         if isinstance(exc, PluginError):
             problem = str(exc)
-        elif pm.get_plugin(info.name) is not None or isinstance(exc, pluggy.PluginValidationError):
+        elif registered or isinstance(exc, pluggy.PluginValidationError):
             # NOTE: pluggy imports, then registers: a plugin it holds failed registration
             problem = f"{info.describe()} could not be registered: {exc}"
         else:
@@ -123,13 +114,13 @@ def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
                 f"{info.describe()} failed to import, so none of its kvcore_* hooks run "
                 f"({type(exc).__name__}: {exc})"
             )
-        if pm.get_plugin(info.name) is not None:
+        if registered:
             pm.unregister(name=info.name)
         info.status, info.error = "failed", problem
         if strict:
             raise PluginError(problem) from exc
         warnings.warn(f"{problem}; skipping it", PluginWarning, stacklevel=3)
-        return None
+        return
     plugin = pm.get_plugin(info.name)
     marked = {c.name for c in pm.get_hookcallers(plugin) or []}
     unmarked = sorted(n for n in dir(plugin) if n.startswith("kvcore_") and n not in marked)
@@ -139,7 +130,6 @@ def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
             strict=False,
         )
     info.status = "loaded"
-    return None
 
 
 @functools.lru_cache(maxsize=1)
@@ -192,7 +182,6 @@ def get_backend(
 def resolve_backend(
     backend: Any, plugin_manager: pluggy.PluginManager | None = None
 ) -> type[AttentionBackend]:
-    """A backend class, given the class itself or its registered name."""
     if isinstance(backend, str):
         return get_backend(backend, plugin_manager)
     if isinstance(backend, type) and issubclass(backend, AttentionBackend):

@@ -1,8 +1,7 @@
 """What a backend's kernels need of the memory they read, beyond a block size.
 
 *Ability* rules (device types, cache dtypes, head sizes) decide which backend may serve a layer;
-*memory* rules (largest stride, byte alignment) are checked on every kernel view of a plan,
-before anything is allocated.
+*memory* rules (largest stride, byte alignment) are checked on every kernel view of a plan.
 """
 
 from __future__ import annotations
@@ -16,21 +15,12 @@ import torch
 from kvcore._validate import attrs_optional_positive, attrs_positive, positive_int
 
 
-def _tuple_or_none(value: Any) -> tuple[Any, ...] | None:
+def _as_tuple(value: Any) -> tuple[Any, ...] | None:
     if value is None:
         return None
     if isinstance(value, (str, bytes, torch.dtype)) or not isinstance(value, Iterable):
-        return (value,)
-    return tuple(value)
-
-
-def _device_types(value: Any) -> tuple[Any, ...] | None:
-    items = _tuple_or_none(value)
-    return (
-        None
-        if items is None
-        else tuple(d.type if isinstance(d, torch.device) and d.index is None else d for d in items)
-    )
+        value = (value,)
+    return tuple(v.type if isinstance(v, torch.device) and v.index is None else v for v in value)
 
 
 def _device_type(item: Any) -> None:
@@ -39,10 +29,10 @@ def _device_type(item: Any) -> None:
             f"KernelRequirements.devices must hold device type names such as 'cuda', got {item!r}"
         )
     try:
-        parsed = torch.device(item)
+        valid = torch.device(item).type == item and torch.device(item).index is None
     except (RuntimeError, ValueError):
-        parsed = None
-    if parsed is None or parsed.type != item or parsed.index is not None:
+        valid = False
+    if not valid:
         raise ValueError(
             f"KernelRequirements.devices holds {item!r}, which is not a torch device type; "
             "use names such as 'cuda' or 'cpu' (no index)"
@@ -55,7 +45,6 @@ def _dtype(item: Any) -> None:
 
 
 def _each(check: Callable[[Any], Any]) -> Callable[[Any, Any, Any], None]:
-    """A validator of an optional non-empty tuple whose items pass ``check``."""
 
     def validate(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
         if value is not None and not value:
@@ -73,23 +62,22 @@ class KernelRequirements:
     :param devices: torch device types the kernels run on, e.g. ``("cuda",)``; None: any.
     :param dtypes: cache dtypes the kernels read; None: any.
     :param head_sizes: head sizes the kernels take; None: any.
-    :param max_stride_elements: every stride of every kernel view, counted in
-        elements of the view's dtype, must be below this; None: no limit.
-    :param alignment_bytes: every stride but the last, in bytes, and every
-        view's byte offset in its allocation, must be a multiple of this.
-    :param note: a remedy kvcore adds when the devices rule refuses a case
-        (say, how to run the kernels elsewhere); None: nothing to add.
+    :param max_stride_elements: every stride of every kernel view, in elements of the view's
+        dtype, must be below this; None: no limit.
+    :param alignment_bytes: every stride but the last, in bytes, and every view's byte offset
+        in its allocation, must be a multiple of this.
+    :param note: a remedy added when the devices rule refuses a case; None: nothing to add.
     """
 
     devices: tuple[str, ...] | None = attrs.field(
-        default=None, converter=_device_types, validator=_each(_device_type)
+        default=None, converter=_as_tuple, validator=_each(_device_type)
     )
     dtypes: tuple[torch.dtype, ...] | None = attrs.field(
-        default=None, converter=_tuple_or_none, validator=_each(_dtype)
+        default=None, converter=_as_tuple, validator=_each(_dtype)
     )
     head_sizes: tuple[int, ...] | None = attrs.field(
         default=None,
-        converter=_tuple_or_none,
+        converter=_as_tuple,
         validator=_each(lambda item: positive_int("KernelRequirements.head_sizes entry", item)),
     )
     max_stride_elements: int | None = attrs.field(default=None, validator=attrs_optional_positive)
@@ -100,7 +88,6 @@ class KernelRequirements:
 
     @property
     def has_memory_rules(self) -> bool:
-        """Whether kernel views must be checked (a stride limit or an alignment above 1)."""
         return self.max_stride_elements is not None or self.alignment_bytes > 1
 
     def why_not(
@@ -109,18 +96,14 @@ class KernelRequirements:
         """Why kernels with these requirements cannot serve the case (None: they can)."""
         if device_type is not None and self.devices is not None and device_type not in self.devices:
             extra = f"; {self.note}" if self.note else ""
-            return (
-                f"runs on {'/'.join(self.devices)} only, not {device_type} (rule: devices){extra}"
-            )
+            devices = "/".join(self.devices)
+            return f"runs on {devices} only, not {device_type} (rule: devices){extra}"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
             names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
             got = str(dtype).removeprefix("torch.")
             return f"takes cache dtypes {names}, not {got} (rule: dtypes)"
-        if (
-            head_size is not None
-            and self.head_sizes is not None
-            and head_size not in self.head_sizes
-        ):
+        sizes = self.head_sizes
+        if head_size is not None and sizes is not None and head_size not in sizes:
             return f"takes head sizes {list(self.head_sizes)}, not {head_size} (rule: head_sizes)"
         return None
 
@@ -128,18 +111,14 @@ class KernelRequirements:
         self, strides: Iterable[int], element_size: int, offset_bytes: int
     ) -> tuple[str, int, str] | None:
         """The first memory rule a view breaks, as (rule, value, needed); strides in elements."""
-        strides = list(strides)
-        limit, align = self.max_stride_elements, self.alignment_bytes
+        strides, limit, align = list(strides), self.max_stride_elements, self.alignment_bytes
         too_large = [s for s in strides if limit is not None and s >= limit]
         if too_large:
             return ("max_stride_elements", too_large[0], f"every stride below {limit} elements")
         unaligned = [s * element_size for s in strides[:-1] if (s * element_size) % align]
         if unaligned:
-            return (
-                "alignment_bytes",
-                unaligned[0],
-                f"non-last strides in multiples of {align} bytes",
-            )
+            needed = f"non-last strides in multiples of {align} bytes"
+            return ("alignment_bytes", unaligned[0], needed)
         if offset_bytes % align:
             return ("alignment_bytes", offset_bytes, f"view offsets in multiples of {align} bytes")
         return None

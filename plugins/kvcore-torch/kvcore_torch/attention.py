@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore_torch._checks import (
+from kvcore.plugins.paged_inputs import (
     check_batch,
     check_batch_shapes,
     check_block_ids,

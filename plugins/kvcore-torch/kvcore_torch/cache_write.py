@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcore_torch._checks import check_kv_write, value_checks
+from kvcore.plugins.paged_inputs import check_kv_write, value_checks
 
 
 def write_kv(
