@@ -25,7 +25,7 @@ import torch
 
 from kvcore._units import format_bytes
 from kvcore.bench import emit
-from kvcore.bench.options import elastic_arguments as add_arguments
+from kvcore.bench.options import ARGUMENTS
 from kvcore.memory.backing import reserve_backing
 from kvcore.memory.elastic import ElasticMemory, merge_ranges
 from kvcore.memory.layout import KVCacheLayout, block_runs
@@ -33,6 +33,8 @@ from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.model_files import load_model_file
 from kvcore.specs import KVCacheSpec
+
+add_arguments = ARGUMENTS["elastic"]
 
 
 def layout_cost(specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout, max_blocks: int,

@@ -28,7 +28,9 @@ from rich.console import Console
 from rich.table import Table
 
 from kvcore.bench import emit
-from kvcore.bench.options import hf_arguments as add_arguments
+from kvcore.bench.options import ARGUMENTS
+
+add_arguments = ARGUMENTS["hf"]
 
 #: A workload that runs in seconds on a CPU, for the message that refuses the GPU-sized defaults.
 CPU_EXAMPLE = (

@@ -20,9 +20,11 @@ from collections.abc import Callable
 
 from kvcore.bench import emit
 from kvcore.bench.options import POOL_MAX_BLOCKS
-from kvcore.bench.options import pool_arguments as add_arguments
+from kvcore.bench.options import ARGUMENTS
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
+
+add_arguments = ARGUMENTS["pool"]
 
 _ROWS = (
     ("allocate", "allocate (plain free blocks)"),

@@ -23,7 +23,7 @@ import torch
 
 from kvcore.bench.options import CPU_TRANSFER_DEFAULTS as CPU_DEFAULTS
 from kvcore.bench.options import GPU_TRANSFER_DEFAULTS as GPU_DEFAULTS
-from kvcore.bench.options import transfer_arguments as add_arguments
+from kvcore.bench.options import ARGUMENTS
 from kvcore.bench._timing import Timer
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
@@ -34,6 +34,8 @@ from kvcore.plugins.registry import get_plugin_manager
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs import FullAttentionSpec
 from kvcore.transfer import HostKVPool, NixlUnavailableError, plan_transfer
+
+add_arguments = ARGUMENTS["transfer"]
 
 _DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
