@@ -1,16 +1,12 @@
 """NIXL rows of ``kvcore bench transfer``: agent ``a`` writes and reads a peer's blocks.
 
 The peer is a second agent of this process (``--nixl-peer local``) or of a spawned one
-(``process``; on one GPU UCX may then use ``cuda_ipc``). For each layout and memory kind
-(``DRAM``: both caches in host memory; ``VRAM``: both on the GPU; ``VRAM-DRAM``: the peer's
-on the host), ``a`` writes random, never adjacent blocks into the same ids of the peer and
-reads them back, timed from the call to ``wait()`` returning. Beside them, in the same run,
-plain copies of as many bytes: a ``copy_`` on the device (host for DRAM) and pinned
-``copy_(non_blocking=True)`` to and from the host. Each row checks the round trip bit for
-bit and names the transport the agent reports. Each side allocates its cache before its
-agent (so that its CUDA context exists when UCX starts).
+(``process``). Per layout and memory kind (``DRAM``, ``VRAM``, or ``VRAM-DRAM``: the peer's
+cache on the host), ``a`` writes random, never adjacent blocks into the same ids of the peer and
+reads them back (wall time to ``wait()``), beside plain copies of as many bytes in the same run.
+Each row checks the round trip bit for bit and names the agent's transport. Each side allocates
+its cache before its agent, so its CUDA context exists when UCX starts.
 """
-
 from __future__ import annotations
 
 import argparse
@@ -68,7 +64,7 @@ def _serve(conn: Any, make: Callable[[], KVCache], name: str) -> None:
 
 
 class ProcessPeer:
-    """An agent in a spawned process (metadata over a pipe): on one GPU UCX may use ``cuda_ipc``."""
+    """An agent in a spawned process (metadata over a pipe): UCX may use ``cuda_ipc``."""
 
     def __init__(self, name: str, make: Callable[[], KVCache], timeout: float = 120.0) -> None:
         ctx = multiprocessing.get_context("spawn")
