@@ -4,8 +4,6 @@ Every runner does one untimed warm-up pass (compilation, graph capture, allocato
 times one pass, the device synchronized at both ends; output tokens are what it returned.
 """
 
-from __future__ import annotations
-
 import argparse
 import time
 from collections.abc import Callable

@@ -1,7 +1,5 @@
 """Timing for the benchmarks: host and CUDA-event medians, memset, an empty launch."""
 
-from __future__ import annotations
-
 import ctypes
 import ctypes.util
 import glob

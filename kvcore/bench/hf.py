@@ -1,15 +1,16 @@
-"""``kvcore bench hf``: kvcore.hf.Engine against transformers' generate_batch and static generate (GPU).
+"""``kvcore bench hf``: kvcore.hf.Engine against transformers' generate_batch and generate (GPU).
 
-A random-weight Llama-style model (default: hidden 2048, 16 layers, 32 query / 8 KV heads,
-bf16) serves the same requests (default 256 prompts of 256 tokens, 128 new tokens, no EOS)
-through ``kvcore.hf.Engine`` (CUDA graphs for decode steps), ``model.generate_batch``
-(transformers' paged continuous batching) and one batched ``model.generate``: output tokens/s,
-ratios, a roofline and where kvcore's step time goes. Then a shared-prefix workload with prefix
-caching off and on, and a float32 model whose greedy tokens must equal ``model.generate``'s.
-``--model hybrid`` times a Granite-4.0-H-like hybrid (Mamba2 mixers) against the static
-``model.generate`` only: ``generate_batch`` and prefix caching do not serve hybrids.
+A random-weight Llama-style model (default: hidden 2048, 16 layers, 32 query /
+8 KV heads, bf16) serves the same requests (default 256 prompts of 256 tokens,
+128 new tokens, no EOS) through ``kvcore.hf.Engine`` (CUDA graphs for decode
+steps), ``model.generate_batch`` (transformers' paged continuous batching) and
+one batched ``model.generate``: output tokens/s, ratios, a roofline and where
+kvcore's step time goes. Then a shared-prefix workload with prefix caching off
+and on, and a float32 model whose greedy tokens must equal
+``model.generate``'s. ``--model hybrid`` times a Granite-4.0-H-like hybrid
+(Mamba2 mixers) against the static ``model.generate`` only: ``generate_batch``
+and prefix caching do not serve hybrids.
 """
-from __future__ import annotations
 
 import argparse
 import textwrap

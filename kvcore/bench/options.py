@@ -1,8 +1,7 @@
-"""The options of ``kvcore plan`` and of the benchmarks, and their argparse types, without torch.
+"""The benchmarks' options as tables, and argparse types (also ``kvcore plan``'s), without torch.
 
-``kvcore bench NAME --help`` builds its parser from the tables here, so help (and a usage error)
-comes back at once; the benchmark module (torch, maybe transformers) is imported only when it
-runs. Each type raises ``argparse.ArgumentTypeError`` naming the value and what is accepted.
+So ``kvcore bench NAME --help`` and usage errors come back at once; the benchmark module is
+imported only when it runs. A type's error names the value and what is accepted.
 """
 
 from __future__ import annotations
@@ -24,14 +23,12 @@ LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 #: Parts of ``kvcore bench hf`` that ``--skip`` may leave out.
 HF_PARTS = ("eager", "generate_batch", "static", "prefix", "check", "profile")
-#: Most blocks ``kvcore bench pool`` handles per round (requests x blocks): a
-#: few seconds a round on one core; a larger run would be silent for minutes.
+#: Most blocks ``kvcore bench pool`` handles per round: seconds a round on one core.
 POOL_MAX_BLOCKS = 1 << 20
 #: NIXL memory kinds and peers of ``kvcore bench transfer``.
 MEMORY_KINDS = ("DRAM", "VRAM", "VRAM-DRAM")
 PEER_KINDS = ("local", "process")
-#: ``kvcore bench transfer``'s model and measurement sizes on a GPU (2 MiB blocks) and, so a
-#: run takes seconds, on a CPU.
+#: ``kvcore bench transfer``'s sizes on a GPU (2 MiB blocks) and on a CPU (a run of seconds).
 GPU_TRANSFER_DEFAULTS = {"layers": 32, "kv_heads": 8, "head_size": 128, "blocks": [16, 256],
                          "nixl_blocks": [64, 256], "repeats": 10, "warmup": 2}
 CPU_TRANSFER_DEFAULTS = {"layers": 4, "kv_heads": 2, "head_size": 32, "blocks": [4, 32],
@@ -39,7 +36,7 @@ CPU_TRANSFER_DEFAULTS = {"layers": 4, "kv_heads": 2, "head_size": 32, "blocks": 
 
 
 def _type(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """An argparse type from ``parse``, its ``ValueError`` turned into a usage error."""
+    """``parse`` with its ``ValueError`` turned into a usage error."""
 
     @functools.wraps(parse)
     def wrapped(text: str) -> object:
@@ -108,26 +105,20 @@ def device_arg(text: str) -> torch.device:
     try:
         device = torch.device(text)
     except (RuntimeError, ValueError, TypeError):
-        raise argparse.ArgumentTypeError(
-            f"{text!r} is not a device; use 'cpu', 'cuda' or 'cuda:N'"
-        ) from None
-    if device.type == "cpu":
-        return device
-    if device.type != "cuda":
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: kvcore runs on 'cpu' or 'cuda[:N]' devices, not {device.type!r}"
-        )
+        device = None
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if count == 0:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: this machine has no CUDA device; use --device cpu"
-        )
-    if device.index is not None and device.index >= count:
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: this machine has {count} CUDA device{'s' * (count > 1)} "
-            f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''}); pick one of them"
-        )
-    return device
+    if device is None:
+        problem = "is not a device; use 'cpu', 'cuda' or 'cuda:N'"
+    elif device.type not in ("cpu", "cuda"):
+        problem = f"kvcore runs on 'cpu' or 'cuda[:N]' devices, not {device.type!r}"
+    elif device.type == "cuda" and count == 0:
+        problem = "this machine has no CUDA device; use --device cpu"
+    elif device.type == "cuda" and device.index is not None and device.index >= count:
+        problem = (f"this machine has {count} CUDA device{'s' * (count > 1)} "
+                   f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''}); pick one of them")
+    else:
+        return device
+    raise argparse.ArgumentTypeError(f"{text!r}{'' if device is None else ':'} {problem}")
 
 
 # NOTE: an option is (flag, type, default, help[, extra add_argument keywords]); the type is an

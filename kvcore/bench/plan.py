@@ -5,8 +5,6 @@ The model mixes full attention, sliding-window attention with half the page
 so every step of the planner runs: unification, grouping and one tensor per group.
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import statistics

@@ -1,12 +1,11 @@
 """``kvcore bench pool``: host cost per block of the block pool, prefix caching off vs on.
 
-Both pools serve the same traffic: ``--requests`` requests of ``--blocks`` blocks are
-allocated, zeroed (``take_new_blocks``) and freed; the caching pool also caches, frees to the
-evictable list, hits, allocates evicting and hashes the tokens. Nanoseconds per block, medians
-of ``--repeat`` rounds, on this CPU.
+Both pools serve the same traffic: ``--requests`` requests of ``--blocks``
+blocks are allocated, zeroed (``take_new_blocks``) and freed; the caching pool
+also caches, frees to the evictable list, hits, allocates evicting and hashes
+the tokens. Nanoseconds per block, medians of ``--repeat`` rounds, on this
+CPU.
 """
-
-from __future__ import annotations
 
 import argparse
 import gc

@@ -1,19 +1,19 @@
 """``kvcore bench transfer``: host offload / restore and NIXL transfers against copy ceilings.
 
 For each layout, moves random, never adjacent blocks of a model's KV cache:
-``HostKVPool.offload`` / ``restore`` against one pinned ``copy_(non_blocking=True)`` of as
-many bytes, measured in the same run (CUDA events, median of repeats; wall times on CPU);
-and, where NIXL imports, NIXL writes and reads to a peer agent
-(:mod:`kvcore.bench.transfer_nixl`). Without CUDA the defaults are CPU-sized.
+``HostKVPool.offload`` / ``restore`` against one pinned
+``copy_(non_blocking=True)`` of as many bytes, measured in the same run (CUDA
+events, median of repeats; wall times on CPU); and, where NIXL imports, NIXL
+writes and reads to a peer agent (:mod:`kvcore.bench.transfer_nixl`). Without
+CUDA the defaults are CPU-sized.
 
-``--descriptors N`` counts instead what NIXL is handed for one transfer of N scattered (odd)
-or consecutive blocks: the copies (runs adjacent on both sides merged), the Nx5 rows
-:class:`~kvcore.transfer.NixlAgent` prepares once per side, and the host time of building both
-sides' lists per call (a paired plan, Nx3 arrays and, where NIXL imports, its
-``nixlXferDList``) against the agent's prepared path (indices into both prepared lists).
+``--descriptors N`` counts instead what NIXL is handed for one transfer of N
+scattered (odd) or consecutive blocks: the copies (runs adjacent on both sides
+merged), the Nx5 rows ``NixlAgent`` prepares once per side, and the host time
+of building both sides' lists per call (a paired plan, Nx3 arrays and, where
+NIXL imports, its ``nixlXferDList``) against the agent's prepared path
+(indices into both prepared lists).
 """
-
-from __future__ import annotations
 
 import argparse
 import functools

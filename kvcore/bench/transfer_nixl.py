@@ -1,13 +1,14 @@
 """NIXL rows of ``kvcore bench transfer``: agent ``a`` writes and reads a peer's blocks.
 
-The peer is a second agent of this process (``--nixl-peer local``) or of a spawned one
-(``process``). Per layout and memory kind (``DRAM``, ``VRAM``, or ``VRAM-DRAM``: the peer's
-cache on the host), ``a`` writes random, never adjacent blocks into the same ids of the peer and
-reads them back (wall time to ``wait()``), beside plain copies of as many bytes in the same run.
-Each row checks the round trip bit for bit and names the agent's transport. Each side allocates
-its cache before its agent, so its CUDA context exists when UCX starts.
+The peer is a second agent of this process (``--nixl-peer local``) or of a
+spawned one (``process``). Per layout and memory kind (``DRAM``, ``VRAM``, or
+``VRAM-DRAM``: the peer's cache on the host), ``a`` writes random, never
+adjacent blocks into the same ids of the peer and reads them back (wall time
+to ``wait()``), beside plain copies of as many bytes in the same run. Each row
+checks the round trip bit for bit and names the agent's transport. Each side
+allocates its cache before its agent, so its CUDA context exists when UCX
+starts.
 """
-from __future__ import annotations
 
 import argparse
 import functools
