@@ -240,11 +240,15 @@ def _print_descriptors(rows: list[dict[str, Any]], args: argparse.Namespace) -> 
         ], rows, terminal_width()))
 
 
-def run(args: argparse.Namespace) -> int:
-    # NOTE: NIXL's and UCX's INFO lines stay out of the report (a user's own setting wins).
+def _quiet_nixl() -> None:
+    """Keep NIXL's and UCX's INFO lines out of the report (a user's own setting wins)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
     os.environ.setdefault("UCX_LOG_LEVEL", "error")
     logging.getLogger("nixl").setLevel(logging.WARNING)
+
+
+def run(args: argparse.Namespace) -> int:
+    _quiet_nixl()
     if args.descriptors:
         args = resolve(args)
         emit(args, descriptor_rows(args), lambda rows: _print_descriptors(rows, args))
