@@ -35,21 +35,12 @@ CPU_TRANSFER_DEFAULTS = {"layers": 4, "kv_heads": 2, "head_size": 32, "blocks": 
                          "nixl_blocks": [8], "repeats": 3, "warmup": 1}
 
 
-def _type(parse: Callable[[str], object]) -> Callable[[str], object]:
-    """``parse`` with its ``ValueError`` turned into a usage error."""
-
-    @functools.wraps(parse)
-    def wrapped(text: str) -> object:
-        try:
-            return parse(text)
-        except ValueError as exc:
-            raise argparse.ArgumentTypeError(str(exc)) from None
-
-    return wrapped
-
-
-#: argparse type: a byte size such as ``40GiB`` (see :mod:`kvcore._units`).
-size_arg = _type(parse_size)
+def size_arg(text: str) -> int:
+    """argparse type: a byte size such as ``40GiB`` (see :mod:`kvcore._units`)."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def positive_int_arg(text: str) -> int:
@@ -62,11 +53,13 @@ def positive_int_arg(text: str) -> int:
     return value
 
 
-@_type
 def layout_arg(text: str) -> KVCacheLayout:
     from kvcore.memory.layout import KVCacheLayout
 
-    return KVCacheLayout.parse(text)
+    try:
+        return KVCacheLayout.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _comma_separated(item: Callable[[str], object], what: str) -> Callable[[str], list]:
@@ -108,17 +101,17 @@ def device_arg(text: str) -> torch.device:
         device = None
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if device is None:
-        problem = "is not a device; use 'cpu', 'cuda' or 'cuda:N'"
+        problem = " is not a device; use 'cpu', 'cuda' or 'cuda:N'"
     elif device.type not in ("cpu", "cuda"):
-        problem = f"kvcore runs on 'cpu' or 'cuda[:N]' devices, not {device.type!r}"
+        problem = f": kvcore runs on 'cpu' or 'cuda[:N]' devices, not {device.type!r}"
     elif device.type == "cuda" and count == 0:
-        problem = "this machine has no CUDA device; use --device cpu"
+        problem = ": this machine has no CUDA device; use --device cpu"
     elif device.type == "cuda" and device.index is not None and device.index >= count:
-        problem = (f"this machine has {count} CUDA device{'s' * (count > 1)} "
+        problem = (f": this machine has {count} CUDA device{'s' * (count > 1)} "
                    f"(cuda:0{f' to cuda:{count - 1}' if count > 1 else ''}); pick one of them")
     else:
         return device
-    raise argparse.ArgumentTypeError(f"{text!r}{'' if device is None else ':'} {problem}")
+    raise argparse.ArgumentTypeError(f"{text!r}{problem}")
 
 
 # NOTE: an option is (flag, type, default, help[, extra add_argument keywords]); the type is an
@@ -129,7 +122,6 @@ _JSON = ("--json", FLAG, False, "print the results as JSON")
 _JSON_TABLES = ("--json", FLAG, False, "print the results as JSON instead of tables")
 _JSON_OUT = ("--json-out", None, None, "also write the JSON to PATH (default: none)",
              {"metavar": "PATH"})
-_DEVICE = "torch device, cpu or cuda[:N] (default: cuda when present, else cpu)"
 
 
 def _dtype(help: str) -> tuple:
@@ -222,7 +214,8 @@ _HF = {
          f"comma-separated parts to leave out: {','.join(HF_PARTS)} (default: none)"),
         ("--peak-tflops", float, 989.0, "matrix peak of the roofline"),
         ("--hbm-tbps", float, 4.8, "memory bandwidth of the roofline, TB/s"),
-        ("--device", device_arg, None, _DEVICE),
+        ("--device", device_arg, None,
+         "torch device, cpu or cuda[:N] (default: cuda when present, else cpu)"),
         _JSON, _JSON_OUT,
     ],
 }

@@ -20,8 +20,8 @@ from kvcore._units import format_bytes
 from kvcore.bench import emit, fmt, table
 from kvcore.bench._timing import Timer, empty_launch, find_memset
 from kvcore.bench.options import ARGUMENTS
-from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.runtime.zeroer import kernel as zero_kernel
@@ -36,11 +36,8 @@ def _model(args: argparse.Namespace, layout: KVCacheLayout, device: torch.device
     spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, dtype)
     pool = args.pool_blocks or 2 * max(args.blocks)
     layers = [f"layers.{i}.attn" for i in range(args.layers)]
-    layer_stride, block_stride = compute_layout_strides(spec, pool, len(layers), layout)[:2]
-    tensor = KVCacheTensor(pool * len(layers) * spec.page_size_bytes, layers, layer_stride,
-                           block_stride)
-    config = KVCacheConfig(pool, [tensor], [KVCacheGroupSpec(layers, spec)], layout)
-    kv = allocate_kv_cache(config, device)
+    kv = allocate_kv_cache(plan_kv_cache(dict.fromkeys(layers, spec), layout, num_blocks=pool),
+                           device)
     zeroer = KVBlockZeroer.from_views(device, {name: (kv[name], 1) for name in layers}, pool)
     zeroer.warmup(1)
     raw = torch.empty(0, dtype=torch.uint8, device=device).set_(kv[layers[0]].untyped_storage())
