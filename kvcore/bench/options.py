@@ -177,8 +177,8 @@ _POOL = {None: [
 ]}
 _HF = {
     "model (random weights, Llama architecture)": [
-        ("--model", ("llama", "hybrid"), "llama", "llama, or hybrid: Granite-4.0-H-like Mamba2 "
-         "mixers, one attention layer in 8"),
+        ("--model", ("llama", "hybrid"), "llama", ("llama, or hybrid: Granite-4.0-H-like "
+         "Mamba2 mixers, one attention layer in 8")),
         ("--hidden", INT, 2048, "hidden size"),
         ("--intermediate", INT, 5632, "MLP size"),
         ("--layers", INT, 16, "decoder layers"),
@@ -236,17 +236,17 @@ _TRANSFER = {
         ("--no-host", FLAG, False, "skip the host offload / restore rows"),
         ("--nixl-blocks", INTS, None,
          f"comma-separated counts of blocks per NIXL transfer {_sized('nixl_blocks')}"),
-        ("--nixl-memory", _names_arg(MEMORY_KINDS), None, "NIXL memory kinds: DRAM, VRAM, "
-         "VRAM-DRAM (this cache on the GPU, the peer's in host memory) (default: all three on "
-         "CUDA, else DRAM)"),
-        ("--nixl-peer", PEER_KINDS, None, "the NIXL peer: a second agent of this process, or "
-         "one in a spawned process (default: process on CUDA, local on CPU)"),
-        ("--nixl-no-progress-thread", FLAG, True, "let NIXL progress transfers only when "
-         "polled, in the caller's thread (default: NIXL's progress thread does it)",
+        ("--nixl-memory", _names_arg(MEMORY_KINDS), None, (
+            "NIXL memory kinds: DRAM, VRAM, VRAM-DRAM (this cache on the GPU, the peer's in host "
+            "memory) (default: all three on CUDA, else DRAM)")),
+        ("--nixl-peer", PEER_KINDS, None, ("the NIXL peer: a second agent of this process, "
+         "or one in a spawned process (default: process on CUDA, local on CPU)")),
+        ("--nixl-no-progress-thread", FLAG, True, ("let NIXL progress transfers only "
+         "when polled, in the caller's thread (default: NIXL's progress thread does it)"),
          {"dest": "nixl_progress_thread", "action": "store_false"}),
         ("--no-nixl", FLAG, False, "skip the NIXL rows"),
-        ("--descriptors", INT, None, "instead of moving bytes, count the NIXL descriptors of N "
-         "blocks per layout and time building them (runs on a CPU; head size 1)",
+        ("--descriptors", INT, None, ("instead of moving bytes, count the NIXL "
+         "descriptors of N blocks per layout and time building them (runs on a CPU; head size 1)"),
          {"metavar": "N"}),
         ("--repeats", INT, None, f"timed repeats; medians are reported {_sized('repeats')}"),
         ("--warmup", INT, None, f"untimed calls before each measurement {_sized('warmup')}"),
