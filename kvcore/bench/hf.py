@@ -34,21 +34,33 @@ CPU_EXAMPLE = (
 CPU_MAX_FLOP = 5e11
 
 
-def resolve_device(device: torch.device | None) -> torch.device:
-    """``--device``, or CUDA; without CUDA the GPU-sized defaults are refused at once."""
-    if device is not None:
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    raise ValueError(
-        "no CUDA device here, and the default workload (a 0.85 B model serving 256 requests) is "
-        f"sized for a GPU; run it on a GPU machine, or try a CPU-sized run: kvcore bench hf "
-        f"{CPU_EXAMPLE}"
-    )
+def checked_device(args: argparse.Namespace) -> torch.device:
+    """``--device`` (default: CUDA) once refused at once what cannot run there: GPU-sized work
+    on a CPU, or a backend that cannot serve a tiny model (before the big one is built)."""
+    from kvcore.bench._hf_runs import model_config
+    from kvcore.hf import Engine
+    from kvcore.hf.models import random_model
 
-
-def check_cpu_sized(args: argparse.Namespace, device: torch.device) -> None:
-    """Refuse at once a CPU run whose workload would take many minutes without a word."""
+    device = args.device or (torch.device("cuda") if torch.cuda.is_available() else None)
+    if device is None:
+        raise ValueError(
+            "no CUDA device here, and the default workload (a 0.85 B model serving 256 requests) "
+            "is sized for a GPU; run it on a GPU machine, or try a CPU-sized run: kvcore bench hf "
+            f"{CPU_EXAMPLE}"
+        )
+    # NOTE: the benchmark's dtype and head size, which a backend's requirements may restrict.
+    head_dim = args.hidden // args.heads
+    tiny = model_config("llama", vocab=64, hidden=2 * head_dim, intermediate=64, layers=1, heads=2,
+                        kv_heads=1, max_pos=64, head_dim=head_dim)
+    model = random_model(tiny, dtype=getattr(torch, args.dtype), device=device, seed=0)
+    try:
+        engine = Engine(model, backend=args.backend, block_size=args.block_size, num_blocks=4,
+                        max_num_seqs=1, max_num_batched_tokens=64, cuda_graphs=False)
+        engine.generate([[2, 3, 4]], 1)
+    except Exception as exc:  # NOTE: any failure means the benchmark cannot run; say why at once
+        raise ValueError(
+            f"--backend {args.backend} cannot serve a tiny model on {device}: {exc}"
+        ) from exc
     h = args.hidden
     params = args.layers * (4 * h**2 + 3 * h * args.intermediate) + 2 * args.vocab * h
     flop = 2.0 * params * args.requests * (args.prompt_len + args.new_tokens)
@@ -57,27 +69,7 @@ def check_cpu_sized(args: argparse.Namespace, device: torch.device) -> None:
             f"this workload is about {flop:.1e} floating-point operations, minutes to hours on a "
             f"CPU (at most {CPU_MAX_FLOP:.0e} here); shrink it, e.g. kvcore bench hf {CPU_EXAMPLE}"
         )
-
-
-def preflight(backend: str, device: torch.device, block_size: int | None, dtype: torch.dtype,
-              head_dim: int) -> None:
-    """Serve one token of a tiny model first: a backend that cannot run is refused at once."""
-    from kvcore.bench._hf_runs import model_config
-    from kvcore.hf import Engine
-    from kvcore.hf.models import random_model
-
-    # NOTE: the benchmark's dtype and head size, which a backend's requirements may restrict.
-    tiny = model_config("llama", vocab=64, hidden=2 * head_dim, intermediate=64, layers=1, heads=2,
-                        kv_heads=1, max_pos=64, head_dim=head_dim)
-    model = random_model(tiny, dtype=dtype, device=device, seed=0)
-    try:
-        engine = Engine(model, backend=backend, block_size=block_size, num_blocks=4,
-                        max_num_seqs=1, max_num_batched_tokens=64, cuda_graphs=False)
-        engine.generate([[2, 3, 4]], 1)
-    except Exception as exc:  # NOTE: any failure means the benchmark cannot run; say why at once
-        raise ValueError(
-            f"--backend {backend} cannot serve a tiny model on {device}: {exc}"
-        ) from exc
+    return device
 
 
 def format_count(n: float) -> str:
@@ -96,10 +88,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     from kvcore.bench import _hf_runs as runs
     from kvcore.hf.models import random_model
 
-    device = resolve_device(args.device)
+    device = checked_device(args)
     dtype = getattr(torch, args.dtype)
-    preflight(args.backend, device, args.block_size, dtype, args.hidden // args.heads)
-    check_cpu_sized(args, device)
     skip = set(args.skip)
     hybrid = args.model == "hybrid"
     if hybrid:  # NOTE: no generate_batch, prefix caching or CUDA graphs to compare with
