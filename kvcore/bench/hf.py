@@ -35,7 +35,7 @@ CPU_MAX_FLOP = 5e11
 
 
 def checked_device(args: argparse.Namespace) -> torch.device:
-    """``--device`` (default: CUDA) once refused at once what cannot run there: GPU-sized work
+    """``--device`` (default: CUDA), after refusing at once what cannot run: GPU-sized work
     on a CPU, or a backend that cannot serve a tiny model (before the big one is built)."""
     from kvcore.bench._hf_runs import model_config
     from kvcore.hf import Engine
