@@ -6,22 +6,55 @@ exit code. Modules that are not installed are left out of the command line.
 """
 
 import argparse
+import contextlib
+import functools
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+from kvcore._table import Column, render
 from kvcore.bench.options import ARGUMENTS
 
 #: Benchmark name -> its module, in the order ``kvcore bench --help`` lists them.
 BENCHMARKS: dict[str, str] = {name: f"{__name__}.{name}" for name in ARGUMENTS}
 
 
-def emit(args: argparse.Namespace, result: dict, print_text: Callable[[dict], object]) -> None:
+def emit(args: argparse.Namespace, result: object, print_text: Callable) -> None:
     """Write ``result`` to ``--json-out`` if given, then print it as JSON (``--json``) or text."""
     text = json.dumps(result, indent=2, default=str)
     if getattr(args, "json_out", None):
-        Path(args.json_out).write_text(text)
+        Path(args.json_out).write_text(text + "\n")
     if args.json:
         print(text)
     else:
         print_text(result)
+
+
+def fmt(value: float | None, spec: str = ".1f") -> str:
+    """``value`` formatted by ``spec``; ``-`` for a value not measured."""
+    return "-" if value is None else format(value, spec)
+
+
+def table(title: str, spec: Sequence[tuple], rows: Sequence[dict], width: int | None = None,
+          ) -> str:  # fmt: skip
+    """Rows of dicts as a table; ``spec`` has one ``(header, key or cell function, fmt)`` per
+    column: an empty ``fmt`` prints the value as text, left-aligned; any other is a
+    :func:`format` spec of a number, right-aligned (``-`` where it is None)."""
+    columns = [Column(header, right=bool(f)) for header, _, f in spec]
+    cells = [[get(r) if callable(get) else r[get] for _, get, _ in spec] for r in rows]
+    text = [[fmt(v, f) if f else str(v) for v, (_, _, f) in zip(row, spec)] for row in cells]
+    return render(columns, text, title=title, width=width)
+
+
+@contextlib.contextmanager
+def progress_bar(description: str) -> Iterator[Callable[[int], Callable[[], object]]]:
+    """``start(total) -> tick``: a progress bar on stderr, erased when done (none without rich)."""
+    try:
+        from rich.console import Console
+        from rich.progress import MofNCompleteColumn, Progress
+    except ImportError:  # NOTE: a bare GPU machine may run kvcore from PYTHONPATH, without rich
+        yield lambda total: lambda: None
+        return
+    columns = (*Progress.get_default_columns(), MofNCompleteColumn())
+    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+        yield lambda total: functools.partial(bar.advance, bar.add_task(description, total=total))

@@ -1,11 +1,8 @@
-"""The random models and the engines ``kvcore bench hf`` compares (imports transformers).
+"""The random models and engines ``kvcore bench hf`` compares (imports transformers).
 
-Every runner does one untimed warm-up pass (compilation, CUDA graph capture,
-allocator growth), then times one full pass, the device synchronized at both
-ends; output tokens are counted from what each engine returned.
+Every runner does one untimed warm-up pass (compilation, graph capture, allocator growth), then
+times one pass, the device synchronized at both ends; output tokens are what it returned.
 """
-
-from __future__ import annotations
 
 import argparse
 import time
@@ -48,13 +45,6 @@ def bench_config(args: argparse.Namespace, max_pos: int) -> transformers.Pretrai
                         kv_heads=args.kv_heads, max_pos=max_pos)
 
 
-def check_config(kind: str) -> transformers.PretrainedConfig:
-    """The smaller float32 model whose greedy tokens must equal ``model.generate``'s."""
-    return model_config(kind, vocab=4096, hidden=512, intermediate=1024,
-                        layers=6 if kind == "hybrid" else 4, heads=8, kv_heads=2, max_pos=1024,
-                        initializer_range=0.05)
-
-
 def random_prompts(count: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(3, vocab, (count, length), generator=gen).tolist()
@@ -72,10 +62,7 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
 
 def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int,
                engine_kwargs: dict[str, Any], *, profile: bool = False) -> tuple[dict, list]:
-    """kvcore.hf.Engine: warm up on ``warmup``, then time ``prompts``; optionally a synced pass.
-
-    Returns the figures and, apart, the outputs.
-    """
+    """kvcore.hf.Engine's figures and outputs: warm up on ``warmup``, then time ``prompts``."""
     start = time.perf_counter()
     engine = Engine(model, **engine_kwargs)
     build_s = time.perf_counter() - start
@@ -134,23 +121,10 @@ def run_static_generate(model: Any, prompts: list[list[int]], new_tokens: int) -
             "output_tokens": int(out[:, ids.shape[1]:].numel())}
 
 
-def run_reference(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
-    """``model.generate`` on each prompt alone (greedy): the tokens kvcore must reproduce."""
-    out = []
-    with torch.inference_mode():
-        for p in prompts:
-            ids = torch.tensor([p], device=model.device)
-            out.append(model.generate(ids, max_new_tokens=new_tokens, do_sample=False)[0, len(p):]
-                       .tolist())
-    return out
-
-
 def roofline(model: Any, requests: int, prompt_len: int, new_tokens: int, *, peak_tflops: float,
              hbm_tbps: float) -> dict[str, float]:
-    """Output tokens/s at the roofline.
-
-    Prefill runs at the matrix peak; every decode step reads the weights and the KV cache once.
-    """
+    """Output tokens/s if prefill ran at the matrix peak and each decode step read the weights
+    and the KV cache once at full bandwidth."""
     config = model.config
     size = next(model.parameters()).element_size()
     params = sum(p.numel() for p in model.parameters())
@@ -176,12 +150,18 @@ def run_check(args: argparse.Namespace, engine_kwargs: dict[str, Any],
 
     # NOTE: cuDNN's TF32 convolutions (a hybrid's mixers) round by call shape: off for equality.
     tf32, torch.backends.cudnn.allow_tf32 = torch.backends.cudnn.allow_tf32, False
-    model = random_model(check_config(args.model), dtype=torch.float32, device=device, seed=5)
+    config = model_config(args.model, vocab=4096, hidden=512, intermediate=1024, heads=8,
+                          layers=6 if args.model == "hybrid" else 4, kv_heads=2, max_pos=1024,
+                          initializer_range=0.05)
+    model = random_model(config, dtype=torch.float32, device=device, seed=5)
     checks = random_prompts(args.check_requests, args.check_prompt_len, 4096, 6)
     # Half the requests share a prefix, so the prefix cache serves them when it is on.
     common = random_prompts(1, 2 * args.check_prompt_len, 4096, 7)[0]
     checks += [common + q for q in checks[: max(1, len(checks) // 2)]]
-    want = run_reference(model, checks, args.check_new_tokens)
+    with torch.inference_mode():  # NOTE: each prompt alone, greedy: what kvcore must reproduce
+        want = [model.generate(torch.tensor([q], device=device), do_sample=False,
+                               max_new_tokens=args.check_new_tokens)[0, len(q):].tolist()
+                for q in checks]
     # NOTE: a small token budget admits requests over several steps, so later ones hit the cache.
     small_kwargs = {**engine_kwargs, "num_blocks": None, "available_memory": 1 << 30,
                     "max_num_batched_tokens": 2 * args.check_prompt_len}

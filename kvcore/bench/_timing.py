@@ -1,6 +1,4 @@
-"""Timing helpers for the GPU benchmarks: CUDA events, L2 flushes, memset, empty launches."""
-
-from __future__ import annotations
+"""Timing for the benchmarks: host and CUDA-event medians, memset, an empty launch."""
 
 import ctypes
 import ctypes.util
@@ -19,11 +17,9 @@ FLUSH_BYTES = 512 << 20
 class Timer:
     """Median time of a callable, in microseconds, on one device.
 
-    ``gpu_us`` brackets the work with CUDA events after an L2 flush (device
-    time only); ``wall_us`` times the host call up to a device sync (launch
-    overhead, validation and copies included); ``host_us`` times the host call
-    until it returns, with no sync in the timed span (what a scheduler's step
-    loop waits for). On CPU all three are wall times.
+    ``gpu_us``: device time between CUDA events after an L2 flush; ``wall_us``: the host call
+    up to a device sync; ``host_us``: the host call until it returns (no sync: what a step loop
+    waits for). On CPU all three are wall times.
     """
 
     def __init__(self, device: torch.device, repeats: int, warmup: int) -> None:
@@ -35,7 +31,8 @@ class Timer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    def _host_times(self, fn: Callable[[], object], synced: bool) -> float:
+    def samples_us(self, fn: Callable[[], object], synced: bool = True) -> list[float]:
+        """``repeats`` host times of ``fn`` after ``warmup`` untimed calls."""
         for _ in range(self.warmup):
             fn()
         times = []
@@ -47,24 +44,20 @@ class Timer:
                 self.sync()
             times.append((time.perf_counter() - start) * 1e6)
         self.sync()
-        return statistics.median(times)
+        return times
 
     def wall_us(self, fn: Callable[[], object]) -> float:
-        return self._host_times(fn, synced=True)
+        return statistics.median(self.samples_us(fn))
 
     def host_us(self, fn: Callable[[], object]) -> float:
-        return self._host_times(fn, synced=False)
+        return statistics.median(self.samples_us(fn, synced=False))
 
     def gpu_us(self, fn: Callable[[], object]) -> float:
         return self.gpu_group_us([fn])[0]
 
     def gpu_group_us(self, fns: list[Callable[[], object]],
                      repeats: int | None = None) -> list[float]:
-        """Median device times of ``fns``, timed in alternation (one round of all per repeat).
-
-        Each is preceded by an L2 flush, and clock or thermal drift over the
-        run weighs on all alike: their ratios are side by side.
-        """
+        """Median device times of ``fns`` timed in alternation, so drift weighs on all alike."""
         if self._flush is None:
             return [self.wall_us(fn) for fn in fns]
         for _ in range(self.warmup):

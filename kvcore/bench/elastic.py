@@ -1,19 +1,13 @@
-"""``kvcore bench elastic``: what an elastic KV cache costs per layout, and grow / shrink time on a device.
+"""``kvcore bench elastic``: what an elastic KV cache costs per layout, and grow / shrink time.
 
-First, from the plan alone (no memory): for ``--model`` (a preset or TOML
-file) planned for ``--max-blocks`` blocks, per layout, the bytes of one
-block, the pieces it is made of, the granules (``--granularity``, 2 MiB as on
-an H100/H200) one block touches, how often a block-by-block grow maps new
-granules and how many at once, and the most memory committed beyond the
-blocks' bytes. Then, with ``--measure``, on ``--device`` (default: CUDA when
-present, else the CPU): the time to commit and release one granule and
-``--gib`` GiB through the backing memory, the memory the device reports back
-after the release (``torch.cuda.mem_get_info``; resident memory on a CPU),
-and a grow from 2 blocks to all and back per layout (what ``KVCache.resize``
-commits and releases).
+From the plan alone: for ``--model`` planned for ``--max-blocks`` blocks, per
+layout, the bytes of a block, its pieces, the granules (``--granularity``) it
+touches, how often a block-by-block grow maps new granules and how many, and
+the most memory committed beyond the blocks. With ``--measure``, on
+``--device``: commit / release time of one granule and of ``--gib`` GiB, the
+memory given back, and a grow from 2 blocks to all and back per layout
+(``KVCache.resize``).
 """
-
-from __future__ import annotations
 
 import argparse
 import mmap
@@ -24,8 +18,8 @@ from collections.abc import Mapping
 import torch
 
 from kvcore._units import format_bytes
-from kvcore.bench import emit
-from kvcore.bench.options import elastic_arguments as add_arguments
+from kvcore.bench import emit, table
+from kvcore.bench.options import ARGUMENTS
 from kvcore.memory.backing import reserve_backing
 from kvcore.memory.elastic import ElasticMemory, merge_ranges
 from kvcore.memory.layout import KVCacheLayout, block_runs
@@ -34,14 +28,13 @@ from kvcore.memory.views import allocate_kv_cache
 from kvcore.model_files import load_model_file
 from kvcore.specs import KVCacheSpec
 
+add_arguments = ARGUMENTS["elastic"]
+
 
 def layout_cost(specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout, max_blocks: int,
                 granularity: int) -> dict:
-    """Growth figures of one layout, computed from the plan (no memory, no GPU).
-
-    Blocks are added one at a time and the granules each touches are counted
-    against those already committed; keys are stable for the JSON output.
-    """
+    """Growth figures of one layout from its plan (no memory): blocks are added one at a time
+    and the granules each touches counted against those already committed."""
     config = plan_kv_cache(specs, layout, num_blocks=max_blocks)
     buffer = torch.empty(config.kv_cache_tensors[0].size, dtype=torch.int8, device="meta")
     # NOTE: block 0's byte runs over all layers: (start, run length, block stride) each.
@@ -86,10 +79,8 @@ def _held(device: torch.device) -> int:
 
 
 def measure_backing(device: torch.device, gib: int, repeat: int) -> dict:
-    """Commit / release time of one granule (median of ``repeat``) and of ``gib`` GiB.
-
-    And the memory given back.
-    """
+    """Commit / release time of one granule (median of ``repeat``) and of ``gib`` GiB; the
+    memory given back."""
     size = gib * 2**30
     backing = reserve_backing(size, device)
     repeat = min(repeat, backing.size // backing.granularity - 1)
@@ -122,10 +113,7 @@ def measure_backing(device: torch.device, gib: int, repeat: int) -> dict:
 
 
 def measure_resize(specs, device: torch.device, max_blocks: int) -> list[dict]:
-    """Commit for 2 blocks, grow to ``max_blocks`` and shrink back, per layout.
-
-    What ``KVCache.resize`` maps.
-    """
+    """Per layout: commit for 2 blocks, grow to ``max_blocks`` and shrink back (as ``resize``)."""
     rows = []
     for layout in KVCacheLayout:
         try:
@@ -154,14 +142,14 @@ def measure_resize(specs, device: torch.device, max_blocks: int) -> list[dict]:
 
 
 def _print(result: dict, args: argparse.Namespace) -> None:
-    print(f"{result['model']}: {args.max_blocks} blocks reserved, "
-          f"{format_bytes(args.granularity)} granules")
-    print(f"{'layout':7} {'block':>9} {'pieces':>6} {'granules/block':>14} {'blocks/grow':>11} "
-          f"{'maps/grow':>9} {'max slack':>10}")
-    for r in result["layouts"]:
-        print(f"{r['layout']:7} {format_bytes(r['block_bytes']):>9} {r['pieces_per_block']:>6} "
-              f"{r['granules_per_block']:>14.2f} {r['blocks_per_grow_event']:>11.1f} "
-              f"{r['mappings_per_grow_event']:>9.1f} {format_bytes(r['max_slack_bytes']):>10}")
+    print(table(f"{result['model']}: {args.max_blocks} blocks reserved, "
+                f"{format_bytes(args.granularity)} granules", [
+        ("layout", "layout", ""), ("block", lambda r: format_bytes(r["block_bytes"]), "s"),
+        ("pieces", "pieces_per_block", "d"), ("granules/block", "granules_per_block", ".2f"),
+        ("blocks/grow", "blocks_per_grow_event", ".1f"),
+        ("maps/grow", "mappings_per_grow_event", ".1f"),
+        ("max slack", lambda r: format_bytes(r["max_slack_bytes"]), "s"),
+    ], result["layouts"]))
     if args.measure:
         b = result["backing"]
         print(f"\nbacking on {b['device']} ({format_bytes(b['granularity'])} granules): commit "

@@ -1,34 +1,28 @@
-"""``kvcore bench hf``: kvcore.hf.Engine against transformers' generate_batch and static generate (GPU).
+"""``kvcore bench hf``: kvcore.hf.Engine against transformers' generate_batch and generate (GPU).
 
-A random-weight Llama-style model (default: hidden 2048, 16 layers, 32 query
-/ 8 KV heads, vocab 32,000, bf16) serves the same requests (default 256
-prompts of 256 tokens, 128 new tokens each, no EOS) through
-``kvcore.hf.Engine`` (Triton backend, CUDA graphs for decode steps), through
-``model.generate_batch`` (transformers' paged continuous batching) and
-through one batched ``model.generate`` (static batch, dense cache), in one
-run: output tokens/s, ratios, the fraction of a roofline (prefill at the
-matrix peak, every decode step reading the weights and the KV cache once),
-and where kvcore's step time goes. Then a shared-prefix workload (every
-prompt behind one common prefix) with prefix caching off and on, and a
-smaller float32 model whose greedy tokens must equal ``model.generate``'s.
-
-``--model hybrid`` times a Granite-4.0-H-like hybrid instead (Mamba2 mixers,
-one attention layer in eight; :mod:`kvcore.bench._hf_runs`) against the
-static ``model.generate``; transformers' ``generate_batch`` and prefix
-caching do not serve hybrids, so those parts are left out.
+A random-weight Llama-style model (default: hidden 2048, 16 layers, 32 query /
+8 KV heads, bf16) serves the same requests (default 256 prompts of 256 tokens,
+128 new tokens, no EOS) through ``kvcore.hf.Engine`` (CUDA graphs for decode
+steps), ``model.generate_batch`` (transformers' paged continuous batching) and
+one batched ``model.generate``: output tokens/s, ratios, a roofline and where
+kvcore's step time goes. Then a shared-prefix workload with prefix caching off
+and on, and a float32 model whose greedy tokens must equal
+``model.generate``'s. ``--model hybrid`` times a Granite-4.0-H-like hybrid
+(Mamba2 mixers) against the static ``model.generate`` only: ``generate_batch``
+and prefix caching do not serve hybrids.
 """
 
-from __future__ import annotations
-
 import argparse
+import textwrap
 from typing import Any
 
 import torch
-from rich.console import Console
-from rich.table import Table
 
-from kvcore.bench import emit
-from kvcore.bench.options import hf_arguments as add_arguments
+from kvcore._table import terminal_width
+from kvcore.bench import emit, table
+from kvcore.bench.options import ARGUMENTS
+
+add_arguments = ARGUMENTS["hf"]
 
 #: A workload that runs in seconds on a CPU, for the message that refuses the GPU-sized defaults.
 CPU_EXAMPLE = (
@@ -40,25 +34,33 @@ CPU_EXAMPLE = (
 CPU_MAX_FLOP = 5e11
 
 
-def _blocks(requests: int, tokens: int, block_size: int) -> int:
-    return requests * -(-tokens // block_size) + 2 * requests + 1
+def checked_device(args: argparse.Namespace) -> torch.device:
+    """``--device`` (default: CUDA), after refusing at once what cannot run: GPU-sized work
+    on a CPU, or a backend that cannot serve a tiny model (before the big one is built)."""
+    from kvcore.bench._hf_runs import model_config
+    from kvcore.hf import Engine
+    from kvcore.hf.models import random_model
 
-
-def resolve_device(device: torch.device | None) -> torch.device:
-    """``--device``, or CUDA; without CUDA the GPU-sized defaults are refused at once."""
-    if device is not None:
-        return device
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    raise ValueError(
-        "no CUDA device here, and the default workload (a 0.85 B model serving 256 requests) is "
-        f"sized for a GPU; run it on a GPU machine, or try a CPU-sized run: kvcore bench hf "
-        f"{CPU_EXAMPLE}"
-    )
-
-
-def check_cpu_sized(args: argparse.Namespace, device: torch.device) -> None:
-    """Refuse at once a CPU run whose workload would take many minutes without a word."""
+    device = args.device or (torch.device("cuda") if torch.cuda.is_available() else None)
+    if device is None:
+        raise ValueError(
+            "no CUDA device here, and the default workload (a 0.85 B model serving 256 requests) "
+            "is sized for a GPU; run it on a GPU machine, or try a CPU-sized run: kvcore bench hf "
+            f"{CPU_EXAMPLE}"
+        )
+    # NOTE: the benchmark's dtype and head size, which a backend's requirements may restrict.
+    head_dim = args.hidden // args.heads
+    tiny = model_config("llama", vocab=64, hidden=2 * head_dim, intermediate=64, layers=1, heads=2,
+                        kv_heads=1, max_pos=64, head_dim=head_dim)
+    model = random_model(tiny, dtype=getattr(torch, args.dtype), device=device, seed=0)
+    try:
+        engine = Engine(model, backend=args.backend, block_size=args.block_size, num_blocks=4,
+                        max_num_seqs=1, max_num_batched_tokens=64, cuda_graphs=False)
+        engine.generate([[2, 3, 4]], 1)
+    except Exception as exc:  # NOTE: any failure means the benchmark cannot run; say why at once
+        raise ValueError(
+            f"--backend {args.backend} cannot serve a tiny model on {device}: {exc}"
+        ) from exc
     h = args.hidden
     params = args.layers * (4 * h**2 + 3 * h * args.intermediate) + 2 * args.vocab * h
     flop = 2.0 * params * args.requests * (args.prompt_len + args.new_tokens)
@@ -67,32 +69,7 @@ def check_cpu_sized(args: argparse.Namespace, device: torch.device) -> None:
             f"this workload is about {flop:.1e} floating-point operations, minutes to hours on a "
             f"CPU (at most {CPU_MAX_FLOP:.0e} here); shrink it, e.g. kvcore bench hf {CPU_EXAMPLE}"
         )
-
-
-def preflight(backend: str, device: torch.device, block_size: int | None, dtype: torch.dtype,
-              head_dim: int) -> None:
-    """Serve one token of a tiny random model through ``backend`` on ``device`` first.
-
-    A backend that cannot run there (an unknown name, Triton on CPU without
-    ``TRITON_INTERPRET=1``) is refused in about a second, with its own reason,
-    instead of after minutes of building the benchmark's model.
-    """
-    from kvcore.bench._hf_runs import model_config
-    from kvcore.hf import Engine
-    from kvcore.hf.models import random_model
-
-    # NOTE: the benchmark's dtype and head size, which a backend's requirements may restrict.
-    tiny = model_config("llama", vocab=64, hidden=2 * head_dim, intermediate=64, layers=1, heads=2,
-                        kv_heads=1, max_pos=64, head_dim=head_dim)
-    model = random_model(tiny, dtype=dtype, device=device, seed=0)
-    try:
-        engine = Engine(model, backend=backend, block_size=block_size, num_blocks=4,
-                        max_num_seqs=1, max_num_batched_tokens=64, cuda_graphs=False)
-        engine.generate([[2, 3, 4]], 1)
-    except Exception as exc:  # NOTE: any failure means the benchmark cannot run; say why at once
-        raise ValueError(
-            f"--backend {backend} cannot serve a tiny model on {device}: {exc}"
-        ) from exc
+    return device
 
 
 def format_count(n: float) -> str:
@@ -111,10 +88,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     from kvcore.bench import _hf_runs as runs
     from kvcore.hf.models import random_model
 
-    device = resolve_device(args.device)
+    device = checked_device(args)
     dtype = getattr(torch, args.dtype)
-    preflight(args.backend, device, args.block_size, dtype, args.hidden // args.heads)
-    check_cpu_sized(args, device)
     skip = set(args.skip)
     hybrid = args.model == "hybrid"
     if hybrid:  # NOTE: no generate_batch, prefix caching or CUDA graphs to compare with
@@ -131,10 +106,14 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
             lambda size: specs_from_config(config, dtype=model.dtype, block_size=size),
             device, args.backend, None, None,
         ).block_size
+
+    def blocks(tokens: int) -> int:
+        return n * -(-tokens // args.block_size) + 2 * n + 1
+
     engine_kwargs = dict(
         backend=args.backend, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
-        num_blocks=_blocks(n, p + m, args.block_size),
+        num_blocks=blocks(p + m),
         cuda_graphs=False if args.no_cuda_graphs else None,
     )
     if hybrid:  # NOTE: a state slot per request and state group: the engine's default share
@@ -160,7 +139,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     if prefix and "prefix" not in skip:
         common, other = (runs.random_prompts(1, prefix, args.vocab, seed)[0] for seed in (3, 4))
         shared, shared_warm = [common + q for q in prompts], [other + q for q in warm]
-        kwargs = {**engine_kwargs, "num_blocks": _blocks(n, prefix + p + m, args.block_size)}
+        kwargs = {**engine_kwargs, "num_blocks": blocks(prefix + p + m)}
         served = {key: runs.run_kvcore(model, shared, shared_warm, m,
                                        {**kwargs, "enable_prefix_caching": key == "on"})
                   for key in ("off", "on")}
@@ -179,86 +158,68 @@ def _tps(result: dict[str, Any]) -> float:
     return result["output_tokens"] / result["seconds"]
 
 
-def report(out: dict[str, Any], console: Console) -> None:
-    w, versions = out["workload"], out["versions"]
-    console.print(
-        f"[bold]kvcore bench hf[/] on {out['device']} (torch {versions['torch']}, transformers "
-        f"{versions['transformers']}): {w['requests']} requests x ({w['prompt_len']} prompt + "
-        f"{w['new_tokens']} new) tokens, {w['dtype']}, "
-        f"{format_count(out['roofline']['params'])} parameters"
-    )
-    kv_tps = _tps(out["kvcore"])
-    table = Table(title="output tokens/s (timed pass after a warm-up pass)")
-    table.add_column("engine", no_wrap=True)
-    for col in ("output tokens", "seconds", "tokens/s", "kvcore is x faster"):
-        table.add_column(col, justify="right")
-    for name, key in (("kvcore.hf.Engine", "kvcore"), ("kvcore, no CUDA graphs", "kvcore_eager"),
-                      ("model.generate_batch", "generate_batch"),
-                      ("static model.generate", "static_generate")):
-        if key in out:
-            r = out[key]
-            table.add_row(name, f"{r['output_tokens']:,}", f"{r['seconds']:.2f}",
-                          f"{_tps(r):,.0f}", f"{kv_tps / _tps(r):.2f}")
-    roof = out["roofline"]
-    table.add_row("roofline", "", f"{roof['prefill_s'] + roof['decode_s']:.3f}",
-                  f"{roof['tokens_per_s']:,.0f}", f"{kv_tps / roof['tokens_per_s']:.1%} of it")
-    console.print(table)
-    k = out["kvcore"]
-    console.print(
-        f"kvcore: backend {k['backend']}, {k['layout']}, block {out['engine']['block_size']}; "
-        f"engine built in {k['build_s']:.1f} s; first generate {k['warmup_s']:.2f} s, second "
-        f"{k['seconds']:.2f} s (first runs at {k['first_vs_second']:.2f}x the second's speed)"
-    )
-    _report_steps(out["kvcore"], console)
-    if "prefix" in out:
-        pre = out["prefix"]
-        t = Table(title=f"shared prefix of {pre['prefix_len']} tokens ({pre['same_requests']}/"
-                  f"{pre['requests']} requests' tokens equal with caching on and off)")
-        for col in ("prefix caching", "tokens/s", "prefill tokens", "hits", "prefill skipped",
-                    "blocks zeroed"):
-            t.add_column(col, justify="right")
-        for key in ("off", "on"):
-            s = pre[key]["stats"]
-            t.add_row(key, f"{_tps(pre[key]):,.0f}", f"{s['prefill_tokens']:,}",
-                      f"{s['prefix_cache_hits']:,}", f"{s['prefix_cache_hit_tokens']:,}",
-                      f"{s['blocks_zeroed']:,}")
-        console.print(t)
-    c = out.get("check", {})
-    for key, label in (("plain", "prefix caching off"), ("prefix_caching", "prefix caching on")):
-        if key in c:
-            colour = "green" if c[key] == c["requests"] else "red"
-            console.print(f"float32 check, {label}: [{colour}]{c[key]}/{c['requests']}[/] "
-                          f"requests' greedy tokens equal model.generate "
-                          f"({c[f'{key}_hit_tokens']} prompt tokens from the cache)")
-
-
+_ENGINES = {"kvcore": "kvcore.hf.Engine", "kvcore_eager": "kvcore, no CUDA graphs",
+            "generate_batch": "model.generate_batch", "static_generate": "static model.generate"}
 _PHASES = {"schedule": "scheduler", "prepare": "inputs, metadata, block tables",
            "zero": "zeroing new blocks", "forward": "model forward (launch / replay)",
            "sample": "sampling (waits for the device)"}
 
 
-def _report_steps(kv: dict[str, Any], console: Console) -> None:
-    s, prof = kv["stats"], kv.get("profile")
-    table = Table(title=f"kvcore step time: {s['steps']} steps ({s['graph_steps']} replayed from "
-                  "CUDA graphs)")
-    table.add_column("phase", no_wrap=True)  # NOTE: labels stay whole; number headers wrap instead
-    table.add_column("ms/step (async)", justify="right")
+def report(out: dict[str, Any]) -> None:
+    width = terminal_width()
+    w, versions, roof, k = out["workload"], out["versions"], out["roofline"], out["kvcore"]
+    print(textwrap.fill(
+        f"kvcore bench hf on {out['device']} (torch {versions['torch']}, transformers "
+        f"{versions['transformers']}): {w['requests']} requests x ({w['prompt_len']} prompt + "
+        f"{w['new_tokens']} new) tokens, {w['dtype']}, {format_count(roof['params'])} parameters",
+        width))
+    rows = [{"engine": name, **out[key], "tps": _tps(out[key])}
+            for key, name in _ENGINES.items() if key in out]
+    rows.append({"engine": "roofline", "output_tokens": None, "tps": roof["tokens_per_s"],
+                 "seconds": roof["prefill_s"] + roof["decode_s"]})
+    kv_tps = _tps(k)
+    print(table("output tokens/s (timed pass after a warm-up pass)", [
+        ("engine", "engine", ""), ("output tokens", "output_tokens", ","),
+        ("seconds", "seconds", ".2f"), ("tokens/s", "tps", ",.0f"),
+        ("kvcore is x faster", lambda r: f"{kv_tps / r['tps']:.1%} of it"
+         if r["engine"] == "roofline" else f"{kv_tps / r['tps']:.2f}", "s"),
+    ], rows, width))
+    print(textwrap.fill(
+        f"kvcore: backend {k['backend']}, {k['layout']}, block {out['engine']['block_size']}; "
+        f"engine built in {k['build_s']:.1f} s; first generate {k['warmup_s']:.2f} s, second "
+        f"{k['seconds']:.2f} s (first runs at {k['first_vs_second']:.2f}x the second's speed)",
+        width))
+    s, prof = k["stats"], k.get("profile")
+    spec = [("phase", "label", ""), ("ms/step (async)",
+                                     lambda r: 1e3 * s[r["key"]] / max(s["steps"], 1), ".3f")]
     if prof:
-        table.add_column("ms/step (synced)", justify="right")
-        table.add_column("share (synced)", justify="right")
         total = sum(prof[f"{phase}_s"] for phase in _PHASES)
-    for phase, label in _PHASES.items():
-        row = [label, f"{1e3 * s[f'{phase}_s'] / max(s['steps'], 1):.3f}"]
-        if prof:
-            row += [f"{1e3 * prof[f'{phase}_s'] / max(prof['steps'], 1):.3f}",
-                    f"{prof[f'{phase}_s'] / total:.1%}"]
-        table.add_row(*row)
-    console.print(table)
+        spec += [("ms/step (synced)", lambda r: 1e3 * prof[r["key"]] / max(prof["steps"], 1),
+                  ".3f"), ("share (synced)", lambda r: prof[r["key"]] / total, ".1%")]
+    print(table(f"kvcore step time: {s['steps']} steps ({s['graph_steps']} replayed from CUDA "
+                "graphs)", spec, [{"key": f"{p}_s", "label": l} for p, l in _PHASES.items()],
+                width))
+    if "prefix" in out:
+        pre = out["prefix"]
+        print(table(f"shared prefix of {pre['prefix_len']} tokens ({pre['same_requests']}/"
+                    f"{pre['requests']} requests' tokens equal with caching on and off)", [
+            ("prefix caching", "key", ""), ("tokens/s", "tps", ",.0f"),
+            ("prefill tokens", "prefill_tokens", ","), ("hits", "prefix_cache_hits", ","),
+            ("prefill skipped", "prefix_cache_hit_tokens", ","),
+            ("blocks zeroed", "blocks_zeroed", ","),
+        ], [{"key": key, "tps": _tps(pre[key]), **pre[key]["stats"]} for key in ("off", "on")],
+            width))
+    c = out.get("check", {})
+    for key, label in (("plain", "prefix caching off"), ("prefix_caching", "prefix caching on")):
+        if key in c:
+            print(textwrap.fill(
+                f"float32 check, {label}: {c[key]}/{c['requests']} requests' greedy tokens equal "
+                f"model.generate ({c[f'{key}_hit_tokens']} prompt tokens from the cache)", width))
 
 
 def run(args: argparse.Namespace) -> int:
     out = collect(args)
-    emit(args, out, lambda r: report(r, Console()))
+    emit(args, out, report)
     check = out.get("check", {})
     ok = all(check[k] == check["requests"] for k in ("plain", "prefix_caching") if k in check)
     return 0 if ok else 1

@@ -5,24 +5,23 @@ The model mixes full attention, sliding-window attention with half the page
 so every step of the planner runs: unification, grouping and one tensor per group.
 """
 
-from __future__ import annotations
-
 import argparse
 import os
 import statistics
 import sys
 import textwrap
-import time
 from contextlib import contextmanager
 
 import torch
 
-from kvcore._table import Column, render, terminal_width
-from kvcore.bench import emit
-from kvcore.bench.options import plan_arguments as add_arguments
+from kvcore._table import terminal_width
+from kvcore.bench import emit, table
+from kvcore.bench._timing import Timer
+from kvcore.bench.options import ARGUMENTS
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
+add_arguments = ARGUMENTS["plan"]
 TARGET_MS = 20.0
 
 
@@ -42,24 +41,23 @@ def hybrid_model_specs(num_layers: int = 200) -> dict[str, KVCacheSpec]:
 @contextmanager
 def _one_core():
     """Pin this process to one CPU core while timing (where the OS allows it)."""
-    if not hasattr(os, "sched_getaffinity"):
-        yield
-        return
-    before = os.sched_getaffinity(0)
+    before = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     try:
-        os.sched_setaffinity(0, {min(before)})
+        if before is not None:
+            os.sched_setaffinity(0, {min(before)})
     except OSError:  # NOTE: some sandboxes forbid pinning; time unpinned then
-        yield
-        return
+        before = None
     try:
         yield
     finally:
-        os.sched_setaffinity(0, before)
+        if before is not None:
+            os.sched_setaffinity(0, before)
 
 
 def measure(args: argparse.Namespace) -> dict:
     """Time every layout; the result is what ``--json`` prints."""
     specs = hybrid_model_specs(args.layers)
+    timer = Timer(torch.device("cpu"), args.repeat, warmup=0)
     rows = []
     with _one_core():
         for layout in args.layouts:
@@ -69,11 +67,8 @@ def measure(args: argparse.Namespace) -> dict:
                 # NOTE: e.g. LHBNC cannot overlay groups with different head counts.
                 rows.append({"layout": layout.name, "refused": str(exc)})
                 continue
-            times = []
-            for _ in range(args.repeat):
-                start = time.perf_counter()
-                plan_kv_cache(specs, layout, available_memory=args.memory)
-                times.append((time.perf_counter() - start) * 1e3)
+            times = [t / 1e3 for t in timer.samples_us(
+                lambda: plan_kv_cache(specs, layout, available_memory=args.memory))]
             rows.append({
                 "layout": layout.name, "groups": len(config.kv_cache_groups),
                 "num_blocks": config.num_blocks, "median_ms": statistics.median(times),
@@ -83,18 +78,14 @@ def measure(args: argparse.Namespace) -> dict:
 
 
 def _print(result: dict) -> None:
-    columns = [Column("layout"), Column("groups", right=True), Column("blocks", right=True),
-               Column("median ms", right=True), Column("min ms", right=True),
-               Column(f"< {TARGET_MS:g} ms")]
-    timed = [r for r in result["rows"] if "refused" not in r]
-    rows = [[r["layout"], str(r["groups"]), f"{r['num_blocks']:,}", f"{r['median_ms']:.2f}",
-             f"{r['min_ms']:.2f}", "yes" if r["met"] else "NO"] for r in timed]
-    title = f"plan_kv_cache, {result['layers']}-layer hybrid model, one core"
-    print(render(columns, rows, title=title))
-    width = terminal_width()
+    print(table(f"plan_kv_cache, {result['layers']}-layer hybrid model, one core", [
+        ("layout", "layout", ""), ("groups", "groups", "d"), ("blocks", "num_blocks", ","),
+        ("median ms", "median_ms", ".2f"), ("min ms", "min_ms", ".2f"),
+        (f"< {TARGET_MS:g} ms", lambda r: "yes" if r["met"] else "NO", ""),
+    ], [r for r in result["rows"] if "refused" not in r]))
     for r in result["rows"]:
         if "refused" in r:
-            print(textwrap.fill(f"{r['layout']} refused: {r['refused']}", width,
+            print(textwrap.fill(f"{r['layout']} refused: {r['refused']}", terminal_width(),
                                 subsequent_indent="  "))
 
 

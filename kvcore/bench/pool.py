@@ -1,15 +1,11 @@
 """``kvcore bench pool``: host cost per block of the block pool, prefix caching off vs on.
 
-One run times both pools on the same traffic: ``--requests`` requests of
-``--blocks`` blocks each are allocated, zeroed (``take_new_blocks``) and freed.
-The caching pool also runs what a prefix cache adds: recording the blocks
-(``cache_blocks``), freeing them into the evictable list, hitting them again
-(``get_cached_blocks``), allocating with every block evicted, and hashing the
-tokens (``block_hashes``). Figures are nanoseconds per block, medians of
-``--repeat`` rounds, on the CPU that runs the command.
+Both pools serve the same traffic: ``--requests`` requests of ``--blocks``
+blocks are allocated, zeroed (``take_new_blocks``) and freed; the caching pool
+also caches, frees to the evictable list, hits, allocates evicting and hashes
+the tokens. Nanoseconds per block, medians of ``--repeat`` rounds, on this
+CPU.
 """
-
-from __future__ import annotations
 
 import argparse
 import gc
@@ -18,11 +14,12 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvcore.bench import emit
-from kvcore.bench.options import POOL_MAX_BLOCKS
-from kvcore.bench.options import pool_arguments as add_arguments
+from kvcore.bench import emit, progress_bar, table
+from kvcore.bench.options import ARGUMENTS, POOL_MAX_BLOCKS
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
+
+add_arguments = ARGUMENTS["pool"]
 
 _ROWS = (
     ("allocate", "allocate (plain free blocks)"),
@@ -44,7 +41,7 @@ def _time(fn: Callable[[], object]) -> int:
 
 def _round(off: BlockPool, on: BlockPool, hashes: list[list[bytes]], tokens: list[list[int]],
            block_size: int, n: int) -> dict[str, dict[str, int]]:  # fmt: skip
-    """One round of every operation; total ns per operation and pool."""
+    """Total ns per operation and pool of one round."""
     k = len(hashes)
     out: dict[str, dict[str, int]] = {"off": {}, "on": {}}
     for name, pool in (("off", off), ("on", on)):
@@ -76,8 +73,7 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
             progress: Callable[[], object] | None = None) -> list[dict]:
     """Rows of ``{"op", "label", "off_ns", "on_ns", "on_over_off"}``, ns per block (medians).
 
-    ``progress`` is called after the traffic is made and after every round
-    (``repeat + 2`` calls in all).
+    ``progress()`` is called after making the traffic and after every round, warm-up included.
     """
     k, n = num_requests, blocks_per_request
     if k * n > POOL_MAX_BLOCKS:
@@ -117,29 +113,19 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
 
 
 def _print_table(result: dict) -> None:
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"BlockPool, ns per block ({result['requests']} requests x "
-                  f"{result['blocks_per_request']} blocks, this CPU)")
-    for column in ("operation", "caching off", "caching on", "on / off"):
-        table.add_column(column, justify="right")
-    for row in result["rows"]:
-        off = "-" if row["off_ns"] is None else f"{row['off_ns']:.0f}"
-        ratio = "-" if row["on_over_off"] is None else f"{row['on_over_off']:.2f}x"
-        table.add_row(row["label"], off, f"{row['on_ns']:.0f}", ratio)
-    Console().print(table)
+    print(table(f"BlockPool, ns per block ({result['requests']} requests x "
+                f"{result['blocks_per_request']} blocks, this CPU)", [
+        ("operation", "label", ""), ("caching off", "off_ns", ".0f"),
+        ("caching on", "on_ns", ".0f"),
+        ("on / off",
+         lambda r: "-" if r["on_over_off"] is None else f"{r['on_over_off']:.2f}x", "s"),
+    ], result["rows"]))
 
 
 def run(args: argparse.Namespace) -> int:
-    from rich.console import Console
-    from rich.progress import Progress
-
-    # NOTE: progress goes to stderr (stdout stays the table or the JSON) and is erased when done.
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task("traffic, warm-up and timed rounds", total=args.repeat + 2)
+    with progress_bar("traffic, warm-up and timed rounds") as start:
         rows = measure(args.requests, args.blocks, args.block_size, args.repeat,
-                       progress=lambda: bar.advance(task))
+                       progress=start(args.repeat + 2))
     emit(args, {"requests": args.requests, "blocks_per_request": args.blocks,
                 "block_size": args.block_size, "repeat": args.repeat, "rows": rows}, _print_table)
     return 0

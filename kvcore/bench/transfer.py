@@ -1,41 +1,45 @@
 """``kvcore bench transfer``: host offload / restore and NIXL transfers against copy ceilings.
 
 For each layout, moves random, never adjacent blocks of a model's KV cache:
-``HostKVPool.offload`` / ``restore`` against one pinned ``copy_(non_blocking=True)`` of as
-many bytes, measured in the same run (CUDA events, median of repeats; wall times on CPU);
-and, where NIXL imports, NIXL writes and reads to a peer agent
-(:mod:`kvcore.bench.transfer_nixl`). Without CUDA the defaults are CPU-sized.
+``HostKVPool.offload`` / ``restore`` against one pinned
+``copy_(non_blocking=True)`` of as many bytes, measured in the same run (CUDA
+events, median of repeats; wall times on CPU); and, where NIXL imports, NIXL
+writes and reads to a peer agent (:mod:`kvcore.bench.transfer_nixl`). Without
+CUDA the defaults are CPU-sized.
+
+``--descriptors N`` counts instead what NIXL is handed for one transfer of N
+scattered (odd) or consecutive blocks: the copies (runs adjacent on both sides
+merged), the Nx5 rows ``NixlAgent`` prepares once per side, and the host time
+of building both sides' lists per call (a paired plan, Nx3 arrays and, where
+NIXL imports, its ``nixlXferDList``) against the agent's prepared path
+(indices into both prepared lists).
 """
 
-from __future__ import annotations
-
 import argparse
-import contextlib
 import functools
-import json
 import logging
 import os
-import sys
 import textwrap
 from typing import Any
 
 import torch
 
-from kvcore.bench.options import CPU_TRANSFER_DEFAULTS as CPU_DEFAULTS
-from kvcore.bench.options import GPU_TRANSFER_DEFAULTS as GPU_DEFAULTS
-from kvcore.bench.options import transfer_arguments as add_arguments
-from kvcore.bench._timing import Timer
-from kvcore._table import Column, render, terminal_width
+from kvcore._table import terminal_width
 from kvcore._units import format_bytes
-from kvcore.bench.transfer_descs import descriptor_rows_of, print_descriptor_rows
+from kvcore.bench import emit, progress_bar, table
+from kvcore.bench._timing import Timer
+from kvcore.bench.options import ARGUMENTS, CPU_TRANSFER_DEFAULTS, GPU_TRANSFER_DEFAULTS
 from kvcore.bench.transfer_nixl import gbps, nixl_rows, print_rows, rate
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.registry import get_plugin_manager
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs import FullAttentionSpec
-from kvcore.transfer import HostKVPool, NixlUnavailableError, plan_transfer
+from kvcore.transfer import HostKVPool, NixlUnavailableError, describe, plan_transfer
+from kvcore.transfer.nixl_api import PreparedRuns, nixl_api, paired_indices, xfer_arrays
+from kvcore.transfer.pairs import pair_runs
+from kvcore.transfer.regions import group_selection, whole_block_patterns
 
-_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+add_arguments = ARGUMENTS["transfer"]
 
 
 class _LayoutOnlyBackend(AttentionBackend):
@@ -51,12 +55,11 @@ def resolve(args: argparse.Namespace) -> argparse.Namespace:
     """A copy of ``args`` with the options left unset taken from the GPU or the CPU defaults."""
     args = argparse.Namespace(**vars(args))
     args.device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    defaults = GPU_DEFAULTS if args.device.type == "cuda" else CPU_DEFAULTS
-    for key, value in defaults.items():
+    cuda = args.device.type == "cuda"
+    for key, value in (GPU_TRANSFER_DEFAULTS if cuda else CPU_TRANSFER_DEFAULTS).items():
         if getattr(args, key, None) is None:
             setattr(args, key, value)
-    if args.nixl_peer is None:
-        args.nixl_peer = "process" if args.device.type == "cuda" else "local"
+    args.nixl_peer = args.nixl_peer or ("process" if cuda else "local")
     return args
 
 
@@ -67,7 +70,7 @@ def model_of(args: argparse.Namespace) -> dict[str, Any]:
 def build_cache(model: dict[str, Any], layout: str, num_blocks: int, device: str) -> KVCache:
     """The benchmark's cache (a module function, so a spawned NIXL peer can build it too)."""
     spec = FullAttentionSpec(model["block_size"], model["kv_heads"], model["head_size"],
-                             _DTYPES[model["dtype"]])
+                             getattr(torch, model["dtype"]))
     specs = {f"layers.{i}.attn": spec for i in range(model["layers"])}
     return KVCache.create(
         specs, dict.fromkeys(specs, _LayoutOnlyBackend), device=device, layout=layout,
@@ -76,11 +79,11 @@ def build_cache(model: dict[str, Any], layout: str, num_blocks: int, device: str
     )
 
 
-def _host_rows(args, layout, device, timer, gen, tick) -> list[dict[str, Any]]:
+def _host_rows(args, layout, timer, gen, tick) -> list[dict[str, Any]]:
     most = max(args.blocks)
-    kv = build_cache(model_of(args), layout.name, 2 * most + 1, str(device))
+    kv = build_cache(model_of(args), layout.name, 2 * most + 1, str(args.device))
     pool = HostKVPool(kv, most)
-    device_buf = torch.empty(pool.host.numel(), dtype=torch.int8, device=device)
+    device_buf = torch.empty(pool.host.numel(), dtype=torch.int8, device=args.device)
     rows = []
     for n in args.blocks:
         # NOTE: odd ids only, so no two blocks are neighbours: runs per block is the layout's.
@@ -102,35 +105,33 @@ def _host_rows(args, layout, device, timer, gen, tick) -> list[dict[str, Any]]:
         row["restore_vs_memcpy"] = row["h2d_memcpy_us"] / row["restore_us"]
         rows.append(row)
         tick()
-    del kv, pool, device_buf
     return rows
 
 
 def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     """Measure every layout: what ``--json`` prints. ``progress(total)`` returns a tick."""
     args = resolve(args)
-    device = args.device
-    cuda = device.type == "cuda"
+    cuda = args.device.type == "cuda"
     memories = args.nixl_memory or (["VRAM", "VRAM-DRAM", "DRAM"] if cuda else ["DRAM"])
     gpu_kinds = [m for m in memories if "VRAM" in m]
     if gpu_kinds and not cuda:
         raise ValueError(f"--nixl-memory {','.join(gpu_kinds)} needs a CUDA --device, got "
-                         f"{device}; use --nixl-memory DRAM")
+                         f"{args.device}; use --nixl-memory DRAM")
     steps = (0 if args.no_host else len(args.blocks)) + (
         0 if args.no_nixl else len(memories) * len(args.nixl_blocks)
     )
     tick = progress(steps * len(args.layouts)) if progress is not None else (lambda: None)
     gen = torch.Generator().manual_seed(0)
     result: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if cuda else str(device),
+        "device": torch.cuda.get_device_name(args.device) if cuda else str(args.device),
         "model": model_of(args), "nixl_peer": args.nixl_peer,
         "nixl_progress_thread": args.nixl_progress_thread,
         "host": [], "nixl": [], "nixl_skipped": None, "nixl_failed": {},
     }
     if not args.no_host:
-        timer = Timer(device, args.repeats, args.warmup)
+        timer = Timer(args.device, args.repeats, args.warmup)
         for layout in args.layouts:
-            result["host"] += _host_rows(args, layout, device, timer, gen, tick)
+            result["host"] += _host_rows(args, layout, timer, gen, tick)
             torch.cuda.empty_cache()
         del timer
     if args.no_nixl:
@@ -140,7 +141,8 @@ def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         try:
             for layout in args.layouts:
                 make = functools.partial(build_cache, model_of(args), layout.name)
-                result["nixl"] += nixl_rows(args, make, memory, device, gen, args.nixl_peer, tick)
+                result["nixl"] += nixl_rows(args, make, memory, args.device, gen, args.nixl_peer,
+                                            tick)
                 torch.cuda.empty_cache()
         except NixlUnavailableError as exc:
             result["nixl_skipped"] = str(exc)
@@ -150,22 +152,66 @@ def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
     return result
 
 
+def _nixl_lists() -> Any:
+    """A function turning an ``Nx3`` array into NIXL's descriptor list, or None without NIXL."""
+    try:
+        agent_cls, config_cls = nixl_api()
+        agent = agent_cls("kvcore-descriptor-bench", config_cls(backends=[]))
+    except Exception:  # NOTE: NIXL may be absent (NixlUnavailableError) or unable to start here
+        return None
+    return lambda array: agent.get_xfer_descs(array, "DRAM")
+
+
+def _per_call(desc: Any, ids: torch.Tensor, to_nixl: Any) -> int:
+    """Both sides' descriptor lists built per call (the peer: this cache); the copies."""
+    patterns = whole_block_patterns(desc, group_selection(desc, None))
+    arrays = xfer_arrays(pair_runs(patterns, ids, patterns, ids), desc, desc)
+    if to_nixl is not None:
+        for array in arrays:
+            to_nixl(array)
+    return len(arrays[0])
+
+
+def descriptor_rows(args: argparse.Namespace) -> list[dict]:
+    """One row per layout and id kind for ``args.descriptors`` ids (a cache of head size 1)."""
+    n = args.descriptors
+    model = {**model_of(args), "head_size": 1}
+    to_nixl = _nixl_lists()
+    timer = Timer(torch.device("cpu"), repeats=5, warmup=1)
+    rows = []
+    for layout in args.layouts:
+        desc = describe(build_cache(model, layout.name, 2 * n + 1, "cpu"))
+        prepared = PreparedRuns(desc, whole_block_patterns(desc, group_selection(desc, None)))
+        for kind, ids in (("scattered", torch.arange(n) * 2 + 1),
+                          ("consecutive", torch.arange(n) + 1)):
+            copies = _per_call(desc, ids, to_nixl)
+            rows.append({
+                "layout": layout.name, "blocks": n, "ids": kind, "descriptors": copies,
+                "per_block": copies / n, "prepared_rows": len(prepared.rows()),
+                "build_ms": timer.wall_us(lambda: _per_call(desc, ids, to_nixl)) / 1e3,
+                "prepared_ms": timer.wall_us(
+                    lambda: paired_indices(prepared, prepared, ids, ids)) / 1e3,
+                "nixl_dlist": to_nixl is not None,
+            })
+    return rows
+
+
 def _print(result: dict[str, Any]) -> None:
     width = terminal_width()
     m = result["model"]
-    title = (f"KV block offload / restore on {result['device']}: {m['layers']} layers, "
-             f"{m['kv_heads']} KV heads of {m['head_size']}, {m['block_size']}-token blocks, "
-             f"{m['dtype']}")
-    columns = [Column("layout"), Column("blocks", right=True), Column("block", right=True),
-               Column("runs/blk", right=True), Column("copies", right=True),
-               Column("offload GB/s", right=True), Column("x memcpy", right=True),
-               Column("restore GB/s", right=True), Column("x memcpy", right=True)]
     if result["host"]:
-        print(render(columns, [[
-            r["layout"], r["blocks"], format_bytes(r["block_bytes"]), f"{r['runs_per_block']:.0f}",
-            r["copies"], rate(r["offload_gbps"]), f"{r['offload_vs_memcpy']:.3f}",
-            rate(r["restore_gbps"]), f"{r['restore_vs_memcpy']:.3f}",
-        ] for r in result["host"]], title=title, width=width))
+        print(table(
+            f"KV block offload / restore on {result['device']}: {m['layers']} layers, "
+            f"{m['kv_heads']} KV heads of {m['head_size']}, {m['block_size']}-token blocks, "
+            f"{m['dtype']}", [
+                ("layout", "layout", ""), ("blocks", "blocks", "d"),
+                ("block", lambda r: format_bytes(r["block_bytes"]), "s"),
+                ("runs/blk", "runs_per_block", ".0f"), ("copies", "copies", "d"),
+                ("offload GB/s", lambda r: rate(r["offload_gbps"]), "s"),
+                ("x memcpy", "offload_vs_memcpy", ".3f"),
+                ("restore GB/s", lambda r: rate(r["restore_gbps"]), "s"),
+                ("x memcpy", "restore_vs_memcpy", ".3f"),
+            ], result["host"], width))
         first = result["host"][0]
         print(textwrap.fill(
             "x memcpy: one pinned copy_(non_blocking=True) of the same bytes, device to host for "
@@ -181,6 +227,19 @@ def _print(result: dict[str, Any]) -> None:
         print(textwrap.fill(f"NIXL in {memory} failed: {error}", width))
 
 
+def _print_descriptors(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    nixl = " and NIXL's nixlXferDList" if rows and rows[0]["nixl_dlist"] else ""
+    print(table(
+        f"NIXL descriptors of one transfer ({args.layers} layers, {args.kv_heads} KV heads): "
+        "copies after merging; Nx5 rows prepared once per side; host ms per call (median), per "
+        f"call: plan, Nx3 arrays{nixl} for both sides; prepared: indices", [
+            ("layout", "layout", ""), ("blocks", "blocks", "d"), ("ids", "ids", ""),
+            ("copies", "descriptors", "d"), ("per block", "per_block", ".3g"),
+            ("prepared rows", "prepared_rows", "d"), ("per-call ms", "build_ms", ".2f"),
+            ("prepared ms", "prepared_ms", ".2f"),
+        ], rows, terminal_width()))
+
+
 def _quiet_nixl() -> None:
     """Keep NIXL's and UCX's INFO lines out of the report (a user's own setting wins)."""
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
@@ -188,43 +247,13 @@ def _quiet_nixl() -> None:
     logging.getLogger("nixl").setLevel(logging.WARNING)
 
 
-@contextlib.contextmanager
-def _progress_bar():
-    """A ``progress(total) -> tick`` drawing a rich bar on stderr (none where rich is missing)."""
-    try:
-        from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn)
-    except ImportError:  # NOTE: a bare GPU machine may run kvcore from PYTHONPATH, without rich
-        yield None
-        return
-    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-               TimeElapsedColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        def progress(total: int):
-            task = bar.add_task("kvcore bench transfer", total=total)
-            return lambda: bar.advance(task)
-
-        yield progress
-
-
 def run(args: argparse.Namespace) -> int:
     _quiet_nixl()
     if args.descriptors:
         args = resolve(args)
-        model = {**model_of(args), "head_size": 1}
-        result = descriptor_rows_of(args, lambda layout, n: build_cache(model, layout, n, "cpu"))
-    else:
-        with _progress_bar() as progress:
-            result = collect(args, progress)
-    text = json.dumps(result, indent=2)
-    if args.json_out:
-        with open(args.json_out, "w") as f:
-            f.write(text + "\n")
-    if args.json:
-        sys.stdout.write(text + "\n")
-    elif args.descriptors:
-        print_descriptor_rows(result, model, terminal_width())
-    else:
-        _print(result)
+        emit(args, descriptor_rows(args), lambda rows: _print_descriptors(rows, args))
+        return 0
+    with progress_bar("kvcore bench transfer") as progress:
+        result = collect(args, progress)
+    emit(args, result, _print)
     return 0

@@ -1,17 +1,14 @@
 """NIXL rows of ``kvcore bench transfer``: agent ``a`` writes and reads a peer's blocks.
 
-The peer is a second agent of this process (``--nixl-peer local``) or of a spawned one
-(``process``; on one GPU UCX may then use ``cuda_ipc``). For each layout and memory kind
-(``DRAM``: both caches in host memory; ``VRAM``: both on the GPU; ``VRAM-DRAM``: the peer's
-on the host), ``a`` writes random, never adjacent blocks into the same ids of the peer and
-reads them back, timed from the call to ``wait()`` returning. Beside them, in the same run,
-plain copies of as many bytes: a ``copy_`` on the device (host for DRAM) and pinned
-``copy_(non_blocking=True)`` to and from the host. Each row checks the round trip bit for
-bit and names the transport the agent reports. Each side allocates its cache before its
-agent (so that its CUDA context exists when UCX starts).
+The peer is a second agent of this process (``--nixl-peer local``) or of a
+spawned one (``process``). Per layout and memory kind (``DRAM``, ``VRAM``, or
+``VRAM-DRAM``: the peer's cache on the host), ``a`` writes random, never
+adjacent blocks into the same ids of the peer and reads them back (wall time
+to ``wait()``), beside plain copies of as many bytes in the same run. Each row
+checks the round trip bit for bit and names the agent's transport. Each side
+allocates its cache before its agent, so its CUDA context exists when UCX
+starts.
 """
-
-from __future__ import annotations
 
 import argparse
 import functools
@@ -23,7 +20,7 @@ from typing import Any
 
 import torch
 
-from kvcore._table import Column, render
+from kvcore.bench import table
 from kvcore.bench._timing import Timer
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer import NixlAgent, plan_transfer
@@ -68,7 +65,7 @@ def _serve(conn: Any, make: Callable[[], KVCache], name: str) -> None:
 
 
 class ProcessPeer:
-    """An agent in a spawned process (metadata over a pipe): on one GPU UCX may use ``cuda_ipc``."""
+    """An agent in a spawned process (metadata over a pipe): UCX may use ``cuda_ipc``."""
 
     def __init__(self, name: str, make: Callable[[], KVCache], timeout: float = 120.0) -> None:
         ctx = multiprocessing.get_context("spawn")
@@ -195,26 +192,24 @@ _REF_NAMES = {"copy": "copy_", "d2h_memcpy": "d2h memcpy", "h2d_memcpy": "h2d me
 
 def print_rows(rows: list[dict[str, Any]], width: int) -> None:
     """The NIXL table of ``kvcore bench transfer`` (fits ``width`` columns)."""
-    columns = [Column("memory"), Column("layout"), Column("blocks", right=True),
-               Column("runs", right=True), Column("exact"), Column("transport"),
-               Column("write GB/s", right=True), Column("x ref", right=True),
-               Column("read GB/s", right=True), Column("x ref", right=True)]
     peers = " and ".join(sorted({r["peer"] for r in rows}))
-    title = f"NIXL: agent a writes / reads blocks of a peer in {peers} (wall time to wait())"
-    print(render(columns, [[
-        r["memory"], r["layout"], r["blocks"], r["runs"], "yes" if r["exact"] else "NO",
-        r["transport"], rate(r["nixl_write_gbps"]), f"{r['write_vs_ref']:.3f}",
-        rate(r["nixl_read_gbps"]), f"{r['read_vs_ref']:.3f}",
-    ] for r in rows], title=title, width=width))
-    refs = {}
+    print(table(f"NIXL: agent a writes / reads blocks of a peer in {peers} (wall time to wait())", [
+        ("memory", "memory", ""), ("layout", "layout", ""), ("blocks", "blocks", "d"),
+        ("runs", "runs", "d"), ("exact", lambda r: "yes" if r["exact"] else "NO", ""),
+        ("transport", "transport", ""),
+        ("write GB/s", lambda r: rate(r["nixl_write_gbps"]), "s"),
+        ("x ref", "write_vs_ref", ".3f"),
+        ("read GB/s", lambda r: rate(r["nixl_read_gbps"]), "s"),
+        ("x ref", "read_vs_ref", ".3f"),
+    ], rows, width))
+    refs: dict[tuple[str, str], list[float]] = {}
     for r in rows:
         for key in (r["write_ref"], r["read_ref"]):
             refs.setdefault((r["memory"], key), []).append(r[f"{key}_gbps"])
     speeds = "; ".join(f"{mem} {_REF_NAMES[key]} {', '.join(rate(v) for v in values)}"
                        for (mem, key), values in refs.items())
-    notes = ["x ref: the time of a plain copy of the same bytes over the NIXL time: "
-             "device-to-device (VRAM) or host (DRAM) copy_; for VRAM-DRAM a pinned d2h memcpy "
-             f"(write) and h2d memcpy (read). Reference GB/s: {speeds}.",
-             "transport: inferred by NixlAgent.transport() (see kvcore.transfer.transport)."]
-    for note in notes:
-        print(textwrap.fill(note, width))
+    print(textwrap.fill("x ref: the time of a plain copy of the same bytes over the NIXL time: "
+                        "device-to-device (VRAM) or host (DRAM) copy_; for VRAM-DRAM a pinned d2h "
+                        f"memcpy (write) and h2d memcpy (read). Reference GB/s: {speeds}.", width))
+    print(textwrap.fill("transport: inferred by NixlAgent.transport() (see "
+                        "kvcore.transfer.transport).", width))

@@ -1,15 +1,12 @@
 """``kvcore bench zero``: block zeroer vs a per-layer loop, zero_() and memset (GPU).
 
 For each layout and block count, zeroes random blocks of a model's KV cache
-with: the zeroer (one launch), a per-layer torch loop (``view[ids] = 0``), a
-contiguous ``zero_()`` of the same byte count, and ``cudaMemsetAsync`` of the
-same bytes (the write ceiling). Device times come from CUDA events after an
-L2 flush (median of repeats; the zeroer and memset timed in alternation, one
-block with more repeats); host times are the zeroer's call with a Python
-list of ids until it returns (no sync); wall times include the call and a sync.
+with the zeroer (one launch), a per-layer torch loop (``view[ids] = 0``), a
+contiguous ``zero_()`` and ``cudaMemsetAsync`` of the same bytes (the write
+ceiling). Device times: CUDA events after an L2 flush, medians (zeroer and
+memset in alternation); host times: the zeroer's call with a list of ids until
+it returns; wall times: the call and a sync.
 """
-
-from __future__ import annotations
 
 import argparse
 import sys
@@ -20,16 +17,18 @@ import torch
 
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
-from kvcore.bench import emit
+from kvcore.bench import emit, fmt, table
 from kvcore.bench._timing import Timer, empty_launch, find_memset
-from kvcore.bench.options import zero_arguments as add_arguments
-from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
+from kvcore.bench.options import ARGUMENTS
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.runtime.zeroer import kernel as zero_kernel
 from kvcore.runtime.zeroer import zeroer as zero_module
 from kvcore.specs import FullAttentionSpec
+
+add_arguments = ARGUMENTS["zero"]
 
 
 def _model(args: argparse.Namespace, layout: KVCacheLayout, device: torch.device):
@@ -37,11 +36,8 @@ def _model(args: argparse.Namespace, layout: KVCacheLayout, device: torch.device
     spec = FullAttentionSpec(args.block_size, args.kv_heads, args.head_size, dtype)
     pool = args.pool_blocks or 2 * max(args.blocks)
     layers = [f"layers.{i}.attn" for i in range(args.layers)]
-    layer_stride, block_stride = compute_layout_strides(spec, pool, len(layers), layout)[:2]
-    tensor = KVCacheTensor(pool * len(layers) * spec.page_size_bytes, layers, layer_stride,
-                           block_stride)
-    config = KVCacheConfig(pool, [tensor], [KVCacheGroupSpec(layers, spec)], layout)
-    kv = allocate_kv_cache(config, device)
+    kv = allocate_kv_cache(plan_kv_cache(dict.fromkeys(layers, spec), layout, num_blocks=pool),
+                           device)
     zeroer = KVBlockZeroer.from_views(device, {name: (kv[name], 1) for name in layers}, pool)
     zeroer.warmup(1)
     raw = torch.empty(0, dtype=torch.uint8, device=device).set_(kv[layers[0]].untyped_storage())
@@ -101,7 +97,6 @@ def collect(args: argparse.Namespace, device: torch.device | str) -> dict[str, A
 
 
 def _derive(row: dict[str, Any]) -> dict[str, Any]:
-    """Add GB/s and the ratios of one row."""
     for name in ("zeroer", "zero", "memset"):
         row[f"{name}_gbps"] = _ratio(row["bytes"] / 1e3, row[f"{name}_us"])
     row["speedup_vs_loop"] = row["loop_us"] / row["zeroer_us"]
@@ -116,7 +111,7 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
-    """The H200 targets, each with the worst measured value over the rows it covers."""
+    """The H200 targets, each with the worst value of the rows it covers."""
     rows = result["rows"]
     small = [r for r in rows if r["blocks"] <= 64]
     large = [r for r in rows if r["blocks"] >= 512]
@@ -146,44 +141,34 @@ def targets(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _fmt(v: float | None, spec: str = ".1f") -> str:
-    return "-" if v is None else format(v, spec)
-
-
 def _print_table(result: dict[str, Any]) -> None:
     width = terminal_width()
-
-    def table(title: str, headers: tuple[str, ...], cells: Any) -> None:
-        columns = [Column("layout")] + [Column(h, right=True) for h in headers]
-        rows = [[r["layout"], str(r["blocks"]), *cells(r)] for r in result["rows"]]
-        print(render(columns, rows, title=title, width=width))
-
-    table(f"KV block zeroing on {result['device']}: time per call (empty Triton launch "
-          f"{_fmt(result['empty_launch_us'], '.2f')} us)",
-          ("blocks", "size", "zeroer us", "host us", "wall us", "loop us", "x loop", "x loop wall"),
-          lambda r: [format_bytes(r["bytes"]), _fmt(r["zeroer_us"], ".2f"),
-                     _fmt(r.get("zeroer_host_us"), ".2f"), _fmt(r["zeroer_wall_us"], ".2f"),
-                     _fmt(r["loop_us"]), _fmt(r["speedup_vs_loop"]),
-                     _fmt(r["speedup_vs_loop_wall"])])
+    rows = result["rows"]
+    head = [("layout", "layout", ""), ("blocks", "blocks", "d")]
+    print(table(f"KV block zeroing on {result['device']}: time per call (empty Triton launch "
+                f"{fmt(result['empty_launch_us'], '.2f')} us)", [
+        *head, ("size", lambda r: format_bytes(r["bytes"]), "s"),
+        ("zeroer us", "zeroer_us", ".2f"), ("host us", "zeroer_host_us", ".2f"),
+        ("wall us", "zeroer_wall_us", ".2f"), ("loop us", "loop_us", ".1f"),
+        ("x loop", "speedup_vs_loop", ".1f"), ("x loop wall", "speedup_vs_loop_wall", ".1f"),
+    ], rows, width))
     print(textwrap.fill(
         "zeroer: device time of one launch on device ids (CUDA events); host: the zeroer call "
         "with a list of ids until it returns (no sync); wall: that call and a sync; loop: device "
         "time of view[ids] = 0 per layer; x loop: loop time / zeroer time (device; wall)", width))
     print()
-    table("bandwidth (device time; list: the call with a host list of ids)",
-          ("blocks", "zeroer GB/s", "zero_() GB/s", "memset GB/s", "x zero_() bw", "x memset bw",
-           "list x memset"),
-          lambda r: [_fmt(r["zeroer_gbps"], ".0f"), _fmt(r["zero_gbps"], ".0f"),
-                     _fmt(r["memset_gbps"], ".0f"), _fmt(r["bw_vs_zero"], ".2f"),
-                     _fmt(r["bw_vs_memset"], ".2f"),
-                     _fmt(_ratio(r["memset_us"], r["zeroer_list_us"]), ".2f")])
+    print(table("bandwidth (device time; list: the call with a host list of ids)", [
+        *head, ("zeroer GB/s", "zeroer_gbps", ".0f"), ("zero_() GB/s", "zero_gbps", ".0f"),
+        ("memset GB/s", "memset_gbps", ".0f"), ("x zero_() bw", "bw_vs_zero", ".2f"),
+        ("x memset bw", "bw_vs_memset", ".2f"),
+        ("list x memset", lambda r: _ratio(r["memset_us"], r["zeroer_list_us"]), ".2f"),
+    ], rows, width))
     print()
-    checks = [Column("target", wrap=True), Column("bound"), Column("measured", right=True),
-              Column("met")]
     met = {True: "yes", False: "NO", None: "-"}
-    rows = [[t["target"], t["bound"], _fmt(t["worst"], ".2f"), met[t["met"]]]
-            for t in result["targets"]]
-    print(render(checks, rows, title="targets (worst row)", width=width))
+    print(render([Column("target", wrap=True), Column("bound"), Column("measured", right=True),
+                  Column("met")],
+                 [[t["target"], t["bound"], fmt(t["worst"], ".2f"), met[t["met"]]]
+                  for t in result["targets"]], title="targets (worst row)", width=width))
     if result["memset"] is None:
         print("memset column skipped: no cudaMemsetAsync / cuMemsetD8Async found")
 
