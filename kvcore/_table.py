@@ -1,9 +1,5 @@
-"""Plain-text tables for the command line that never cut a value.
-
-Too wide for the terminal (80 columns when piped), headers wrap between words
-first, then cells of wrappable columns; a word is never broken, and a table
-that still does not fit is printed wider rather than cut.
-"""
+"""Plain-text tables that never cut a value: too wide for the terminal, headers wrap between
+words first, then cells of wrappable columns; a table that still does not fit is printed wider."""
 
 from __future__ import annotations
 
@@ -29,7 +25,7 @@ def terminal_width() -> int:
 
 
 def _longest_word(text: str) -> int:
-    return max((len(w) for w in text.split()), default=0)
+    return max(map(len, text.split()), default=0)
 
 
 def _wrap(text: str, width: int) -> list[str]:
