@@ -11,17 +11,8 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore.specs import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    MultipleOf,
-    SlidingWindowSpec,
-)
+from kvcore import specs
+from kvcore.specs import KVCacheSpec, MambaSpec, MultipleOf
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,12 +23,12 @@ else:  # pragma: no cover
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 NO_CACHE = "-"
 _KINDS: dict[str, type[KVCacheSpec]] = {
-    "full": FullAttentionSpec,
-    "sliding": SlidingWindowSpec,
-    "chunked": ChunkedLocalAttentionSpec,
-    "mla": MLAAttentionSpec,
-    "cross": CrossAttentionSpec,
-    "encoder_only": EncoderOnlyAttentionSpec,
+    "full": specs.FullAttentionSpec,
+    "sliding": specs.SlidingWindowSpec,
+    "chunked": specs.ChunkedLocalAttentionSpec,
+    "mla": specs.MLAAttentionSpec,
+    "cross": specs.CrossAttentionSpec,
+    "encoder_only": specs.EncoderOnlyAttentionSpec,
     "mamba": MambaSpec,
 }
 MAX_LAYERS = 10_000  # NOTE: real models have a few hundred; more is a typo
@@ -172,16 +163,16 @@ def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[
         raise ValueError(f"pattern names unknown types {bad}; defined: {', '.join(types)}")
     template = data.get("layer_name", "model.layers.{index}.{module}")
     layer_types = [pattern[index % len(pattern)] for index in range(num_layers)]
-    specs = {}
+    by_type = {}
     for name, table in types.items():
         if block_size is not None and isinstance(table, dict):
             table = {**table, "block_size": block_size}
         used = [index for index, t in enumerate(layer_types) if t == name]  # so errors name a layer
-        specs[name] = _spec(name, table, data.get("block_size", 16), used)
+        by_type[name] = _spec(name, table, data.get("block_size", 16), used)
     out: dict[str, KVCacheSpec] = {}
     for index, type_name in enumerate(layer_types):
         if type_name != NO_CACHE:
-            spec, module = specs[type_name]
+            spec, module = by_type[type_name]
             out[_layer_name(template, index, module)] = spec
     if len(out) != sum(t != NO_CACHE for t in layer_types):
         raise ValueError(f"layer_name {template!r} gives two layers one name; include {{index}}")
@@ -222,7 +213,7 @@ def load_model_file(model: str | Path, *, block_size: int | None = None) -> Mode
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
     try:
-        specs = parse_model(data, block_size=block_size)
+        layer_specs = parse_model(data, block_size=block_size)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
-    return ModelDescription(str(data.get("name", path.stem)), str(path), specs)
+    return ModelDescription(str(data.get("name", path.stem)), str(path), layer_specs)
