@@ -1,5 +1,6 @@
 """Plain-text tables that never cut a value: too wide for the terminal, headers wrap between
-words first, then cells of wrappable columns; a table that still does not fit is printed wider."""
+words first, then cells of wrappable columns; a table that still does not fit is printed wider.
+Also index lists as ranges (``format_ranges``)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,17 @@ class Column(NamedTuple):
 def terminal_width() -> int:
     """Columns of the terminal; 80 when output is piped (``COLUMNS`` overrides both)."""
     return shutil.get_terminal_size((80, 24)).columns
+
+
+def format_ranges(indices: list[int]) -> str:
+    """Sorted ``indices`` as ranges: ``[0, 1, 2, 5]`` is ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _longest_word(text: str) -> int:

@@ -15,7 +15,7 @@ from typing import Any
 
 import attrs
 
-from kvcore._table import Column, render, terminal_width
+from kvcore._table import Column, format_ranges, render, terminal_width
 from kvcore._units import format_bytes, format_bytes_exact
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.plan_groups import group_layers, is_encoder_only
@@ -102,17 +102,6 @@ def _warnings(model: ModelDescription, groups: list[dict[str, Any]]) -> list[str
     return out
 
 
-def _ranges(indices: list[int]) -> str:
-    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
-
-
 def _window_notes(groups: list[dict[str, Any]]) -> list[str]:
     """What each sliding window or attention chunk means for capacity (one note per kind)."""
     by_window: dict[tuple[str, int, int], list[int]] = {}
@@ -124,7 +113,7 @@ def _window_notes(groups: list[dict[str, Any]]) -> list[str]:
                     by_window.setdefault((key, g[key], g["block_size"]), []).append(g["id"])
     notes = []
     for (key, tokens, block_size), ids in by_window.items():
-        where = f"group{'s' * (len(ids) > 1)} {_ranges(ids)}"
+        where = f"group{'s' * (len(ids) > 1)} {format_ranges(ids)}"
         if key == "sliding_window":
             blocks = -(-(tokens - 1) // block_size) + 1  # blocks holding the last `tokens` at most
             notes.append(
@@ -174,7 +163,7 @@ def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
 def span(layers: list[str]) -> str:
     """Layer indices as ranges (``0-4, 6-10``), or the first and last name."""
     try:
-        return _ranges([extract_layer_index(name) for name in layers])
+        return format_ranges([extract_layer_index(name) for name in layers])
     except ValueError:
         return layers[0] if len(layers) == 1 else f"{layers[0]} to {layers[-1]}"
 

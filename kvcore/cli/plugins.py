@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import textwrap
@@ -50,15 +51,11 @@ def run(args: argparse.Namespace) -> int:
 def _requirements(pm, answers: HookAnswers) -> dict[str, object]:
     """Backend name -> the KernelRequirements it declared to the health check."""
     out: dict[str, object] = {}
-    try:
-        table = collect_backends(pm).unambiguous()
-    except PluginError:
-        return out
-    for name, (backend, _) in table.items():
-        try:
-            out[name] = answers.requirements(backend, health.REPRESENTATIVE_SPEC)
-        except PluginError:
-            continue  # NOTE: check_plugins already marked the plugin unhealthy
+    # NOTE: a PluginError here is already in the records (check_plugins marked the plugin).
+    with contextlib.suppress(PluginError):
+        for name, (backend, _) in collect_backends(pm).unambiguous().items():
+            with contextlib.suppress(PluginError):
+                out[name] = answers.requirements(backend, health.REPRESENTATIVE_SPEC)
     return out
 
 
