@@ -1,9 +1,6 @@
-"""Tensor parallelism (SPEC §8): shard KV heads across ranks, agree on one block count and layout.
-
-Every rank plans the same blocks in the same layout, so one scheduler block table is valid on all
-of them. Only ``torch.distributed`` communicates; without an initialized process group both
-agreements are local.
-"""
+"""Tensor parallelism (SPEC §8): shard KV heads across ranks, and agree on one block count and
+layout so one scheduler block table is valid on every rank (through ``torch.distributed``; local
+without an initialized process group)."""
 
 from __future__ import annotations
 
@@ -157,12 +154,9 @@ def agree_layout(
     group: Any = None,
     requested: KVCacheLayout | str | None = None,
 ) -> KVCacheLayout:
-    """One KV cache layout for every rank in ``group``.
-
-    ``supported``: this rank's acceptable layouts, most preferred first (None: any). All ranks'
-    lists are all-gathered and resolved once with ``resolve_kv_cache_layout``; when they cannot
-    agree every rank raises the same ``ValueError`` naming each rank's list.
-    """
+    """One KV cache layout for every rank in ``group``, from every rank's ``supported`` list (most
+    preferred first; None: any), all-gathered and resolved once; when they cannot agree every rank
+    raises the same ``ValueError`` naming each rank's list."""
     specs = tuple(specs)
     if not _initialized():
         return resolve_kv_cache_layout([_layout_names(supported)], specs, requested)
