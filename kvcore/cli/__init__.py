@@ -25,37 +25,30 @@ from kvcore.bench.options import ARGUMENTS, LAYOUT_NAMES, layout_arg, positive_i
 # NOTE: where kvcore.model_files keeps the presets (a test checks they agree); that
 # module imports torch, so it is imported only when a command runs.
 _PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
-#: Command name -> (its one-line help, its description).
+#: Command name -> its one-line help.
 _COMMANDS = {
-    "plan": (
-        "plan a model's KV cache for a memory budget",
-        "Plan the KV cache of a model described in TOML (a file, or a preset: see 'kvcore "
-        "models') and show its groups, tensors, bytes per block, block count and capacity. "
-        f"Sizes: {SIZE_UNITS_HELP}.",
-    ),
-    "models": (
-        "list the model presets that kvcore plan knows",
-        f"List the model presets (TOML files in {_PRESET_DIR}) that 'kvcore plan NAME' takes by "
-        "name: their layers and layer kinds. Any other model is a TOML file in the same format "
-        "(see docs/model-files.md).",
-    ),
-    "plugins": (
-        "list and health-check installed kvcore plugins",
-        "List every kvcore plugin (entry points in group kvcore.plugins) with its status, hooks "
-        "and backends; ask every backend's hooks once about a representative full-attention "
-        "spec and show the kernel block sizes and layouts it declares. Exits 1 when a plugin "
-        "failed, conflicts with another or answers a hook badly.",
-    ),
-    "bench": (
-        "run a micro-benchmark",
-        "kvcore bench: run one micro-benchmark (kvcore bench zero, kvcore bench plan, ...).",
-    ),
-    "completion": (
-        "print a shell completion script (bash, zsh, tcsh)",
-        "The script is generated from kvcore's own parser by shtab, so it knows every command,\n"
-        "benchmark and option. Install it once, e.g. for bash (or zsh, into ~/.zfunc/_kvcore):\n\n"
-        "    kvcore completion bash > ~/.local/share/bash-completion/completions/kvcore",
-    ),
+    "plan": "plan a model's KV cache for a memory budget",
+    "models": "list the model presets that kvcore plan knows",
+    "plugins": "list and health-check installed kvcore plugins",
+    "bench": "run a micro-benchmark",
+    "completion": "print a shell completion script (bash, zsh, tcsh)",
+}
+_DESCRIPTIONS = {
+    "plan": "Plan the KV cache of a model described in TOML (a file, or a preset: see 'kvcore "
+    "models') and show its groups, tensors, bytes per block, block count and capacity. "
+    f"Sizes: {SIZE_UNITS_HELP}.",
+    "models": f"List the model presets (TOML files in {_PRESET_DIR}) that 'kvcore plan NAME' "
+    "takes by name: their layers and layer kinds. Any other model is a TOML file in the same "
+    "format (see docs/model-files.md).",
+    "plugins": "List every kvcore plugin (entry points in group kvcore.plugins) with its status, "
+    "hooks and backends; ask every backend's hooks once about a representative full-attention "
+    "spec and show the kernel block sizes and layouts it declares. Exits 1 when a plugin "
+    "failed, conflicts with another or answers a hook badly.",
+    "bench": "kvcore bench: run one micro-benchmark (kvcore bench zero, kvcore bench plan, ...).",
+    "completion": "The script is generated from kvcore's own parser by shtab, so it knows every "
+    "command,\nbenchmark and option. Install it once, e.g. for bash (or zsh, into "
+    "~/.zfunc/_kvcore):\n\n"
+    "    kvcore completion bash > ~/.local/share/bash-completion/completions/kvcore",
 }
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
 _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
@@ -101,8 +94,8 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, func, **kwargs) -> argparse.ArgumentParser:
-        help, description = _COMMANDS[name]
-        parser = sub.add_parser(name, help=help, description=description, **kwargs)
+        parser = sub.add_parser(name, help=_COMMANDS[name], description=_DESCRIPTIONS[name],
+                                **kwargs)
         parser.set_defaults(func=func)
         return parser
 

@@ -14,8 +14,8 @@ import attrs
 
 from kvcore._table import terminal_width
 from kvcore.errors import PluginError, PluginWarning
-from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins import health
+from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.manager import PluginInfo, collect_backends
 from kvcore.plugins.registry import PluginSettings, build_plugin_manager
 
