@@ -1,8 +1,7 @@
 """kvcore: a standalone KV-cache memory core for LLM inference engines.
 
-Every public name is importable from here and loads on first use (PEP 562), so
-``import kvcore`` alone does not import torch. ``_EXPORTS`` is the one list of
-public names, by defining module in pipeline order; add a new public name there.
+Public names load on first use (PEP 562), so ``import kvcore`` alone does not import torch;
+``_EXPORTS`` lists them by defining module, in pipeline order.
 """
 
 from __future__ import annotations

@@ -1,9 +1,6 @@
-"""Plain-text tables for the command line that never cut a value.
-
-Too wide for the terminal (80 columns when piped), headers wrap between words
-first, then cells of wrappable columns; a word is never broken, and a table
-that still does not fit is printed wider rather than cut.
-"""
+"""Plain-text tables that never cut a value: too wide for the terminal, headers wrap between
+words first, then cells of wrappable columns; a table that still does not fit is printed wider.
+Also index lists as ranges (``format_ranges``)."""
 
 from __future__ import annotations
 
@@ -28,8 +25,19 @@ def terminal_width() -> int:
     return shutil.get_terminal_size((80, 24)).columns
 
 
+def format_ranges(indices: list[int]) -> str:
+    """Sorted ``indices`` as ranges: ``[0, 1, 2, 5]`` is ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for i in indices:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
 def _longest_word(text: str) -> int:
-    return max((len(w) for w in text.split()), default=0)
+    return max(map(len, text.split()), default=0)
 
 
 def _wrap(text: str, width: int) -> list[str]:

@@ -23,12 +23,8 @@ _BINARY = (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10
 
 
 def parse_size(text: str) -> int:
-    """Bytes in ``text``: ``40GiB``, ``512MB``, ``1.5G`` or a plain byte count.
-
-    A fraction of a byte is dropped (``1.3G`` is 1,395,864,371 bytes). Raises
-    ``ValueError`` naming the text for anything else and for a size below one
-    byte (negative, zero, ``0.5B``).
-    """
+    """Bytes in ``text`` (``40GiB``, ``512MB``, ``1.5G``, a byte count), a fraction of a byte
+    dropped; ``ValueError`` naming the text for anything else or below one byte."""
     match = _SIZE.match(text) if isinstance(text, str) else None
     unit = match.group(3).upper() if match else None
     if not match or unit not in _UNITS:
@@ -43,16 +39,11 @@ def parse_size(text: str) -> int:
 
 
 def format_bytes(n: int) -> str:
-    """``n`` bytes in the largest binary unit that keeps it at least 1 (``1.25 MiB``).
-
-    Two decimals at most, trailing zeros dropped (``40 GiB``, ``560 KiB``);
-    below 1 KiB the count itself (``512 B``). Never ``102400.00 GiB``: TiB is
-    the largest unit.
-    """
+    """``n`` bytes in the largest binary unit up to TiB that keeps it at least 1, two decimals at
+    most, trailing zeros dropped (``1.25 MiB``, ``40 GiB``, ``512 B``)."""
     for unit, scale in _BINARY:
         if abs(n) >= scale:
-            text = f"{n / scale:,.2f}".rstrip("0").rstrip(".")
-            return f"{text} {unit}"
+            return f"{n / scale:,.2f}".rstrip("0").rstrip(".") + f" {unit}"
     return f"{n:,} B"
 
 

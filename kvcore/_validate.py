@@ -1,10 +1,12 @@
-"""Argument checks shared by kvcore's public functions: ``TypeError`` for a wrong type,
-``ValueError`` for a value out of range, each naming the argument and the value."""
+"""Argument checks: ``TypeError`` for a wrong type, ``ValueError`` for a value out of range,
+each naming the argument and the value."""
 
 from __future__ import annotations
 
 import operator
 from typing import Any
+
+import attrs
 
 
 def as_int(name: str, value: Any) -> int:
@@ -42,6 +44,4 @@ def attrs_non_negative(inst: Any, attribute: Any, value: Any) -> None:
     non_negative_int(f"{type(inst).__name__}.{attribute.name}", value)
 
 
-def attrs_optional_positive(inst: Any, attribute: Any, value: Any) -> None:
-    if value is not None:
-        attrs_positive(inst, attribute, value)
+attrs_optional_positive = attrs.validators.optional(attrs_positive)

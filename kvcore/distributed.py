@@ -1,13 +1,10 @@
-"""Tensor parallelism (SPEC §8): shard KV heads across ranks, agree on one block count and layout.
-
-Every rank plans the same blocks in the same layout, so one scheduler block
-table is valid on all of them. Communication goes through ``torch.distributed``
-only; without an initialized process group both agreements are local.
-"""
+"""Tensor parallelism (SPEC §8): shard KV heads across ranks, and agree on one block count and
+layout so one scheduler block table is valid on every rank (through ``torch.distributed``; local
+without an initialized process group)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import attrs
@@ -46,11 +43,8 @@ def _per_rank(count: int, tp_size: int, what: str) -> int:
 
 
 def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
-    """The global KV head indices rank ``tp_rank`` of ``tp_size`` holds.
-
-    A contiguous slice of ``num_kv_heads // tp_size`` heads, or, with fewer
-    heads than ranks, the one head its query heads read (heads replicated).
-    """
+    """The global KV head indices rank ``tp_rank`` of ``tp_size`` holds: a contiguous slice, or,
+    with fewer heads than ranks, the one head its query heads read (heads replicated)."""
     tp_rank, tp_size = _check_rank(tp_rank, tp_size)
     num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
     per_rank = _per_rank(num_kv_heads, tp_size, "num_kv_heads")
@@ -60,7 +54,23 @@ def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
     return range(first, first + 1)
 
 
-def _shard_attention(spec: AttentionSpec, tp_size: int) -> AttentionSpec:
+def shard_spec(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> KVCacheSpec:
+    """The spec rank ``tp_rank`` of a ``tp_size``-way tensor-parallel group stores.
+
+    Attention specs split ``num_kv_heads`` (and ``num_head_slots``) evenly, or keep 1 per rank
+    with fewer heads than ranks (``kv_head_range``); MLA (one latent cache shared by all heads),
+    state caches and other specs stay whole; ``UniformTypeKVCacheSpecs`` shard each layer.
+    """
+    tp_rank, tp_size = _check_rank(tp_rank, tp_size)
+    if not isinstance(spec, KVCacheSpec):
+        raise TypeError(f"shard_spec needs a KVCacheSpec, got {spec!r}")
+    if isinstance(spec, UniformTypeKVCacheSpecs) and tp_size > 1:
+        return UniformTypeKVCacheSpecs(
+            spec.block_size,
+            {n: shard_spec(s, tp_rank, tp_size) for n, s in spec.kv_cache_specs.items()},
+        )
+    if tp_size == 1 or isinstance(spec, MLAAttentionSpec) or not isinstance(spec, AttentionSpec):
+        return spec
     heads = _per_rank(spec.num_kv_heads, tp_size, "num_kv_heads")
     slots = spec.num_head_slots
     if slots is not None:
@@ -69,37 +79,10 @@ def _shard_attention(spec: AttentionSpec, tp_size: int) -> AttentionSpec:
     if padded is not None:
         # NOTE: scaled by the factor the real page shrinks by when exact, else dropped
         # (the planner re-pads when it unifies this rank's pages).
-        new_real = (
-            (heads if slots is None else slots) * spec.num_states * spec.state_content_size_bytes
-        )
-        scaled, rest = divmod(padded * new_real, spec.real_page_size_bytes)
+        real = (heads if slots is None else slots) * spec.num_states * spec.state_content_size_bytes
+        scaled, rest = divmod(padded * real, spec.real_page_size_bytes)
         padded = scaled if rest == 0 else None
     return attrs.evolve(spec, num_kv_heads=heads, num_head_slots=slots, page_size_padded=padded)
-
-
-def shard_spec(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> KVCacheSpec:
-    """The spec rank ``tp_rank`` of a ``tp_size``-way tensor-parallel group stores.
-
-    Attention specs split ``num_kv_heads`` (and ``num_head_slots``) evenly, or
-    keep 1 per rank when there are fewer heads than ranks (``kv_head_range``);
-    a count that neither divides nor is divided by ``tp_size`` is a
-    ``ValueError``. MLA (one latent cache shared by all heads), state caches
-    and other specs are returned as given; ``UniformTypeKVCacheSpecs`` shard
-    each layer.
-    """
-    tp_rank, tp_size = _check_rank(tp_rank, tp_size)
-    if not isinstance(spec, KVCacheSpec):
-        raise TypeError(f"shard_spec needs a KVCacheSpec, got {spec!r}")
-    if tp_size == 1 or isinstance(spec, MLAAttentionSpec):
-        return spec
-    if isinstance(spec, AttentionSpec):
-        return _shard_attention(spec, tp_size)
-    if isinstance(spec, UniformTypeKVCacheSpecs):
-        return UniformTypeKVCacheSpecs(
-            spec.block_size,
-            {n: shard_spec(s, tp_rank, tp_size) for n, s in spec.kv_cache_specs.items()},
-        )
-    return spec
 
 
 def _initialized() -> bool:
@@ -139,7 +122,7 @@ def agree_num_blocks(num_blocks: int, group: Any = None) -> int:
     return agreed
 
 
-def _parse_local(supported: Iterable[KVCacheLayout | str] | None) -> list[KVCacheLayout] | None:
+def _layout_names(supported: Iterable[KVCacheLayout | str] | None) -> list[str] | None:
     if supported is None:
         return None
     if isinstance(supported, (str, KVCacheLayout)):
@@ -147,23 +130,22 @@ def _parse_local(supported: Iterable[KVCacheLayout | str] | None) -> list[KVCach
             f"supported must be a list of layouts, got the single value {supported!r}; "
             "wrap it in a list"
         )
-    layouts = [KVCacheLayout.parse(item) for item in supported]
-    if not layouts:
+    names = [KVCacheLayout.parse(item).name for item in supported]
+    if not names:
         raise ValueError("supported is empty; list at least one KVCacheLayout this rank accepts")
-    return layouts
+    return names
 
 
-def _gather(obj: Any, group: Any) -> list[Any]:
+def _gather_attempt(function: Callable[[], Any], group: Any) -> list[tuple[Any, str | None]]:
+    """Every rank's ``(function(), None)``, or ``(None, its error)``: a failure travels through
+    the gather too, so every rank raises instead of some waiting in a collective forever."""
+    try:
+        local = function(), None
+    except (TypeError, ValueError) as err:
+        local = None, f"{type(err).__name__}: {err}"
     out: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(out, obj, group=group)
+    dist.all_gather_object(out, local, group=group)
     return out
-
-
-def _describe(lists: Sequence[Sequence[str] | None]) -> str:
-    return "; ".join(
-        f"rank {r} supports " + ("any layout" if names is None else f"[{', '.join(names)}]")
-        for r, names in enumerate(lists)
-    )
 
 
 def agree_layout(
@@ -172,39 +154,29 @@ def agree_layout(
     group: Any = None,
     requested: KVCacheLayout | str | None = None,
 ) -> KVCacheLayout:
-    """One KV cache layout for every rank in ``group``.
-
-    ``supported``: this rank's acceptable layouts, most preferred first (None:
-    any). All ranks' lists are all-gathered and resolved once with
-    ``resolve_kv_cache_layout``; when they cannot agree every rank raises the
-    same ``ValueError`` naming each rank's list.
-    """
+    """One KV cache layout for every rank in ``group``, from every rank's ``supported`` list (most
+    preferred first; None: any), all-gathered and resolved once; when they cannot agree every rank
+    raises the same ``ValueError`` naming each rank's list."""
     specs = tuple(specs)
     if not _initialized():
-        return resolve_kv_cache_layout([_parse_local(supported)], specs, requested)
-    # NOTE: local failures travel through the gathers too, so every rank
-    # raises instead of some ranks waiting in a collective forever.
-    try:
-        local = _parse_local(supported)
-        names, local_error = (None if local is None else [x.name for x in local]), None
-    except (TypeError, ValueError) as err:
-        names, local_error = None, f"{type(err).__name__}: {err}"
-    gathered = _gather((names, local_error), group)
-    lists = [g[0] for g in gathered]
-    bad = [f"rank {r}: {g[1]}" for r, g in enumerate(gathered) if g[1] is not None]
+        return resolve_kv_cache_layout([_layout_names(supported)], specs, requested)
+    gathered = _gather_attempt(lambda: _layout_names(supported), group)
+    bad = [f"rank {r}: {error}" for r, (_, error) in enumerate(gathered) if error is not None]
     if bad:
         raise ValueError("invalid supported layouts on " + "; ".join(bad))
-    per_rank = [None if names is None else [KVCacheLayout[n] for n in names] for names in lists]
-    try:
-        choice, error = resolve_kv_cache_layout(per_rank, specs, requested).name, None
-    except (TypeError, ValueError) as err:
-        choice, error = None, str(err)
-    outcomes = _gather((choice, error), group)
+    lists = [names for names, _ in gathered]
+    described = "; ".join(
+        f"rank {r} supports " + ("any layout" if names is None else f"[{', '.join(names)}]")
+        for r, names in enumerate(lists)
+    )
+    outcomes = _gather_attempt(
+        lambda: resolve_kv_cache_layout(lists, specs, requested).name, group
+    )
     errors = list(dict.fromkeys(e.rstrip(".") for _, e in outcomes if e is not None))
     if errors:
         failed = [r for r, (_, e) in enumerate(outcomes) if e is not None]
         raise ValueError(
-            f"ranks could not agree on a KV cache layout: {_describe(lists)}. "
+            f"ranks could not agree on a KV cache layout: {described}. "
             f"Ranks {failed} could not resolve: {' | '.join(errors)}. Give every rank "
             "backends that share a layout, or request one layout every rank supports"
         )
@@ -212,7 +184,7 @@ def agree_layout(
     if len(choices) != 1:
         picked = ", ".join(f"rank {r} -> {c}" for r, (c, _) in enumerate(outcomes))
         raise ValueError(
-            f"ranks resolved different KV cache layouts ({picked}) from {_describe(lists)}; "
+            f"ranks resolved different KV cache layouts ({picked}) from {described}; "
             "give every rank the same specs and the same requested layout "
             "(argument or KVCORE_KV_CACHE_LAYOUT)"
         )

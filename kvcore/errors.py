@@ -8,13 +8,11 @@ class KVCoreError(ValueError):
 
 
 class PluginError(KVCoreError):
-    """A plugin failed to import, raised in a hook or returned a wrong type (named with its
-    entry point, distribution, version and hook)."""
+    """A plugin failed to import, raised in a hook or returned a wrong type (named)."""
 
 
 class KernelRequirementError(KVCoreError):
-    """A kernel view of a plan breaks a rule its backend declared (``KernelRequirements``);
-    raised before anything is allocated, naming backend, layer, rule, value and a remedy."""
+    """A kernel view of a plan breaks a rule its backend declared (``KernelRequirements``)."""
 
 
 class PluginWarning(UserWarning):
@@ -25,8 +23,7 @@ class OutOfBlocksError(KVCoreError):
     """A block pool cannot satisfy an allocation; nothing was allocated."""
 
     def __init__(self, requested: int, free: int) -> None:
-        self.requested = requested
-        self.free = free
+        self.requested, self.free = requested, free
         super().__init__(
             f"cannot allocate {requested} KV cache blocks: only {free} are free. Free finished "
             "sequences' blocks, lower the batch size, or plan the cache with more memory."

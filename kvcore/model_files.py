@@ -1,41 +1,5 @@
-"""Model descriptions in TOML: the layers of a model and the spec of each.
-
-A description names its layer types once and repeats a pattern of them over
-the layers::
-
-    name = "Gemma 3 27B"           # shown by `kvcore plan`
-    num_layers = 62
-    block_size = 16                # default for every type
-    pattern = ["local", "local", "local", "local", "local", "global"]
-    layer_name = "model.layers.{index}.{module}"   # the default
-
-    [types.local]
-    kind = "sliding"               # full | sliding | chunked | mla | cross | encoder_only | mamba
-    num_kv_heads = 16
-    head_size = 128
-    dtype = "bfloat16"
-    sliding_window = 1024
-
-    [types.global]
-    kind = "full"
-    num_kv_heads = 16
-    head_size = 128
-    dtype = "bfloat16"
-
-``pattern`` repeats until ``num_layers`` layers are named (it may be omitted
-when there is one type); the entry ``"-"`` is a layer without a cache (an
-MLP-only layer, say), which keeps its index but gets no spec. Every other key
-of a type is a field of its spec class (``head_size_v``, ``page_size_padded``,
-``tokens_per_state`` as an int or a ``"1/2"`` string, ``block_size``,
-``block_stride_alignment`` as an int, ``shapes``/``dtypes`` for ``mamba``), plus
-``module``, the last part of the layer name (``self_attn``, or ``mixer`` for
-``mamba``); windows belong to ``sliding`` and ``chunked`` types only. Presets
-ship with the package in ``kvcore/presets/`` and load by file stem (``kvcore
-models`` lists them).
-
-Errors name the file, the type table and a layer that uses it, and list only
-the keys that the type's kind takes.
-"""
+"""Model descriptions in TOML for ``kvcore plan``: layer types, and a pattern of them repeated
+over the layers (the format: docs/model-files.md). Presets ship in ``kvcore/presets/``."""
 
 from __future__ import annotations
 
@@ -47,17 +11,8 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore.specs import (
-    ChunkedLocalAttentionSpec,
-    CrossAttentionSpec,
-    EncoderOnlyAttentionSpec,
-    FullAttentionSpec,
-    KVCacheSpec,
-    MambaSpec,
-    MLAAttentionSpec,
-    MultipleOf,
-    SlidingWindowSpec,
-)
+from kvcore import specs
+from kvcore.specs import KVCacheSpec, MambaSpec, MultipleOf
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -68,18 +23,16 @@ else:  # pragma: no cover
 PRESET_DIR = Path(__file__).resolve().parent / "presets"
 NO_CACHE = "-"
 _KINDS: dict[str, type[KVCacheSpec]] = {
-    "full": FullAttentionSpec,
-    "sliding": SlidingWindowSpec,
-    "chunked": ChunkedLocalAttentionSpec,
-    "mla": MLAAttentionSpec,
-    "cross": CrossAttentionSpec,
-    "encoder_only": EncoderOnlyAttentionSpec,
+    "full": specs.FullAttentionSpec,
+    "sliding": specs.SlidingWindowSpec,
+    "chunked": specs.ChunkedLocalAttentionSpec,
+    "mla": specs.MLAAttentionSpec,
+    "cross": specs.CrossAttentionSpec,
+    "encoder_only": specs.EncoderOnlyAttentionSpec,
     "mamba": MambaSpec,
 }
-#: Most layers a description may name (real models have a few hundred; more is a typo).
-MAX_LAYERS = 10_000
-#: Largest page (one block of one layer) a description may give: 1 TiB (more is a typo).
-MAX_PAGE_BYTES = 1 << 40
+MAX_LAYERS = 10_000  # NOTE: real models have a few hundred; more is a typo
+MAX_PAGE_BYTES = 1 << 40  # one block of one layer: 1 TiB (more is a typo)
 _TOP_KEYS = {"name", "description", "num_layers", "block_size", "pattern", "layer_name", "types"}
 _OWN_KEYS = {"kind", "module", "block_size"}
 # NOTE: a full-attention spec's window fields record merged layers (a file says kind =
@@ -90,7 +43,6 @@ _HINTS = {
     "sliding_window": "for sliding-window layers use kind = 'sliding'",
     "attention_chunk_size": "for chunked local attention use kind = 'chunked'",
 }
-# What each required key means, for the message when one is missing.
 _REQUIRED = {
     "num_kv_heads": "KV heads per layer, an integer",
     "head_size": "values per head, an integer",
@@ -112,18 +64,14 @@ class ModelDescription:
 
 
 def preset_names() -> list[str]:
-    """Names of the model presets in ``kvcore/presets``."""
     return sorted(p.stem for p in PRESET_DIR.glob("*.toml"))
 
 
 def find_model(model: str | Path) -> Path:
     """The TOML file of ``model``: a path, or a preset name such as ``llama-3-8b``."""
-    path = Path(model)
-    if path.is_file():
-        return path
-    preset = PRESET_DIR / f"{model}.toml"
-    if preset.is_file():
-        return preset
+    for path in (Path(model), PRESET_DIR / f"{model}.toml"):
+        if path.is_file():
+            return path
     raise ValueError(
         f"no model description {str(model)!r}: not a file and not a preset; "
         f"presets: {', '.join(preset_names()) or '(none found)'}"
@@ -179,9 +127,8 @@ def _spec(
     if missing:
         keys = ", ".join(f"{k} ({_REQUIRED[k]})" if k in _REQUIRED else k for k in missing)
         raise ValueError(f"{where}: a {kind!r} type needs the key{'s' * (len(missing) > 1)} {keys}")
-    kwargs = {k: _convert(where, k, v) for k, v in table.items()}
     try:
-        spec = cls(block_size, **kwargs)
+        spec = cls(block_size, **{k: _convert(where, k, v) for k, v in table.items()})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
     if spec.page_size_bytes > MAX_PAGE_BYTES:
@@ -194,8 +141,6 @@ def _spec(
 
 def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[str, KVCacheSpec]:
     """Layer name -> spec, in model order, of a parsed TOML description."""
-    if block_size is not None:
-        block_size = _block_size_override(block_size)
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
         raise ValueError(f"unknown top-level keys {unknown}; valid: {', '.join(sorted(_TOP_KEYS))}")
@@ -218,16 +163,16 @@ def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[
         raise ValueError(f"pattern names unknown types {bad}; defined: {', '.join(types)}")
     template = data.get("layer_name", "model.layers.{index}.{module}")
     layer_types = [pattern[index % len(pattern)] for index in range(num_layers)]
-    specs = {}
+    by_type = {}
     for name, table in types.items():
         if block_size is not None and isinstance(table, dict):
             table = {**table, "block_size": block_size}
         used = [index for index, t in enumerate(layer_types) if t == name]  # so errors name a layer
-        specs[name] = _spec(name, table, data.get("block_size", 16), used)
+        by_type[name] = _spec(name, table, data.get("block_size", 16), used)
     out: dict[str, KVCacheSpec] = {}
     for index, type_name in enumerate(layer_types):
         if type_name != NO_CACHE:
-            spec, module = specs[type_name]
+            spec, module = by_type[type_name]
             out[_layer_name(template, index, module)] = spec
     if len(out) != sum(t != NO_CACHE for t in layer_types):
         raise ValueError(f"layer_name {template!r} gives two layers one name; include {{index}}")
@@ -246,19 +191,18 @@ def _layer_name(template: Any, index: int, module: str) -> str:
         ) from None
 
 
-def _block_size_override(block_size: Any) -> int:
-    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0:
+def load_model_file(model: str | Path, *, block_size: int | None = None) -> ModelDescription:
+    """Load a model from a TOML path or a preset name (``block_size``: that of every type)."""
+    if block_size is not None and (
+        isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0
+    ):
         raise ValueError(
             f"block_size={block_size!r} (the block size given for every layer type) must "
             "be a positive integer number of tokens, such as 16"
         )
-    return block_size
-
-
-def read_model_file(path: Path) -> dict[str, Any]:
-    """The parsed TOML of a model file; ``ValueError`` naming the file if it is not one."""
+    path = find_model(model)
     try:
-        text = path.read_bytes().decode("utf-8")
+        data = tomllib.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
         raise ValueError(
             f"{path}: not a TOML model description: byte {exc.start} is not UTF-8 text "
@@ -266,20 +210,10 @@ def read_model_file(path: Path) -> dict[str, Any]:
         ) from None
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it: {exc.strerror or exc}") from None
-    try:
-        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
-
-
-def load_model_file(model: str | Path, *, block_size: int | None = None) -> ModelDescription:
-    """Load a model from a TOML path or a preset name (``block_size``: that of every type)."""
-    if block_size is not None:
-        block_size = _block_size_override(block_size)
-    path = find_model(model)
-    data = read_model_file(path)
     try:
-        specs = parse_model(data, block_size=block_size)
+        layer_specs = parse_model(data, block_size=block_size)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
-    return ModelDescription(str(data.get("name", path.stem)), str(path), specs)
+    return ModelDescription(str(data.get("name", path.stem)), str(path), layer_specs)

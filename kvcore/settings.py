@@ -1,10 +1,8 @@
 """The environment settings kvcore honours, parsed strictly into one typed object.
 
-``Settings.from_env()`` is called where a call begins (``KVCache.create``, the
-CLI, a kernel function called directly) and passed down, so no layer below
-reads ``os.environ`` and a changed environment takes effect at the next call.
-(``KVCORE_KV_CACHE_LAYOUT`` is read by ``resolve_kv_cache_layout``, SPEC §3;
-the plugin switches when a plugin manager is built, SPEC §4.)
+``Settings.from_env()`` is called where a call begins (``KVCache.create``, the CLI, a kernel
+function called directly) and passed down, so a changed environment takes effect at the next
+call. (``resolve_kv_cache_layout`` reads ``KVCORE_KV_CACHE_LAYOUT``, SPEC §3.)
 """
 
 from __future__ import annotations
@@ -36,13 +34,9 @@ def env_names(name: str, environ: Mapping[str, str] | None = None) -> frozenset[
 
 @attrs.frozen
 class Settings:
-    """kvcore's environment switches, parsed.
-
-    ``debug_checks`` (``KVCORE_DEBUG_CHECKS``): True/False forces the checks
-    that read tensor values on the host (a device sync on GPUs) on or off;
-    None leaves them to the device (on for CPU tensors). ``triton_interpret``
-    (``TRITON_INTERPRET``): Triton kernels run on CPU tensors through its
-    interpreter.
+    """``debug_checks`` (``KVCORE_DEBUG_CHECKS``): force the checks that read tensor values on
+    the host (a device sync on GPUs) on or off; None: on for CPU tensors only.
+    ``triton_interpret`` (``TRITON_INTERPRET``): Triton kernels run on CPU through its interpreter.
     """
 
     debug_checks: bool | None = None

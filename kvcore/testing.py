@@ -1,15 +1,6 @@
-"""A conformance kit for attention-backend authors.
-
-Build a KV cache through kvcore in any layout (optionally split into kernel
-blocks), draw a random paged batch (prefill, chunked prefill and decode rows,
-distinct random blocks per request), and compare a backend's output with a
-dense float64 softmax-attention reference::
-
-    views = build_cache("BLNHC", 16, 32, kv_heads=2, head_size=64, dtype=torch.float16)
-    batch = make_batch(gen, seq_lens=[40, 7], q_lens=[40, 1], kv_heads=2, q_heads=8,
-                       head_size=64, dtype=torch.float16, num_blocks=32, block_size=16)
-    expected = dense_reference(batch, scale=64 ** -0.5)
-"""
+"""A conformance kit for attention-backend authors: a KV cache built through kvcore in any layout
+(``build_cache``), a random paged batch with distinct random blocks per request (``make_batch``),
+and a dense float64 softmax-attention reference to compare with (``dense_reference``)."""
 
 from __future__ import annotations
 
@@ -21,10 +12,9 @@ from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.specs import FullAttentionSpec
 
-#: Where kit caches live by default: CUDA when present (CPU Triton kernels need TRITON_INTERPRET=1).
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 LAYOUTS = list(KVCacheLayout)
-# Layouts that keep a (layer, block) page dense, so blocks can be split into kernel blocks.
+# NOTE: layouts that keep a (layer, block) page dense, so blocks can be split into kernel blocks.
 SPLITTABLE = [KVCacheLayout.LBNHC, KVCacheLayout.LBHNC]
 
 

@@ -1,8 +1,7 @@
 """The kvcore command line: plan a model's KV cache, list presets and plugins, benchmark.
 
-Every command's options are defined here without torch, so ``kvcore --help``
-and usage errors come back at once; the module that runs a command (and the
-benchmark module, with torch and maybe transformers) is imported when it runs.
+Options are defined here without torch, so help and usage errors come back at once; the module
+that runs a command (torch and all) is imported when it runs.
 """
 
 from __future__ import annotations
@@ -16,20 +15,16 @@ import os
 import re
 import sys
 import tokenize
-from collections.abc import Callable
 from pathlib import Path
 
 from kvcore import __version__
 from kvcore._units import SIZE_UNITS_HELP
 from kvcore.bench import BENCHMARKS
-from kvcore.bench.options import (
-    ARGUMENTS,
-    LAYOUT_NAMES,
-    layout_arg,
-    positive_int_arg,
-    size_arg,
-)
+from kvcore.bench.options import ARGUMENTS, LAYOUT_NAMES, layout_arg, positive_int_arg, size_arg
 
+# NOTE: where kvcore.model_files keeps the presets (a test checks they agree); that
+# module imports torch, so it is imported only when a command runs.
+_PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
 #: Command name -> its one-line help.
 _COMMANDS = {
     "plan": "plan a model's KV cache for a memory budget",
@@ -38,31 +33,22 @@ _COMMANDS = {
     "bench": "run a micro-benchmark",
     "completion": "print a shell completion script (bash, zsh, tcsh)",
 }
-# NOTE: where kvcore.model_files keeps the presets (a test checks they agree); that
-# module imports torch, so it is imported only when a command runs.
-_PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
 _DESCRIPTIONS = {
-    "plan": "Plan the KV cache of a model described in TOML (a file, or a preset: see "
-    "'kvcore models') and show its groups, tensors, bytes per block, block count and "
-    f"capacity. Sizes: {SIZE_UNITS_HELP}.",
+    "plan": "Plan the KV cache of a model described in TOML (a file, or a preset: see 'kvcore "
+    "models') and show its groups, tensors, bytes per block, block count and capacity. "
+    f"Sizes: {SIZE_UNITS_HELP}.",
     "models": f"List the model presets (TOML files in {_PRESET_DIR}) that 'kvcore plan NAME' "
     "takes by name: their layers and layer kinds. Any other model is a TOML file in the same "
-    "format (see kvcore/model_files.py).",
+    "format (see docs/model-files.md).",
     "plugins": "List every kvcore plugin (entry points in group kvcore.plugins) with its status, "
     "hooks and backends; ask every backend's hooks once about a representative full-attention "
     "spec and show the kernel block sizes and layouts it declares. Exits 1 when a plugin "
     "failed, conflicts with another or answers a hook badly.",
     "bench": "kvcore bench: run one micro-benchmark (kvcore bench zero, kvcore bench plan, ...).",
-    "completion": """\
-The script is generated from kvcore's own argparse parser by shtab, so it
-knows every command, benchmark and option (and the layout and dtype choices).
-Install it once, e.g. for bash:
-
-    kvcore completion bash > ~/.local/share/bash-completion/completions/kvcore
-
-or for zsh (a directory on your $fpath):
-
-    kvcore completion zsh > ~/.zfunc/_kvcore""",
+    "completion": "The script is generated from kvcore's own parser by shtab, so it knows every "
+    "command,\nbenchmark and option. Install it once, e.g. for bash (or zsh, into "
+    "~/.zfunc/_kvcore):\n\n"
+    "    kvcore completion bash > ~/.local/share/bash-completion/completions/kvcore",
 }
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
 _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
@@ -77,13 +63,12 @@ class _JsonErrorParser(argparse.ArgumentParser):
 
 
 def _print_json_error(command: str, kind: str, message: str) -> None:
-    """The error object ``--json`` prints instead of output: ``{"error": {...}}``."""
     error = {"command": command, "type": kind, "message": message}
     print(json.dumps({"error": error}, indent=2))
     sys.stdout.flush()
 
 
-def _lazy(module_name: str, function: str = "run") -> Callable[[argparse.Namespace], int]:
+def _lazy(module_name: str, function: str = "run"):
     """``module_name.function``, importing the module (torch and all) only when called."""
     return lambda args: getattr(importlib.import_module(module_name), function)(args)
 
@@ -100,12 +85,18 @@ def _docstring(module_name: str) -> str | None:
     return ast.literal_eval(first).strip().replace("``", "")
 
 
-def _add_commands(sub: argparse._SubParsersAction) -> None:
-    def command(name: str, func: Callable | None, **kwargs) -> argparse.ArgumentParser:
+def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
+    """The ``kvcore`` parser; ``json_errors``: usage errors as JSON objects."""
+    parser_class = _JsonErrorParser if json_errors else argparse.ArgumentParser
+    parser = parser_class(prog="kvcore", description=__doc__.splitlines()[0],
+                          epilog="Run 'kvcore COMMAND --help' for the options of one command.")
+    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    def command(name: str, func, **kwargs) -> argparse.ArgumentParser:
         parser = sub.add_parser(name, help=_COMMANDS[name], description=_DESCRIPTIONS[name],
                                 **kwargs)
-        if func is not None:
-            parser.set_defaults(func=func)
+        parser.set_defaults(func=func)
         return parser
 
     plan = command("plan", _lazy("kvcore.cli.plan"))
@@ -122,13 +113,12 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
                       help="block size for every layer type (default: the model file's)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     models = command("models", _lazy("kvcore.cli.plan", "run_models"))
-    models.add_argument("--json", action="store_true",
-                        help="print a JSON list instead of a table")
+    models.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     plugins = command("plugins", _lazy("kvcore.cli.plugins"))
     plugins.add_argument("--json", action="store_true",
                          help="print a JSON list, one object per plugin")
-    bench = command("bench", None)
-    benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    benchmarks = command("bench", None).add_subparsers(dest="benchmark", metavar="BENCHMARK",
+                                                       required=True)
     for name, module_name in BENCHMARKS.items():
         doc = _docstring(module_name)
         if doc is None:  # not installed
@@ -142,6 +132,7 @@ def _add_commands(sub: argparse._SubParsersAction) -> None:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"),
                             help="the shell to complete in")
+    return parser
 
 
 def _completion(args: argparse.Namespace) -> int:
@@ -153,26 +144,14 @@ def _completion(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
-    """The ``kvcore`` parser; ``json_errors``: usage errors as JSON objects."""
-    parser_class = _JsonErrorParser if json_errors else argparse.ArgumentParser
-    parser = parser_class(prog="kvcore", description=__doc__.splitlines()[0],
-                          epilog="Run 'kvcore COMMAND --help' for the options of one command.")
-    parser.add_argument("-V", "--version", action="version", version=f"%(prog)s {__version__}")
-    _add_commands(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
-    return parser
-
-
 def _attach_negative_values(argv: list[str]) -> list[str]:
-    """``--memory -5GiB`` as ``--memory=-5GiB``, so that the value's type says what is wrong.
-
-    (argparse would read the lone token as an option: "expected one argument".)
-    """
+    """``--memory -5GiB`` as ``--memory=-5GiB``, so that the value's type says what is wrong
+    (argparse would read the lone token as an option: "expected one argument")."""
     out: list[str] = []
     for token in argv:
-        previous = out[-1] if out else ""
-        if _NEGATIVE_WITH_UNIT.match(token) and previous.startswith("--") and "=" not in previous:
-            out[-1] = f"{previous}={token}"
+        option = out[-1] if out and out[-1].startswith("--") and "=" not in out[-1] else None
+        if option and _NEGATIVE_WITH_UNIT.match(token):
+            out[-1] = f"{option}={token}"
         else:
             out.append(token)
     return out
@@ -181,10 +160,9 @@ def _attach_negative_values(argv: list[str]) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     """Run ``kvcore`` with ``argv`` (default: the process's arguments); the exit code.
 
-    A ``ValueError`` or ``TypeError`` from a command is a user error: printed
-    as ``kvcore COMMAND: error: ...`` with exit code 2, like argparse's own.
-    Under ``--json`` every error, usage errors included, is printed on stdout
-    as ``{"error": {"command", "type", "message"}}`` instead (exit code 2).
+    A ``ValueError`` or ``TypeError`` from a command is printed as ``kvcore COMMAND: error: ...``
+    (exit 2, like argparse's own); under ``--json`` every error, usage errors included, is a
+    ``{"error": {"command", "type", "message"}}`` object on stdout instead.
     """
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     json_errors = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)

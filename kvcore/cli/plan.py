@@ -1,9 +1,7 @@
 """``kvcore plan`` and ``kvcore models``: a model's KV cache plan, and the presets plan takes.
 
-Every number a plan reports is one a user can rely on: capacities come from
-:class:`~kvcore.memory.config.KVCacheConfig` (null block excluded, whole
-blocks per group), padding is measured on the planned specs, and a block size
-is only suggested after the model has been grouped with it.
+Capacities come from ``KVCacheConfig`` (null block excluded, whole blocks per group), padding is
+measured on the planned specs, and a block size is suggested only after grouping with it.
 """
 
 from __future__ import annotations
@@ -17,18 +15,12 @@ from typing import Any
 
 import attrs
 
-from kvcore._table import Column, render, terminal_width
+from kvcore._table import Column, format_ranges, render, terminal_width
 from kvcore._units import format_bytes, format_bytes_exact
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.plan_groups import group_layers, is_encoder_only
 from kvcore.memory.planner import plan_kv_cache
-from kvcore.model_files import (
-    PRESET_DIR,
-    ModelDescription,
-    find_model,
-    load_model_file,
-    preset_names,
-)
+from kvcore.model_files import PRESET_DIR, ModelDescription, load_model_file, preset_names
 from kvcore.model_runner.binding import extract_layer_index
 
 #: Padding above this share of a group's pages gets a warning.
@@ -46,11 +38,8 @@ def _percent(padded: int, real: int) -> float:
 
 
 def block_size_remedy(model: ModelDescription) -> tuple[int, float] | None:
-    """The smallest block size whose groups pad at most the warning share, and their worst.
-
-    Block sizes tried are multiples of 16 (which attention kernels take) up to 2048;
-    None if none of them does.
-    """
+    """The smallest multiple of 16 (up to 2048) whose groups pad at most the warning share, and
+    their worst padding; None if none does."""
     for block_size in range(16, 2048 + 1, 16):
         try:
             specs = {n: s.copy_with_new_block_size(block_size)
@@ -113,36 +102,29 @@ def _warnings(model: ModelDescription, groups: list[dict[str, Any]]) -> list[str
     return out
 
 
-def _ids(ids: list[int]) -> str:
-    if len(ids) == 1:
-        return f"group {ids[0]}"
-    if ids == list(range(ids[0], ids[-1] + 1)):
-        return f"groups {ids[0]}-{ids[-1]}"
-    return f"groups {', '.join(map(str, ids))}"
-
-
 def _window_notes(groups: list[dict[str, Any]]) -> list[str]:
     """What each sliding window or attention chunk means for capacity (one note per kind)."""
     by_window: dict[tuple[str, int, int], list[int]] = {}
     for g in groups:
-        if g["kind"] == "FullAttentionSpec" or not g["keeps_cache"]:
-            continue  # NOTE: a full-attention spec's window fields describe merged layers
-        for key in ("sliding_window", "attention_chunk_size"):
-            if key in g:
-                by_window.setdefault((key, g[key], g["block_size"]), []).append(g["id"])
+        # NOTE: a full-attention spec's window fields describe merged layers
+        if g["kind"] != "FullAttentionSpec" and g["keeps_cache"]:
+            for key in ("sliding_window", "attention_chunk_size"):
+                if key in g:
+                    by_window.setdefault((key, g[key], g["block_size"]), []).append(g["id"])
     notes = []
     for (key, tokens, block_size), ids in by_window.items():
+        where = f"group{'s' * (len(ids) > 1)} {format_ranges(ids)}"
         if key == "sliding_window":
             blocks = -(-(tokens - 1) // block_size) + 1  # blocks holding the last `tokens` at most
             notes.append(
-                f"{_ids(ids)}: sliding window of {tokens:,} tokens: attention reads only each "
+                f"{where}: sliding window of {tokens:,} tokens: attention reads only each "
                 f"token's last {tokens:,} tokens, so a scheduler that frees blocks behind the "
                 f"window keeps at most {blocks:,} blocks per sequence in each of these groups; "
                 "the token capacity above counts every block (no window discount)."
             )
         else:
             notes.append(
-                f"{_ids(ids)}: attention within chunks of {tokens:,} tokens; the token "
+                f"{where}: attention within chunks of {tokens:,} tokens; the token "
                 "capacity above counts every block of the sequence."
             )
     return notes
@@ -151,7 +133,6 @@ def _window_notes(groups: list[dict[str, Any]]) -> list[str]:
 def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
     """The plan as plain data (what ``kvcore plan --json`` prints)."""
     tensors = config.kv_cache_tensors
-    group_ids = {name: i for i, g in enumerate(config.kv_cache_groups) for name in g.layer_names}
     groups = [_group(config, i) for i in range(len(config.kv_cache_groups))]
     kept = [g for g in groups if g["keeps_cache"]]
     # NOTE: a state-only model holds sequences of any length, one block per group each.
@@ -171,7 +152,7 @@ def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
         "sequence_capacity": config.sequence_capacity(1) if state_only else None,
         "groups": groups,
         "tensors": [
-            {"group": group_ids[t.layers[0]], "num_layers": len(t.layers), **attrs.asdict(t)}
+            {"group": config.group_of(t.layers[0])[0], "num_layers": len(t.layers), **attrs.asdict(t)}
             for t in tensors
         ],
         "notes": _window_notes(groups),
@@ -182,16 +163,9 @@ def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
 def span(layers: list[str]) -> str:
     """Layer indices as ranges (``0-4, 6-10``), or the first and last name."""
     try:
-        indices = [extract_layer_index(name) for name in layers]
+        return format_ranges([extract_layer_index(name) for name in layers])
     except ValueError:
         return layers[0] if len(layers) == 1 else f"{layers[0]} to {layers[-1]}"
-    runs: list[list[int]] = []
-    for i in indices:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
 
 
 def _group_rows(summary: dict[str, Any]) -> list[list[str]]:
@@ -301,7 +275,7 @@ def run_models(args: argparse.Namespace) -> int:
                         for s in model.kv_cache_specs.values())
         presets.append({"preset": name, "name": model.name,
                         "num_layers": len(model.kv_cache_specs), "kinds": dict(kinds),
-                        "file": str(find_model(name))})
+                        "file": model.source})
     if args.json:
         print(json.dumps(presets, indent=2))
         return 0

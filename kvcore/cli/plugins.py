@@ -1,12 +1,10 @@
-"""``kvcore plugins``: every plugin kvcore sees, checked, including broken ones.
-
-Each plugin is one record, wrapped between words to the terminal width, so nothing is cut.
-Exit 1 when a plugin failed, conflicts or answers a hook badly, or no backend is usable.
-"""
+"""``kvcore plugins``: every plugin kvcore sees, checked, broken ones included, one record each
+(wrapped between words, never cut); exit 1 when any is unhealthy or no backend is usable."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import textwrap
@@ -16,15 +14,8 @@ import attrs
 
 from kvcore._table import terminal_width
 from kvcore.errors import PluginError, PluginWarning
+from kvcore.plugins import health
 from kvcore.plugins.answers import HookAnswers
-from kvcore.plugins.health import (
-    REPRESENTATIVE_SPEC,
-    auto_picks,
-    check_plugins,
-    describe_requirements,
-    is_healthy,
-    requirements_json,
-)
 from kvcore.plugins.manager import PluginInfo, collect_backends
 from kvcore.plugins.registry import PluginSettings, build_plugin_manager
 
@@ -39,8 +30,8 @@ def run(args: argparse.Namespace) -> int:
         warnings.simplefilter("ignore", PluginWarning)
         pm = build_plugin_manager(attrs.evolve(settings, strict=False))
     answers = HookAnswers(pm)
-    infos = check_plugins(pm, answers)
-    picks = auto_picks(answers)
+    infos = health.check_plugins(pm, answers)
+    picks = health.auto_picks(answers)
     declared = _requirements(pm, answers)
     # NOTE: settings that match no entry point (say KVCORE_PLUGINS=typo) are in no plugin's
     # record, and must not pass as healthy.
@@ -49,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
     unusable = no_backend_reason(infos, autoload=settings.autoload)
     if unusable:
         print(f"kvcore plugins: error: {unusable}", file=sys.stderr)
-    healthy = is_healthy(infos) and not pm.settings_problems and not unusable
+    healthy = health.is_healthy(infos) and not pm.settings_problems and not unusable
     if args.json:
         print(json.dumps([_json(info, declared, picks) for info in infos], indent=2))
     else:
@@ -60,32 +51,24 @@ def run(args: argparse.Namespace) -> int:
 def _requirements(pm, answers: HookAnswers) -> dict[str, object]:
     """Backend name -> the KernelRequirements it declared to the health check."""
     out: dict[str, object] = {}
-    try:
-        table = collect_backends(pm).unambiguous()
-    except PluginError:
-        return out
-    for name, (backend, _) in table.items():
-        try:
-            out[name] = answers.requirements(backend, REPRESENTATIVE_SPEC)
-        except PluginError:
-            continue  # NOTE: check_plugins already marked the plugin unhealthy
+    # NOTE: a PluginError here is already in the records (check_plugins marked the plugin).
+    with contextlib.suppress(PluginError):
+        for name, (backend, _) in collect_backends(pm).unambiguous().items():
+            with contextlib.suppress(PluginError):
+                out[name] = answers.requirements(backend, health.REPRESENTATIVE_SPEC)
     return out
 
 
 def _json(info: PluginInfo, declared: dict, picks: dict[str, str | None]) -> dict[str, object]:
-    """One plugin's record, each backend's requirements and where "auto" picks it."""
     item = info.to_json()
-    item["requirements"] = {b: requirements_json(declared[b]) for b in info.backends
+    item["requirements"] = {b: health.requirements_json(declared[b]) for b in info.backends
                             if b in declared}
     item["auto"] = {b: [d for d, pick in picks.items() if pick == b] for b in info.backends}
     return item
 
 
 def no_backend_reason(infos: list[PluginInfo], *, autoload: bool = True) -> str | None:
-    """Why no attention backend can be used, or None when a loaded plugin registers one.
-
-    ``autoload``: the settings' switch (False under KVCORE_DISABLE_PLUGIN_AUTOLOAD=1).
-    """
+    """Why no attention backend can be used, or None when a loaded plugin registers one."""
     if any(info.backends for info in infos if info.status == "loaded"):
         return None
     reason = "no attention backend is usable: "
@@ -108,7 +91,6 @@ def _field(label: str, value: str, width: int) -> list[str]:
 
 
 def _record(info: PluginInfo, width: int, requirements: dict) -> list[str]:
-    """The lines of one plugin's record (``requirements``: backend -> KernelRequirements)."""
     lines = [f"{info.name}  [{info.status}]"]
     local = info.entry_point is None
     where = "in-process" if local else f"{info.distribution or '?'} {info.version or '?'}"
@@ -130,7 +112,7 @@ def _record(info: PluginInfo, width: int, requirements: dict) -> list[str]:
         text = f"{backend}: {'; '.join(declared)}" if declared else backend
         lines += _field("backend", text, width)
         if backend in requirements:
-            lines += _field("requires", describe_requirements(requirements[backend]), width)
+            lines += _field("requires", health.describe_requirements(requirements[backend]), width)
     if info.error:
         lines += _field("error", info.error, width)
     return lines
@@ -138,10 +120,7 @@ def _record(info: PluginInfo, width: int, requirements: dict) -> list[str]:
 
 def render(infos: list[PluginInfo], width: int, healthy: bool, requirements: dict,
            picks: dict[str, str | None]) -> str:
-    """Every plugin's record, separated by blank lines, then what ``"auto"`` picks.
-
-    ``healthy``: the check passed; ``picks``: device type -> backend name or None.
-    """
+    """Every plugin's record, then what ``"auto"`` picks (``picks``: device type -> name)."""
     if not infos:
         return "No kvcore plugins installed (entry-point group kvcore.plugins)."
     attention = "" if healthy else "; some need attention (exit 1)"

@@ -4,11 +4,8 @@ and here the seed's uniform-decode batch checks (SPEC §3)."""
 
 
 def is_uniform_query_len(num_reqs: int, num_tokens: int, max_query_len: int) -> bool:
-    """Whether the batch's shape says every request has ``max_query_len`` tokens.
-
-    Only the shape is tested (a prompt chunk may look like a decode batch):
-    classify scheduled batches with :func:`get_uniform_decode_token_count`.
-    """
+    """Whether the batch's shape says every request has ``max_query_len`` tokens (shape only:
+    a prompt chunk may look like a decode batch; see ``get_uniform_decode_token_count``)."""
     return num_reqs > 0 and num_tokens == num_reqs * max_query_len
 
 

@@ -20,11 +20,8 @@ class BindsKVCache(Protocol):
 
 
 def extract_layer_index(layer_name: str, num_attn_module: int = 1) -> int:
-    """The layer index in a dotted name: ``"model.layers.3.self_attn"`` -> 3.
-
-    With ``num_attn_module > 1`` an attention layer may carry the module index
-    too: ``"layers.3.attn.1"`` -> ``3 * num_attn_module + 1``.
-    """
+    """The layer index in a dotted name: ``"model.layers.3.self_attn"`` -> 3; with
+    ``num_attn_module > 1``, ``"layers.3.attn.1"`` -> ``3 * num_attn_module + 1``."""
     if not isinstance(layer_name, str):
         raise TypeError(f"layer_name must be a str, got {layer_name!r}")
     num_attn_module = positive_int("num_attn_module", num_attn_module)
@@ -54,11 +51,8 @@ def bind_kv_cache_to_layers(
     num_attn_module: int = 1,
     kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
 ) -> None:
-    """Give every layer named in ``kv_caches`` its cache, in model order, or none at all.
-
-    A layer takes it through its ``bind_kv_cache(tensor)`` method when it has
-    one, else by assignment to its ``kv_cache`` attribute.
-    """
+    """Give every layer named in ``kv_caches`` its cache, in model order, or none at all: through
+    its ``bind_kv_cache(tensor)`` method when it has one, else its ``kv_cache`` attribute."""
     order = _model_order(kv_caches, num_attn_module)
     grouped = {n for g in kv_cache_groups or () for n in g.layer_names}
     ungrouped = [n for n in order if n not in grouped]
@@ -78,11 +72,10 @@ def bind_kv_cache_to_layers(
                 "bind_kv_cache(tensor) method or a kv_cache attribute"
             )
     for name in order:
-        layer = forward_context[name]
-        if isinstance(layer, BindsKVCache):
-            layer.bind_kv_cache(kv_caches[name])
+        if isinstance(forward_context[name], BindsKVCache):
+            forward_context[name].bind_kv_cache(kv_caches[name])
         else:
-            layer.kv_cache = kv_caches[name]
+            forward_context[name].kv_cache = kv_caches[name]
 
 
 def bind_kv_cache(
@@ -93,11 +86,8 @@ def bind_kv_cache(
     kv_cache_groups: Sequence[KVCacheGroupSpec] | None = None,
     layer_kv_caches: Mapping[str, torch.Tensor] | None = None,
 ) -> None:
-    """Fill the empty ``runner_kv_caches`` with ``kv_caches`` in model order and bind each layer.
-
-    Layers at one index keep their input order. Layers receive
-    ``layer_kv_caches`` when given (kernel-block views), else ``kv_caches``.
-    """
+    """Fill the empty ``runner_kv_caches`` with ``kv_caches`` in model order and bind each layer
+    to its ``layer_kv_caches`` entry when given (kernel-block views), else its ``kv_caches`` one."""
     if len(runner_kv_caches) != 0:
         raise ValueError(
             f"runner_kv_caches already holds {len(runner_kv_caches)} caches; bind into "

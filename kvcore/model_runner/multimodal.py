@@ -65,7 +65,6 @@ def sanity_check_mm_encoder_outputs(
 @attrs.define
 class EncoderTimingStats:
     """Per-request time spent in the (vision) encoder."""
-
     encoder_forward_secs: float = 0.0
     num_encoder_calls: int = 0
 

@@ -8,6 +8,7 @@ import attrs
 import pluggy
 import torch
 
+from kvcore._table import format_ranges
 from kvcore.errors import PluginError
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.auto import choose_backend
@@ -84,13 +85,7 @@ def describe_requirements(req: KernelRequirements) -> str:
     if req.dtypes is not None:
         parts.append("dtypes " + ", ".join(_dtype_name(d) for d in req.dtypes))
     if req.head_sizes is not None:
-        runs: list[list[int]] = []
-        for v in sorted(set(req.head_sizes)):
-            if runs and v == runs[-1][1] + 1:
-                runs[-1][1] = v
-            else:
-                runs.append([v, v])
-        parts.append("head sizes " + ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs))
+        parts.append("head sizes " + format_ranges(sorted(set(req.head_sizes))))
     if req.max_stride_elements is not None:
         parts.append(f"strides below {req.max_stride_elements} elements")
     if req.alignment_bytes > 1:
