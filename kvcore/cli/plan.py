@@ -20,8 +20,7 @@ import attrs
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes, format_bytes_exact
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
-from kvcore.memory.plan_groups import group_layers, is_encoder_only
-from kvcore.memory.planner import plan_kv_cache
+from kvcore.memory.planner import group_layers, is_encoder_only, plan_kv_cache
 from kvcore.model_files import (
     PRESET_DIR,
     ModelDescription,
