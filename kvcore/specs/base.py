@@ -34,7 +34,6 @@ def check_cache_dtype(where: str, value: Any) -> torch.dtype:
 
 
 def optional_positive() -> Any:
-    """A keyword-only field: None or a positive int."""
     return attrs.field(default=None, kw_only=True, validator=attrs_optional_positive)
 
 
@@ -61,11 +60,8 @@ def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class KVCacheSpec:
-    """Base of all specs: a cache whose manager blocks hold ``block_size`` tokens.
-
-    A layer's view is ``[B, H, N, C]`` (SPEC §2); the base view is one raw page per block,
-    ``[B, 1, 1, page]``, and subclasses define ``page_size_bytes``.
-    """
+    """Base of all specs: blocks of ``block_size`` tokens, each one raw page ``[B, 1, 1, page]``
+    per layer unless a subclass defines heads, states and content (SPEC §2)."""
 
     block_size: int = attrs.field(validator=attrs_positive)
     block_stride_alignment: MultipleOf | None = attrs.field(
@@ -111,7 +107,7 @@ class KVCacheSpec:
         return -(-max_model_len // self.block_size)
 
     def get_block_stride_alignment(self) -> int:
-        """Bytes a packed block stride must be a multiple of (a ``gcd(base, block_size)`` page)."""
+        """Bytes a packed block stride must be a multiple of: a ``gcd(base, block_size)`` page."""
         if self.block_stride_alignment is None:
             return 1
         tokens = math.gcd(self.block_stride_alignment.base, self.block_size)
