@@ -86,9 +86,8 @@ def checked_device(device: torch.device | str) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise KVCoreError(
-            f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'"
-        ) from exc
+        remedy = "pass 'cpu', 'cuda' or 'cuda:N'"
+        raise KVCoreError(f"invalid device {device!r} ({exc}); {remedy}") from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise KVCoreError(
@@ -128,12 +127,8 @@ def allocate_kv_cache(
     *,
     buffer: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]`` (SPEC §3).
-
-    ``kernel_block_sizes[g]`` splits group ``g``'s blocks (None: whole); ``buffer`` is viewed
-    instead of a new allocation (an elastic cache's reservation). Nothing is allocated when a
-    check fails.
-    """
+    """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]`` (SPEC §3);
+    ``buffer`` is viewed instead (an elastic cache's reservation). A refusal allocates nothing."""
     if not isinstance(kv_cache_config, KVCacheConfig):
         raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
     if not kv_cache_config.kv_cache_tensors:
@@ -154,10 +149,8 @@ def allocate_kv_cache(
         )
     if kernel_block_sizes is not None:
         if isinstance(kernel_block_sizes, str) or not isinstance(kernel_block_sizes, Sequence):
-            raise TypeError(
-                "kernel_block_sizes must be a list of ints (one per group), got "
-                f"{kernel_block_sizes!r}"
-            )
+            got = repr(kernel_block_sizes)
+            raise TypeError(f"kernel_block_sizes must be a list of ints (one per group), got {got}")
         kernel_block_sizes = [
             None if k is None else positive_int(f"kernel_block_sizes[{i}]", k)
             for i, k in enumerate(kernel_block_sizes)
@@ -169,20 +162,15 @@ def allocate_kv_cache(
     if buffer is None:
         buffer = _zeroed_buffer(size, device)
     elif buffer.dtype not in _BYTE_DTYPES or buffer.dim() != 1 or buffer.numel() != size:
-        raise ValueError(
-            f"buffer must be a 1-D int8 tensor of {size} bytes, got "
-            f"{buffer.dtype} {tuple(buffer.shape)}"
-        )
+        got = f"{buffer.dtype} {tuple(buffer.shape)}"
+        raise ValueError(f"buffer must be a 1-D int8 tensor of {size} bytes, got {got}")
     return _layer_views(kv_cache_config, buffer, layout, kernel_block_sizes)
 
 
 def _layer_views(
-    config: KVCacheConfig,
-    buf: torch.Tensor,
-    layout: KVCacheLayout,
-    kernel_block_sizes: list[int | None] | None,
+    config: KVCacheConfig, buf: torch.Tensor, layout: KVCacheLayout, kernels: list | None
 ) -> dict[str, torch.Tensor]:
-    kernels = kernel_block_sizes or []
+    kernels = kernels or []
     kv_caches: dict[str, torch.Tensor] = {}
     for tensor in config.kv_cache_tensors:
         group_id, group = config.group_of(tensor.layers[0])
