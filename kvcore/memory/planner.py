@@ -1,10 +1,7 @@
 """Plan a model's KV cache (SPEC §6): groups, bytes per block, block count and tensors.
 
-One allocation of ``num_blocks * bytes_per_block`` bytes backs every group; each group's
-tensors span it from byte 0. Layer-compact layouts give each layer ``num_blocks`` blocks of
-stride ``round_up(page, alignment)``; block-outermost layouts give block ``b`` the bytes
-``[b, b + 1) * bytes_per_block``. A layout that cannot hold the model is refused before the
-budget is checked, naming the layouts that can (each tried with a dry run).
+A layout that cannot hold the model is refused before the budget is checked, naming the
+layouts that can (each tried with a dry run, so a named layout really plans and allocates).
 """
 
 from __future__ import annotations
@@ -28,7 +25,7 @@ _MIN_BLOCKS = 2  # block 0 is the null block, so a pool needs one more
 
 
 class _Refusal(ValueError):
-    """The layout cannot express the model's pages (re-raised with a remedy)."""
+    """The layout cannot express the model's pages (re-raised naming layouts that can)."""
 
 
 def is_encoder_only(group: KVCacheGroupSpec) -> bool:
@@ -262,12 +259,9 @@ def plan_kv_cache(
     available_memory: int | None = None,
     num_blocks: int | None = None,
 ) -> KVCacheConfig:
-    """Plan the KV cache of a model whose layers are ``kv_cache_specs`` (in model order).
-
-    Give exactly one of ``available_memory`` (bytes: the most blocks that fit, at least 2)
-    or ``num_blocks``. An encoder-only model keeps no cache: no tensors, and ``num_blocks``
-    blocks (2 for any budget).
-    """
+    """Plan the KV cache of a model whose layers are ``kv_cache_specs`` (in model order), with
+    exactly one of ``available_memory`` (bytes) or ``num_blocks``; an encoder-only model gets no
+    tensors and ``num_blocks`` blocks (2 for any budget)."""
     layout = KVCacheLayout.parse(layout)
     specs = _check_specs(kv_cache_specs)
     if (available_memory is None) == (num_blocks is None):
