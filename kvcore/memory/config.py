@@ -79,12 +79,9 @@ def _grows_with_tokens(spec: KVCacheSpec) -> bool:
 
 @attrs.define
 class KVCacheConfig:
-    """A planned KV cache: ``num_blocks`` blocks shared by all groups, which overlay
-    each other from byte 0 of one allocation (a block id belongs to one group at a time).
-
-    Capacity: a sequence of T tokens takes ``spec.max_num_blocks_per_req(T)`` blocks in every
-    group that keeps a cache (no sliding-window discount); block 0 is the null block.
-    """
+    """A planned KV cache: ``num_blocks`` blocks shared by all groups, which overlay each other
+    from byte 0 of one allocation; a sequence of T tokens takes ``max_num_blocks_per_req(T)``
+    blocks in every group that keeps a cache (no sliding-window discount)."""
 
     num_blocks: int = attrs.field(validator=attrs_positive)
     kv_cache_tensors: list[KVCacheTensor] = attrs.field(

@@ -1,9 +1,6 @@
-"""Which bytes the first ``n`` blocks of an elastic cache need, and committing exactly those.
-
-Plan, strides and views are those of all ``max_num_blocks`` blocks; only the memory behind
-them follows the block count, read off the views (one prefix for a block-outermost layout,
-one run per layer, or per layer and head, for a layer-compact one).
-"""
+"""Which bytes the first ``n`` blocks of an elastic cache need, and committing exactly those:
+plan, strides and views are those of all ``max_num_blocks`` blocks, and only the memory behind
+them follows the block count."""
 
 from __future__ import annotations
 

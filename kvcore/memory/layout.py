@@ -1,7 +1,6 @@
 """The six physical layouts of the logical ``[L, B, H, N, C]`` KV cache tensor, and its strides.
 
-Each layout is its name: the logical dims outermost first. Every property, stride and view
-is derived from that string, never from a branch per layout.
+A layout is its name, the logical dims outermost first; every property and stride is read off it.
 """
 
 from __future__ import annotations
@@ -157,10 +156,7 @@ def block_runs(
     max_runs: int | None = None,
 ) -> tuple[list[int], int]:
     """Offsets (from block 0's first byte) and common length of the contiguous runs that cover
-    manager block 0 of a strided view once (dim 0: rows, ``rows_per_block`` of them a block).
-
-    ``ValueError`` when there would be more than ``max_runs`` (None: no limit).
-    """
+    manager block 0 of a strided view once (dim 0: rows, ``rows_per_block`` of them a block)."""
     dims = [(n, s) for n, s in zip(shape[1:], byte_strides[1:]) if n > 1]
     if rows_per_block > 1:
         dims.append((rows_per_block, byte_strides[0]))

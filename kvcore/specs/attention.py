@@ -31,11 +31,9 @@ def _head_size_v(default: int | None) -> Any:
 
 @attrs.frozen
 class AttentionSpec(KVCacheSpec):
-    """Paged attention: ``C`` packs K then V of one head at one state (SPEC §2-3).
-
-    ``tokens_per_state`` > 1 compresses several tokens into one state; a ``Fraction`` < 1
-    stores several states per token; <= 0 stores one state per block whatever its size.
-    """
+    """Paged attention: ``C`` packs K then V of one head at one state (SPEC §2-3); a
+    ``tokens_per_state`` > 1 compresses tokens, a ``Fraction`` < 1 stores several states per
+    token, <= 0 one state per block."""
 
     num_kv_heads: int = attrs.field(validator=attrs_positive)
     head_size: int = attrs.field(validator=attrs_positive)
