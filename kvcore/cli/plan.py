@@ -18,8 +18,7 @@ import attrs
 from kvcore._table import Column, format_ranges, render, terminal_width
 from kvcore._units import format_bytes, format_bytes_exact
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
-from kvcore.memory.plan_groups import group_layers, is_encoder_only
-from kvcore.memory.planner import plan_kv_cache
+from kvcore.memory.planner import group_layers, is_encoder_only, plan_kv_cache
 from kvcore.model_files import PRESET_DIR, ModelDescription, load_model_file, preset_names
 from kvcore.model_runner.binding import extract_layer_index
 

@@ -1,10 +1,8 @@
 """Backing memory for an elastic KV cache: reserve address space once, commit parts of it.
 
-A :class:`BackingMemory` exposes its whole reservation as one int8 tensor (no copy), so
-plans, strides and views made for all of it work unchanged; memory is committed and
-released in whole granules, reads as zero when committed, and bytes outside committed
-granules must never be touched. CPU: an anonymous ``MAP_NORESERVE`` mapping (here); CUDA:
-the driver's virtual memory API (:mod:`kvcore.memory.backing_cuda`).
+The whole reservation is one int8 tensor (no copy), so plans, strides and views made for all
+of it work unchanged; memory is committed and released in whole granules and reads as zero
+when committed. CPU: an anonymous ``MAP_NORESERVE`` mapping (here); CUDA: ``backing_cuda``.
 """
 
 from __future__ import annotations
@@ -30,8 +28,7 @@ class BackingMemory:
     tensor: torch.Tensor  # the reservation's first ``requested`` bytes as one int8 tensor
 
     def commit(self, start: int, end: int) -> None:
-        """Back the granule-aligned ``[start, end)`` with zeroed memory, all or nothing
-        (KVCoreError saying how much was asked)."""
+        """Back the granule-aligned ``[start, end)`` with zeroed memory, all or nothing."""
         raise NotImplementedError
 
     def decommit(self, start: int, end: int) -> None:
@@ -48,9 +45,8 @@ class BackingMemory:
 
 
 class CpuBacking(BackingMemory):
-    """An anonymous private ``MAP_NORESERVE`` mapping: pages are backed when first touched
-    and released with ``madvise(MADV_DONTNEED)``; :meth:`commit` checks that the system
-    has the memory available."""
+    """A private ``MAP_NORESERVE`` mapping: pages are backed when first touched and released
+    with ``madvise(MADV_DONTNEED)``; ``commit`` checks the system has the memory."""
 
     def __init__(self, size: int, granularity: int | None = None) -> None:
         page = mmap.PAGESIZE
@@ -90,22 +86,20 @@ class CpuBacking(BackingMemory):
 def reserve_backing(
     size: int, device: torch.device, granularity: int | None = None
 ) -> BackingMemory:
-    """Reserve ``size`` bytes on ``device`` (CPU or CUDA), nothing committed yet.
-
-    ``granularity`` (CPU only) coarsens the commit unit, e.g. to rehearse a GPU's granules.
-    """
+    """Reserve ``size`` bytes on a CPU or CUDA ``device``, nothing committed yet
+    (``granularity``, CPU only, coarsens the commit unit, e.g. to rehearse a GPU's)."""
     device = torch.device(device)
     if device.type == "cpu":
         return CpuBacking(size, granularity)
-    if device.type == "cuda":
-        from kvcore.memory.backing_cuda import CudaBacking
+    if device.type != "cuda":
+        raise KVCoreError(
+            f"an elastic KV cache (max_num_blocks) needs a CPU or CUDA device, got "
+            f"{str(device)!r}; drop max_num_blocks or use one of those"
+        )
+    if granularity is not None:
+        raise ValueError(
+            "granularity applies to CPU caches only; a GPU commits at its driver's granularity"
+        )
+    from kvcore.memory.backing_cuda import CudaBacking
 
-        if granularity is not None:
-            raise ValueError(
-                "granularity applies to CPU caches only; a GPU commits at its driver's granularity"
-            )
-        return CudaBacking(size, device)
-    raise KVCoreError(
-        f"an elastic KV cache (max_num_blocks) needs a CPU or CUDA device, got {str(device)!r}; "
-        "drop max_num_blocks or use one of those"
-    )
+    return CudaBacking(size, device)

@@ -1,12 +1,9 @@
 """CUDA backing memory through the driver's virtual memory API (``cuda-bindings``).
 
-The address range is reserved once with ``cuMemAddressReserve``; committing
-a granule creates physical memory (``cuMemCreate``), maps it into the range
-(``cuMemMap``) and grants the device access (``cuMemSetAccess``); releasing
-unmaps it and frees the memory (``cuMemUnmap``, ``cuMemRelease``). Every
-granule has its own physical handle, so any granule can go back on its own.
-The range is handed to torch once, through ``__cuda_array_interface__``: the
-tensor's address never changes, whatever is committed later.
+The range is reserved once (``cuMemAddressReserve``) and handed to torch once through
+``__cuda_array_interface__``, so the tensor's address never changes. Each committed granule
+has its own physical handle (``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``) and goes
+back on its own (``cuMemUnmap``, ``cuMemRelease``).
 """
 
 from __future__ import annotations
@@ -18,8 +15,8 @@ import torch
 from kvcore._units import format_bytes
 from kvcore.errors import KVCoreError
 from kvcore.memory.backing import BackingMemory
-from kvcore.memory.layout import round_up
 from kvcore.memory.elastic import merge_ranges
+from kvcore.memory.layout import round_up
 
 _REMEDY = "install the optional extra: pip install 'kvcore[elastic]' (the cuda-bindings package)"
 
@@ -32,30 +29,41 @@ def driver_module() -> Any:
         try:
             from cuda import cuda as driver  # NOTE: cuda-python < 12.6 named the module so
         except ImportError:
-            raise KVCoreError(f"an elastic KV cache on a GPU needs the CUDA driver API bindings; {_REMEDY}") from None
+            raise KVCoreError(
+                f"an elastic KV cache on a GPU needs the CUDA driver API bindings; {_REMEDY}"
+            ) from None
     return driver
 
 
-def _check(driver: Any, result: Any, call: str) -> Any:
-    """The value(s) of a driver call's ``(CUresult, ...)`` tuple; KVCoreError on failure."""
+def _call(driver: Any, name: str, *args: Any) -> Any:
+    """Call ``driver.<name>(*args)``: the value(s) after its ``CUresult``, else KVCoreError."""
+    result = getattr(driver, name)(*args)
     err, *values = result if isinstance(result, tuple) else (result,)
     if err != driver.CUresult.CUDA_SUCCESS:
-        name = driver.cuGetErrorName(err)[1]
-        raise KVCoreError(f"{call} failed: {name.decode() if isinstance(name, bytes) else name}")
+        error = driver.cuGetErrorName(err)[1]
+        raise KVCoreError(f"{name} failed: {error.decode() if isinstance(error, bytes) else error}")
     return values[0] if len(values) == 1 else values or None
 
 
 class _Reservation:
-    """The reserved range and the physical handle of each committed granule; frees all when dropped."""
+    """The reserved range, as torch reads it (``__cuda_array_interface__`` of its first
+    ``nbytes``), and each committed granule's physical handle; frees all when dropped."""
 
-    def __init__(self, driver: Any, base: int, size: int, granularity: int) -> None:
+    def __init__(self, driver: Any, base: int, size: int, granularity: int, nbytes: int) -> None:
         self.driver, self.base, self.size, self.granularity = driver, base, size, granularity
         self.handles: dict[int, Any] = {}  # granule offset -> physical handle
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|i1",
+            "data": (base, False),
+            "strides": None,
+            "version": 2,
+        }
 
     def unmap(self, offset: int) -> None:
         d = self.driver
-        _check(d, d.cuMemUnmap(d.CUdeviceptr(self.base + offset), self.granularity), "cuMemUnmap")
-        _check(d, d.cuMemRelease(self.handles.pop(offset)), "cuMemRelease")
+        _call(d, "cuMemUnmap", d.CUdeviceptr(self.base + offset), self.granularity)
+        _call(d, "cuMemRelease", self.handles.pop(offset))
 
     def __del__(self) -> None:
         d = self.driver
@@ -67,16 +75,6 @@ class _Reservation:
             pass
 
 
-class _DeviceRange:
-    """What ``torch.as_tensor`` reads: the reserved range as one int8 array; keeps the reservation alive."""
-
-    def __init__(self, reservation: _Reservation, nbytes: int) -> None:
-        self.reservation = reservation
-        self.__cuda_array_interface__ = {
-            "shape": (nbytes,), "typestr": "|i1", "data": (reservation.base, False), "strides": None, "version": 2,
-        }
-
-
 class CudaBacking(BackingMemory):
     """A reserved device address range, committed in the device's allocation granules."""
 
@@ -86,38 +84,39 @@ class CudaBacking(BackingMemory):
         self.device = torch.device("cuda", index)
         with torch.cuda.device(self.device):
             torch.empty(1, device=self.device)  # NOTE: makes torch's primary context current here
-            _check(d, d.cuInit(0), "cuInit")
-            prop = d.CUmemAllocationProp()
+            _call(d, "cuInit", 0)
+            on_device = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            prop = self._prop = d.CUmemAllocationProp()
             prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
-            prop.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            prop.location.type = on_device
             prop.location.id = index
-            self._prop = prop
-            access = d.CUmemAccessDesc()
-            access.location.type = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+            access = self._access = d.CUmemAccessDesc()
+            access.location.type = on_device
             access.location.id = index
             access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
-            self._access = access
             flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-            self.granularity = int(_check(d, d.cuMemGetAllocationGranularity(prop, flag), "cuMemGetAllocationGranularity"))
-            self.size = round_up(size, self.granularity)
+            self.granularity = g = int(_call(d, "cuMemGetAllocationGranularity", prop, flag))
+            self.size = round_up(size, g)
             try:
-                base = _check(d, d.cuMemAddressReserve(self.size, self.granularity, 0, 0), "cuMemAddressReserve")
+                base = _call(d, "cuMemAddressReserve", self.size, g, 0, 0)
             except KVCoreError as exc:
-                raise KVCoreError(f"cannot reserve {format_bytes(self.size)} of device address space ({exc}); "
-                                  "lower max_num_blocks") from exc
-            self._res = _Reservation(d, int(base), self.size, self.granularity)
+                raise KVCoreError(
+                    f"cannot reserve {format_bytes(self.size)} of device address space ({exc}); "
+                    "lower max_num_blocks"
+                ) from exc
+            self._res = _Reservation(d, int(base), self.size, g, size)
             # NOTE: torch asks the driver which device the pointer lives on, which needs memory
             # mapped there: the first granule (block 0 of the first layer in every layout) is.
             self.tensor = torch.empty(0, dtype=torch.int8, device=self.device)
-            self.commit(0, self.granularity)
+            self.commit(0, g)
             try:
-                self.tensor = torch.as_tensor(_DeviceRange(self._res, size), device=self.device)
-            except (RuntimeError, TypeError, ValueError) as exc:  # NOTE: torch reads the interface through numpy
+                self.tensor = torch.as_tensor(self._res, device=self.device)
+            except (RuntimeError, TypeError, ValueError) as exc:  # NOTE: torch reads it via numpy
                 raise KVCoreError(
                     f"torch could not wrap the reserved device range as a tensor ({exc}); "
                     "install numpy, which torch needs to read __cuda_array_interface__"
                 ) from exc
-            self.tensor[: self.granularity].zero_()
+            self.tensor[:g].zero_()
 
     def commit(self, start: int, end: int) -> None:
         """Map the granules of ``[start, end)`` that are not mapped yet (the first one may be)."""
@@ -129,21 +128,22 @@ class CudaBacking(BackingMemory):
                 for offset in range(start, end, g):
                     if offset in res.handles:
                         continue
-                    handle = _check(d, d.cuMemCreate(g, self._prop, 0), "cuMemCreate")
+                    handle = _call(d, "cuMemCreate", g, self._prop, 0)
+                    address = d.CUdeviceptr(res.base + offset)
                     try:
-                        _check(d, d.cuMemMap(d.CUdeviceptr(res.base + offset), g, 0, handle, 0), "cuMemMap")
+                        _call(d, "cuMemMap", address, g, 0, handle, 0)
                     except KVCoreError:
                         d.cuMemRelease(handle)
                         raise
                     res.handles[offset] = handle
                     done.append(offset)
-                    _check(d, d.cuMemSetAccess(d.CUdeviceptr(res.base + offset), g, [self._access], 1), "cuMemSetAccess")
+                    _call(d, "cuMemSetAccess", address, g, [self._access], 1)
             except KVCoreError as exc:
                 for offset in done:
                     res.unmap(offset)
                 raise KVCoreError(
-                    f"cannot commit {format_bytes(end - start)} of KV cache on {self.device} ({exc}); "
-                    "resize to fewer blocks or free device memory"
+                    f"cannot commit {format_bytes(end - start)} of KV cache on {self.device} "
+                    f"({exc}); resize to fewer blocks or free device memory"
                 ) from exc
             # NOTE: fresh physical memory holds stale bytes; committed memory reads as zero.
             for first, last in merge_ranges((o, o + g) for o in done):

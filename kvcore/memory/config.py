@@ -24,10 +24,11 @@ def _layer_names(value: Any) -> tuple[str, ...]:
 
 
 def _check_layers(inst: Any, attribute: Any, value: tuple[str, ...]) -> None:
+    where = f"{type(inst).__name__}.{attribute.name}"
     if not value:
-        raise ValueError(f"{type(inst).__name__}.{attribute.name} must name at least one layer")
+        raise ValueError(f"{where} must name at least one layer")
     if len(set(value)) != len(value):
-        raise ValueError(f"{type(inst).__name__}.{attribute.name} repeats a layer: {list(value)}")
+        raise ValueError(f"{where} repeats a layer: {list(value)}")
 
 
 def _instances_of(cls: type, *, each: bool = False) -> Any:
@@ -73,13 +74,14 @@ class KVCacheGroupSpec:
 
 def _grows_with_tokens(spec: KVCacheSpec) -> bool:
     """Whether a sequence needs more blocks of ``spec`` as it grows (attention, not state)."""
-    return spec.max_num_blocks_per_req(spec.block_size + 1) > 1
+    return spec.has_cache_pages and spec.max_num_blocks_per_req(spec.block_size + 1) > 1
 
 
 @attrs.define
 class KVCacheConfig:
-    """A planned KV cache: ``num_blocks`` blocks shared by all groups, which overlay
-    each other from byte 0 of one allocation (a block id belongs to one group at a time)."""
+    """A planned KV cache: ``num_blocks`` blocks shared by all groups, which overlay each other
+    from byte 0 of one allocation; a sequence of T tokens takes ``max_num_blocks_per_req(T)``
+    blocks in every group that keeps a cache (no sliding-window discount)."""
 
     num_blocks: int = attrs.field(validator=attrs_positive)
     kv_cache_tensors: list[KVCacheTensor] = attrs.field(
@@ -103,22 +105,12 @@ class KVCacheConfig:
                 return group_id, group
         raise ValueError(f"layer {layer_name!r} is in no KV cache group of this config")
 
-    @property
-    def layer_names(self) -> list[str]:
-        return [name for g in self.kv_cache_groups for name in g.layer_names]
-
-    # NOTE: capacity. A sequence of T tokens takes ``spec.max_num_blocks_per_req(T)``
-    # blocks in every group that keeps a cache (no sliding-window discount); block 0
-    # is the null block.
-
-    @property
-    def usable_blocks(self) -> int:
-        """Blocks a scheduler can hand out: all but the null block 0."""
-        return self.num_blocks - 1
+    layer_names = property(lambda self: [n for g in self.kv_cache_groups for n in g.layer_names])
+    #: Blocks a scheduler can hand out: all but the null block 0.
+    usable_blocks = property(lambda self: self.num_blocks - 1)
 
     def _spec_of_group(self, group_id: int) -> KVCacheSpec:
-        group_id = as_int("group_id", group_id)
-        count = len(self.kv_cache_groups)
+        group_id, count = as_int("group_id", group_id), len(self.kv_cache_groups)
         if not 0 <= group_id < count:
             raise ValueError(
                 f"group_id={group_id} is out of range; this config has "
@@ -134,11 +126,8 @@ class KVCacheConfig:
     def blocks_per_sequence(self, num_tokens: int) -> int:
         """Blocks one sequence of ``num_tokens`` tokens takes over all groups."""
         num_tokens = positive_int("num_tokens", num_tokens)
-        return sum(
-            g.kv_cache_spec.max_num_blocks_per_req(num_tokens)
-            for g in self.kv_cache_groups
-            if g.kv_cache_spec.has_cache_pages
-        )
+        specs = [g.kv_cache_spec for g in self.kv_cache_groups]
+        return sum(s.max_num_blocks_per_req(num_tokens) for s in specs if s.has_cache_pages)
 
     def sequence_capacity(self, num_tokens: int) -> int:
         """Sequences of ``num_tokens`` tokens each that fit in the pool at once (0: none)."""
@@ -147,16 +136,10 @@ class KVCacheConfig:
 
     @property
     def token_capacity(self) -> int:
-        """Tokens one sequence can hold with every group keeping all its blocks (SPEC §2).
-
-        0 when no sequence fits, or when no group's blocks grow with the tokens
-        (state-only or encoder-only models: see :meth:`sequence_capacity`).
-        """
-        growing = [
-            g.kv_cache_spec.block_size
-            for g in self.kv_cache_groups
-            if g.kv_cache_spec.has_cache_pages and _grows_with_tokens(g.kv_cache_spec)
-        ]
+        """Tokens one sequence can hold with every group keeping all its blocks (SPEC §2);
+        0 when none fits or no group's blocks grow with the tokens (see ``sequence_capacity``)."""
+        specs = [g.kv_cache_spec for g in self.kv_cache_groups]
+        growing = [s.block_size for s in specs if _grows_with_tokens(s)]
         usable = self.usable_blocks
         if not growing or self.blocks_per_sequence(1) > usable:
             return 0
@@ -167,16 +150,16 @@ class KVCacheConfig:
     def group_token_capacity(self, group_id: int) -> int:
         """Tokens one sequence can hold in attention group ``group_id`` alone (an upper bound)."""
         spec = self._spec_of_group(group_id)
+        what = f"group {group_id} ({type(spec).__name__})"
         if not spec.has_cache_pages:
             raise ValueError(
-                f"group {group_id} ({type(spec).__name__}) keeps no KV cache, so it has no "
-                "token capacity; ask token_capacity for the whole model"
+                f"{what} keeps no KV cache, so it has no token capacity; ask token_capacity "
+                "for the whole model"
             )
         if not _grows_with_tokens(spec):
             raise ValueError(
-                f"group {group_id} ({type(spec).__name__}) is a state cache: it keeps one "
-                "block per sequence whatever the sequence's length, so it has no token "
-                "capacity; use sequence_capacity(num_tokens) for how many sequences fit "
-                "(check is_state_group(group_id) first)"
+                f"{what} is a state cache (one block per sequence whatever its length), so it "
+                "has no token capacity; use sequence_capacity(num_tokens) (check "
+                "is_state_group(group_id) first)"
             )
         return self.usable_blocks * spec.block_size

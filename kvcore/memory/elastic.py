@@ -1,10 +1,6 @@
-"""Which bytes the first ``n`` blocks of an elastic cache need, and committing exactly those.
-
-Plan, strides and views are those of all ``max_num_blocks`` blocks; only the memory behind
-them follows the block count. The layout decides what a granule holds, read off the views:
-a block-outermost layout keeps blocks ``[0, n)`` in one prefix; a layer-compact one keeps
-one run per layer (per layer and head in LHBNC), each committed for its first ``n`` blocks.
-"""
+"""Which bytes the first ``n`` blocks of an elastic cache need, and committing exactly those:
+plan, strides and views are those of all ``max_num_blocks`` blocks, and only the memory behind
+them follows the block count."""
 
 from __future__ import annotations
 
@@ -37,12 +33,8 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> Ranges:
 
 
 def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> Ranges:
-    """Byte ranges (from the allocation's start) that blocks ``[0, num_blocks)`` occupy.
-
-    Each run of block 0 repeats at the manager block stride, so blocks ``[0, n)`` of it span
-    from block 0's copy to the end of block ``n - 1``'s (what lies between belongs to other
-    layers or padding of blocks below ``n``, never to a higher block).
-    """
+    """Byte ranges (from the allocation's start) that blocks ``[0, num_blocks)`` occupy: each
+    run of block 0, from block 0's copy to the end of block ``n - 1``'s."""
     spans = []
     for view, rows in views.values():
         item = view.element_size()
@@ -55,7 +47,6 @@ def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> Ranges:
 
 
 def granule_ranges(ranges: Iterable[tuple[int, int]], granularity: int) -> Ranges:
-    """``ranges`` widened to whole granules, merged."""
     g = granularity
     return merge_ranges((start // g * g, round_up(end, g)) for start, end in ranges)
 
@@ -87,12 +78,10 @@ class ElasticMemory:
         self.num_blocks = 0
 
     def track(self, views: Mapping[str, ViewRows]) -> None:
-        """The layer views (over :attr:`backing`'s tensor) whose blocks decide what is committed."""
+        """The layer views (over ``backing.tensor``) whose blocks decide what is committed."""
         self._views = dict(views)
 
-    @property
-    def committed_bytes(self) -> int:
-        return sum(end - start for start, end in self._committed)
+    committed_bytes = property(lambda self: sum(end - start for start, end in self._committed))
 
     def resize(self, num_blocks: int) -> None:
         """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed
@@ -115,7 +104,6 @@ class ElasticMemory:
 
 
 def checked_max_blocks(max_num_blocks: Any) -> int:
-    """``max_num_blocks`` as an int of at least 2, else a ``TypeError``/``ValueError``."""
     max_num_blocks = as_int("max_num_blocks", max_num_blocks)
     if max_num_blocks < 2:
         raise ValueError(
@@ -152,9 +140,8 @@ def reserve_elastic(
     config: KVCacheConfig, device: torch.device
 ) -> tuple[ElasticMemory, torch.Tensor]:
     """Reserve the allocation of ``config`` (all its blocks) without committing any of it."""
-    raw = [
-        n for g in config.kv_cache_groups for n in g.layer_names if not g.spec_of(n).has_layer_views
-    ]
+    groups = config.kv_cache_groups
+    raw = [n for g in groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
     if raw or not config.kv_cache_tensors:
         raise ValueError(
             f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps "

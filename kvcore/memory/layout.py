@@ -1,4 +1,7 @@
-"""The six physical layouts of the logical ``[L, B, H, N, C]`` KV cache tensor, and its strides."""
+"""The six physical layouts of the logical ``[L, B, H, N, C]`` KV cache tensor, and its strides.
+
+A layout is its name, the logical dims outermost first; every property and stride is read off it.
+"""
 
 from __future__ import annotations
 
@@ -41,35 +44,15 @@ class KVCacheLayout(enum.Enum):
             valid = ", ".join([m.name for m in cls] + list(_ALIASES))
             raise ValueError(f"unknown KV cache layout {text!r}; valid names: {valid}") from None
 
-    @property
-    def stride_order(self) -> tuple[int, ...]:
-        """Logical dim indices (L=0 B=1 H=2 N=3 C=4), outermost first in memory."""
-        return tuple("LBHNC".index(ch) for ch in self.value)
-
-    @property
-    def layer_view_order(self) -> tuple[int, ...]:
-        """Dims of a layer's ``[B, H, N, C]`` view (B=0 .. C=3), outermost first."""
-        return tuple(d - 1 for d in self.stride_order if d != L)
-
-    @property
-    def is_layer_compact(self) -> bool:
-        """L is outermost: each layer is one contiguous region."""
-        return self.value[0] == "L"
-
-    @property
-    def is_block_outermost(self) -> bool:
-        """B is outermost: all layers of one block sit next to each other."""
-        return self.value[0] == "B"
-
-    @property
-    def is_block_compact(self) -> bool:
-        """The first two dims are L and B: a (layer, block) page is one run."""
-        return set(self.value[:2]) == {"L", "B"}
-
-    @property
-    def is_block_contiguous(self) -> bool:
-        """The last three dims are H, N, C in that order."""
-        return self.value[2:] == "HNC"
+    #: Logical dim indices (L=0 B=1 H=2 N=3 C=4), outermost first in memory.
+    stride_order = property(lambda self: tuple("LBHNC".index(ch) for ch in self.value))
+    #: Dims of a layer's ``[B, H, N, C]`` view (B=0 .. C=3), outermost first.
+    layer_view_order = property(lambda self: tuple(d - 1 for d in self.stride_order if d != L))
+    is_layer_compact = property(lambda self: self.value[0] == "L")
+    is_block_outermost = property(lambda self: self.value[0] == "B")
+    #: The first two dims are L and B: a (layer, block) page is one run.
+    is_block_compact = property(lambda self: set(self.value[:2]) == {"L", "B"})
+    is_block_contiguous = property(lambda self: self.value[2:] == "HNC")
 
 
 def split_ratio(block_size: int, kernel_block_size: int | None) -> int:
@@ -94,6 +77,19 @@ def kernel_extents(
     return (num_layers, num_blocks * ratio, spec.num_heads, states, spec.state_content_size_bytes)
 
 
+def _fixed_strides(fixed_strides: Sequence[int | None]) -> tuple[int | None, ...]:
+    try:
+        fixed = tuple(fixed_strides)
+    except TypeError:
+        raise TypeError(f"fixed_strides must be 5 ints or Nones, got {fixed_strides!r}") from None
+    if len(fixed) != 5:
+        raise ValueError(f"fixed_strides needs 5 entries ([L, B, H, N, C]), got {len(fixed)}")
+    return tuple(
+        None if s is None else non_negative_int(f"fixed stride of {'LBHNC'[d]}", s)
+        for d, s in enumerate(fixed)
+    )
+
+
 def compute_layout_strides(
     spec: KVCacheSpec,
     num_blocks: int,
@@ -114,17 +110,7 @@ def compute_layout_strides(
     layout = KVCacheLayout.parse(layout)
     num_blocks = positive_int("num_blocks", num_blocks)
     num_layers = positive_int("num_layers", num_layers)
-    try:
-        fixed = tuple(fixed_strides)
-    except TypeError:
-        raise TypeError(f"fixed_strides must be 5 ints or Nones, got {fixed_strides!r}") from None
-    if len(fixed) != 5:
-        raise ValueError(f"fixed_strides needs 5 entries ([L, B, H, N, C]), got {len(fixed)}")
-    fixed = tuple(
-        None if s is None else non_negative_int(f"fixed stride of {'LBHNC'[d]}", s)
-        for d, s in enumerate(fixed)
-    )
-
+    fixed = _fixed_strides(fixed_strides)
     block_size, padded = spec.block_size, spec.page_size_padded
     ratio = split_ratio(block_size, kernel_block_size)
     if padded is not None and ratio > 1:
@@ -143,25 +129,21 @@ def compute_layout_strides(
     order = layout.stride_order
     # NOTE: the "page grid" is the physical dims down to the inner one of L and B.
     grid_end = max(order.index(L), order.index(B))
-    grid = math.prod(extents[d] for d in order[: grid_end + 1])
-    if padded is not None and grid != num_layers * num_blocks:
+    if padded is not None and math.prod(extents[d] for d in order[: grid_end + 1]) != (
+        num_layers * num_blocks
+    ):
         raise ValueError(
             f"layout {layout.name} puts heads between layers and blocks, so a padded "
             f"page cannot be expressed for {spec.num_heads} heads; use a "
             "block-compact layout such as LBNHC or BLNHC"
         )
-
-    strides = [0] * 5
-    running = 1
+    strides, running = [0] * 5, 1
     for pos in range(4, -1, -1):
         d = order[pos]
         stride = fixed[d]
         if stride is None:
-            stride = running
-            if padded is not None and pos == grid_end:
-                stride = max(stride, padded)
-        strides[d] = stride
-        running = stride * extents[d]
+            stride = max(running, padded) if padded is not None and pos == grid_end else running
+        strides[d], running = stride, stride * extents[d]
     return tuple(strides)  # type: ignore[return-value]
 
 
@@ -173,20 +155,14 @@ def block_runs(
     *,
     max_runs: int | None = None,
 ) -> tuple[list[int], int]:
-    """Offsets (from block 0's first byte) and common length of the contiguous runs of
-    manager block 0 in a strided view (dim 0: rows, ``rows_per_block`` of them a block).
-
-    The runs cover each byte of the block once: one per combination of the dims outside
-    the innermost contiguous run (heads in LHBNC, kernel blocks of a split block, ...).
-    ``ValueError`` when there would be more than ``max_runs`` (None: no limit).
-    """
+    """Offsets (from block 0's first byte) and common length of the contiguous runs that cover
+    manager block 0 of a strided view once (dim 0: rows, ``rows_per_block`` of them a block)."""
     dims = [(n, s) for n, s in zip(shape[1:], byte_strides[1:]) if n > 1]
     if rows_per_block > 1:
         dims.append((rows_per_block, byte_strides[0]))
     dims.append((itemsize, 1))
-    dims.sort(key=lambda d: d[1])
     run, outer = 1, []
-    for extent, stride in dims:
+    for extent, stride in sorted(dims, key=lambda d: d[1]):
         if not outer and stride == run:
             run *= extent
         else:

@@ -1,14 +1,7 @@
-"""Plan a model's KV cache: groups, bytes per block, block count and tensors.
+"""Plan a model's KV cache (SPEC §6): groups, bytes per block, block count and tensors.
 
-One allocation of ``num_blocks * bytes_per_block`` bytes backs every group; each group's
-tensors span it from byte 0 and a block id belongs to one group at a time.
-Layer-compact layouts give each layer of a group ``num_blocks`` blocks of stride
-``round_up(page, alignment)``: overlaid groups must share that stride (LHBNC also one head
-split). Block-outermost layouts give block ``b`` the bytes ``[b, b + 1) * bytes_per_block``
-and lay every group's pages inside it. A ``UniformTypeKVCacheSpecs`` group gets one tensor
-per distinct spec, placed one after another, largest element size first. A layout that
-cannot hold the model is refused before the budget is checked, naming the layouts that can
-(each tried with a dry run, so a named layout really plans and allocates).
+A layout that cannot hold the model is refused before the budget is checked, naming the
+layouts that can (each tried with a dry run, so a named layout really plans and allocates).
 """
 
 from __future__ import annotations
@@ -23,18 +16,89 @@ from kvcore._units import format_bytes_exact
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, round_up
-from kvcore.memory.plan_groups import group_layers, is_encoder_only
 from kvcore.memory.views import create_kv_cache_views
-from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
+from kvcore.specs import KVCacheSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 
-# NOTE: the order in which a refusal names the layouts that can plan a model
-# (after those of the requested layout's family).
+# NOTE: the order in which a refusal names the layouts that can plan a model.
 _PREFERRED = tuple(KVCacheLayout[n] for n in ("LBNHC", "BLNHC", "LBHNC", "BLHNC", "LHBNC", "BHLNC"))
 _MIN_BLOCKS = 2  # block 0 is the null block, so a pool needs one more
 
 
 class _Refusal(ValueError):
-    """The layout cannot express the model's pages (re-raised with a remedy)."""
+    """The layout cannot express the model's pages (re-raised naming layouts that can)."""
+
+
+def is_encoder_only(group: KVCacheGroupSpec) -> bool:
+    """Whether a group's layers keep no KV cache."""
+    return not group.kv_cache_spec.has_cache_pages
+
+
+def _paddable(spec: KVCacheSpec) -> bool:
+    return attrs.has(type(spec)) and "page_size_padded" in attrs.fields_dict(type(spec))
+
+
+def _unify_page_size(spec: KVCacheSpec, page: int, layer_name: str) -> KVCacheSpec:
+    """``spec`` grown (a larger block size) or padded so that its page is ``page`` bytes."""
+    current = spec.page_size_bytes
+    if current == page:
+        return spec
+    if page % current == 0 and spec.page_size_padded is None:
+        scaled = spec.copy_with_new_block_size(spec.block_size * (page // current))
+        if scaled.page_size_bytes == page:  # NOTE: a state cache's page does not grow
+            return scaled
+    mla = isinstance(spec, MLAAttentionSpec)
+    if mla or not _paddable(spec):
+        raise ValueError(
+            f"{'MLA ' if mla else ''}layer {layer_name!r} ({type(spec).__name__}) has a "
+            f"{current}-byte page (block size {spec.block_size}) that does not divide the "
+            f"model's common page of {page} bytes (the largest page, rounded up to a multiple "
+            f"of every element size), and {'MLA' if mla else 'its'} pages cannot be padded; "
+            "choose block sizes whose pages divide the largest page"
+        )
+    return attrs.evolve(spec, page_size_padded=page)
+
+
+def _type_key(spec: KVCacheSpec) -> tuple:
+    """What layers must share to sit in one group despite different shapes."""
+    window = getattr(spec, "sliding_window", None), getattr(spec, "attention_chunk_size", None)
+    return type(spec), spec.block_size, *window
+
+
+def _cache_groups(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    for name, spec in specs.items():
+        page, align = spec.page_size_bytes, spec.dtype_alignment
+        if page % align and _paddable(spec):  # NOTE: a state cache of mixed dtypes
+            specs[name] = attrs.evolve(spec, page_size_padded=round_up(page, align))
+    distinct = list(dict.fromkeys(specs.values()))
+    if len(distinct) == 1:
+        return [KVCacheGroupSpec(list(specs), distinct[0])]
+    if len({_type_key(s) for s in distinct}) == 1:
+        uniform = UniformTypeKVCacheSpecs(distinct[0].block_size, specs)
+        return [KVCacheGroupSpec(list(specs), uniform)]
+    align = math.lcm(*(s.dtype_alignment for s in distinct))
+    page = round_up(max(s.page_size_bytes for s in distinct), align)
+    first_layer = {spec: name for name, spec in reversed(specs.items())}
+    unified = {s: _unify_page_size(s, page, first_layer[s]) for s in distinct}
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        by_spec.setdefault(unified[spec], []).append(name)
+    size = min(len(names) for names in by_spec.values())
+    return [
+        KVCacheGroupSpec(names[start : start + size], spec)
+        for spec, names in by_spec.items()
+        for start in range(0, len(names), size)
+    ]
+
+
+def group_layers(kv_cache_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """KV cache groups of a model, in model order (SPEC §6); encoder-only groups last."""
+    cached = {n: s for n, s in kv_cache_specs.items() if s.has_cache_pages}
+    encoder: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in kv_cache_specs.items():
+        if not spec.has_cache_pages:
+            encoder.setdefault(spec, []).append(name)
+    groups = _cache_groups(cached) if cached else []
+    return groups + [KVCacheGroupSpec(names, spec) for spec, names in encoder.items()]
 
 
 @attrs.frozen
@@ -46,28 +110,7 @@ class _Part:
     spec: KVCacheSpec
     stride: int  # bytes per layer per block (the page, rounded for layer-compact layouts)
 
-    @property
-    def footprint(self) -> int:
-        return len(self.layers) * self.stride
-
-
-def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
-    if not isinstance(kv_cache_specs, Mapping):
-        raise TypeError(
-            "kv_cache_specs must map layer names to specs in model order, got "
-            f"{type(kv_cache_specs).__name__}"
-        )
-    if not kv_cache_specs:
-        raise ValueError("kv_cache_specs is empty; describe at least one layer")
-    for name, spec in kv_cache_specs.items():
-        if not isinstance(name, str):
-            raise TypeError(f"layer names must be str, got {name!r}")
-        if not isinstance(spec, KVCacheSpec) or isinstance(spec, UniformTypeKVCacheSpecs):
-            raise TypeError(
-                f"layer {name!r} needs a per-layer KVCacheSpec (e.g. FullAttentionSpec), "
-                f"got {spec!r}"
-            )
-    return dict(kv_cache_specs)
+    footprint = property(lambda self: len(self.layers) * self.stride)
 
 
 def _parts(groups: list[KVCacheGroupSpec], layer_compact: bool) -> list[_Part]:
@@ -93,19 +136,17 @@ def _bytes_per_block(parts: list[_Part], layout: KVCacheLayout) -> int:
     for part in parts:
         footprints[part.group_id] = footprints.get(part.group_id, 0) + part.footprint
     largest = max(footprints.values())
-    if layout.is_layer_compact:
-        strides = sorted({p.stride for p in parts})
-        if len(footprints) > 1 and len(strides) > 1:
-            raise _Refusal(
-                f"it keeps each layer's blocks together, so overlaid groups need one "
-                f"per-layer block footprint, but this model's groups need {strides} bytes"
-            )
-        return largest
-    alignment = math.lcm(
-        *(p.spec.get_block_stride_alignment() for p in parts),
-        *(p.spec.dtype_alignment for p in parts),
-    )
-    return round_up(largest, alignment)
+    if not layout.is_layer_compact:
+        specs = [p.spec for p in parts]
+        alignments = [a for s in specs for a in (s.get_block_stride_alignment(), s.dtype_alignment)]
+        return round_up(largest, math.lcm(*alignments))
+    strides = sorted({p.stride for p in parts})
+    if len(footprints) > 1 and len(strides) > 1:
+        raise _Refusal(
+            f"it keeps each layer's blocks together, so overlaid groups need one "
+            f"per-layer block footprint, but this model's groups need {strides} bytes"
+        )
+    return largest
 
 
 def _strides(part: _Part, layout: KVCacheLayout, num_blocks: int, bytes_per_block: int):
@@ -122,9 +163,7 @@ def _strides(part: _Part, layout: KVCacheLayout, num_blocks: int, bytes_per_bloc
             f"its {spec.num_heads}-head page padded to {spec.page_size_padded} bytes"
         )
     try:
-        strides = compute_layout_strides(
-            spec, num_blocks, len(part.layers), layout, fixed_strides=fixed
-        )
+        strides = compute_layout_strides(spec, num_blocks, len(part.layers), layout, None, fixed)
     except ValueError as exc:
         raise _Refusal(f"layer {layer!r} cannot be laid out ({exc})") from exc
     if layout.is_layer_compact and strides[0] != num_blocks * part.stride:
@@ -167,10 +206,10 @@ def _tensors(
 
 
 def _checked(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> tuple[list[_Part], int]:
-    """Parts and bytes per block under ``layout``; ``_Refusal`` if it cannot hold them."""
+    """Parts and bytes per block under ``layout`` after a dry run; ``_Refusal`` if it fails."""
     parts = _parts(groups, layout.is_layer_compact)
     bytes_per_block = _bytes_per_block(parts, layout)
-    _tensors(parts, layout, _MIN_BLOCKS, bytes_per_block)  # NOTE: a dry run
+    _tensors(parts, layout, _MIN_BLOCKS, bytes_per_block)
     return parts, bytes_per_block
 
 
@@ -194,6 +233,25 @@ def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: _Ref
     return ValueError(f"layout {layout.name} cannot hold this model's pages: {reason}; {remedy}")
 
 
+def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    if not isinstance(kv_cache_specs, Mapping):
+        raise TypeError(
+            "kv_cache_specs must map layer names to specs in model order, got "
+            f"{type(kv_cache_specs).__name__}"
+        )
+    if not kv_cache_specs:
+        raise ValueError("kv_cache_specs is empty; describe at least one layer")
+    for name, spec in kv_cache_specs.items():
+        if not isinstance(name, str):
+            raise TypeError(f"layer names must be str, got {name!r}")
+        if not isinstance(spec, KVCacheSpec) or isinstance(spec, UniformTypeKVCacheSpecs):
+            raise TypeError(
+                f"layer {name!r} needs a per-layer KVCacheSpec (e.g. FullAttentionSpec), "
+                f"got {spec!r}"
+            )
+    return dict(kv_cache_specs)
+
+
 def plan_kv_cache(
     kv_cache_specs: Mapping[str, KVCacheSpec],
     layout: KVCacheLayout | str,
@@ -201,12 +259,9 @@ def plan_kv_cache(
     available_memory: int | None = None,
     num_blocks: int | None = None,
 ) -> KVCacheConfig:
-    """Plan the KV cache of a model whose layers are ``kv_cache_specs`` (in model order).
-
-    Give exactly one of ``available_memory`` (bytes: the most blocks that fit, at least 2)
-    or ``num_blocks``. An encoder-only model keeps no cache: no tensors, and ``num_blocks``
-    blocks (2 for any budget).
-    """
+    """Plan the KV cache of a model whose layers are ``kv_cache_specs`` (in model order), with
+    exactly one of ``available_memory`` (bytes) or ``num_blocks``; an encoder-only model gets no
+    tensors and ``num_blocks`` blocks (2 for any budget)."""
     layout = KVCacheLayout.parse(layout)
     specs = _check_specs(kv_cache_specs)
     if (available_memory is None) == (num_blocks is None):
@@ -214,16 +269,13 @@ def plan_kv_cache(
             "pass exactly one of available_memory (bytes) or num_blocks, got "
             f"available_memory={available_memory!r}, num_blocks={num_blocks!r}"
         )
-    if num_blocks is not None:
-        num_blocks = positive_int("num_blocks", num_blocks)
-        if num_blocks < _MIN_BLOCKS:
-            raise ValueError(
-                f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
-                "plan at least 2 blocks"
-            )
-    else:
+    if num_blocks is None:
         available_memory = non_negative_int("available_memory", available_memory)
-
+    elif (num_blocks := positive_int("num_blocks", num_blocks)) < _MIN_BLOCKS:
+        raise ValueError(
+            f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
+            "plan at least 2 blocks"
+        )
     groups = group_layers(specs)
     if all(is_encoder_only(g) for g in groups):
         # NOTE: no byte is allocated, so any budget (0 included) holds the minimum pool.

@@ -24,12 +24,8 @@ def create_kv_cache_views(
     kv_cache_tensor: KVCacheTensor,
     kernel_block_size: int | None = None,
 ) -> list[torch.Tensor]:
-    """One ``[B', H, N, C]`` view per layer of ``kv_cache_tensor`` over the int8 buffer ``raw``.
-
-    Views are re-typed to ``spec.view_dtype``. A kernel block size smaller than the block
-    size splits each block into ``ratio`` kernel blocks (``B' = B * ratio``), which needs
-    blocks stored as dense pages.
-    """
+    """One ``[B', H, N, C]`` view per layer of ``kv_cache_tensor`` over the int8 buffer ``raw``,
+    re-typed to ``spec.view_dtype`` (SPEC §3; splitting blocks needs dense pages)."""
     if not isinstance(raw, torch.Tensor) or raw.dtype not in _BYTE_DTYPES or raw.dim() != 1:
         got = f" {raw.dtype} {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else ""
         raise TypeError(
@@ -45,9 +41,8 @@ def create_kv_cache_views(
     ratio = split_ratio(spec.block_size, kernel_block_size)
     if ratio > 1 and tensor.block_stride != spec.real_page_size_bytes:
         padded = spec.page_size_padded
-        page = f"page {spec.real_page_size_bytes} bytes" + (
-            f" padded to {padded}" if padded is not None else ""
-        )
+        page = f"page {spec.real_page_size_bytes} bytes"
+        page += "" if padded is None else f" padded to {padded}"
         raise ValueError(
             f"layout {layout.name} does not store the blocks of {list(tensor.layers)} as "
             f"dense pages (block stride {tensor.block_stride} bytes, {page}), so "
@@ -61,9 +56,7 @@ def create_kv_cache_views(
     layer_stride = tensor.layer_stride if len(tensor.layers) > 1 else None
     fixed = (layer_stride, tensor.block_stride // ratio, None, None, None)
     num_layers = len(tensor.layers)
-    strides = compute_layout_strides(
-        spec, num_blocks, num_layers, layout, kernel_block_size, fixed_strides=fixed
-    )
+    strides = compute_layout_strides(spec, num_blocks, num_layers, layout, kernel_block_size, fixed)
     shape = kernel_extents(spec, num_blocks, num_layers, kernel_block_size)[1:]
     view_strides = strides[1:]
     span = 1 + sum((n - 1) * s for n, s in zip(shape, view_strides))
@@ -84,8 +77,7 @@ def create_kv_cache_views(
                 f"layer {name!r} spans bytes [{start}, {start + span}) but the buffer "
                 f"holds {end}; plan fewer blocks or a larger tensor"
             )
-        view = raw.as_strided(shape, view_strides, base + index * tensor.layer_stride)
-        views.append(view.view(dtype))
+        views.append(raw.as_strided(shape, view_strides, raw.storage_offset() + start).view(dtype))
     return views
 
 
@@ -94,9 +86,8 @@ def checked_device(device: torch.device | str) -> torch.device:
     try:
         device = torch.device(device)
     except (RuntimeError, TypeError) as exc:
-        raise KVCoreError(
-            f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'"
-        ) from exc
+        remedy = "pass 'cpu', 'cuda' or 'cuda:N'"
+        raise KVCoreError(f"invalid device {device!r} ({exc}); {remedy}") from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
             raise KVCoreError(
@@ -114,7 +105,6 @@ def checked_device(device: torch.device | str) -> torch.device:
 
 
 def _zeroed_buffer(size: int, device: torch.device | str) -> torch.Tensor:
-    """The zero-filled int8 backing allocation; torch's refusals become KVCoreError."""
     device = checked_device(device)
     try:
         return torch.zeros(size, dtype=torch.int8, device=device)
@@ -137,13 +127,8 @@ def allocate_kv_cache(
     *,
     buffer: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]``.
-
-    Layers whose spec has no layer views get the raw buffer. ``layout`` must be the plan's
-    (None: that one); ``kernel_block_sizes[g]`` splits group ``g``'s blocks (None: whole);
-    ``buffer`` is viewed instead of a new allocation (an elastic cache's reservation).
-    Nothing is allocated when a check fails (KVCoreError for the device or its memory).
-    """
+    """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]`` (SPEC §3);
+    ``buffer`` is viewed instead (an elastic cache's reservation). A refusal allocates nothing."""
     if not isinstance(kv_cache_config, KVCacheConfig):
         raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")
     if not kv_cache_config.kv_cache_tensors:
@@ -164,10 +149,8 @@ def allocate_kv_cache(
         )
     if kernel_block_sizes is not None:
         if isinstance(kernel_block_sizes, str) or not isinstance(kernel_block_sizes, Sequence):
-            raise TypeError(
-                "kernel_block_sizes must be a list of ints (one per group), got "
-                f"{kernel_block_sizes!r}"
-            )
+            got = repr(kernel_block_sizes)
+            raise TypeError(f"kernel_block_sizes must be a list of ints (one per group), got {got}")
         kernel_block_sizes = [
             None if k is None else positive_int(f"kernel_block_sizes[{i}]", k)
             for i, k in enumerate(kernel_block_sizes)
@@ -179,20 +162,15 @@ def allocate_kv_cache(
     if buffer is None:
         buffer = _zeroed_buffer(size, device)
     elif buffer.dtype not in _BYTE_DTYPES or buffer.dim() != 1 or buffer.numel() != size:
-        raise ValueError(
-            f"buffer must be a 1-D int8 tensor of {size} bytes, got "
-            f"{buffer.dtype} {tuple(buffer.shape)}"
-        )
+        got = f"{buffer.dtype} {tuple(buffer.shape)}"
+        raise ValueError(f"buffer must be a 1-D int8 tensor of {size} bytes, got {got}")
     return _layer_views(kv_cache_config, buffer, layout, kernel_block_sizes)
 
 
 def _layer_views(
-    config: KVCacheConfig,
-    buf: torch.Tensor,
-    layout: KVCacheLayout,
-    kernel_block_sizes: list[int | None] | None,
+    config: KVCacheConfig, buf: torch.Tensor, layout: KVCacheLayout, kernels: list | None
 ) -> dict[str, torch.Tensor]:
-    kernel_block_sizes = kernel_block_sizes or []
+    kernels = kernels or []
     kv_caches: dict[str, torch.Tensor] = {}
     for tensor in config.kv_cache_tensors:
         group_id, group = config.group_of(tensor.layers[0])
@@ -200,7 +178,7 @@ def _layer_views(
         if not spec.has_layer_views:
             kv_caches.update((name, buf) for name in tensor.layers)
             continue
-        kernel = kernel_block_sizes[group_id] if group_id < len(kernel_block_sizes) else None
+        kernel = kernels[group_id] if group_id < len(kernels) else None
         views = create_kv_cache_views(buf, spec, config.num_blocks, layout, tensor, kernel)
         kv_caches.update(zip(tensor.layers, views))
     return kv_caches

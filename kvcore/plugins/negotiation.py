@@ -10,7 +10,7 @@ import torch
 
 from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
-from kvcore.memory.plan_groups import is_encoder_only
+from kvcore.memory.planner import is_encoder_only
 from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements

@@ -9,6 +9,5 @@ from kvcore.specs.attention import (  # noqa: F401
     MLAAttentionSpec,
     SlidingWindowSpec,
 )
-from kvcore.specs.base import KVCacheSpec, MultipleOf  # noqa: F401
+from kvcore.specs.base import KVCacheSpec, MultipleOf, UniformTypeKVCacheSpecs  # noqa: F401
 from kvcore.specs.state import MambaSpec  # noqa: F401
-from kvcore.specs.uniform import UniformTypeKVCacheSpecs  # noqa: F401

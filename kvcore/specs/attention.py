@@ -8,12 +8,8 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore._validate import attrs_non_negative, attrs_optional_positive, attrs_positive
-from kvcore.specs.base import KVCacheSpec, check_cache_dtype, padded_page_size
-
-
-def _check_dtype(inst: Any, attribute: Any, value: Any) -> None:
-    check_cache_dtype(f"{type(inst).__name__}.{attribute.name}", value)
+from kvcore._validate import attrs_non_negative, attrs_positive
+from kvcore.specs.base import KVCacheSpec, check_cache_dtype, optional_positive, padded_page_size
 
 
 def _tokens_per_state(value: Any) -> int | Fraction:
@@ -28,31 +24,26 @@ def _tokens_per_state(value: Any) -> int | Fraction:
     return value
 
 
-def _optional_positive() -> Any:
-    return attrs.field(default=None, kw_only=True, validator=attrs_optional_positive)
+def _head_size_v(default: int | None) -> Any:
+    validator = attrs.validators.optional(attrs_non_negative)
+    return attrs.field(default=default, kw_only=True, validator=validator)
 
 
 @attrs.frozen
 class AttentionSpec(KVCacheSpec):
-    """Paged attention: ``C`` packs K then V of one head at one state.
-
-    ``head_size_v=None`` means equal to ``head_size``. ``num_head_slots``
-    overrides ``H`` (e.g. padded heads), ``state_content_bytes`` overrides
-    ``C`` (e.g. quantized K/V with scales), ``page_size_padded`` pads each
-    page. ``tokens_per_state`` > 1 compresses several tokens into one state;
-    a ``Fraction`` < 1 stores several states per token; <= 0 stores one
-    state per block whatever its size.
-    """
+    """Paged attention: ``C`` packs K then V of one head at one state (SPEC §2-3); a
+    ``tokens_per_state`` > 1 compresses tokens, a ``Fraction`` < 1 stores several states per
+    token, <= 0 one state per block."""
 
     num_kv_heads: int = attrs.field(validator=attrs_positive)
     head_size: int = attrs.field(validator=attrs_positive)
-    dtype: torch.dtype = attrs.field(validator=_check_dtype)
-    head_size_v: int | None = attrs.field(
-        default=None, kw_only=True, validator=attrs.validators.optional(attrs_non_negative)
+    dtype: torch.dtype = attrs.field(
+        validator=lambda inst, a, v: check_cache_dtype(f"{type(inst).__name__}.{a.name}", v)
     )
-    page_size_padded: int | None = _optional_positive()  # type: ignore[assignment]
-    num_head_slots: int | None = _optional_positive()
-    state_content_bytes: int | None = _optional_positive()
+    head_size_v: int | None = _head_size_v(None)
+    page_size_padded: int | None = optional_positive()  # type: ignore[assignment]
+    num_head_slots: int | None = optional_positive()
+    state_content_bytes: int | None = optional_positive()
     tokens_per_state: int | Fraction = attrs.field(  # type: ignore[assignment]
         default=1, kw_only=True, converter=_tokens_per_state
     )
@@ -81,10 +72,7 @@ class AttentionSpec(KVCacheSpec):
     page_size_bytes = property(padded_page_size)
     is_attention = property(lambda self: True)
     view_dtype = property(lambda self: self.dtype)
-
-    @property
-    def num_heads(self) -> int:
-        return self.num_kv_heads if self.num_head_slots is None else self.num_head_slots
+    num_heads = property(lambda self: self.num_head_slots or self.num_kv_heads)
 
     @property
     def state_content_size_bytes(self) -> int:
@@ -97,8 +85,8 @@ class AttentionSpec(KVCacheSpec):
 class FullAttentionSpec(AttentionSpec):
     """Causal attention over the whole context (a merged layer's window kept in its fields)."""
 
-    sliding_window: int | None = _optional_positive()
-    attention_chunk_size: int | None = _optional_positive()
+    sliding_window: int | None = optional_positive()
+    attention_chunk_size: int | None = optional_positive()
 
 
 @attrs.frozen
@@ -119,9 +107,7 @@ class ChunkedLocalAttentionSpec(AttentionSpec):
 class MLAAttentionSpec(FullAttentionSpec):
     """Multi-head latent attention: one latent vector per state (no separate V)."""
 
-    head_size_v: int | None = attrs.field(
-        default=0, kw_only=True, validator=attrs.validators.optional(attrs_non_negative)
-    )
+    head_size_v: int | None = _head_size_v(0)
 
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()

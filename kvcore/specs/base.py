@@ -1,26 +1,16 @@
-"""The base KV cache spec and the ``MultipleOf`` block-size constraint."""
+"""The base KV cache spec, ``MultipleOf``, a group of one spec type, and shared validators."""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
 import attrs
 import torch
 
-from kvcore._validate import attrs_positive, positive_int
-
-
-@attrs.frozen
-class MultipleOf:
-    """A kernel block size constraint: any size divisible by ``base`` (an ``int`` takes itself)."""
-
-    base: int = attrs.field(validator=attrs_positive)
-
-    def accepts(self, block_size: int) -> bool:
-        return block_size % self.base == 0
-
+from kvcore._validate import attrs_optional_positive, attrs_positive, positive_int
 
 #: dtypes a cache cannot store: no byte view or kernel takes them.
 _NOT_CACHE_DTYPES = frozenset(
@@ -43,9 +33,22 @@ def check_cache_dtype(where: str, value: Any) -> torch.dtype:
     return value
 
 
+def optional_positive() -> Any:
+    return attrs.field(default=None, kw_only=True, validator=attrs_optional_positive)
+
+
 def padded_page_size(spec: KVCacheSpec) -> int:
-    """``page_size_bytes`` of a spec with a ``page_size_padded`` field (else the real page)."""
     return spec.real_page_size_bytes if spec.page_size_padded is None else spec.page_size_padded
+
+
+@attrs.frozen
+class MultipleOf:
+    """A kernel block size constraint: any size divisible by ``base`` (an ``int`` takes itself)."""
+
+    base: int = attrs.field(validator=attrs_positive)
+
+    def accepts(self, block_size: int) -> bool:
+        return block_size % self.base == 0
 
 
 def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
@@ -57,20 +60,8 @@ def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class KVCacheSpec:
-    """Base of all specs: a cache whose manager blocks hold ``block_size`` tokens.
-
-    A layer's view is ``[B, H, N, C]``: ``num_heads`` head slots, ``num_states``
-    states per block (``tokens_per_state`` tokens each; <= 0: one state per
-    block), ``state_content_size_bytes`` bytes per (head, state), re-typed to
-    ``view_dtype``. The base view is one raw page per block, ``[B, 1, 1, page]``;
-    subclasses define ``page_size_bytes`` (and the others for other views).
-    ``page_size_padded``: bytes each page is padded to, or None.
-    ``has_layer_views`` is False only for specs that lay out a raw buffer
-    themselves, ``has_cache_pages`` only for layers that keep no pages
-    (encoder-only attention); ``is_attention`` marks layers an attention
-    backend serves. ``block_stride_alignment`` (a ``MultipleOf`` in tokens)
-    asks packed layouts to keep blocks aligned to whole kernel blocks.
-    """
+    """Base of all specs: blocks of ``block_size`` tokens, each one raw page ``[B, 1, 1, page]``
+    per layer unless a subclass defines heads, states and content (SPEC §2)."""
 
     block_size: int = attrs.field(validator=attrs_positive)
     block_stride_alignment: MultipleOf | None = attrs.field(
@@ -84,31 +75,15 @@ class KVCacheSpec:
     has_layer_views = property(lambda self: True)
     has_cache_pages = property(lambda self: True)
     is_attention = property(lambda self: False)
+    num_states = property(lambda self: self.get_num_kernel_states(self.block_size))
+    state_content_size_bytes = property(lambda self: self.page_size_bytes)
+    dtype_alignment = property(lambda self: self.view_dtype.itemsize)
+    real_page_size_bytes = property(lambda self: self._page_of_tokens(self.block_size))
 
     @property
     def page_size_bytes(self) -> int:
         """Bytes one block of one layer occupies (padding included)."""
         raise NotImplementedError(f"{type(self).__name__} does not define a page size")
-
-    @property
-    def num_states(self) -> int:
-        """``N`` for a whole manager block."""
-        return self.get_num_kernel_states(self.block_size)
-
-    @property
-    def state_content_size_bytes(self) -> int:
-        """``C`` in bytes: content of one (head, state)."""
-        return self.page_size_bytes
-
-    @property
-    def dtype_alignment(self) -> int:
-        """Bytes every block and layer must start at a multiple of (the largest element)."""
-        return self.view_dtype.itemsize
-
-    @property
-    def real_page_size_bytes(self) -> int:
-        """``H * N * C``: the page without padding."""
-        return self._page_of_tokens(self.block_size)
 
     def get_num_kernel_states(self, kernel_block_size: int) -> int:
         """``N`` for a block of ``kernel_block_size`` tokens."""
@@ -125,31 +100,23 @@ class KVCacheSpec:
         return int(states)
 
     def copy_with_new_block_size(self, block_size: int) -> KVCacheSpec:
-        """This spec with ``block_size``-token blocks (validated like a new spec)."""
         return attrs.evolve(self, block_size=block_size)
 
     def max_num_blocks_per_req(self, max_model_len: int) -> int:
-        """Blocks a request of ``max_model_len`` tokens needs at most."""
         max_model_len = positive_int("max_model_len", max_model_len)
         return -(-max_model_len // self.block_size)
 
     def get_block_stride_alignment(self) -> int:
-        """Bytes a packed block stride must be a multiple of.
-
-        1 when no alignment is asked or the kernel block equals the block;
-        else the page of a ``gcd(base, block_size)``-token block.
-        """
+        """Bytes a packed block stride must be a multiple of: a ``gcd(base, block_size)`` page."""
         if self.block_stride_alignment is None:
             return 1
         tokens = math.gcd(self.block_stride_alignment.base, self.block_size)
         return 1 if tokens == self.block_size else self._page_of_tokens(tokens)
 
     def _page_of_tokens(self, tokens: int) -> int:
-        """Unpadded bytes of a ``tokens``-token block."""
         return self.num_heads * self.get_num_kernel_states(tokens) * self.state_content_size_bytes
 
     def _check_page_padding(self, element: str) -> None:
-        """``ValueError`` unless ``page_size_padded`` (if set) holds the page in whole elements."""
         padded, real, align = self.page_size_padded, self.real_page_size_bytes, self.dtype_alignment
         name = type(self).__name__
         if padded is not None and padded < real:
@@ -163,3 +130,73 @@ class KVCacheSpec:
                 f"blocks after the first would start mid-element; pass a multiple of "
                 f"{align} (e.g. {-(-padded // align) * align}) or None"
             )
+
+
+def _spec_mapping(value: Any) -> dict[str, KVCacheSpec]:
+    if not isinstance(value, Mapping):
+        raise TypeError(
+            f"UniformTypeKVCacheSpecs.kv_cache_specs must map layer names to specs, got {value!r}"
+        )
+    return dict(value)
+
+
+@attrs.frozen
+class UniformTypeKVCacheSpecs(KVCacheSpec):
+    """One KV cache group of layers of one spec type but different shapes (page: their sum)."""
+
+    kv_cache_specs: dict[str, KVCacheSpec] = attrs.field(converter=_spec_mapping, hash=False)
+
+    def __attrs_post_init__(self) -> None:
+        if not self.kv_cache_specs:
+            raise ValueError("UniformTypeKVCacheSpecs needs at least one layer spec")
+        for name, spec in self.kv_cache_specs.items():
+            if not isinstance(spec, KVCacheSpec):
+                raise TypeError(
+                    f"UniformTypeKVCacheSpecs: layer {name!r} maps to {spec!r}, not a KVCacheSpec"
+                )
+        kinds = {type(s) for s in self.kv_cache_specs.values()}
+        if len(kinds) != 1:
+            names = ", ".join(sorted(k.__name__ for k in kinds))
+            raise ValueError(f"UniformTypeKVCacheSpecs needs layers of one spec type, got {names}")
+        for name, spec in self.kv_cache_specs.items():
+            if spec.block_size != self.block_size:
+                raise ValueError(
+                    f"layer {name!r} has block size {spec.block_size}, the group "
+                    f"has {self.block_size}; give every layer the same block size"
+                )
+
+    @classmethod
+    def is_uniform_type(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> bool:
+        specs = list(kv_cache_specs.values())
+        return bool(specs) and all(
+            type(s) is type(specs[0]) and s.block_size == specs[0].block_size for s in specs
+        )
+
+    @classmethod
+    def from_specs(
+        cls, kv_cache_specs: Mapping[str, KVCacheSpec]
+    ) -> UniformTypeKVCacheSpecs | None:
+        """Group ``kv_cache_specs`` when they share one type and block size, else None."""
+        if not cls.is_uniform_type(kv_cache_specs):
+            return None
+        return cls(next(iter(kv_cache_specs.values())).block_size, kv_cache_specs)
+
+    _first = property(lambda self: next(iter(self.kv_cache_specs.values())))
+    tokens_per_state = property(lambda self: self._first.tokens_per_state)
+    has_cache_pages = property(lambda self: self._first.has_cache_pages)
+    is_attention = property(lambda self: self._first.is_attention)
+    page_size_bytes = property(lambda self: sum(self._each("page_size_bytes")))
+    dtype_alignment = property(lambda self: math.lcm(*self._each("dtype_alignment")))
+
+    def _each(self, attribute: str) -> list[Any]:
+        return [getattr(s, attribute) for s in self.kv_cache_specs.values()]
+
+    def _page_of_tokens(self, tokens: int) -> int:
+        return sum(s._page_of_tokens(tokens) for s in self.kv_cache_specs.values())
+
+    def copy_with_new_block_size(self, block_size: int) -> UniformTypeKVCacheSpecs:
+        specs = {n: s.copy_with_new_block_size(block_size) for n, s in self.kv_cache_specs.items()}
+        return UniformTypeKVCacheSpecs(block_size, specs)
+
+    def max_num_blocks_per_req(self, max_model_len: int) -> int:
+        return max(s.max_num_blocks_per_req(max_model_len) for s in self.kv_cache_specs.values())

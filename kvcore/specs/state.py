@@ -8,8 +8,8 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore._validate import as_int, attrs_optional_positive, positive_int
-from kvcore.specs.base import KVCacheSpec, check_cache_dtype, padded_page_size
+from kvcore._validate import as_int, positive_int
+from kvcore.specs.base import KVCacheSpec, check_cache_dtype, optional_positive, padded_page_size
 
 
 def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
@@ -39,17 +39,12 @@ def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
 
 @attrs.frozen
 class MambaSpec(KVCacheSpec):
-    """A state cache (Mamba/SSM): one state per block holding several tensors.
-
-    ``shapes[i]``/``dtypes[i]`` describe state tensor ``i``; the page is the sum
-    of their bytes (or ``page_size_padded``). Views are ``[B, 1, 1, C]``.
-    """
+    """A state cache (Mamba/SSM): one state per block holding tensors of ``shapes``/``dtypes``;
+    the page is the sum of their bytes (or ``page_size_padded``), views ``[B, 1, 1, C]``."""
 
     shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=_shapes)
     dtypes: tuple[torch.dtype, ...] = attrs.field(converter=_dtypes)
-    page_size_padded: int | None = attrs.field(  # type: ignore[assignment]
-        default=None, kw_only=True, validator=attrs_optional_positive
-    )
+    page_size_padded: int | None = optional_positive()  # type: ignore[assignment]
 
     def __attrs_post_init__(self) -> None:
         name = type(self).__name__
@@ -66,6 +61,8 @@ class MambaSpec(KVCacheSpec):
         self._check_page_padding(f"{self.dtype_alignment} bytes (its largest state element)")
 
     page_size_bytes = property(padded_page_size)
+    state_content_size_bytes = property(lambda self: sum(self.state_bytes))
+    dtype_alignment = property(lambda self: max(d.itemsize for d in self.dtypes))
 
     @property
     def state_bytes(self) -> tuple[int, ...]:
@@ -73,29 +70,17 @@ class MambaSpec(KVCacheSpec):
         return tuple(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
 
     @property
-    def state_content_size_bytes(self) -> int:
-        return sum(self.state_bytes)
-
-    @property
-    def dtype_alignment(self) -> int:
-        return max(d.itemsize for d in self.dtypes)
-
-    @property
     def view_dtype(self) -> torch.dtype:
         """The common dtype of all states, or ``torch.int8`` when they differ."""
-        first = self.dtypes[0]
-        return first if all(d == first for d in self.dtypes) else torch.int8
+        return self.dtypes[0] if len(set(self.dtypes)) == 1 else torch.int8
 
     def max_num_blocks_per_req(self, max_model_len: int) -> int:
         positive_int("max_model_len", max_model_len)
         return 1
 
     def split_states(self, view: torch.Tensor) -> list[torch.Tensor]:
-        """Split a ``[B, 1, 1, C]`` layer view into one ``[B, *shape]`` tensor per state.
-
-        Each state must start at a byte offset (and the view's blocks at a
-        stride) divisible by its element size, else ``ValueError``.
-        """
+        """Split a ``[B, 1, 1, C]`` layer view into one ``[B, *shape]`` tensor per state
+        (``ValueError`` unless each state starts, and blocks stride, at whole elements)."""
         if not isinstance(view, torch.Tensor) or view.dim() != 4 or view.shape[1:3] != (1, 1):
             shown = tuple(view.shape) if isinstance(view, torch.Tensor) else repr(view)
             raise ValueError(f"split_states needs a [B, 1, 1, C] layer view, got {shown}")
