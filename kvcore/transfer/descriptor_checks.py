@@ -106,7 +106,8 @@ def _content(at: str, data: Any, row_bytes: int, head_slots: int) -> None:
 def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
     data = _obj(at, data, _LAYER)
     if _str(f"{at}.name", data["name"]) not in names:
-        raise _value_error(f"{at}.name", data["name"], f"not one of the group's layer_names {names}")
+        why = f"not one of the group's layer_names {names}"
+        raise _value_error(f"{at}.name", data["name"], why)
     _int(f"{at}.allocation", data["allocation"], 0, num_allocations - 1)
     _int(f"{at}.offset", data["offset"])
     item = _itemsize(f"{at}.dtype", data["dtype"])
@@ -158,7 +159,8 @@ def check_fields(data: Any) -> None:
         alloc = _obj(at, alloc, _ALLOCATION)
         _int(f"{at}.index", alloc["index"], i, i)
         if not _DEVICE.fullmatch(_str(f"{at}.device", alloc["device"])):
-            raise _value_error(f"{at}.device", alloc["device"], "expected a device such as 'cuda:0'")
+            why = "expected a device such as 'cuda:0'"
+            raise _value_error(f"{at}.device", alloc["device"], why)
         base = _int(f"{at}.base_ptr", alloc["base_ptr"])
         _int(f"{at}.size", alloc["size"], 1, MAX_ADDRESS - 1 - base)
     for i, group in enumerate(_list("groups", data["groups"])):

@@ -2,8 +2,7 @@
 
 Two caches of one structure (a peer of the same layout and specs, or the packed host
 mirror) have patterns of equal run lengths, so run ``i`` of source block ``s`` goes to run
-``i`` of destination block ``d``; copies adjacent on both sides merge. A peer with fewer KV
-heads pairs (state, head) rows instead, found through both descriptors' content maps.
+``i`` of destination block ``d``. A peer with fewer KV heads pairs (state, head) rows.
 """
 
 from __future__ import annotations
@@ -14,7 +13,7 @@ import attrs
 import torch
 
 from kvcore.transfer.descriptor import KVCacheDescriptor, LayerDescriptor
-from kvcore.transfer.regions import BlockPattern, pattern_runs
+from kvcore.transfer.regions import BlockPattern
 
 
 @attrs.frozen
@@ -38,12 +37,11 @@ class PairedRuns:
 
 def packed_patterns(patterns: tuple[BlockPattern, ...]) -> tuple[BlockPattern, ...]:
     """Patterns storing each block's runs back to back in one slot (the host mirror's)."""
-    slot = sum(p.block_bytes for p in patterns)
-    out, offset = [], 0
+    slot, offset, out = sum(p.block_bytes for p in patterns), 0, []
     for p in patterns:
         starts = tuple(itertools.accumulate(p.lengths[:-1], initial=offset))
-        offset += p.block_bytes
         out.append(BlockPattern(0, slot, starts, p.lengths))
+        offset += p.block_bytes
     return tuple(out)
 
 
@@ -53,10 +51,8 @@ def structure_mismatch(src: tuple[BlockPattern, ...], dst: tuple[BlockPattern, .
         return f"blocks are split over {len(src)} vs {len(dst)} (allocation, stride) classes"
     for i, (a, b) in enumerate(zip(src, dst)):
         if a.lengths != b.lengths:
-            return (
-                f"a block's runs differ (class {i}: {len(a.lengths)} runs of {a.block_bytes} "
-                f"bytes vs {len(b.lengths)} runs of {b.block_bytes} bytes)"
-            )
+            return (f"a block's runs differ (class {i}: {len(a.lengths)} runs of {a.block_bytes} "
+                    f"bytes vs {len(b.lengths)} runs of {b.block_bytes} bytes)")
     return None
 
 
@@ -92,15 +88,14 @@ def pair_runs(
         raise ValueError(f"source and destination blocks are laid out differently: {reason}")
     parts = []
     for a, b in zip(src_patterns, dst_patterns):
-        src, lengths = pattern_runs(a, src_ids)
-        parts.append((a.allocation, b.allocation, src, pattern_runs(b, dst_ids)[0], lengths))
+        src, lengths = a.runs(src_ids)
+        parts.append((a.allocation, b.allocation, src, b.runs(dst_ids)[0], lengths))
     return _merged(parts)
 
 
 def _head_rows(layer: LayerDescriptor, ids: torch.Tensor, head0: int, num_heads: int):
     """Start byte of every (block, state, head) row, block-major, for heads ``head0...``."""
-    s = layer.byte_strides
-    states = layer.shape[2]
+    s, states = layer.byte_strides, layer.shape[2]
     t = torch.arange(layer.rows_per_block * states)
     within = (t // states) * s[0] + (t % states) * s[2]
     heads = (head0 + torch.arange(num_heads)) * s[1]
