@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from kvcore.transfer.descriptor import GroupDescriptor, KVCacheDescriptor
+from collections.abc import Iterator
+
+from kvcore.transfer.descriptor import KVCacheDescriptor
 from kvcore.transfer.pairs import structure_mismatch
 from kvcore.transfer.regions import block_patterns
 
@@ -11,35 +13,25 @@ _SAME_ROWS = ("kind", "content_bytes", "head_size", "head_size_v", "tokens_per_s
               "v_bytes")
 
 
-def _layer_counts(g: int, a: GroupDescriptor, b: GroupDescriptor) -> str:
-    counts = f"{len(a.layers)} layers with cache pages here, {len(b.layers)} on the peer"
-    return f"group {g} has {counts}"
-
-
-def _group_reason(g: int, a: GroupDescriptor, b: GroupDescriptor) -> str | None:
-    for field in ("spec_type", "block_size", "kernel_block_size"):
-        here, there = getattr(a, field), getattr(b, field)
-        if here != there:
-            return f"group {g} {field}: {here!r} here, {there!r} on the peer"
-    if len(a.layers) != len(b.layers):
-        return _layer_counts(g, a, b)
-    for la, lb in zip(a.layers, b.layers):
-        ca, cb = la.content, lb.content
-        if la.dtype != lb.dtype:
-            return f"layer {la.name!r} dtype: {la.dtype} here, {lb.dtype} on the peer ({lb.name!r})"
-        if ca != cb:
-            return (
-                f"layer {la.name!r} content differs: {ca.num_kv_heads} KV heads of size "
-                f"{ca.head_size}/{ca.head_size_v} ({ca.content_bytes} bytes per row) here, "
-                f"{cb.num_kv_heads} of size {cb.head_size}/{cb.head_size_v} "
-                f"({cb.content_bytes} bytes) on the peer"
-            )
-        if la.shape[1:] != lb.shape[1:] or la.rows_per_block != lb.rows_per_block:
-            return (
-                f"layer {la.name!r} view per block: {la.rows_per_block} x {list(la.shape[1:])} "
-                f"here, {lb.rows_per_block} x {list(lb.shape[1:])} on the peer"
-            )
-    return None
+def _facts(local: KVCacheDescriptor, remote: KVCacheDescriptor) -> Iterator[tuple]:
+    """``(what, here, there)`` of every fact that must agree for whole blocks, outermost first."""
+    yield "descriptor version", local.version, remote.version
+    yield "layout", local.layout, remote.layout
+    yield "number of KV cache groups", len(local.groups), len(remote.groups)
+    for g, (a, b) in enumerate(zip(local.groups, remote.groups)):
+        for field in ("spec_type", "block_size", "kernel_block_size"):
+            yield f"group {g} {field}", getattr(a, field), getattr(b, field)
+        yield f"group {g} layers with cache pages", len(a.layers), len(b.layers)
+        for la, lb in zip(a.layers, b.layers):
+            ca, cb = la.content, lb.content
+            yield f"layer {la.name!r} dtype", la.dtype, lb.dtype
+            yield f"layer {la.name!r} KV heads", ca.num_kv_heads, cb.num_kv_heads
+            sizes = ("head_size", "head_size_v", "content_bytes")
+            yield (f"layer {la.name!r} {'/'.join(sizes)}", [getattr(ca, f) for f in sizes],
+                   [getattr(cb, f) for f in sizes])
+            yield f"layer {la.name!r} content", ca, cb
+            yield (f"layer {la.name!r} rows per block x view per row",
+                   (la.rows_per_block, la.shape[1:]), (lb.rows_per_block, lb.shape[1:]))
 
 
 def incompatibility(local: KVCacheDescriptor, remote: KVCacheDescriptor) -> str | None:
@@ -48,21 +40,15 @@ def incompatibility(local: KVCacheDescriptor, remote: KVCacheDescriptor) -> str 
     Block counts and addresses may differ; layout, groups, block sizes, dtypes, heads
     and the runs of a block must not.
     """
-    if local.version != remote.version:
-        return f"descriptor version {local.version} here, {remote.version} on the peer"
-    if local.layout != remote.layout:
-        return f"layout {local.layout} here, {remote.layout} on the peer; plan both with one layout"
-    if len(local.groups) != len(remote.groups):
-        return f"{len(local.groups)} KV cache groups here, {len(remote.groups)} on the peer"
-    for g, (a, b) in enumerate(zip(local.groups, remote.groups)):
-        reason = _group_reason(g, a, b)
-        if reason is None and a.layers:
-            reason = structure_mismatch(
-                block_patterns(local, (g,), None), block_patterns(remote, (g,), None)
-            )
-            reason = None if reason is None else f"group {g}: {reason}"
-        if reason is not None:
-            return reason
+    for what, here, there in _facts(local, remote):
+        if here != there:
+            return f"{what}: {here} here, {there} on the peer"
+    for g, group in enumerate(local.groups):
+        if group.layers:
+            patterns = (block_patterns(d, (g,), None) for d in (local, remote))
+            reason = structure_mismatch(*patterns)
+            if reason is not None:
+                return f"group {g}: {reason}"
     return None
 
 
@@ -77,19 +63,16 @@ def head_slice_mismatch(
     if a.block_size != b.block_size:
         return f"group {group_id} block size: {a.block_size} here, {b.block_size} on the peer"
     if len(a.layers) != len(b.layers) or not a.layers:
-        return _layer_counts(group_id, a, b)
+        return (f"group {group_id} has {len(a.layers)} layers with cache pages here, "
+                f"{len(b.layers)} on the peer")
     for la, lb in zip(a.layers, b.layers):
         ca, cb = la.content, lb.content
         if ca.kind != "attention" or la.dtype != lb.dtype or any(
             getattr(ca, f) != getattr(cb, f) for f in _SAME_ROWS
         ):
-            return (
-                f"layer {la.name!r} stores other rows than the peer's {lb.name!r} "
-                "(dtype, head size or content)"
-            )
+            return (f"layer {la.name!r} stores other rows than the peer's {lb.name!r} "
+                    "(dtype, head size or content)")
         if head_start is not None and not 0 <= head_start <= cb.num_kv_heads - ca.num_kv_heads:
-            return (
-                f"heads {head_start}..{head_start + ca.num_kv_heads - 1} do not exist on the peer, "
-                f"which has {cb.num_kv_heads} KV heads in layer {lb.name!r}"
-            )
+            return (f"heads {head_start}..{head_start + ca.num_kv_heads - 1} do not exist on the "
+                    f"peer, which has {cb.num_kv_heads} KV heads in layer {lb.name!r}")
     return None
