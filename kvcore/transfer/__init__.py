@@ -11,7 +11,8 @@ from kvcore.transfer.descriptor import (
     describe,
 )
 from kvcore.transfer.host_pool import HostKVPool
-from kvcore.transfer.nixl import IncompatiblePeerError, NixlAgent
+from kvcore.transfer.compat import IncompatiblePeerError
+from kvcore.transfer.nixl import NixlAgent
 from kvcore.transfer.nixl_api import NixlUnavailableError, TransferError, TransferHandle
 from kvcore.transfer.regions import Region, plan_transfer
 from kvcore.transfer.transport import Transport

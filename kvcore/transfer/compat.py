@@ -1,16 +1,52 @@
-"""Whether a peer's KV cache can exchange blocks (or some KV heads of them) with this one."""
+"""What a NIXL peer sends (:func:`pack`), and whether its KV cache can exchange blocks (or
+some KV heads of them) with this one (:func:`check_peer`)."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 
+from kvcore.errors import KVCoreError
 from kvcore.transfer.descriptor import KVCacheDescriptor
 from kvcore.transfer.pairs import structure_mismatch
 from kvcore.transfer.regions import block_patterns
+from kvcore.transfer.transport import process_info
+
+_MAGIC = b"kvcore-nixl/3\n"
 
 # Content fields two caches must share for their (state, head) rows to be interchangeable.
 _SAME_ROWS = ("kind", "content_bytes", "head_size", "head_size_v", "tokens_per_state", "k_bytes",
               "v_bytes")
+
+
+class IncompatiblePeerError(KVCoreError):
+    """A peer's KV cache cannot exchange blocks with this one; the message says why."""
+
+
+def pack(name: str, descriptor: KVCacheDescriptor, agent_metadata: bytes) -> bytes:
+    """An agent's metadata for its peers: name, descriptor, process, NIXL's own metadata."""
+    header = {"name": name, "descriptor": descriptor.to_json(), "process": process_info()}
+    return _MAGIC + json.dumps(header).encode() + b"\n" + agent_metadata
+
+
+def unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
+    """``(name, descriptor, process, NIXL metadata)`` of :func:`pack` bytes, checked."""
+    if not isinstance(data, (bytes, bytearray)) or not data.startswith(_MAGIC):
+        raise ValueError("peer metadata is not from this kvcore version's NixlAgent.metadata(); "
+                         "pass those bytes unchanged, from a peer running the same kvcore")
+    header, _, agent_metadata = bytes(data[len(_MAGIC) :]).partition(b"\n")
+    try:
+        fields = json.loads(header)
+        name, desc_text, info = fields["name"], fields["descriptor"], fields["process"]
+    except (ValueError, TypeError, KeyError) as exc:
+        raise ValueError(f"peer metadata is damaged ({exc}); pass the bytes of metadata() "
+                         "unchanged") from None
+    try:
+        desc = KVCacheDescriptor.from_json(desc_text)
+    except (TypeError, ValueError) as exc:
+        raise IncompatiblePeerError(f"peer {name!r} sent a KV cache descriptor kvcore refuses, "
+                                    f"so no block moves to or from it: {exc}") from None
+    return name, desc, info if isinstance(info, dict) else {}, agent_metadata
 
 
 def _facts(local: KVCacheDescriptor, remote: KVCacheDescriptor) -> Iterator[tuple]:
@@ -76,3 +112,20 @@ def head_slice_mismatch(
             return (f"heads {head_start}..{head_start + ca.num_kv_heads - 1} do not exist on the "
                     f"peer, which has {cb.num_kv_heads} KV heads in layer {lb.name!r}")
     return None
+
+
+def check_peer(
+    name: str, local: KVCacheDescriptor, remote: KVCacheDescriptor, heads_may_differ: bool
+) -> str | None:
+    """Refuse peer ``name`` unless whole blocks (or, ``heads_may_differ``, head slices) can
+    move; returns why whole blocks cannot (a peer for head slices only), or None."""
+    reason = incompatibility(local, remote)
+    if reason is not None and not heads_may_differ:
+        raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {name!r}: {reason}")
+    if reason is not None:
+        rows = [head_slice_mismatch(local, remote, g.group_id, None) for g in local.groups
+                if g.layers]
+        if len(remote.groups) != len(local.groups) or any(rows):
+            why = next((r for r in rows if r), "the KV cache groups differ")
+            raise IncompatiblePeerError(f"cannot exchange KV heads with peer {name!r}: {why}")
+    return reason

@@ -1,15 +1,12 @@
 """NixlAgent: move KV cache blocks between processes through NIXL (``pip install kvcore[nixl]``).
 
-Peers exchange :meth:`NixlAgent.metadata` (NIXL's agent metadata and the kvcore descriptor)
-by any local channel; :meth:`~NixlAgent.connect` refuses a peer whose cache is laid out
-differently. Whole blocks move by index into lists prepared once per side; only the listed
-blocks' bytes move.
+Peers exchange :meth:`NixlAgent.metadata` by any local channel; whole blocks move by index
+into lists prepared once per side, head slices by the runs of each call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -17,9 +14,14 @@ from typing import Any
 import attrs
 import torch
 
-from kvcore.errors import KVCoreError
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.transfer.compat import head_slice_mismatch, incompatibility
+from kvcore.transfer.compat import (
+    IncompatiblePeerError,
+    check_peer,
+    head_slice_mismatch,
+    pack,
+    unpack,
+)
 from kvcore.transfer.descriptor import KVCacheDescriptor, describe, raw_allocation
 from kvcore.transfer.nixl_api import (
     PreparedRuns,
@@ -32,15 +34,10 @@ from kvcore.transfer.nixl_api import (
 )
 from kvcore.transfer.pairs import pair_head_rows, structure_mismatch
 from kvcore.transfer.regions import group_selection, paired_ids, whole_block_patterns
-from kvcore.transfer.transport import Transport, process_info, transport_between
+from kvcore.transfer.transport import Transport, transport_between
 
-_MAGIC = b"kvcore-nixl/3\n"
 _LOCAL = "NIXL_INIT_AGENT"  # NOTE: NIXL's name for the initiator's side of a prepared list
 _RECONNECT = "if the peer process exited, reconnect to a live one (connect() with fresh metadata())"
-
-
-class IncompatiblePeerError(KVCoreError):
-    """A peer's KV cache cannot exchange blocks with this one; the message says why."""
 
 
 @contextlib.contextmanager
@@ -58,35 +55,6 @@ class _Peer:
     transport: Transport
     #: Why whole blocks cannot move (a peer connected for head slices only), or None.
     heads_only: str | None
-
-
-def _pack(name: str, descriptor: KVCacheDescriptor, agent_metadata: bytes) -> bytes:
-    header = {"name": name, "descriptor": descriptor.to_json(), "process": process_info()}
-    return _MAGIC + json.dumps(header).encode() + b"\n" + agent_metadata
-
-
-def _unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
-    if not isinstance(data, (bytes, bytearray)) or not data.startswith(_MAGIC):
-        raise ValueError(
-            "peer metadata is not from this kvcore version's NixlAgent.metadata(); pass those "
-            "bytes unchanged, from a peer running the same kvcore"
-        )
-    header, _, agent_metadata = bytes(data[len(_MAGIC) :]).partition(b"\n")
-    try:
-        fields = json.loads(header)
-        name, desc_text, info = fields["name"], fields["descriptor"], fields["process"]
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ValueError(
-            f"peer metadata is damaged ({exc}); pass the bytes of metadata() unchanged"
-        ) from None
-    try:
-        desc = KVCacheDescriptor.from_json(desc_text)
-    except (TypeError, ValueError) as exc:
-        raise IncompatiblePeerError(
-            f"peer {name!r} sent a KV cache descriptor kvcore refuses, so no block moves to or "
-            f"from it: {exc}"
-        ) from None
-    return name, desc, info if isinstance(info, dict) else {}, agent_metadata
 
 
 class NixlAgent:
@@ -130,7 +98,7 @@ class NixlAgent:
 
     def metadata(self) -> bytes:
         """What a peer passes to :meth:`connect`: NIXL's agent metadata and this descriptor."""
-        return _pack(self.name, self.descriptor, self._agent.get_agent_metadata())
+        return pack(self.name, self.descriptor, self._agent.get_agent_metadata())
 
     def connect(self, peer_metadata: bytes, *, heads_may_differ: bool = False) -> str:
         """Add a peer from its :meth:`metadata`; returns its name.
@@ -140,22 +108,11 @@ class NixlAgent:
         another tensor-parallel size (other head counts, any layout) is accepted for
         :meth:`read_head_slice` only.
         """
-        name, desc, info, agent_md = _unpack(peer_metadata)
+        name, desc, info, agent_md = unpack(peer_metadata)
         if name == self.name:
-            raise ValueError(
-                f"peer metadata names this agent itself ({name!r}); pass the other process's"
-            )
-        reason = incompatibility(self.descriptor, desc)
-        if reason is not None and not heads_may_differ:
-            raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {name!r}: {reason}")
-        if reason is not None:
-            rows = [head_slice_mismatch(self.descriptor, desc, g.group_id, None)
-                    for g in self.descriptor.groups if g.layers]
-            if len(desc.groups) != len(self.descriptor.groups) or any(rows):
-                raise IncompatiblePeerError(
-                    f"cannot exchange KV heads with peer {name!r}: "
-                    + next((r for r in rows if r), "the KV cache groups differ")
-                )
+            raise ValueError(f"peer metadata names this agent itself ({name!r}); pass the other "
+                             "process's")
+        reason = check_peer(name, self.descriptor, desc, heads_may_differ)
         remedy = ("the peer process may have exited or its metadata is stale: restart the peer "
                   "and pass its fresh metadata()")
         with _nixl(f"connect to peer {name!r}", remedy):
