@@ -60,8 +60,7 @@ class _Peer:
 class NixlAgent:
     """A NIXL agent named ``name`` serving ``kv_cache``'s blocks (UCX by default).
 
-    ``progress_thread=False`` makes NIXL progress transfers only when a handle is polled
-    (``wait()``/``done()``), in the caller's thread; by default NIXL's own thread does it.
+    ``progress_thread=False``: NIXL progresses transfers only while a handle is polled.
     """
 
     def __init__(self, name: str, kv_cache: KVCache, *, backends: tuple[str, ...] = ("UCX",),
@@ -71,11 +70,8 @@ class NixlAgent:
         if not isinstance(kv_cache, KVCache):
             raise TypeError(f"NixlAgent needs a kvcore.KVCache, got {type(kv_cache).__name__}")
         agent_cls, config_cls = nixl_api()
-        self.name, self.kv_cache = name, kv_cache
-        self.descriptor = describe(kv_cache)
-        self._raw = raw_allocation(kv_cache)
-        self._registered = None
-        self._peers: dict[str, _Peer] = {}
+        self.name, self.kv_cache, self.descriptor = name, kv_cache, describe(kv_cache)
+        self._raw, self._registered, self._peers = raw_allocation(kv_cache), None, {}
         #: (peer, or _LOCAL for this side; group ids) -> that side's runs, prepared once
         self._prepared: dict[tuple[str, tuple[int, ...]], PreparedRuns] = {}
         device = self._raw.device
@@ -134,10 +130,8 @@ class NixlAgent:
 
     def _peer(self, peer: str) -> _Peer:
         if peer not in self._peers:
-            raise ValueError(
-                f"peer {peer!r} is not connected; connected peers: {self.peers}. "
-                "Call connect() first"
-            )
+            raise ValueError(f"peer {peer!r} is not connected; connected peers: {self.peers}. "
+                             "Call connect() first")
         return self._peers[peer]
 
     def write_blocks(self, peer: str, local_ids: Any, remote_ids: Any, *,
@@ -154,10 +148,8 @@ class NixlAgent:
                 group_id: int | None) -> TransferHandle:
         remote = self._peer(peer)
         if remote.heads_only is not None:
-            raise IncompatiblePeerError(
-                f"peer {peer!r} was connected for head slices only; whole blocks cannot move: "
-                f"{remote.heads_only}"
-            )
+            raise IncompatiblePeerError(f"peer {peer!r} was connected for head slices only; whole "
+                                        f"blocks cannot move: {remote.heads_only}")
         loc, rem = self._ids(op, peer, local_ids, remote_ids)
         groups = group_selection(self.descriptor, group_id)
         if not loc.numel():
@@ -179,21 +171,16 @@ class NixlAgent:
             if owner != _LOCAL:  # NOTE: connect() checked whole blocks pair up; this is per group
                 reason = structure_mismatch(whole_block_patterns(self.descriptor, groups), patterns)
                 if reason is not None:
-                    raise IncompatiblePeerError(
-                        f"cannot exchange KV blocks with peer {owner!r}: {reason}"
-                    )
+                    raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {owner!r}: "
+                                                f"{reason}")
             with _nixl(f"prepare the descriptor list of {owner!r}"):
                 self._prepared[key] = PreparedRuns(descriptor, patterns).prepare(self._agent, owner)
         return self._prepared[key]
 
     def read_head_slice(self, peer: str, remote_ids: Any, local_ids: Any, *, head_start: int,
                         group_id: int = 0) -> TransferHandle:
-        """Read KV heads ``head_start ...`` of the peer's blocks into all heads of local blocks.
-
-        For a decode rank whose tensor-parallel shard holds fewer KV heads than the prefill
-        rank's: only those heads' (state, head) rows move, found through both descriptors'
-        content maps (layouts may differ).
-        """
+        """Read KV heads ``head_start ...`` of the peer's blocks into all heads of local blocks
+        (a decode rank holding fewer KV heads than the prefill rank; layouts may differ)."""
         remote = self._peer(peer).descriptor
         if type(head_start) is not int:
             raise TypeError(f"head_start must be an int, got {head_start!r}")
@@ -217,10 +204,10 @@ class NixlAgent:
 
     def _ids(self, op: str, peer: str, local_ids: Any, remote_ids: Any) -> tuple[torch.Tensor, ...]:
         """(local ids, remote ids), checked; a READ writes the local side."""
-        local = (local_ids, self.descriptor.num_blocks, "local block id", False)
-        far = (remote_ids, self._peers[peer].descriptor.num_blocks, f"block id of peer {peer!r}",
-               False)
-        return paired_ids(local, far, first_is_src=op != "READ")
+        far = self._peers[peer].descriptor.num_blocks
+        return paired_ids((local_ids, self.descriptor.num_blocks, "local block id", False),
+                          (remote_ids, far, f"block id of peer {peer!r}", False),
+                          first_is_src=op != "READ")
 
     def _start(self, op: str, peer: str, handle: Any, runs: int, nbytes: int) -> TransferHandle:
         """Post a NIXL transfer handle; a refusal releases it and raises :class:`TransferError`."""
@@ -232,9 +219,8 @@ class NixlAgent:
         if state not in ("DONE", "PROC"):
             with contextlib.suppress(Exception):  # NOTE: the refusal below is what the caller needs
                 self._agent.release_xfer_handle(handle)
-            raise TransferError(
-                f"NIXL could not start the {op} with peer {peer!r} ({state}); {_RECONNECT}"
-            ) from cause
+            raise TransferError(f"NIXL could not start the {op} with peer {peer!r} ({state}); "
+                                f"{_RECONNECT}") from cause
         started = TransferHandle(self._agent, handle, runs, nbytes, self._peers[peer].transport)
         with contextlib.suppress(Exception):  # NOTE: older NIXL builds lack the query: None then
             started.backend = self._agent.query_xfer_backend(handle)

@@ -1,9 +1,5 @@
-"""Transfer plans: the exact byte runs of manager blocks, and the checks of block ids.
-
-A layer's view reduces to a *block pattern*: the runs one manager block occupies, repeating
-every manager block stride (a block-outermost layout's layers become one run). A plan
-places the patterns at every listed block and merges the runs, vectorized on CPU tensors.
-"""
+"""Transfer plans: the exact byte runs of manager blocks (a *block pattern* placed at every
+listed block, runs merged, on CPU tensors), and the checks of block ids."""
 
 from __future__ import annotations
 
@@ -54,15 +50,12 @@ class BlockPattern:
 
 def _bad_id(value: Any, num_blocks: int, what: str, low: int) -> ValueError:
     null = " (block 0 is the null block and holds no data)" if low else ""
-    return ValueError(
-        f"{what} {value!r} is not an integer in [{low}, {num_blocks}); pass manager block "
-        f"ids from the block pool{null}; nothing was transferred"
-    )
+    return ValueError(f"{what} {value!r} is not an integer in [{low}, {num_blocks}); pass manager "
+                      f"block ids from the block pool{null}; nothing was transferred")
 
 
 def _plural(what: str) -> str:
-    """``"block id of peer 'x'"`` -> ``"block ids of peer 'x'"``."""
-    noun, sep, rest = what.partition(" of ")
+    noun, sep, rest = what.partition(" of ")  # "block id of peer 'x'" -> "block ids of peer 'x'"
     return f"{noun}s{sep}{rest}"
 
 
@@ -95,10 +88,8 @@ def block_id_tensor(
 
 
 def paired_ids(first: tuple, second: tuple, *, first_is_src: bool) -> tuple[torch.Tensor, ...]:
-    """Checked ids of a transfer's two sides, each ``(ids, num_blocks, what, null_ok)``.
-
-    One source per destination and no destination twice; returned in argument order.
-    """
+    """Checked ids of a transfer's two sides, each ``(ids, num_blocks, what, null_ok)``: one
+    source per destination and no destination twice; returned in argument order."""
     src, dst = (first, second) if first_is_src else (second, first)
     src_ids, dst_ids = block_id_tensor(*src), block_id_tensor(*dst)
     if src_ids.numel() != dst_ids.numel():
@@ -171,10 +162,9 @@ def whole_block_patterns(
     patterns = block_patterns(descriptor, group_ids, None)
     strides = sorted({p.block_stride for p in patterns})
     if len(strides) > 1:
-        raise ValueError(
-            f"the KV cache groups store blocks at different strides ({strides} bytes), so a "
-            "block id means different bytes in each; pass group_id= to move one group's blocks"
-        )
+        raise ValueError(f"the KV cache groups store blocks at different strides ({strides} "
+                         "bytes), so a block id means different bytes in each; pass group_id= "
+                         "to move one group's blocks")
     return patterns
 
 
