@@ -71,12 +71,8 @@ class ContentMap:
 
 @attrs.frozen
 class LayerDescriptor:
-    """One layer's view as allocated, and what it holds.
-
-    Element ``[r, h, n, c]`` is at byte ``offset + r * byte_strides[0] + ... + c *
-    byte_strides[3]`` of allocation ``allocation``; ``rows_per_block`` rows make one manager
-    block, and block ``b`` starts ``b * manager_block_stride`` bytes after row 0.
-    """
+    """One layer's view: element ``[r, h, n, c]`` is at byte ``offset + r * byte_strides[0] +
+    ... + c * byte_strides[3]``; ``rows_per_block`` rows make one manager block."""
 
     name: str
     allocation: int
@@ -123,10 +119,8 @@ class KVCacheDescriptor:
 
     def group(self, group_id: int) -> GroupDescriptor:
         if type(group_id) is not int or not 0 <= group_id < len(self.groups):
-            raise ValueError(
-                f"group_id {group_id!r} is not a KV cache group of this descriptor; "
-                f"pass an integer in [0, {len(self.groups)})"
-            )
+            raise ValueError(f"group_id {group_id!r} is not a KV cache group of this descriptor; "
+                             f"pass an integer in [0, {len(self.groups)})")
         return self.groups[group_id]
 
     def to_json(self) -> str:
@@ -134,25 +128,20 @@ class KVCacheDescriptor:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> KVCacheDescriptor:
-        """Parse :meth:`to_json` output, checking every field (the text is not trusted).
-
-        A wrong type raises ``TypeError``, a wrong value, malformed JSON, another
-        ``version`` or a block addressing bytes outside its allocation ``ValueError``.
-        """
+        """Parse :meth:`to_json` output, checking every field (the text is not trusted): a
+        wrong type raises ``TypeError``, a wrong value or version ``ValueError``."""
         if not isinstance(text, (str, bytes, bytearray)):
-            raise TypeError(
-                f"from_json needs the str or bytes of to_json(), got {type(text).__name__}"
-            )
+            raise TypeError(f"from_json needs the str or bytes of to_json(), got "
+                            f"{type(text).__name__}")
         try:
             data = json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"not a KV cache descriptor (invalid JSON: {exc})") from None
         found = data.get("version") if isinstance(data, dict) else None
         if type(found) is not int or found != DESCRIPTOR_VERSION:
-            raise ValueError(
-                f"KV cache descriptor version {found!r} is not supported (this kvcore reads "
-                f"version {DESCRIPTOR_VERSION}); describe the cache with a matching kvcore"
-            )
+            raise ValueError(f"KV cache descriptor version {found!r} is not supported (this "
+                             f"kvcore reads version {DESCRIPTOR_VERSION}); describe the cache "
+                             "with a matching kvcore")
         check_fields(data)
         descriptor = cls(**data)
         check_bounds(descriptor)
@@ -165,16 +154,13 @@ def raw_allocation(kv_cache: KVCache) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int8, device=view.device).set_(view.untyped_storage())
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _content_map(spec: KVCacheSpec) -> ContentMap:
     content = spec.state_content_size_bytes
     if isinstance(spec, MambaSpec):
         states, start = [], 0
         for i, (shape, dtype, nbytes) in enumerate(zip(spec.shapes, spec.dtypes, spec.state_bytes)):
-            states.append(StateSlice(i, shape, _dtype_name(dtype), start, start + nbytes))
+            dtype_name = str(dtype).removeprefix("torch.")
+            states.append(StateSlice(i, shape, dtype_name, start, start + nbytes))
             start += nbytes
         return ContentMap("state", content, states=states)
     if not isinstance(spec, AttentionSpec):
@@ -186,11 +172,8 @@ def _content_map(spec: KVCacheSpec) -> ContentMap:
         if spec.head_size_v:
             v_bytes = (k_end, k_end + spec.head_size_v * spec.dtype.itemsize)
     tps = Fraction(spec.tokens_per_state)
-    return ContentMap(
-        "attention", content, num_kv_heads=spec.num_kv_heads, num_head_slots=spec.num_heads,
-        head_size=spec.head_size, head_size_v=spec.head_size_v,
-        tokens_per_state=(tps.numerator, tps.denominator), k_bytes=k_bytes, v_bytes=v_bytes,
-    )
+    return ContentMap("attention", content, spec.num_kv_heads, spec.num_heads, spec.head_size,
+                      spec.head_size_v, (tps.numerator, tps.denominator), k_bytes, v_bytes)
 
 
 def describe(kv_cache: KVCache) -> KVCacheDescriptor:
@@ -219,7 +202,7 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
             rows, item = view.shape[0] // config.num_blocks, view.element_size()
             layers.append(LayerDescriptor(
                 name=name, allocation=0, offset=view.data_ptr() - base_ptr,
-                dtype=_dtype_name(view.dtype), itemsize=item, shape=view.shape,
+                dtype=str(view.dtype).removeprefix("torch."), itemsize=item, shape=view.shape,
                 strides=view.stride(), rows_per_block=rows,
                 manager_block_stride=view.stride(0) * item * rows,
                 block_bytes=rows * view.shape[1] * view.shape[2] * view.shape[3] * item,

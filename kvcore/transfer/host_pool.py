@@ -1,11 +1,6 @@
-"""HostKVPool: a host mirror of KV cache blocks, filled and drained by exact plans.
-
-Host slot ``h`` holds one manager block's runs back to back. Blocks of equal, aligned runs
-(any layout of a plain attention model) are gathered on the device in host-slot order, chunk
-by chunk, so host copies move whole slots, merged where slots are consecutive; on CUDA the
-gather of one chunk overlaps the copy of the previous on a copy stream. Other blocks move one
-copy per paired run.
-"""
+"""HostKVPool: a host mirror of KV cache blocks; host slot ``h`` holds one block's runs back to
+back. Blocks of equal, aligned runs (any layout of a plain attention model) are gathered on the
+device in host-slot order, so host copies move whole slots; others move run by run."""
 
 from __future__ import annotations
 
@@ -63,8 +58,8 @@ class CopyHandle:
 
 
 def _staging(patterns: tuple[BlockPattern, ...]) -> tuple[int, int, torch.Tensor] | None:
-    """``(run bytes, runs per block stride, run starts in runs)`` when the blocks of ``patterns``
-    are equal, aligned runs (they can be gathered as rows of one table), else None."""
+    """``(run bytes, runs per block stride, run starts in runs)`` of blocks of equal, aligned
+    runs (rows of one table), else None."""
     if len(patterns) != 1:
         return None
     p = patterns[0]
@@ -104,12 +99,10 @@ def _run_table(buffer: torch.Tensor, run_bytes: int) -> torch.Tensor:
 
 
 class HostKVPool:
-    """``num_host_blocks`` host slots mirroring manager blocks of ``kv_cache``.
+    """``num_host_blocks`` host slots (pinned on CUDA) mirroring manager blocks of ``kv_cache``.
 
-    ``offload(device_ids, host_ids)`` copies device blocks into host slots,
-    ``restore(host_ids, device_ids)`` copies them back; ``group_id`` limits a call to one
-    KV cache group's layers (default: every group, the whole block). Restore with the
-    ``group_id`` used to offload. ``staging=False`` copies run by run.
+    ``group_id`` limits a call to one KV cache group's layers (default: every group, the
+    whole block); restore with the one used to offload. ``staging=False`` copies run by run.
     """
 
     def __init__(self, kv_cache: KVCache, num_host_blocks: int, *, staging: bool = True) -> None:
@@ -149,11 +142,8 @@ class HostKVPool:
 
     def offload(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
                 non_blocking: bool = False) -> CopyHandle:
-        """Copy device blocks ``device_ids`` into host slots ``host_ids`` (pairwise).
-
-        Returns once the copies are done unless ``non_blocking`` (then ``wait()`` on the
-        handle before reading the host slots).
-        """
+        """Copy device blocks ``device_ids`` into host slots ``host_ids`` (pairwise); returns
+        once done unless ``non_blocking`` (then ``wait()`` before reading the host slots)."""
         return self._move(device_ids, host_ids, group_id, to_host=True, non_blocking=non_blocking)
 
     def restore(self, host_ids: Any, device_ids: Any, *, group_id: int | None = None,
@@ -185,10 +175,9 @@ class HostKVPool:
                      to_host: bool) -> CopyHandle:
         """Gather (or scatter) chunk by chunk through a ring of device buffers.
 
-        Offload: chunk ``k`` is gathered into ring buffer ``k % R`` on the caller's stream
-        while the copy stream moves chunk ``k - 1`` to the host; a buffer is gathered into
-        again only after the copy stream is done with it (an event the stream, never the
-        host, waits on). Restore mirrors it.
+        Offload: chunk ``k`` is gathered into buffer ``k % R`` on the caller's stream while
+        the copy stream moves chunk ``k - 1`` to the host; a buffer is reused only after an
+        event of the stream done with it (streams wait, never the host). Restore mirrors it.
         """
         table = _run_table(self._device_buf, run_bytes)
         cuda = self.device.type == "cuda"
