@@ -59,13 +59,8 @@ def _facts(local: KVCacheDescriptor, remote: KVCacheDescriptor) -> Iterator[tupl
             yield f"group {g} {field}", getattr(a, field), getattr(b, field)
         yield f"group {g} layers with cache pages", len(a.layers), len(b.layers)
         for la, lb in zip(a.layers, b.layers):
-            ca, cb = la.content, lb.content
             yield f"layer {la.name!r} dtype", la.dtype, lb.dtype
-            yield f"layer {la.name!r} KV heads", ca.num_kv_heads, cb.num_kv_heads
-            sizes = ("head_size", "head_size_v", "content_bytes")
-            yield (f"layer {la.name!r} {'/'.join(sizes)}", [getattr(ca, f) for f in sizes],
-                   [getattr(cb, f) for f in sizes])
-            yield f"layer {la.name!r} content", ca, cb
+            yield f"layer {la.name!r} content (KV heads, sizes)", la.content, lb.content
             yield (f"layer {la.name!r} rows per block x view per row",
                    (la.rows_per_block, la.shape[1:]), (lb.rows_per_block, lb.shape[1:]))
 

@@ -1,8 +1,5 @@
-"""Checks of a KV cache descriptor read from JSON (another process's data, not trusted).
-
-A wrong type (a bool, ``"32"`` or ``1000.0`` is not an int) raises ``TypeError``, a wrong
-value ``ValueError``, naming the field and the value.
-"""
+"""Checks of a KV cache descriptor read from JSON (not trusted): a wrong type (a bool, ``"32"``
+or ``1000.0`` is not an int) raises ``TypeError``, a wrong value ``ValueError``, naming both."""
 
 from __future__ import annotations
 

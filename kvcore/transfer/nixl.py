@@ -32,7 +32,7 @@ from kvcore.transfer.nixl_api import (
     paired_indices,
     xfer_arrays,
 )
-from kvcore.transfer.pairs import pair_head_rows, structure_mismatch
+from kvcore.transfer.pairs import head_patterns, pair_runs, structure_mismatch
 from kvcore.transfer.regions import group_selection, paired_ids, whole_block_patterns
 from kvcore.transfer.transport import Transport, transport_between
 
@@ -189,8 +189,8 @@ class NixlAgent:
             raise IncompatiblePeerError(f"cannot read heads from peer {peer!r}: {reason}")
         loc, rem = self._ids("READ", peer, local_ids, remote_ids)
         heads = self.descriptor.group(group_id).layers[0].content.num_kv_heads
-        plan = pair_head_rows(remote, rem, head_start, self.descriptor, loc, 0, group_id=group_id,
-                              num_heads=heads)
+        plan = pair_runs(head_patterns(remote.group(group_id).layers, head_start, heads), rem,
+                         head_patterns(self.descriptor.group(group_id).layers, 0, heads), loc)
         runs = sum(p.num_runs for p in plan)
         if not runs:
             return TransferHandle(self._agent, None, 0, 0, self._peers[peer].transport)

@@ -1,7 +1,5 @@
-"""The NIXL side of kvcore's transfers: the import, descriptor arrays, transfer handles.
-
-NIXL is optional (``pip install kvcore[nixl]``): imported only when an agent is made.
-"""
+"""The NIXL side of kvcore's transfers: the import (only when an agent is made), descriptor
+arrays and prepared lists, transfer handles."""
 
 from __future__ import annotations
 
@@ -94,12 +92,9 @@ class TransferHandle:
 
 
 class PreparedRuns:
-    """One side's whole-block runs as a NIXL prepared descriptor list.
-
-    Row ``r`` of NIXL's Nx5 strided list ``(address, length, device, stride, count)`` is run
-    ``r`` of the block patterns at every block, so descriptor ``r * num_blocks + b`` is that
-    run in block ``b``; a transfer names descriptors by index (``make_prepped_xfer``).
-    """
+    """One side's whole-block runs as a NIXL prepared list: row ``r`` of NIXL's Nx5 strided
+    rows ``(address, length, device, stride, count)`` is run ``r`` of the block patterns at
+    every block, so descriptor ``r * num_blocks + b`` is that run in block ``b``."""
 
     def __init__(self, descriptor: KVCacheDescriptor, patterns) -> None:
         np = importlib.import_module("numpy")  # NOTE: numpy comes with NIXL

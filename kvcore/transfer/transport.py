@@ -54,14 +54,10 @@ def pick(candidates: tuple[str, ...], tls: str | None) -> str:
 def transport_between(
     local: Any, remote: Any, peer_info: dict[str, Any], tls: str | None = None
 ) -> Transport:
-    """The transport UCX uses between caches ``local`` and ``remote`` (descriptors), inferred.
-
-    VRAM to VRAM is ``cuda_ipc`` between two processes of one host, ``cuda_copy`` within one
-    process (``cuda_ipc`` cannot reach it); VRAM to host memory is ``cuda_copy`` (staged
-    through ``cma``/``tcp`` when another process owns the host memory); host memory on one
-    host moves by ``cma``; another host means ``rc`` or ``tcp``; ``tcp`` where ``UCX_TLS``
-    leaves none of these. ``scripts/gpu_transfer.sh`` checks this against UCX's log.
-    """
+    """The transport UCX uses between caches ``local`` and ``remote`` (descriptors), inferred:
+    VRAM to VRAM is ``cuda_ipc`` between processes, ``cuda_copy`` within one; VRAM to host
+    memory ``cuda_copy`` (staged through ``cma``/``tcp`` for another process); host memory
+    ``cma``; another host ``rc``; ``tcp`` where ``UCX_TLS`` leaves none of these."""
     tls = os.environ.get("UCX_TLS") if tls is None else tls
     here = process_info()
     same_host = peer_info.get("host") == here["host"]
