@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 
+import attrs
+
 from kvcore.errors import KVCoreError
 from kvcore.transfer.descriptor import KVCacheDescriptor
 from kvcore.transfer.pairs import structure_mismatch
@@ -13,10 +15,6 @@ from kvcore.transfer.regions import block_patterns
 from kvcore.transfer.transport import process_info
 
 _MAGIC = b"kvcore-nixl/3\n"
-
-# Content fields two caches must share for their (state, head) rows to be interchangeable.
-_SAME_ROWS = ("kind", "content_bytes", "head_size", "head_size_v", "tokens_per_state", "k_bytes",
-              "v_bytes")
 
 
 class IncompatiblePeerError(KVCoreError):
@@ -98,9 +96,8 @@ def head_slice_mismatch(
                 f"{len(b.layers)} on the peer")
     for la, lb in zip(a.layers, b.layers):
         ca, cb = la.content, lb.content
-        if ca.kind != "attention" or la.dtype != lb.dtype or any(
-            getattr(ca, f) != getattr(cb, f) for f in _SAME_ROWS
-        ):
+        rows = [attrs.evolve(c, num_kv_heads=0, num_head_slots=0) for c in (ca, cb)]
+        if ca.kind != "attention" or la.dtype != lb.dtype or rows[0] != rows[1]:
             return (f"layer {la.name!r} stores other rows than the peer's {lb.name!r} "
                     "(dtype, head size or content)")
         if head_start is not None and not 0 <= head_start <= cb.num_kv_heads - ca.num_kv_heads:
