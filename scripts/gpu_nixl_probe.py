@@ -85,7 +85,7 @@ def probe(layout: str, counts: list[int], repeats: int, memory: str) -> list[dic
     name = agent.connect(peer.metadata())
     peer.connect(agent.metadata())
     raw = agent._agent
-    remote = agent._peers[name]
+    remote = agent._peers[name].descriptor
     t0 = time.perf_counter()
     local_rows, runs = strided(agent.descriptor, 0)
     remote_rows, _ = strided(remote, 0)

@@ -70,17 +70,18 @@ def test_one_group_moves_only_that_groups_layers():
         rows3 = bits(kv.kv_caches[name])[block_rows(kv, name, [3])]
         assert torch.equal(rows3, before[name][block_rows(kv, name, [2])]), name
     changed = brute_force_bytes(kv, [3], g1)
-    assert int(changed.sum()) == 140 and pool.plan([2], [1], group_id=1)[0].nbytes == 140
+    assert int(changed.sum()) == 140 and pool.offload([2], [1], group_id=1).nbytes == 140
     assert torch.equal(raw_buffer(kv)[~changed], raw_before[~changed])
 
 
 def test_consecutive_blocks_merge_into_one_copy_in_block_outermost_layouts():
+    """Run by run (staging=False): adjacent on both sides merges; layer-compact: one per layer."""
     kv = make_cache("uniform", "BLNHC")
-    pool = HostKVPool(kv, num_host_blocks=4)
-    assert sum(p.num_runs for p in pool.plan([2, 3, 4], [0, 1, 2])) == 1
-    assert sum(p.num_runs for p in pool.plan([2, 4, 3], [0, 1, 2])) == 3
-    compact = HostKVPool(make_cache("uniform", "LBNHC"), num_host_blocks=4)
-    assert sum(p.num_runs for p in compact.plan([2, 3], [0, 1])) == 2 * 3  # per layer, per block
+    pool, direct = HostKVPool(kv, num_host_blocks=4), HostKVPool(kv, 4, staging=False)
+    assert direct.offload([2, 3, 4], [0, 1, 2]).num_runs == 1
+    assert direct.offload([2, 4, 3], [0, 1, 2]).num_runs == 3
+    compact = HostKVPool(make_cache("uniform", "LBNHC"), num_host_blocks=4, staging=False)
+    assert compact.offload([2, 3], [0, 1]).num_runs == 2 * 3  # per layer, per block
     assert pool.block_bytes == compact.block_bytes == sum(
         v[0].numel() * v.element_size() for v in kv.kv_caches.values()
     )

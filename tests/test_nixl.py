@@ -111,13 +111,13 @@ def test_incompatible_peers_are_refused_with_the_reason():
 
 def _tampered_metadata(peer, **changes):
     """The peer's real NIXL metadata with its kvcore descriptor altered (no check on the way)."""
-    from kvcore.transfer import nixl
+    from kvcore.transfer import compat
 
-    name, desc, _, agent_md = nixl._unpack(peer.metadata())
+    name, desc, _, agent_md = compat.unpack(peer.metadata())
     alloc = attrs.evolve(desc.allocations[0], **changes.pop("allocation", {}))
     layers = tuple(attrs.evolve(layer, **changes.pop("layer", {})) for layer in desc.groups[0].layers)
     groups = (attrs.evolve(desc.groups[0], layers=layers), *desc.groups[1:])
-    return nixl._pack(name, attrs.evolve(desc, allocations=(alloc,), groups=groups, **changes), agent_md)
+    return compat.pack(name, attrs.evolve(desc, allocations=(alloc,), groups=groups, **changes), agent_md)
 
 
 def test_a_peer_whose_descriptor_is_tampered_is_refused_before_nixl_sees_it():

@@ -1,15 +1,13 @@
 """The KV cache descriptor: where every byte of every block lives, as plain, versioned data.
 
-``describe(kv_cache)`` reads it from a live cache's public fields; it round-trips
-through JSON so that another process or project can read it without kvcore
-(``docs/kv-descriptor.md`` documents the format field by field).
+``describe(kv_cache)`` reads it from a live cache; it round-trips through JSON so that
+another process or project can read it without kvcore (``docs/kv-descriptor.md``).
 """
 
 from __future__ import annotations
 
 import json
 from fractions import Fraction
-from typing import Any
 
 import attrs
 import torch
@@ -20,10 +18,16 @@ from kvcore.transfer.descriptor_checks import check_bounds, check_fields
 
 #: Format version written by :meth:`KVCacheDescriptor.to_json`; readers refuse others.
 DESCRIPTOR_VERSION = 1
+_pair = attrs.converters.optional(tuple)
 
 
-def _int_pair(value: Any) -> tuple[int, int] | None:
-    return None if value is None else (int(value[0]), int(value[1]))
+def _built(cls: type):
+    """A converter building ``cls`` from a dict (parsed JSON), passing anything else on."""
+    return lambda value: cls(**value) if isinstance(value, dict) else value
+
+
+def _tuple_of(cls: type):
+    return lambda items: tuple(map(_built(cls), items))
 
 
 @attrs.frozen
@@ -49,12 +53,9 @@ class StateSlice:
 
 @attrs.frozen
 class ContentMap:
-    """What the content bytes C of one (head, state) row hold.
-
-    ``kind`` is ``"attention"`` (``k_bytes`` / ``v_bytes``: K's and V's byte ranges in C,
-    None when the spec overrides the content size), ``"state"`` (``states``: each state
-    tensor's range) or ``"raw"``.
-    """
+    """What the content bytes C of one (head, state) row hold: ``kind`` ``"attention"`` (K's
+    and V's byte ranges in C, None when the spec overrides the content size), ``"state"``
+    (each state tensor's range) or ``"raw"``."""
 
     kind: str
     content_bytes: int
@@ -62,21 +63,16 @@ class ContentMap:
     num_head_slots: int = 0
     head_size: int = 0
     head_size_v: int = 0
-    tokens_per_state: tuple[int, int] = attrs.field(default=(1, 1), converter=_int_pair)
-    k_bytes: tuple[int, int] | None = attrs.field(default=None, converter=_int_pair)
-    v_bytes: tuple[int, int] | None = attrs.field(default=None, converter=_int_pair)
-    states: tuple[StateSlice, ...] = attrs.field(default=(), converter=tuple)
+    tokens_per_state: tuple[int, int] = attrs.field(default=(1, 1), converter=tuple)
+    k_bytes: tuple[int, int] | None = attrs.field(default=None, converter=_pair)
+    v_bytes: tuple[int, int] | None = attrs.field(default=None, converter=_pair)
+    states: tuple[StateSlice, ...] = attrs.field(default=(), converter=_tuple_of(StateSlice))
 
 
 @attrs.frozen
 class LayerDescriptor:
-    """One layer's view as allocated, and what it holds.
-
-    Element ``[r, h, n, c]`` is at byte ``offset + r * byte_strides[0] + ... + c *
-    byte_strides[3]`` of allocation ``allocation``; ``rows_per_block`` rows make one manager
-    block (the kernel split ratio, else 1), and block ``b`` starts ``b *
-    manager_block_stride`` bytes after row 0.
-    """
+    """One layer's view: element ``[r, h, n, c]`` is at byte ``offset + r * byte_strides[0] +
+    ... + c * byte_strides[3]``; ``rows_per_block`` rows make one manager block."""
 
     name: str
     allocation: int
@@ -88,7 +84,7 @@ class LayerDescriptor:
     rows_per_block: int
     manager_block_stride: int
     block_bytes: int
-    content: ContentMap
+    content: ContentMap = attrs.field(converter=_built(ContentMap))
 
     @property
     def byte_strides(self) -> tuple[int, ...]:
@@ -97,12 +93,8 @@ class LayerDescriptor:
 
 @attrs.frozen
 class GroupDescriptor:
-    """One KV cache group: layers sharing one block table.
-
-    ``layers`` describes the layers with views (``layer_names`` lists all).
-    ``kernel_block_stride`` is the kernel block id distance between two manager blocks;
-    ``manager_block_stride`` the layers' common stride in bytes (None when they differ).
-    """
+    """One KV cache group: ``layers`` describes its layers with views (``layer_names`` all);
+    ``manager_block_stride`` is their common stride in bytes (None when they differ)."""
 
     group_id: int
     spec_type: str
@@ -112,7 +104,7 @@ class GroupDescriptor:
     kernel_block_stride: int
     manager_block_stride: int | None
     layer_names: tuple[str, ...] = attrs.field(converter=tuple)
-    layers: tuple[LayerDescriptor, ...] = attrs.field(converter=tuple)
+    layers: tuple[LayerDescriptor, ...] = attrs.field(converter=_tuple_of(LayerDescriptor))
 
 
 @attrs.frozen
@@ -121,16 +113,14 @@ class KVCacheDescriptor:
 
     layout: str
     num_blocks: int
-    allocations: tuple[Allocation, ...] = attrs.field(converter=tuple)
-    groups: tuple[GroupDescriptor, ...] = attrs.field(converter=tuple)
+    allocations: tuple[Allocation, ...] = attrs.field(converter=_tuple_of(Allocation))
+    groups: tuple[GroupDescriptor, ...] = attrs.field(converter=_tuple_of(GroupDescriptor))
     version: int = DESCRIPTOR_VERSION
 
     def group(self, group_id: int) -> GroupDescriptor:
         if type(group_id) is not int or not 0 <= group_id < len(self.groups):
-            raise ValueError(
-                f"group_id {group_id!r} is not a KV cache group of this descriptor; "
-                f"pass an integer in [0, {len(self.groups)})"
-            )
+            raise ValueError(f"group_id {group_id!r} is not a KV cache group of this descriptor; "
+                             f"pass an integer in [0, {len(self.groups)})")
         return self.groups[group_id]
 
     def to_json(self) -> str:
@@ -138,38 +128,22 @@ class KVCacheDescriptor:
 
     @classmethod
     def from_json(cls, text: str | bytes) -> KVCacheDescriptor:
-        """Parse :meth:`to_json` output, checking every field (the text is not trusted).
-
-        A wrong type raises ``TypeError``, a wrong value, malformed JSON, another
-        ``version`` or a block addressing bytes outside its allocation ``ValueError``.
-        """
+        """Parse :meth:`to_json` output, checking every field (the text is not trusted): a
+        wrong type raises ``TypeError``, a wrong value or version ``ValueError``."""
         if not isinstance(text, (str, bytes, bytearray)):
-            raise TypeError(
-                f"from_json needs the str or bytes of to_json(), got {type(text).__name__}"
-            )
+            raise TypeError(f"from_json needs the str or bytes of to_json(), got "
+                            f"{type(text).__name__}")
         try:
             data = json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"not a KV cache descriptor (invalid JSON: {exc})") from None
         found = data.get("version") if isinstance(data, dict) else None
         if type(found) is not int or found != DESCRIPTOR_VERSION:
-            raise ValueError(
-                f"KV cache descriptor version {found!r} is not supported (this kvcore reads "
-                f"version {DESCRIPTOR_VERSION}); describe the cache with a matching kvcore"
-            )
+            raise ValueError(f"KV cache descriptor version {found!r} is not supported (this "
+                             f"kvcore reads version {DESCRIPTOR_VERSION}); describe the cache "
+                             "with a matching kvcore")
         check_fields(data)
-        groups = []
-        for group in data["groups"]:
-            layers = []
-            for layer in group["layers"]:
-                content = dict(layer["content"])
-                states = [StateSlice(**s) for s in content.pop("states", ())]
-                layers.append(
-                    LayerDescriptor(**{**layer, "content": ContentMap(**content, states=states)})
-                )
-            groups.append(GroupDescriptor(**{**group, "layers": layers}))
-        allocations = [Allocation(**a) for a in data["allocations"]]
-        descriptor = cls(**{**data, "allocations": allocations, "groups": groups})
+        descriptor = cls(**data)
         check_bounds(descriptor)
         return descriptor
 
@@ -180,16 +154,13 @@ def raw_allocation(kv_cache: KVCache) -> torch.Tensor:
     return torch.empty(0, dtype=torch.int8, device=view.device).set_(view.untyped_storage())
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def _content_map(spec: KVCacheSpec) -> ContentMap:
     content = spec.state_content_size_bytes
     if isinstance(spec, MambaSpec):
         states, start = [], 0
         for i, (shape, dtype, nbytes) in enumerate(zip(spec.shapes, spec.dtypes, spec.state_bytes)):
-            states.append(StateSlice(i, shape, _dtype_name(dtype), start, start + nbytes))
+            dtype_name = str(dtype).removeprefix("torch.")
+            states.append(StateSlice(i, shape, dtype_name, start, start + nbytes))
             start += nbytes
         return ContentMap("state", content, states=states)
     if not isinstance(spec, AttentionSpec):
@@ -201,22 +172,8 @@ def _content_map(spec: KVCacheSpec) -> ContentMap:
         if spec.head_size_v:
             v_bytes = (k_end, k_end + spec.head_size_v * spec.dtype.itemsize)
     tps = Fraction(spec.tokens_per_state)
-    return ContentMap(
-        "attention", content, num_kv_heads=spec.num_kv_heads, num_head_slots=spec.num_heads,
-        head_size=spec.head_size, head_size_v=spec.head_size_v,
-        tokens_per_state=(tps.numerator, tps.denominator), k_bytes=k_bytes, v_bytes=v_bytes,
-    )
-
-
-def _layer(name: str, view: torch.Tensor, spec: KVCacheSpec, base_ptr: int, num_blocks: int):
-    rows, item = view.shape[0] // num_blocks, view.element_size()
-    return LayerDescriptor(
-        name=name, allocation=0, offset=view.data_ptr() - base_ptr, dtype=_dtype_name(view.dtype),
-        itemsize=item, shape=view.shape, strides=view.stride(), rows_per_block=rows,
-        manager_block_stride=view.stride(0) * item * rows,
-        block_bytes=rows * view.shape[1] * view.shape[2] * view.shape[3] * item,
-        content=_content_map(spec),
-    )
+    return ContentMap("attention", content, spec.num_kv_heads, spec.num_heads, spec.head_size,
+                      spec.head_size_v, (tps.numerator, tps.denominator), k_bytes, v_bytes)
 
 
 def describe(kv_cache: KVCache) -> KVCacheDescriptor:
@@ -233,15 +190,24 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
     kernel_sizes = iter(kv_cache.kernel_block_sizes)
     groups = []
     for group_id, group in enumerate(config.kv_cache_groups):
+        spec = group.kv_cache_spec
         first = group.spec_of(group.layer_names[0])
         kernel_size = next(kernel_sizes) if first.has_cache_pages else first.block_size
-        spec = group.kv_cache_spec
-        # NOTE: views span the planned blocks (an elastic cache's max); ids go up to num_blocks.
-        layers = [
-            _layer(name, kv_cache.kv_caches[name], group.spec_of(name), base_ptr, config.num_blocks)
-            for name in group.layer_names
-            if name in kv_cache.kv_caches and group.spec_of(name).has_layer_views
-        ]
+        layers = []
+        for name in group.layer_names:
+            view = kv_cache.kv_caches.get(name)
+            if view is None or not group.spec_of(name).has_layer_views:
+                continue
+            # NOTE: views span the planned blocks (an elastic cache's max); ids go to num_blocks.
+            rows, item = view.shape[0] // config.num_blocks, view.element_size()
+            layers.append(LayerDescriptor(
+                name=name, allocation=0, offset=view.data_ptr() - base_ptr,
+                dtype=str(view.dtype).removeprefix("torch."), itemsize=item, shape=view.shape,
+                strides=view.stride(), rows_per_block=rows,
+                manager_block_stride=view.stride(0) * item * rows,
+                block_bytes=rows * view.shape[1] * view.shape[2] * view.shape[3] * item,
+                content=_content_map(group.spec_of(name)),
+            ))
         ratio = spec.block_size // kernel_size
         strides = {layer.manager_block_stride for layer in layers}
         kernel_strides = [g.kernel_block_stride for g in kv_cache.attn_groups[group_id]]
@@ -252,7 +218,4 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
             manager_block_stride=strides.pop() if len(strides) == 1 else None,
             layer_names=group.layer_names, layers=layers,
         ))
-    return KVCacheDescriptor(
-        layout=kv_cache.layout.name, num_blocks=kv_cache.num_blocks, allocations=allocations,
-        groups=groups,
-    )
+    return KVCacheDescriptor(kv_cache.layout.name, kv_cache.num_blocks, allocations, groups)

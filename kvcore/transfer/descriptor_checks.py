@@ -1,10 +1,5 @@
-"""Checks of a KV cache descriptor read from JSON (another process's data, not trusted).
-
-:func:`check_fields` checks the parsed JSON field by field before any object is built
-(a bool is not an int, ``"32"`` and ``1000.0`` are not ints); :func:`check_bounds` then
-proves that every byte any block of any layer addresses lies inside its allocation.
-Wrong types raise ``TypeError``, wrong values ``ValueError``, naming field and value.
-"""
+"""Checks of a KV cache descriptor read from JSON (not trusted): a wrong type (a bool, ``"32"``
+or ``1000.0`` is not an int) raises ``TypeError``, a wrong value ``ValueError``, naming both."""
 
 from __future__ import annotations
 
@@ -15,16 +10,11 @@ import torch
 
 from kvcore.memory.layout import KVCacheLayout, block_runs
 
-#: Block ids are int32 in block tables; a descriptor claiming more blocks is not a real cache.
-MAX_BLOCKS = 2**31 - 1
 MAX_ADDRESS = 2**64
 #: A block split into more runs than this is not a layout kvcore makes.
 MAX_RUNS_PER_BLOCK = 1 << 16
 _DEVICE = re.compile(r"[a-z_]+(:\d+)?")
-_CONTENT_KINDS = ("attention", "state", "raw")
 _REMEDY = "; describe the cache with kvcore's describe() and pass its to_json() text unchanged"
-
-_TOP = {"layout", "num_blocks", "allocations", "groups", "version"}
 _ALLOCATION = {"index", "device", "base_ptr", "size"}
 _GROUP = {"group_id", "spec_type", "block_size", "kernel_block_size", "ratio",
           "kernel_block_stride", "manager_block_stride", "layer_names", "layers"}
@@ -32,47 +22,42 @@ _LAYER = {"name", "allocation", "offset", "dtype", "itemsize", "shape", "strides
           "rows_per_block", "manager_block_stride", "block_bytes", "content"}
 _CONTENT = {"kind", "content_bytes", "num_kv_heads", "num_head_slots", "head_size",
             "head_size_v", "tokens_per_state", "k_bytes", "v_bytes", "states"}
-_STATE = {"index", "shape", "dtype", "start", "end"}
-
-
-def _type_error(field: str, value: Any, expected: str) -> TypeError:
-    got = f"{value!r} ({type(value).__name__})"
-    return TypeError(f"descriptor field {field} must be {expected}, got {got}{_REMEDY}")
 
 
 def _value_error(field: str, value: Any, why: str) -> ValueError:
     return ValueError(f"descriptor field {field} is {value!r}: {why}{_REMEDY}")
 
 
+def _typed(field: str, value: Any, kind: type, expected: str) -> Any:
+    if type(value) is not kind or (kind is str and not value):
+        got = f"{value!r} ({type(value).__name__})"
+        raise TypeError(f"descriptor field {field} must be {expected}, got {got}{_REMEDY}")
+    return value
+
+
 def _int(field: str, value: Any, low: int = 0, high: int = MAX_ADDRESS - 1) -> int:
-    if type(value) is not int:
-        raise _type_error(field, value, "an integer")
-    if not low <= value <= high:
-        raise _value_error(field, value, f"expected an integer in [{low}, {high}]")
+    if not low <= _typed(field, value, int, "an integer") <= high:
+        expected = f"{low}" if low == high else f"an integer in [{low}, {high}]"
+        raise _value_error(field, value, f"expected {expected}")
     return value
 
 
 def _str(field: str, value: Any) -> str:
-    if type(value) is not str or not value:
-        raise _type_error(field, value, "a non-empty string")
-    return value
+    return _typed(field, value, str, "a non-empty string")
 
 
-def _list(field: str, value: Any, length: int | None = None) -> list:
-    if type(value) is not list:
-        raise _type_error(field, value, "a list")
-    if length is not None and len(value) != length:
-        raise _value_error(field, value, f"expected {length} entries")
-    return value
+def _list(field: str, value: Any) -> list:
+    return _typed(field, value, list, "a list")
 
 
 def _ints(field: str, value: Any, low: int, high: int, length: int | None = None) -> list[int]:
-    return [_int(f"{field}[{i}]", v, low, high) for i, v in enumerate(_list(field, value, length))]
+    if length is not None and len(_list(field, value)) != length:
+        raise _value_error(field, value, f"expected {length} entries")
+    return [_int(f"{field}[{i}]", v, low, high) for i, v in enumerate(_list(field, value))]
 
 
 def _obj(field: str, value: Any, keys: set[str], optional: set[str] = frozenset()) -> dict:
-    if type(value) is not dict:
-        raise _type_error(field, value, "an object")
+    _typed(field, value, dict, "an object")
     missing, extra = keys - optional - value.keys(), value.keys() - keys
     if missing or extra:
         what = f"missing {sorted(missing)}" if missing else f"unknown {sorted(extra)}"
@@ -80,37 +65,38 @@ def _obj(field: str, value: Any, keys: set[str], optional: set[str] = frozenset(
     return value
 
 
-def _dtype(field: str, value: Any) -> torch.dtype:
+def _itemsize(field: str, value: Any) -> int:
     dtype = getattr(torch, _str(field, value), None)
     if not isinstance(dtype, torch.dtype):
         raise _value_error(field, value, "not a torch dtype name (such as 'bfloat16' or 'float32')")
-    return dtype
+    return dtype.itemsize
 
 
 def _range(field: str, value: Any, size: int) -> None:
-    if value is None:
-        return
-    start, end = _ints(field, value, 0, MAX_ADDRESS - 1, 2)
-    if not start <= end <= size:
-        raise _value_error(field, value, f"expected 0 <= start <= end <= content_bytes ({size})")
+    if value is not None:
+        start, end = _ints(field, value, 0, MAX_ADDRESS - 1, 2)
+        if not start <= end <= size:
+            why = f"expected 0 <= start <= end <= content_bytes ({size})"
+            raise _value_error(field, value, why)
 
 
-def _content(at: str, data: Any) -> None:
+def _content(at: str, data: Any, row_bytes: int, head_slots: int) -> None:
     data = _obj(at, data, _CONTENT, _CONTENT - {"kind", "content_bytes"})
-    if data["kind"] not in _CONTENT_KINDS:
-        raise _value_error(f"{at}.kind", data["kind"], f"expected one of {list(_CONTENT_KINDS)}")
-    size = _int(f"{at}.content_bytes", data["content_bytes"])
-    for key in ("num_kv_heads", "num_head_slots", "head_size", "head_size_v"):
+    if data["kind"] not in ("attention", "state", "raw"):
+        raise _value_error(f"{at}.kind", data["kind"], "expected 'attention', 'state' or 'raw'")
+    size = _int(f"{at}.content_bytes", data["content_bytes"], 0, row_bytes)
+    _int(f"{at}.num_kv_heads", data.get("num_kv_heads", 0), 0, head_slots)
+    for key in ("num_head_slots", "head_size", "head_size_v"):
         _int(f"{at}.{key}", data.get(key, 0), 0, 2**31)
     _ints(f"{at}.tokens_per_state", data.get("tokens_per_state", [1, 1]), 1, 2**31, 2)
     _range(f"{at}.k_bytes", data.get("k_bytes"), size)
     _range(f"{at}.v_bytes", data.get("v_bytes"), size)
     for i, state in enumerate(_list(f"{at}.states", data.get("states", []))):
         where = f"{at}.states[{i}]"
-        state = _obj(where, state, _STATE)
+        state = _obj(where, state, {"index", "shape", "dtype", "start", "end"})
         _int(f"{where}.index", state["index"], i, i)
         _ints(f"{where}.shape", state["shape"], 0, 2**31)
-        _dtype(f"{where}.dtype", state["dtype"])
+        _itemsize(f"{where}.dtype", state["dtype"])
         _range(where, [state["start"], state["end"]], size)
 
 
@@ -121,29 +107,18 @@ def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
         raise _value_error(f"{at}.name", data["name"], why)
     _int(f"{at}.allocation", data["allocation"], 0, num_allocations - 1)
     _int(f"{at}.offset", data["offset"])
-    item = _dtype(f"{at}.dtype", data["dtype"]).itemsize
+    item = _itemsize(f"{at}.dtype", data["dtype"])
     _int(f"{at}.itemsize", data["itemsize"], item, item)
     shape = _ints(f"{at}.shape", data["shape"], 1, 2**40, 4)
     strides = _ints(f"{at}.strides", data["strides"], 0, 2**62, 4)
     for i, (n, s) in enumerate(zip(shape, strides)):
         if n > 1 and s == 0:
-            why = f"a dim of {n} elements needs a positive stride"
-            raise _value_error(f"{at}.strides[{i}]", s, why)
+            raise _value_error(f"{at}.strides[{i}]", s, f"a dim of {n} elements needs a stride")
     rows = _int(f"{at}.rows_per_block", data["rows_per_block"], 1, shape[0])
-    derived = {"manager_block_stride": strides[0] * item * rows,
-               "block_bytes": rows * shape[1] * shape[2] * shape[3] * item}
-    for key, expected in derived.items():
-        if _int(f"{at}.{key}", data[key]) != expected:
-            why = f"the layer's shape and strides give {expected}"
-            raise _value_error(f"{at}.{key}", data[key], why)
-    content = data["content"]
-    _content(f"{at}.content", content)
-    if content["content_bytes"] > shape[3] * item:
-        raise _value_error(f"{at}.content.content_bytes", content["content_bytes"],
-                           f"a row of the view holds {shape[3] * item} bytes")
-    if content.get("num_kv_heads", 0) > shape[1]:
-        raise _value_error(f"{at}.content.num_kv_heads", content["num_kv_heads"],
-                           f"the view has {shape[1]} head slots")
+    stride, nbytes = strides[0] * item * rows, rows * shape[1] * shape[2] * shape[3] * item
+    _int(f"{at}.manager_block_stride", data["manager_block_stride"], stride, stride)
+    _int(f"{at}.block_bytes", data["block_bytes"], nbytes, nbytes)
+    _content(f"{at}.content", data["content"], shape[3] * item, shape[1])
 
 
 def _group(at: str, data: Any, index: int, num_allocations: int) -> None:
@@ -154,25 +129,25 @@ def _group(at: str, data: Any, index: int, num_allocations: int) -> None:
         _int(f"{at}.{key}", data[key], 1, 2**31)
     if data["manager_block_stride"] is not None:
         _int(f"{at}.manager_block_stride", data["manager_block_stride"], 1)
-    names = [_str(f"{at}.layer_names[{i}]", n)
-             for i, n in enumerate(_list(f"{at}.layer_names", data["layer_names"]))]
-    if len(set(names)) != len(names):
-        raise _value_error(f"{at}.layer_names", names, "a layer is listed twice")
+    names = _list(f"{at}.layer_names", data["layer_names"])
+    for i, name in enumerate(names):
+        _str(f"{at}.layer_names[{i}]", name)
     layers = _list(f"{at}.layers", data["layers"])
     for i, layer in enumerate(layers):
         _layer(f"{at}.layers[{i}]", layer, num_allocations, names)
-    seen = [layer["name"] for layer in layers]
-    if len(set(seen)) != len(seen):
-        raise _value_error(f"{at}.layers", seen, "a layer is described twice")
+    for field, listed in (("layer_names", names), ("layers", [x["name"] for x in layers])):
+        if len(set(listed)) != len(listed):
+            raise _value_error(f"{at}.{field}", listed, "a layer is listed twice")
 
 
 def check_fields(data: Any) -> None:
     """Check the parsed JSON of a descriptor (version already checked) field by field."""
-    data = _obj("(top level)", data, _TOP)
+    data = _obj("(top level)", data, {"layout", "num_blocks", "allocations", "groups", "version"})
     layouts = list(KVCacheLayout.__members__)
     if _str("layout", data["layout"]) not in layouts:
         raise _value_error("layout", data["layout"], f"expected one of {layouts}")
-    _int("num_blocks", data["num_blocks"], 2, MAX_BLOCKS)
+    # NOTE: block ids are int32 in block tables; more blocks is not a real cache.
+    _int("num_blocks", data["num_blocks"], 2, 2**31 - 1)
     allocations = _list("allocations", data["allocations"])
     if not allocations:
         raise _value_error("allocations", allocations, "a descriptor needs at least one allocation")
@@ -196,13 +171,10 @@ def check_bounds(descriptor: Any) -> None:
             at = f"groups[{group.group_id}].layers[{i}] ({layer.name!r})"
             rows = descriptor.num_blocks * layer.rows_per_block
             if rows > layer.shape[0]:
-                blocks = f"{descriptor.num_blocks} blocks of {layer.rows_per_block} rows"
-                why = f"{blocks} need {rows} rows"
+                why = f"{descriptor.num_blocks} blocks of {layer.rows_per_block} rows need {rows}"
                 raise _value_error(f"{at}.shape[0]", layer.shape[0], why)
             strides = layer.byte_strides
-            last = (rows - 1) * strides[0] + sum(
-                (n - 1) * s for n, s in zip(layer.shape[1:], strides[1:])
-            )
+            last = sum((n - 1) * s for n, s in zip((rows, *layer.shape[1:]), strides))
             end = layer.offset + last + layer.itemsize
             size = descriptor.allocations[layer.allocation].size
             if end > size:

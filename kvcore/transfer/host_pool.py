@@ -1,12 +1,6 @@
-"""HostKVPool: a host mirror of KV cache blocks, filled and drained by exact plans.
-
-Host slot ``h`` holds one manager block's runs back to back (``block_bytes``). Blocks of
-equal, aligned runs (any layout of a plain attention model) are staged: put in host-slot
-order and gathered on the device chunk by chunk (``index_select``; ``index_copy_`` on
-restore), so the host copies move whole slots, merged where slots are consecutive. On
-CUDA the mirror is pinned and the gather of chunk ``k + 1`` overlaps the copy of chunk
-``k`` on a copy stream. Other blocks move one copy per paired run.
-"""
+"""HostKVPool: a host mirror of KV cache blocks; host slot ``h`` holds one block's runs back to
+back. Blocks of equal, aligned runs (any layout of a plain attention model) are gathered on the
+device in host-slot order, so host copies move whole slots; others move run by run."""
 
 from __future__ import annotations
 
@@ -31,22 +25,21 @@ RING_BUFFERS = 3
 @contextlib.contextmanager
 def _on(stream: torch.cuda.Stream | None, after: torch.cuda.Stream | None = None) -> Iterator[None]:
     """Issue work on ``stream``, after the work queued so far on ``after`` (no-op on CPU)."""
-    if stream is None:
-        yield
-        return
-    if after is not None:
+    if stream is not None and after is not None:
         stream.wait_stream(after)
     with torch.cuda.stream(stream):
         yield
 
 
-def _event(stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
-    """An event recorded on ``stream`` now (None on CPU, where every copy is done on return)."""
-    if stream is None:
-        return None
-    event = torch.cuda.Event()
-    event.record(stream)
-    return event
+def _copy_runs(device: torch.Tensor, host: torch.Tensor, copies: PairedRuns, to_host: bool) -> None:
+    """Copy runs between ``device`` (``src_offsets``) and ``host`` (``dst_offsets``)."""
+    asynchronous = device.is_cuda
+    runs = zip(copies.src_offsets.tolist(), copies.dst_offsets.tolist(), copies.lengths.tolist())
+    for d, h, n in runs:
+        if to_host:
+            host[h : h + n].copy_(device[d : d + n], non_blocking=asynchronous)
+        else:
+            device[d : d + n].copy_(host[h : h + n], non_blocking=asynchronous)
 
 
 class CopyHandle:
@@ -65,8 +58,8 @@ class CopyHandle:
 
 
 def _staging(patterns: tuple[BlockPattern, ...]) -> tuple[int, int, torch.Tensor] | None:
-    """``(run bytes, runs per block stride, run starts in runs)`` when the blocks of ``patterns``
-    are equal, aligned runs (they can be gathered as rows of one table), else None."""
+    """``(run bytes, runs per block stride, run starts in runs)`` of blocks of equal, aligned
+    runs (rows of one table), else None."""
     if len(patterns) != 1:
         return None
     p = patterns[0]
@@ -106,27 +99,26 @@ def _run_table(buffer: torch.Tensor, run_bytes: int) -> torch.Tensor:
 
 
 class HostKVPool:
-    """``num_host_blocks`` host slots mirroring manager blocks of ``kv_cache``.
+    """``num_host_blocks`` host slots (pinned on CUDA) mirroring manager blocks of ``kv_cache``.
 
-    ``offload(device_ids, host_ids)`` copies device blocks into host slots,
-    ``restore(host_ids, device_ids)`` copies them back; ``group_id`` limits a call to one
-    KV cache group's layers (default: every group, the whole block). Restore with the
-    ``group_id`` used to offload. ``staging=False`` copies run by run.
+    ``group_id`` limits a call to one KV cache group's layers (default: every group, the
+    whole block); restore with the one used to offload. ``staging=False`` copies run by run.
     """
 
     def __init__(self, kv_cache: KVCache, num_host_blocks: int, *, staging: bool = True) -> None:
         if not isinstance(kv_cache, KVCache):
             raise TypeError(f"HostKVPool needs a kvcore.KVCache, got {type(kv_cache).__name__}")
         self.num_host_blocks = positive_int("num_host_blocks", num_host_blocks)
-        self.kv_cache = kv_cache
-        self.staging = bool(staging)
+        self.kv_cache, self.staging, self.device = kv_cache, bool(staging), kv_cache.device
         self.descriptor = describe(kv_cache)
+        self._device_buf = raw_allocation(kv_cache)
         #: group selection -> (patterns, staging), worked out on first use (the cache is fixed)
         self._layouts: dict[int | None, tuple[tuple[BlockPattern, ...], Any]] = {}
-        self.device = kv_cache.device
-        self._device_buf = raw_allocation(kv_cache)
-        selections = [None, *(g.group_id for g in self.descriptor.groups if g.layers)]
-        self.block_bytes = max(self._slot_bytes(g) for g in selections)
+        self.block_bytes = 0
+        for group_id in [None, *(g.group_id for g in self.descriptor.groups if g.layers)]:
+            with contextlib.suppress(ValueError):  # NOTE: groups at other strides move one by one
+                slot = sum(p.block_bytes for p in self._layout(group_id)[0])
+                self.block_bytes = max(self.block_bytes, slot)
         self.host = torch.zeros(self.num_host_blocks * self.block_bytes, dtype=torch.int8,
                                 pin_memory=self.device.type == "cuda")
         self._stream: torch.cuda.Stream | None = None
@@ -140,15 +132,6 @@ class HostKVPool:
             known = self._layouts[group_id] = (patterns, _staging(patterns))
         return known
 
-    def _patterns(self, group_id: int | None) -> tuple[BlockPattern, ...]:
-        return self._layout(group_id)[0]
-
-    def _slot_bytes(self, group_id: int | None) -> int:
-        try:
-            return sum(p.block_bytes for p in self._patterns(group_id))
-        except ValueError:  # groups at different strides move one at a time
-            return 0
-
     def host_block(self, host_id: int) -> torch.Tensor:
         """The bytes of host slot ``host_id`` (a view of the mirror)."""
         if type(host_id) is not int or not 0 <= host_id < self.num_host_blocks:
@@ -157,25 +140,10 @@ class HostKVPool:
             )
         return self.host[host_id * self.block_bytes : (host_id + 1) * self.block_bytes]
 
-    def _ids(self, device_ids: Any, host_ids: Any, to_host: bool) -> tuple[torch.Tensor, ...]:
-        dev = (device_ids, self.descriptor.num_blocks, "device block id", False)
-        host = (host_ids, self.num_host_blocks, "host block id", True)
-        return paired_ids(dev, host, first_is_src=to_host)
-
-    def plan(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
-             to_host: bool = True) -> list[PairedRuns]:
-        """Checked copies between device blocks (``src``) and host slots, run by run."""
-        dev, host = self._ids(device_ids, host_ids, to_host)
-        patterns = self._patterns(group_id)
-        return pair_runs(patterns, dev, packed_patterns(patterns), host)
-
     def offload(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
                 non_blocking: bool = False) -> CopyHandle:
-        """Copy device blocks ``device_ids`` into host slots ``host_ids`` (pairwise).
-
-        Returns once the copies are done unless ``non_blocking`` (then ``wait()`` on the
-        handle before reading the host slots).
-        """
+        """Copy device blocks ``device_ids`` into host slots ``host_ids`` (pairwise); returns
+        once done unless ``non_blocking`` (then ``wait()`` before reading the host slots)."""
         return self._move(device_ids, host_ids, group_id, to_host=True, non_blocking=non_blocking)
 
     def restore(self, host_ids: Any, device_ids: Any, *, group_id: int | None = None,
@@ -185,16 +153,20 @@ class HostKVPool:
 
     def _move(self, device_ids: Any, host_ids: Any, group_id: int | None, *, to_host: bool,
               non_blocking: bool) -> CopyHandle:
-        dev, host = self._ids(device_ids, host_ids, to_host)
+        dev, host = paired_ids((device_ids, self.descriptor.num_blocks, "device block id", False),
+                               (host_ids, self.num_host_blocks, "host block id", True),
+                               first_is_src=to_host)
         patterns, staging = self._layout(group_id)
         if self.staging and staging is not None and dev.numel():
             chunks = _staged_chunks(staging, patterns[0].block_bytes, dev, host, self.block_bytes)
             handle = self._staged_copy(staging[0], chunks, to_host=to_host)
         else:
-            handle = self._copy(pair_runs(patterns, dev, packed_patterns(patterns), host), to_host)
+            plan = pair_runs(patterns, dev, packed_patterns(patterns), host)
+            for copies in plan:
+                _copy_runs(self._device_buf, self.host, copies, to_host)
+            handle = CopyHandle(None, sum(p.num_runs for p in plan), sum(p.nbytes for p in plan))
         if self.device.type == "cuda":
-            handle._event = torch.cuda.Event()
-            handle._event.record()
+            handle._event = torch.cuda.current_stream().record_event()
         if not non_blocking:
             handle.wait()
         return handle
@@ -203,10 +175,9 @@ class HostKVPool:
                      to_host: bool) -> CopyHandle:
         """Gather (or scatter) chunk by chunk through a ring of device buffers.
 
-        Offload: chunk ``k`` is gathered into ring buffer ``k % R`` on the caller's stream
-        while the copy stream moves chunk ``k - 1`` to the host; a buffer is gathered into
-        again only after the copy stream is done with it (an event the stream, never the
-        host, waits on). Restore mirrors it.
+        Offload: chunk ``k`` is gathered into buffer ``k % R`` on the caller's stream while
+        the copy stream moves chunk ``k - 1`` to the host; a buffer is reused only after an
+        event of the stream done with it (streams wait, never the host). Restore mirrors it.
         """
         table = _run_table(self._device_buf, run_bytes)
         cuda = self.device.type == "cuda"
@@ -223,47 +194,29 @@ class HostKVPool:
         free: list[torch.cuda.Event | None] = [None] * len(ring)
         if cuda:
             side.wait_stream(main)  # the caller's writes to the cache, and the ring's earlier users
-        first = 0
-        for k, ((chunk_rows, copies), size) in enumerate(zip(chunks, sizes)):
-            ids = rows[first : first + chunk_rows.numel()]
-            first += chunk_rows.numel()
+        ids_of_chunks = rows.split([chunk_rows.numel() for chunk_rows, _ in chunks])
+        for k, ((_, copies), size, ids) in enumerate(zip(chunks, sizes, ids_of_chunks)):
             slot = k % len(ring)
             flat = ring[slot][:size]
             packed = flat.view(table.dtype).view(-1, table.shape[1])
-            pieces = list(zip(copies.src_offsets.tolist(), copies.dst_offsets.tolist(),
-                              copies.lengths.tolist()))
             if to_host:
                 if free[slot] is not None:
                     main.wait_event(free[slot])  # the copy out of this buffer is done
                 torch.index_select(table, 0, ids, out=packed)  # overlaps the previous chunk's copy
                 with _on(side, after=main):
-                    for s, h, n in pieces:
-                        self.host[h : h + n].copy_(flat[s : s + n], non_blocking=cuda)
-                free[slot] = _event(side)
+                    _copy_runs(flat, self.host, copies, to_host=True)
+                free[slot] = side.record_event() if cuda else None
             else:
                 with _on(side):
                     if free[slot] is not None:
                         side.wait_event(free[slot])  # the scatter out of this buffer is done
-                    for s, h, n in pieces:
-                        flat[s : s + n].copy_(self.host[h : h + n], non_blocking=cuda)
+                    _copy_runs(flat, self.host, copies, to_host=False)
                 if cuda:
                     main.wait_stream(side)
                 table.index_copy_(0, ids, packed)  # overlaps the next chunk's copy
-                free[slot] = _event(main)
+                free[slot] = main.record_event() if cuda else None
         if cuda:
             for buffer in ring:
                 buffer.record_stream(side)
             main.wait_stream(side)  # later work on the caller's stream runs after the copies
         return CopyHandle(None, sum(c.num_runs for _, c in chunks), sum(sizes))
-
-    def _copy(self, plan: list[PairedRuns], to_host: bool) -> CopyHandle:
-        device_buf, host_buf = self._device_buf, self.host
-        asynchronous = self.device.type == "cuda"
-        for part in plan:
-            for d, h, n in zip(part.src_offsets.tolist(), part.dst_offsets.tolist(),
-                               part.lengths.tolist()):
-                if to_host:
-                    host_buf[h : h + n].copy_(device_buf[d : d + n], non_blocking=asynchronous)
-                else:
-                    device_buf[d : d + n].copy_(host_buf[h : h + n], non_blocking=asynchronous)
-        return CopyHandle(None, sum(p.num_runs for p in plan), sum(p.nbytes for p in plan))

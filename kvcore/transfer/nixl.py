@@ -1,23 +1,27 @@
 """NixlAgent: move KV cache blocks between processes through NIXL (``pip install kvcore[nixl]``).
 
-The agent registers the cache's one allocation with NIXL once. Peers exchange
-:meth:`NixlAgent.metadata` (NIXL's agent metadata and the kvcore descriptor) by any local
-channel; :meth:`~NixlAgent.connect` refuses a peer whose cache is laid out differently.
-Transfers post the paired runs of :mod:`kvcore.transfer.pairs`: only the listed blocks move.
+Peers exchange :meth:`NixlAgent.metadata` by any local channel; whole blocks move by index
+into lists prepared once per side, head slices by the runs of each call.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
+import attrs
 import torch
 
-from kvcore.errors import KVCoreError
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.transfer.compat import head_slice_mismatch, incompatibility
+from kvcore.transfer.compat import (
+    IncompatiblePeerError,
+    check_peer,
+    head_slice_mismatch,
+    pack,
+    unpack,
+)
 from kvcore.transfer.descriptor import KVCacheDescriptor, describe, raw_allocation
 from kvcore.transfer.nixl_api import (
     PreparedRuns,
@@ -28,53 +32,35 @@ from kvcore.transfer.nixl_api import (
     paired_indices,
     xfer_arrays,
 )
-from kvcore.transfer.pairs import PairedRuns, pair_head_rows, structure_mismatch
+from kvcore.transfer.pairs import head_patterns, pair_runs, structure_mismatch
 from kvcore.transfer.regions import group_selection, paired_ids, whole_block_patterns
-from kvcore.transfer.transport import Transport, process_info, transport_between
+from kvcore.transfer.transport import Transport, transport_between
 
-_MAGIC = b"kvcore-nixl/3\n"
 _LOCAL = "NIXL_INIT_AGENT"  # NOTE: NIXL's name for the initiator's side of a prepared list
+_RECONNECT = "if the peer process exited, reconnect to a live one (connect() with fresh metadata())"
 
 
-class IncompatiblePeerError(KVCoreError):
-    """A peer's KV cache cannot exchange blocks with this one; the message says why."""
-
-
-def _pack(name: str, descriptor: KVCacheDescriptor, agent_metadata: bytes) -> bytes:
-    header = {"name": name, "descriptor": descriptor.to_json(), "process": process_info()}
-    return _MAGIC + json.dumps(header).encode() + b"\n" + agent_metadata
-
-
-def _unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
-    if not isinstance(data, (bytes, bytearray)) or not data.startswith(_MAGIC):
-        raise ValueError(
-            "peer metadata is not from this kvcore version's NixlAgent.metadata(); pass those "
-            "bytes unchanged, from a peer running the same kvcore"
-        )
-    header, _, agent_metadata = bytes(data[len(_MAGIC) :]).partition(b"\n")
+@contextlib.contextmanager
+def _nixl(doing: str, remedy: str = _RECONNECT) -> Iterator[None]:
+    """Turn NIXL's own binding exceptions (``nixlBackendError``...) into :class:`TransferError`."""
     try:
-        fields = json.loads(header)
-        name, desc_text, info = fields["name"], fields["descriptor"], fields["process"]
-    except (ValueError, TypeError, KeyError) as exc:
-        raise ValueError(
-            f"peer metadata is damaged ({exc}); pass the bytes of metadata() unchanged"
-        ) from None
-    try:
-        desc = KVCacheDescriptor.from_json(desc_text)
-    except (TypeError, ValueError) as exc:
-        raise IncompatiblePeerError(
-            f"peer {name!r} sent a KV cache descriptor kvcore refuses, so no block moves to or "
-            f"from it: {exc}"
-        ) from None
-    return name, desc, info if isinstance(info, dict) else {}, agent_metadata
+        yield
+    except Exception as exc:
+        raise TransferError(f"NIXL could not {doing} ({exc!r}); {remedy}") from exc
+
+
+@attrs.frozen
+class _Peer:
+    descriptor: KVCacheDescriptor
+    transport: Transport
+    #: Why whole blocks cannot move (a peer connected for head slices only), or None.
+    heads_only: str | None
 
 
 class NixlAgent:
     """A NIXL agent named ``name`` serving ``kv_cache``'s blocks (UCX by default).
 
-    ``progress_thread=False`` makes NIXL progress transfers only when a handle is polled
-    (``wait()``/``done()``), in the caller's thread, which holds the cache's CUDA context;
-    by default NIXL's own progress thread does it.
+    ``progress_thread=False``: NIXL progresses transfers only while a handle is polled.
     """
 
     def __init__(self, name: str, kv_cache: KVCache, *, backends: tuple[str, ...] = ("UCX",),
@@ -84,42 +70,31 @@ class NixlAgent:
         if not isinstance(kv_cache, KVCache):
             raise TypeError(f"NixlAgent needs a kvcore.KVCache, got {type(kv_cache).__name__}")
         agent_cls, config_cls = nixl_api()
-        self.name, self.kv_cache = name, kv_cache
-        self.descriptor = describe(kv_cache)
-        self._raw = raw_allocation(kv_cache)
-        self._registered = None
+        self.name, self.kv_cache, self.descriptor = name, kv_cache, describe(kv_cache)
+        self._raw, self._registered, self._peers = raw_allocation(kv_cache), None, {}
+        #: (peer, or _LOCAL for this side; group ids) -> that side's runs, prepared once
+        self._prepared: dict[tuple[str, tuple[int, ...]], PreparedRuns] = {}
         device = self._raw.device
-        # UCX's CUDA transports read the calling thread's CUDA context when the agent starts:
-        # make the cache's device (whose primary context exists: the cache is allocated) current.
-        current = torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
-        if device.type == "cuda":
+        cuda = device.type == "cuda"
+        if cuda:
             # NOTE: without NVLink UCX turns cuda_ipc's get (READ) path off and reads crawl over
             # a staged fallback: 0.4 GB/s against 48 GB/s with it on (H200, two processes).
             # UCX reads this when the agent's context starts; a value the user set is kept.
             os.environ.setdefault("UCX_CUDA_IPC_ENABLE_GET_ZCOPY", "y")
-        try:
-            with current:
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                config = config_cls(
-                    backends=list(backends), enable_prog_thread=bool(progress_thread)
-                )
-                self._agent = agent_cls(name, config)
-                self._registered = self._agent.register_memory([self._raw])
-        except Exception as exc:  # NOTE: NIXL raises its own binding exceptions (nixlBackendError)
-            raise TransferError(
-                f"NIXL could not start agent {name!r} with backends {list(backends)} on {device}: "
-                f"{exc!r}; check that NIXL's UCX plugin loads (UCX_LOG_LEVEL=info shows why not)"
-            ) from exc
-        self._peers: dict[str, KVCacheDescriptor] = {}
-        self._block_reasons: dict[str, str | None] = {}
-        self._transports: dict[str, Transport] = {}
-        #: (peer, or _LOCAL for this side; group ids) -> that side's runs, prepared once
-        self._prepared: dict[tuple[str, tuple[int, ...]], PreparedRuns] = {}
+        doing = f"start agent {name!r} with backends {list(backends)} on {device}"
+        remedy = "check that NIXL's UCX plugin loads (UCX_LOG_LEVEL=info shows why not)"
+        # NOTE: UCX's CUDA transports read the thread's CUDA context when the agent starts:
+        # the cache's device (whose primary context exists: the cache is allocated) is current.
+        with _nixl(doing, remedy), torch.cuda.device(device) if cuda else contextlib.nullcontext():
+            if cuda:
+                torch.cuda.synchronize(device)
+            config = config_cls(backends=list(backends), enable_prog_thread=bool(progress_thread))
+            self._agent = agent_cls(name, config)
+            self._registered = self._agent.register_memory([self._raw])
 
     def metadata(self) -> bytes:
         """What a peer passes to :meth:`connect`: NIXL's agent metadata and this descriptor."""
-        return _pack(self.name, self.descriptor, self._agent.get_agent_metadata())
+        return pack(self.name, self.descriptor, self._agent.get_agent_metadata())
 
     def connect(self, peer_metadata: bytes, *, heads_may_differ: bool = False) -> str:
         """Add a peer from its :meth:`metadata`; returns its name.
@@ -129,53 +104,34 @@ class NixlAgent:
         another tensor-parallel size (other head counts, any layout) is accepted for
         :meth:`read_head_slice` only.
         """
-        name, desc, info, agent_md = _unpack(peer_metadata)
+        name, desc, info, agent_md = unpack(peer_metadata)
         if name == self.name:
-            raise ValueError(
-                f"peer metadata names this agent itself ({name!r}); pass the other process's"
-            )
-        reason = incompatibility(self.descriptor, desc)
-        if reason is not None and not heads_may_differ:
-            raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {name!r}: {reason}")
-        if reason is not None:
-            rows = [head_slice_mismatch(self.descriptor, desc, g.group_id, None)
-                    for g in self.descriptor.groups if g.layers]
-            if len(desc.groups) != len(self.descriptor.groups) or any(rows):
-                raise IncompatiblePeerError(
-                    f"cannot exchange KV heads with peer {name!r}: "
-                    + next((r for r in rows if r), "the KV cache groups differ")
-                )
-        try:
+            raise ValueError(f"peer metadata names this agent itself ({name!r}); pass the other "
+                             "process's")
+        reason = check_peer(name, self.descriptor, desc, heads_may_differ)
+        remedy = ("the peer process may have exited or its metadata is stale: restart the peer "
+                  "and pass its fresh metadata()")
+        with _nixl(f"connect to peer {name!r}", remedy):
             added = self._agent.add_remote_agent(agent_md)
-        except Exception as exc:  # NOTE: NIXL raises its own binding exceptions (nixlBackendError)
-            raise TransferError(
-                f"NIXL could not connect to peer {name!r} ({exc!r}); the peer process may have "
-                "exited or its metadata is stale: restart the peer and pass its fresh metadata()"
-            ) from exc
         added = added.decode() if isinstance(added, bytes) else str(added)
         for key in [k for k in self._prepared if k[0] == added]:  # NOTE: a reconnected peer's
             with contextlib.suppress(Exception):
                 self._prepared.pop(key).release()
-        self._peers[added] = desc
-        self._block_reasons[added] = reason
-        self._transports[added] = transport_between(self.descriptor, desc, info)
+        self._peers[added] = _Peer(desc, transport_between(self.descriptor, desc, info), reason)
         return added
 
     def transport(self, peer: str) -> Transport:
         """How UCX moves bytes to and from ``peer`` (see :mod:`kvcore.transfer.transport`)."""
-        self._peer(peer)
-        return self._transports[peer]
+        return self._peer(peer).transport
 
     @property
     def peers(self) -> list[str]:
         return list(self._peers)
 
-    def _peer(self, peer: str) -> KVCacheDescriptor:
+    def _peer(self, peer: str) -> _Peer:
         if peer not in self._peers:
-            raise ValueError(
-                f"peer {peer!r} is not connected; connected peers: {self.peers}. "
-                "Call connect() first"
-            )
+            raise ValueError(f"peer {peer!r} is not connected; connected peers: {self.peers}. "
+                             "Call connect() first")
         return self._peers[peer]
 
     def write_blocks(self, peer: str, local_ids: Any, remote_ids: Any, *,
@@ -191,25 +147,19 @@ class NixlAgent:
     def _blocks(self, op: str, peer: str, local_ids: Any, remote_ids: Any,
                 group_id: int | None) -> TransferHandle:
         remote = self._peer(peer)
-        if self._block_reasons[peer] is not None:
-            raise IncompatiblePeerError(
-                f"peer {peer!r} was connected for head slices only; whole blocks cannot move: "
-                f"{self._block_reasons[peer]}"
-            )
+        if remote.heads_only is not None:
+            raise IncompatiblePeerError(f"peer {peer!r} was connected for head slices only; whole "
+                                        f"blocks cannot move: {remote.heads_only}")
         loc, rem = self._ids(op, peer, local_ids, remote_ids)
         groups = group_selection(self.descriptor, group_id)
         if not loc.numel():
-            return TransferHandle(self._agent, None, 0, 0, self._transports[peer])
+            return TransferHandle(self._agent, None, 0, 0, remote.transport)
         local = self._prepare(_LOCAL, self.descriptor, groups)
-        far = self._prepare(peer, remote, groups)
+        far = self._prepare(peer, remote.descriptor, groups)
         local_index, remote_index, runs, nbytes = paired_indices(local, far, loc, rem)
-        try:
+        with _nixl(f"prepare the {op} with peer {peer!r}"):
             handle = self._agent.make_prepped_xfer(op, local.handle, local_index, far.handle,
                                                    remote_index)
-        except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
-            raise TransferError(
-                f"NIXL could not prepare the {op} with peer {peer!r} ({exc!r})"
-            ) from exc
         return self._start(op, peer, handle, runs, nbytes)
 
     def _prepare(self, owner: str, descriptor: KVCacheDescriptor,
@@ -221,27 +171,17 @@ class NixlAgent:
             if owner != _LOCAL:  # NOTE: connect() checked whole blocks pair up; this is per group
                 reason = structure_mismatch(whole_block_patterns(self.descriptor, groups), patterns)
                 if reason is not None:
-                    raise IncompatiblePeerError(
-                        f"cannot exchange KV blocks with peer {owner!r}: {reason}"
-                    )
-            try:
+                    raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {owner!r}: "
+                                                f"{reason}")
+            with _nixl(f"prepare the descriptor list of {owner!r}"):
                 self._prepared[key] = PreparedRuns(descriptor, patterns).prepare(self._agent, owner)
-            except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
-                raise TransferError(
-                    f"NIXL could not prepare the descriptor list of {owner!r} ({exc!r}); if the "
-                    "peer process exited, reconnect to a live one (connect() with fresh metadata())"
-                ) from exc
         return self._prepared[key]
 
     def read_head_slice(self, peer: str, remote_ids: Any, local_ids: Any, *, head_start: int,
                         group_id: int = 0) -> TransferHandle:
-        """Read KV heads ``head_start ...`` of the peer's blocks into all heads of local blocks.
-
-        For a decode rank whose tensor-parallel shard holds fewer KV heads than the prefill
-        rank's: only those heads' (state, head) rows move, found through both descriptors'
-        content maps (layouts may differ).
-        """
-        remote = self._peer(peer)
+        """Read KV heads ``head_start ...`` of the peer's blocks into all heads of local blocks
+        (a decode rank holding fewer KV heads than the prefill rank; layouts may differ)."""
+        remote = self._peer(peer).descriptor
         if type(head_start) is not int:
             raise TypeError(f"head_start must be an int, got {head_start!r}")
         reason = head_slice_mismatch(self.descriptor, remote, group_id, head_start)
@@ -249,36 +189,25 @@ class NixlAgent:
             raise IncompatiblePeerError(f"cannot read heads from peer {peer!r}: {reason}")
         loc, rem = self._ids("READ", peer, local_ids, remote_ids)
         heads = self.descriptor.group(group_id).layers[0].content.num_kv_heads
-        plan = pair_head_rows(remote, rem, head_start, self.descriptor, loc, 0, group_id=group_id,
-                              num_heads=heads)
-        return self._post("READ", peer, plan, local_is_src=False)
+        plan = pair_runs(head_patterns(remote.group(group_id).layers, head_start, heads), rem,
+                         head_patterns(self.descriptor.group(group_id).layers, 0, heads), loc)
+        runs = sum(p.num_runs for p in plan)
+        if not runs:
+            return TransferHandle(self._agent, None, 0, 0, self._peers[peer].transport)
+        remote_rows, local_rows = xfer_arrays(plan, remote, self.descriptor)
+        with _nixl(f"prepare the READ with peer {peer!r}"):
+            kinds = [mem_type(d.allocations[0].device)[0] for d in (self.descriptor, remote)]
+            local = self._agent.get_xfer_descs(local_rows, kinds[0])
+            far = self._agent.get_xfer_descs(remote_rows, kinds[1])
+            handle = self._agent.initialize_xfer("READ", local, far, peer)
+        return self._start("READ", peer, handle, runs, sum(p.nbytes for p in plan))
 
     def _ids(self, op: str, peer: str, local_ids: Any, remote_ids: Any) -> tuple[torch.Tensor, ...]:
         """(local ids, remote ids), checked; a READ writes the local side."""
-        local = (local_ids, self.descriptor.num_blocks, "local block id", False)
-        far = (remote_ids, self._peers[peer].num_blocks, f"block id of peer {peer!r}", False)
-        return paired_ids(local, far, first_is_src=op != "READ")
-
-    def _post(self, op: str, peer: str, plan: list[PairedRuns], *,
-              local_is_src: bool) -> TransferHandle:
-        """Start one NIXL transfer of ``plan``, whose ``src`` side is local if ``local_is_src``."""
-        remote = self._peers[peer]
-        runs = sum(p.num_runs for p in plan)
-        transport = self._transports[peer]
-        if not runs:
-            return TransferHandle(self._agent, None, 0, 0, transport)
-        arrays = xfer_arrays(plan, self.descriptor, remote, local_is_src=local_is_src)
-        local_type = mem_type(self.descriptor.allocations[0].device)[0]
-        remote_type = mem_type(remote.allocations[0].device)[0]
-        try:
-            local = self._agent.get_xfer_descs(arrays[0], local_type)
-            far = self._agent.get_xfer_descs(arrays[1], remote_type)
-            handle = self._agent.initialize_xfer(op, local, far, peer)
-        except Exception as exc:  # NOTE: NIXL raises its own binding exceptions
-            raise TransferError(
-                f"NIXL could not prepare the {op} with peer {peer!r} ({exc!r})"
-            ) from exc
-        return self._start(op, peer, handle, runs, sum(p.nbytes for p in plan))
+        far = self._peers[peer].descriptor.num_blocks
+        return paired_ids((local_ids, self.descriptor.num_blocks, "local block id", False),
+                          (remote_ids, far, f"block id of peer {peer!r}", False),
+                          first_is_src=op != "READ")
 
     def _start(self, op: str, peer: str, handle: Any, runs: int, nbytes: int) -> TransferHandle:
         """Post a NIXL transfer handle; a refusal releases it and raises :class:`TransferError`."""
@@ -290,11 +219,9 @@ class NixlAgent:
         if state not in ("DONE", "PROC"):
             with contextlib.suppress(Exception):  # NOTE: the refusal below is what the caller needs
                 self._agent.release_xfer_handle(handle)
-            raise TransferError(
-                f"NIXL could not start the {op} with peer {peer!r} ({state}); if the peer process "
-                "exited, reconnect to a live one (connect() with its fresh metadata())"
-            ) from cause
-        started = TransferHandle(self._agent, handle, runs, nbytes, self._transports[peer])
+            raise TransferError(f"NIXL could not start the {op} with peer {peer!r} ({state}); "
+                                f"{_RECONNECT}") from cause
+        started = TransferHandle(self._agent, handle, runs, nbytes, self._peers[peer].transport)
         with contextlib.suppress(Exception):  # NOTE: older NIXL builds lack the query: None then
             started.backend = self._agent.query_xfer_backend(handle)
         return started
@@ -304,13 +231,11 @@ class NixlAgent:
         for prepared in self._prepared.values():
             with contextlib.suppress(Exception):  # NOTE: a dead peer's list may be gone already
                 prepared.release()
-        for peer in list(self._peers):
+        for peer in self._peers:
             with contextlib.suppress(Exception):  # NOTE: a peer that died cannot be told
                 self._agent.remove_remote_agent(peer)
         self._prepared.clear()
         self._peers.clear()
-        self._block_reasons.clear()
-        self._transports.clear()
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
             self._registered = None

@@ -1,8 +1,5 @@
-"""The NIXL side of kvcore's transfers: the import, descriptor arrays, transfer handles.
-
-NIXL is optional (``pip install kvcore[nixl]``): imported only when an agent is made; a
-missing install raises :class:`NixlUnavailableError`.
-"""
+"""The NIXL side of kvcore's transfers: the import (only when an agent is made), descriptor
+arrays and prepared lists, transfer handles."""
 
 from __future__ import annotations
 
@@ -25,11 +22,8 @@ class TransferError(RuntimeError):
 
 
 def nixl_api() -> tuple[Any, Any]:
-    """``(nixl_agent, nixl_agent_config)`` from ``nixl``, else from one CUDA build of it.
-
-    The ``nixl`` meta package picks its CUDA 12 or 13 build at import; where only one
-    build (``nixl-cu12`` or ``nixl-cu13``) is installed, that build is imported directly.
-    """
+    """``(nixl_agent, nixl_agent_config)`` from ``nixl``, else from its one CUDA build installed
+    (``nixl-cu12`` or ``nixl-cu13``; the ``nixl`` meta package picks one at import)."""
     errors = []
     for module in ("nixl._api", "nixl_cu12._api", "nixl_cu13._api"):
         try:
@@ -44,21 +38,20 @@ def nixl_api() -> tuple[Any, Any]:
 
 
 def mem_type(device: str) -> tuple[str, int]:
+    """NIXL's memory kind and device id of a descriptor's allocation device."""
     if device.startswith("cuda"):
         return "VRAM", int(device.partition(":")[2] or 0)
     return "DRAM", 0
 
 
 def xfer_arrays(
-    plan: list[PairedRuns], local: KVCacheDescriptor, remote: KVCacheDescriptor, *,
-    local_is_src: bool = True,
+    plan: list[PairedRuns], src: KVCacheDescriptor, dst: KVCacheDescriptor
 ) -> tuple[Any, Any]:
-    """NIXL's ``Nx3`` ``[address, length, device id]`` arrays of the local and remote runs."""
+    """NIXL's ``Nx3`` ``[address, length, device id]`` arrays of the source and destination runs."""
     sides: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for part in plan:
         ends = [(part.src_allocation, part.src_offsets), (part.dst_allocation, part.dst_offsets)]
-        ends = ends if local_is_src else ends[::-1]
-        for rows, desc, (index, offsets) in zip(sides, (local, remote), ends):
+        for rows, desc, (index, offsets) in zip(sides, (src, dst), ends):
             alloc = desc.allocations[index]
             device = torch.full_like(part.lengths, mem_type(alloc.device)[1])
             rows.append(torch.stack([offsets + alloc.base_ptr, part.lengths, device], dim=1))
@@ -80,16 +73,15 @@ class TransferHandle:
         if self._handle is None:
             return True
         state = self._agent.check_xfer_state(self._handle)
+        if state in ("ERR", "DONE"):
+            self._agent.release_xfer_handle(self._handle)
+            self._handle = None
         if state == "ERR":
-            self._release()
             raise TransferError(
                 "NIXL reported an error for this transfer; the peer process may have exited: "
                 "reconnect to a live peer and move the blocks again"
             )
-        if state == "DONE":
-            self._release()
-            return True
-        return False
+        return state == "DONE"
 
     def wait(self, timeout: float | None = None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -98,20 +90,11 @@ class TransferHandle:
                 raise TimeoutError(f"NIXL transfer not done after {timeout} s")
             time.sleep(0)
 
-    def _release(self) -> None:
-        if self._handle is not None:
-            self._agent.release_xfer_handle(self._handle)
-            self._handle = None
-
 
 class PreparedRuns:
-    """One side's whole-block runs in the form of a NIXL prepared descriptor list.
-
-    Row ``r`` of NIXL's Nx5 strided list ``(address, length, device, stride, count)`` is run
-    ``r`` of the block patterns at every block, so descriptor ``r * num_blocks + b`` is that run
-    in block ``b``; a transfer names descriptors by index (``make_prepped_xfer``).
-    :meth:`prepare` hands the rows to a NIXL agent once.
-    """
+    """One side's whole-block runs as a NIXL prepared list: row ``r`` of NIXL's Nx5 strided
+    rows ``(address, length, device, stride, count)`` is run ``r`` of the block patterns at
+    every block, so descriptor ``r * num_blocks + b`` is that run in block ``b``."""
 
     def __init__(self, descriptor: KVCacheDescriptor, patterns) -> None:
         np = importlib.import_module("numpy")  # NOTE: numpy comes with NIXL
@@ -157,5 +140,5 @@ def paired_indices(local: PreparedRuns, far: PreparedRuns, loc: torch.Tensor,
     remote_index, remote_addresses = far.indices(rem[order].numpy())
     lengths = torch.from_numpy(local.lengths.repeat(loc.numel()))
     local_t, remote_t = torch.from_numpy(local_addresses), torch.from_numpy(remote_addresses)
-    merged = merge_pairs(local_t, remote_t, lengths)
-    return local_index, remote_index, merged[0].numel(), int(lengths.sum())
+    copies = merge_pairs(local_t, remote_t, lengths)[0].numel()
+    return local_index, remote_index, copies, int(lengths.sum())

@@ -1,10 +1,5 @@
-"""Paired plans: copies from the runs of source blocks to the runs of destination blocks.
-
-Two caches of one structure (a peer of the same layout and specs, or the packed host
-mirror) have patterns of equal run lengths, so run ``i`` of source block ``s`` goes to run
-``i`` of destination block ``d``; copies adjacent on both sides merge. A peer with fewer KV
-heads pairs (state, head) rows instead, found through both descriptors' content maps.
-"""
+"""Paired plans: run ``i`` of source block ``s`` copied to run ``i`` of destination block
+``d`` (patterns of equal run lengths), or (state, head) rows for a peer with fewer KV heads."""
 
 from __future__ import annotations
 
@@ -13,8 +8,8 @@ import itertools
 import attrs
 import torch
 
-from kvcore.transfer.descriptor import KVCacheDescriptor, LayerDescriptor
-from kvcore.transfer.regions import BlockPattern, pattern_runs
+from kvcore.transfer.descriptor import LayerDescriptor
+from kvcore.transfer.regions import BlockPattern
 
 
 @attrs.frozen
@@ -38,12 +33,11 @@ class PairedRuns:
 
 def packed_patterns(patterns: tuple[BlockPattern, ...]) -> tuple[BlockPattern, ...]:
     """Patterns storing each block's runs back to back in one slot (the host mirror's)."""
-    slot = sum(p.block_bytes for p in patterns)
-    out, offset = [], 0
+    slot, offset, out = sum(p.block_bytes for p in patterns), 0, []
     for p in patterns:
         starts = tuple(itertools.accumulate(p.lengths[:-1], initial=offset))
-        offset += p.block_bytes
         out.append(BlockPattern(0, slot, starts, p.lengths))
+        offset += p.block_bytes
     return tuple(out)
 
 
@@ -53,10 +47,8 @@ def structure_mismatch(src: tuple[BlockPattern, ...], dst: tuple[BlockPattern, .
         return f"blocks are split over {len(src)} vs {len(dst)} (allocation, stride) classes"
     for i, (a, b) in enumerate(zip(src, dst)):
         if a.lengths != b.lengths:
-            return (
-                f"a block's runs differ (class {i}: {len(a.lengths)} runs of {a.block_bytes} "
-                f"bytes vs {len(b.lengths)} runs of {b.block_bytes} bytes)"
-            )
+            return (f"a block's runs differ (class {i}: {len(a.lengths)} runs of {a.block_bytes} "
+                    f"bytes vs {len(b.lengths)} runs of {b.block_bytes} bytes)")
     return None
 
 
@@ -73,51 +65,34 @@ def merge_pairs(src: torch.Tensor, dst: torch.Tensor, lengths: torch.Tensor):
     return src[new], dst[new], merged
 
 
-def _merged(parts: list[tuple]) -> list[PairedRuns]:
-    """``(src alloc, dst alloc, src, dst, lengths)`` copies merged per pair of allocations."""
-    out = []
-    for sa, da in sorted({p[:2] for p in parts}):
-        chosen = [p[2:] for p in parts if p[:2] == (sa, da)]
-        out.append(PairedRuns(sa, da, *merge_pairs(*(torch.cat(x) for x in zip(*chosen)))))
-    return out
-
-
 def pair_runs(
     src_patterns: tuple[BlockPattern, ...], src_ids: torch.Tensor,
     dst_patterns: tuple[BlockPattern, ...], dst_ids: torch.Tensor,
 ) -> list[PairedRuns]:
-    """The copies that move blocks ``src_ids`` onto ``dst_ids`` (checked ids)."""
+    """The copies that move blocks ``src_ids`` onto ``dst_ids`` (checked ids), merged per pair
+    of allocations."""
     reason = structure_mismatch(src_patterns, dst_patterns)
     if reason is not None:
         raise ValueError(f"source and destination blocks are laid out differently: {reason}")
-    parts = []
+    parts: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
     for a, b in zip(src_patterns, dst_patterns):
-        src, lengths = pattern_runs(a, src_ids)
-        parts.append((a.allocation, b.allocation, src, pattern_runs(b, dst_ids)[0], lengths))
-    return _merged(parts)
+        src, lengths = a.runs(src_ids)
+        parts.setdefault((a.allocation, b.allocation), []).append(
+            (src, b.runs(dst_ids)[0], lengths)
+        )
+    return [PairedRuns(*allocs, *merge_pairs(*(torch.cat(x) for x in zip(*runs))))
+            for allocs, runs in sorted(parts.items())]
 
 
-def _head_rows(layer: LayerDescriptor, ids: torch.Tensor, head0: int, num_heads: int):
-    """Start byte of every (block, state, head) row, block-major, for heads ``head0...``."""
-    s = layer.byte_strides
-    states = layer.shape[2]
-    t = torch.arange(layer.rows_per_block * states)
-    within = (t // states) * s[0] + (t % states) * s[2]
-    heads = (head0 + torch.arange(num_heads)) * s[1]
-    blocks = layer.offset + ids * layer.manager_block_stride
-    return (blocks[:, None, None] + within[None, :, None] + heads[None, None, :]).reshape(-1)
-
-
-def pair_head_rows(
-    src: KVCacheDescriptor, src_ids: torch.Tensor, src_head0: int,
-    dst: KVCacheDescriptor, dst_ids: torch.Tensor, dst_head0: int,
-    *, group_id: int, num_heads: int,
-) -> list[PairedRuns]:
-    """Copies moving heads ``src_head0...`` of ``src`` blocks onto heads ``dst_head0...``."""
-    parts = []
-    for ls, ld in zip(src.group(group_id).layers, dst.group(group_id).layers):
-        s = _head_rows(ls, src_ids, src_head0, num_heads)
-        d = _head_rows(ld, dst_ids, dst_head0, num_heads)
-        lengths = torch.full_like(s, ls.content.content_bytes)
-        parts.append((ls.allocation, ld.allocation, s, d, lengths))
-    return _merged(parts)
+def head_patterns(layers: tuple[LayerDescriptor, ...], head0: int, num_heads: int):
+    """One pattern per layer: the (state, head) rows of heads ``head0...`` of a block."""
+    patterns = []
+    for layer in layers:
+        s, states = layer.byte_strides, layer.shape[2]
+        t = torch.arange(layer.rows_per_block * states)
+        rows = layer.offset + (t // states) * s[0] + (t % states) * s[2]
+        starts = rows[:, None] + (head0 + torch.arange(num_heads))[None, :] * s[1]
+        lengths = (layer.content.content_bytes,) * starts.numel()
+        patterns.append(BlockPattern(layer.allocation, layer.manager_block_stride,
+                                     tuple(starts.flatten().tolist()), lengths))
+    return tuple(patterns)

@@ -1,10 +1,5 @@
-"""Transfer plans: the exact byte runs of manager blocks, and the checks of block ids.
-
-A layer's view reduces to a *block pattern*: the runs one manager block occupies,
-repeating every ``manager_block_stride`` bytes; layers of one stride share a pattern
-(a block-outermost layout's layers become one run). A plan places the pattern at every
-listed block and merges the runs, vectorized on CPU tensors.
-"""
+"""Transfer plans: the exact byte runs of manager blocks (a *block pattern* placed at every
+listed block, runs merged, on CPU tensors), and the checks of block ids."""
 
 from __future__ import annotations
 
@@ -17,7 +12,7 @@ import attrs
 import torch
 
 from kvcore.memory.layout import block_runs
-from kvcore.transfer.descriptor import KVCacheDescriptor, LayerDescriptor
+from kvcore.transfer.descriptor import KVCacheDescriptor
 
 
 @attrs.frozen(order=True)
@@ -46,19 +41,22 @@ class BlockPattern:
     def block_bytes(self) -> int:
         return sum(self.lengths)
 
-
-def _plural(what: str) -> str:
-    """``"block id of peer 'x'"`` -> ``"block ids of peer 'x'"``."""
-    noun, sep, rest = what.partition(" of ")
-    return f"{noun}s{sep}{rest}"
+    def runs(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Starts and lengths of the pattern placed at every block of ``ids``, block-major."""
+        starts = torch.tensor(self.starts, dtype=torch.int64)
+        placed = (ids[:, None] * self.block_stride + starts[None, :]).reshape(-1)
+        return placed, torch.tensor(self.lengths, dtype=torch.int64).repeat(ids.numel())
 
 
 def _bad_id(value: Any, num_blocks: int, what: str, low: int) -> ValueError:
     null = " (block 0 is the null block and holds no data)" if low else ""
-    return ValueError(
-        f"{what} {value!r} is not an integer in [{low}, {num_blocks}); pass manager block "
-        f"ids from the block pool{null}; nothing was transferred"
-    )
+    return ValueError(f"{what} {value!r} is not an integer in [{low}, {num_blocks}); pass manager "
+                      f"block ids from the block pool{null}; nothing was transferred")
+
+
+def _plural(what: str) -> str:
+    noun, sep, rest = what.partition(" of ")  # "block id of peer 'x'" -> "block ids of peer 'x'"
+    return f"{noun}s{sep}{rest}"
 
 
 def block_id_tensor(
@@ -68,56 +66,41 @@ def block_id_tensor(
     low = 0 if null_ok else 1
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
-            raise ValueError(
-                f"{_plural(what)} must be an integer tensor, got {block_ids.dtype}; "
-                "pass int32/int64 ids"
-            )
+            raise ValueError(f"{_plural(what)} must be an integer tensor, got {block_ids.dtype}; "
+                             "pass int32/int64 ids")
         ids = block_ids.detach().reshape(-1).to("cpu", torch.int64)
         bad = ids[(ids < low) | (ids >= num_blocks)]
         if bad.numel():
             raise _bad_id(int(bad[0]), num_blocks, what, low)
         return ids
     if isinstance(block_ids, (str, bytes, Mapping, Set)) or block_ids is None:
-        raise ValueError(
-            f"{_plural(what)} must be a sequence of integers (a list, tuple or integer tensor), "
-            f"got {block_ids!r}; nothing was transferred"
-        )
-    items = [block_ids] if isinstance(block_ids, int) else block_ids
+        raise ValueError(f"{_plural(what)} must be a sequence of integers (a list, tuple or "
+                         f"integer tensor), got {block_ids!r}; nothing was transferred")
     try:
-        values = [_block_id(value, num_blocks, what, low) for value in items]
+        items = list([block_ids] if isinstance(block_ids, int) else block_ids)
     except TypeError:
         raise _bad_id(block_ids, num_blocks, what, low) from None
-    return torch.tensor(values, dtype=torch.int64)
-
-
-def _block_id(value: Any, num_blocks: int, what: str, low: int) -> int:
-    if "bool" not in type(value).__name__ and hasattr(value, "__index__"):
-        if low <= operator.index(value) < num_blocks:
-            return operator.index(value)
-    raise _bad_id(value, num_blocks, what, low)
+    for value in items:
+        index = None if "bool" in type(value).__name__ else getattr(value, "__index__", None)
+        if index is None or not low <= index() < num_blocks:
+            raise _bad_id(value, num_blocks, what, low)
+    return torch.tensor([operator.index(v) for v in items], dtype=torch.int64)
 
 
 def paired_ids(first: tuple, second: tuple, *, first_is_src: bool) -> tuple[torch.Tensor, ...]:
-    """Checked ids of a transfer's two sides, each ``(ids, num_blocks, what, null_ok)``.
-
-    One source per destination and no destination twice; returned in argument order.
-    """
+    """Checked ids of a transfer's two sides, each ``(ids, num_blocks, what, null_ok)``: one
+    source per destination and no destination twice; returned in argument order."""
     src, dst = (first, second) if first_is_src else (second, first)
     src_ids, dst_ids = block_id_tensor(*src), block_id_tensor(*dst)
-    src_what, dst_what = src[2], dst[2]
     if src_ids.numel() != dst_ids.numel():
-        src_n = src_what if src_ids.numel() == 1 else _plural(src_what)
-        dst_n = dst_what if dst_ids.numel() == 1 else _plural(dst_what)
-        raise ValueError(
-            f"got {src_ids.numel()} {src_n} and {dst_ids.numel()} {dst_n}; pass one "
-            f"{dst_what} per {src_what} (nothing was transferred)"
-        )
+        src_n = src[2] if src_ids.numel() == 1 else _plural(src[2])
+        dst_n = dst[2] if dst_ids.numel() == 1 else _plural(dst[2])
+        raise ValueError(f"got {src_ids.numel()} {src_n} and {dst_ids.numel()} {dst_n}; pass one "
+                         f"{dst[2]} per {src[2]} (nothing was transferred)")
     values, counts = torch.unique(dst_ids, return_counts=True)
     if values.numel() != dst_ids.numel():
-        raise ValueError(
-            f"{dst_what} {int(values[counts > 1][0])} is listed twice; each destination "
-            "block takes one source block (nothing was transferred)"
-        )
+        raise ValueError(f"{dst[2]} {int(values[counts > 1][0])} is listed twice; each destination "
+                         "block takes one source block (nothing was transferred)")
     return (src_ids, dst_ids) if first_is_src else (dst_ids, src_ids)
 
 
@@ -129,41 +112,30 @@ def merge_runs(starts: torch.Tensor, lengths: torch.Tensor) -> tuple[torch.Tenso
     ends = torch.cummax(starts + lengths[order], 0).values
     new = torch.ones_like(starts, dtype=torch.bool)
     new[1:] = starts[1:] > ends[:-1]
-    first = torch.nonzero(new).flatten()
-    last = torch.cat([first[1:] - 1, torch.tensor([starts.numel() - 1])])
-    return starts[first], ends[last] - starts[first]
-
-
-def select_layers(
-    descriptor: KVCacheDescriptor, group_ids: Sequence[int], layers: Sequence[str] | None
-) -> list[LayerDescriptor]:
-    """The layers with views of ``group_ids`` (all, or those named in ``layers``)."""
-    available = [layer for g in group_ids for layer in descriptor.group(g).layers]
-    if layers is None:
-        return available
-    if isinstance(layers, str):
-        raise TypeError(f"layers must be a list of layer names, got the string {layers!r}")
-    by_name = {layer.name: layer for layer in available}
-    unknown = [name for name in layers if name not in by_name]
-    if unknown:
-        raise ValueError(
-            f"layers {unknown} have no cache view in group(s) {list(group_ids)}; "
-            f"pick from {sorted(by_name)}"
-        )
-    return [by_name[name] for name in dict.fromkeys(layers)]
+    last = torch.cat([torch.nonzero(new).flatten()[1:] - 1, torch.tensor([starts.numel() - 1])])
+    return starts[new], ends[last] - starts[new]
 
 
 @functools.lru_cache(maxsize=256)
 def block_patterns(
     descriptor: KVCacheDescriptor, group_ids: tuple[int, ...], layers: tuple[str, ...] | None
 ) -> tuple[BlockPattern, ...]:
-    """One merged pattern per (allocation, manager block stride) of the selected layers."""
-    pieces: dict[tuple[int, int], tuple[list[int], list[int]]] = {}
-    for layer in select_layers(descriptor, group_ids, layers):
+    """One merged pattern per (allocation, manager block stride) of the layers with views of
+    ``group_ids`` (all, or those named in ``layers``)."""
+    chosen = [layer for g in group_ids for layer in descriptor.group(g).layers]
+    if layers is not None:
+        by_name = {layer.name: layer for layer in chosen}
+        unknown = [name for name in layers if name not in by_name]
+        if unknown:
+            raise ValueError(f"layers {unknown} have no cache view in group(s) {list(group_ids)}; "
+                             f"pick from {sorted(by_name)}")
+        chosen = [by_name[name] for name in dict.fromkeys(layers)]
+    pieces: dict[tuple[int, int], list[list[int]]] = {}
+    for layer in chosen:
         offsets, run = block_runs(layer.shape, layer.byte_strides, layer.itemsize,
                                   layer.rows_per_block)
         key = (layer.allocation, layer.manager_block_stride)
-        starts, lengths = pieces.setdefault(key, ([], []))
+        starts, lengths = pieces.setdefault(key, [[], []])
         starts.extend(layer.offset + o for o in offsets)
         lengths.extend([run] * len(offsets))
     patterns = []
@@ -190,19 +162,10 @@ def whole_block_patterns(
     patterns = block_patterns(descriptor, group_ids, None)
     strides = sorted({p.block_stride for p in patterns})
     if len(strides) > 1:
-        raise ValueError(
-            f"the KV cache groups store blocks at different strides ({strides} bytes), so a "
-            "block id means different bytes in each; pass group_id= to move one group's blocks"
-        )
+        raise ValueError(f"the KV cache groups store blocks at different strides ({strides} "
+                         "bytes), so a block id means different bytes in each; pass group_id= "
+                         "to move one group's blocks")
     return patterns
-
-
-def pattern_runs(pattern: BlockPattern, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Starts and lengths of ``pattern`` placed at every block of ``ids``, block-major."""
-    starts = torch.tensor(pattern.starts, dtype=torch.int64)
-    lengths = torch.tensor(pattern.lengths, dtype=torch.int64)
-    placed = (ids[:, None] * pattern.block_stride + starts[None, :]).reshape(-1)
-    return placed, lengths.repeat(ids.numel())
 
 
 def plan_transfer(
@@ -212,12 +175,11 @@ def plan_transfer(
     group_id: int = 0,
     layers: Sequence[str] | None = None,
 ) -> list[Region]:
-    """The fewest contiguous runs covering exactly the bytes of ``block_ids``.
+    """The fewest contiguous runs covering exactly the bytes of manager blocks ``block_ids``.
 
     Every byte the views of group ``group_id``'s layers (all, or ``layers``) address for
-    those manager blocks, page padding excluded; sorted, disjoint, never touching. Ids are
-    integers in ``[1, num_blocks)`` (block 0 is the null block) in a list, tuple or integer
-    tensor, else ``ValueError``.
+    those blocks, page padding excluded; sorted, disjoint, never touching. Ids are
+    integers in ``[1, num_blocks)`` (block 0 is the null block), else ``ValueError``.
     """
     if not isinstance(descriptor, KVCacheDescriptor):
         raise TypeError(f"plan_transfer needs a KVCacheDescriptor, got {type(descriptor).__name__}")
@@ -226,7 +188,7 @@ def plan_transfer(
     patterns = block_patterns(descriptor, (group_id,), None if layers is None else tuple(layers))
     regions = []
     for alloc in sorted({p.allocation for p in patterns}):
-        placed = [pattern_runs(p, ids) for p in patterns if p.allocation == alloc]
+        placed = [p.runs(ids) for p in patterns if p.allocation == alloc]
         starts, lengths = merge_runs(*(torch.cat(x) for x in zip(*placed)))
         regions.extend(Region(alloc, s, n) for s, n in zip(starts.tolist(), lengths.tolist()))
     return regions
