@@ -11,8 +11,7 @@ try:
 except ImportError as err:  # NOTE: the optional extra is missing
     raise ImportError("kvcore.hf needs HF transformers >= 5: pip install 'kvcore[hf]'") from err
 
-from kvcore.hf.engine import Engine
+from kvcore.hf.engine import Engine, EngineStats
 from kvcore.hf.specs import SERVED_MODEL_TYPES, specs_from_config, unsupported_features
-from kvcore.hf.stats import EngineStats
 
 __all__ = ["Engine", "EngineStats", "SERVED_MODEL_TYPES", "specs_from_config", "unsupported_features"]

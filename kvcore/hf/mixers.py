@@ -1,13 +1,12 @@
 """Run a hybrid model's mixers per request on their states in kvcore's state caches.
 
-transformers' mixers (Mamba2, short convolution, gated delta net) cannot keep two requests of
-the engine's one packed row apart, so while the engine serves, each mixer module's ``forward`` is
-replaced on the instance (the class stays untouched) by one that splits the row: all single-token
-requests go in one ``[B, 1]`` call on states gathered from their slots and scattered back; each
-prefill chunk goes in its own ``[1, n]`` call on views of its slot. The states reach the mixer
-through a real transformers ``Cache`` whose one linear-attention layer holds kvcore tensors and
-always has a previous state: a new sequence's slot was zeroed by ``KVCache.begin_step``, which is
-what a fresh state is, so chunked prefill simply continues from the slot.
+transformers' mixers cannot keep two requests of the engine's one packed row apart, so while the
+engine serves, each mixer module's ``forward`` is replaced on the instance by one that splits the
+row: all single-token requests go in one ``[B, 1]`` call on states gathered from their slots and
+scattered back; each prefill chunk in its own ``[1, n]`` call on views of its slot. The states
+reach the mixer through a real transformers ``Cache`` whose one linear-attention layer holds
+kvcore tensors and always has a previous state (a new sequence's slot was zeroed by
+``KVCache.begin_step``, which is what a fresh state is).
 """
 
 from __future__ import annotations
@@ -29,14 +28,13 @@ except ImportError:  # NOTE: transformers before its per-layer linear-attention 
 
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
-from kvcore.hf.requests import Request
+from kvcore.hf.scheduler import Request
 
 
 @attrs.frozen(eq=False)
 class MixerStep:
     """Where each request's tokens sit in this step's packed row, and its state slot per state group."""
 
-    #: Columns of the single-token requests, and their slots per state group ``[groups][B]``.
     decode_columns: torch.Tensor | None
     decode_slots: dict[int, torch.Tensor]
     #: Per multi-token request: first column, token count, slot per state group.
@@ -77,7 +75,7 @@ class _MixerLayer:
         self.slot_cache = _SlotCache(module.layer_idx)
 
     def _call(self, original: Any, x: torch.Tensor, pick: Any) -> tuple[torch.Tensor, ...]:
-        """``original(x)`` on the states ``pick`` takes from the layer's; returns the output and those states."""
+        """``original(x)`` on the states ``pick`` takes from the layer's; the output and those states."""
         conv = pick(self.conv)
         recurrent = None if self.recurrent is None else pick(self.recurrent)
         return original(x, **{self.cache_kwarg: self.slot_cache.point(conv, recurrent)}), conv, recurrent
@@ -125,7 +123,7 @@ class MixerRunner:
         self.step: MixerStep | None = None
 
     def plan(self, batch: list[tuple[Request, int]], tables: Sequence[np.ndarray]) -> MixerStep:
-        """Columns and slots of this step's requests (``batch`` in packed order; ``tables``: the scheduler's)."""
+        """Columns and slots of this step's requests (``tables``: the scheduler's)."""
         decodes, prefills = [], []
         start = 0
         for request, n in batch:

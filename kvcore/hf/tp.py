@@ -1,11 +1,9 @@
 """Tensor parallelism for HF models: transformers' own plan for the weights, kvcore's for the KV cache.
 
-transformers shards the weights itself when a model is loaded with a ``DistributedConfig`` (its
-``base_model_tp_plan``); each rank's attention modules then compute only their shard of the heads,
-so each rank's KV cache holds only those (``kvcore.distributed.shard_spec``), and
-``KVCache.create(..., group=...)`` makes every rank plan one block count in one layout.
-transformers lays its mesh over the whole ``torch.distributed`` world, so the group must be the
-world, ranks in order; its loader needs ``accelerate``.
+transformers shards the weights when a model is loaded with a ``DistributedConfig``; each rank's
+KV cache then holds only its heads (``kvcore.distributed.shard_spec``). transformers lays its mesh
+over the whole ``torch.distributed`` world, so the group must be the world, ranks in order; its
+loader needs ``accelerate``.
 """
 
 from __future__ import annotations
@@ -50,7 +48,7 @@ def tp_group_size(group: Any) -> tuple[int, int]:
 
 
 def check_splittable(config: Any, tp_size: int) -> None:
-    """Refuse a ``tp_size`` that does not divide both the query and the KV heads (whole heads per rank).
+    """Refuse a ``tp_size`` that does not divide both the query and the KV heads.
 
     NOTE: transformers never replicates KV heads across ranks, unlike ``shard_spec``.
     """
@@ -84,10 +82,9 @@ def _checksum(model: torch.nn.Module) -> float:
 
 
 def shard_model(model: PreTrainedModel, group: Any = None) -> PreTrainedModel:
-    """A copy of ``model`` with its weights sharded by transformers' tensor-parallel plan.
+    """A copy of ``model`` sharded by transformers' tensor-parallel plan (``model`` itself for one rank).
 
-    Every rank of ``group`` passes a model with the same weights (checked with a checksum
-    gathered from all ranks). With ``group=None`` or a group of one rank, ``model`` itself.
+    Every rank of ``group`` passes a model with the same weights (checked with gathered checksums).
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"shard_model needs a transformers PreTrainedModel, got {type(model).__name__}")
