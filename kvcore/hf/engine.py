@@ -15,6 +15,7 @@ import attrs
 import torch
 
 from kvcore._validate import positive_int
+from kvcore.distributed import shard_spec
 from kvcore.errors import KVCoreError
 from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
 from kvcore.runtime.kv_cache import KVCache
@@ -24,7 +25,7 @@ from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.scheduler import Request, Scheduler, check_prompt
 from kvcore.hf.specs import check_hybrid_options, check_model, layer_specs, model_modules
 from kvcore.hf.step import DecodeGraphs, Step, StepBuilder, graphs_wanted
-from kvcore.hf.tp import resolve_tp, shard_specs
+from kvcore.hf.tp import resolve_tp
 
 #: Block size when the backend prefers none.
 BLOCK_SIZE = 16
@@ -91,26 +92,18 @@ def resolve_defaults(
     attention = [s for s in specs.values() if s.is_attention]
     if block_size is None and attention:
         block_size = preferred_block_size(pick(attention[0]), attention[0]) or BLOCK_SIZE
-        block_size *= _state_page_multiple(specs.values())
+        states = [s.real_page_size_bytes for s in specs.values() if not s.is_attention and s.has_cache_pages]
+        page = max(s.real_page_size_bytes for s in attention)
+        # NOTE: pages are unified to the largest (SPEC §6); growing the attention block until its page
+        # holds a state page wastes less than padding it, unless the state page is under two of them.
+        if states and max(states) >= 2 * page:
+            block_size *= -(-max(states) // page)
         if block_size != BLOCK_SIZE:
             specs = make_specs(block_size)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = BATCHED_TOKENS.get(device.type, BATCHED_TOKENS["cpu"])
     backends = {n: pick(s) for n, s in specs.items() if s.is_attention}
     return EngineDefaults(block_size or BLOCK_SIZE, max_num_batched_tokens, backends, specs)
-
-
-def _state_page_multiple(specs: Any) -> int:
-    """How many times the attention block must grow so its page holds a state page.
-
-    NOTE: pages are unified to the largest (SPEC §6); below twice the attention page, padding
-    attention wastes less than growing it would.
-    """
-    states = [s.real_page_size_bytes for s in specs if not s.is_attention and s.has_cache_pages]
-    pages = [s.real_page_size_bytes for s in specs if s.is_attention]
-    if not states or not pages or max(states) < 2 * max(pages):
-        return 1
-    return -(-max(states) // max(pages))
 
 
 class Engine:
@@ -160,7 +153,8 @@ class Engine:
         self.max_model_len = positive_int("config.max_position_embeddings", config.max_position_embeddings)
         tp_rank, tp_size = resolve_tp(model, group)
         settings = resolve_defaults(
-            lambda size: shard_specs(layer_specs(config, model.dtype, size), tp_rank, tp_size),
+            lambda size: {n: shard_spec(s, tp_rank, tp_size)
+                          for n, s in layer_specs(config, model.dtype, size).items()},
             self.device, backend, None if block_size is None else positive_int("block_size", block_size),
             max_num_batched_tokens,
         )

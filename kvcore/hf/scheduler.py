@@ -186,7 +186,10 @@ class Scheduler:
                 break
             n = min(request.num_new_tokens, budget)
             while request.row >= 0 and not self._grow(request, n):
-                self._preempt(self.running.pop())
+                victim = self.running.pop()
+                self._release(victim)
+                self.waiting.appendleft(victim)
+                self.counts["preemptions"] += 1
             if request.row < 0:
                 break
             batch.append((request, n))
@@ -249,11 +252,6 @@ class Scheduler:
                 rows[request.row] = 0
             self._free_rows.append(request.row)
         request.reset(len(self.groups))
-
-    def _preempt(self, request: Request) -> None:
-        self._release(request)
-        self.waiting.appendleft(request)
-        self.counts["preemptions"] += 1
 
     def _hashes(self, request: Request, block_size: int, num_blocks: int) -> list[bytes]:
         """The first ``num_blocks`` chained hashes of ``request``'s tokens (kept on the request)."""

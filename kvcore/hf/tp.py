@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -18,9 +17,6 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.distributed import DistributedConfig
 from transformers.utils import is_accelerate_available
-
-from kvcore.distributed import shard_spec
-from kvcore.specs import KVCacheSpec
 
 
 def tp_group_size(group: Any) -> tuple[int, int]:
@@ -118,10 +114,7 @@ def shard_model(model: PreTrainedModel, group: Any = None) -> PreTrainedModel:
 
 
 def load_tp_model(
-    path: str | os.PathLike,
-    *,
-    group: Any = None,
-    dtype: torch.dtype | str | None = None,
+    path: str | os.PathLike, *, group: Any = None, dtype: torch.dtype | str | None = None,
     attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """Load a local checkpoint directory on every rank of ``group``, each rank reading its shard."""
@@ -152,8 +145,3 @@ def resolve_tp(model: Any, group: Any) -> tuple[int, int]:
     if tp_size > 1:
         check_splittable(model.config, tp_size)
     return tp_rank, tp_size
-
-
-def shard_specs(specs: Mapping[str, KVCacheSpec], tp_rank: int, tp_size: int) -> dict[str, KVCacheSpec]:
-    """Each layer's spec as rank ``tp_rank`` of ``tp_size`` stores it (``shard_spec``)."""
-    return {name: shard_spec(spec, tp_rank, tp_size) for name, spec in specs.items()}
