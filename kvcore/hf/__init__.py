@@ -1,7 +1,6 @@
 """Serve HF ``transformers`` causal LMs through kvcore's paged KV cache (``pip install kvcore[hf]``).
 
-transformers' own modeling code runs unchanged; its attention calls reach kvcore's backends through
-a function registered with ``AttentionInterface``. ``import kvcore`` never imports transformers.
+``import kvcore`` never imports transformers; this package does.
 """
 
 from __future__ import annotations

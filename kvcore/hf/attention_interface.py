@@ -1,10 +1,8 @@
 """The attention function kvcore registers with transformers' ``AttentionInterface``.
 
-transformers calls it from every attention module with the step's queries, keys and values
-(``[1, heads, tokens, head_dim]``: a step's tokens packed into one row) and every extra keyword
-given to ``model(...)``; the engine passes a :class:`StepContext` as ``kvcore_step``. The call goes
-to the layer's kvcore backend ``forward``, which writes the new K/V into the paged cache and
-attends; request boundaries come from the metadata, so no mask is needed.
+transformers calls it from every attention module with a step's tokens packed into one row and
+every extra ``model(...)`` keyword; the engine's :class:`StepContext` (``kvcore_step``) routes the
+call to the layer's backend ``forward``, which writes the new K/V and attends (no mask needed).
 """
 
 from __future__ import annotations

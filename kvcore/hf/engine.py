@@ -109,11 +109,7 @@ def resolve_defaults(
 class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
-    When anything raises inside a step, every queued request is dropped and its blocks freed.
-
-    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``), on its
-        device; a hybrid's mixers keep their states in state groups (no prefix caching, CUDA
-        graphs or tensor parallelism).
+    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``) on its device.
     :param backend: attention backend name or class, or ``"auto"``: :func:`kvcore.select_backend`.
     :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
     :param num_blocks: blocks to plan; or ``available_memory`` bytes (default: 90% of the free
@@ -122,8 +118,8 @@ class Engine:
     :param group: a ``torch.distributed`` group for a tensor-parallel model (``kvcore.hf.tp``).
     :param cuda_graphs: replay decode steps from CUDA graphs captured when the engine is built;
         None: on for the ``triton`` and ``flashinfer`` backends on a CUDA device.
-    :param max_num_blocks: make the cache elastic: it grows instead of preempting while memory
-        allows, and ``generate`` shrinks it back to its starting size before returning.
+    :param max_num_blocks: an elastic cache, grown instead of preempting while memory allows and
+        shrunk back when ``generate`` returns.
     """
 
     def __init__(
@@ -243,10 +239,9 @@ class Engine:
         return request.req_id
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy generation for every prompt; the generated token ids of each, in prompt order.
+        """Greedy generation for every prompt (all checked first); the generated ids of each, in order.
 
-        Every prompt is checked before anything runs (``ValueError`` naming the prompt; nothing
-        queued). A request stops after ``max_new_tokens`` or at the generation config's EOS token.
+        A request stops after ``max_new_tokens`` or at the generation config's EOS token.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")

@@ -1,14 +1,9 @@
 """Continuous batching: which requests run this step, with how many tokens, in which blocks.
 
-Each step has a token budget: running requests first, oldest first (a decode takes one token, a
-prefill the next chunk of its prompt), then waiting ones while the budget, ``max_num_seqs`` and
-the free blocks last. A sliding-window group hands back blocks no query can see any more; a state
-group holds one block per request (its state slot). When the pool runs dry, the newest running
-request is preempted and recomputed later (greedy decoding makes the result identical).
-
-With prefix caching, a request starts at the longest prefix every group caches, at a boundary of
-every group's blocks and short of the last token; blocks that become full are recorded under
-their chained hashes, generated tokens included.
+Running requests go first, oldest first, then waiting ones while the token budget,
+``max_num_seqs`` and the free blocks last. When the pool runs dry, the newest running request is
+preempted and recomputed later (greedy decoding makes the result identical). With prefix
+caching, a request starts at the longest prefix every group caches, short of its last token.
 """
 
 from __future__ import annotations
@@ -148,11 +143,8 @@ class Scheduler:
         self.prefix_caching = prefix_caching
 
     def _width(self, group: GroupInfo, num_blocks: int) -> int:
-        """Block-table columns one request may index in ``group``.
-
-        NOTE: a sliding-window request indexes block ``position // block_size`` up to the model's
-        length although it holds only the window's blocks.
-        """
+        # NOTE: a sliding-window request indexes block ``position // block_size`` up to the model's
+        # length although it holds only the window's blocks.
         if group.state:
             return 1
         tokens = self.max_model_len

@@ -1,12 +1,9 @@
 """KV cache specs of a transformers decoder config, and what kvcore refuses to serve.
 
-Every attention layer gets one spec named after its module (``model.layers.<i>.self_attn``):
-full attention, a sliding window (``layer_types`` / ``sliding_window``) or chunked local
-attention. Every mixer layer of a hybrid gets one :class:`~kvcore.MambaSpec` holding the states
-transformers keeps for it, in transformers' dtypes: Mamba2 (Bamba, GraniteMoeHybrid, FalconH1,
-NemotronH) and the gated delta net (Qwen3-Next) keep a float32 recurrent state, then a
-convolution window in the model dtype; LFM2's short convolution keeps only its window. Whatever
-kvcore cannot serve exactly is refused with a ``ValueError`` naming it.
+Attention layers get a full, sliding-window or chunked-local spec named after their module; a
+hybrid's mixer layers a :class:`~kvcore.MambaSpec` of the states transformers keeps, in its
+dtypes (Mamba2 and gated delta net: a float32 recurrent state, then a convolution window; LFM2's
+short convolution: the window only). What kvcore cannot serve exactly raises a ``ValueError``.
 """
 
 from __future__ import annotations

@@ -1,15 +1,10 @@
 """One step's model inputs and attention metadata, and the CUDA graphs that replay decode steps.
 
-All tokens of a step are packed into one row (``[1, T]``); request ``i`` owns columns
-``query_start_loc[i]:query_start_loc[i + 1]``. Each KV cache group gets its own block table
-(rows of the scheduler's tables) and slot mapping; a state group's table is each request's state
-slot. A padding request (``None``) reads only the null block and writes nowhere (slot -1). The
-step is packed on the host with numpy and moved in two copies (int64, int32).
-
-``pad_to`` builds the step a CUDA graph replays: the batch padded with one-token requests to a
-captured size, written into persistent buffers with full-width block tables and ``max_seq_len =
-max_model_len``, so that every step of one size has one shape and one address; its whole forward
-is captured once per size when the engine is built (:class:`DecodeGraphs`).
+A step's tokens are packed into one row (``[1, T]``); each KV cache group gets its block table
+(rows of the scheduler's tables; a state group's is each request's state slot) and slot mapping.
+A padding request (``None``) reads only the null block and writes nowhere (slot -1). ``pad_to``
+builds the step a CUDA graph replays: padded to a captured size in persistent buffers, with
+full-width tables and ``max_seq_len = max_model_len``: one shape and one address per size.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Tensor parallelism for HF models: transformers' own plan for the weights, kvcore's for the KV cache.
 
-transformers shards the weights when a model is loaded with a ``DistributedConfig``; each rank's
-KV cache then holds only its heads (``kvcore.distributed.shard_spec``). transformers lays its mesh
-over the whole ``torch.distributed`` world, so the group must be the world, ranks in order; its
-loader needs ``accelerate``.
+transformers lays its mesh over the whole ``torch.distributed`` world, so the group must be the
+world, ranks in order; its loader needs ``accelerate``.
 """
 
 from __future__ import annotations
