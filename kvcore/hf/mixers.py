@@ -33,6 +33,7 @@ from kvcore.hf.scheduler import Request
 class MixerStep:
     """Where each request's tokens sit in this step's packed row, and its state slot per state group."""
 
+    #: Columns of the single-token requests, and their slots per state group.
     decode_columns: torch.Tensor | None
     decode_slots: dict[int, torch.Tensor]
     #: Per multi-token request: first column, token count, slot per state group.
