@@ -179,7 +179,7 @@ class Engine:
             self.scheduler.grow = self._grow_cache
         self.counts = self.scheduler.counts
         self._layers = {modules[name]: self._bind(name, modules[name]) for name in attention}
-        self.mixers = MixerRunner(model, self.kv, mixers) if mixers else None
+        self.mixers = MixerRunner(self.kv, {n: modules[n] for n in mixers}) if mixers else None
         self.steps = StepBuilder(self.kv, self.scheduler.groups, self.scheduler.tables)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self._eos = frozenset([eos] if isinstance(eos, int) else eos or ())

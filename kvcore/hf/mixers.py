@@ -12,13 +12,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 import torch
-from transformers import Cache
+import transformers
 
 try:
     from transformers.cache_utils import LinearAttentionLayer
@@ -55,7 +55,7 @@ class _MixerLayer:
         self.layer = LinearAttentionLayer()
         self.layer.has_previous_state[0] = True
         self.layer.is_conv_states_initialized[0] = True
-        self.cache = Cache(layers=[LinearAttentionLayer() for _ in range(module.layer_idx)] + [self.layer])
+        self.cache = transformers.Cache(layers=[LinearAttentionLayer() for _ in range(module.layer_idx)] + [self.layer])
 
     def _call(self, original: Any, x: torch.Tensor, pick: Any) -> tuple[torch.Tensor, ...]:
         """``original(x)`` on the states ``pick`` takes from the layer's; the output and those states."""
@@ -88,23 +88,20 @@ class _MixerLayer:
 
 
 class MixerRunner:
-    """The mixers of one hybrid model bound to their state groups in ``kv``."""
+    """The mixer modules of one hybrid model, by path, bound to their state groups in ``kv``."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCache, mixer_names: Sequence[str]) -> None:
+    def __init__(self, kv: KVCache, modules: Mapping[str, torch.nn.Module]) -> None:
         if LinearAttentionLayer is None:
-            import transformers
-
             raise ValueError(
                 f"serving a hybrid model needs transformers' linear-attention cache layers, which "
                 f"transformers {transformers.__version__} lacks; upgrade transformers (5.17 and later work)"
             )
-        modules = dict(model.named_modules())
         self.device = kv.device
         self.layers: dict[str, _MixerLayer] = {}
-        for name in mixer_names:
+        for name, module in modules.items():
             g, group = kv.config.group_of(name)
             states = group.kv_cache_spec.split_states(kv.layer_kv_caches[name])
-            self.layers[name] = _MixerLayer(modules[name], g, states)
+            self.layers[name] = _MixerLayer(module, g, states)
         self.state_groups = sorted({layer.group_id for layer in self.layers.values()})
         self.step: MixerStep | None = None
 
