@@ -31,7 +31,7 @@ from rich.console import Console  # noqa: E402
 
 from kvcore._table import Column, render  # noqa: E402
 from kvcore.hf import Engine  # noqa: E402
-from kvcore.hf.hybrid import is_hybrid  # noqa: E402
+from kvcore.hf.specs import is_hybrid  # noqa: E402
 from kvcore.hf.models import ARCHITECTURES, load_model, model_config, random_model  # noqa: E402
 
 #: The demo's model shape: small enough for a CPU, large enough to make attention matter.

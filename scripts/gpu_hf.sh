@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue #23 item 4, helper 'hf': kvcore/hf builds every step with ONE builder (kvcore/hf/step.py,
-# StepBuilder.build(batch, pad_to=...)); CUDA graphs (kvcore/hf/graphs.py) now only capture and
+# StepBuilder.build(batch, pad_to=...)); CUDA graphs (DecodeGraphs in kvcore/hf/step.py) now only capture and
 # replay the padded steps it stages. What only a CUDA machine checks (about 4 minutes on one H200,
 # every step capped; logs under ${OUT:-/tmp/kvcore-gpu-hf}):
 #   1. tests/test_cuda_graph_decode.py (a whole decode step in one CUDA graph, Triton backend).

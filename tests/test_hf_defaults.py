@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.hf.defaults import BATCHED_TOKENS, BLOCK_SIZE, resolve
+from kvcore.hf.engine import BATCHED_TOKENS, BLOCK_SIZE, resolve_defaults as resolve
 from kvcore.specs import FullAttentionSpec, SlidingWindowSpec
 
 pytest.importorskip("kvcore_triton")
@@ -40,7 +40,7 @@ def test_explicit_values_win():
 
 
 def test_warm_up_captures_every_missing_size_once(monkeypatch):
-    from kvcore.hf.graphs import DecodeGraphs
+    from kvcore.hf.step import DecodeGraphs
 
     graphs = DecodeGraphs(torch.device("cpu"), 5, capture=False)
     graphs.graphs[2] = object()

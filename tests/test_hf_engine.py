@@ -215,7 +215,7 @@ def test_model_without_kvcore_context_refuses_kvcore_attention(models):
 def test_padded_static_decode_step_of_the_cuda_graph_path(models, references):
     # The inputs a CUDA graph replays (static buffers, batches padded to a bucket, slot -1
     # padding, max_seq_len = max_model_len), run eagerly so that CPU tests cover them.
-    from kvcore.hf.graphs import DecodeGraphs
+    from kvcore.hf.step import DecodeGraphs
 
     prompts, expected = references
     engine = Engine(models["mistral"], num_blocks=10, max_num_seqs=3, max_num_batched_tokens=24)

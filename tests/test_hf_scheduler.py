@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 
 from kvcore import FullAttentionSpec, KVCache, MambaSpec, SlidingWindowSpec  # noqa: E402
-from kvcore.hf.requests import Request  # noqa: E402
+from kvcore.hf.scheduler import Request  # noqa: E402
 from kvcore.hf.scheduler import Scheduler  # noqa: E402
 
 

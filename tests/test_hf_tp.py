@@ -31,9 +31,9 @@ from kvcore.hf.tp import (  # noqa: E402
     load_tp_model,
     resolve_tp,
     shard_model,
-    shard_specs,
     tp_group_size,
 )
+from kvcore.distributed import shard_spec  # noqa: E402
 from kvcore.specs import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,7 +64,7 @@ def test_splittable_exactly_when_tp_divides_both_head_counts(kv_heads, group, tp
     spec = (SlidingWindowSpec(16, kv_heads, 16, torch.float32, sliding_window=32) if sliding
             else FullAttentionSpec(16, kv_heads, 16, torch.float32))
     specs = {"model.layers.0.self_attn": spec, "model.layers.1.self_attn": spec}
-    per_rank = [shard_specs(specs, r, tp_size) for r in range(tp_size)]
+    per_rank = [{n: shard_spec(s, r, tp_size) for n, s in specs.items()} for r in range(tp_size)]
     for sharded in per_rank:
         assert list(sharded) == list(specs)
         for s in sharded.values():

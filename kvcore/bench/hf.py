@@ -99,7 +99,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     model = random_model(config, dtype=dtype, device=device, seed=0)
     prompts, warm = (runs.random_prompts(n, p, args.vocab, seed) for seed in (1, 2))
     if args.block_size is None:  # NOTE: the engine's own default, to size the cache below
-        from kvcore.hf.defaults import resolve
+        from kvcore.hf.engine import resolve_defaults as resolve
         from kvcore.hf.specs import specs_from_config
 
         args.block_size = resolve(

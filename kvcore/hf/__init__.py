@@ -1,7 +1,6 @@
 """Serve HF ``transformers`` causal LMs through kvcore's paged KV cache (``pip install kvcore[hf]``).
 
-transformers' own modeling code runs unchanged; its attention calls reach kvcore's backends through
-a function registered with ``AttentionInterface``. ``import kvcore`` never imports transformers.
+``import kvcore`` never imports transformers; this package does.
 """
 
 from __future__ import annotations
@@ -11,8 +10,7 @@ try:
 except ImportError as err:  # NOTE: the optional extra is missing
     raise ImportError("kvcore.hf needs HF transformers >= 5: pip install 'kvcore[hf]'") from err
 
-from kvcore.hf.engine import Engine
+from kvcore.hf.engine import Engine, EngineStats
 from kvcore.hf.specs import SERVED_MODEL_TYPES, specs_from_config, unsupported_features
-from kvcore.hf.stats import EngineStats
 
 __all__ = ["Engine", "EngineStats", "SERVED_MODEL_TYPES", "specs_from_config", "unsupported_features"]

@@ -1,11 +1,8 @@
 """The attention function kvcore registers with transformers' ``AttentionInterface``.
 
-transformers calls it from every attention module with the step's queries, keys and values
-(``[1, heads, tokens, head_dim]``: a step's tokens packed into one row) and every extra keyword
-given to ``model(...)``; the engine passes a :class:`StepContext` as ``kvcore_step``. The call goes
-to the calling layer's kvcore backend ``forward``, which writes the new K/V into the paged cache
-and attends; request boundaries come from the metadata, so no mask is needed. The window is the
-layer's KV cache group's (checked against the module when the engine binds it).
+transformers calls it from every attention module with a step's tokens packed into one row and
+every extra ``model(...)`` keyword; the engine's :class:`StepContext` (``kvcore_step``) routes the
+call to the layer's backend ``forward``, which writes the new K/V and attends (no mask needed).
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ STEP_KWARG = "kvcore_step"
 
 @attrs.frozen(eq=False)
 class LayerBinding:
-    """What one attention module needs from kvcore: its backend, cache view, shape and its group's window."""
+    """What one attention module needs: its backend, cache view, head size and its group's window."""
 
     name: str
     backend: Any = attrs.field(repr=False)
@@ -76,7 +73,6 @@ def kvcore_attention(
     return out, None
 
 
-def register_attention() -> str:
-    """Register :func:`kvcore_attention` as ``attn_implementation="kvcore"`` (idempotent); return the name."""
+def register_attention() -> None:
+    """Register :func:`kvcore_attention` as ``attn_implementation="kvcore"`` (idempotent)."""
     AttentionInterface.register(ATTENTION_NAME, kvcore_attention)
-    return ATTENTION_NAME

@@ -1,13 +1,10 @@
 """Disaggregated serving: hand a prompt's cached KV blocks from one engine to another.
 
-A prefill engine computes a prompt (``generate([prompt], 1)``, prefix caching on);
-:func:`export_prefix` names, per KV cache group, the blocks of the prefix its prefix cache would
-hit and holds them until :func:`release_prefix`. Any transport (NIXL, a host copy) moves their
-bytes into blocks a decode engine hands out with :func:`reserve_prefix`; :func:`import_prefix`
-records those under the prompt's hashes, cached and evictable, so that the decode engine's
-``generate([prompt], n)`` computes only the prompt's tail. A sliding-window group holds only the
-blocks inside the window (the others are the null block 0, never moved). Both engines must serve
-the same model with the same block size.
+A prefill engine computes a prompt (prefix caching on); :func:`export_prefix` holds, per KV cache
+group, the blocks its prefix cache would hit. Any transport (NIXL, a host copy) moves their bytes
+into blocks a decode engine hands out with :func:`reserve_prefix`; :func:`import_prefix` caches
+those under the prompt's hashes, so the decode engine computes only the prompt's tail. A
+sliding-window group holds only the blocks inside the window (the others are the null block 0).
 """
 
 from __future__ import annotations
@@ -19,7 +16,7 @@ import attrs
 
 from kvcore.runtime.block_pool import NULL_BLOCK_ID
 from kvcore.runtime.prefix_hash import block_hashes
-from kvcore.hf.requests import Request, check_prompt
+from kvcore.hf.scheduler import Request, check_prompt
 
 if TYPE_CHECKING:
     from kvcore.hf.engine import Engine
@@ -28,11 +25,8 @@ if TYPE_CHECKING:
 
 @attrs.frozen
 class PrefixBlocks:
-    """A prompt prefix's blocks in one engine: ``block_ids[g]`` has one id per block of group ``g``.
-
-    ``tokens`` is the prefix (a multiple of every group's block size); a sliding-window group's
-    blocks before its window are 0. Plain data: it pickles (it travels with NIXL metadata).
-    """
+    """A prompt prefix (a multiple of every group's block size) and its blocks in one engine, one
+    id per block per group (0 before a sliding window). Plain data: it pickles."""
 
     tokens: tuple[int, ...] = attrs.field(converter=tuple)
     block_ids: tuple[tuple[int, ...], ...] = attrs.field(converter=lambda ids: tuple(tuple(g) for g in ids))
@@ -53,7 +47,7 @@ def _scheduler(engine: Engine) -> Scheduler:
 
 
 def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> Scheduler:
-    """``blocks`` fits ``engine``'s groups (and, when ``held``, names blocks it holds), or ValueError."""
+    """``blocks`` fits ``engine``'s groups (and, when ``held``, names blocks it holds)."""
     if not isinstance(blocks, PrefixBlocks):
         raise TypeError(f"expected kvcore.hf.disagg.PrefixBlocks, got {type(blocks).__name__}")
     scheduler = _scheduler(engine)
@@ -86,10 +80,9 @@ def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> Scheduler:
 
 
 def export_prefix(engine: Engine, prompt: Sequence[int]) -> PrefixBlocks:
-    """The blocks of ``prompt``'s cached prefix in ``engine`` (prefill side); each gains a reference.
+    """The blocks of ``prompt``'s cached prefix in ``engine``, each held until :func:`release_prefix`.
 
-    Run the prompt first; the prefix may be empty (a short prompt, or blocks evicted). Call
-    :func:`release_prefix` once the blocks' bytes have been read.
+    Run the prompt first; the prefix may be empty (a short prompt, or blocks evicted).
     """
     scheduler = _scheduler(engine)
     tokens = check_prompt(0, prompt, 1, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
@@ -100,11 +93,9 @@ def export_prefix(engine: Engine, prompt: Sequence[int]) -> PrefixBlocks:
 
 
 def reserve_prefix(engine: Engine, like: PrefixBlocks) -> PrefixBlocks:
-    """Fresh blocks of ``engine`` for the prefix ``like`` (another engine's) describes, zeroed now.
+    """Fresh blocks of ``engine`` for the prefix ``like`` describes, zeroed now (call it between steps).
 
-    Fill them, then :func:`import_prefix` (or :func:`release_prefix` to give up). Call it between
-    steps: zeroed at once, no later step wipes what the transfer writes.
-
+    Fill them, then :func:`import_prefix` (or :func:`release_prefix` to give up).
     :raises kvcore.errors.OutOfBlocksError: the pool lacks the blocks; nothing is held.
     """
     scheduler = _check(engine, like, held=False)
@@ -116,10 +107,7 @@ def reserve_prefix(engine: Engine, like: PrefixBlocks) -> PrefixBlocks:
 
 
 def import_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
-    """Record ``blocks`` (reserved, now filled) in ``engine``'s prefix cache and release them.
-
-    They stay cached and evictable; a block of a prefix the engine already caches is just freed.
-    """
+    """Cache ``blocks`` (reserved, now filled) in ``engine``'s prefix cache and release them."""
     scheduler = _check(engine, blocks, held=True)
     pool = engine.kv.block_pool
     plans = []
@@ -137,10 +125,7 @@ def import_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
 
 
 def release_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
-    """Drop this holder's reference to every block of ``blocks`` (last first: the tail is evicted first).
-
-    Release (or import) each :class:`PrefixBlocks` once: a shared block cannot tell a second release.
-    """
+    """Drop this holder's reference to every block of ``blocks``, once (last first: evicted first)."""
     _check(engine, blocks, held=True)
     held = [b for g in range(len(blocks.block_ids)) for b in reversed(blocks.held_ids(g))]
     if held:

@@ -1,57 +1,125 @@
-"""``kvcore.hf.Engine``: serve a transformers causal LM from a kvcore paged KV cache.
+"""``kvcore.hf.Engine``: continuous batching of a transformers causal LM over one kvcore KV cache.
 
-Construction plans one :class:`~kvcore.KVCache` for the model's layers, binds every
-attention module to its backend and cache view, and builds the scheduler. Each step
-schedules requests (:mod:`kvcore.hf.scheduler`), packs them (:mod:`kvcore.hf.step`), zeroes
-new blocks (``KVCache.begin_step``), runs the model once (or replays its CUDA graph) and
-samples greedily. When anything raises inside a step, every queued request is dropped and
-its blocks freed before the exception propagates.
+Each step schedules requests, packs them (:mod:`kvcore.hf.step`), zeroes new blocks
+(``KVCache.begin_step``), runs the model once (or replays its CUDA graph) and samples greedily.
 """
 
 from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
+import attrs
 import torch
 
 from kvcore._validate import positive_int
+from kvcore.distributed import shard_spec
 from kvcore.errors import KVCoreError
+from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.specs.state import MambaSpec
+from kvcore.specs import KVCacheSpec, MambaSpec
 from kvcore.hf.attention_interface import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
-from kvcore.hf.defaults import resolve as resolve_defaults
-from kvcore.hf.graphs import DecodeGraphs, graphs_wanted
-from kvcore.hf.hybrid import check_hybrid_options
 from kvcore.hf.mixers import MixerRunner
-from kvcore.hf.requests import Request, check_prompt
-from kvcore.hf.scheduler import Scheduler
-from kvcore.hf.specs import check_model, layer_specs, model_modules
-from kvcore.hf.stats import PHASES, EngineStats
-from kvcore.hf.step import Step, StepBuilder
-from kvcore.hf.tp import resolve_tp, shard_specs
+from kvcore.hf.scheduler import Request, Scheduler, check_prompt
+from kvcore.hf.specs import check_hybrid_options, check_model, layer_specs, model_modules
+from kvcore.hf.step import DecodeGraphs, Step, StepBuilder, graphs_wanted
+from kvcore.hf.tp import resolve_tp
+
+#: Block size when the backend prefers none.
+BLOCK_SIZE = 16
+#: Tokens per step by device type (others: the CPU figure; what ``kvcore bench hf`` found fastest).
+BATCHED_TOKENS = {"cuda": 4096, "cpu": 2048}
+#: Phases of a step, in order, timed on the host.
+PHASES = ("schedule", "prepare", "zero", "forward", "sample")
+
+
+@attrs.frozen
+class EngineStats(Mapping):
+    """A snapshot of :meth:`Engine.stats`, read as attributes or keys; ``prefill_tokens`` include
+    recomputed ones, ``*_s`` are host seconds per step phase (``sample_s`` waits for the device)."""
+
+    steps: int = 0
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    requests_finished: int = 0
+    blocks_allocated: int = 0
+    blocks_zeroed: int = 0
+    window_freed_blocks: int = 0
+    preemptions: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_hit_tokens: int = 0
+    graph_steps: int = 0
+    schedule_s: float = 0.0
+    prepare_s: float = 0.0
+    zero_s: float = 0.0
+    forward_s: float = 0.0
+    sample_s: float = 0.0
+
+    def __getitem__(self, key: str) -> int | float:
+        return attrs.asdict(self)[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(attrs.fields_dict(type(self)))
+
+    def __len__(self) -> int:
+        return len(attrs.fields(type(self)))
+
+
+@attrs.frozen
+class EngineDefaults:
+    """An engine's settings with ``"auto"`` and unset sizes resolved, and its layer specs."""
+
+    block_size: int
+    max_num_batched_tokens: int
+    layer_backends: dict[str, Any]
+    specs: Mapping[str, KVCacheSpec] = attrs.field(repr=False, factory=dict)
+
+
+def resolve_defaults(
+    make_specs: Callable[[int], Mapping[str, KVCacheSpec]], device: torch.device, backend: Any,
+    block_size: int | None, max_num_batched_tokens: int | None,
+) -> EngineDefaults:
+    """Resolve ``"auto"`` per layer, the block size (the first attention layer's backend's preference,
+    grown for a hybrid until an attention page holds a state page) and the step budget.
+    ``make_specs(block_size)`` gives the layer specs."""
+    specs = make_specs(BLOCK_SIZE if block_size is None else block_size)
+
+    def pick(spec: KVCacheSpec) -> Any:
+        return select_backend(spec, device) if isinstance(backend, str) and backend == AUTO else backend
+
+    attention = [s for s in specs.values() if s.is_attention]
+    if block_size is None and attention:
+        block_size = preferred_block_size(pick(attention[0]), attention[0]) or BLOCK_SIZE
+        states = [s.real_page_size_bytes for s in specs.values() if not s.is_attention and s.has_cache_pages]
+        page = max(s.real_page_size_bytes for s in attention)
+        # NOTE: pages are unified to the largest (SPEC §6); growing the attention block until its page
+        # holds a state page wastes less than padding it, unless the state page is under two of them.
+        if states and max(states) >= 2 * page:
+            block_size *= -(-max(states) // page)
+        if block_size != BLOCK_SIZE:
+            specs = make_specs(block_size)
+    if max_num_batched_tokens is None:
+        max_num_batched_tokens = BATCHED_TOKENS.get(device.type, BATCHED_TOKENS["cpu"])
+    backends = {n: pick(s) for n, s in specs.items() if s.is_attention}
+    return EngineDefaults(block_size or BLOCK_SIZE, max_num_batched_tokens, backends, specs)
 
 
 class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
-    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``), on its
-        device; a hybrid's mixers keep their states in state groups (:mod:`kvcore.hf.mixers`),
-        without prefix caching, CUDA graphs or tensor parallelism.
-    :param backend: attention backend name or class, or ``"auto"``: :func:`kvcore.select_backend`'s
-        pick per layer.
+    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``) on its device.
+    :param backend: attention backend name or class, or ``"auto"``: :func:`kvcore.select_backend`.
     :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
     :param num_blocks: blocks to plan; or ``available_memory`` bytes (default: 90% of the free
         GPU memory, or 256 MiB on a CPU).
-    :param max_num_batched_tokens: tokens per step (prefill chunks and decodes together); None:
-        4,096 on a GPU, 2,048 elsewhere.
+    :param max_num_batched_tokens: tokens per step; None: 4,096 on a GPU, 2,048 elsewhere.
     :param group: a ``torch.distributed`` group for a tensor-parallel model (``kvcore.hf.tp``).
-    :param cuda_graphs: replay decode steps from CUDA graphs, all captured when the engine is
-        built; None: on for the ``triton`` and ``flashinfer`` backends on a CUDA device.
-    :param max_num_blocks: make the cache elastic: it grows instead of preempting while memory
-        allows, and ``generate`` shrinks it back to its starting size before returning.
+    :param cuda_graphs: replay decode steps from CUDA graphs captured when the engine is built;
+        None: on for the ``triton`` and ``flashinfer`` backends on a CUDA device.
+    :param max_num_blocks: an elastic cache, grown instead of preempting while memory allows and
+        shrunk back when ``generate`` returns.
     """
 
     def __init__(
@@ -81,7 +149,8 @@ class Engine:
         self.max_model_len = positive_int("config.max_position_embeddings", config.max_position_embeddings)
         tp_rank, tp_size = resolve_tp(model, group)
         settings = resolve_defaults(
-            lambda size: shard_specs(layer_specs(config, model.dtype, size), tp_rank, tp_size),
+            lambda size: {n: shard_spec(s, tp_rank, tp_size)
+                          for n, s in layer_specs(config, model.dtype, size).items()},
             self.device, backend, None if block_size is None else positive_int("block_size", block_size),
             max_num_batched_tokens,
         )
@@ -108,11 +177,9 @@ class Engine:
         )
         if max_num_blocks is not None:
             self.scheduler.grow = self._grow_cache
-        #: Counts since construction, read by :meth:`stats` (the scheduler's counter).
         self.counts = self.scheduler.counts
         self._layers = {modules[name]: self._bind(name, modules[name]) for name in attention}
-        #: The hybrid model's mixers on their state groups (None for attention-only models).
-        self.mixers = MixerRunner(model, self.kv, mixers) if mixers else None
+        self.mixers = MixerRunner(self.kv, {n: modules[n] for n in mixers}) if mixers else None
         self.steps = StepBuilder(self.kv, self.scheduler.groups, self.scheduler.tables)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self._eos = frozenset([eos] if isinstance(eos, int) else eos or ())
@@ -139,8 +206,7 @@ class Engine:
                             attn_group.kv_cache_spec.head_size, window)
 
     def warmup(self, *, progress: bool = True) -> None:
-        """Compile now what the first ``generate`` would: on a GPU, one padding prefill step
-        (nothing written) and every decode CUDA graph."""
+        """On a GPU, compile now what the first ``generate`` would (prefill kernels, decode graphs)."""
         if self.device.type != "cuda":
             return
         self._warm_prefill()
@@ -149,11 +215,9 @@ class Engine:
                 self.graphs.capture_all(self.steps, self._forward, progress=progress)
 
     def _warm_prefill(self, num_tokens: int = 32) -> None:
-        """Run one step of a padding request of ``num_tokens`` (reads the null block, writes nothing)."""
+        """One step of a padding request (reads the null block, writes nothing)."""
         with self.serving(), (self.mixers.scratch() if self.mixers else contextlib.nullcontext()):
             self._forward(self.steps.build([(None, num_tokens)]))
-
-    # -- requests --------------------------------------------------------------------------
 
     def _request(self, index: int, prompt: Any, max_new_tokens: Any) -> Request:
         tokens = check_prompt(index, prompt, max_new_tokens, vocab_size=self.vocab_size,
@@ -175,12 +239,9 @@ class Engine:
         return request.req_id
 
     def generate(self, prompts: Sequence[Sequence[int]], max_new_tokens: int) -> list[list[int]]:
-        """Greedy generation for every prompt; the generated token ids of each, in prompt order.
+        """Greedy generation for every prompt (all checked first); the generated ids of each, in order.
 
-        Every prompt is checked before anything runs: an empty prompt, ids outside the
-        vocabulary, ``max_new_tokens < 1``, or a request longer than the model or than the
-        whole cache raises ``ValueError`` naming that prompt, and nothing is queued. A request
-        stops after ``max_new_tokens`` or at the generation config's EOS token (kept).
+        A request stops after ``max_new_tokens`` or at the generation config's EOS token.
         """
         if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
             raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
@@ -191,16 +252,11 @@ class Engine:
         try:
             done = self.run()
         finally:
-            self._shrink_back()
+            kv = self.kv
+            if kv.elastic is not None and not self.scheduler.has_work and kv.num_blocks != self._start_blocks:
+                with contextlib.suppress(ValueError):  # NOTE: blocks above it are held (an exported prefix)
+                    kv.resize(self._start_blocks)
         return [done[r.req_id] for r in requests]
-
-    def _shrink_back(self) -> None:
-        """An elastic cache goes back to its starting size once no request is left."""
-        kv = self.kv
-        if kv.elastic is None or self.scheduler.has_work or kv.num_blocks == self._start_blocks:
-            return
-        with contextlib.suppress(ValueError):  # NOTE: blocks above it are held (an exported prefix)
-            kv.resize(self._start_blocks)
 
     def _grow_cache(self, short: int) -> bool:
         """Grow the elastic cache by at least ``short`` blocks (a quarter more when memory allows)."""
@@ -209,15 +265,13 @@ class Engine:
         if short > room:
             return False
         for extra in dict.fromkeys((min(room, max(short, kv.num_blocks // 4)), short)):
-            try:
+            with contextlib.suppress(KVCoreError):  # NOTE: no memory for that many: the bare need, then preempt
                 kv.resize(kv.num_blocks + extra)
                 return True
-            except KVCoreError:  # NOTE: no memory for that many; try the bare need, then preempt
-                continue
         return False
 
     def run(self) -> dict[int, list[int]]:
-        """Step until every queued request is done; returns the tokens of those finished meanwhile, by id."""
+        """Step until every queued request is done; the tokens of those finished meanwhile, by id."""
         with self.serving():
             while self.scheduler.has_work:
                 try:
@@ -246,8 +300,6 @@ class Engine:
                 yield
         finally:
             self.model.set_attn_implementation(previous)
-
-    # -- one step ----------------------------------------------------------------------------
 
     def _step(self) -> None:
         counts, clock = self.counts, self._clock
@@ -310,4 +362,3 @@ class Engine:
     def stats(self) -> EngineStats:
         """Counts since construction: steps, tokens, blocks, preemptions, prefix-cache hits, phase times."""
         return EngineStats(**self.counts)
-

@@ -1,26 +1,24 @@
 """Run a hybrid model's mixers per request on their states in kvcore's state caches.
 
-transformers' mixers (Mamba2, short convolution, gated delta net) cannot keep two requests of
-the engine's one packed row apart, so while the engine serves, each mixer module's ``forward`` is
-replaced on the instance (the class stays untouched) by one that splits the row: all single-token
-requests go in one ``[B, 1]`` call on states gathered from their slots and scattered back; each
-prefill chunk goes in its own ``[1, n]`` call on views of its slot. The states reach the mixer
-through a real transformers ``Cache`` whose one linear-attention layer holds kvcore tensors and
-always has a previous state: a new sequence's slot was zeroed by ``KVCache.begin_step``, which is
-what a fresh state is, so chunked prefill simply continues from the slot.
+While the engine serves, each mixer module's ``forward`` is replaced on the instance by one that
+splits the packed row: all single-token requests in one ``[B, 1]`` call on states gathered from
+their slots, each prefill chunk in its own ``[1, n]`` call on its slot. The states reach the
+mixer through a transformers ``Cache`` that always has a previous state (a new sequence's slot
+was zeroed by ``KVCache.begin_step``, which is what a fresh state is).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 import torch
-from transformers import Cache
+import transformers
 
 try:
     from transformers.cache_utils import LinearAttentionLayer
@@ -28,15 +26,14 @@ except ImportError:  # NOTE: transformers before its per-layer linear-attention 
     LinearAttentionLayer = None
 
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.specs.state import MambaSpec
-from kvcore.hf.requests import Request
+from kvcore.hf.scheduler import Request
 
 
 @attrs.frozen(eq=False)
 class MixerStep:
     """Where each request's tokens sit in this step's packed row, and its state slot per state group."""
 
-    #: Columns of the single-token requests, and their slots per state group ``[groups][B]``.
+    #: Columns of the single-token requests, and their slots per state group.
     decode_columns: torch.Tensor | None
     decode_slots: dict[int, torch.Tensor]
     #: Per multi-token request: first column, token count, slot per state group.
@@ -45,27 +42,8 @@ class MixerStep:
     scratch: bool = False
 
 
-class _SlotCache:
-    """A transformers ``Cache`` whose layer ``layer_idx`` holds the states it is pointed at."""
-
-    def __init__(self, layer_idx: int) -> None:
-        self.layer = LinearAttentionLayer()
-        self.layer.has_previous_state[0] = True
-        self.layer.is_conv_states_initialized[0] = True
-        self.cache = Cache(layers=[LinearAttentionLayer() for _ in range(layer_idx)] + [self.layer])
-
-    def point(self, conv: torch.Tensor, recurrent: torch.Tensor | None) -> Cache:
-        layer = self.layer
-        layer.conv_states[0] = conv
-        layer.conv_kernel_size[0] = conv.shape[-1]
-        layer.device, layer.dtype = conv.device, conv.dtype
-        layer.recurrent_states[0] = recurrent
-        layer.is_recurrent_states_initialized[0] = recurrent is not None
-        return self.cache
-
-
 class _MixerLayer:
-    """One mixer module, its kvcore state views and the keyword its ``forward`` takes the cache by."""
+    """One mixer module, its kvcore state views, and the transformers ``Cache`` that hands them to it."""
 
     def __init__(self, module: torch.nn.Module, group_id: int, states: list[torch.Tensor]) -> None:
         self.module = module
@@ -74,13 +52,21 @@ class _MixerLayer:
         self.conv, self.recurrent = (states[1], states[0]) if len(states) == 2 else (states[0], None)
         params = inspect.signature(module.forward).parameters
         self.cache_kwarg = "cache_params" if "cache_params" in params else "past_key_values"
-        self.slot_cache = _SlotCache(module.layer_idx)
+        self.layer = LinearAttentionLayer()
+        self.layer.has_previous_state[0] = True
+        self.layer.is_conv_states_initialized[0] = True
+        self.cache = transformers.Cache(layers=[LinearAttentionLayer() for _ in range(module.layer_idx)] + [self.layer])
 
     def _call(self, original: Any, x: torch.Tensor, pick: Any) -> tuple[torch.Tensor, ...]:
-        """``original(x)`` on the states ``pick`` takes from the layer's; returns the output and those states."""
+        """``original(x)`` on the states ``pick`` takes from the layer's; the output and those states."""
         conv = pick(self.conv)
         recurrent = None if self.recurrent is None else pick(self.recurrent)
-        return original(x, **{self.cache_kwarg: self.slot_cache.point(conv, recurrent)}), conv, recurrent
+        layer = self.layer
+        layer.conv_states[0], layer.conv_kernel_size[0] = conv, conv.shape[-1]
+        layer.device, layer.dtype = conv.device, conv.dtype
+        layer.recurrent_states[0] = recurrent
+        layer.is_recurrent_states_initialized[0] = recurrent is not None
+        return original(x, **{self.cache_kwarg: self.cache}), conv, recurrent
 
     def run(self, step: MixerStep, hidden: torch.Tensor, original: Any) -> torch.Tensor:
         if step.scratch:
@@ -102,30 +88,25 @@ class _MixerLayer:
 
 
 class MixerRunner:
-    """The mixers of one hybrid model bound to their state groups in ``kv``."""
+    """The mixer modules of one hybrid model, by path, bound to their state groups in ``kv``."""
 
-    def __init__(self, model: torch.nn.Module, kv: KVCache, mixer_names: Sequence[str]) -> None:
+    def __init__(self, kv: KVCache, modules: Mapping[str, torch.nn.Module]) -> None:
         if LinearAttentionLayer is None:
-            import transformers
-
             raise ValueError(
                 f"serving a hybrid model needs transformers' linear-attention cache layers, which "
                 f"transformers {transformers.__version__} lacks; upgrade transformers (5.17 and later work)"
             )
-        modules = dict(model.named_modules())
         self.device = kv.device
         self.layers: dict[str, _MixerLayer] = {}
-        for name in mixer_names:
+        for name, module in modules.items():
             g, group = kv.config.group_of(name)
-            spec = group.kv_cache_spec
-            if not isinstance(spec, MambaSpec):
-                raise RuntimeError(f"{name} is a mixer but its KV cache group holds {type(spec).__name__}")
-            self.layers[name] = _MixerLayer(modules[name], g, spec.split_states(kv.layer_kv_caches[name]))
+            states = group.kv_cache_spec.split_states(kv.layer_kv_caches[name])
+            self.layers[name] = _MixerLayer(module, g, states)
         self.state_groups = sorted({layer.group_id for layer in self.layers.values()})
         self.step: MixerStep | None = None
 
     def plan(self, batch: list[tuple[Request, int]], tables: Sequence[np.ndarray]) -> MixerStep:
-        """Columns and slots of this step's requests (``batch`` in packed order; ``tables``: the scheduler's)."""
+        """Columns and slots of this step's requests (``tables``: the scheduler's)."""
         decodes, prefills = [], []
         start = 0
         for request, n in batch:
@@ -154,7 +135,7 @@ class MixerRunner:
         """Route every mixer module's calls through :meth:`_MixerLayer.run` for the duration."""
         saved = {name: vars(layer.module).get("forward") for name, layer in self.layers.items()}
         for layer in self.layers.values():
-            layer.module.forward = self._forward_of(layer, layer.module.forward)
+            layer.module.forward = functools.partial(self._forward, layer, layer.module.forward)
         try:
             yield
         finally:
@@ -164,12 +145,9 @@ class MixerRunner:
                 else:
                     layer.module.forward = saved[name]
 
-    def _forward_of(self, layer: _MixerLayer, original: Any) -> Any:
-        def forward(hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-            # NOTE: the decoder layer's mask and keyword arguments describe the packed row, which
-            # no per-request call may see; each call gets only its own tokens and states.
-            if self.step is None:
-                raise RuntimeError("a kvcore-served mixer was called outside an engine step")
-            return layer.run(self.step, hidden_states, original)
-
-        return forward
+    def _forward(self, layer: _MixerLayer, original: Any, hidden_states: torch.Tensor, *_: Any, **__: Any) -> Any:
+        # NOTE: the decoder layer's mask and keyword arguments describe the packed row, which no
+        # per-request call may see; each call gets only its own tokens and states.
+        if self.step is None:
+            raise RuntimeError("a kvcore-served mixer was called outside an engine step")
+        return layer.run(self.step, hidden_states, original)

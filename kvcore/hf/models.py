@@ -1,8 +1,7 @@
-"""Models to serve: small random-weight ones built from configs, or a local checkpoint.
+"""Models to serve: small random-weight ones built from configs (no download), or a local checkpoint.
 
-The random models (tests, demos, benchmarks; no download) have peaky logits, so that float
-rounding that differs between two exact attention implementations cannot flip a greedy token,
-and weights drawn wider than transformers' default so that attention decides the next token.
+Random models have peaky logits, so that rounding that differs between two exact attention
+implementations cannot flip a greedy token, and wide weights, so that attention decides it.
 """
 
 from __future__ import annotations

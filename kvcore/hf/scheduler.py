@@ -1,34 +1,127 @@
 """Continuous batching: which requests run this step, with how many tokens, in which blocks.
 
-Each step has a token budget: running requests first, oldest first (a decode takes one token, a
-prefill the next chunk of its prompt), then waiting ones while the budget, ``max_num_seqs`` and
-the free blocks last. Blocks are allocated per KV cache group as a request grows; a sliding-window
-group hands back blocks no query can see any more; a state group holds one block per request (its
-state slot). When the pool runs dry, the newest running request is preempted and recomputed later
-(greedy decoding makes the result identical). A request that could never fit alone is refused
-when it is added, so the oldest request can always progress.
-
-With prefix caching, a request starts at the longest prefix every group caches (a sliding-window
-group needs only the blocks inside the window), at a boundary of every group's blocks and short
-of the last token (whose logits the step needs); blocks that become full are recorded under their
-chained hashes, generated tokens included.
+Running requests go first, oldest first, then waiting ones while the token budget,
+``max_num_seqs`` and the free blocks last. When the pool runs dry, the newest running request is
+preempted and recomputed later (greedy decoding makes the result identical). With prefix
+caching, a request starts at the longest prefix every group caches, short of its last token.
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import attrs
 import numpy as np
 
+from kvcore._validate import as_int
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.runtime.prefix_hash import block_hashes
-from kvcore.hf.requests import GroupInfo, Request
+from kvcore.runtime.prefix_hash import block_hashes, sliding_window_blocks
+from kvcore.specs.attention import SlidingWindowSpec
+from kvcore.specs.base import KVCacheSpec
+from kvcore.specs.state import MambaSpec
+
+
+@attrs.frozen
+class GroupInfo:
+    """One KV cache group as the engine serves it, worked out once from its spec."""
+
+    block_size: int
+    #: Tokens of the sliding window, None for full attention.
+    sliding_window: int | None
+    #: Blocks a prefix-cache hit needs (the window before the next token); None: all.
+    window_blocks: int | None
+    #: A state group: one block (the request's state slot) whatever its length.
+    state: bool
+
+    @classmethod
+    def of(cls, spec: KVCacheSpec) -> GroupInfo:
+        window = spec.sliding_window if isinstance(spec, SlidingWindowSpec) else None
+        blocks = None if window is None else sliding_window_blocks(window, spec.block_size)
+        return cls(spec.block_size, window, blocks, isinstance(spec, MambaSpec))
+
+    def peak_blocks(self, num_tokens: int, max_chunk: int) -> int:
+        """Most blocks one request of ``num_tokens`` ever holds in this group at once."""
+        if self.state:
+            return 1
+        full = -(-num_tokens // self.block_size)
+        if self.sliding_window is None:
+            return full
+        return min(full, (self.sliding_window - 1 + max_chunk) // self.block_size + 2)
+
+
+@attrs.define(eq=False)
+class Request:
+    """One prompt being served: its tokens (prompt, then generated) and its blocks per KV cache group.
+
+    ``num_computed`` leading tokens have their K/V in the cache. Its block ids are the leading
+    ``num_blocks[g]`` entries of its ``row`` of the scheduler's table of group ``g`` (row -1: not
+    running; id 0, the null block, where a sliding window dropped a block).
+    """
+
+    req_id: int
+    tokens: list[int]
+    prompt_len: int
+    max_new_tokens: int
+    num_computed: int = 0
+    row: int = -1
+    num_blocks: list[int] = attrs.field(factory=list)
+    #: Chained hashes of the full blocks of ``tokens``, by block size (prefix caching only).
+    block_hashes: dict[int, list[bytes]] = attrs.field(factory=dict)
+    #: Per group: blocks already recorded in the prefix cache.
+    num_cached_blocks: list[int] = attrs.field(factory=list)
+    finished: bool = False
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.prompt_len :]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.tokens) - self.num_computed
+
+    def reset(self, num_groups: int) -> None:
+        """Forget every block (a new request, or a preempted one to be recomputed)."""
+        self.num_blocks = [0] * num_groups
+        self.num_cached_blocks = [0] * num_groups
+        self.num_computed = 0
+        self.row = -1
+
+
+def check_prompt(index: int, prompt: Any, max_new_tokens: Any, *, vocab_size: int, max_model_len: int) -> list[int]:
+    """``prompt`` as a list of ints, or ``ValueError``/``TypeError`` naming prompt ``index`` and the fix."""
+    where = f"prompt {index}"
+    if isinstance(prompt, (str, bytes)) or not isinstance(prompt, Sequence):
+        raise TypeError(f"{where} must be a list of token ids, got {type(prompt).__name__}; tokenize it first")
+    tokens = [as_int(f"{where} token", t) for t in prompt]
+    if not tokens:
+        raise ValueError(f"{where} is empty; give at least one token id")
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(
+            f"{where} holds token ids {sorted(set(bad))[:8]} outside the vocabulary 0..{vocab_size - 1}; "
+            "use the model's own tokenizer"
+        )
+    new = as_int("max_new_tokens", max_new_tokens)
+    if new < 1:
+        raise ValueError(f"max_new_tokens must be at least 1, got {new}")
+    if len(tokens) + new > max_model_len:
+        raise ValueError(
+            f"{where} has {len(tokens)} tokens; with max_new_tokens={new} it needs {len(tokens) + new} "
+            f"positions but the model takes at most {max_model_len} (max_position_embeddings); "
+            "shorten the prompt or lower max_new_tokens"
+        )
+    return tokens
 
 
 class Scheduler:
-    """Queues, admission and block bookkeeping for one :class:`~kvcore.KVCache`."""
+    """Queues, admission and block bookkeeping (the one table per group) for one ``KVCache``."""
 
     def __init__(self, kv: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool) -> None:
         self.pool: BlockPool = kv.block_pool
@@ -38,12 +131,11 @@ class Scheduler:
         self.max_model_len = kv.max_model_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
-        #: Counts by :class:`~kvcore.hf.EngineStats` field (blocks, preemptions, prefix hits; the engine's too).
+        #: Counts by ``EngineStats`` field (the engine's too).
         self.counts: collections.Counter[str] = collections.Counter()
         #: ``grow(k)``: try to add at least ``k`` free blocks (an elastic cache); True when it did.
         self.grow: Callable[[int], bool] | None = None
-        # NOTE: the one home of every running request's block ids: per group, one row per request
-        # (``Request.row``; 0 past its ``num_blocks``), sized for an elastic cache's largest pool.
+        # NOTE: sized for an elastic cache's largest pool.
         self.tables = [np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), np.int32) for g in self.groups]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
         if prefix_caching and not self.pool.enable_caching:
@@ -51,11 +143,8 @@ class Scheduler:
         self.prefix_caching = prefix_caching
 
     def _width(self, group: GroupInfo, num_blocks: int) -> int:
-        """Block-table columns one request may index in ``group``.
-
-        NOTE: a sliding-window request indexes block ``position // block_size`` up to the model's
-        length although it holds only the window's blocks; a full-attention one holds at most the pool.
-        """
+        # NOTE: a sliding-window request indexes block ``position // block_size`` up to the model's
+        # length although it holds only the window's blocks.
         if group.state:
             return 1
         tokens = self.max_model_len
@@ -66,8 +155,6 @@ class Scheduler:
     def blocks(self, request: Request, g: int) -> np.ndarray:
         """Group ``g``'s block ids of running ``request``: the used part of its row (a view)."""
         return self.tables[g][request.row, : request.num_blocks[g]]
-
-    # -- admission -------------------------------------------------------------------------
 
     def peak_blocks(self, num_tokens: int) -> int:
         """Blocks a request of ``num_tokens`` tokens may hold at once, over all groups."""
@@ -91,7 +178,10 @@ class Scheduler:
                 break
             n = min(request.num_new_tokens, budget)
             while request.row >= 0 and not self._grow(request, n):
-                self._preempt(self.running.pop())
+                victim = self.running.pop()
+                self._release(victim)
+                self.waiting.appendleft(victim)
+                self.counts["preemptions"] += 1
             if request.row < 0:
                 break
             batch.append((request, n))
@@ -111,8 +201,6 @@ class Scheduler:
             batch.append((request, n))
             budget -= n
         return batch
-
-    # -- blocks ----------------------------------------------------------------------------
 
     def _grow(self, request: Request, n: int) -> bool:
         """Give ``request`` the blocks for ``n`` more tokens in every group, or none at all."""
@@ -138,21 +226,16 @@ class Scheduler:
 
     def _drop_out_of_window(self, request: Request, g: int, first_visible: int) -> None:
         """Free group ``g``'s blocks wholly before position ``first_visible``."""
-        size = self.groups[g].block_size
-        end = min(max(first_visible, 0) // size, request.num_blocks[g])
-        begin = request.window_start[g]
-        if end <= begin:
-            return
-        span = self.tables[g][request.row, begin:end]
-        gone = [b for b in span.tolist() if b]
-        span[:] = 0
-        request.window_start[g] = end
+        end = min(max(first_visible, 0) // self.groups[g].block_size, request.num_blocks[g])
+        span = self.tables[g][request.row, :end]
+        gone = span[span != 0].tolist()
         if gone:
+            span[:] = 0
             self.pool.free(gone)
             self.counts["window_freed_blocks"] += len(gone)
 
     def _release(self, request: Request) -> None:
-        """Free every block of ``request`` (last block first) and its row; it would start afresh."""
+        """Free every block of ``request`` (last block first) and its row."""
         if request.row >= 0:
             for g, rows in enumerate(self.tables):
                 held = [b for b in reversed(self.blocks(request, g).tolist()) if b]
@@ -161,13 +244,6 @@ class Scheduler:
                 rows[request.row] = 0
             self._free_rows.append(request.row)
         request.reset(len(self.groups))
-
-    def _preempt(self, request: Request) -> None:
-        self._release(request)
-        self.waiting.appendleft(request)
-        self.counts["preemptions"] += 1
-
-    # -- prefix caching ----------------------------------------------------------------------
 
     def _hashes(self, request: Request, block_size: int, num_blocks: int) -> list[bytes]:
         """The first ``num_blocks`` chained hashes of ``request``'s tokens (kept on the request)."""
@@ -179,10 +255,8 @@ class Scheduler:
         return hashes[:num_blocks]
 
     def lookup(self, request: Request) -> tuple[int, list[list[int]]]:
-        """The longest cached prefix of ``request`` short of its last token, and its blocks per group.
-
-        Each returned block gains a reference (the caller holds it).
-        """
+        """The longest cached prefix of ``request`` short of its last token, and its blocks per group
+        (each gains a reference, which the caller holds)."""
         groups, pool, limit = self.groups, self.pool, request.num_tokens - 1
         hashes = [self._hashes(request, g.block_size, limit // g.block_size) for g in groups]
         tokens = pool.find_common_prefix(
@@ -205,7 +279,6 @@ class Scheduler:
         for i, ids in enumerate(hit):
             self.tables[i][request.row, : len(ids)] = ids
             request.num_blocks[i] = request.num_cached_blocks[i] = len(ids)
-            request.window_start[i] = next((j for j, b in enumerate(ids) if b), len(ids))
         request.num_computed = tokens
         self.counts["prefix_cache_hits"] += 1
         self.counts["prefix_cache_hit_tokens"] += tokens
@@ -222,10 +295,7 @@ class Scheduler:
                 self.pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=i)
             request.num_cached_blocks[i] = full
 
-    # -- after the step ----------------------------------------------------------------------
-
     def finish_step(self, batch: list[tuple[Request, int]]) -> None:
-        """Record computed tokens and cache newly full blocks."""
         for request, n in batch:
             request.num_computed += n
             if self.prefix_caching:
@@ -241,7 +311,6 @@ class Scheduler:
         return len(requests)
 
     def finish(self, request: Request) -> None:
-        """``request`` is done: free its blocks."""
         request.finished = True
         self.running.remove(request)
         self._release(request)

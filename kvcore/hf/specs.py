@@ -1,27 +1,80 @@
 """KV cache specs of a transformers decoder config, and what kvcore refuses to serve.
 
-Every decoder layer gets one spec named after its attention module
-(``model.layers.<i>.self_attn``): full attention, a sliding window (``layer_types`` /
-``sliding_window``) or chunked local attention, with the config's KV heads and head dim; a
-hybrid's mixer layers get a state spec (:mod:`kvcore.hf.hybrid`). Features no kvcore backend
-implements are refused with a ``ValueError`` naming them: a model is never served approximately.
+Attention layers get a full, sliding-window or chunked-local spec named after their module; a
+hybrid's mixer layers a :class:`~kvcore.MambaSpec` of the states transformers keeps, in its
+dtypes (Mamba2 and gated delta net: a float32 recurrent state, then a convolution window; LFM2's
+short convolution: the window only). What kvcore cannot serve exactly raises a ``ValueError``.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from kvcore._validate import positive_int
 from kvcore.specs.attention import ChunkedLocalAttentionSpec, FullAttentionSpec, SlidingWindowSpec
 from kvcore.specs.base import KVCacheSpec
-from kvcore.hf.hybrid import HYBRID_FAMILIES, hybrid_layer_roles, is_hybrid, mixer_spec, refuse_unservable_hybrid
+from kvcore.specs.state import MambaSpec
+
+
+class HybridFamily(NamedTuple):
+    """How one hybrid ``model_type`` names its decoder layers' modules and sizes its mixer states."""
+
+    mixer: str
+    attention: str
+    #: ``"mamba2"``, ``"short_conv"`` or ``"gated_delta_net"``.
+    kind: str
+    #: Config attributes: Mamba2's heads, head dim, groups, state size, conv kernel; a gated
+    #: delta net's key heads, value heads, key head dim, value head dim, conv kernel.
+    fields: tuple[str, ...] = ()
+
+
+_BAMBA = HybridFamily(
+    "mamba", "self_attn", "mamba2", ("mamba_n_heads", "mamba_d_head", "mamba_n_groups", "mamba_d_state", "mamba_d_conv")
+)
+#: Hybrid ``model_type`` values kvcore serves (tokens equal ``model.generate`` in float32).
+HYBRID_FAMILIES = {
+    "bamba": _BAMBA,
+    "granitemoehybrid": _BAMBA,
+    "falcon_h1": _BAMBA,
+    "nemotron_h": HybridFamily(
+        "mixer", "mixer", "mamba2", ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel")
+    ),
+    "lfm2": HybridFamily("conv", "self_attn", "short_conv"),
+    "qwen3_next": HybridFamily(
+        "linear_attn", "self_attn", "gated_delta_net",
+        ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+         "linear_conv_kernel_dim"),
+    ),
+}
+
+_SHARED_ATTENTION = "its decoder layers share one attention module, whose KV cache kvcore cannot page per layer"
+#: Hybrid ``model_type`` values kvcore refuses: (architecture name, why).
+REFUSED_HYBRIDS = {
+    "jamba": ("Jamba", "its torch Mamba scan always starts from a zero state, so a prompt cannot be prefilled "
+                       "in chunks"),
+    "minimax": ("MiniMax", "it keeps its linear-attention states in its own cache class, which kvcore cannot own"),
+    "zamba": ("Zamba", _SHARED_ATTENTION),
+    "zamba2": ("Zamba2", _SHARED_ATTENTION),
+}
 
 #: ``model_type`` values whose transformers modeling code the engine serves (tested for exactness).
 SERVED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma3_text", *HYBRID_FAMILIES)
 
 _LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention")
+#: A hybrid's ``layer_types`` entry -> (attention?, mixer?): FalconH1's "hybrid" layers hold both,
+#: NemotronH's MLP / MoE layers neither.
+_LAYER_ROLES = {
+    **dict.fromkeys(("linear_attention", "conv", "mamba"), (False, True)),
+    "hybrid": (True, True),
+    **dict.fromkeys(("mlp", "moe"), (False, False)),
+    **dict.fromkeys(("full_attention", "attention"), (True, False)),
+}
+
+
+def is_hybrid(config: Any) -> bool:
+    return getattr(config, "model_type", None) in HYBRID_FAMILIES
 
 
 def unsupported_features(config: Any) -> list[str]:
@@ -46,14 +99,19 @@ def unsupported_features(config: Any) -> list[str]:
 
 
 def check_servable(config: Any) -> None:
-    """Raise ``ValueError`` naming every attention feature of ``config`` kvcore cannot serve exactly."""
-    refuse_unservable_hybrid(config)
+    """Raise ``ValueError`` naming what of ``config`` kvcore cannot serve exactly."""
+    model_type = getattr(config, "model_type", None)
+    if model_type in REFUSED_HYBRIDS:
+        name, why = REFUSED_HYBRIDS[model_type]
+        raise ValueError(
+            f"kvcore does not serve {name} hybrids (model_type {model_type!r}): {why}. Served hybrids: "
+            f"{sorted(HYBRID_FAMILIES)}"
+        )
     found = unsupported_features(config)
     if found:
-        kind = getattr(config, "model_type", type(config).__name__)
         raise ValueError(
-            f"kvcore cannot serve this {kind} config exactly: it uses {'; '.join(found)}. "
-            "No kvcore backend implements that; use a model without it"
+            f"kvcore cannot serve this {model_type or type(config).__name__} config exactly: it uses "
+            f"{'; '.join(found)}. No kvcore backend implements that; use a model without it"
         )
 
 
@@ -69,13 +127,36 @@ def check_model(model: Any) -> None:
             f"kvcore.hf serves the model types {list(SERVED_MODEL_TYPES)}; {type(model).__name__} is "
             f"{model_type!r}, whose modeling code kvcore has not verified token for token"
         )
-    if not is_hybrid(config):
-        chunked = [i for i, t in enumerate(_layer_types(config)) if t == "chunked_attention"]
-        if chunked:
-            raise ValueError(
-                f"model.layers.{chunked[0]}.self_attn uses chunked local attention, which no kvcore backend "
-                "implements"
-            )
+    types = [] if is_hybrid(config) else _layer_types(config)
+    if "chunked_attention" in types:
+        raise ValueError(
+            f"model.layers.{types.index('chunked_attention')}.self_attn uses chunked local attention, which no "
+            "kvcore backend implements"
+        )
+
+
+def check_hybrid_options(
+    config: Any, num_attention: int, prefix_caching: bool, tp_size: int, cuda_graphs: bool | None
+) -> None:
+    """Refuse what a hybrid model cannot be served with."""
+    kind = config.model_type
+    if num_attention == 0:
+        raise ValueError(
+            f"this {kind!r} config has mixer layers only; kvcore.hf serves hybrids with at least one "
+            "attention layer (set the config's layer types)"
+        )
+    if prefix_caching:
+        raise ValueError(
+            f"prefix caching cannot serve the hybrid {kind!r}: its mixer states are kept per sequence, not per "
+            "block, so no cached block names the state after a prefix; pass enable_prefix_caching=False"
+        )
+    if tp_size > 1:
+        raise ValueError(f"kvcore.hf serves the hybrid {kind!r} on one device only; its mixer states are not sharded")
+    if cuda_graphs:
+        raise ValueError(
+            f"CUDA graphs cannot capture the hybrid {kind!r}: its mixers run per request with shapes that "
+            "change every step; pass cuda_graphs=False (or None)"
+        )
 
 
 def model_modules(model: torch.nn.Module, names: list[str]) -> dict[str, torch.nn.Module]:
@@ -94,13 +175,15 @@ def _layer_types(config: Any) -> list[str]:
     """``config.layer_types``; without them (Llama, Mistral) one type, window or chunk if any, for every layer."""
     num_layers = positive_int("config.num_hidden_layers", getattr(config, "num_hidden_layers", None))
     types = getattr(config, "layer_types", None)
-    if types is None:
+    if is_hybrid(config):
+        types = types or getattr(config, "layers_block_type", None)
+    elif types is None:
         chunk, window = getattr(config, "attention_chunk_size", None), getattr(config, "sliding_window", None)
         types = ["chunked_attention" if chunk else "sliding_attention" if window else "full_attention"] * num_layers
-    if len(types) != num_layers:
+    if types is None or len(types) != num_layers:
         raise ValueError(
-            f"config.layer_types lists {len(types)} layers but num_hidden_layers={num_layers}; "
-            "give one type per layer"
+            f"config.layer_types lists {None if types is None else len(types)} layers but num_hidden_layers="
+            f"{num_layers}; give one type per layer"
         )
     return list(types)
 
@@ -114,7 +197,7 @@ def specs_from_config(
     :param dtype: the cache dtype; None takes the config's ``dtype`` (float32 if unset).
     :param block_size: tokens per manager block.
     :raises ValueError: the config uses an attention feature kvcore cannot serve exactly, or is a
-        hybrid whose mixer states kvcore cannot own (``kvcore.hf.hybrid.REFUSED_HYBRIDS``).
+        hybrid whose mixer states kvcore cannot own (``REFUSED_HYBRIDS``).
     """
     check_servable(config)
     return layer_specs(config, dtype, block_size)
@@ -134,12 +217,18 @@ def layer_specs(config: Any, dtype: torch.dtype | str | None, block_size: int) -
     full: KVCacheSpec = FullAttentionSpec(block_size, kv_heads, head_dim, value)
     specs: dict[str, KVCacheSpec] = {}
     if is_hybrid(config):
-        state = mixer_spec(config, value, block_size)
-        for attention, mixer in hybrid_layer_roles(config):
-            if mixer is not None:
-                specs[mixer] = state
-            if attention is not None:
-                specs[attention] = full
+        family, state = HYBRID_FAMILIES[config.model_type], _mixer_spec(config, value, block_size)
+        for i, layer_type in enumerate(_layer_types(config)):
+            if layer_type not in _LAYER_ROLES:
+                raise ValueError(
+                    f"layer {i} of this {config.model_type} config is {layer_type!r}, a layer type kvcore does "
+                    "not know; kvcore serves attention, mixer and MLP layers"
+                )
+            attention, mixer = _LAYER_ROLES[layer_type]
+            if mixer:
+                specs[f"model.layers.{i}.{family.mixer}"] = state
+            if attention:
+                specs[f"model.layers.{i}.{family.attention}"] = full
         return specs
     window, chunk = getattr(config, "sliding_window", None), getattr(config, "attention_chunk_size", None)
     for i, layer_type in enumerate(_layer_types(config)):
@@ -159,3 +248,29 @@ def layer_specs(config: Any, dtype: torch.dtype | str | None, block_size: int) -
             )
         specs[f"model.layers.{i}.self_attn"] = spec
     return specs
+
+
+def _mixer_spec(config: Any, dtype: torch.dtype, block_size: int) -> MambaSpec:
+    """The state spec every mixer layer of hybrid ``config`` shares."""
+    model_type = config.model_type
+    family = HYBRID_FAMILIES[model_type]
+    if family.kind == "short_conv":
+        hidden = positive_int("config.hidden_size", config.hidden_size)
+        window = positive_int("config.conv_L_cache", config.conv_L_cache)
+        return MambaSpec(block_size, [(hidden, window)], [dtype])
+    sizes = [positive_int(f"config.{name}", getattr(config, name, None)) for name in family.fields]
+    # NOTE: the scans return their final state in float32 and transformers keeps it so (bf16 models too).
+    recurrent_dtype = torch.float32 if dtype.itemsize <= 4 else dtype
+    if family.kind == "gated_delta_net":
+        k_heads, v_heads, k_dim, v_dim, kernel = sizes
+        conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
+        return MambaSpec(block_size, [(v_heads, k_dim, v_dim), (conv_dim, kernel)], [recurrent_dtype, dtype])
+    heads, head_dim, groups, d_state, kernel = sizes
+    if model_type == "nemotron_h":
+        intermediate = heads * head_dim
+    elif model_type == "falcon_h1" and getattr(config, "mamba_d_ssm", None) is not None:
+        intermediate = positive_int("config.mamba_d_ssm", config.mamba_d_ssm)
+    else:
+        intermediate = int(config.mamba_expand * config.hidden_size)
+    conv_dim = intermediate + 2 * groups * d_state
+    return MambaSpec(block_size, [(heads, head_dim, d_state), (conv_dim, kernel)], [recurrent_dtype, dtype])

@@ -1,22 +1,17 @@
-"""One step's model inputs and attention metadata, built from the scheduled requests.
+"""One step's model inputs and attention metadata, and the CUDA graphs that replay decode steps.
 
-All tokens of a step are packed into one row (``[1, T]``); request ``i`` owns columns
-``query_start_loc[i]:query_start_loc[i + 1]``. Each KV cache group gets its own block
-table (rows of the scheduler's tables) and slot mapping; a state group's table is each
-request's state slot. A padding request (``None``) reads only the null block and writes
-nowhere (slot -1).
-
-``pad_to`` builds the step a CUDA graph replays: the batch padded with one-token requests
-to a captured size and written into persistent buffers, with full-width block tables and
-``max_seq_len = max_model_len``, so that every step of one size has one shape and one
-address. Either way the step is packed on the host with numpy and moved in two copies
-(int64, int32).
+A step's tokens are packed into one row (``[1, T]``); each KV cache group gets its block table
+(rows of the scheduler's tables; a state group's is each request's state slot) and slot mapping.
+A padding request (``None``) reads only the null block and writes nowhere (slot -1). ``pad_to``
+builds the step a CUDA graph replays: padded to a captured size in persistent buffers, with
+full-width tables and ``max_seq_len = max_model_len``: one shape and one address per size.
 """
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import attrs
 import numpy as np
@@ -24,7 +19,7 @@ import torch
 
 from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.hf.requests import GroupInfo, Request
+from kvcore.hf.scheduler import GroupInfo, Request
 
 #: Scheduled requests (None: padding) and their token counts, in packed order.
 Batch = Sequence[tuple["Request | None", int]]
@@ -125,11 +120,8 @@ class StepBuilder:
         return self._static
 
     def _plan_on_host(self, common: list[CommonAttentionMetadata]) -> None:
-        """Let metadata builders that plan on the host (``plan_graph_step``) plan a padded step.
-
-        They get its CPU tensors, block tables in kernel blocks, before capture and before
-        every replay (no device sync).
-        """
+        """Let builders that plan on the host (``plan_graph_step``) plan a padded step from its CPU
+        tensors, block tables in kernel blocks, before capture and every replay (no device sync)."""
         for g, attn_group in self._host_planners:
             table = common[g].block_table_tensor
             if attn_group.kernel_block_size is not None:
@@ -158,3 +150,77 @@ def _unpack(longs: torch.Tensor, ints: torch.Tensor, num_reqs: int, num_tokens: 
         long_at, int_at = long_at + num_tokens, int_at + size
     return (longs[:num_tokens].unsqueeze(0), longs[num_tokens : 2 * num_tokens].unsqueeze(0),
             longs[2 * num_tokens : 2 * num_tokens + num_sampled], common)
+
+
+#: Backends whose decode steps are captured by default (no host work inside ``forward``).
+GRAPH_BACKENDS = ("triton", "flashinfer")
+
+
+class DecodeGraphs:
+    """The captured decode steps of one engine, one per padded batch size.
+
+    Sizes: 1, 2, 4, 8, then multiples of 16, and ``max_num_seqs``. ``capture=False`` runs the
+    same padded steps eagerly (CPU tests of this path).
+    """
+
+    def __init__(self, device: torch.device, max_num_seqs: int, *, capture: bool = True) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the KV cache is on {device}")
+        self.device, self.capture = device, capture
+        sizes = {s for s in (1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)) if s <= max_num_seqs}
+        self.sizes = sorted(sizes | {max_num_seqs})
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.pool = None
+
+    def bucket(self, num_reqs: int) -> int:
+        """The smallest captured batch size that holds ``num_reqs`` requests."""
+        return next(size for size in self.sizes if size >= num_reqs)
+
+    def capture_size(self, size: int, forward: Callable[[], torch.Tensor]) -> None:
+        """Capture ``forward`` (the padded step of ``size``, staged already) as the graph of ``size``."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # compiles kernels, settles the allocator
+                forward()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        if self.pool is None:
+            self.pool = torch.cuda.graph_pool_handle()
+        with torch.cuda.graph(graph, pool=self.pool):
+            self.outputs[size] = forward()
+        self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)  # NOTE: the pinned buffers are refilled next
+
+    def capture_all(
+        self, steps: StepBuilder, forward: Callable[[Step], torch.Tensor], *, progress: bool = True
+    ) -> None:
+        """Capture every size not captured yet, each on a padding-only step that ``steps`` stages."""
+        sizes = [s for s in self.sizes if s not in self.graphs]
+        if progress and sizes:
+            from rich.progress import track
+
+            sizes = track(sizes, description="kvcore: capturing decode CUDA graphs", transient=True)
+        for size in sizes:
+            step = steps.build([], pad_to=size)
+            self.capture_size(size, lambda: forward(step))
+
+    def run(self, size: int, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
+        """The next token of every row of the staged padded step of ``size``: replayed, or ``forward()``."""
+        if not self.capture:
+            return forward()
+        self.graphs[size].replay()
+        return self.outputs[size]
+
+
+def graphs_wanted(option: Any, device: torch.device, backend_name: str) -> bool:
+    """``cuda_graphs=None`` means on for the ``triton`` and ``flashinfer`` backends on a CUDA device."""
+    if option is None:
+        return device.type == "cuda" and backend_name in GRAPH_BACKENDS
+    if not isinstance(option, bool):
+        raise TypeError(f"cuda_graphs must be True, False or None, got {option!r}")
+    if option and device.type != "cuda":
+        raise ValueError(f"cuda_graphs=True needs a CUDA device; the model is on {device}")
+    return option
+

@@ -1,9 +1,5 @@
 """Tensor parallelism for HF models: transformers' own plan for the weights, kvcore's for the KV cache.
 
-transformers shards the weights itself when a model is loaded with a ``DistributedConfig`` (its
-``base_model_tp_plan``); each rank's attention modules then compute only their shard of the heads,
-so each rank's KV cache holds only those (``kvcore.distributed.shard_spec``), and
-``KVCache.create(..., group=...)`` makes every rank plan one block count in one layout.
 transformers lays its mesh over the whole ``torch.distributed`` world, so the group must be the
 world, ranks in order; its loader needs ``accelerate``.
 """
@@ -12,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,9 +15,6 @@ import torch.distributed as dist
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from transformers.distributed import DistributedConfig
 from transformers.utils import is_accelerate_available
-
-from kvcore.distributed import shard_spec
-from kvcore.specs import KVCacheSpec
 
 
 def tp_group_size(group: Any) -> tuple[int, int]:
@@ -50,7 +42,7 @@ def tp_group_size(group: Any) -> tuple[int, int]:
 
 
 def check_splittable(config: Any, tp_size: int) -> None:
-    """Refuse a ``tp_size`` that does not divide both the query and the KV heads (whole heads per rank).
+    """Refuse a ``tp_size`` that does not divide both the query and the KV heads.
 
     NOTE: transformers never replicates KV heads across ranks, unlike ``shard_spec``.
     """
@@ -84,10 +76,9 @@ def _checksum(model: torch.nn.Module) -> float:
 
 
 def shard_model(model: PreTrainedModel, group: Any = None) -> PreTrainedModel:
-    """A copy of ``model`` with its weights sharded by transformers' tensor-parallel plan.
+    """A copy of ``model`` sharded by transformers' tensor-parallel plan (``model`` itself for one rank).
 
-    Every rank of ``group`` passes a model with the same weights (checked with a checksum
-    gathered from all ranks). With ``group=None`` or a group of one rank, ``model`` itself.
+    Every rank of ``group`` passes a model with the same weights (checked with gathered checksums).
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(f"shard_model needs a transformers PreTrainedModel, got {type(model).__name__}")
@@ -121,10 +112,7 @@ def shard_model(model: PreTrainedModel, group: Any = None) -> PreTrainedModel:
 
 
 def load_tp_model(
-    path: str | os.PathLike,
-    *,
-    group: Any = None,
-    dtype: torch.dtype | str | None = None,
+    path: str | os.PathLike, *, group: Any = None, dtype: torch.dtype | str | None = None,
     attn_implementation: str | None = None,
 ) -> PreTrainedModel:
     """Load a local checkpoint directory on every rank of ``group``, each rank reading its shard."""
@@ -155,8 +143,3 @@ def resolve_tp(model: Any, group: Any) -> tuple[int, int]:
     if tp_size > 1:
         check_splittable(model.config, tp_size)
     return tp_rank, tp_size
-
-
-def shard_specs(specs: Mapping[str, KVCacheSpec], tp_rank: int, tp_size: int) -> dict[str, KVCacheSpec]:
-    """Each layer's spec as rank ``tp_rank`` of ``tp_size`` stores it (``shard_spec``)."""
-    return {name: shard_spec(spec, tp_rank, tp_size) for name, spec in specs.items()}

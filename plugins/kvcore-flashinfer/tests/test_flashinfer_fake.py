@@ -124,7 +124,7 @@ def test_engine_tokens_equal_the_torch_backend_with_graph_step_plans():
     # the CUDA-graph path run eagerly (capture=False) and plan their fixed-size wrappers too.
     pytest.importorskip("transformers")
     from kvcore.hf import Engine
-    from kvcore.hf.graphs import DecodeGraphs
+    from kvcore.hf.step import DecodeGraphs
     from kvcore.hf.models import model_config, random_model
 
     model = random_model(model_config("gemma3"), seed=1)
