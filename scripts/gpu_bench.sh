@@ -22,11 +22,13 @@ wide() { $PY -c "import sys; print(sum(len(l.rstrip(chr(10))) > 80 for l in open
 
 $PY -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name())"
 
+if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: the benchmarks only
 step "1. benchmark tests with CUDA present"
 timeout 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_bench_zero.py tests/test_bench_plan.py \
   tests/test_bench_hf_cli.py tests/test_prefix_caching_bench.py tests/test_transfer_bench.py \
   tests/test_cli.py >"$OUT/tests.txt" 2>&1
 rc=$?; tail -4 "$OUT/tests.txt"; verdict $rc "$OUT/tests.txt"
+fi
 
 step "2. kvcore bench zero, defaults (bench_zero.json / bench_zero.txt)"
 timeout 240 $PY -m kvcore bench zero --json-out "$OUT/bench_zero.json" >"$OUT/bench_zero.txt" 2>&1

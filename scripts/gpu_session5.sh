@@ -35,8 +35,12 @@ suite)
     --skip eager,generate_batch,static,check,profile,prefix --json-out "$OUT/bench_hf.json"
   step hybrid_exact 50 $PY scripts/gpu_hybrid_check.py "$OUT/hybrid_exact.json" ;;
 paths)
-  TAIL=5 step memspecs 150 bash scripts/gpu_memspecs.sh
-  TAIL=40 step bench 400 bash scripts/gpu_bench.sh ;;
+  TAIL=4 step cuda_backing 60 bash -c 'sed -n "/^timeout 60/,/^PY$/p" scripts/gpu_memspecs.sh | sed "1d;\$d" | '"$PY"' -'
+  $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/flashinfer_python-*.whl \
+    .whl/apache_tvm_ffi-*.whl .whl/cuda_tile-*.whl .whl/ninja-*.whl >>"$OUT/pip.txt" 2>&1
+  step flashinfer_gpu 200 env PYTHONPATH=/tmp/site:$PYTHONPATH PATH=/tmp/site/bin:$PATH $T \
+    plugins/kvcore-flashinfer/tests/test_flashinfer_gpu.py
+  TAIL=60 step bench 300 env SKIP_TESTS=1 bash scripts/gpu_bench.sh ;;  # its tests ran in PART=suite
 tp)
   step tp 300 $T tests/test_distributed.py tests/test_hf_tp.py ;;
 esac
