@@ -46,6 +46,11 @@ def table(title: str, spec: Sequence[tuple], rows: Sequence[dict], width: int | 
     return render(columns, text, title=title, width=width)
 
 
+def _no_progress(total: int) -> Callable[[], None]:
+    """``start`` without a progress bar: its ``tick`` does nothing."""
+    return lambda: None
+
+
 @contextlib.contextmanager
 def progress_bar(description: str) -> Iterator[Callable[[int], Callable[[], object]]]:
     """``start(total) -> tick``: a progress bar on stderr, erased when done (none without rich)."""
@@ -53,8 +58,13 @@ def progress_bar(description: str) -> Iterator[Callable[[int], Callable[[], obje
         from rich.console import Console
         from rich.progress import MofNCompleteColumn, Progress
     except ImportError:  # NOTE: a bare GPU machine may run kvcore from PYTHONPATH, without rich
-        yield lambda total: lambda: None
+        yield _no_progress
         return
     columns = (*Progress.get_default_columns(), MofNCompleteColumn())
     with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
-        yield lambda total: functools.partial(bar.advance, bar.add_task(description, total=total))
+
+        def start(total: int) -> Callable[[], object]:
+            """A task of ``total`` steps on the bar, and the function that advances it by one."""
+            return functools.partial(bar.advance, bar.add_task(description, total=total))
+
+        yield start

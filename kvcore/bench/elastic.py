@@ -1,12 +1,13 @@
-"""``kvcore bench elastic``: what an elastic KV cache costs per layout, and grow / shrink time.
+"""``kvcore bench elastic``: what an elastic KV cache costs per layout, and grow / shrink time on a device.
 
 From the plan alone: for ``--model`` planned for ``--max-blocks`` blocks, per
-layout, the bytes of a block, its pieces, the granules (``--granularity``) it
-touches, how often a block-by-block grow maps new granules and how many, and
-the most memory committed beyond the blocks. With ``--measure``, on
-``--device``: commit / release time of one granule and of ``--gib`` GiB, the
-memory given back, and a grow from 2 blocks to all and back per layout
-(``KVCache.resize``).
+layout, the bytes of a block, its pieces, the granules (``--granularity``, 2 MiB
+as on an H100/H200) it touches, how often a block-by-block grow maps new
+granules and how many, and the most memory committed beyond the blocks. With
+``--measure``, on ``--device`` (default: CUDA when present, else the CPU):
+commit / release time of one granule and of ``--gib`` GiB, the memory given
+back (``torch.cuda.mem_get_info``; resident memory on a CPU), and a grow from 2
+blocks to all and back per layout (``KVCache.resize``).
 """
 
 import argparse

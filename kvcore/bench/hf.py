@@ -1,15 +1,16 @@
-"""``kvcore bench hf``: kvcore.hf.Engine against transformers' generate_batch and generate (GPU).
+"""``kvcore bench hf``: kvcore.hf.Engine against transformers' generate_batch and static generate (GPU).
 
 A random-weight Llama-style model (default: hidden 2048, 16 layers, 32 query /
-8 KV heads, bf16) serves the same requests (default 256 prompts of 256 tokens,
-128 new tokens, no EOS) through ``kvcore.hf.Engine`` (CUDA graphs for decode
-steps), ``model.generate_batch`` (transformers' paged continuous batching) and
-one batched ``model.generate``: output tokens/s, ratios, a roofline and where
-kvcore's step time goes. Then a shared-prefix workload with prefix caching off
-and on, and a float32 model whose greedy tokens must equal
-``model.generate``'s. ``--model hybrid`` times a Granite-4.0-H-like hybrid
-(Mamba2 mixers) against the static ``model.generate`` only: ``generate_batch``
-and prefix caching do not serve hybrids.
+8 KV heads, vocab 32,000, bf16) serves the same requests (default 256 prompts of
+256 tokens, 128 new tokens, no EOS) through ``kvcore.hf.Engine`` (by default the
+Triton backend, CUDA graphs for decode steps), ``model.generate_batch``
+(transformers' paged continuous batching) and one batched ``model.generate``
+(static batch): output tokens/s, ratios, a roofline and where kvcore's step
+time goes. Then a shared-prefix workload with prefix caching off and on, and a
+float32 model whose greedy tokens must equal ``model.generate``'s.
+``--model hybrid`` times a Granite-4.0-H-like hybrid (Mamba2 mixers) against
+the static ``model.generate`` only: ``generate_batch`` and prefix caching do
+not serve hybrids.
 """
 
 import argparse
@@ -165,40 +166,58 @@ _PHASES = {"schedule": "scheduler", "prepare": "inputs, metadata, block tables",
            "sample": "sampling (waits for the device)"}
 
 
+def _kvcore_vs(kvcore_tps: float, row: dict[str, Any]) -> str:
+    """kvcore's tokens/s against ``row``'s: a ratio, or the share of the roofline it reaches."""
+    if row["engine"] == "roofline":
+        return f"{kvcore_tps / row['tps']:.1%} of it"
+    return f"{kvcore_tps / row['tps']:.2f}"
+
+
+def _step_table(kv: dict[str, Any], width: int) -> str:
+    """Where kvcore's step time goes, per phase: async from its stats, synced from its profile."""
+    stats, profile = kv["stats"], kv.get("profile")
+    total = sum(profile[f"{phase}_s"] for phase in _PHASES) if profile else None
+    rows = []
+    for phase, label in _PHASES.items():
+        row = {"phase": label, "async_ms": 1e3 * stats[f"{phase}_s"] / max(stats["steps"], 1)}
+        if profile:
+            row["synced_ms"] = 1e3 * profile[f"{phase}_s"] / max(profile["steps"], 1)
+            row["synced_share"] = profile[f"{phase}_s"] / total
+        rows.append(row)
+    spec = [("phase", "phase", ""), ("ms/step (async)", "async_ms", ".3f")]
+    if profile:
+        spec += [("ms/step (synced)", "synced_ms", ".3f"),
+                 ("share (synced)", "synced_share", ".1%")]
+    return table(f"kvcore step time: {stats['steps']} steps ({stats['graph_steps']} replayed "
+                 "from CUDA graphs)", spec, rows, width)
+
+
 def report(out: dict[str, Any]) -> None:
     width = terminal_width()
-    w, versions, roof, k = out["workload"], out["versions"], out["roofline"], out["kvcore"]
+    work, versions, roof, kv = out["workload"], out["versions"], out["roofline"], out["kvcore"]
     print(textwrap.fill(
         f"kvcore bench hf on {out['device']} (torch {versions['torch']}, transformers "
-        f"{versions['transformers']}): {w['requests']} requests x ({w['prompt_len']} prompt + "
-        f"{w['new_tokens']} new) tokens, {w['dtype']}, {format_count(roof['params'])} parameters",
-        width))
+        f"{versions['transformers']}): {work['requests']} requests x ({work['prompt_len']} prompt "
+        f"+ {work['new_tokens']} new) tokens, {work['dtype']}, {format_count(roof['params'])} "
+        "parameters", width))
     rows = [{"engine": name, **out[key], "tps": _tps(out[key])}
             for key, name in _ENGINES.items() if key in out]
     rows.append({"engine": "roofline", "output_tokens": None, "tps": roof["tokens_per_s"],
                  "seconds": roof["prefill_s"] + roof["decode_s"]})
-    kv_tps = _tps(k)
+    kv_tps = _tps(kv)
+    for row in rows:
+        row["kvcore_vs"] = _kvcore_vs(kv_tps, row)
     print(table("output tokens/s (timed pass after a warm-up pass)", [
         ("engine", "engine", ""), ("output tokens", "output_tokens", ","),
         ("seconds", "seconds", ".2f"), ("tokens/s", "tps", ",.0f"),
-        ("kvcore is x faster", lambda r: f"{kv_tps / r['tps']:.1%} of it"
-         if r["engine"] == "roofline" else f"{kv_tps / r['tps']:.2f}", "s"),
+        ("kvcore is x faster", "kvcore_vs", "s"),
     ], rows, width))
     print(textwrap.fill(
-        f"kvcore: backend {k['backend']}, {k['layout']}, block {out['engine']['block_size']}; "
-        f"engine built in {k['build_s']:.1f} s; first generate {k['warmup_s']:.2f} s, second "
-        f"{k['seconds']:.2f} s (first runs at {k['first_vs_second']:.2f}x the second's speed)",
+        f"kvcore: backend {kv['backend']}, {kv['layout']}, block {out['engine']['block_size']}; "
+        f"engine built in {kv['build_s']:.1f} s; first generate {kv['warmup_s']:.2f} s, second "
+        f"{kv['seconds']:.2f} s (first runs at {kv['first_vs_second']:.2f}x the second's speed)",
         width))
-    s, prof = k["stats"], k.get("profile")
-    spec = [("phase", "label", ""), ("ms/step (async)",
-                                     lambda r: 1e3 * s[r["key"]] / max(s["steps"], 1), ".3f")]
-    if prof:
-        total = sum(prof[f"{phase}_s"] for phase in _PHASES)
-        spec += [("ms/step (synced)", lambda r: 1e3 * prof[r["key"]] / max(prof["steps"], 1),
-                  ".3f"), ("share (synced)", lambda r: prof[r["key"]] / total, ".1%")]
-    print(table(f"kvcore step time: {s['steps']} steps ({s['graph_steps']} replayed from CUDA "
-                "graphs)", spec, [{"key": f"{p}_s", "label": l} for p, l in _PHASES.items()],
-                width))
+    print(_step_table(kv, width))
     if "prefix" in out:
         pre = out["prefix"]
         print(table(f"shared prefix of {pre['prefix_len']} tokens ({pre['same_requests']}/"
@@ -209,17 +228,19 @@ def report(out: dict[str, Any]) -> None:
             ("blocks zeroed", "blocks_zeroed", ","),
         ], [{"key": key, "tps": _tps(pre[key]), **pre[key]["stats"]} for key in ("off", "on")],
             width))
-    c = out.get("check", {})
+    check = out.get("check", {})
     for key, label in (("plain", "prefix caching off"), ("prefix_caching", "prefix caching on")):
-        if key in c:
+        if key in check:
             print(textwrap.fill(
-                f"float32 check, {label}: {c[key]}/{c['requests']} requests' greedy tokens equal "
-                f"model.generate ({c[f'{key}_hit_tokens']} prompt tokens from the cache)", width))
+                f"float32 check, {label}: {check[key]}/{check['requests']} requests' greedy "
+                f"tokens equal model.generate ({check[f'{key}_hit_tokens']} prompt tokens from "
+                "the cache)", width))
 
 
 def run(args: argparse.Namespace) -> int:
     out = collect(args)
     emit(args, out, report)
     check = out.get("check", {})
-    ok = all(check[k] == check["requests"] for k in ("plain", "prefix_caching") if k in check)
+    parts = [key for key in ("plain", "prefix_caching") if key in check]
+    ok = all(check[key] == check["requests"] for key in parts)
     return 0 if ok else 1

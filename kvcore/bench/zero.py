@@ -4,8 +4,8 @@ For each layout and block count, zeroes random blocks of a model's KV cache
 with the zeroer (one launch), a per-layer torch loop (``view[ids] = 0``), a
 contiguous ``zero_()`` and ``cudaMemsetAsync`` of the same bytes (the write
 ceiling). Device times: CUDA events after an L2 flush, medians (zeroer and
-memset in alternation); host times: the zeroer's call with a list of ids until
-it returns; wall times: the call and a sync.
+memset in alternation, one block with more repeats); host times: the zeroer's
+call with a list of ids until it returns; wall times: the call and a sync.
 """
 
 import argparse
