@@ -11,7 +11,7 @@ import torch
 from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.planner import is_encoder_only
-from kvcore.plugins.answers import HookAnswers, label
+from kvcore.plugins.answers import HookAnswers, key_of, label
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec
@@ -169,7 +169,7 @@ def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswer
     spec = group.kv_cache_spec
     if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
         return
-    padder = answers.padded_by.get(spec)
+    padder = answers.padded_by.get(key_of(spec))
     who = (
         "the plan padded (to unify page sizes across layer types)"
         if padder is None
