@@ -115,8 +115,10 @@ def backend_groups(
     out = []
     for gid, group in enumerate(config.kv_cache_groups):
         by_key: dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]] = {}
-        has_views = group.spec_of(group.layer_names[0]).has_layer_views
-        for name in group.layer_names if has_views else []:
+        if not group.spec_of(group.layer_names[0]).has_layer_views:
+            out.append(by_key)
+            continue
+        for name in group.layer_names:
             spec = group.spec_of(name)
             if name not in layer_backends:
                 if spec.is_attention:
