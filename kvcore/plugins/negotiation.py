@@ -115,9 +115,9 @@ def backend_groups(
     out = []
     for gid, group in enumerate(config.kv_cache_groups):
         by_key: dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]] = {}
+        out.append(by_key)
         if not group.spec_of(group.layer_names[0]).has_layer_views:
-            out.append(by_key)
-            continue
+            continue  # NOTE: a raw buffer's owner serves it: no backend entries
         for name in group.layer_names:
             spec = group.spec_of(name)
             if name not in layer_backends:
@@ -130,7 +130,6 @@ def backend_groups(
             backend = layer_backends[name]
             spec = answers.customized_spec(backend, spec) if customize else spec
             by_key.setdefault((backend, spec), []).append(name)
-        out.append(by_key)
     return out
 
 
