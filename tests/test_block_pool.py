@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -309,3 +311,25 @@ def test_common_prefix_of_a_hybrid_model_agrees_across_groups():
         pool.find_common_prefix({0: (full, 0, None)})
     with pytest.raises(TypeError, match=r"groups\[1\] must be \(hashes, block_size, window\)"):
         pool.find_common_prefix({0: (full, 4, None), 1: (window, 2)})
+
+
+def test_a_tensor_group_id_looks_up_the_same_cache_as_the_int():
+    torch = pytest.importorskip("torch")
+    hashes = [os.urandom(16) for _ in range(3)]
+    pool = BlockPool(8, enable_caching=True)
+    pool.allocate(1)
+    ids = pool.allocate(3)
+    pool.take_new_blocks()
+    pool.cache_blocks(hashes, ids, group_id=1)
+    assert pool.find_cached_prefix(hashes, group_id=torch.tensor(1)) == 3
+    assert pool.get_cached_blocks(hashes, group_id=torch.tensor(1)) == ids
+    assert pool.get_cached_blocks(hashes, group_id=1) == ids
+    assert [pool.ref_count(b) for b in ids] == [3, 3, 3]
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_enable_caching_is_fixed_when_the_pool_is_built(caching):
+    pool = BlockPool(4, enable_caching=caching)
+    with pytest.raises(AttributeError):
+        pool.enable_caching = not caching
+    assert pool.enable_caching is caching

@@ -249,3 +249,32 @@ def test_block_table_width_refuses_bad_sizes():
         kvcore.get_block_table_width(4, 16, 5)
     with pytest.raises(ValueError, match="max_num_blocks must be a positive integer, got 0"):
         kvcore.get_block_table_width(0, 16)
+
+
+@attrs.frozen
+class TaggedSpec(kvcore.FullAttentionSpec):
+    """A spec subclass with a list field, so its instances cannot be hashed."""
+
+    tags: list = attrs.field(factory=list, kw_only=True)
+
+
+def test_unhashable_spec_negotiates_like_a_hashable_one(pm):
+    fixed, flexible = with_sizes(pm, [16, 32], [32, MultipleOf(16)])
+    pm.register(Customizer(fixed))
+    plain = kvcore.FullAttentionSpec(64, 2, 32, torch.float16)
+    tagged = TaggedSpec(64, 2, 32, torch.float16, tags=["draft"])
+    with pytest.raises(TypeError, match="unhashable"):
+        hash(tagged)
+    for manager in (64, 48):
+        assert kvcore.select_common_block_size(
+            manager, [fixed, flexible], [tagged, tagged], plugin_manager=pm
+        ) == kvcore.select_common_block_size(
+            manager, [fixed, flexible], [plain, plain], plugin_manager=pm
+        )
+    custom = kvcore.customize_attention_spec(fixed, tagged, plugin_manager=pm)
+    assert custom.tags == ["draft"]
+    assert custom.num_head_slots == 8 and custom.block_stride_alignment == MultipleOf(32)
+    auto = kvcore.get_plugin_manager()
+    assert kvcore.select_backend(tagged, "cpu", plugin_manager=auto) is kvcore.select_backend(
+        plain, "cpu", plugin_manager=auto
+    )

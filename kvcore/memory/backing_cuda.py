@@ -79,23 +79,27 @@ class CudaBacking(BackingMemory):
     """A reserved device address range, committed in the device's allocation granules."""
 
     def __init__(self, size: int, device: torch.device) -> None:
-        d = self._driver = driver_module()
+        d = driver_module()
+        self._driver = d
         index = device.index if device.index is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         with torch.cuda.device(self.device):
             torch.empty(1, device=self.device)  # NOTE: makes torch's primary context current here
             _call(d, "cuInit", 0)
             on_device = d.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
-            prop = self._prop = d.CUmemAllocationProp()
+            prop = d.CUmemAllocationProp()
+            self._prop = prop
             prop.type = d.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
             prop.location.type = on_device
             prop.location.id = index
-            access = self._access = d.CUmemAccessDesc()
+            access = d.CUmemAccessDesc()
+            self._access = access
             access.location.type = on_device
             access.location.id = index
             access.flags = d.CUmemAccess_flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
             flag = d.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_MINIMUM
-            self.granularity = g = int(_call(d, "cuMemGetAllocationGranularity", prop, flag))
+            g = int(_call(d, "cuMemGetAllocationGranularity", prop, flag))
+            self.granularity = g
             self.size = round_up(size, g)
             try:
                 base = _call(d, "cuMemAddressReserve", self.size, g, 0, 0)

@@ -44,15 +44,35 @@ class KVCacheLayout(enum.Enum):
             valid = ", ".join([m.name for m in cls] + list(_ALIASES))
             raise ValueError(f"unknown KV cache layout {text!r}; valid names: {valid}") from None
 
-    #: Logical dim indices (L=0 B=1 H=2 N=3 C=4), outermost first in memory.
-    stride_order = property(lambda self: tuple("LBHNC".index(ch) for ch in self.value))
-    #: Dims of a layer's ``[B, H, N, C]`` view (B=0 .. C=3), outermost first.
-    layer_view_order = property(lambda self: tuple(d - 1 for d in self.stride_order if d != L))
-    is_layer_compact = property(lambda self: self.value[0] == "L")
-    is_block_outermost = property(lambda self: self.value[0] == "B")
-    #: The first two dims are L and B: a (layer, block) page is one run.
-    is_block_compact = property(lambda self: set(self.value[:2]) == {"L", "B"})
-    is_block_contiguous = property(lambda self: self.value[2:] == "HNC")
+    @property
+    def stride_order(self) -> tuple[int, ...]:
+        """Logical dim indices (L=0 B=1 H=2 N=3 C=4), outermost first in memory."""
+        return tuple("LBHNC".index(ch) for ch in self.value)
+
+    @property
+    def layer_view_order(self) -> tuple[int, ...]:
+        """Dims of a layer's ``[B, H, N, C]`` view (B=0 .. C=3), outermost first in memory."""
+        return tuple(d - 1 for d in self.stride_order if d != L)
+
+    @property
+    def is_layer_compact(self) -> bool:
+        """L is outermost: each layer's cache is one contiguous region."""
+        return self.value[0] == "L"
+
+    @property
+    def is_block_outermost(self) -> bool:
+        """B is outermost: each block holds every layer's page."""
+        return self.value[0] == "B"
+
+    @property
+    def is_block_compact(self) -> bool:
+        """The first two dims are L and B: a (layer, block) page is one run."""
+        return set(self.value[:2]) == {"L", "B"}
+
+    @property
+    def is_block_contiguous(self) -> bool:
+        """H, N, C are innermost in that order: a (layer, block) page is ``[H, N, C]``."""
+        return self.value[2:] == "HNC"
 
 
 def split_ratio(block_size: int, kernel_block_size: int | None) -> int:
@@ -129,21 +149,24 @@ def compute_layout_strides(
     order = layout.stride_order
     # NOTE: the "page grid" is the physical dims down to the inner one of L and B.
     grid_end = max(order.index(L), order.index(B))
-    if padded is not None and math.prod(extents[d] for d in order[: grid_end + 1]) != (
-        num_layers * num_blocks
-    ):
+    grid_pages = math.prod(extents[d] for d in order[: grid_end + 1])
+    if padded is not None and grid_pages != num_layers * num_blocks:
         raise ValueError(
             f"layout {layout.name} puts heads between layers and blocks, so a padded "
             f"page cannot be expressed for {spec.num_heads} heads; use a "
             "block-compact layout such as LBNHC or BLNHC"
         )
-    strides, running = [0] * 5, 1
+    strides = [0] * 5
+    running = 1  # NOTE: bytes spanned by the dims inside the current one
     for pos in range(4, -1, -1):
         d = order[pos]
         stride = fixed[d]
-        if stride is None:
-            stride = max(running, padded) if padded is not None and pos == grid_end else running
-        strides[d], running = stride, stride * extents[d]
+        if stride is None and padded is not None and pos == grid_end:
+            stride = max(running, padded)
+        elif stride is None:
+            stride = running
+        strides[d] = stride
+        running = stride * extents[d]
     return tuple(strides)  # type: ignore[return-value]
 
 

@@ -110,7 +110,10 @@ class _Part:
     spec: KVCacheSpec
     stride: int  # bytes per layer per block (the page, rounded for layer-compact layouts)
 
-    footprint = property(lambda self: len(self.layers) * self.stride)
+    @property
+    def footprint(self) -> int:
+        """Bytes of all the part's layers in one block."""
+        return len(self.layers) * self.stride
 
 
 def _parts(groups: list[KVCacheGroupSpec], layer_compact: bool) -> list[_Part]:
@@ -271,11 +274,13 @@ def plan_kv_cache(
         )
     if num_blocks is None:
         available_memory = non_negative_int("available_memory", available_memory)
-    elif (num_blocks := positive_int("num_blocks", num_blocks)) < _MIN_BLOCKS:
-        raise ValueError(
-            f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
-            "plan at least 2 blocks"
-        )
+    else:
+        num_blocks = positive_int("num_blocks", num_blocks)
+        if num_blocks < _MIN_BLOCKS:
+            raise ValueError(
+                f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
+                "plan at least 2 blocks"
+            )
     groups = group_layers(specs)
     if all(is_encoder_only(g) for g in groups):
         # NOTE: no byte is allocated, so any budget (0 included) holds the minimum pool.

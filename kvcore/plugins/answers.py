@@ -28,6 +28,15 @@ def label(backend: type[AttentionBackend]) -> str:
     return getattr(backend, "name", None) or backend.__qualname__
 
 
+def key_of(spec: Any) -> Any:
+    """``spec`` as a dict key (an unhashable spec by identity)."""
+    try:
+        hash(spec)
+    except TypeError:
+        return ("unhashable", id(spec))
+    return spec
+
+
 def check_sizes(value: Any) -> list[int | MultipleOf]:
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"expected a list of int or MultipleOf, got {value!r}")
@@ -116,9 +125,10 @@ class HookAnswers:
 
     def __init__(self, plugin_manager: pluggy.PluginManager | None = None) -> None:
         self.pm = resolve_plugin_manager(plugin_manager)
-        self._kept: dict[tuple[str, type, Any], Any] = {}  # NOTE: specs are frozen, hashable
-        #: customized spec -> the backend whose customize hook padded its page
-        self.padded_by: dict[KVCacheSpec, str] = {}
+        self._kept: dict[tuple[str, type, Any], Any] = {}
+        #: key_of(customized spec) -> the backend whose customize hook padded its page
+        self.padded_by: dict[Any, str] = {}
+        self._alive: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
 
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
         return resolve_backend(backend, self.pm)
@@ -126,8 +136,9 @@ class HookAnswers:
     def _ask(
         self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any
     ) -> Any:
-        key = (hook, backend, spec)
+        key = (hook, backend, key_of(spec))
         if key not in self._kept:
+            self._alive.append(spec)
             found = call_first(self.pm, hook, check, backend=backend, spec=spec)
             self._kept[key] = default if found is None else found
         return self._kept[key]
@@ -152,7 +163,7 @@ class HookAnswers:
 
     def customized_spec(self, backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec:
         """The hook's answer, aligned to ``MultipleOf(max(sizes))`` when every size is an int."""
-        key = ("customized", backend, spec)
+        key = ("customized", backend, key_of(spec))
         if key in self._kept:
             return self._kept[key]
         check = functools.partial(_check_customized, spec, backend=label(backend))
@@ -162,9 +173,12 @@ class HookAnswers:
             sizes = self.kernel_block_sizes(backend, new)
             if not any(isinstance(s, MultipleOf) for s in sizes):
                 new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(sizes)))
-                self._kept.setdefault(("kvcore_supported_kernel_block_sizes", backend, new), sizes)
+                sizes_key = ("kvcore_supported_kernel_block_sizes", backend, key_of(new))
+                self._kept.setdefault(sizes_key, sizes)
+                self._alive.append(new)
         if padded:
-            self.padded_by[new] = label(backend)
+            self.padded_by[key_of(new)] = label(backend)
+            self._alive.append(new)
         self._kept[key] = new
         return new
 

@@ -7,7 +7,7 @@ import contextvars
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import attrs
 import pluggy
@@ -120,10 +120,16 @@ def conflict_message(pm: pluggy.PluginManager, name: str, owners: list[str]) -> 
     )
 
 
-#: ``(plugin, answer, exception)`` of each plain implementation run in kvcore's current call.
-_TURNS: contextvars.ContextVar[list[tuple[str, Any, BaseException | None]]] = (
-    contextvars.ContextVar("kvcore_turns")
-)
+class _Turn(NamedTuple):
+    """One plain hook implementation's turn in a call kvcore made: its answer or its exception."""
+
+    plugin_name: str
+    answer: Any = None
+    error: BaseException | None = None
+
+
+#: The turns taken in the hook call kvcore is making now.
+_TURNS: contextvars.ContextVar[list[_Turn]] = contextvars.ContextVar("kvcore_turns")
 
 
 def _noting(function: Callable[..., Any], plugin_name: str) -> Callable[..., Any]:
@@ -133,9 +139,9 @@ def _noting(function: Callable[..., Any], plugin_name: str) -> Callable[..., Any
         try:
             answer = function(*args, **kwargs)
         except BaseException as exc:
-            turns.append((plugin_name, None, exc))
+            turns.append(_Turn(plugin_name, error=exc))
             raise
-        turns.append((plugin_name, answer, None))
+        turns.append(_Turn(plugin_name, answer=answer))
         return answer
 
     noted.kvcore_noting = True  # type: ignore[attr-defined]
@@ -159,14 +165,14 @@ def _call(
         # (wrappers are left as they are: their generators pass answers on).
         if not (impl.wrapper or impl.hookwrapper or hasattr(impl.function, "kvcore_noting")):
             impl.function = _noting(impl.function, impl.plugin_name)  # type: ignore[misc]
-    turns: list[tuple[str, Any, BaseException | None]] = []
+    turns: list[_Turn] = []
     token = _TURNS.set(turns)
     try:
         return caller(**kwargs), turns
     except PluginError:
         raise
     except Exception as exc:
-        raised = [name for name, _, error in turns if error is exc]
+        raised = [turn.plugin_name for turn in turns if turn.error is exc]
         owner, note = (raised[0], "") if raised else _by_wrappers(caller, "raised in")
         problem = f"raised {type(exc).__name__}: {exc}{note}"
         raise plugin_error(pm, owner, caller.name, problem) from exc
@@ -187,9 +193,9 @@ def call_first(
         return check(result)
     except (TypeError, ValueError) as exc:
         # NOTE: pluggy stops at the first answer; a wrapper may have replaced it since.
-        first = next((turn for turn in turns if turn[1] is not None), None)
-        if first is not None and (first[1] is result or _refuses(check, first[1])):
-            owner, note = first[0], ""
+        first = next((turn for turn in turns if turn.answer is not None), None)
+        if first is not None and (first.answer is result or _refuses(check, first.answer)):
+            owner, note = first.plugin_name, ""
         else:
             owner, note = _by_wrappers(caller, "changed by")
         raise plugin_error(pm, owner, hook_name, f"returned a wrong value ({exc}){note}") from exc

@@ -11,7 +11,7 @@ import torch
 from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.planner import is_encoder_only
-from kvcore.plugins.answers import HookAnswers, label
+from kvcore.plugins.answers import HookAnswers, key_of, label
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec
@@ -115,8 +115,10 @@ def backend_groups(
     out = []
     for gid, group in enumerate(config.kv_cache_groups):
         by_key: dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]] = {}
-        has_views = group.spec_of(group.layer_names[0]).has_layer_views
-        for name in group.layer_names if has_views else []:
+        out.append(by_key)
+        if not group.spec_of(group.layer_names[0]).has_layer_views:
+            continue  # NOTE: a raw buffer's owner serves it: no backend entries
+        for name in group.layer_names:
             spec = group.spec_of(name)
             if name not in layer_backends:
                 if spec.is_attention:
@@ -128,7 +130,6 @@ def backend_groups(
             backend = layer_backends[name]
             spec = answers.customized_spec(backend, spec) if customize else spec
             by_key.setdefault((backend, spec), []).append(name)
-        out.append(by_key)
     return out
 
 
@@ -169,7 +170,7 @@ def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswer
     spec = group.kv_cache_spec
     if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
         return
-    padder = answers.padded_by.get(spec)
+    padder = answers.padded_by.get(key_of(spec))
     who = (
         "the plan padded (to unify page sizes across layer types)"
         if padder is None

@@ -68,10 +68,25 @@ class AttentionGroup:
         group.record = record
         return group
 
-    backend = property(lambda self: self.record.backend)
-    layer_names = property(lambda self: list(self.record.layer_names))
-    kv_cache_spec = property(lambda self: self.record.kv_cache_spec)
-    kernel_block_stride = property(lambda self: self.record.kernel_block_stride)
+    @property
+    def backend(self) -> type[AttentionBackend]:
+        """The backend serving this group's layers."""
+        return self.record.backend
+
+    @property
+    def layer_names(self) -> list[str]:
+        """The group's layers, in model order."""
+        return list(self.record.layer_names)
+
+    @property
+    def kv_cache_spec(self) -> KVCacheSpec:
+        """The spec the group's layers share (as the backend customized it)."""
+        return self.record.kv_cache_spec
+
+    @property
+    def kernel_block_stride(self) -> int:
+        """Kernel pages between two manager blocks of a packed cache (0: dense pages)."""
+        return self.record.kernel_block_stride
 
     def __repr__(self) -> str:
         return (
@@ -296,7 +311,9 @@ def map_kv_caches_to_kernel_blocks(
     """
     mapped = dict(kv_caches)
     for group in flatten_attention_groups(attn_groups):
-        for name in group.layer_names if group.kernel_block_size is not None else ():
+        if group.kernel_block_size is None:
+            continue
+        for name in group.layer_names:
             if name in kv_caches:
                 mapped[name] = group.map_kv_cache_to_kernel_blocks(kv_caches[name])
     return mapped

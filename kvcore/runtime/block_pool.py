@@ -59,7 +59,7 @@ class BlockPool:
         num_blocks = _checked_size(num_blocks)
         if not isinstance(enable_caching, bool):
             raise TypeError(f"enable_caching must be True or False, got {enable_caching!r}")
-        self.enable_caching = enable_caching
+        self._caching = enable_caching
         self._free = deque(range(1, num_blocks))
         # NOTE: _refs[b] counts b's holders (at most 1 without caching); _to_zero holds the
         # blocks allocated and still held that take_new_blocks has not reported yet.
@@ -73,6 +73,11 @@ class BlockPool:
     def num_blocks(self) -> int:
         """All blocks, the null block included."""
         return len(self._refs)
+
+    @property
+    def enable_caching(self) -> bool:
+        """Whether this pool keeps a prefix cache (fixed when it is built)."""
+        return self._caching
 
     @property
     def num_free_blocks(self) -> int:
@@ -158,8 +163,9 @@ class BlockPool:
     ) -> int:
         """How many leading blocks of ``hashes`` a hit would cover; changes nothing.
 
-        With ``window=w`` (:func:`kvcore.sliding_window_blocks`) only the last ``w`` blocks
-        of the prefix must be cached.
+        ``window=None``: every block of the prefix must be cached. With ``window=w``
+        (:func:`kvcore.sliding_window_blocks`) only the last ``w`` blocks of the prefix must be
+        cached. Without caching: 0.
         """
         return self._hit_range(_hashes(hashes), group_id, window)[1]
 
@@ -203,22 +209,26 @@ class BlockPool:
         Hits are shared: never reported by :meth:`take_new_blocks`, never zeroed.
         """
         hashes = _hashes(hashes)
+        group_id = non_negative_int("group_id", group_id)
         start, end = self._hit_range(hashes, group_id, window)
+        if end == 0:
+            return []
         ids = [self._maps[group_id][h] for h in hashes[start:end]]
         for block_id in ids:
             if self._refs[block_id] == 0:
                 del self._evictable[block_id]
             self._refs[block_id] += 1
-        return [NULL_BLOCK_ID] * start + ids if ids else []
+        return [NULL_BLOCK_ID] * start + ids
 
     def cache_blocks(
         self, hashes: Sequence[bytes], block_ids: Sequence[int], *, group_id: int = 0
     ) -> None:
         """Record held, full, written blocks under their hashes (``hashes[i]``: ``block_ids[i]``).
 
-        A hash the group already caches keeps its first block. All or nothing.
+        Call it once a block is full and the step writing it has begun. A hash the group
+        already caches keeps its first block. All or nothing.
         """
-        if not self.enable_caching:
+        if not self._caching:
             raise ValueError(
                 "this BlockPool was built without prefix caching; pass enable_caching=True"
             )
@@ -283,7 +293,10 @@ class BlockPool:
             self._drop(block_id)
         self._free = deque(b for b in self._free if b < num_blocks)
         self._free.extend(range(old, num_blocks))
-        self._refs = self._refs[:num_blocks] + [0] * (num_blocks - old)
+        if num_blocks > old:
+            self._refs.extend([0] * (num_blocks - old))
+        else:
+            del self._refs[num_blocks:]
 
     def _hit_range(self, hashes: list[bytes], group_id: int, window: int | None) -> tuple[int, int]:
         """``(start, end)``: the hit is ``hashes[:end]``; only ``hashes[start:end]`` are needed."""
@@ -328,5 +341,5 @@ class BlockPool:
         return block_id
 
     def __repr__(self) -> str:
-        cached = f", cached={len(self._keys)}" if self.enable_caching else ""
+        cached = f", cached={len(self._keys)}" if self._caching else ""
         return f"BlockPool(num_blocks={self.num_blocks}, free={self.num_free_blocks}{cached})"

@@ -70,9 +70,21 @@ class AttentionSpec(KVCacheSpec):
         self._check_page_padding(f"the {itemsize}-byte {self.dtype}")
 
     page_size_bytes = property(padded_page_size)
-    is_attention = property(lambda self: True)
-    view_dtype = property(lambda self: self.dtype)
-    num_heads = property(lambda self: self.num_head_slots or self.num_kv_heads)
+
+    @property
+    def is_attention(self) -> bool:
+        """Always True: an attention backend serves these layers."""
+        return True
+
+    @property
+    def view_dtype(self) -> torch.dtype:
+        """The cache dtype."""
+        return self.dtype
+
+    @property
+    def num_heads(self) -> int:
+        """``H``: ``num_head_slots`` when a backend padded the heads, else ``num_kv_heads``."""
+        return self.num_head_slots or self.num_kv_heads
 
     @property
     def state_content_size_bytes(self) -> int:
@@ -123,7 +135,10 @@ class MLAAttentionSpec(FullAttentionSpec):
 class EncoderOnlyAttentionSpec(AttentionSpec):
     """Bidirectional encoder attention: no KV cache pages are allocated."""
 
-    has_cache_pages = property(lambda self: False)
+    @property
+    def has_cache_pages(self) -> bool:
+        """Always False: encoder-only attention keeps no pages."""
+        return False
 
 
 @attrs.frozen

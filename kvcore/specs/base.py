@@ -60,25 +60,77 @@ def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class KVCacheSpec:
-    """Base of all specs: blocks of ``block_size`` tokens, each one raw page ``[B, 1, 1, page]``
-    per layer unless a subclass defines heads, states and content (SPEC §2)."""
+    """Base of all specs: a cache whose manager blocks hold ``block_size`` tokens (SPEC §2).
+
+    A layer's view is ``[B, H, N, C]``: ``H`` head slots (``num_heads``), ``N`` states per block
+    (``tokens_per_state`` tokens each; <= 0: one state per block) and ``C`` content bytes per
+    (head, state), re-typed to ``view_dtype``. The base view is one raw page per block,
+    ``[B, 1, 1, page]``; subclasses define ``page_size_bytes`` and the others for other views.
+    ``has_layer_views`` is False only for specs that lay out a raw buffer themselves,
+    ``has_cache_pages`` False only for layers that keep no pages (encoder-only attention).
+    ``block_stride_alignment`` (a ``MultipleOf`` in tokens) asks packed layouts to keep blocks
+    aligned to whole kernel blocks.
+    """
 
     block_size: int = attrs.field(validator=attrs_positive)
     block_stride_alignment: MultipleOf | None = attrs.field(
         default=None, kw_only=True, validator=_optional_multiple_of
     )
 
-    tokens_per_state = property(lambda self: -1)
-    num_heads = property(lambda self: 1)
-    view_dtype = property(lambda self: torch.int8)
-    page_size_padded = property(lambda self: None)
-    has_layer_views = property(lambda self: True)
-    has_cache_pages = property(lambda self: True)
-    is_attention = property(lambda self: False)
-    num_states = property(lambda self: self.get_num_kernel_states(self.block_size))
-    state_content_size_bytes = property(lambda self: self.page_size_bytes)
-    dtype_alignment = property(lambda self: self.view_dtype.itemsize)
-    real_page_size_bytes = property(lambda self: self._page_of_tokens(self.block_size))
+    @property
+    def tokens_per_state(self) -> int | Fraction:
+        """Tokens one state holds (<= 0: one state per block, whatever its size)."""
+        return -1
+
+    @property
+    def num_heads(self) -> int:
+        """``H``: head slots of a layer's view."""
+        return 1
+
+    @property
+    def view_dtype(self) -> torch.dtype:
+        """The dtype a layer's view is re-typed to."""
+        return torch.int8
+
+    @property
+    def page_size_padded(self) -> int | None:
+        """Bytes each page is padded to, or None for no padding."""
+        return None
+
+    @property
+    def has_layer_views(self) -> bool:
+        """False when the spec's owner lays out a raw buffer itself (no ``[B, H, N, C]`` view)."""
+        return True
+
+    @property
+    def has_cache_pages(self) -> bool:
+        """False for layers that keep no pages (encoder-only attention)."""
+        return True
+
+    @property
+    def is_attention(self) -> bool:
+        """Whether an attention backend serves these layers."""
+        return False
+
+    @property
+    def num_states(self) -> int:
+        """``N`` for a whole manager block."""
+        return self.get_num_kernel_states(self.block_size)
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        """``C`` in bytes: the content of one (head, state)."""
+        return self.page_size_bytes
+
+    @property
+    def dtype_alignment(self) -> int:
+        """Bytes every block and layer must start at a multiple of (the largest element)."""
+        return self.view_dtype.itemsize
+
+    @property
+    def real_page_size_bytes(self) -> int:
+        """``H * N * C``: the page without padding."""
+        return self._page_of_tokens(self.block_size)
 
     @property
     def page_size_bytes(self) -> int:
@@ -181,12 +233,34 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
             return None
         return cls(next(iter(kv_cache_specs.values())).block_size, kv_cache_specs)
 
-    _first = property(lambda self: next(iter(self.kv_cache_specs.values())))
-    tokens_per_state = property(lambda self: self._first.tokens_per_state)
-    has_cache_pages = property(lambda self: self._first.has_cache_pages)
-    is_attention = property(lambda self: self._first.is_attention)
-    page_size_bytes = property(lambda self: sum(self._each("page_size_bytes")))
-    dtype_alignment = property(lambda self: math.lcm(*self._each("dtype_alignment")))
+    @property
+    def _first(self) -> KVCacheSpec:
+        return next(iter(self.kv_cache_specs.values()))
+
+    @property
+    def tokens_per_state(self) -> int | Fraction:
+        """The layers' tokens per state (they share one spec type)."""
+        return self._first.tokens_per_state
+
+    @property
+    def has_cache_pages(self) -> bool:
+        """Whether the layers keep pages."""
+        return self._first.has_cache_pages
+
+    @property
+    def is_attention(self) -> bool:
+        """Whether an attention backend serves the layers."""
+        return self._first.is_attention
+
+    @property
+    def page_size_bytes(self) -> int:
+        """The sum of the layers' pages."""
+        return sum(self._each("page_size_bytes"))
+
+    @property
+    def dtype_alignment(self) -> int:
+        """The least common multiple of the layers' alignments."""
+        return math.lcm(*self._each("dtype_alignment"))
 
     def _each(self, attribute: str) -> list[Any]:
         return [getattr(s, attribute) for s in self.kv_cache_specs.values()]

@@ -61,8 +61,16 @@ class MambaSpec(KVCacheSpec):
         self._check_page_padding(f"{self.dtype_alignment} bytes (its largest state element)")
 
     page_size_bytes = property(padded_page_size)
-    state_content_size_bytes = property(lambda self: sum(self.state_bytes))
-    dtype_alignment = property(lambda self: max(d.itemsize for d in self.dtypes))
+
+    @property
+    def state_content_size_bytes(self) -> int:
+        """``C``: the bytes of all state tensors together."""
+        return sum(self.state_bytes)
+
+    @property
+    def dtype_alignment(self) -> int:
+        """The largest state element, in bytes."""
+        return max(d.itemsize for d in self.dtypes)
 
     @property
     def state_bytes(self) -> tuple[int, ...]:
