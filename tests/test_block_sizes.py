@@ -278,3 +278,14 @@ def test_unhashable_spec_negotiates_like_a_hashable_one(pm):
     assert kvcore.select_backend(tagged, "cpu", plugin_manager=auto) is kvcore.select_backend(
         plain, "cpu", plugin_manager=auto
     )
+
+
+def test_an_unhashable_spec_is_refused_where_layers_are_grouped():
+    specs = {f"layers.{i}.attn": TaggedSpec(16, 2, 32, torch.float32, tags=["d"]) for i in range(2)}
+    with pytest.raises(TypeError, match=r"layers.0.attn.*TaggedSpec.*cannot be hashed.*attrs.frozen"):
+        kvcore.plan_kv_cache(specs, "LBNHC", num_blocks=8)
+    with pytest.raises(TypeError, match=r"layer_specs\['layers.0.attn'\].*tuples, not lists"):
+        kvcore.KVCache.create(
+            specs, dict.fromkeys(specs, "torch"), device="cpu", num_blocks=8, max_num_seqs=2,
+            max_model_len=64,
+        )

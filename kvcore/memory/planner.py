@@ -18,6 +18,7 @@ from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, round_up
 from kvcore.memory.views import create_kv_cache_views
 from kvcore.specs import KVCacheSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+from kvcore.specs.base import check_hashable
 
 # NOTE: the order in which a refusal names the layouts that can plan a model.
 _PREFERRED = tuple(KVCacheLayout[n] for n in ("LBNHC", "BLNHC", "LBHNC", "BLHNC", "LHBNC", "BHLNC"))
@@ -252,6 +253,7 @@ def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCache
                 f"layer {name!r} needs a per-layer KVCacheSpec (e.g. FullAttentionSpec), "
                 f"got {spec!r}"
             )
+        check_hashable(f"the spec of layer {name!r}", spec)
     return dict(kv_cache_specs)
 
 

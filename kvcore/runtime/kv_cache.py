@@ -35,6 +35,7 @@ from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
+from kvcore.specs.base import check_hashable
 
 
 def _served_specs(
@@ -54,6 +55,7 @@ def _served_specs(
                 f"layer_specs[{name!r}] is {spec!r} ({type(spec).__name__}), not a KVCacheSpec; "
                 "describe the layer with a spec such as kvcore.FullAttentionSpec(...)"
             )
+        check_hashable(f"layer_specs[{name!r}]", spec)
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
         raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
