@@ -156,6 +156,11 @@ def test_prefix_caching_cuda_graphs_and_mixers_alone_are_refused(models):
         make_engine(random_model(model_config("nemotron_h", hybrid_override_pattern="MM-M")))
 
 
+def test_a_non_bool_cuda_graphs_is_a_type_error_even_for_a_hybrid(models):
+    with pytest.raises(TypeError, match=r"cuda_graphs must be True, False or None, got 'x'"):
+        make_engine(models["lfm2"], cuda_graphs="x")
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
 def test_state_groups_share_one_allocation_in_any_layout(models, references, layout):
     prompts, expected = references
