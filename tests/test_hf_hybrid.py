@@ -202,3 +202,13 @@ def test_the_gpu_warm_up_pass_leaves_every_state_slot_untouched(models, referenc
     assert all(torch.equal(v, before[n]) for n, v in engine.kv.kv_caches.items())
     assert engine.mixers.step is None
     assert engine.generate(prompts, MAX_NEW) == expected["bamba"]
+
+
+def test_a_mixer_bound_to_an_attention_group_is_an_internal_error_naming_it():
+    from _transfer_caches import cached_cache
+    from kvcore.hf.mixers import MixerRunner
+
+    kv = cached_cache("uniform", "LBNHC")
+    name = next(iter(kv.kv_caches))
+    with pytest.raises(RuntimeError, match=rf"mixer {name} is in a FullAttentionSpec group"):
+        MixerRunner(kv, {name: torch.nn.Identity()})

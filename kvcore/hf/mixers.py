@@ -106,7 +106,8 @@ class MixerRunner:
             g, group = kv.config.group_of(name)
             spec = group.kv_cache_spec
             if not isinstance(spec, MambaSpec):  # NOTE: kvcore's own invariant, not user input
-                raise RuntimeError(f"mixer {name} got a {type(spec).__name__} group")  # noqa: TRY004
+                kind = type(spec).__name__
+                raise RuntimeError(f"mixer {name} is in a {kind} group")  # noqa: TRY004
             states = spec.split_states(kv.layer_kv_caches[name])
             self.layers[name] = _MixerLayer(module, g, states)
         self.state_groups = sorted({layer.group_id for layer in self.layers.values()})
