@@ -171,3 +171,20 @@ def test_a_plan_from_any_accepted_descriptor_stays_inside_its_allocations(data, 
         for region in plan_transfer(desc, ids, group_id=group.group_id):
             assert region.offset >= 0 and region.length > 0
             assert region.end <= desc.allocations[region.allocation].size
+
+
+REASONS = [
+    ((*LAYER, "manager_block_stride"), 8, "shape and strides give"),
+    ((*LAYER, "block_bytes"), 8, "shape and strides give"),
+    ((*LAYER, "content", "content_bytes"), 10**6, r"a row of the view holds \d+ bytes"),
+    ((*LAYER, "content", "num_kv_heads"), 9, r"the view has \d+ head slots"),
+    ((*LAYER, "strides", 1), 0, "needs a positive stride"),
+]
+
+
+@pytest.mark.parametrize("path, value, reason", REASONS)
+def test_a_derived_field_that_disagrees_says_why_it_must_agree(path, value, reason):
+    with pytest.raises(ValueError, match=reason) as info:
+        KVCacheDescriptor.from_json(json.dumps(_set(_valid(), path, value)))
+    assert f"is {value!r}" in str(info.value)
+    assert "to_json() text unchanged" in str(info.value)

@@ -156,6 +156,11 @@ def test_prefix_caching_cuda_graphs_and_mixers_alone_are_refused(models):
         make_engine(random_model(model_config("nemotron_h", hybrid_override_pattern="MM-M")))
 
 
+def test_a_non_bool_cuda_graphs_is_a_type_error_even_for_a_hybrid(models):
+    with pytest.raises(TypeError, match=r"cuda_graphs must be True, False or None, got 'x'"):
+        make_engine(models["lfm2"], cuda_graphs="x")
+
+
 @pytest.mark.parametrize("layout", ["LBHNC", "BLNHC"])
 def test_state_groups_share_one_allocation_in_any_layout(models, references, layout):
     prompts, expected = references
@@ -197,3 +202,13 @@ def test_the_gpu_warm_up_pass_leaves_every_state_slot_untouched(models, referenc
     assert all(torch.equal(v, before[n]) for n, v in engine.kv.kv_caches.items())
     assert engine.mixers.step is None
     assert engine.generate(prompts, MAX_NEW) == expected["bamba"]
+
+
+def test_a_mixer_bound_to_an_attention_group_is_an_internal_error_naming_it():
+    from _transfer_caches import cached_cache
+    from kvcore.hf.mixers import MixerRunner
+
+    kv = cached_cache("uniform", "LBNHC")
+    name = next(iter(kv.kv_caches))
+    with pytest.raises(RuntimeError, match=rf"mixer {name} is in a FullAttentionSpec group"):
+        MixerRunner(kv, {name: torch.nn.Identity()})

@@ -73,3 +73,22 @@ def test_head_slice_runs_merge_where_a_heads_states_are_contiguous():
     finally:
         a.close()
         b.close()
+
+
+def test_a_kvcore_error_before_the_read_is_not_reported_as_a_nixl_failure(monkeypatch):
+    prefill, decode = cache("LBHNC", 4, 7), cache("LBHNC", 2, 7)
+    a, b = agent("p", prefill), agent("d", decode)
+    try:
+        peer = b.connect(a.metadata(), heads_may_differ=True)
+
+        def refuse(device):
+            raise ValueError(f"no memory kind for device {device!r}")
+
+        monkeypatch.setattr("kvcore.transfer.nixl.mem_type", refuse)
+        with pytest.raises(ValueError, match="no memory kind for device 'cpu'") as info:
+            b.read_head_slice(peer, [4], [2], head_start=2)
+        assert not isinstance(info.value, transfer.TransferError)
+        assert "reconnect" not in str(info.value)
+    finally:
+        a.close()
+        b.close()

@@ -98,3 +98,11 @@ def test_bad_ids_and_arguments_are_refused():
         plan_transfer(desc.to_json(), [1])
     assert plan_transfer(desc, []) == []
     assert plan_transfer(desc, torch.tensor([1, 1], dtype=torch.int32)) == plan_transfer(desc, [1])
+
+
+def test_one_layer_name_as_a_string_is_a_type_error_that_says_to_pass_a_list():
+    desc = describe(cached_cache("hybrid", "LBNHC"))
+    name = desc.group(0).layers[0].name
+    with pytest.raises(TypeError, match=rf"got the string '{name}'; pass \['{name}'\]"):
+        plan_transfer(desc, [1], layers=name)
+    assert plan_transfer(desc, [1], layers=[name])

@@ -109,7 +109,8 @@ def resolve_defaults(
 class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
-    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``) on its device.
+    :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``) on its
+        device; a hybrid (mixers with state groups) runs without prefix caching, CUDA graphs or TP.
     :param backend: attention backend name or class, or ``"auto"``: :func:`kvcore.select_backend`.
     :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
     :param num_blocks: blocks to plan; or ``available_memory`` bytes (default: 90% of the free
@@ -141,6 +142,8 @@ class Engine:
         check_model(model)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
+        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
+            raise TypeError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         config = model.config
         self.model = model

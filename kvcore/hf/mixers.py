@@ -1,6 +1,7 @@
 """Run a hybrid model's mixers per request on their states in kvcore's state caches.
 
-While the engine serves, each mixer module's ``forward`` is replaced on the instance by one that
+transformers' mixers cannot keep apart two requests of the engine's one packed row, so
+while the engine serves, each mixer module's ``forward`` is replaced on the instance by one that
 splits the packed row: all single-token requests in one ``[B, 1]`` call on states gathered from
 their slots, each prefill chunk in its own ``[1, n]`` call on its slot. The states reach the
 mixer through a transformers ``Cache`` that always has a previous state (a new sequence's slot
@@ -26,6 +27,7 @@ except ImportError:  # NOTE: transformers before its per-layer linear-attention 
     LinearAttentionLayer = None
 
 from kvcore.runtime.kv_cache import KVCache
+from kvcore.specs.state import MambaSpec
 from kvcore.hf.scheduler import Request
 
 
@@ -55,7 +57,9 @@ class _MixerLayer:
         self.layer = LinearAttentionLayer()
         self.layer.has_previous_state[0] = True
         self.layer.is_conv_states_initialized[0] = True
-        self.cache = transformers.Cache(layers=[LinearAttentionLayer() for _ in range(module.layer_idx)] + [self.layer])
+        # NOTE: the Cache is indexed by the module's layer_idx; the layers before it are unused.
+        unused = [LinearAttentionLayer() for _ in range(module.layer_idx)]
+        self.cache = transformers.Cache(layers=unused + [self.layer])
 
     def _call(self, original: Any, x: torch.Tensor, pick: Any) -> tuple[torch.Tensor, ...]:
         """``original(x)`` on the states ``pick`` takes from the layer's; the output and those states."""
@@ -100,7 +104,11 @@ class MixerRunner:
         self.layers: dict[str, _MixerLayer] = {}
         for name, module in modules.items():
             g, group = kv.config.group_of(name)
-            states = group.kv_cache_spec.split_states(kv.layer_kv_caches[name])
+            spec = group.kv_cache_spec
+            if not isinstance(spec, MambaSpec):  # NOTE: kvcore's own invariant, not user input
+                kind = type(spec).__name__
+                raise RuntimeError(f"mixer {name} is in a {kind} group")  # noqa: TRY004
+            states = spec.split_states(kv.layer_kv_caches[name])
             self.layers[name] = _MixerLayer(module, g, states)
         self.state_groups = sorted({layer.group_id for layer in self.layers.values()})
         self.step: MixerStep | None = None

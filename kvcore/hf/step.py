@@ -215,11 +215,10 @@ class DecodeGraphs:
 
 
 def graphs_wanted(option: Any, device: torch.device, backend_name: str) -> bool:
-    """``cuda_graphs=None`` means on for the ``triton`` and ``flashinfer`` backends on a CUDA device."""
+    """``cuda_graphs=None`` (Engine checked its type) means on for the ``triton`` and ``flashinfer``
+    backends on a CUDA device."""
     if option is None:
         return device.type == "cuda" and backend_name in GRAPH_BACKENDS
-    if not isinstance(option, bool):
-        raise TypeError(f"cuda_graphs must be True, False or None, got {option!r}")
     if option and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs a CUDA device; the model is on {device}")
     return option

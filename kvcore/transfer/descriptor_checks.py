@@ -35,10 +35,14 @@ def _typed(field: str, value: Any, kind: type, expected: str) -> Any:
     return value
 
 
-def _int(field: str, value: Any, low: int = 0, high: int = MAX_ADDRESS - 1) -> int:
+def _int(
+    field: str, value: Any, low: int = 0, high: int = MAX_ADDRESS - 1, why: str | None = None
+) -> int:
+    """``value`` checked to be an int in ``[low, high]``; ``why`` says where the bounds come from."""
     if not low <= _typed(field, value, int, "an integer") <= high:
         expected = f"{low}" if low == high else f"an integer in [{low}, {high}]"
-        raise _value_error(field, value, f"expected {expected}")
+        reason = f"expected {expected}" if why is None else f"expected {expected} ({why})"
+        raise _value_error(field, value, reason)
     return value
 
 
@@ -84,8 +88,10 @@ def _content(at: str, data: Any, row_bytes: int, head_slots: int) -> None:
     data = _obj(at, data, _CONTENT, _CONTENT - {"kind", "content_bytes"})
     if data["kind"] not in ("attention", "state", "raw"):
         raise _value_error(f"{at}.kind", data["kind"], "expected 'attention', 'state' or 'raw'")
-    size = _int(f"{at}.content_bytes", data["content_bytes"], 0, row_bytes)
-    _int(f"{at}.num_kv_heads", data.get("num_kv_heads", 0), 0, head_slots)
+    why = f"a row of the view holds {row_bytes} bytes"
+    size = _int(f"{at}.content_bytes", data["content_bytes"], 0, row_bytes, why)
+    why = f"the view has {head_slots} head slots"
+    _int(f"{at}.num_kv_heads", data.get("num_kv_heads", 0), 0, head_slots, why)
     for key in ("num_head_slots", "head_size", "head_size_v"):
         _int(f"{at}.{key}", data.get(key, 0), 0, 2**31)
     _ints(f"{at}.tokens_per_state", data.get("tokens_per_state", [1, 1]), 1, 2**31, 2)
@@ -113,11 +119,14 @@ def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
     strides = _ints(f"{at}.strides", data["strides"], 0, 2**62, 4)
     for i, (n, s) in enumerate(zip(shape, strides)):
         if n > 1 and s == 0:
-            raise _value_error(f"{at}.strides[{i}]", s, f"a dim of {n} elements needs a stride")
+            why = f"a dim of {n} elements needs a positive stride"
+            raise _value_error(f"{at}.strides[{i}]", s, why)
     rows = _int(f"{at}.rows_per_block", data["rows_per_block"], 1, shape[0])
-    stride, nbytes = strides[0] * item * rows, rows * shape[1] * shape[2] * shape[3] * item
-    _int(f"{at}.manager_block_stride", data["manager_block_stride"], stride, stride)
-    _int(f"{at}.block_bytes", data["block_bytes"], nbytes, nbytes)
+    why = "what the layer's shape and strides give"
+    stride = strides[0] * item * rows
+    _int(f"{at}.manager_block_stride", data["manager_block_stride"], stride, stride, why)
+    nbytes = rows * shape[1] * shape[2] * shape[3] * item
+    _int(f"{at}.block_bytes", data["block_bytes"], nbytes, nbytes, why)
     _content(f"{at}.content", data["content"], shape[3] * item, shape[1])
 
 

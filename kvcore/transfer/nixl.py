@@ -85,12 +85,16 @@ class NixlAgent:
         remedy = "check that NIXL's UCX plugin loads (UCX_LOG_LEVEL=info shows why not)"
         # NOTE: UCX's CUDA transports read the thread's CUDA context when the agent starts:
         # the cache's device (whose primary context exists: the cache is allocated) is current.
-        with _nixl(doing, remedy), torch.cuda.device(device) if cuda else contextlib.nullcontext():
-            if cuda:
-                torch.cuda.synchronize(device)
-            config = config_cls(backends=list(backends), enable_prog_thread=bool(progress_thread))
-            self._agent = agent_cls(name, config)
-            self._registered = self._agent.register_memory([self._raw])
+        with _nixl(doing, remedy):
+            on_device = torch.cuda.device(device) if cuda else contextlib.nullcontext()
+            with on_device:
+                if cuda:
+                    torch.cuda.synchronize(device)
+                config = config_cls(
+                    backends=list(backends), enable_prog_thread=bool(progress_thread)
+                )
+                self._agent = agent_cls(name, config)
+                self._registered = self._agent.register_memory([self._raw])
 
     def metadata(self) -> bytes:
         """What a peer passes to :meth:`connect`: NIXL's agent metadata and this descriptor."""
@@ -195,10 +199,11 @@ class NixlAgent:
         if not runs:
             return TransferHandle(self._agent, None, 0, 0, self._peers[peer].transport)
         remote_rows, local_rows = xfer_arrays(plan, remote, self.descriptor)
+        local_kind = mem_type(self.descriptor.allocations[0].device)[0]
+        remote_kind = mem_type(remote.allocations[0].device)[0]
         with _nixl(f"prepare the READ with peer {peer!r}"):
-            kinds = [mem_type(d.allocations[0].device)[0] for d in (self.descriptor, remote)]
-            local = self._agent.get_xfer_descs(local_rows, kinds[0])
-            far = self._agent.get_xfer_descs(remote_rows, kinds[1])
+            local = self._agent.get_xfer_descs(local_rows, local_kind)
+            far = self._agent.get_xfer_descs(remote_rows, remote_kind)
             handle = self._agent.initialize_xfer("READ", local, far, peer)
         return self._start("READ", peer, handle, runs, sum(p.nbytes for p in plan))
 

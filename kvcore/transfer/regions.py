@@ -183,6 +183,9 @@ def plan_transfer(
     """
     if not isinstance(descriptor, KVCacheDescriptor):
         raise TypeError(f"plan_transfer needs a KVCacheDescriptor, got {type(descriptor).__name__}")
+    if isinstance(layers, (str, bytes)):
+        raise TypeError(f"plan_transfer's layers must be a list of layer names, got the string "
+                        f"{layers!r}; pass [{layers!r}] to move that one layer")
     descriptor.group(group_id)
     ids = block_id_tensor(block_ids, descriptor.num_blocks, null_ok=False)
     patterns = block_patterns(descriptor, (group_id,), None if layers is None else tuple(layers))
