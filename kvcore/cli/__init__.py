@@ -1,4 +1,5 @@
-"""The kvcore command line: plan a model's KV cache, list presets and plugins, benchmark.
+"""The kvcore command line: plan a model's KV cache, list presets and plugins, and the commands
+other distributions add (entry point group ``kvcore.cli``, e.g. ``kvcore bench``).
 
 Options are defined here without torch, so help and usage errors come back at once; the module
 that runs a command (torch and all) is imported when it runs.
@@ -7,20 +8,18 @@ that runs a command (torch and all) is imported when it runs.
 from __future__ import annotations
 
 import argparse
-import ast
+import functools
 import importlib
-import importlib.util
 import json
 import os
 import re
 import sys
-import tokenize
+from importlib import metadata
 from pathlib import Path
 
 from kvcore import __version__
 from kvcore._units import SIZE_UNITS_HELP
-from kvcore.bench import BENCHMARKS
-from kvcore.bench.options import ARGUMENTS, LAYOUT_NAMES, layout_arg, positive_int_arg, size_arg
+from kvcore.cli.args import LAYOUT_NAMES, layout_arg, positive_int_arg, size_arg
 
 # NOTE: where kvcore.model_files keeps the presets (a test checks they agree); that
 # module imports torch, so it is imported only when a command runs.
@@ -30,7 +29,6 @@ _COMMANDS = {
     "plan": "plan a model's KV cache for a memory budget",
     "models": "list the model presets that kvcore plan knows",
     "plugins": "list and health-check installed kvcore plugins",
-    "bench": "run a micro-benchmark",
     "completion": "print a shell completion script (bash, zsh, tcsh)",
 }
 _DESCRIPTIONS = {
@@ -44,12 +42,14 @@ _DESCRIPTIONS = {
     "hooks and backends; ask every backend's hooks once about a representative full-attention "
     "spec and show the kernel block sizes and layouts it declares. Exits 1 when a plugin "
     "failed, conflicts with another or answers a hook badly.",
-    "bench": "kvcore bench: run one micro-benchmark (kvcore bench zero, kvcore bench plan, ...).",
     "completion": "The script is generated from kvcore's own parser by shtab, so it knows every "
-    "command,\nbenchmark and option. Install it once, e.g. for bash (or zsh, into "
+    "command\n(those of installed distributions too) and option. Install it once, e.g. for bash (or zsh, into "
     "~/.zfunc/_kvcore):\n\n"
     "    kvcore completion bash > ~/.local/share/bash-completion/completions/kvcore",
 }
+#: Commands that other distributions add -> what to install when one is missing.
+_ELSEWHERE = {"bench": "kvcore bench needs the kvcore-bench distribution: pip install -e "
+              "benchmarks (in a checkout)"}
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
 _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
 
@@ -71,18 +71,6 @@ def _print_json_error(command: str, kind: str, message: str) -> None:
 def _lazy(module_name: str, function: str = "run"):
     """``module_name.function``, importing the module (torch and all) only when called."""
     return lambda args: getattr(importlib.import_module(module_name), function)(args)
-
-
-def _docstring(module_name: str) -> str | None:
-    """A benchmark module's docstring as help text, read without importing it; None if absent."""
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    # NOTE: only the first string token, not the whole module (help comes back at once).
-    with open(spec.origin, encoding="utf-8") as source:
-        tokens = tokenize.generate_tokens(source.readline)
-        first = next(t.string for t in tokens if t.type == tokenize.STRING)
-    return ast.literal_eval(first).strip().replace("``", "")
 
 
 def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
@@ -117,22 +105,40 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     plugins = command("plugins", _lazy("kvcore.cli.plugins"))
     plugins.add_argument("--json", action="store_true",
                          help="print a JSON list, one object per plugin")
-    benchmarks = command("bench", None).add_subparsers(dest="benchmark", metavar="BENCHMARK",
-                                                       required=True)
-    for name, module_name in BENCHMARKS.items():
-        doc = _docstring(module_name)
-        if doc is None:  # not installed
-            continue
-        summary = doc.strip().splitlines()[0].split(": ", 1)[-1].rstrip(".")
-        one = benchmarks.add_parser(name, help=summary, description=doc,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-        ARGUMENTS[name](one)
-        one.set_defaults(func=_lazy(module_name))
+    _add_installed_commands(sub)
     completion = command("completion", _completion,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"),
                             help="the shell to complete in")
     return parser
+
+
+def _add_installed_commands(sub: argparse._SubParsersAction) -> None:
+    """Let each entry point of group ``kvcore.cli`` add its command to ``sub``; a command that
+    is not installed, or whose distribution fails to load, still answers with the remedy."""
+    unavailable = dict(_ELSEWHERE)
+    for entry_point in metadata.entry_points(group="kvcore.cli"):
+        unavailable.pop(entry_point.name, None)
+        try:
+            entry_point.load()(sub)
+        except Exception as exc:  # NOTE: a broken distribution must not take kvcore down
+            where = entry_point.dist.name if entry_point.dist else entry_point.value
+            unavailable[entry_point.name] = (
+                f"kvcore {entry_point.name} could not be loaded from {where} "
+                f"({type(exc).__name__}: {exc}); reinstall or uninstall {where}")
+    for name, reason in unavailable.items():
+        if name in sub.choices:
+            continue
+        # NOTE: no prefix characters: every word after the command, --help too, is an argument
+        # of a command that only says why it cannot run (exit 2).
+        stub = sub.add_parser(name, help="unavailable: run it to see why", description=reason,
+                              prefix_chars="\0", add_help=False)
+        stub.add_argument("words", nargs="*", help="ignored")
+        stub.set_defaults(func=functools.partial(_unavailable, reason))
+
+
+def _unavailable(reason: str, args: argparse.Namespace) -> int:
+    raise ValueError(reason)
 
 
 def _completion(args: argparse.Namespace) -> int:
@@ -172,8 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         return code
     except (ValueError, TypeError) as exc:
-        command = " ".join(filter(None, ("kvcore", args.command, getattr(args, "benchmark", None))))
-        if getattr(args, "json", False):
+        command = getattr(args, "command_name", f"kvcore {args.command}")
+        if json_errors:
             _print_json_error(command, type(exc).__name__, str(exc))
         else:
             print(f"{command}: error: {exc}", file=sys.stderr)
