@@ -49,7 +49,7 @@ def test_help_and_version_do_not_import_torch(argv):
 
 
 def test_layout_names_for_help_are_the_enum_members():
-    from kvcore.cli.args import LAYOUT_NAMES
+    from kvcore.cli import LAYOUT_NAMES
     from kvcore.memory.layout import KVCacheLayout
 
     assert LAYOUT_NAMES == tuple(m.name for m in KVCacheLayout)

@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvcore.cli.args import LAYOUT_NAMES, layout_arg, positive_int_arg, size_arg
+from kvcore.cli import LAYOUT_NAMES, layout_arg, positive_int_arg, size_arg
 
 if TYPE_CHECKING:
     import torch

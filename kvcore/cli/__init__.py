@@ -1,8 +1,8 @@
-"""The kvcore command line: plan a model's KV cache, list presets and plugins, and the commands
-other distributions add (entry point group ``kvcore.cli``, e.g. ``kvcore bench``).
+"""The kvcore command line: plan a model's KV cache, list presets and plugins, benchmark.
 
 Options are defined here without torch, so help and usage errors come back at once; the module
-that runs a command (torch and all) is imported when it runs.
+that runs a command (torch and all) is imported when it runs. Other distributions add commands
+through entry point group ``kvcore.cli`` (``kvcore bench``: kvcore-bench, in benchmarks/).
 """
 
 from __future__ import annotations
@@ -17,41 +17,74 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from kvcore import __version__
-from kvcore._units import SIZE_UNITS_HELP
-from kvcore.cli.args import LAYOUT_NAMES, layout_arg, positive_int_arg, size_arg
+from kvcore._units import SIZE_UNITS_HELP, parse_size
+
+if TYPE_CHECKING:
+    from kvcore.memory.layout import KVCacheLayout
 
 # NOTE: where kvcore.model_files keeps the presets (a test checks they agree); that
 # module imports torch, so it is imported only when a command runs.
 _PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
-#: Command name -> its one-line help.
+#: Command name -> its one-line help and its description.
 _COMMANDS = {
-    "plan": "plan a model's KV cache for a memory budget",
-    "models": "list the model presets that kvcore plan knows",
-    "plugins": "list and health-check installed kvcore plugins",
-    "completion": "print a shell completion script (bash, zsh, tcsh)",
-}
-_DESCRIPTIONS = {
-    "plan": "Plan the KV cache of a model described in TOML (a file, or a preset: see 'kvcore "
-    "models') and show its groups, tensors, bytes per block, block count and capacity. "
-    f"Sizes: {SIZE_UNITS_HELP}.",
-    "models": f"List the model presets (TOML files in {_PRESET_DIR}) that 'kvcore plan NAME' "
-    "takes by name: their layers and layer kinds. Any other model is a TOML file in the same "
-    "format (see docs/model-files.md).",
-    "plugins": "List every kvcore plugin (entry points in group kvcore.plugins) with its status, "
-    "hooks and backends; ask every backend's hooks once about a representative full-attention "
-    "spec and show the kernel block sizes and layouts it declares. Exits 1 when a plugin "
-    "failed, conflicts with another or answers a hook badly.",
-    "completion": "The script is generated from kvcore's own parser by shtab, so it knows every "
-    "command\n(those of installed distributions too) and option. Install it once, e.g. for bash (or zsh, into "
-    "~/.zfunc/_kvcore):\n\n"
-    "    kvcore completion bash > ~/.local/share/bash-completion/completions/kvcore",
+    "plan": ("plan a model's KV cache for a memory budget",
+             "Plan the KV cache of a model described in TOML (a file, or a preset: see 'kvcore "
+             "models') and show its groups, tensors, bytes per block, block count and "
+             f"capacity. Sizes: {SIZE_UNITS_HELP}."),
+    "models": ("list the model presets that kvcore plan knows",
+               f"List the model presets (TOML files in {_PRESET_DIR}) that 'kvcore plan NAME' "
+               "takes by name: their layers and layer kinds. Any other model is a TOML file in "
+               "the same format (see docs/model-files.md)."),
+    "plugins": ("list and health-check installed kvcore plugins",
+                "List every kvcore plugin (entry points in group kvcore.plugins) with its "
+                "status, hooks and backends; ask every backend's hooks once about a "
+                "representative full-attention spec and show the kernel block sizes and layouts "
+                "it declares. Exits 1 when a plugin failed, conflicts with another or answers a "
+                "hook badly."),
+    "completion": ("print a shell completion script (bash, zsh, tcsh)",
+                   "The script is generated from kvcore's own parser by shtab, so it knows every "
+                   "command,\nbenchmark and option. Install it once, e.g. for bash (or zsh, "
+                   "into ~/.zfunc/_kvcore):\n\n"
+                   "    kvcore completion bash > "
+                   "~/.local/share/bash-completion/completions/kvcore"),
 }
 #: Commands that other distributions add -> what to install when one is missing.
 _ELSEWHERE = {"bench": "kvcore bench needs the kvcore-bench distribution: pip install -e "
               "benchmarks (in a checkout)"}
+# NOTE: KVCacheLayout's member names, so that help text needs no torch; a test checks they match.
+LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
 _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
+
+
+def size_arg(text: str) -> int:
+    """argparse type (also the benchmarks'): a byte size such as ``40GiB``; see kvcore._units."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def layout_arg(text: str) -> KVCacheLayout:
+    from kvcore.memory.layout import KVCacheLayout
+
+    try:
+        return KVCacheLayout.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _JsonErrorParser(argparse.ArgumentParser):
@@ -82,8 +115,8 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, func, **kwargs) -> argparse.ArgumentParser:
-        parser = sub.add_parser(name, help=_COMMANDS[name], description=_DESCRIPTIONS[name],
-                                **kwargs)
+        help, description = _COMMANDS[name]
+        parser = sub.add_parser(name, help=help, description=description, **kwargs)
         parser.set_defaults(func=func)
         return parser
 
@@ -142,10 +175,8 @@ def _unavailable(reason: str, args: argparse.Namespace) -> int:
 
 
 def _completion(args: argparse.Namespace) -> int:
-    try:
-        import shtab
-    except ImportError:
-        raise ValueError("shell completion needs the shtab package: pip install shtab") from None
+    import shtab  # a dependency of kvcore, imported only here (it is not needed for help)
+
     print(shtab.complete(build_parser(), shell=args.shell))
     return 0
 
