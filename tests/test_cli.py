@@ -194,10 +194,20 @@ def test_bench_without_its_distribution_says_what_to_install(argv, monkeypatch, 
     assert main(["plan", "llama-3-8b", "--num-blocks", "8", "--json"]) == 0
 
 
-def test_a_command_whose_distribution_is_broken_is_named_and_the_rest_works(monkeypatch, capsys):
-    def load():
+def _fails_to_import():
+    raise ImportError("cannot import name 'ARGUMENTS' from 'kvcore_bench.options'")
+
+
+def _fails_half_way():
+    def add_command(commands):
+        commands.add_parser("bench").add_argument("--size")  # added, then it fails
         raise ImportError("cannot import name 'ARGUMENTS' from 'kvcore_bench.options'")
 
+    return add_command
+
+
+@pytest.mark.parametrize("load", [_fails_to_import, _fails_half_way])
+def test_a_command_whose_distribution_is_broken_is_named_and_the_rest_works(load, monkeypatch, capsys):
     broken = SimpleNamespace(name="bench", value="kvcore_bench.cli:add_command", load=load,
                              dist=SimpleNamespace(name="kvcore-bench"))
     _no_commands_installed(monkeypatch, broken)

@@ -155,6 +155,7 @@ def _add_installed_commands(sub: argparse._SubParsersAction) -> None:
         try:
             entry_point.load()(sub)
         except Exception as exc:  # NOTE: a broken distribution must not take kvcore down
+            sub.choices.pop(entry_point.name, None)  # half added: the stub below replaces it
             where = entry_point.dist.name if entry_point.dist else entry_point.value
             unavailable[entry_point.name] = (
                 f"kvcore {entry_point.name} could not be loaded from {where} "
