@@ -2,7 +2,8 @@
 
 Benchmark ``name`` is module ``kvcore_bench.<name>``: its options are in
 :mod:`kvcore_bench.options` (no torch) and its ``run(args) -> int`` returns the
-exit code. Modules that are not installed are left out of the command line.
+exit code. :mod:`kvcore_bench.cli` adds them to the ``kvcore`` command (entry point
+group ``kvcore.cli``); modules that are not installed are left out.
 """
 
 import argparse
