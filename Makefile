@@ -5,6 +5,8 @@ PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvcore-installed
 PLUGINS := plugins/kvcore-torch plugins/kvcore-triton plugins/kvcore-flashinfer
+# `kvcore bench`: the benchmarks are their own distribution (benchmarks/), installed with the plugins.
+BENCH := benchmarks
 # The Triton kernels run on CPU tensors through the interpreter when no GPU is present.
 CPU_ENV := $(shell $(PYTHON) -c "import shutil,sys; sys.stdout.write('' if shutil.which('nvidia-smi') else 'TRITON_INTERPRET=1')")
 
@@ -13,13 +15,13 @@ CPU_ENV := $(shell $(PYTHON) -c "import shutil,sys; sys.stdout.write('' if shuti
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(STAMP): $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml)
+$(STAMP): $(PY) pyproject.toml $(wildcard plugins/*/pyproject.toml) $(BENCH)/pyproject.toml
 	$(PIP) install -q --upgrade pip setuptools wheel
 	# torch==2.13.0 is the local CPU wheel; an existing torch>=2.4 is reused.
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
 	# transformers==5.23.0 is known to work here; an existing transformers>=5 is reused.
 	$(PY) -c "import transformers" 2>/dev/null || $(PIP) install -q transformers==5.23.0
-	$(PIP) install -q -e ".[test,hf,nixl]" $(addprefix -e ,$(wildcard $(PLUGINS)))
+	$(PIP) install -q -e ".[test,hf,nixl]" $(addprefix -e ,$(wildcard $(PLUGINS))) -e $(BENCH)
 	touch $(STAMP)
 
 venv: $(STAMP)

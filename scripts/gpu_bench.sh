@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Issue #23 (second shrink), helper 'bench': the CUDA paths of kvcore/bench/ after its rewrite
-# (shared Timer.samples_us, table helper, progress bar; transfer_descs folded into transfer).
+# Issue #23 (third shrink), helper 'bench': the benchmarks now live in their own distribution
+# (benchmarks/, kvcore-bench), which adds `kvcore bench` through the entry-point group kvcore.cli;
+# scripts/_bench_env.sh installs it (pip install --no-deps -e benchmarks). Checks its CUDA paths.
 # About 5 minutes on one H200. Each step prints PASS or FAIL; the last line sums up.
+#   0. kvcore bench is found through the entry point (help lists the six benchmarks, no torch).
 #   1. The benchmark tests with CUDA present (the NIXL VRAM test runs where NIXL imports).
 #   2. kvcore bench zero, defaults: memset found, every row timed, tables within 80 columns.
 #   3. kvcore bench transfer, small: host rows (offload / restore vs pinned memcpy) and NIXL rows
@@ -15,6 +17,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET= COLUMNS=80
 OUT=${OUT:-/tmp/kvcore-gpu-bench}; mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONPATH=$PWD:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton${PYTHONPATH:+:$PYTHONPATH}
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 status=0
 step() { echo; echo "== $1"; }
 verdict() { if [ "$1" = 0 ]; then echo "-> PASS"; else echo "-> FAIL (rc $1, log $2)"; status=1; fi; }
@@ -22,11 +25,15 @@ wide() { $PY -c "import sys; print(sum(len(l.rstrip(chr(10))) > 80 for l in open
 
 $PY -c "import torch; print('torch', torch.__version__, '|', torch.cuda.get_device_name())"
 
+step "0. kvcore bench through the kvcore.cli entry point"
+$PY -m kvcore bench --help >"$OUT/bench_help.txt" 2>&1
+rc=$?; grep -A8 "BENCHMARK" "$OUT/bench_help.txt" | head -9
+for b in zero plan transfer hf pool elastic; do grep -q "^    $b " "$OUT/bench_help.txt" || rc=1; done
+verdict $rc "$OUT/bench_help.txt"
+
 if [ -z "${SKIP_TESTS:-}" ]; then  # SKIP_TESTS=1: the benchmarks only
 step "1. benchmark tests with CUDA present"
-timeout 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_bench_zero.py tests/test_bench_plan.py \
-  tests/test_bench_hf_cli.py tests/test_prefix_caching_bench.py tests/test_transfer_bench.py \
-  tests/test_cli.py >"$OUT/tests.txt" 2>&1
+timeout 300 $PY -m pytest -q -rs -p no:cacheprovider benchmarks/tests tests/test_cli.py >"$OUT/tests.txt" 2>&1
 rc=$?; tail -4 "$OUT/tests.txt"; verdict $rc "$OUT/tests.txt"
 fi
 

@@ -14,6 +14,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET= COLUMNS=80
 OUT=${OUT:-/tmp/kvcore-gpu-cli}; mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONPATH=$PWD:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton${PYTHONPATH:+:$PYTHONPATH}
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 status=0
 step() { echo; echo "== $1"; }
 verdict() { if [ "$1" = 0 ]; then echo "-> PASS"; else echo "-> FAIL (rc $1, log $2)"; status=1; fi; }
@@ -24,8 +25,8 @@ $PY -c "import torch, transformers; print('torch', torch.__version__, '| transfo
 
 step "1. command-line and benchmark tests with CUDA present"
 timeout 300 $PY -m pytest -q -rs -p no:cacheprovider tests/test_cli.py tests/test_cli_plan.py \
-  tests/test_cli_plugins.py tests/test_bench_zero.py tests/test_bench_plan.py tests/test_bench_hf_cli.py \
-  tests/test_prefix_caching_bench.py >"$OUT/cli_tests.txt" 2>&1
+  tests/test_cli_plugins.py benchmarks/tests/test_bench_zero.py benchmarks/tests/test_bench_plan.py benchmarks/tests/test_bench_hf_cli.py \
+  benchmarks/tests/test_prefix_caching_bench.py >"$OUT/cli_tests.txt" 2>&1
 rc=$?; tail -4 "$OUT/cli_tests.txt"; verdict $rc "$OUT/cli_tests.txt"
 
 step "2. bench hf --device cuda:<one past the last GPU> is a usage error"

@@ -13,6 +13,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET= PYTHONPATH=.:tests:plugins/kvcore-torch:plugins/kvcore-triton${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-/tmp/kvcore-gpu}; mkdir -p "$OUT"
 PY=${PY:-python3}
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 $PY -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 $PY -c "import cuda.bindings.driver as d; print('cuda-bindings OK')" 2>&1 | tail -1 \
   || echo "cuda-bindings missing: pip install 'kvcore[elastic]' (the GPU path cannot run)"

@@ -10,6 +10,7 @@ OUT=${OUT:-/tmp/kvcore-gpu}; mkdir -p "$OUT"
 PY=${PY:-python3}
 START=$(date +%s); BUDGET=${BUDGET:-520}
 export PYTHONPATH=/tmp/site:$PWD:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton:$PWD/plugins/kvcore-flashinfer${PYTHONPATH:+:$PYTHONPATH}
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 left() { echo $((BUDGET - ($(date +%s) - START))); }
 step() {  # step NAME TIMEOUT CMD...: run when time is left, log to $OUT/NAME.txt, show its tail
   local name=$1 limit=$2; shift 2

@@ -15,6 +15,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET= HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/kvcore-gpu-hf}; mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONPATH=$PWD:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton:$PWD/plugins/kvcore-flashinfer${PYTHONPATH:+:$PYTHONPATH}
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 status=0
 step() { echo; echo "== $1"; }
 verdict() { if [ "$1" = 0 ]; then echo "-> PASS"; else echo "-> FAIL (rc $1, log $2)"; status=1; fi; }

@@ -11,6 +11,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET= HF_HUB_OFFLINE=1
 OUT=${OUT:-/tmp/kvcore-gpu-hybrid}; mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONPATH=$PWD:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton${PYTHONPATH:+:$PYTHONPATH}
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 START=$(date +%s)
 : >"$OUT/summary.txt"
 step() {  # step NAME TIMEOUT CMD...: log to $OUT/NAME.txt, show its tail, record rc and seconds

@@ -12,6 +12,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=
 OUT=${OUT:-/tmp/kvcore-gpu}; mkdir -p "$OUT"
 PY=${PY:-python3}
 export PYTHONPATH=${PYTHONPATH:-.:plugins/kvcore-torch:plugins/kvcore-triton}
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 if ! $PY -c "import nixl._api" 2>/dev/null; then
   $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/nixl-site .whl/nixl-*.whl .whl/nixl_cu*.whl \
     || { echo "no NIXL wheels in .whl/"; exit 1; }
@@ -35,7 +36,7 @@ echo "== kvcore bench transfer: NIXL loopback in VRAM"
 timeout 70 $PY -m kvcore bench transfer --no-host --nixl-memory VRAM --nixl-blocks ${VRAM_BLOCKS:-16,128,512} \
   --json-out "$OUT/bench_nixl_vram.json" 2>&1 | tee "$OUT/bench_vram.txt" | grep -v "NIXL INFO" | tail -16
 echo "== NIXL tests on CUDA tensors"
-timeout 100 $PY -m pytest -q -rs -p no:cacheprovider tests/test_nixl_gpu.py tests/test_transfer_bench.py tests/test_nixl.py \
+timeout 100 $PY -m pytest -q -rs -p no:cacheprovider tests/test_nixl_gpu.py benchmarks/tests/test_transfer_bench.py tests/test_nixl.py \
   2>&1 | tee "$OUT/nixl_tests.txt" | grep -v "NIXL INFO" | tail -15
 echo "== kvcore bench transfer: NIXL loopback in DRAM"
 timeout 40 $PY -m kvcore bench transfer --no-host --nixl-memory DRAM --nixl-blocks ${DRAM_BLOCKS:-16,128} \

@@ -28,9 +28,9 @@ import numpy as np
 import torch
 
 import kvcore.transfer.nixl as knixl
-from kvcore.bench.transfer import build_cache
-from kvcore.bench.transfer_nixl import ProcessPeer, _same_blocks
-from kvcore.bench.transfer_nixl import _fill as fill
+from kvcore_bench.transfer import build_cache
+from kvcore_bench.transfer_nixl import ProcessPeer, _same_blocks
+from kvcore_bench.transfer_nixl import _fill as fill
 from kvcore.transfer import NixlAgent
 from kvcore.transfer.pairs import pair_runs
 from kvcore.transfer.regions import whole_block_patterns

@@ -15,8 +15,8 @@ import time
 
 import torch
 
-from kvcore.bench import transfer
-from kvcore.bench.transfer_nixl import nixl_rows, print_rows
+from kvcore_bench import transfer
+from kvcore_bench.transfer_nixl import nixl_rows, print_rows
 
 
 def main() -> None:

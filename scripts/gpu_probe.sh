@@ -13,6 +13,7 @@ for i in 1 2; do
 done
 export PYTHONPATH=$NEW
 source scripts/_nixl_env.sh
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 probe() { local tag=$1; shift; echo "== nixl probe $tag"; timeout 150 $PY scripts/gpu_nixl_probe.py --json "$OUT/probe_$tag.json" "$@" 2>&1 | grep -v "NIXL INFO" | tail -8; }
 probe default
 probe threads4 --threads 4 --layouts BLNHC

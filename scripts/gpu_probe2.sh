@@ -7,6 +7,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=
 OUT=${OUT:-/tmp/kvcore-probe2}; mkdir -p "$OUT"
 PY=${PY:-python3}
 NEW=$PWD:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 echo "== bench zero, before (6b1f375) and after (HEAD)"
 for label in before after; do
   P=$NEW; [ $label = before ] && P=$PWD/.old
@@ -17,7 +18,7 @@ export PYTHONPATH=$NEW
 source scripts/_nixl_env.sh
 $PY -m pip install -q --no-deps --no-build-isolation -e plugins/kvcore-torch -e plugins/kvcore-triton >/dev/null 2>&1
 echo "== NIXL GPU tests"
-timeout 150 $PY -m pytest -q -rs -p no:cacheprovider tests/test_nixl_gpu.py tests/test_nixl.py tests/test_transfer_bench.py 2>&1 | grep -v "NIXL INFO" | tail -6
+timeout 150 $PY -m pytest -q -rs -p no:cacheprovider tests/test_nixl_gpu.py tests/test_nixl.py benchmarks/tests/test_transfer_bench.py 2>&1 | grep -v "NIXL INFO" | tail -6
 echo "== bench transfer NIXL VRAM rows, two processes, all layouts"
 timeout 200 $PY scripts/gpu_nixl_rows.py --nixl-memory VRAM --layouts LBHNC,LBNHC,LHBNC,BLHNC,BLNHC,BHLNC \
   --nixl-blocks 16,64,256 --repeats 5 --warmup 1 --json-out "$OUT/rows_vram.json" 2>&1 | grep -v "NIXL INFO" | tee "$OUT/rows_vram.txt" | grep -E "^\s*VRAM|failed|s with setup"

@@ -7,6 +7,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET=
 OUT=${OUT:-/tmp/kvcore-gpu}; mkdir -p "$OUT"
 PY=${PY:-python}
 $PY -m pip install -q --no-deps --no-build-isolation -e . -e plugins/kvcore-torch -e plugins/kvcore-triton >"$OUT/pip.txt" 2>&1 || tail -5 "$OUT/pip.txt"
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 $PY -c "import torch, triton; print(torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'torch', torch.__version__, 'triton', triton.__version__)"
 echo "== GPU tests"
 timeout 300 $PY -m pytest -q -rs -p no:cacheprovider plugins tests/test_zeroer_gpu.py tests/test_zeroer.py \

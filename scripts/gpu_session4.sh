@@ -13,6 +13,7 @@ $PY -m pip install -q --no-deps --no-build-isolation -e plugins/kvcore-torch -e 
   -e plugins/kvcore-flashinfer >>"$OUT/pip.txt" 2>&1 || echo "plugin installs failed (see pip.txt)"
 export PYTHONPATH=$PWD:$PWD/tests:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton:$PWD/plugins/kvcore-flashinfer
 source scripts/_nixl_env.sh
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 : >"$OUT/summary.txt"
 step() {  # step NAME TIMEOUT CMD...: run while time is left, log to $OUT/NAME.txt, show its tail
   local name=$1 limit=$2; shift 2
@@ -27,7 +28,7 @@ step() {  # step NAME TIMEOUT CMD...: run while time is left, log to $OUT/NAME.t
 T="$PY -m pytest -q -rs -p no:cacheprovider"
 step core_gpu_tests 150 $T tests/test_zeroer_gpu.py tests/test_elastic_gpu.py tests/test_nixl_gpu.py tests/test_nixl.py \
   tests/test_cuda_graph_decode.py tests/test_runtime.py tests/test_memory.py tests/test_negotiation.py \
-  tests/test_kernel_requirements.py tests/test_host_pool.py tests/test_transfer_bench.py tests/test_bench_zero.py
+  tests/test_kernel_requirements.py tests/test_host_pool.py benchmarks/tests/test_transfer_bench.py benchmarks/tests/test_bench_zero.py
 step hf_gpu_tests 170 $T tests/test_hf_engine.py tests/test_hf_defaults.py tests/test_hf_faults.py \
   tests/test_hf_elastic.py tests/test_engine_loop.py plugins/kvcore-flashinfer/tests/test_flashinfer_fake.py
 TAIL=4 step mem_allocate 60 bash -c 'sed -n "/^timeout 120/,/^PY$/p" scripts/gpu_mem.sh | sed "1d;\$d" | '"$PY"' -'

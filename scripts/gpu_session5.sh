@@ -16,6 +16,7 @@ $PY -m pip install -q --no-deps --no-build-isolation -e plugins/kvcore-torch -e 
   -e plugins/kvcore-flashinfer >>"$OUT/pip.txt" 2>&1 || echo "plugin installs failed (see pip.txt)"
 export PYTHONPATH=$PWD:$PWD/tests:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton:$PWD/plugins/kvcore-flashinfer
 source scripts/_nixl_env.sh
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 $PY -c "import torch, triton; print(torch.cuda.get_device_name(), 'x', torch.cuda.device_count(), 'torch', torch.__version__, 'triton', triton.__version__)"
 step() {  # step NAME TIMEOUT CMD...: run while time is left, log to $OUT/NAME.txt, show its tail
   local name=$1 limit=$2; shift 2

@@ -20,6 +20,7 @@ OUT=${OUT:-/tmp/kvcore-gpu-transfer}; mkdir -p "$OUT"
 PY=${PY:-python3}
 DEADLINE=${DEADLINE:-450}
 export PYTHONPATH=${PYTHONPATH:-.:plugins/kvcore-torch:plugins/kvcore-triton}
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 SUMMARY=$OUT/SUMMARY.txt; : >"$SUMMARY"
 say() { echo "$*" | tee -a "$SUMMARY"; }
 
@@ -67,13 +68,13 @@ BENCH="$PY -m kvcore bench transfer"
 show() {  # the tables of a bench JSON, within 80 columns
   $PY - "$1" <<'EOF' 2>&1 | tee -a "$SUMMARY"
 import json, sys
-from kvcore.bench import transfer
+from kvcore_bench import transfer
 try:
     result = json.load(open(sys.argv[1]))
 except (OSError, ValueError) as exc:
     sys.exit(f"(no results: {exc})")
 if isinstance(result, list):  # rows of scripts/gpu_nixl_rows.py
-    from kvcore.bench.transfer_nixl import print_rows
+    from kvcore_bench.transfer_nixl import print_rows
     print_rows(result, 80)
 else:
     transfer._print(result)
@@ -82,7 +83,7 @@ EOF
 
 # --- 2. GPU tests ---------------------------------------------------------------------------------
 step tests 110 $PY -m pytest -q -rs -p no:cacheprovider tests/test_nixl_gpu.py tests/test_host_pool.py \
-  tests/test_transfer_bench.py tests/test_descriptor_checks.py tests/test_transfer_transport.py
+  benchmarks/tests/test_transfer_bench.py tests/test_descriptor_checks.py tests/test_transfer_transport.py
 tail -4 "$OUT/tests.log" | tee -a "$SUMMARY"
 
 # --- 3. NIXL VRAM<->VRAM (two processes, one GPU) and VRAM<->host, 2 MiB blocks --------------------

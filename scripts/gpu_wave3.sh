@@ -15,6 +15,7 @@ $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/
 $PY -m pip install -q --no-deps --no-build-isolation -e plugins/kvcore-torch -e plugins/kvcore-triton \
   -e plugins/kvcore-flashinfer >>"$OUT/pip.txt" 2>&1 || echo "plugin installs failed (see pip.txt)"
 export PYTHONPATH=/tmp/site:$PWD:$PWD/tests:$PWD/plugins/kvcore-torch:$PWD/plugins/kvcore-triton:$PWD/plugins/kvcore-flashinfer
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 command -v ninja >/dev/null || export PATH=/tmp/site/bin:$PATH
 : >"$OUT/summary.txt"
 step() {  # step NAME TIMEOUT CMD...: run while time is left, log to $OUT/NAME.txt, show its tail

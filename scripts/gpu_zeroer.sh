@@ -9,6 +9,7 @@ export PYTHONUNBUFFERED=1 TRITON_INTERPRET= PYTHONPATH=$PWD:$PWD/plugins/kvcore-
 unset KVCORE_DEBUG_CHECKS
 OUT=${OUT:-/tmp/kvcore-gpu-zeroer}; mkdir -p "$OUT"
 PY=${PY:-python3}
+source scripts/_bench_env.sh  # kvcore bench: install benchmarks/ (its entry point)
 START=$SECONDS
 $PY -c "import torch, triton; print(torch.cuda.get_device_name(), 'torch', torch.__version__, 'triton', triton.__version__)"
 

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import argparse
-import ast
-import importlib
 import json
 import shutil
 import subprocess
 import sys
-from pathlib import Path
+from importlib import metadata
+from types import SimpleNamespace
 
 import pytest
 
 import kvcore
-import kvcore.bench
-import kvcore.bench.options
-from kvcore.cli import _COMMANDS, build_parser, main
+from kvcore.cli import _COMMANDS, _ELSEWHERE, build_parser, main
 from kvcore.model_files import load_model_file, preset_names
 
 
@@ -42,9 +39,7 @@ def test_python_dash_m_kvcore_prints_the_version():
 
 
 @pytest.mark.parametrize("argv", [
-    ["--help"], ["--version"], ["bench", "--help"], ["plugins", "--help"], ["plan", "--help"],
-    ["models", "--help"], ["bench", "zero", "--help"], ["bench", "plan", "--help"], ["bench", "hf", "--help"],
-    ["bench", "pool", "--help"], ["bench", "transfer", "--help"], ["bench", "elastic", "--help"],
+    ["--help"], ["--version"], ["plugins", "--help"], ["plan", "--help"], ["models", "--help"],
     ["completion", "--help"],
 ])  # fmt: skip
 def test_help_and_version_do_not_import_torch(argv):
@@ -53,26 +48,8 @@ def test_help_and_version_do_not_import_torch(argv):
     assert done.stdout.strip().splitlines()[-1] == "NO-TORCH"
 
 
-def test_a_benchmark_module_is_imported_only_when_it_runs():
-    code = "print(sorted(m for m in sys.modules if m.startswith('kvcore.bench.')))"
-    done = _run("bench", "plan", "--help", code=code)
-    assert done.returncode == 0
-    loaded = done.stdout.strip().splitlines()[-1]
-    assert "kvcore.bench.options" in loaded and "kvcore.bench.plan" not in loaded
-    done = _run("bench", "plan", "--layers", "4", "--repeat", "1", "--layouts", "LBNHC", "--json", code=code)
-    loaded = done.stdout.strip().splitlines()[-1]
-    assert "kvcore.bench.plan" in loaded and "kvcore.bench.zero" not in loaded
-
-
-@pytest.mark.parametrize("name", sorted(kvcore.bench.options.ARGUMENTS))
-def test_each_benchmark_module_adds_the_options_the_command_line_shows(name):
-    """The module's own add_arguments (for callers that import it) is the one in options."""
-    module = importlib.import_module(kvcore.bench.BENCHMARKS[name])
-    assert module.add_arguments is kvcore.bench.options.ARGUMENTS[name]
-
-
 def test_layout_names_for_help_are_the_enum_members():
-    from kvcore.bench.options import LAYOUT_NAMES
+    from kvcore.cli import LAYOUT_NAMES
     from kvcore.memory.layout import KVCacheLayout
 
     assert LAYOUT_NAMES == tuple(m.name for m in KVCacheLayout)
@@ -85,31 +62,6 @@ def test_models_help_names_the_preset_directory_of_kvcore_models():
     assert _PRESET_DIR == PRESET_DIR
 
 
-@pytest.mark.parametrize("device", ["banana", "cuda:x", "meta", "cuda:99"])
-def test_a_bad_device_is_a_usage_error(device, capsys):
-    with pytest.raises(SystemExit) as exc:
-        main(["bench", "hf", "--device", device])
-    err = capsys.readouterr().err
-    assert exc.value.code == 2 and "Traceback" not in err
-    assert "argument --device" in err and repr(device) in err
-
-
-def test_device_arg_takes_the_cpu_and_refuses_cuda_without_a_gpu(monkeypatch):
-    import torch
-
-    from kvcore.bench.options import device_arg
-
-    assert device_arg("cpu") == torch.device("cpu")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(argparse.ArgumentTypeError, match="no CUDA device; use --device cpu"):
-        device_arg("cuda")
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert device_arg("cuda:0") == torch.device("cuda:0")
-    with pytest.raises(argparse.ArgumentTypeError, match=r"has 1 CUDA device \(cuda:0\)"):
-        device_arg("cuda:1")
-
-
 def _parsers(parser: argparse.ArgumentParser, prog: str = "kvcore"):
     """Every (sub)parser of ``parser`` with its command words."""
     yield prog, parser
@@ -119,10 +71,10 @@ def _parsers(parser: argparse.ArgumentParser, prog: str = "kvcore"):
                 yield from _parsers(sub, f"{prog} {name}")
 
 
-def test_help_lists_every_command_and_benchmark():
+def test_help_lists_every_command_and_those_other_distributions_add():
     full = dict(_parsers(build_parser()))
-    assert {p.split()[-1] for p in full if p.count(" ") == 1} == set(_COMMANDS)
-    assert {p.split()[-1] for p in full if p.startswith("kvcore bench ")} == set(kvcore.bench.BENCHMARKS)
+    installed = {e.name for e in metadata.entry_points(group="kvcore.cli")}
+    assert {p.split()[-1] for p in full if p.count(" ") == 1} == {*_COMMANDS, *_ELSEWHERE, *installed}
 
 
 _ALL = dict(_parsers(build_parser()))
@@ -166,15 +118,6 @@ def test_a_value_error_is_printed_as_a_kvcore_error(capsys):
     assert err.startswith("kvcore plan: error: ") and "Traceback" not in err
 
 
-def test_benchmarks_never_import_the_command_line():
-    """Imports point down the package: kvcore.bench sits below kvcore.cli (issue #13)."""
-    for path in Path(kvcore.bench.__file__).parent.glob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
-                [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
-            assert not any(n == "kvcore.cli" or n.startswith("kvcore.cli.") for n in names), path.name
-
-
 def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
     """``kvcore plan ... --json | head``: a closed pipe ends the command quietly."""
     model = tmp_path / "deep.toml"
@@ -191,7 +134,6 @@ def test_a_reader_that_leaves_early_gets_no_traceback(tmp_path):
 @pytest.mark.parametrize("argv, kind, text", [
     (["plan", "llama-3-8b", "--memory", "1KiB", "--json"], "ValueError", "plan with at least"),
     (["plan", "llama-3-8b", "--memory", "banana", "--json"], "usage", "argument --memory: invalid size"),
-    (["bench", "hf", "--json", "--device", "banana"], "usage", "'banana' is not a device"),
     (["models", "--json", "--bogus"], "usage", "unrecognized arguments: --bogus"),
 ])  # fmt: skip
 def test_errors_under_json_are_a_json_object_and_exit_2(argv, kind, text, capsys):
@@ -217,7 +159,7 @@ def test_completion_script_knows_every_command_and_option(shell, capsys, tmp_pat
     pytest.importorskip("shtab")
     assert main(["completion", shell]) == 0
     script = capsys.readouterr().out
-    for word in ("plan", "models", "plugins", "bench", "completion", "zero", "pool", "--num-blocks", "--device"):
+    for word in ("plan", "models", "plugins", "completion", "--num-blocks", "--memory", "--json"):
         assert word in script, word
     if shell == "bash" and shutil.which("bash"):
         path = tmp_path / "kvcore.bash"
@@ -230,3 +172,51 @@ def test_completion_of_an_unknown_shell_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["completion", "fish"])
     assert exc.value.code == 2 and "invalid choice: 'fish'" in capsys.readouterr().err
+
+
+def _no_commands_installed(monkeypatch, *found):
+    """``importlib.metadata.entry_points`` that finds ``found`` in group kvcore.cli."""
+    real = metadata.entry_points
+    monkeypatch.setattr(metadata, "entry_points",
+                        lambda **kw: list(found) if kw.get("group") == "kvcore.cli" else real(**kw))
+
+
+@pytest.mark.parametrize("argv", [["bench", "zero"], ["bench", "--help"], ["bench", "hf", "--device", "cpu"]])
+def test_bench_without_its_distribution_says_what_to_install(argv, monkeypatch, capsys):
+    _no_commands_installed(monkeypatch)
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    hint = "kvcore bench needs the kvcore-bench distribution: pip install -e benchmarks (in a checkout)"
+    assert captured.err.strip() == f"kvcore bench: error: {hint}" and captured.out == ""
+    assert main([*argv, "--json"]) == 2
+    assert json.loads(capsys.readouterr().out)["error"] == {
+        "command": "kvcore bench", "type": "ValueError", "message": hint}
+    assert main(["plan", "llama-3-8b", "--num-blocks", "8", "--json"]) == 0
+
+
+def _fails_to_import():
+    raise ImportError("cannot import name 'ARGUMENTS' from 'kvcore_bench.options'")
+
+
+def _fails_half_way():
+    def add_command(commands):
+        commands.add_parser("bench").add_argument("--size")  # added, then it fails
+        raise ImportError("cannot import name 'ARGUMENTS' from 'kvcore_bench.options'")
+
+    return add_command
+
+
+@pytest.mark.parametrize("load", [_fails_to_import, _fails_half_way])
+def test_a_command_whose_distribution_is_broken_is_named_and_the_rest_works(load, monkeypatch, capsys):
+    broken = SimpleNamespace(name="bench", value="kvcore_bench.cli:add_command", load=load,
+                             dist=SimpleNamespace(name="kvcore-bench"))
+    _no_commands_installed(monkeypatch, broken)
+    assert main(["bench", "zero", "--blocks", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvcore bench: error: kvcore bench could not be loaded from kvcore-bench (ImportError: "
+                          "cannot import name 'ARGUMENTS'") and "reinstall or uninstall kvcore-bench" in err
+    assert "Traceback" not in err
+    assert main(["models", "--json"]) == 0 and json.loads(capsys.readouterr().out)
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0 and "bench" in capsys.readouterr().out

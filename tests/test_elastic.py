@@ -175,29 +175,6 @@ def test_range_arithmetic_matches_sets(a, b):
     assert as_set(granule_ranges(a, 8)) == {x for i in granules_touched(a, 8) for x in range(8 * i, 8 * i + 8)}
 
 
-def test_layout_costs_of_llama_at_2mib_granules(capsys):
-    from kvcore.bench.elastic import layout_cost
-    from kvcore.memory.layout import KVCacheLayout as L
-    from kvcore.cli import main
-    from kvcore.model_files import load_model_file
-
-    specs = load_model_file("llama-3-8b").kv_cache_specs
-    rows = {n: layout_cost(specs, L[n], 512, 2 * 2**20) for n in ("BHLNC", "LBNHC", "LHBNC")}
-    assert all(rows[n]["block_bytes"] == 2 * 2**20 for n in rows)  # 32 layers x 64 KiB
-    # a block is one granule: a grow maps one per block
-    assert (rows["BHLNC"]["granules_per_block"], rows["BHLNC"]["mappings_per_grow_event"]) == (1.0, 1.0)
-    # one 32 MiB run per layer: 32 granules per block, 32 maps every 32 blocks
-    assert rows["LBNHC"]["granules_per_block"] == 32.0 and rows["LBNHC"]["mappings_per_grow_event"] == 32.0
-    assert rows["LBNHC"]["grow_events"] == 15 and rows["LBNHC"]["max_slack_bytes"] == 31 * 2 * 2**20
-    assert rows["LHBNC"]["pieces_per_block"] == 256 and rows["LHBNC"]["granules_per_block"] == 256.0
-    # 600 blocks: runs of 37.5 MiB straddle granules, so the layers' grows fall on different blocks
-    unaligned = layout_cost(specs, L.LBNHC, 600, 2 * 2**20)
-    assert unaligned["mappings_per_grow_event"] < 32
-    assert unaligned["grow_events"] * unaligned["mappings_per_grow_event"] + 32 == 600  # 1,200 MiB in all
-    assert main(["bench", "elastic", "--max-blocks", "64"]) == 0
-    assert "LHBNC" in capsys.readouterr().out
-
-
 def test_a_grow_that_runs_out_of_memory_changes_nothing(monkeypatch):
     from kvcore.memory import backing as backing_module
 

@@ -171,21 +171,6 @@ def test_state_groups_share_one_allocation_in_any_layout(models, references, lay
     assert engine.generate(prompts[:4], MAX_NEW) == expected["nemotron_h"][:4]
 
 
-def test_the_benchmarks_hybrid_is_granite_4_h_like():
-    import argparse
-
-    from kvcore.bench._hf_runs import bench_config
-
-    args = argparse.Namespace(model="hybrid", vocab=512, hidden=128, intermediate=256, layers=16, heads=4, kv_heads=2)
-    config = bench_config(args, 1024)
-    specs = specs_from_config(config, dtype=torch.bfloat16)
-    assert config.model_type == "granitemoehybrid" and config.num_local_experts == 0
-    assert [n for n, s in specs.items() if not isinstance(s, MambaSpec)] == [
-        "model.layers.4.self_attn", "model.layers.12.self_attn"]
-    state = specs["model.layers.0.mamba"]
-    assert state.shapes == ((4, 64, 128), (2 * 128 + 2 * 128, 4)) and state.dtypes == (torch.float32, torch.bfloat16)
-
-
 def test_mixers_read_and_write_the_caches_own_views(models):
     engine = make_engine(models["bamba"])
     for name, layer in engine.mixers.layers.items():

@@ -1,9 +1,10 @@
 """kvcore's folders draw its pipeline, and imports only point down it.
 
 specs -> memory -> plugins (negotiation; distributed agreement) -> runtime ->
-integrations (hf, transfer) -> apps (cli, bench, model_files, testing). A module may
+integrations (hf, transfer) -> apps (cli, model_files, testing). A module may
 import its own stage or any stage below, never one above, including imports
-inside functions.
+inside functions. The distributions built on kvcore (kvcore_bench, the plugins)
+import it; kvcore never imports them.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ STAGES = [
     {"plugins", "distributed"},
     {"runtime", "model_runner"},
     {"hf", "transfer"},
-    {"cli", "bench", "model_files", "testing", "__init__", "__main__"},
+    {"cli", "model_files", "testing", "__init__", "__main__"},
 ]
 
 
@@ -70,6 +71,19 @@ def test_imports_point_down_the_pipeline(path: Path) -> None:
         if _stage(target) > rank
     ]
     assert not upward, f"{module} (stage {rank}) imports upward: {upward}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_the_core_never_imports_a_distribution_built_on_it(path: Path) -> None:
+    """kvcore_bench, kvcore_torch, kvcore_triton, ...: they find kvcore through entry points."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.append((node.lineno, node.module))
+    upward = [f"line {line}: {name}" for line, name in found if name.startswith("kvcore_")]
+    assert not upward, f"{_module_of(path)} imports a distribution built on kvcore: {upward}"
 
 
 def test_every_kvcore_folder_and_module_has_a_stage() -> None:

@@ -1,4 +1,4 @@
-"""The three distributions install quietly in editable mode (``make demo`` / ``make test``).
+"""Every distribution installs quietly in editable mode (``make demo`` / ``make test``).
 
 setuptools prints an "Editable installation" warning for a flat layout unless the
 project maps its root explicitly (``package-dir = {"" = "."}``): then ``pip install
@@ -20,7 +20,13 @@ else:  # pragma: no cover
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("project", [".", "plugins/kvcore-torch", "plugins/kvcore-triton"])
+@pytest.mark.parametrize("project", [".", "plugins/kvcore-torch", "plugins/kvcore-triton", "benchmarks"])
 def test_each_project_maps_its_root_for_a_quiet_editable_install(project):
     config = tomllib.loads((ROOT / project / "pyproject.toml").read_text())
     assert config["tool"]["setuptools"]["package-dir"] == {"": "."}
+
+
+def test_the_benchmarks_add_kvcore_bench_through_the_cli_entry_point_group():
+    config = tomllib.loads((ROOT / "benchmarks" / "pyproject.toml").read_text())
+    assert config["project"]["entry-points"]["kvcore.cli"] == {"bench": "kvcore_bench.cli:add_command"}
+    assert config["project"]["dependencies"] == ["kvcore"]

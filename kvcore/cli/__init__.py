@@ -1,57 +1,90 @@
 """The kvcore command line: plan a model's KV cache, list presets and plugins, benchmark.
 
 Options are defined here without torch, so help and usage errors come back at once; the module
-that runs a command (torch and all) is imported when it runs.
+that runs a command (torch and all) is imported when it runs. Other distributions add commands
+through entry point group ``kvcore.cli`` (``kvcore bench``: kvcore-bench, in benchmarks/).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
+import functools
 import importlib
-import importlib.util
 import json
 import os
 import re
 import sys
-import tokenize
+from importlib import metadata
 from pathlib import Path
 
+from typing import TYPE_CHECKING
+
 from kvcore import __version__
-from kvcore._units import SIZE_UNITS_HELP
-from kvcore.bench import BENCHMARKS
-from kvcore.bench.options import ARGUMENTS, LAYOUT_NAMES, layout_arg, positive_int_arg, size_arg
+from kvcore._units import SIZE_UNITS_HELP, parse_size
+
+if TYPE_CHECKING:
+    from kvcore.memory.layout import KVCacheLayout
 
 # NOTE: where kvcore.model_files keeps the presets (a test checks they agree); that
 # module imports torch, so it is imported only when a command runs.
 _PRESET_DIR = Path(__file__).resolve().parents[1] / "presets"
-#: Command name -> its one-line help.
+#: Command name -> its one-line help and its description.
 _COMMANDS = {
-    "plan": "plan a model's KV cache for a memory budget",
-    "models": "list the model presets that kvcore plan knows",
-    "plugins": "list and health-check installed kvcore plugins",
-    "bench": "run a micro-benchmark",
-    "completion": "print a shell completion script (bash, zsh, tcsh)",
+    "plan": ("plan a model's KV cache for a memory budget",
+             "Plan the KV cache of a model described in TOML (a file, or a preset: see 'kvcore "
+             "models') and show its groups, tensors, bytes per block, block count and "
+             f"capacity. Sizes: {SIZE_UNITS_HELP}."),
+    "models": ("list the model presets that kvcore plan knows",
+               f"List the model presets (TOML files in {_PRESET_DIR}) that 'kvcore plan NAME' "
+               "takes by name: their layers and layer kinds. Any other model is a TOML file in "
+               "the same format (see docs/model-files.md)."),
+    "plugins": ("list and health-check installed kvcore plugins",
+                "List every kvcore plugin (entry points in group kvcore.plugins) with its "
+                "status, hooks and backends; ask every backend's hooks once about a "
+                "representative full-attention spec and show the kernel block sizes and layouts "
+                "it declares. Exits 1 when a plugin failed, conflicts with another or answers a "
+                "hook badly."),
+    "completion": ("print a shell completion script (bash, zsh, tcsh)",
+                   "The script is generated from kvcore's own parser by shtab, so it knows every "
+                   "command,\nbenchmark and option. Install it once, e.g. for bash (or zsh, "
+                   "into ~/.zfunc/_kvcore):\n\n"
+                   "    kvcore completion bash > "
+                   "~/.local/share/bash-completion/completions/kvcore"),
 }
-_DESCRIPTIONS = {
-    "plan": "Plan the KV cache of a model described in TOML (a file, or a preset: see 'kvcore "
-    "models') and show its groups, tensors, bytes per block, block count and capacity. "
-    f"Sizes: {SIZE_UNITS_HELP}.",
-    "models": f"List the model presets (TOML files in {_PRESET_DIR}) that 'kvcore plan NAME' "
-    "takes by name: their layers and layer kinds. Any other model is a TOML file in the same "
-    "format (see docs/model-files.md).",
-    "plugins": "List every kvcore plugin (entry points in group kvcore.plugins) with its status, "
-    "hooks and backends; ask every backend's hooks once about a representative full-attention "
-    "spec and show the kernel block sizes and layouts it declares. Exits 1 when a plugin "
-    "failed, conflicts with another or answers a hook badly.",
-    "bench": "kvcore bench: run one micro-benchmark (kvcore bench zero, kvcore bench plan, ...).",
-    "completion": "The script is generated from kvcore's own parser by shtab, so it knows every "
-    "command,\nbenchmark and option. Install it once, e.g. for bash (or zsh, into "
-    "~/.zfunc/_kvcore):\n\n"
-    "    kvcore completion bash > ~/.local/share/bash-completion/completions/kvcore",
-}
+#: Commands that other distributions add -> what to install when one is missing.
+_ELSEWHERE = {"bench": "kvcore bench needs the kvcore-bench distribution: pip install -e "
+              "benchmarks (in a checkout)"}
+# NOTE: KVCacheLayout's member names, so that help text needs no torch; a test checks they match.
+LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
 _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
+
+
+def size_arg(text: str) -> int:
+    """argparse type (also the benchmarks'): a byte size such as ``40GiB``; see kvcore._units."""
+    try:
+        return parse_size(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int_arg(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def layout_arg(text: str) -> KVCacheLayout:
+    from kvcore.memory.layout import KVCacheLayout
+
+    try:
+        return KVCacheLayout.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 class _JsonErrorParser(argparse.ArgumentParser):
@@ -73,18 +106,6 @@ def _lazy(module_name: str, function: str = "run"):
     return lambda args: getattr(importlib.import_module(module_name), function)(args)
 
 
-def _docstring(module_name: str) -> str | None:
-    """A benchmark module's docstring as help text, read without importing it; None if absent."""
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-        return None
-    # NOTE: only the first string token, not the whole module (help comes back at once).
-    with open(spec.origin, encoding="utf-8") as source:
-        tokens = tokenize.generate_tokens(source.readline)
-        first = next(t.string for t in tokens if t.type == tokenize.STRING)
-    return ast.literal_eval(first).strip().replace("``", "")
-
-
 def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     """The ``kvcore`` parser; ``json_errors``: usage errors as JSON objects."""
     parser_class = _JsonErrorParser if json_errors else argparse.ArgumentParser
@@ -94,8 +115,8 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, func, **kwargs) -> argparse.ArgumentParser:
-        parser = sub.add_parser(name, help=_COMMANDS[name], description=_DESCRIPTIONS[name],
-                                **kwargs)
+        help, description = _COMMANDS[name]
+        parser = sub.add_parser(name, help=help, description=description, **kwargs)
         parser.set_defaults(func=func)
         return parser
 
@@ -117,17 +138,7 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     plugins = command("plugins", _lazy("kvcore.cli.plugins"))
     plugins.add_argument("--json", action="store_true",
                          help="print a JSON list, one object per plugin")
-    benchmarks = command("bench", None).add_subparsers(dest="benchmark", metavar="BENCHMARK",
-                                                       required=True)
-    for name, module_name in BENCHMARKS.items():
-        doc = _docstring(module_name)
-        if doc is None:  # not installed
-            continue
-        summary = doc.strip().splitlines()[0].split(": ", 1)[-1].rstrip(".")
-        one = benchmarks.add_parser(name, help=summary, description=doc,
-                                    formatter_class=argparse.RawDescriptionHelpFormatter)
-        ARGUMENTS[name](one)
-        one.set_defaults(func=_lazy(module_name))
+    _add_installed_commands(sub)
     completion = command("completion", _completion,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"),
@@ -135,11 +146,38 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     return parser
 
 
+def _add_installed_commands(sub: argparse._SubParsersAction) -> None:
+    """Let each entry point of group ``kvcore.cli`` add its command to ``sub``; a command that
+    is not installed, or whose distribution fails to load, still answers with the remedy."""
+    unavailable = dict(_ELSEWHERE)
+    for entry_point in metadata.entry_points(group="kvcore.cli"):
+        unavailable.pop(entry_point.name, None)
+        try:
+            entry_point.load()(sub)
+        except Exception as exc:  # NOTE: a broken distribution must not take kvcore down
+            sub.choices.pop(entry_point.name, None)  # half added: the stub below replaces it
+            where = entry_point.dist.name if entry_point.dist else entry_point.value
+            unavailable[entry_point.name] = (
+                f"kvcore {entry_point.name} could not be loaded from {where} "
+                f"({type(exc).__name__}: {exc}); reinstall or uninstall {where}")
+    for name, reason in unavailable.items():
+        if name in sub.choices:
+            continue
+        # NOTE: no prefix characters: every word after the command, --help too, is an argument
+        # of a command that only says why it cannot run (exit 2).
+        stub = sub.add_parser(name, help="unavailable: run it to see why", description=reason,
+                              prefix_chars="\0", add_help=False)
+        stub.add_argument("words", nargs="*", help="ignored")
+        stub.set_defaults(func=functools.partial(_unavailable, reason))
+
+
+def _unavailable(reason: str, args: argparse.Namespace) -> int:
+    raise ValueError(reason)
+
+
 def _completion(args: argparse.Namespace) -> int:
-    try:
-        import shtab
-    except ImportError:
-        raise ValueError("shell completion needs the shtab package: pip install shtab") from None
+    import shtab  # a dependency of kvcore, imported only here (it is not needed for help)
+
     print(shtab.complete(build_parser(), shell=args.shell))
     return 0
 
@@ -172,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         return code
     except (ValueError, TypeError) as exc:
-        command = " ".join(filter(None, ("kvcore", args.command, getattr(args, "benchmark", None))))
-        if getattr(args, "json", False):
+        command = getattr(args, "command_name", f"kvcore {args.command}")
+        if json_errors:
             _print_json_error(command, type(exc).__name__, str(exc))
         else:
             print(f"{command}: error: {exc}", file=sys.stderr)

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from kvcore._table import terminal_width
-from kvcore.bench import emit, table
-from kvcore.bench.options import ARGUMENTS
+from kvcore_bench import emit, table
+from kvcore_bench.options import ARGUMENTS
 
 add_arguments = ARGUMENTS["hf"]
 
@@ -38,7 +38,7 @@ CPU_MAX_FLOP = 5e11
 def checked_device(args: argparse.Namespace) -> torch.device:
     """``--device`` (default: CUDA), after refusing at once what cannot run: GPU-sized work
     on a CPU, or a backend that cannot serve a tiny model (before the big one is built)."""
-    from kvcore.bench._hf_runs import model_config
+    from kvcore_bench._hf_runs import model_config
     from kvcore.hf import Engine
     from kvcore.hf.models import random_model
 
@@ -86,7 +86,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     # NOTE: imported here, when the benchmark runs: transformers is an optional extra.
     import transformers
 
-    from kvcore.bench import _hf_runs as runs
+    from kvcore_bench import _hf_runs as runs
     from kvcore.hf.models import random_model
 
     device = checked_device(args)

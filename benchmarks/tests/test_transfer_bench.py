@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from kvcore.bench import BENCHMARKS, transfer
+from kvcore_bench import BENCHMARKS, transfer
 from kvcore.cli import main
 
 SMALL = ["--layers", "3", "--kv-heads", "2", "--head-size", "16", "--repeats", "2", "--warmup", "1"]
@@ -21,7 +21,7 @@ def collect(argv):
 
 
 def test_bench_transfer_reports_runs_and_bandwidth_per_layout():
-    assert BENCHMARKS["transfer"] == "kvcore.bench.transfer"
+    assert BENCHMARKS["transfer"] == "kvcore_bench.transfer"
     result = collect(["--layouts", "BLNHC,LBNHC,LHBNC", "--blocks", "2,4", "--nixl-blocks", "2,4",
                       "--device", "cpu"])
     per_block = {r["layout"]: r["runs_per_block"] for r in result["host"]}

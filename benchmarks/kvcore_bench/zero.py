@@ -17,9 +17,9 @@ import torch
 
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
-from kvcore.bench import emit, fmt, table
-from kvcore.bench._timing import Timer, empty_launch, find_memset
-from kvcore.bench.options import ARGUMENTS
+from kvcore_bench import emit, fmt, table
+from kvcore_bench._timing import Timer, empty_launch, find_memset
+from kvcore_bench.options import ARGUMENTS
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache

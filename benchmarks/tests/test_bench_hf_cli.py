@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import re
 
 import pytest
@@ -13,8 +14,11 @@ pytest.importorskip("transformers")
 pytest.importorskip("kvcore_triton.backend")
 pytest.importorskip("kvcore.runtime.zeroer.kernel")
 
-from kvcore.bench import hf  # noqa: E402
+from kvcore import MambaSpec  # noqa: E402
 from kvcore.cli import main  # noqa: E402
+from kvcore.hf import specs_from_config  # noqa: E402
+from kvcore_bench import hf  # noqa: E402
+from kvcore_bench._hf_runs import bench_config  # noqa: E402
 
 
 def test_gpu_sized_defaults_are_refused_without_cuda(monkeypatch, capsys):
@@ -78,3 +82,14 @@ def test_a_cpu_sized_run_fits_80_columns_with_whole_labels(monkeypatch, capsys):
     assert re.search(r"\d+ K parameters", out) and "0.00 B" not in out
     for label in ("kvcore.hf.Engine", "inputs, metadata, block tables", "model forward (launch / replay)"):
         assert label in out
+
+
+def test_the_benchmarks_hybrid_is_granite_4_h_like():
+    args = argparse.Namespace(model="hybrid", vocab=512, hidden=128, intermediate=256, layers=16, heads=4, kv_heads=2)
+    config = bench_config(args, 1024)
+    specs = specs_from_config(config, dtype=torch.bfloat16)
+    assert config.model_type == "granitemoehybrid" and config.num_local_experts == 0
+    assert [n for n, s in specs.items() if not isinstance(s, MambaSpec)] == [
+        "model.layers.4.self_attn", "model.layers.12.self_attn"]
+    state = specs["model.layers.0.mamba"]
+    assert state.shapes == ((4, 64, 128), (2 * 128 + 2 * 128, 4)) and state.dtypes == (torch.float32, torch.bfloat16)

@@ -1,4 +1,4 @@
-"""The benchmarks' options as tables, and argparse types (also ``kvcore plan``'s), without torch.
+"""The benchmarks' options as tables, and their argparse types, without torch.
 
 So ``kvcore bench NAME --help`` and usage errors come back at once; the benchmark module is
 imported only when it runs. A type's error names the value and what is accepted.
@@ -11,15 +11,11 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvcore._units import parse_size
+from kvcore.cli import LAYOUT_NAMES, layout_arg, positive_int_arg, size_arg
 
 if TYPE_CHECKING:
     import torch
 
-    from kvcore.memory.layout import KVCacheLayout
-
-# NOTE: KVCacheLayout's member names, so that help text needs no torch; a test checks they match.
-LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 #: Parts of ``kvcore bench hf`` that ``--skip`` may leave out.
 HF_PARTS = ("eager", "generate_batch", "static", "prefix", "check", "profile")
@@ -33,33 +29,6 @@ GPU_TRANSFER_DEFAULTS = {"layers": 32, "kv_heads": 8, "head_size": 128, "blocks"
                          "nixl_blocks": [64, 256], "repeats": 10, "warmup": 2}
 CPU_TRANSFER_DEFAULTS = {"layers": 4, "kv_heads": 2, "head_size": 32, "blocks": [4, 32],
                          "nixl_blocks": [8], "repeats": 3, "warmup": 1}
-
-
-def size_arg(text: str) -> int:
-    """argparse type: a byte size such as ``40GiB`` (see :mod:`kvcore._units`)."""
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def positive_int_arg(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
-
-
-def layout_arg(text: str) -> KVCacheLayout:
-    from kvcore.memory.layout import KVCacheLayout
-
-    try:
-        return KVCacheLayout.parse(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def _comma_separated(item: Callable[[str], object], what: str) -> Callable[[str], list]:

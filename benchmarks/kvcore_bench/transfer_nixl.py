@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from kvcore.bench import table
-from kvcore.bench._timing import Timer
+from kvcore_bench import table
+from kvcore_bench._timing import Timer
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer import NixlAgent, plan_transfer
 from kvcore.transfer.descriptor import raw_allocation

@@ -36,7 +36,7 @@ def test_non_positive_counts_exit_2(capsys, argv):
 
 
 def test_a_round_too_large_is_refused_at_once(capsys):
-    from kvcore.bench.options import POOL_MAX_BLOCKS
+    from kvcore_bench.options import POOL_MAX_BLOCKS
 
     assert main(["bench", "pool", "--requests", "100000"]) == 2
     err = capsys.readouterr().err
@@ -44,7 +44,7 @@ def test_a_round_too_large_is_refused_at_once(capsys):
 
 
 def test_progress_is_reported_after_every_round():
-    from kvcore.bench.pool import measure
+    from kvcore_bench.pool import measure
 
     calls = []
     measure(2, 2, 4, 3, progress=lambda: calls.append(1))

@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from kvcore.bench import zero
+from kvcore_bench import zero
 from kvcore.cli import build_parser, main
 from kvcore.memory.layout import KVCacheLayout
 
@@ -37,7 +37,7 @@ def test_plan_is_registered_only_when_installed():
     bench = build_parser()._subparsers._group_actions[0].choices["bench"]
     names = set(bench._subparsers._group_actions[0].choices)
     assert "zero" in names
-    assert ("plan" in names) == (importlib.util.find_spec("kvcore.bench.plan") is not None)
+    assert ("plan" in names) == (importlib.util.find_spec("kvcore_bench.plan") is not None)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message printed without CUDA")

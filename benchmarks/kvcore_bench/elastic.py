@@ -19,8 +19,8 @@ from collections.abc import Mapping
 import torch
 
 from kvcore._units import format_bytes
-from kvcore.bench import emit, table
-from kvcore.bench.options import ARGUMENTS
+from kvcore_bench import emit, table
+from kvcore_bench.options import ARGUMENTS
 from kvcore.memory.backing import reserve_backing
 from kvcore.memory.elastic import ElasticMemory, merge_ranges
 from kvcore.memory.layout import KVCacheLayout, block_runs

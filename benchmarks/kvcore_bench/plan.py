@@ -15,9 +15,9 @@ from contextlib import contextmanager
 import torch
 
 from kvcore._table import terminal_width
-from kvcore.bench import emit, table
-from kvcore.bench._timing import Timer
-from kvcore.bench.options import ARGUMENTS
+from kvcore_bench import emit, table
+from kvcore_bench._timing import Timer
+from kvcore_bench.options import ARGUMENTS
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 

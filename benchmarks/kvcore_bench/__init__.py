@@ -1,8 +1,9 @@
 """Micro-benchmarks behind ``kvcore bench <name>``.
 
-Benchmark ``name`` is module ``kvcore.bench.<name>``: its options are in
-:mod:`kvcore.bench.options` (no torch) and its ``run(args) -> int`` returns the
-exit code. Modules that are not installed are left out of the command line.
+Benchmark ``name`` is module ``kvcore_bench.<name>``: its options are in
+:mod:`kvcore_bench.options` (no torch) and its ``run(args) -> int`` returns the
+exit code. :mod:`kvcore_bench.cli` adds them to the ``kvcore`` command (entry point
+group ``kvcore.cli``); modules that are not installed are left out.
 """
 
 import argparse
@@ -13,7 +14,7 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 from kvcore._table import Column, render
-from kvcore.bench.options import ARGUMENTS
+from kvcore_bench.options import ARGUMENTS
 
 #: Benchmark name -> its module, in the order ``kvcore bench --help`` lists them.
 BENCHMARKS: dict[str, str] = {name: f"{__name__}.{name}" for name in ARGUMENTS}

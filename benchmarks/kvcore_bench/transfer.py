@@ -4,7 +4,7 @@ For each layout, moves random, never adjacent blocks of a model's KV cache:
 ``HostKVPool.offload`` / ``restore`` against one pinned
 ``copy_(non_blocking=True)`` of as many bytes, measured in the same run (CUDA
 events, median of repeats; wall times on CPU); and, where NIXL imports, NIXL
-writes and reads to a peer agent (:mod:`kvcore.bench.transfer_nixl`). Without
+writes and reads to a peer agent (:mod:`kvcore_bench.transfer_nixl`). Without
 CUDA the defaults are CPU-sized.
 
 ``--descriptors N`` counts instead what NIXL is handed for one transfer of N
@@ -26,10 +26,10 @@ import torch
 
 from kvcore._table import terminal_width
 from kvcore._units import format_bytes
-from kvcore.bench import emit, progress_bar, table
-from kvcore.bench._timing import Timer
-from kvcore.bench.options import ARGUMENTS, CPU_TRANSFER_DEFAULTS, GPU_TRANSFER_DEFAULTS
-from kvcore.bench.transfer_nixl import gbps, nixl_rows, print_rows, rate
+from kvcore_bench import emit, progress_bar, table
+from kvcore_bench._timing import Timer
+from kvcore_bench.options import ARGUMENTS, CPU_TRANSFER_DEFAULTS, GPU_TRANSFER_DEFAULTS
+from kvcore_bench.transfer_nixl import gbps, nixl_rows, print_rows, rate
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.registry import get_plugin_manager
 from kvcore.runtime.kv_cache import KVCache

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from kvcore.bench.plan import hybrid_model_specs
+from kvcore_bench.plan import hybrid_model_specs
 from kvcore.cli import main
 from kvcore.memory.planner import plan_kv_cache
 

@@ -1,0 +1,48 @@
+"""``kvcore bench``: the sub-command this distribution adds to ``kvcore`` (entry point group
+``kvcore.cli``), built without torch so that help and usage errors come back at once."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import importlib
+import importlib.util
+import tokenize
+
+from kvcore_bench import BENCHMARKS
+from kvcore_bench.options import ARGUMENTS
+
+
+def _lazy(module_name: str):
+    """``module_name.run``, importing the module (torch and all) only when called."""
+    return lambda args: importlib.import_module(module_name).run(args)
+
+
+def _docstring(module_name: str) -> str | None:
+    """A benchmark module's docstring as help text, read without importing it; None if absent."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    # NOTE: only the first string token, not the whole module (help comes back at once).
+    with open(spec.origin, encoding="utf-8") as source:
+        tokens = tokenize.generate_tokens(source.readline)
+        first = next(t.string for t in tokens if t.type == tokenize.STRING)
+    return ast.literal_eval(first).strip().replace("``", "")
+
+
+def add_command(commands: argparse._SubParsersAction) -> None:
+    """Add ``kvcore bench BENCHMARK`` to ``commands`` (the ``kvcore`` sub-parsers)."""
+    bench = commands.add_parser(
+        "bench", help="run a micro-benchmark",
+        description="kvcore bench: run one micro-benchmark (kvcore bench zero, kvcore bench plan, "
+        "...).")
+    benchmarks = bench.add_subparsers(dest="benchmark", metavar="BENCHMARK", required=True)
+    for name, module_name in BENCHMARKS.items():
+        doc = _docstring(module_name)
+        if doc is None:  # not installed
+            continue
+        summary = doc.strip().splitlines()[0].split(": ", 1)[-1].rstrip(".")
+        one = benchmarks.add_parser(name, help=summary, description=doc,
+                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+        ARGUMENTS[name](one)
+        one.set_defaults(func=_lazy(module_name), command_name=f"kvcore bench {name}")
