@@ -1,6 +1,5 @@
-"""Tensor parallelism (SPEC §8): shard KV heads across ranks, and agree on one block count and
-layout so one scheduler block table is valid on every rank (through ``torch.distributed``; local
-without an initialized process group)."""
+"""Tensor parallelism (SPEC §8): shard KV heads across ranks, and agree (``torch.distributed``) on
+one block count and layout so one scheduler block table is valid on every rank."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""A conformance kit for attention-backend authors: a KV cache built through kvcore in any layout
-(``build_cache``), a random paged batch with distinct random blocks per request (``make_batch``),
-and a dense float64 softmax-attention reference to compare with (``dense_reference``)."""
+"""A conformance kit for attention-backend authors: kvcore caches in any layout (``build_cache``),
+random paged batches (``make_batch``) and a dense float64 reference (``dense_reference``)."""
 
 from __future__ import annotations
 
