@@ -1,8 +1,5 @@
-"""kvcore: a standalone KV-cache memory core for LLM inference engines.
-
-Public names load on first use (PEP 562), so ``import kvcore`` alone does not import torch;
-``_EXPORTS`` lists them by defining module, in pipeline order.
-"""
+"""kvcore: a standalone KV-cache memory core for LLM inference engines. Public names (listed by
+defining module) load on first use (PEP 562), so ``import kvcore`` alone does not import torch."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Plain-text tables that never cut a value: too wide for the terminal, headers wrap between
-words first, then cells of wrappable columns; a table that still does not fit is printed wider.
-Also index lists as ranges (``format_ranges``)."""
+"""Plain-text tables that never cut a value (too wide for the terminal, headers wrap between words,
+then wrappable cells; else the table is printed wider), and index lists as ranges."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""Tensor parallelism (SPEC §8): shard KV heads across ranks, and agree on one block count and
-layout so one scheduler block table is valid on every rank (through ``torch.distributed``; local
-without an initialized process group)."""
+"""Tensor parallelism (SPEC §8): shard KV heads across ranks, and agree (``torch.distributed``) on
+one block count and layout so one scheduler block table is valid on every rank."""
 
 from __future__ import annotations
 
@@ -47,11 +46,8 @@ def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
     with fewer heads than ranks, the one head its query heads read (heads replicated)."""
     tp_rank, tp_size = _check_rank(tp_rank, tp_size)
     num_kv_heads = positive_int("num_kv_heads", num_kv_heads)
-    per_rank = _per_rank(num_kv_heads, tp_size, "num_kv_heads")
-    if num_kv_heads >= tp_size:
-        return range(tp_rank * per_rank, (tp_rank + 1) * per_rank)
     first = tp_rank * num_kv_heads // tp_size
-    return range(first, first + 1)
+    return range(first, first + _per_rank(num_kv_heads, tp_size, "num_kv_heads"))
 
 
 def shard_spec(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> KVCacheSpec:

@@ -78,20 +78,19 @@ def find_model(model: str | Path) -> Path:
     )
 
 
-def _dtype(where: str, name: Any) -> torch.dtype:
+def _dtype(name: Any) -> torch.dtype:
     value = getattr(torch, name, None) if isinstance(name, str) else None
     if not isinstance(value, torch.dtype):
-        raise ValueError(
-            f"{where}: unknown dtype {name!r}; use a torch dtype name such as 'bfloat16'"
-        )
+        raise ValueError(f"unknown dtype {name!r}; use a torch dtype name such as 'bfloat16'")
     return value
 
 
-def _convert(where: str, key: str, value: Any) -> Any:
+def _convert(key: str, value: Any) -> Any:
+    """A TOML value as the spec field ``key`` takes it (the caller names the table on error)."""
     if key == "dtype":
-        return _dtype(where, value)
+        return _dtype(value)
     if key == "dtypes":
-        return tuple(_dtype(where, v) for v in value)
+        return tuple(_dtype(v) for v in value)
     if key == "tokens_per_state" and isinstance(value, str):
         return Fraction(value)
     return MultipleOf(value) if key == "block_stride_alignment" else value
@@ -128,7 +127,7 @@ def _spec(
         keys = ", ".join(f"{k} ({_REQUIRED[k]})" if k in _REQUIRED else k for k in missing)
         raise ValueError(f"{where}: a {kind!r} type needs the key{'s' * (len(missing) > 1)} {keys}")
     try:
-        spec = cls(block_size, **{k: _convert(where, k, v) for k, v in table.items()})
+        spec = cls(block_size, **{k: _convert(k, v) for k, v in table.items()})
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
     if spec.page_size_bytes > MAX_PAGE_BYTES:

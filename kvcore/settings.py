@@ -1,9 +1,5 @@
-"""The environment settings kvcore honours, parsed strictly into one typed object.
-
-``Settings.from_env()`` is called where a call begins (``KVCache.create``, the CLI, a kernel
-function called directly) and passed down, so a changed environment takes effect at the next
-call. (``resolve_kv_cache_layout`` reads ``KVCORE_KV_CACHE_LAYOUT``, SPEC §3.)
-"""
+"""The environment switches kvcore honours, parsed strictly into one ``Settings`` where a call
+begins (``KVCache.create``, the CLI, a kernel function called directly) and passed down."""
 
 from __future__ import annotations
 

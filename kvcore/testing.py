@@ -1,6 +1,5 @@
-"""A conformance kit for attention-backend authors: a KV cache built through kvcore in any layout
-(``build_cache``), a random paged batch with distinct random blocks per request (``make_batch``),
-and a dense float64 softmax-attention reference to compare with (``dense_reference``)."""
+"""A conformance kit for attention-backend authors: kvcore caches in any layout (``build_cache``),
+random paged batches (``make_batch``) and a dense float64 reference (``dense_reference``)."""
 
 from __future__ import annotations
 
@@ -27,12 +26,11 @@ def build_cache(
     dtype,
     *,
     kernel_block_size=None,
-    num_layers=2,
     device=DEVICE,
 ):
-    """Allocate a ``num_layers``-layer cache through kvcore; return its kernel-block views."""
+    """Allocate a two-layer cache through kvcore; return its kernel-block views."""
     spec = FullAttentionSpec(block_size, kv_heads, head_size, dtype)
-    names = [f"model.layers.{i}.attn" for i in range(num_layers)]
+    names = [f"model.layers.{i}.attn" for i in range(2)]
     config = plan_kv_cache(dict.fromkeys(names, spec), layout, num_blocks=num_blocks)
     sizes = None if kernel_block_size is None else [kernel_block_size]
     caches = allocate_kv_cache(config, device, kernel_block_sizes=sizes)

@@ -1,6 +1,5 @@
-"""Helpers for an engine's model runner, kept beside the core: binding views to layers and KV
-sharing (``binding``), the seed's multimodal helpers (``multimodal``, unused by kvcore itself),
-and here the seed's uniform-decode batch checks (SPEC §3)."""
+"""The seed's model-runner helpers (SPEC §3): binding caches and KV sharing (``binding``), the
+multimodal ones (``multimodal``, unused by kvcore itself) and here the uniform-decode checks."""
 
 
 def is_uniform_query_len(num_reqs: int, num_tokens: int, max_query_len: int) -> bool:

@@ -4,19 +4,12 @@ and let layers share another layer's cache."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, MutableMapping, Sequence
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheGroupSpec
-
-
-@runtime_checkable
-class BindsKVCache(Protocol):
-    """A layer that installs its own cache (e.g. splits a state cache into views)."""
-
-    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None: ...
 
 
 def extract_layer_index(layer_name: str, num_attn_module: int = 1) -> int:
@@ -66,16 +59,17 @@ def bind_kv_cache_to_layers(
         raise ValueError(f"layers {missing} have caches but are not in the forward context")
     for name in order:
         layer = forward_context[name]
-        if not isinstance(layer, BindsKVCache) and not hasattr(layer, "kv_cache"):
+        if not hasattr(layer, "bind_kv_cache") and not hasattr(layer, "kv_cache"):
             raise TypeError(
                 f"layer {name!r} ({type(layer).__name__}) cannot take a cache: give it a "
                 "bind_kv_cache(tensor) method or a kv_cache attribute"
             )
     for name in order:
-        if isinstance(forward_context[name], BindsKVCache):
-            forward_context[name].bind_kv_cache(kv_caches[name])
+        layer = forward_context[name]
+        if hasattr(layer, "bind_kv_cache"):
+            layer.bind_kv_cache(kv_caches[name])
         else:
-            forward_context[name].kv_cache = kv_caches[name]
+            layer.kv_cache = kv_caches[name]
 
 
 def bind_kv_cache(
