@@ -9,7 +9,6 @@ from typing import Any
 import attrs
 import pluggy
 
-from kvcore._validate import positive_int
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import call_first
@@ -101,25 +100,6 @@ def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
     )
 
 
-def pick_common_block_size(
-    manager: int, offers: Sequence[tuple[str, Sequence[int | MultipleOf]]]
-) -> int:
-    """The manager size when every offer takes it, else the largest offered int dividing it."""
-    manager = positive_int("kv_manager_block_size", manager)
-    sizes = [s for _, s in offers]
-    candidates = {
-        s for ss in sizes for s in ss if not isinstance(s, MultipleOf) and manager % s == 0
-    }
-    for size in [manager, *sorted(candidates, reverse=True)]:
-        if all(accepts(s, size) for s in sizes):
-            return size
-    offered = "; ".join(f"{name}: {s}" for name, s in offers)
-    raise ValueError(
-        f"No common block size for {manager} ({offered}). Use a manager block size "
-        "that every backend accepts or divides into a size they all accept."
-    )
-
-
 class HookAnswers:
     """Every hook answer one negotiation needs, each asked once per (backend, spec)."""
 
@@ -183,8 +163,20 @@ class HookAnswers:
         return new
 
     def common_block_size(self, manager: int, pairs: Sequence[tuple[type, Any]]) -> int:
+        """The manager size when every offer takes it, else the largest offered int dividing it."""
         offers = [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
-        return pick_common_block_size(manager, offers)
+        sizes = [s for _, s in offers]
+        candidates = {
+            s for ss in sizes for s in ss if not isinstance(s, MultipleOf) and manager % s == 0
+        }
+        for size in [manager, *sorted(candidates, reverse=True)]:
+            if all(accepts(s, size) for s in sizes):
+                return size
+        offered = "; ".join(f"{name}: {s}" for name, s in offers)
+        raise ValueError(
+            f"No common block size for {manager} ({offered}). Use a manager block size "
+            "that every backend accepts or divides into a size they all accept."
+        )
 
     def common_layouts(self, pairs: Sequence[tuple[type, Any]]) -> list[KVCacheLayout] | None:
         """Layouts every (backend, spec) reads, in the first choosy backend's order (None: any)."""
