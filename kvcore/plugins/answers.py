@@ -105,7 +105,7 @@ class HookAnswers:
 
     def __init__(self, plugin_manager: pluggy.PluginManager | None = None) -> None:
         self.pm = resolve_plugin_manager(plugin_manager)
-        self._kept: dict[tuple[str, type, Any], Any] = {}
+        self._kept: dict[tuple[Any, ...], Any] = {}
         #: key_of(customized spec) -> the backend whose customize hook padded its page
         self.padded_by: dict[Any, str] = {}
         self._alive: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
@@ -114,12 +114,13 @@ class HookAnswers:
         return resolve_backend(backend, self.pm)
 
     def _ask(
-        self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any
+        self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any,
+        **more: Any
     ) -> Any:
-        key = (hook, backend, key_of(spec))
+        key = (hook, backend, key_of(spec), *more.values())
         if key not in self._kept:
             self._alive.append(spec)
-            found = call_first(self.pm, hook, check, backend=backend, spec=spec)
+            found = call_first(self.pm, hook, check, backend=backend, spec=spec, **more)
             self._kept[key] = default if found is None else found
         return self._kept[key]
 
@@ -136,10 +137,7 @@ class HookAnswers:
 
     def priority(self, backend: type, spec: Any, device: Any) -> int:
         check = _instance_of(int, "an int priority")
-        found = call_first(
-            self.pm, "kvcore_backend_priority", check, backend=backend, spec=spec, device=device
-        )
-        return 0 if found is None else found
+        return self._ask("kvcore_backend_priority", check, 0, backend, spec, device=device)
 
     def customized_spec(self, backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec:
         """The hook's answer, aligned to ``MultipleOf(max(sizes))`` when every size is an int."""

@@ -1,8 +1,5 @@
-"""The hooks through which kvcore consults attention-backend plugins.
-
-A plugin is a module (or object) with functions marked ``@kvcore.hookimpl`` and named after the
-hooks below; kvcore never reads block sizes, layouts or spec changes off a backend class.
-"""
+"""The hooks through which kvcore consults attention-backend plugins (``@kvcore.hookimpl``
+functions); kvcore never reads block sizes, layouts or spec changes off a backend class."""
 
 from __future__ import annotations
 

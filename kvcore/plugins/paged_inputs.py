@@ -1,10 +1,5 @@
-"""Host-side input checks for paged-attention entry points, shared by backends.
-
-Shapes, dtypes and devices are always checked. Checks of tensor values (slots, query offsets,
-block ids) read device memory, a sync that stalls a GPU step and breaks CUDA graph capture: they
-run where :func:`value_checks` says (on for CPU tensors, off on GPUs, whose kernels skip
-out-of-range slots), unless ``validate=`` or ``KVCORE_DEBUG_CHECKS`` says otherwise.
-"""
+"""Host-side checks of paged-attention inputs, shared by backends: shapes, dtypes and devices
+always; tensor values (a device sync) only where :func:`value_checks` says (README: Backends)."""
 
 from __future__ import annotations
 
@@ -176,8 +171,8 @@ def check_batch(
     block_table: torch.Tensor,
     num_tokens: int,
 ) -> tuple[list[int], list[int]]:
-    """Validate a varlen batch's values (a value check); return its starts and lengths."""
-    check_batch_shapes(query_start_loc, seq_lens, block_table)
+    """Validate a varlen batch's values (a value check, after :func:`check_batch_shapes`);
+    return its starts and lengths."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens:
         raise ValueError(
