@@ -12,7 +12,7 @@ import pluggy
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import call_first
-from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
+from kvcore.plugins.registry import get_backend, resolve_plugin_manager
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec, MultipleOf
 
@@ -111,7 +111,13 @@ class HookAnswers:
         self._alive: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
 
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
-        return resolve_backend(backend, self.pm)
+        if isinstance(backend, str):
+            return get_backend(backend, self.pm)
+        if isinstance(backend, type) and issubclass(backend, AttentionBackend):
+            return backend
+        raise TypeError(
+            f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}"
+        )
 
     def _ask(
         self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any,
@@ -153,10 +159,9 @@ class HookAnswers:
                 new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(sizes)))
                 sizes_key = ("kvcore_supported_kernel_block_sizes", backend, key_of(new))
                 self._kept.setdefault(sizes_key, sizes)
-                self._alive.append(new)
         if padded:
             self.padded_by[key_of(new)] = label(backend)
-            self._alive.append(new)
+        self._alive.append(new)
         self._kept[key] = new
         return new
 
