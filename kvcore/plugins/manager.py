@@ -39,8 +39,7 @@ class PluginInfo:
     layouts: dict[str, list[str] | None] = attrs.field(factory=dict)
 
     def describe(self) -> str:
-        if self.entry_point is None:
-            return f"plugin {self.name!r} (registered in-process)"
+        """The plugin in messages: entry point, distribution and version."""
         return (
             f"plugin {self.name!r} (entry point '{self.entry_point}' of distribution "
             f"{self.distribution or '?'} {self.version or '?'})"
