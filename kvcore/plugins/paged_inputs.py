@@ -139,12 +139,12 @@ def check_kv_write(
     ``check_slots``: every slot must be below ``B * N`` (a device sync on GPUs); negative: padding.
     """
     head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
-    check_cache_view(kv_cache_view, head_size, head_size_v, dtypes)
+    head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v, dtypes)
     check_index("slot_mapping", slot_mapping, 1, kv_cache_view)
     num_tokens = slot_mapping.shape[0]
     num_blocks, num_heads, block_size, _ = kv_cache_view.shape
     check_tokens("key", key, num_tokens, num_heads, head_size, kv_cache_view)
-    check_tokens("value", value, num_tokens, num_heads, value.shape[-1], kv_cache_view)
+    check_tokens("value", value, num_tokens, num_heads, head_size_v, kv_cache_view)
     num_slots = num_blocks * block_size
     if check_slots and num_tokens and (top := int(slot_mapping.max())) >= num_slots:
         raise ValueError(
