@@ -9,11 +9,10 @@ from typing import Any
 import attrs
 import pluggy
 
-from kvcore._validate import positive_int
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import call_first
-from kvcore.plugins.registry import resolve_backend, resolve_plugin_manager
+from kvcore.plugins.registry import get_backend, resolve_plugin_manager
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec, MultipleOf
 
@@ -101,45 +100,33 @@ def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
     )
 
 
-def pick_common_block_size(
-    manager: int, offers: Sequence[tuple[str, Sequence[int | MultipleOf]]]
-) -> int:
-    """The manager size when every offer takes it, else the largest offered int dividing it."""
-    manager = positive_int("kv_manager_block_size", manager)
-    sizes = [s for _, s in offers]
-    candidates = {
-        s for ss in sizes for s in ss if not isinstance(s, MultipleOf) and manager % s == 0
-    }
-    for size in [manager, *sorted(candidates, reverse=True)]:
-        if all(accepts(s, size) for s in sizes):
-            return size
-    offered = "; ".join(f"{name}: {s}" for name, s in offers)
-    raise ValueError(
-        f"No common block size for {manager} ({offered}). Use a manager block size "
-        "that every backend accepts or divides into a size they all accept."
-    )
-
-
 class HookAnswers:
     """Every hook answer one negotiation needs, each asked once per (backend, spec)."""
 
     def __init__(self, plugin_manager: pluggy.PluginManager | None = None) -> None:
         self.pm = resolve_plugin_manager(plugin_manager)
-        self._kept: dict[tuple[str, type, Any], Any] = {}
+        self._kept: dict[tuple[Any, ...], Any] = {}
         #: key_of(customized spec) -> the backend whose customize hook padded its page
         self.padded_by: dict[Any, str] = {}
         self._alive: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
 
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
-        return resolve_backend(backend, self.pm)
+        if isinstance(backend, str):
+            return get_backend(backend, self.pm)
+        if isinstance(backend, type) and issubclass(backend, AttentionBackend):
+            return backend
+        raise TypeError(
+            f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}"
+        )
 
     def _ask(
-        self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any
+        self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any,
+        **more: Any
     ) -> Any:
-        key = (hook, backend, key_of(spec))
+        key = (hook, backend, key_of(spec), *more.values())
         if key not in self._kept:
             self._alive.append(spec)
-            found = call_first(self.pm, hook, check, backend=backend, spec=spec)
+            found = call_first(self.pm, hook, check, backend=backend, spec=spec, **more)
             self._kept[key] = default if found is None else found
         return self._kept[key]
 
@@ -156,10 +143,7 @@ class HookAnswers:
 
     def priority(self, backend: type, spec: Any, device: Any) -> int:
         check = _instance_of(int, "an int priority")
-        found = call_first(
-            self.pm, "kvcore_backend_priority", check, backend=backend, spec=spec, device=device
-        )
-        return 0 if found is None else found
+        return self._ask("kvcore_backend_priority", check, 0, backend, spec, device=device)
 
     def customized_spec(self, backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec:
         """The hook's answer, aligned to ``MultipleOf(max(sizes))`` when every size is an int."""
@@ -175,16 +159,27 @@ class HookAnswers:
                 new = attrs.evolve(new, block_stride_alignment=MultipleOf(max(sizes)))
                 sizes_key = ("kvcore_supported_kernel_block_sizes", backend, key_of(new))
                 self._kept.setdefault(sizes_key, sizes)
-                self._alive.append(new)
         if padded:
             self.padded_by[key_of(new)] = label(backend)
-            self._alive.append(new)
+        self._alive.append(new)
         self._kept[key] = new
         return new
 
     def common_block_size(self, manager: int, pairs: Sequence[tuple[type, Any]]) -> int:
+        """The manager size when every offer takes it, else the largest offered int dividing it."""
         offers = [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
-        return pick_common_block_size(manager, offers)
+        sizes = [s for _, s in offers]
+        candidates = {
+            s for ss in sizes for s in ss if not isinstance(s, MultipleOf) and manager % s == 0
+        }
+        for size in [manager, *sorted(candidates, reverse=True)]:
+            if all(accepts(s, size) for s in sizes):
+                return size
+        offered = "; ".join(f"{name}: {s}" for name, s in offers)
+        raise ValueError(
+            f"No common block size for {manager} ({offered}). Use a manager block size "
+            "that every backend accepts or divides into a size they all accept."
+        )
 
     def common_layouts(self, pairs: Sequence[tuple[type, Any]]) -> list[KVCacheLayout] | None:
         """Layouts every (backend, spec) reads, in the first choosy backend's order (None: any)."""

@@ -1,7 +1,5 @@
-"""The backend a device gets (``"auto"``) and the block size a backend prefers.
-
-Ability comes from ``kvcore_kernel_requirements``, preference from ``kvcore_backend_priority``.
-"""
+"""The backend a device gets (``"auto"``: requirements say which can, priority which wins) and
+the block size a backend prefers."""
 
 from __future__ import annotations
 

@@ -3,7 +3,6 @@ unique ``name``; what it accepts is declared through the hooks, not through attr
 
 from __future__ import annotations
 
-import inspect
 from typing import Any, ClassVar
 
 import attrs
@@ -36,28 +35,19 @@ class CommonAttentionMetadata:
     debug_checks: bool | None = None
 
 
+@attrs.define(slots=False, eq=False)
 class AttentionMetadataBuilder:
     """Turns :class:`CommonAttentionMetadata` into a backend's metadata (one per micro-batch)."""
 
     #: Set to True to receive ``block_table_width`` (columns of the block table).
     requires_block_table_width: ClassVar[bool] = False
 
-    def __init__(
-        self,
-        kv_cache_spec: KVCacheSpec,
-        layer_names: list[str],
-        device: torch.device | str,
-        *,
-        max_num_seqs: int,
-        max_model_len: int,
-        block_table_width: int | None = None,
-    ) -> None:
-        self.kv_cache_spec = kv_cache_spec
-        self.layer_names = list(layer_names)
-        self.device = torch.device(device)
-        self.max_num_seqs = max_num_seqs
-        self.max_model_len = max_model_len
-        self.block_table_width = block_table_width
+    kv_cache_spec: KVCacheSpec
+    layer_names: list[str] = attrs.field(converter=list)
+    device: torch.device = attrs.field(converter=torch.device)
+    max_num_seqs: int = attrs.field(kw_only=True)
+    max_model_len: int = attrs.field(kw_only=True)
+    block_table_width: int | None = attrs.field(default=None, kw_only=True)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, **kwargs: Any
@@ -111,9 +101,3 @@ class AttentionBackend:
             "overrides it"
         )
 
-
-def implements_forward(backend: type[AttentionBackend]) -> bool:
-    """Whether ``backend`` (or a base between it and AttentionBackend) overrides ``forward``."""
-    return inspect.getattr_static(backend, "forward", None) is not inspect.getattr_static(
-        AttentionBackend, "forward"
-    )

@@ -1,8 +1,5 @@
-"""The hooks through which kvcore consults attention-backend plugins.
-
-A plugin is a module (or object) with functions marked ``@kvcore.hookimpl`` and named after the
-hooks below; kvcore never reads block sizes, layouts or spec changes off a backend class.
-"""
+"""The hooks through which kvcore consults attention-backend plugins (``@kvcore.hookimpl``
+functions); kvcore never reads block sizes, layouts or spec changes off a backend class."""
 
 from __future__ import annotations
 
@@ -41,12 +38,10 @@ def kvcore_register_backends(register: Callable[[type[AttentionBackend]], None])
 def kvcore_supported_kernel_block_sizes(
     backend: type[AttentionBackend], spec: KVCacheSpec | None
 ) -> list[int | MultipleOf] | None:
-    """Kernel block sizes (in tokens) a backend's kernels accept for a spec.
+    """Kernel block sizes (in tokens) ``backend``'s kernels accept for the layer's ``spec`` (None
+    when no spec is known). Stops at the first non-None result; the core default, tried last,
+    accepts any size.
 
-    Stops at the first non-None result. The core default, tried last, accepts any size.
-
-    :param backend: the backend class kvcore is asking about.
-    :param spec: the layer's KV cache spec, or None when no spec is known.
     :returns: a non-empty list of ``int`` (that size only) and ``MultipleOf(base)`` for a
         backend this plugin owns, else None. The first ``int`` is the size the backend prefers.
     """
@@ -54,12 +49,10 @@ def kvcore_supported_kernel_block_sizes(
 
 @hookspec(firstresult=True)
 def kvcore_customize_spec(backend: type[AttentionBackend], spec: KVCacheSpec) -> KVCacheSpec | None:
-    """Adjust a layer's KV cache spec to what a backend stores (e.g. head padding).
+    """Adjust the spec the engine described for a layer to what ``backend``, which will serve it,
+    stores (e.g. head padding). Stops at the first non-None result; the core default returns
+    ``spec`` unchanged.
 
-    Stops at the first non-None result. The core default returns ``spec`` unchanged.
-
-    :param backend: the backend class that will serve the layer.
-    :param spec: the spec the engine described for the layer.
     :returns: a new spec (``attrs.evolve``) for a backend this plugin owns, else None.
     """
 
@@ -68,12 +61,10 @@ def kvcore_customize_spec(backend: type[AttentionBackend], spec: KVCacheSpec) ->
 def kvcore_supported_layouts(
     backend: type[AttentionBackend], spec: KVCacheSpec | None
 ) -> list[KVCacheLayout] | None:
-    """Physical KV cache layouts a backend's kernels can read.
+    """Physical KV cache layouts ``backend``'s kernels can read for the layer's ``spec`` (None
+    when no spec is known). Stops at the first non-None result; with no answer (the core
+    default), any layout goes.
 
-    Stops at the first non-None result. With no answer (the core default), any layout goes.
-
-    :param backend: the backend class kvcore is asking about.
-    :param spec: the layer's KV cache spec, or None when no spec is known.
     :returns: layouts (members or names), most preferred first, for a backend this plugin owns;
         None for any layout.
     """
@@ -83,14 +74,12 @@ def kvcore_supported_layouts(
 def kvcore_kernel_requirements(
     backend: type[AttentionBackend], spec: KVCacheSpec | None
 ) -> KernelRequirements | None:
-    """What a backend's kernels need of the memory they read: devices, dtypes, strides.
-
-    Stops at the first non-None result. The core default, tried last, states no requirement.
+    """What ``backend``'s kernels need of the memory they read for the layer's (customized)
+    ``spec`` (None when no spec is known): devices, dtypes, strides.
+    Stops at the first non-None result; the core default, tried last, states no requirement.
     ``KVCache.create`` checks every kernel view of the plan against it before allocating;
     :func:`kvcore.select_backend` reads its ``devices``, ``dtypes`` and ``head_sizes``.
 
-    :param backend: the backend class kvcore is asking about.
-    :param spec: the layer's (customized) KV cache spec, or None when no spec is known.
     :returns: a ``kvcore.KernelRequirements`` for a backend this plugin owns, else None.
     """
 
@@ -99,14 +88,11 @@ def kvcore_kernel_requirements(
 def kvcore_backend_priority(
     backend: type[AttentionBackend], spec: KVCacheSpec | None, device: torch.device
 ) -> int | None:
-    """How much a backend wants to serve ``spec`` on ``device`` (higher wins).
-
-    Stops at the first non-None result. The core default, tried last, is 0. Only asked about
+    """How much ``backend`` wants to serve the layer's ``spec`` (None when no spec is known) on
+    ``device``, the ``torch.device`` the cache will live on (higher wins).
+    Stops at the first non-None result; the core default, tried last, is 0. Only asked about
     backends whose requirements admit the device, dtype and head size.
 
-    :param backend: the backend class kvcore is asking about.
-    :param spec: the layer's KV cache spec, or None when no spec is known.
-    :param device: the ``torch.device`` the cache will live on.
     :returns: an ``int`` for a backend this plugin owns, else None.
     """
 

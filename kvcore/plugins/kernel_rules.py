@@ -1,8 +1,5 @@
-"""Holding a plan to its backends' ``KernelRequirements``, before anything is allocated.
-
-With no explicit layout the first preferred layout whose kernel views meet every rule wins;
-otherwise :class:`~kvcore.errors.KernelRequirementError` names backend, layer, rule and remedy.
-"""
+"""Holding a plan to its backends' ``KernelRequirements`` before anything is allocated: the first
+preferred layout that meets every rule, else a ``KernelRequirementError`` with a remedy."""
 
 from __future__ import annotations
 
@@ -93,8 +90,19 @@ def _meets(*args: Any) -> bool:
         return False
 
 
+def _resized(layer_specs: Specs, backends: Backends, answers: HookAnswers, size: int) -> Specs:
+    """``layer_specs`` with ``size``-token attention blocks, as their backends store them."""
+    out = {}
+    for name, spec in layer_specs.items():
+        if isinstance(spec, AttentionSpec):
+            spec = spec.copy_with_new_block_size(size)
+        out[name] = answers.customized_spec(backends[name], spec) if name in backends else spec
+    return out
+
+
 def _remedy(
     layer_specs: Specs,
+    specs: Specs,
     backends: Backends,
     answers: HookAnswers,
     untried: Sequence[KVCacheLayout],
@@ -102,14 +110,6 @@ def _remedy(
     budget: dict,
 ) -> str:
     """A layout, else a block size (with a layout), that meets every rule."""
-
-    def customized(layers: Specs) -> Specs:
-        return {
-            n: answers.customized_spec(backends[n], s) if n in backends else s
-            for n, s in layers.items()
-        }
-
-    specs = customized(layer_specs)
     good = [lay for lay in untried if _meets(specs, backends, answers, lay, budget)]
     if good:
         return f"layout {good[0].name} meets every rule (pass layout={good[0].name!r} or None)"
@@ -117,15 +117,11 @@ def _remedy(
     tries = [sizes[0] // 2, sizes[0] // 4, sizes[0] * 2, sizes[0] * 4] if len(sizes) == 1 else []
     for size in tries:
         try:
-            resized = {
-                n: s.copy_with_new_block_size(size) if isinstance(s, AttentionSpec) else s
-                for n, s in layer_specs.items()
-            }
-            specs = customized(resized)
+            resized = _resized(layer_specs, backends, answers, size)
         except ValueError:
             continue
         for lay in candidates:
-            if _meets(specs, backends, answers, lay, budget):
+            if _meets(resized, backends, answers, lay, budget):
                 return f"{size}-token blocks in layout {lay.name} meet every rule"
     return (
         "no layout or block size tried meets it; plan fewer blocks or serve these layers with "
@@ -172,7 +168,7 @@ def plan_meeting_rules(
     if first is None:
         raise error  # type: ignore[misc]
     untried = [c for c in candidates if c not in tried]
-    remedy = _remedy(layer_specs, backends, answers, untried, candidates, budget)
+    remedy = _remedy(layer_specs, specs, backends, answers, untried, candidates, budget)
     names = ", ".join(c.name for c in candidates)
     prefix = "" if explicit else f"no layout of [{names}] meets every kernel rule: "
     raise KernelRequirementError(f"{prefix}{first}; {remedy}")

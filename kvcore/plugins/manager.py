@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import logging
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -14,7 +15,7 @@ import pluggy
 
 from kvcore.errors import PluginError
 from kvcore.plugins import hookspecs
-from kvcore.plugins.backend import AttentionBackend, implements_forward
+from kvcore.plugins.backend import AttentionBackend
 
 logger = logging.getLogger("kvcore.plugins")
 
@@ -38,8 +39,7 @@ class PluginInfo:
     layouts: dict[str, list[str] | None] = attrs.field(factory=dict)
 
     def describe(self) -> str:
-        if self.entry_point is None:
-            return f"plugin {self.name!r} (registered in-process)"
+        """The plugin in messages: entry point, distribution and version."""
         return (
             f"plugin {self.name!r} (entry point '{self.entry_point}' of distribution "
             f"{self.distribution or '?'} {self.version or '?'})"
@@ -271,7 +271,7 @@ def _check_backend(pm: pluggy.PluginManager, backend: Any, owner: str) -> None:
         problem = (
             f"registered {backend.__qualname__} without a non-empty str class attribute 'name'"
         )
-    elif not implements_forward(backend):
+    elif inspect.getattr_static(backend, "forward") is AttentionBackend.__dict__["forward"]:
         problem = (
             f"registered {backend.__qualname__} ({backend.name!r}), which does not implement "
             "forward(query, key, value, kv_cache_view, metadata, *, head_size, scale, "

@@ -1,10 +1,5 @@
-"""Host-side input checks for paged-attention entry points, shared by backends.
-
-Shapes, dtypes and devices are always checked. Checks of tensor values (slots, query offsets,
-block ids) read device memory, a sync that stalls a GPU step and breaks CUDA graph capture: they
-run where :func:`value_checks` says (on for CPU tensors, off on GPUs, whose kernels skip
-out-of-range slots), unless ``validate=`` or ``KVCORE_DEBUG_CHECKS`` says otherwise.
-"""
+"""Host-side checks of paged-attention inputs, shared by backends: shapes, dtypes and devices
+always; tensor values (a device sync) only where :func:`value_checks` says (README: Backends)."""
 
 from __future__ import annotations
 
@@ -144,12 +139,12 @@ def check_kv_write(
     ``check_slots``: every slot must be below ``B * N`` (a device sync on GPUs); negative: padding.
     """
     head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
-    check_cache_view(kv_cache_view, head_size, head_size_v, dtypes)
+    head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v, dtypes)
     check_index("slot_mapping", slot_mapping, 1, kv_cache_view)
     num_tokens = slot_mapping.shape[0]
     num_blocks, num_heads, block_size, _ = kv_cache_view.shape
     check_tokens("key", key, num_tokens, num_heads, head_size, kv_cache_view)
-    check_tokens("value", value, num_tokens, num_heads, value.shape[-1], kv_cache_view)
+    check_tokens("value", value, num_tokens, num_heads, head_size_v, kv_cache_view)
     num_slots = num_blocks * block_size
     if check_slots and num_tokens and (top := int(slot_mapping.max())) >= num_slots:
         raise ValueError(
@@ -176,8 +171,8 @@ def check_batch(
     block_table: torch.Tensor,
     num_tokens: int,
 ) -> tuple[list[int], list[int]]:
-    """Validate a varlen batch's values (a value check); return its starts and lengths."""
-    check_batch_shapes(query_start_loc, seq_lens, block_table)
+    """Validate a varlen batch's values (a value check, after :func:`check_batch_shapes`);
+    return its starts and lengths."""
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens:
         raise ValueError(

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import importlib.metadata
 import warnings
-from typing import Any
 
 import attrs
 import pluggy
@@ -177,18 +176,6 @@ def get_backend(
             "install the plugin that provides it or check KVCORE_PLUGINS/KVCORE_BLOCK_PLUGINS"
         )
     return found[0][0]
-
-
-def resolve_backend(
-    backend: Any, plugin_manager: pluggy.PluginManager | None = None
-) -> type[AttentionBackend]:
-    if isinstance(backend, str):
-        return get_backend(backend, plugin_manager)
-    if isinstance(backend, type) and issubclass(backend, AttentionBackend):
-        return backend
-    raise TypeError(
-        f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}"
-    )
 
 
 def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[PluginInfo]:

@@ -1,8 +1,5 @@
-"""What a backend's kernels need of the memory they read, beyond a block size.
-
-*Ability* rules (device types, cache dtypes, head sizes) decide which backend may serve a layer;
-*memory* rules (largest stride, byte alignment) are checked on every kernel view of a plan.
-"""
+"""What a backend's kernels need of the memory they read: *ability* rules (device types, dtypes,
+head sizes) pick the backend, *memory* rules (stride, alignment) hold every kernel view."""
 
 from __future__ import annotations
 
@@ -29,7 +26,7 @@ def _device_type(item: Any) -> None:
             f"KernelRequirements.devices must hold device type names such as 'cuda', got {item!r}"
         )
     try:
-        valid = torch.device(item).type == item and torch.device(item).index is None
+        valid = torch.device(item).type == item  # NOTE: "cuda:0" has type "cuda"
     except (RuntimeError, ValueError):
         valid = False
     if not valid:
@@ -45,7 +42,6 @@ def _dtype(item: Any) -> None:
 
 
 def _each(check: Callable[[Any], Any]) -> Callable[[Any, Any, Any], None]:
-
     def validate(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
         if value is not None and not value:
             raise ValueError(f"KernelRequirements.{attribute.name} is empty; pass None for any")
@@ -104,7 +100,7 @@ class KernelRequirements:
             return f"takes cache dtypes {names}, not {got} (rule: dtypes)"
         sizes = self.head_sizes
         if head_size is not None and sizes is not None and head_size not in sizes:
-            return f"takes head sizes {list(self.head_sizes)}, not {head_size} (rule: head_sizes)"
+            return f"takes head sizes {list(sizes)}, not {head_size} (rule: head_sizes)"
         return None
 
     def view_violation(
