@@ -171,7 +171,7 @@ def check_batch(
     block_table: torch.Tensor,
     num_tokens: int,
 ) -> tuple[list[int], list[int]]:
-    """Validate a varlen batch's shapes and values (a value check); return its starts and lengths."""
+    """Validate a varlen batch's shapes and values (a value check); its starts and lengths."""
     check_batch_shapes(query_start_loc, seq_lens, block_table)
     starts, lens = query_start_loc.tolist(), seq_lens.tolist()
     if starts[0] != 0 or starts[-1] != num_tokens:
