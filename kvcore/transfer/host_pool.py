@@ -1,6 +1,5 @@
-"""HostKVPool: a host mirror of KV cache blocks; host slot ``h`` holds one block's runs back to
-back. Blocks of equal, aligned runs (any layout of a plain attention model) are gathered on the
-device in host-slot order, so host copies move whole slots; others move run by run."""
+"""HostKVPool: a host mirror of KV cache blocks, each host slot one block's runs back to back;
+blocks of equal, aligned runs are gathered on the device in host-slot order first."""
 
 from __future__ import annotations
 
@@ -47,25 +46,23 @@ class CopyHandle:
             self._event.synchronize()
 
 
-def _staging(patterns: tuple[BlockPattern, ...]) -> tuple[int, int, torch.Tensor] | None:
-    """``(run bytes, runs per block stride, run starts in runs)`` of blocks of equal, aligned
-    runs (rows of one table), else None."""
+def _staging(
+    patterns: tuple[BlockPattern, ...], buffer: torch.Tensor
+) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+    """Blocks of equal, aligned runs as rows of a table over ``buffer`` (flat int8, viewed in
+    the widest integer dividing a run): ``(table, rows per block stride, run starts in rows)``,
+    else None."""
     if len(patterns) != 1:
         return None
     p = patterns[0]
     run = p.lengths[0]
     if any(n != run for n in p.lengths) or p.block_stride % run or any(s % run for s in p.starts):
         return None
-    return run, p.block_stride // run, torch.tensor(p.starts, dtype=torch.int64) // run
-
-
-def _run_table(buffer: torch.Tensor, run_bytes: int) -> torch.Tensor:
-    """``buffer`` (flat int8) as rows of ``run_bytes``, in the widest integer dividing a row."""
-    table = buffer[: buffer.numel() // run_bytes * run_bytes].view(-1, run_bytes)
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if run_bytes % dtype.itemsize == 0 and buffer.data_ptr() % dtype.itemsize == 0:
-            return table.view(dtype)
-    return table
+    wide = next((dtype for dtype in (torch.int64, torch.int32, torch.int16)
+                 if run % dtype.itemsize == 0 and buffer.data_ptr() % dtype.itemsize == 0),
+                torch.int8)
+    table = buffer[: buffer.numel() // run * run].view(-1, run).view(wide)
+    return table, p.block_stride // run, torch.tensor(p.starts, dtype=torch.int64) // run
 
 
 class HostKVPool:
@@ -98,7 +95,7 @@ class HostKVPool:
         groups = group_selection(self.descriptor, group_id)  # NOTE: checks group_id
         if groups not in self._layouts:
             patterns = whole_block_patterns(self.descriptor, groups)
-            self._layouts[groups] = (patterns, _staging(patterns))
+            self._layouts[groups] = (patterns, _staging(patterns, self._device_buf))
         return self._layouts[groups]
 
     def host_block(self, host_id: int) -> torch.Tensor:
@@ -138,16 +135,17 @@ class HostKVPool:
             handle.wait()
         return handle
 
-    def _staged_copy(self, staging: tuple[int, int, torch.Tensor], device_ids: torch.Tensor,
-                     host_ids: torch.Tensor, *, to_host: bool) -> list[PairedRuns]:
-        """Gather (or scatter) chunk by chunk through a ring of device buffers; returns the
-        host copies of each chunk.
+    def _staged_copy(self, staging: tuple, device_ids: torch.Tensor, host_ids: torch.Tensor, *,
+                     to_host: bool) -> list[PairedRuns]:
+        """Gather (or scatter) blocks of a :func:`_staging` table chunk by chunk through a ring
+        of device buffers; returns the host copies of each chunk.
 
         Offload: chunk ``k`` is gathered into buffer ``k % R`` on the caller's stream while
         the copy stream moves chunk ``k - 1`` to the host; a buffer is reused only after an
         event of the stream done with it (streams wait, never the host). Restore mirrors it.
         """
-        run_bytes, stride_rows, starts = staging
+        table, stride_rows, starts = staging
+        run_bytes = table.shape[1] * table.element_size()
         block = run_bytes * starts.numel()
         order = torch.argsort(host_ids, stable=True)  # host-slot order: consecutive slots merge
         rows = device_ids[order, None] * stride_rows + starts[None, :]
@@ -157,7 +155,6 @@ class HostKVPool:
             offsets = torch.arange(hosts.numel(), dtype=torch.int64) * block
             lengths = torch.full_like(offsets, block)
             plan.append(PairedRuns(0, 0, *merge_pairs(offsets, hosts * self.block_bytes, lengths)))
-        table = _run_table(self._device_buf, run_bytes)
         cuda = self.device.type == "cuda"
         # NOTE: one pinned upload of every chunk's row ids; a pageable one would sync the stream.
         rows = rows.pin_memory().to(self.device, non_blocking=True) if cuda else rows
