@@ -55,10 +55,8 @@ class _Peer:
 
 
 class NixlAgent:
-    """A NIXL agent named ``name`` serving ``kv_cache``'s blocks (UCX by default).
-
-    ``progress_thread=False``: NIXL progresses transfers only while a handle is polled.
-    """
+    """A NIXL agent named ``name`` serving ``kv_cache``'s blocks (UCX by default); with
+    ``progress_thread=False`` NIXL progresses transfers only while a handle is polled."""
 
     def __init__(self, name: str, kv_cache: KVCache, *, backends: tuple[str, ...] = ("UCX",),
                  progress_thread: bool = True) -> None:
