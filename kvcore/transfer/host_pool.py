@@ -101,9 +101,8 @@ class HostKVPool:
     def host_block(self, host_id: int) -> torch.Tensor:
         """The bytes of host slot ``host_id`` (a view of the mirror)."""
         if type(host_id) is not int or not 0 <= host_id < self.num_host_blocks:
-            raise ValueError(
-                f"host block {host_id!r} is not an integer in [0, {self.num_host_blocks})"
-            )
+            raise ValueError(f"host block {host_id!r} is not an integer in "
+                             f"[0, {self.num_host_blocks})")
         return self.host[host_id * self.block_bytes : (host_id + 1) * self.block_bytes]
 
     def offload(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
