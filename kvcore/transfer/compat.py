@@ -107,12 +107,14 @@ def check_peer(
     """Refuse peer ``name`` unless whole blocks (or, ``heads_may_differ``, head slices) can
     move; returns why whole blocks cannot (a peer for head slices only), or None."""
     reason = incompatibility(local, remote)
-    if reason is not None and not heads_may_differ:
+    if reason is None:
+        return None
+    if not heads_may_differ:
         raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {name!r}: {reason}")
-    if reason is not None:
-        rows = [head_slice_mismatch(local, remote, g.group_id, None) for g in local.groups
-                if g.layers]
-        if len(remote.groups) != len(local.groups) or any(rows):
-            why = next((r for r in rows if r), "the KV cache groups differ")
-            raise IncompatiblePeerError(f"cannot exchange KV heads with peer {name!r}: {why}")
+    why = "the KV cache groups differ" if len(remote.groups) != len(local.groups) else None
+    for group in local.groups:
+        if why is None and group.layers:
+            why = head_slice_mismatch(local, remote, group.group_id, None)
+    if why is not None:
+        raise IncompatiblePeerError(f"cannot exchange KV heads with peer {name!r}: {why}")
     return reason
