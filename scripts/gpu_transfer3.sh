@@ -30,8 +30,8 @@ run() {  # run NAME LIMIT CMD...: output in $OUT/NAME.log, one summary line
   [ $rc = 0 ] || STATUS=1
 }
 
-run host_pool_tests 60 $PY -m pytest -x -q -p no:cacheprovider tests/test_host_pool.py
-run host_pool_staged 60 $PY - <<'EOF'
+run host_pool_tests 50 $PY -m pytest -x -q -p no:cacheprovider tests/test_host_pool.py
+run host_pool_staged 40 $PY - <<'EOF'
 import sys, time
 sys.path.insert(0, "tests")
 import torch
@@ -70,5 +70,5 @@ for layout in ("BLNHC", "LBNHC", "LHBNC", "BHLNC"):
 print("PASS" if ok else "FAIL")
 sys.exit(0 if ok else 1)
 EOF
-run nixl_gpu_tests 100 $PY -m pytest -x -q -p no:cacheprovider tests/test_nixl_gpu.py
+run nixl_gpu_tests 80 $PY -m pytest -x -q -p no:cacheprovider tests/test_nixl_gpu.py
 echo "transfer3 GPU check: $([ $STATUS = 0 ] && echo PASS || echo FAIL) (logs in $OUT)"
