@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from _nixl_workers import fill
-from _transfer_caches import block_rows, brute_force_bytes, plugin_manager, raw_buffer
+from _transfer_caches import block_rows, brute_force_bytes, make_cache, plugin_manager, raw_buffer
 from kvcore import FullAttentionSpec, KVCache
 from kvcore_torch.backend import TorchAttentionBackend
 
@@ -89,6 +89,18 @@ def test_a_kvcore_error_before_the_read_is_not_reported_as_a_nixl_failure(monkey
             b.read_head_slice(peer, [4], [2], head_start=2)
         assert not isinstance(info.value, transfer.TransferError)
         assert "reconnect" not in str(info.value)
+    finally:
+        a.close()
+        b.close()
+
+
+def test_a_peer_with_other_kv_cache_groups_is_refused_for_head_slices_too():
+    """heads_may_differ still needs the same KV cache groups: refused with why, not a bad group id."""
+    a, b = agent("hybrid", make_cache("hybrid", "BLNHC")), agent("uniform", make_cache("uniform", "BLNHC"))
+    try:
+        with pytest.raises(transfer.IncompatiblePeerError, match="KV cache groups differ"):
+            a.connect(b.metadata(), heads_may_differ=True)
+        assert a.peers == []
     finally:
         a.close()
         b.close()

@@ -64,11 +64,8 @@ def _facts(local: KVCacheDescriptor, remote: KVCacheDescriptor) -> Iterator[tupl
 
 
 def incompatibility(local: KVCacheDescriptor, remote: KVCacheDescriptor) -> str | None:
-    """Why whole blocks cannot move between ``local`` and ``remote`` unchanged, or None.
-
-    Block counts and addresses may differ; layout, groups, block sizes, dtypes, heads
-    and the runs of a block must not.
-    """
+    """Why whole blocks cannot move between ``local`` and ``remote`` unchanged, or None (block
+    counts and addresses may differ; layout, groups, sizes, dtypes, heads and runs may not)."""
     for what, here, there in _facts(local, remote):
         if here != there:
             return f"{what}: {here} here, {there} on the peer"
@@ -84,10 +81,8 @@ def incompatibility(local: KVCacheDescriptor, remote: KVCacheDescriptor) -> str 
 def head_slice_mismatch(
     local: KVCacheDescriptor, remote: KVCacheDescriptor, group_id: int, head_start: int | None
 ) -> str | None:
-    """Why the local heads cannot be read from remote heads ``head_start...``, or None.
-
-    ``head_start=None`` checks only that the rows agree (head counts may differ).
-    """
+    """Why the local heads cannot be read from remote heads ``head_start...``, or None;
+    ``head_start=None`` checks only that the rows agree (head counts may differ)."""
     a, b = local.group(group_id), remote.group(group_id)
     if a.block_size != b.block_size:
         return f"group {group_id} block size: {a.block_size} here, {b.block_size} on the peer"
@@ -112,12 +107,14 @@ def check_peer(
     """Refuse peer ``name`` unless whole blocks (or, ``heads_may_differ``, head slices) can
     move; returns why whole blocks cannot (a peer for head slices only), or None."""
     reason = incompatibility(local, remote)
-    if reason is not None and not heads_may_differ:
+    if reason is None:
+        return None
+    if not heads_may_differ:
         raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {name!r}: {reason}")
-    if reason is not None:
-        rows = [head_slice_mismatch(local, remote, g.group_id, None) for g in local.groups
-                if g.layers]
-        if len(remote.groups) != len(local.groups) or any(rows):
-            why = next((r for r in rows if r), "the KV cache groups differ")
-            raise IncompatiblePeerError(f"cannot exchange KV heads with peer {name!r}: {why}")
+    why = "the KV cache groups differ" if len(remote.groups) != len(local.groups) else None
+    for group in local.groups:
+        if why is None and group.layers:
+            why = head_slice_mismatch(local, remote, group.group_id, None)
+    if why is not None:
+        raise IncompatiblePeerError(f"cannot exchange KV heads with peer {name!r}: {why}")
     return reason

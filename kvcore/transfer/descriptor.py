@@ -1,8 +1,5 @@
-"""The KV cache descriptor: where every byte of every block lives, as plain, versioned data.
-
-``describe(kv_cache)`` reads it from a live cache; it round-trips through JSON so that
-another process or project can read it without kvcore (``docs/kv-descriptor.md``).
-"""
+"""The KV cache descriptor (``describe``): where every byte of every block lives, as plain,
+versioned data that round-trips through JSON (the format: ``docs/kv-descriptor.md``)."""
 
 from __future__ import annotations
 

@@ -1,11 +1,9 @@
-"""HostKVPool: a host mirror of KV cache blocks; host slot ``h`` holds one block's runs back to
-back. Blocks of equal, aligned runs (any layout of a plain attention model) are gathered on the
-device in host-slot order, so host copies move whole slots; others move run by run."""
+"""HostKVPool: a host mirror of KV cache blocks, each host slot one block's runs back to back;
+blocks of equal, aligned runs are gathered on the device in host-slot order first."""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -20,15 +18,6 @@ from kvcore.transfer.regions import BlockPattern, group_selection, paired_ids, w
 CHUNK_BYTES = 32 << 20
 #: Device staging buffers in flight: at most this many chunks of device memory per call.
 RING_BUFFERS = 3
-
-
-@contextlib.contextmanager
-def _on(stream: torch.cuda.Stream | None, after: torch.cuda.Stream | None = None) -> Iterator[None]:
-    """Issue work on ``stream``, after the work queued so far on ``after`` (no-op on CPU)."""
-    if stream is not None and after is not None:
-        stream.wait_stream(after)
-    with torch.cuda.stream(stream):
-        yield
 
 
 def _copy_runs(device: torch.Tensor, host: torch.Tensor, copies: PairedRuns, to_host: bool) -> None:
@@ -57,45 +46,23 @@ class CopyHandle:
             self._event.synchronize()
 
 
-def _staging(patterns: tuple[BlockPattern, ...]) -> tuple[int, int, torch.Tensor] | None:
-    """``(run bytes, runs per block stride, run starts in runs)`` of blocks of equal, aligned
-    runs (rows of one table), else None."""
+def _staging(
+    patterns: tuple[BlockPattern, ...], buffer: torch.Tensor
+) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+    """Blocks of equal, aligned runs as rows of a table over ``buffer`` (flat int8, viewed in
+    the widest integer dividing a run): ``(table, rows per block stride, run starts in rows)``,
+    else None."""
     if len(patterns) != 1:
         return None
     p = patterns[0]
     run = p.lengths[0]
     if any(n != run for n in p.lengths) or p.block_stride % run or any(s % run for s in p.starts):
         return None
-    return run, p.block_stride // run, torch.tensor(p.starts, dtype=torch.int64) // run
-
-
-def _staged_chunks(
-    staging: tuple[int, int, torch.Tensor], block: int, device_ids: torch.Tensor,
-    host_ids: torch.Tensor, slot_bytes: int,
-) -> list[tuple[torch.Tensor, PairedRuns]]:
-    """``[(table rows, copies from the chunk buffer)]`` of ``block``-byte blocks, by chunk."""
-    _, stride_rows, starts = staging
-    order = torch.argsort(host_ids, stable=True)  # host-slot order: consecutive slots merge
-    device_ids, host_ids = device_ids[order], host_ids[order]
-    rows = device_ids[:, None] * stride_rows + starts[None, :]
-    per_chunk = max(1, CHUNK_BYTES // block)
-    chunks = []
-    for first in range(0, device_ids.numel(), per_chunk):
-        hosts = host_ids[first : first + per_chunk]
-        staging_offsets = torch.arange(hosts.numel(), dtype=torch.int64) * block
-        lengths = torch.full_like(staging_offsets, block)
-        copies = PairedRuns(0, 0, *merge_pairs(staging_offsets, hosts * slot_bytes, lengths))
-        chunks.append((rows[first : first + per_chunk].reshape(-1), copies))
-    return chunks
-
-
-def _run_table(buffer: torch.Tensor, run_bytes: int) -> torch.Tensor:
-    """``buffer`` (flat int8) as rows of ``run_bytes``, in the widest integer dividing a row."""
-    table = buffer[: buffer.numel() // run_bytes * run_bytes].view(-1, run_bytes)
-    for dtype in (torch.int64, torch.int32, torch.int16):
-        if run_bytes % dtype.itemsize == 0 and buffer.data_ptr() % dtype.itemsize == 0:
-            return table.view(dtype)
-    return table
+    wide = next((dtype for dtype in (torch.int64, torch.int32, torch.int16)
+                 if run % dtype.itemsize == 0 and buffer.data_ptr() % dtype.itemsize == 0),
+                torch.int8)
+    table = buffer[: buffer.numel() // run * run].view(-1, run).view(wide)
+    return table, p.block_stride // run, torch.tensor(p.starts, dtype=torch.int64) // run
 
 
 class HostKVPool:
@@ -112,8 +79,8 @@ class HostKVPool:
         self.kv_cache, self.staging, self.device = kv_cache, bool(staging), kv_cache.device
         self.descriptor = describe(kv_cache)
         self._device_buf = raw_allocation(kv_cache)
-        #: group selection -> (patterns, staging), worked out on first use (the cache is fixed)
-        self._layouts: dict[int | None, tuple[tuple[BlockPattern, ...], Any]] = {}
+        #: group ids -> (patterns, staging), worked out on first use (the cache is fixed)
+        self._layouts: dict[tuple[int, ...], tuple[tuple[BlockPattern, ...], Any]] = {}
         self.block_bytes = 0
         for group_id in [None, *(g.group_id for g in self.descriptor.groups if g.layers)]:
             with contextlib.suppress(ValueError):  # NOTE: groups at other strides move one by one
@@ -125,19 +92,17 @@ class HostKVPool:
 
     def _layout(self, group_id: int | None) -> tuple[tuple[BlockPattern, ...], Any]:
         """The block patterns of a group selection and their staging (:func:`_staging`)."""
-        known = self._layouts.get(group_id) if group_id is None or type(group_id) is int else None
-        if known is None:
-            groups = group_selection(self.descriptor, group_id)  # NOTE: checks group_id
+        groups = group_selection(self.descriptor, group_id)  # NOTE: checks group_id
+        if groups not in self._layouts:
             patterns = whole_block_patterns(self.descriptor, groups)
-            known = self._layouts[group_id] = (patterns, _staging(patterns))
-        return known
+            self._layouts[groups] = (patterns, _staging(patterns, self._device_buf))
+        return self._layouts[groups]
 
     def host_block(self, host_id: int) -> torch.Tensor:
         """The bytes of host slot ``host_id`` (a view of the mirror)."""
         if type(host_id) is not int or not 0 <= host_id < self.num_host_blocks:
-            raise ValueError(
-                f"host block {host_id!r} is not an integer in [0, {self.num_host_blocks})"
-            )
+            raise ValueError(f"host block {host_id!r} is not an integer in "
+                             f"[0, {self.num_host_blocks})")
         return self.host[host_id * self.block_bytes : (host_id + 1) * self.block_bytes]
 
     def offload(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
@@ -158,56 +123,65 @@ class HostKVPool:
                                first_is_src=to_host)
         patterns, staging = self._layout(group_id)
         if self.staging and staging is not None and dev.numel():
-            chunks = _staged_chunks(staging, patterns[0].block_bytes, dev, host, self.block_bytes)
-            handle = self._staged_copy(staging[0], chunks, to_host=to_host)
+            plan = self._staged_copy(staging, dev, host, to_host=to_host)
         else:
             plan = pair_runs(patterns, dev, packed_patterns(patterns), host)
             for copies in plan:
                 _copy_runs(self._device_buf, self.host, copies, to_host)
-            handle = CopyHandle(None, sum(p.num_runs for p in plan), sum(p.nbytes for p in plan))
-        if self.device.type == "cuda":
-            handle._event = torch.cuda.current_stream().record_event()
+        event = torch.cuda.current_stream().record_event() if self.device.type == "cuda" else None
+        handle = CopyHandle(event, sum(p.num_runs for p in plan), sum(p.nbytes for p in plan))
         if not non_blocking:
             handle.wait()
         return handle
 
-    def _staged_copy(self, run_bytes: int, chunks: list[tuple[torch.Tensor, PairedRuns]], *,
-                     to_host: bool) -> CopyHandle:
-        """Gather (or scatter) chunk by chunk through a ring of device buffers.
+    def _staged_copy(self, staging: tuple, device_ids: torch.Tensor, host_ids: torch.Tensor, *,
+                     to_host: bool) -> list[PairedRuns]:
+        """Gather (or scatter) blocks of a :func:`_staging` table chunk by chunk through a ring
+        of device buffers; returns the host copies of each chunk.
 
         Offload: chunk ``k`` is gathered into buffer ``k % R`` on the caller's stream while
         the copy stream moves chunk ``k - 1`` to the host; a buffer is reused only after an
         event of the stream done with it (streams wait, never the host). Restore mirrors it.
         """
-        table = _run_table(self._device_buf, run_bytes)
+        table, stride_rows, starts = staging
+        run_bytes = table.shape[1] * table.element_size()
+        block = run_bytes * starts.numel()
+        order = torch.argsort(host_ids, stable=True)  # host-slot order: consecutive slots merge
+        rows = device_ids[order, None] * stride_rows + starts[None, :]
+        per_chunk = max(1, CHUNK_BYTES // block)
+        plan = []
+        for hosts in host_ids[order].split(per_chunk):
+            offsets = torch.arange(hosts.numel(), dtype=torch.int64) * block
+            lengths = torch.full_like(offsets, block)
+            plan.append(PairedRuns(0, 0, *merge_pairs(offsets, hosts * self.block_bytes, lengths)))
         cuda = self.device.type == "cuda"
-        sizes = [rows.numel() * run_bytes for rows, _ in chunks]
-        rows = torch.cat([rows for rows, _ in chunks])
         # NOTE: one pinned upload of every chunk's row ids; a pageable one would sync the stream.
         rows = rows.pin_memory().to(self.device, non_blocking=True) if cuda else rows
         main = torch.cuda.current_stream(self.device) if cuda else None
         if cuda and self._stream is None:
             self._stream = torch.cuda.Stream(self.device)
         side = self._stream if cuda else None
-        ring = [torch.empty(max(sizes), dtype=torch.int8, device=self.device)
-                for _ in range(min(RING_BUFFERS, len(chunks)))]
+        ring = [torch.empty(min(per_chunk, len(rows)) * block, dtype=torch.int8, device=self.device)
+                for _ in range(min(RING_BUFFERS, len(plan)))]
         free: list[torch.cuda.Event | None] = [None] * len(ring)
         if cuda:
             side.wait_stream(main)  # the caller's writes to the cache, and the ring's earlier users
-        ids_of_chunks = rows.split([chunk_rows.numel() for chunk_rows, _ in chunks])
-        for k, ((_, copies), size, ids) in enumerate(zip(chunks, sizes, ids_of_chunks)):
+        for k, (ids, copies) in enumerate(zip(rows.split(per_chunk), plan)):
             slot = k % len(ring)
-            flat = ring[slot][:size]
+            ids = ids.reshape(-1)
+            flat = ring[slot][: ids.numel() * run_bytes]
             packed = flat.view(table.dtype).view(-1, table.shape[1])
             if to_host:
                 if free[slot] is not None:
                     main.wait_event(free[slot])  # the copy out of this buffer is done
                 torch.index_select(table, 0, ids, out=packed)  # overlaps the previous chunk's copy
-                with _on(side, after=main):
+                if cuda:
+                    side.wait_stream(main)
+                with torch.cuda.stream(side):
                     _copy_runs(flat, self.host, copies, to_host=True)
                 free[slot] = side.record_event() if cuda else None
             else:
-                with _on(side):
+                with torch.cuda.stream(side):
                     if free[slot] is not None:
                         side.wait_event(free[slot])  # the scatter out of this buffer is done
                     _copy_runs(flat, self.host, copies, to_host=False)
@@ -219,4 +193,4 @@ class HostKVPool:
             for buffer in ring:
                 buffer.record_stream(side)
             main.wait_stream(side)  # later work on the caller's stream runs after the copies
-        return CopyHandle(None, sum(c.num_runs for _, c in chunks), sum(sizes))
+        return plan

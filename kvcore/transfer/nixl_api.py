@@ -55,8 +55,7 @@ def xfer_arrays(
             alloc = desc.allocations[index]
             device = torch.full_like(part.lengths, mem_type(alloc.device)[1])
             rows.append(torch.stack([offsets + alloc.base_ptr, part.lengths, device], dim=1))
-    np = importlib.import_module("numpy")  # NOTE: numpy comes with NIXL, so it is imported here
-    return tuple(torch.cat(rows).numpy().astype(np.uint64) for rows in sides)
+    return tuple(torch.cat(rows).numpy().astype("uint64") for rows in sides)
 
 
 class TransferHandle:
@@ -97,33 +96,31 @@ class PreparedRuns:
     every block, so descriptor ``r * num_blocks + b`` is that run in block ``b``."""
 
     def __init__(self, descriptor: KVCacheDescriptor, patterns) -> None:
-        np = importlib.import_module("numpy")  # NOTE: numpy comes with NIXL
         self.kind, self.device = mem_type(descriptor.allocations[patterns[0].allocation].device)
         bases = [descriptor.allocations[p.allocation].base_ptr for p in patterns]
-        self.starts = np.array([b + s for b, p in zip(bases, patterns) for s in p.starts], np.int64)
-        self.strides = np.array([p.block_stride for p in patterns for _ in p.starts], np.int64)
-        self.lengths = np.array([n for p in patterns for n in p.lengths], np.int64)
+        self.starts = torch.tensor([b + s for b, p in zip(bases, patterns) for s in p.starts])
+        self.strides = torch.tensor([p.block_stride for p in patterns for _ in p.starts])
+        self.lengths = torch.tensor([n for p in patterns for n in p.lengths])
         self.num_blocks = descriptor.num_blocks
         self.handle, self._agent = None, None
 
     def rows(self) -> Any:
-        """NIXL's Nx5 strided rows, one per run."""
-        np = importlib.import_module("numpy")
-        ones = np.ones_like(self.starts)
+        """NIXL's Nx5 strided rows, one per run (a uint64 numpy array)."""
+        ones = torch.ones_like(self.starts)
         rows = [self.starts, self.lengths, ones * self.device, self.strides, ones * self.num_blocks]
-        return np.stack(rows, axis=1).astype(np.uint64)
+        return torch.stack(rows, dim=1).numpy().astype("uint64")
 
     def prepare(self, agent: Any, owner: str) -> PreparedRuns:
         """Hand the rows to ``agent`` as ``owner``'s prepared list (``NIXL_INIT_AGENT``: local)."""
         self.handle, self._agent = agent.prep_xfer_dlist(owner, self.rows(), self.kind), agent
         return self
 
-    def indices(self, ids) -> tuple[Any, Any]:
-        """Descriptor indices of every run of blocks ``ids`` (run-major), and their addresses."""
-        np = importlib.import_module("numpy")
-        rows = np.arange(len(self.starts), dtype=np.int64)[:, None]
-        index = (rows * self.num_blocks + ids[None, :]).ravel().astype(np.int32)
-        return index, (self.starts[:, None] + self.strides[:, None] * ids).ravel()
+    def indices(self, ids: torch.Tensor) -> tuple[Any, torch.Tensor]:
+        """Descriptor indices of every run of blocks ``ids`` (run-major, an int32 numpy array for
+        NIXL), and their addresses."""
+        rows = torch.arange(self.starts.numel())[:, None]
+        index = (rows * self.num_blocks + ids[None, :]).flatten().to(torch.int32).numpy()
+        return index, (self.starts[:, None] + self.strides[:, None] * ids).flatten()
 
     def release(self) -> None:
         if self.handle is not None:
@@ -136,9 +133,8 @@ def paired_indices(local: PreparedRuns, far: PreparedRuns, loc: torch.Tensor,
     """Indices moving local blocks ``loc`` onto the peer's ``rem`` (pairwise), the copies they
     make once NIXL merges those adjacent on both sides, and their bytes."""
     order = torch.argsort(loc)  # NOTE: blocks adjacent on both sides become one copy in NIXL
-    local_index, local_addresses = local.indices(loc[order].numpy())
-    remote_index, remote_addresses = far.indices(rem[order].numpy())
-    lengths = torch.from_numpy(local.lengths.repeat(loc.numel()))
-    local_t, remote_t = torch.from_numpy(local_addresses), torch.from_numpy(remote_addresses)
-    copies = merge_pairs(local_t, remote_t, lengths)[0].numel()
+    local_index, local_addresses = local.indices(loc[order])
+    remote_index, remote_addresses = far.indices(rem[order])
+    lengths = local.lengths.repeat_interleave(loc.numel())
+    copies = merge_pairs(local_addresses, remote_addresses, lengths)[0].numel()
     return local_index, remote_index, copies, int(lengths.sum())

@@ -140,9 +140,8 @@ def block_patterns(
         lengths.extend([run] * len(offsets))
     patterns = []
     for (alloc, stride), runs in sorted(pieces.items()):
-        starts, lengths = merge_runs(*map(torch.tensor, runs))
-        runs = (tuple(starts.tolist()), tuple(lengths.tolist()))
-        patterns.append(BlockPattern(alloc, stride, *runs))
+        starts, lengths = (tuple(t.tolist()) for t in merge_runs(*map(torch.tensor, runs)))
+        patterns.append(BlockPattern(alloc, stride, starts, lengths))
     return tuple(patterns)
 
 

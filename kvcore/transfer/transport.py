@@ -1,9 +1,5 @@
-"""Which UCX transport carries a NixlAgent's transfers to a peer (inferred, and said so).
-
-NIXL 1.5 names a transfer's backend (``"UCX"``) but not the lane UCX picked (only UCX's log
-does: ``UCX_PROTO_INFO=y``), so kvcore infers it from what decides UCX's choice: the memory
-on both sides, where the peer runs (pid and host travel in kvcore's metadata) and ``UCX_TLS``.
-"""
+"""Which UCX transport carries a NixlAgent's transfers to a peer, inferred from the memory on
+both sides, where the peer runs and ``UCX_TLS`` (NIXL does not say which lane UCX picked)."""
 
 from __future__ import annotations
 
@@ -12,6 +8,8 @@ import socket
 from typing import Any
 
 import attrs
+
+from kvcore.transfer.nixl_api import mem_type
 
 # UCX_TLS aliases (UCX 1.18+ docs): a name in UCX_TLS that stands for several transports.
 _ALIASES = {
@@ -62,9 +60,7 @@ def transport_between(
     here = process_info()
     same_host = peer_info.get("host") == here["host"]
     same_process = same_host and peer_info.get("pid") == here["pid"]
-    mine, theirs = (
-        "VRAM" if d.allocations[0].device.startswith("cuda") else "DRAM" for d in (local, remote)
-    )
+    mine, theirs = (mem_type(d.allocations[0].device)[0] for d in (local, remote))
     vram = "VRAM" in (mine, theirs)
     if not same_host:
         candidates = ("rc", "dc", "tcp")
