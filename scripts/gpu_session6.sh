@@ -4,7 +4,7 @@
 #                                              and the interpreter off, then the graphed
 #                                              `kvcore bench hf` row and hybrid exactness
 #   PART=paths bash scripts/gpu_session6.sh   the GPU-only paths the round touched: each area's
-#                                              scripts/gpu_*3.sh that exists, and CudaBacking
+#                                              GPU script that exists, and CudaBacking
 #   PART=bench bash scripts/gpu_session6.sh   every benchmark's CUDA run through the kvcore.cli
 #                                              entry point (scripts/gpu_bench.sh, SKIP_TESTS=1)
 # NIXL from .whl/ (scripts/_nixl_env.sh). Logs under ${OUT:-/tmp/kvcore-gpu6}; each step is capped.
@@ -38,7 +38,8 @@ suite)
   step hybrid_exact 50 $PY scripts/gpu_hybrid_check.py "$OUT/hybrid_exact.json" ;;
 paths)
   TAIL=4 step cuda_backing 60 bash -c 'sed -n "/^timeout 60/,/^PY$/p" scripts/gpu_memspecs.sh | sed "1d;\$d" | '"$PY"' -'
-  for s in scripts/gpu_*3.sh; do
+  for s in scripts/gpu_{transfer,hf,memory,runtime}3.sh; do
+    [ -f "$s" ] || continue
     n=$(basename "$s" .sh); TAIL=12 step "$n" 200 env OUT="$OUT/$n" bash "$s"
   done ;;
 bench)
