@@ -1,7 +1,5 @@
-"""The pool of manager block ids a scheduler hands to sequences, with an optional prefix cache.
-
-Block 0 is the null block: never handed out, so a block table can use it as padding.
-"""
+"""The pool of manager block ids a scheduler hands to sequences, with an optional prefix cache;
+block 0 is the null block, never handed out, so a block table can use it as padding."""
 
 from __future__ import annotations
 

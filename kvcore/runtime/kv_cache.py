@@ -1,8 +1,5 @@
-"""KVCache: the whole path from layer specs to zeroed, kernel-ready views (SPEC §7).
-
-Every stage after planning reads the one negotiation record per KV cache group
-(:mod:`kvcore.plugins.negotiation`): attention groups, kernel views and the zeroer.
-"""
+"""KVCache: the whole path from layer specs to zeroed, kernel-ready views; every stage after
+planning reads the one negotiation record per KV cache group (SPEC §7)."""
 
 from __future__ import annotations
 

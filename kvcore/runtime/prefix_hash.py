@@ -1,7 +1,5 @@
-"""Chained block hashes (128-bit XXH3, equal on every machine) that name a block's contents.
-
-XXH3 is not cryptographic: users who do not trust each other need a per-tenant extra key.
-"""
+"""Chained block hashes (128-bit XXH3, equal on every machine) that name a block's contents;
+XXH3 is not cryptographic: users who do not trust each other need a per-tenant extra key."""
 
 from __future__ import annotations
 
