@@ -1,9 +1,5 @@
-"""What the zeroer is given, checked: layer views (or the seed's arguments) and block ids.
-
-A block id is an integer in ``[0, num_blocks)``: an ``int``, a NumPy integer, a 0-d integer CPU tensor, an
-element of an integer array or tensor. Bools, floats, strings and nested lists are refused with
-``ValueError``, a mapping with ``TypeError``, before anything is written.
-"""
+"""What the zeroer is given, checked: layer views (or the seed's arguments) and block ids, refused
+before anything is written (docs/zeroer.md lists what a block id may be)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The one Triton kernel that zeroes listed blocks, its validating launcher and its fast launcher.
-
-Offsets are in ``VEC``-word vectors from one int32 base tensor over the allocation (no pointer built from an
-integer). A bounded grid walks (id, chunk) work items. Ids come from ``ids_ptr`` or, for a host list of at most
-``LISTED``, by value in ``p0`` … ``p31`` (two 31-bit ids per int64 word): no copy before the launch.
-"""
+"""The one Triton kernel that zeroes listed blocks, its validating launcher and its fast launcher
+(ids from memory, or up to ``LISTED`` by value in the launch's parameters; docs/zeroer.md)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,5 @@
-"""The segment table: where every manager block of every layer lives.
-
-A *segment* is a byte run repeated per manager block: block ``b`` owns ``[offset + b * block_stride, ... + page)``
-(a view's runs: :func:`kvcore.memory.layout.block_runs`). Runs of one stride that touch or overlap merge (overlaid
-groups keep the widest page), so no byte is zeroed twice. The table does not depend on the blocks in use.
-"""
+"""The segment table: where every manager block of every layer lives, as merged byte runs repeated
+per block, so no byte is zeroed twice (docs/zeroer.md)."""
 
 from __future__ import annotations
 
