@@ -31,7 +31,7 @@ from kvcore.runtime.attn_group import AttentionGroup, map_kv_caches_to_kernel_bl
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
-from kvcore.specs import AttentionSpec, KVCacheSpec
+from kvcore.specs import KVCacheSpec
 from kvcore.specs.base import check_hashable
 
 
@@ -56,8 +56,7 @@ def _served_specs(
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
         raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
-    attention = [n for n, s in layer_specs.items() if isinstance(s, AttentionSpec)]
-    missing = [n for n in attention if n not in layer_backends]
+    missing = [n for n, s in layer_specs.items() if s.is_attention and n not in layer_backends]
     if missing:
         raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
     backends = {}
@@ -139,8 +138,7 @@ class KVCache:
             supported = layouts_meeting_rules(specs, backends, answers, supported, budget)
             layout = agree_layout(supported, specs.values(), group, layout)
             if num_blocks is None:
-                probe = plan_kv_cache(specs, layout, available_memory=available_memory)
-                num_blocks = probe.num_blocks
+                num_blocks = plan_kv_cache(specs, layout, available_memory=available_memory).num_blocks
             num_blocks, available_memory = agree_num_blocks(num_blocks, group), None
         budget = {"available_memory": available_memory, "num_blocks": num_blocks}
         if max_num_blocks is not None:  # NOTE: an elastic cache is planned for all its blocks
