@@ -78,10 +78,8 @@ def tensor_ids(ids: torch.Tensor, num_blocks: int, check: bool) -> torch.Tensor:
 def views_of_groups(attn_groups: Iterable[Any], kernel_block_sizes: list[int | None],
                     kv_caches: Mapping[str, torch.Tensor], num_blocks: int,
                     runner_only_attn_layers: Iterable[str] | None = None) -> dict[str, tuple[torch.Tensor, int]]:
-    """The views of ``attn_groups``' layers, but runner-only ones, missing ones and specs without layer views.
-
-    A packed kernel-block view is mapped back to manager blocks.
-    """
+    """The views of ``attn_groups``' layers (packed kernel-block views mapped back to manager blocks),
+    but runner-only ones, missing ones and specs without layer views."""
     skip = set(runner_only_attn_layers or ())
     views: dict[str, tuple[torch.Tensor, int]] = {}
     for group in flatten_attention_groups(attn_groups):

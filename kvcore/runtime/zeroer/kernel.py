@@ -100,12 +100,8 @@ def _hooked() -> bool:
 
 
 class ZeroLauncher:
-    """Launches over one allocation's chunk tables (checked when built) on ids its caller checked.
-
-    The first launch of a specialization (by value or not, ids dtype, 16-byte alignment) goes through
-    :func:`launch_table` and the JIT, later ones through the compiled kernel's own launcher (the JIT
-    under a launch hook, or where that launcher refuses the arguments: another Triton).
-    """
+    """Launches over one allocation's chunk tables on checked ids: the JIT first, then the compiled
+    kernel's own launcher (docs/zeroer.md says when the JIT serves again)."""
 
     def __init__(self, base: torch.Tensor, tables: list[torch.Tensor], num_blocks: int, vec: int, programs: int):
         self.base, self.tables, self.num_blocks, self.vec, self.programs = base, tables, num_blocks, vec, programs
