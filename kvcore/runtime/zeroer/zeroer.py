@@ -11,8 +11,9 @@ from typing import Any
 import torch
 
 from kvcore._validate import non_negative_int, positive_int
-from kvcore.runtime.zeroer.inputs import checked_views, host_ids, id_list, tensor_ids, views_of_groups
-from kvcore.runtime.zeroer.segments import Segment, allocations
+from kvcore.runtime.zeroer.inputs import (
+    Segment, allocations, checked_views, host_ids, id_list, tensor_ids, views_of_groups,
+)
 from kvcore.settings import Settings
 
 #: Largest run one kernel work item zeroes, and the finer chunks used when few ids leave SMs idle.
