@@ -72,9 +72,10 @@ def tensor_ids(ids: torch.Tensor, num_blocks: int, check: bool) -> torch.Tensor:
                          "(nothing was zeroed)")
     flat = ids.reshape(-1)
     flat = (flat if flat.dtype in (torch.int32, torch.int64) else flat.to(torch.int64)).contiguous()
-    for bound in (int(flat.min()), int(flat.max())) if check and flat.numel() else ():
-        if not 0 <= bound < num_blocks:
-            raise _refuse(bound, num_blocks, "is not")
+    if check and flat.numel():
+        for bound in (int(flat.min()), int(flat.max())):
+            if not 0 <= bound < num_blocks:
+                raise _refuse(bound, num_blocks, "is not")
     return flat
 
 

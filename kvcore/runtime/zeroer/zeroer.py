@@ -206,7 +206,9 @@ class KVBlockZeroer:
         """Compile the kernel (ids by value and from memory); zero block 0 only when ``num_kv_blocks > 0``."""
         if non_negative_int("num_kv_blocks", num_kv_blocks) > 0:
             self.zero_block_ids([0])
-        for alloc in self._allocations if self._launchers and not num_kv_blocks else ():
-            for words in (None, _kernel().pack_words([0])):  # NOTE: no ids: each launch compiles, stores nothing
-                _kernel().launch_table(alloc.base, self.block_id_buffer(1)[:1], self.num_blocks, alloc.tables[0],
-                                       alloc.vec_bytes // 4, 1, num_ids=0, words=words)
+        elif self._launchers:
+            ids = self.block_id_buffer(1)[:1]
+            for alloc in self._allocations:
+                for words in (None, _kernel().pack_words([0])):  # NOTE: no ids: each launch compiles, stores nothing
+                    _kernel().launch_table(alloc.base, ids, self.num_blocks, alloc.tables[0], alloc.vec_bytes // 4,
+                                           1, num_ids=0, words=words)
