@@ -138,7 +138,8 @@ class KVCache:
             supported = layouts_meeting_rules(specs, backends, answers, supported, budget)
             layout = agree_layout(supported, specs.values(), group, layout)
             if num_blocks is None:
-                num_blocks = plan_kv_cache(specs, layout, available_memory=available_memory).num_blocks
+                probe = plan_kv_cache(specs, layout, available_memory=available_memory)
+                num_blocks = probe.num_blocks
             num_blocks, available_memory = agree_num_blocks(num_blocks, group), None
         budget = {"available_memory": available_memory, "num_blocks": num_blocks}
         if max_num_blocks is not None:  # NOTE: an elastic cache is planned for all its blocks
