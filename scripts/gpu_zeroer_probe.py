@@ -58,7 +58,7 @@ def main() -> None:
         rows[f"ids_{n}"] = timed(lambda: zeroer.zero_block_ids(ids))
     if args.parts:
         from kvcore.runtime.zeroer import kernel
-        from kvcore.runtime.zeroer.id_buffer import current_stream_id
+        from kvcore.runtime.zeroer.zeroer import current_stream_id
 
         ids = [5]
         launcher = zeroer._launchers[0]

@@ -1,8 +1,5 @@
-"""Attention groups: the layers of one KV cache group that one backend serves.
-
-A group reads every decision from its negotiation record and holds the per-step
-buffers its backend needs (metadata builders, the persistent kernel block table).
-"""
+"""Attention groups: the layers of one KV cache group that one backend serves, a read-only view
+of their negotiation record plus the per-step buffers (metadata builders, kernel block table)."""
 
 from __future__ import annotations
 
@@ -305,10 +302,8 @@ def map_kv_caches_to_kernel_blocks(
     kv_caches: Mapping[str, torch.Tensor],
     attn_groups: Iterable[AttentionGroup] | Iterable[Iterable[AttentionGroup]],
 ) -> dict[str, torch.Tensor]:
-    """The views kernels read: each split group's layers addressed by kernel blocks.
-
-    ``kv_caches`` is not changed; ``attn_groups`` may be flat or nested per KV cache group.
-    """
+    """The views kernels read: each split group's layers addressed by kernel blocks
+    (``kv_caches`` is not changed; ``attn_groups`` may be flat or nested per KV cache group)."""
     mapped = dict(kv_caches)
     for group in flatten_attention_groups(attn_groups):
         if group.kernel_block_size is None:

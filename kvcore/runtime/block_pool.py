@@ -1,7 +1,5 @@
-"""The pool of manager block ids a scheduler hands to sequences, with an optional prefix cache.
-
-Block 0 is the null block: never handed out, so a block table can use it as padding.
-"""
+"""The pool of manager block ids a scheduler hands to sequences, with an optional prefix cache;
+block 0 is the null block, never handed out, so a block table can use it as padding."""
 
 from __future__ import annotations
 
@@ -117,7 +115,10 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise OutOfBlocksError(n, self.num_free_blocks)
         ids = [self._free.popleft() for _ in range(min(n, len(self._free)))]
-        ids.extend(self._evict_oldest() for _ in range(n - len(ids)))
+        while len(ids) < n:  # NOTE: then the least recently freed cached blocks
+            block_id = self._evictable.popitem(last=False)[0]
+            self._drop(block_id)
+            ids.append(block_id)
         for block_id in ids:
             self._refs[block_id] = 1
             self._to_zero[block_id] = None
@@ -150,9 +151,7 @@ class BlockPool:
         for block_id in ids:
             refs[block_id] -= 1
             if refs[block_id] == 0:
-                if block_id in self._to_zero:  # NOTE: never zeroed nor written: not cached
-                    del self._to_zero[block_id]
-                    self._drop(block_id)
+                self._to_zero.pop(block_id, None)  # NOTE: never written, so never cached either
                 if block_id in self._keys:
                     self._evictable[block_id] = None
                 else:
@@ -320,11 +319,6 @@ class BlockPool:
         key = self._keys.pop(block_id, None)
         if key is not None:
             del self._maps[key[0]][key[1]]
-
-    def _evict_oldest(self) -> int:
-        block_id = self._evictable.popitem(last=False)[0]
-        self._drop(block_id)
-        return block_id
 
     def _check_id(self, block_id: int) -> int:
         block_id = as_int("block id", block_id)

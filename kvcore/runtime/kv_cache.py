@@ -1,8 +1,5 @@
-"""KVCache: the whole path from layer specs to zeroed, kernel-ready views (SPEC §7).
-
-Every stage after planning reads the one negotiation record per KV cache group
-(:mod:`kvcore.plugins.negotiation`): attention groups, kernel views and the zeroer.
-"""
+"""KVCache: the whole path from layer specs to zeroed, kernel-ready views; every stage after
+planning reads the one negotiation record per KV cache group (SPEC §7)."""
 
 from __future__ import annotations
 
@@ -34,7 +31,7 @@ from kvcore.runtime.attn_group import AttentionGroup, map_kv_caches_to_kernel_bl
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
-from kvcore.specs import AttentionSpec, KVCacheSpec
+from kvcore.specs import KVCacheSpec
 from kvcore.specs.base import check_hashable
 
 
@@ -59,8 +56,7 @@ def _served_specs(
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
         raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
-    attention = [n for n, s in layer_specs.items() if isinstance(s, AttentionSpec)]
-    missing = [n for n in attention if n not in layer_backends]
+    missing = [n for n, s in layer_specs.items() if s.is_attention and n not in layer_backends]
     if missing:
         raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
     backends = {}

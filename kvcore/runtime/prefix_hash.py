@@ -1,7 +1,5 @@
-"""Chained block hashes (128-bit XXH3, equal on every machine) that name a block's contents.
-
-XXH3 is not cryptographic: users who do not trust each other need a per-tenant extra key.
-"""
+"""Chained block hashes (128-bit XXH3, equal on every machine) that name a block's contents;
+XXH3 is not cryptographic: users who do not trust each other need a per-tenant extra key."""
 
 from __future__ import annotations
 
@@ -26,13 +24,12 @@ ExtraKey = int | str | bytes
 def _encode_extra_keys(extra_keys: ExtraKey | Iterable[ExtraKey] | None) -> bytes:
     if isinstance(extra_keys, (int, str, bytes)):
         extra_keys = [extra_keys]  # NOTE: one key; a bool is refused below
-    if extra_keys is None or isinstance(extra_keys, Iterable):
-        keys = [] if extra_keys is None else list(extra_keys)
-    else:
+    elif extra_keys is not None and not isinstance(extra_keys, Iterable):
         raise TypeError(
             "extra_keys must be None, one int/str/bytes key or a sequence of them, got "
             f"{extra_keys!r}"
         )
+    keys = [] if extra_keys is None else list(extra_keys)
     parts = [_U32.pack(len(keys))]
     for i, key in enumerate(keys):
         if isinstance(key, bool) or not isinstance(key, (int, str, bytes)):

@@ -1,9 +1,5 @@
-"""The one Triton kernel that zeroes listed blocks, its validating launcher and its fast launcher.
-
-Offsets are in ``VEC``-word vectors from one int32 base tensor over the allocation (no pointer built from an
-integer). A bounded grid walks (id, chunk) work items. Ids come from ``ids_ptr`` or, for a host list of at most
-``LISTED``, by value in ``p0`` … ``p31`` (two 31-bit ids per int64 word): no copy before the launch.
-"""
+"""The one Triton kernel that zeroes listed blocks, its validating launcher and its fast launcher
+(ids from memory, or up to ``LISTED`` by value in the launch's parameters; docs/zeroer.md)."""
 
 from __future__ import annotations
 
@@ -104,12 +100,8 @@ def _hooked() -> bool:
 
 
 class ZeroLauncher:
-    """Launches over one allocation's chunk tables (checked when built) on ids its caller checked.
-
-    The first launch of a specialization (by value or not, ids dtype, 16-byte alignment) goes through
-    :func:`launch_table` and the JIT, later ones through the compiled kernel's own launcher (the JIT
-    under a launch hook, or where that launcher refuses the arguments: another Triton).
-    """
+    """Launches over one allocation's chunk tables on checked ids: the JIT first, then the compiled
+    kernel's own launcher (docs/zeroer.md says when the JIT serves again)."""
 
     def __init__(self, base: torch.Tensor, tables: list[torch.Tensor], num_blocks: int, vec: int, programs: int):
         self.base, self.tables, self.num_blocks, self.vec, self.programs = base, tables, num_blocks, vec, programs

@@ -1,22 +1,28 @@
-"""KVBlockZeroer: clear newly allocated manager blocks in every layer, in one launch."""
+"""KVBlockZeroer: clear newly allocated manager blocks in every layer, in one launch, with host
+ids staged through one persistent pinned buffer (docs/zeroer.md)."""
 
 from __future__ import annotations
 
 import functools
+from array import array
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import torch
 
 from kvcore._validate import non_negative_int, positive_int
-from kvcore.runtime.zeroer.id_buffer import IdBuffer, current_stream_id
-from kvcore.runtime.zeroer.inputs import checked_views, host_ids, id_list, tensor_ids, views_of_groups
-from kvcore.runtime.zeroer.segments import Segment, allocations
+from kvcore.runtime.zeroer.inputs import (
+    Segment, allocations, checked_views, host_ids, id_list, tensor_ids, views_of_groups,
+)
 from kvcore.settings import Settings
 
 #: Largest run one kernel work item zeroes, and the finer chunks used when few ids leave SMs idle.
 CHUNK_BYTES, FINE_CHUNK_BYTES = 32 * 1024, 4 * 1024
 _BACKENDS = ("auto", "triton", "torch")
+#: Id staging: parts (one event each), ids per part at first, alignment of a staged list (16 ids: 128 bytes).
+PARTS, PART_IDS, ALIGN = 4, 4096, 16
+#: The raw handle of device ``index``'s current CUDA stream (no Stream object built).
+current_stream_id = getattr(torch._C, "_cuda_getCurrentRawStream", lambda i: torch.cuda.current_stream(i).cuda_stream)
 
 
 @functools.cache
@@ -27,6 +33,57 @@ def _kernel():
         return kernel
     except ImportError:  # NOTE: the torch fallback serves then
         return None
+
+
+class IdBuffer:
+    """One zeroer's pinned id buffer and its device copy (CUDA); :meth:`stage` gives the ids' slice."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", torch.cuda.is_current_stream_capturing)
+        self._events = [torch.cuda.Event() for _ in range(PARTS)]
+        self._stream_id, self._stream = None, None
+        self._allocate(PART_IDS)
+
+    def _allocate(self, part_ids: int) -> None:
+        self.part_ids = part_ids
+        self.pinned = torch.zeros(PARTS * part_ids, dtype=torch.int64, pin_memory=True)
+        self.mirror = torch.zeros(PARTS * part_ids, dtype=torch.int64, device=self.device)
+        self._host = memoryview(self.pinned.numpy()).cast("B").cast("q")  # NOTE: lists are written with no tensor
+        self._recorded, self._part, self._used = [False] * PARTS, 0, 0
+
+    def refuse_capture(self) -> None:
+        """``ValueError`` during CUDA graph capture: host ids would be baked into the graph."""
+        if self._capturing():
+            raise ValueError("host block ids cannot be zeroed inside CUDA graph capture (the graph would keep stale "
+                             "ids); write them into zeroer.block_id_buffer(n) and capture zero_block_ids(buf[:n])")
+
+    def stage(self, ids: list[int] | torch.Tensor) -> torch.Tensor:
+        """Copy checked ``ids`` to the device buffer (async, on the current stream)."""
+        n, stream_id = len(ids), current_stream_id(self.device.index)
+        if n > self.part_ids:
+            torch.cuda.synchronize(self.device)  # NOTE: rare; the old buffers may still feed queued work
+            self._allocate(max(2 * self.part_ids, -(-n // ALIGN) * ALIGN))
+        if stream_id != self._stream_id:
+            if self._stream is not None:
+                self._leave_part()  # NOTE: the old stream's work ends the part, under its own event
+            self._stream_id, self._stream = stream_id, torch.cuda.current_stream(self.device)
+        if self._used + n > self.part_ids:
+            self._leave_part()
+        start = self._part * self.part_ids + self._used
+        self._used += -(-n // ALIGN) * ALIGN
+        if isinstance(ids, torch.Tensor):
+            self.pinned[start : start + n].copy_(ids)
+        else:
+            self._host[start : start + n] = array("q", ids)
+        return self.mirror[start : start + n].copy_(self.pinned[start : start + n], non_blocking=True)
+
+    def _leave_part(self) -> None:
+        self._events[self._part].record(self._stream)
+        self._recorded[self._part] = True
+        self._part, self._used = (self._part + 1) % PARTS, 0
+        if self._recorded[self._part]:
+            self._events[self._part].synchronize()  # NOTE: blocks only a whole buffer behind the host
 
 
 class KVBlockZeroer:
@@ -113,7 +170,7 @@ class KVBlockZeroer:
     def zero_block_ids(self, block_ids: Any, *, validate: bool = False) -> None:
         """Zero manager blocks ``block_ids`` in every layer; refused host ids write nothing.
 
-        On CUDA up to 64 listed ids go by value, more through the persistent :mod:`.id_buffer`
+        On CUDA up to 64 listed ids go by value, more through the persistent :class:`IdBuffer`
         (no allocation, no sync); a device tensor is used as is (graph-capturable; ids out of
         range are skipped, or raise with ``validate=True``: a sync).
         """
@@ -149,7 +206,9 @@ class KVBlockZeroer:
         """Compile the kernel (ids by value and from memory); zero block 0 only when ``num_kv_blocks > 0``."""
         if non_negative_int("num_kv_blocks", num_kv_blocks) > 0:
             self.zero_block_ids([0])
-        for alloc in self._allocations if self._launchers and not num_kv_blocks else ():
-            for words in (None, _kernel().pack_words([0])):  # NOTE: no ids: each launch compiles, stores nothing
-                _kernel().launch_table(alloc.base, self.block_id_buffer(1)[:1], self.num_blocks, alloc.tables[0],
-                                       alloc.vec_bytes // 4, 1, num_ids=0, words=words)
+        elif self._launchers:
+            ids = self.block_id_buffer(1)[:1]
+            for alloc in self._allocations:
+                for words in (None, _kernel().pack_words([0])):  # NOTE: no ids: each launch compiles, stores nothing
+                    _kernel().launch_table(alloc.base, ids, self.num_blocks, alloc.tables[0], alloc.vec_bytes // 4,
+                                           1, num_ids=0, words=words)
