@@ -38,9 +38,9 @@ suite)
   step hybrid_exact 50 $PY scripts/gpu_hybrid_check.py "$OUT/hybrid_exact.json" ;;
 paths)
   TAIL=4 step cuda_backing 60 bash -c 'sed -n "/^timeout 60/,/^PY$/p" scripts/gpu_memspecs.sh | sed "1d;\$d" | '"$PY"' -'
-  for s in scripts/gpu_{transfer,hf,memory,runtime}3.sh; do
+  for s in ${AREAS:-scripts/gpu_transfer3.sh scripts/gpu_hf3.sh scripts/gpu_memory3.sh scripts/gpu_runtime.sh}; do
     [ -f "$s" ] || continue
-    n=$(basename "$s" .sh); TAIL=12 step "$n" 200 env OUT="$OUT/$n" bash "$s"
+    n=$(basename "$s" .sh); TAIL=12 step "$n" 240 env OUT="$OUT/$n" bash "$s"
   done ;;
 bench)
   TAIL=60 step bench 540 env SKIP_TESTS=1 bash scripts/gpu_bench.sh ;;
