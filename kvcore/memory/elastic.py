@@ -1,6 +1,5 @@
-"""Which bytes the first ``n`` blocks of an elastic cache need, and committing exactly those:
-plan, strides and views are those of all ``max_num_blocks`` blocks, and only the memory behind
-them follows the block count."""
+"""Which bytes the first ``n`` blocks of an elastic cache need, and committing exactly those
+(plan, strides and views stay those of all ``max_num_blocks`` blocks)."""
 
 from __future__ import annotations
 

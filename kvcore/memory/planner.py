@@ -1,8 +1,4 @@
-"""Plan a model's KV cache (SPEC §6): groups, bytes per block, block count and tensors.
-
-A layout that cannot hold the model is refused before the budget is checked, naming the
-layouts that can (each tried with a dry run, so a named layout really plans and allocates).
-"""
+"""Plan a model's KV cache (SPEC §6): groups, bytes per block, block count and tensors."""
 
 from __future__ import annotations
 
@@ -59,12 +55,6 @@ def _unify_page_size(spec: KVCacheSpec, page: int, layer_name: str) -> KVCacheSp
     return attrs.evolve(spec, page_size_padded=page)
 
 
-def _type_key(spec: KVCacheSpec) -> tuple:
-    """What layers must share to sit in one group despite different shapes."""
-    window = getattr(spec, "sliding_window", None), getattr(spec, "attention_chunk_size", None)
-    return type(spec), spec.block_size, *window
-
-
 def _cache_groups(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     for name, spec in specs.items():
         page, align = spec.page_size_bytes, spec.dtype_alignment
@@ -73,8 +63,8 @@ def _cache_groups(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     distinct = list(dict.fromkeys(specs.values()))
     if len(distinct) == 1:
         return [KVCacheGroupSpec(list(specs), distinct[0])]
-    if len({_type_key(s) for s in distinct}) == 1:
-        uniform = UniformTypeKVCacheSpecs(distinct[0].block_size, specs)
+    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+    if uniform is not None:
         return [KVCacheGroupSpec(list(specs), uniform)]
     align = math.lcm(*(s.dtype_alignment for s in distinct))
     page = round_up(max(s.page_size_bytes for s in distinct), align)
@@ -218,7 +208,7 @@ def _checked(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> tuple[lis
 
 
 def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: _Refusal) -> ValueError:
-    """The error for a layout that cannot hold the model, naming the layouts that can."""
+    """The error for a layout that cannot hold the model, naming those that pass a dry run."""
     family = sorted(_PREFERRED, key=lambda o: o.is_layer_compact != layout.is_layer_compact)
     able = []
     for other in family:

@@ -231,16 +231,18 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
 
     @classmethod
     def is_uniform_type(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> bool:
-        specs = list(kv_cache_specs.values())
-        return bool(specs) and all(
-            type(s) is type(specs[0]) and s.block_size == specs[0].block_size for s in specs
-        )
+        """Whether the specs can share one group: one type, block size and attention window."""
+        kinds = set()
+        for s in kv_cache_specs.values():
+            window = getattr(s, "sliding_window", None), getattr(s, "attention_chunk_size", None)
+            kinds.add((type(s), s.block_size, *window))
+        return len(kinds) == 1
 
     @classmethod
     def from_specs(
         cls, kv_cache_specs: Mapping[str, KVCacheSpec]
     ) -> UniformTypeKVCacheSpecs | None:
-        """Group ``kv_cache_specs`` when they share one type and block size, else None."""
+        """Group ``kv_cache_specs`` when they can share one group, else None."""
         if not cls.is_uniform_type(kv_cache_specs):
             return None
         return cls(next(iter(kv_cache_specs.values())).block_size, kv_cache_specs)
