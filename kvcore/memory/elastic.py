@@ -11,7 +11,7 @@ import torch
 from kvcore._validate import as_int
 from kvcore.memory.backing import BackingMemory, reserve_backing
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.layout import KVCacheLayout, block_runs, round_up
+from kvcore.memory.layout import block_runs, round_up
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import KVCacheSpec
 
@@ -112,17 +112,16 @@ def checked_max_blocks(max_num_blocks: Any) -> int:
 
 
 def first_elastic_blocks(
+    config: KVCacheConfig,
     specs: Mapping[str, KVCacheSpec],
-    layout: KVCacheLayout,
-    max_num_blocks: Any,
     num_blocks: int | None,
     available_memory: int | None,
 ) -> int:
-    """Blocks an elastic cache commits at creation: ``num_blocks``, what ``available_memory``
-    buys, or (neither) all of them."""
-    max_num_blocks = checked_max_blocks(max_num_blocks)
+    """Blocks an elastic cache planned as ``config`` commits at creation: ``num_blocks``, what
+    ``available_memory`` buys, or (neither) all of them."""
+    max_num_blocks = config.num_blocks
     if num_blocks is None and available_memory is not None:
-        planned = plan_kv_cache(specs, layout, available_memory=available_memory)
+        planned = plan_kv_cache(specs, config.layout, available_memory=available_memory)
         num_blocks = min(planned.num_blocks, max_num_blocks)
     if num_blocks is None:
         return max_num_blocks

@@ -151,15 +151,12 @@ def _strides(part: _Part, layout: KVCacheLayout, num_blocks: int, bytes_per_bloc
         fixed[1] = part.stride
     spec, layer = part.spec, part.layers[0]
     if spec.page_size_padded is not None and spec.num_heads > 1 and not layout.is_block_compact:
-        # NOTE: compute_layout_strides refuses this too; this message names the layer.
+        # NOTE: the one refusal compute_layout_strides could make here, naming the layer.
         raise _Refusal(
             f"it puts heads between layers and blocks, so layer {layer!r} cannot keep "
             f"its {spec.num_heads}-head page padded to {spec.page_size_padded} bytes"
         )
-    try:
-        strides = compute_layout_strides(spec, num_blocks, len(part.layers), layout, None, fixed)
-    except ValueError as exc:
-        raise _Refusal(f"layer {layer!r} cannot be laid out ({exc})") from exc
+    strides = compute_layout_strides(spec, num_blocks, len(part.layers), layout, None, fixed)
     if layout.is_layer_compact and strides[0] != num_blocks * part.stride:
         raise _Refusal(
             f"it cannot give layer {layer!r} a block stride of {part.stride} bytes "
@@ -235,9 +232,7 @@ def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCache
         )
     if not kv_cache_specs:
         raise ValueError("kv_cache_specs is empty; describe at least one layer")
-    for name, spec in kv_cache_specs.items():
-        if not isinstance(name, str):
-            raise TypeError(f"layer names must be str, got {name!r}")
+    for name, spec in kv_cache_specs.items():  # NOTE: KVCacheGroupSpec checks the names
         if not isinstance(spec, KVCacheSpec) or isinstance(spec, UniformTypeKVCacheSpecs):
             raise TypeError(
                 f"layer {name!r} needs a per-layer KVCacheSpec (e.g. FullAttentionSpec), "
