@@ -31,9 +31,13 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> Ranges:
     return out
 
 
-def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> Ranges:
+def block_byte_ranges(
+    views: Mapping[str, ViewRows], num_blocks: int, granularity: int = 1
+) -> Ranges:
     """Byte ranges (from the allocation's start) that blocks ``[0, num_blocks)`` occupy: each
-    run of block 0, from block 0's copy to the end of block ``n - 1``'s."""
+    run of block 0, from block 0's copy to the end of block ``n - 1``'s, rounded out to whole
+    ``granularity``-byte granules."""
+    g = granularity
     spans = []
     for view, rows in views.values():
         item = view.element_size()
@@ -42,12 +46,7 @@ def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> Ranges:
         base, block_stride = view.storage_offset() * item, strides[0] * rows
         last = base + (num_blocks - 1) * block_stride + run
         spans.extend((base + o, last + o) for o in offsets)
-    return merge_ranges(spans)
-
-
-def granule_ranges(ranges: Iterable[tuple[int, int]], granularity: int) -> Ranges:
-    g = granularity
-    return merge_ranges((start // g * g, round_up(end, g)) for start, end in ranges)
+    return merge_ranges((start // g * g, round_up(end, g)) for start, end in spans)
 
 
 def subtract_ranges(a: Ranges, b: Ranges) -> Ranges:
@@ -86,7 +85,7 @@ class ElasticMemory:
         """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed
         (all or nothing: a grow that fails gives back what it committed and raises)."""
         backing = self.backing
-        want = granule_ranges(block_byte_ranges(self._views, num_blocks), backing.granularity)
+        want = block_byte_ranges(self._views, num_blocks, backing.granularity)
         added: Ranges = []
         try:
             for start, end in subtract_ranges(want, self._committed):
