@@ -133,9 +133,7 @@ def first_elastic_blocks(
     return num_blocks
 
 
-def reserve_elastic(
-    config: KVCacheConfig, device: torch.device
-) -> tuple[ElasticMemory, torch.Tensor]:
+def reserve_elastic(config: KVCacheConfig, device: torch.device) -> ElasticMemory:
     """Reserve the allocation of ``config`` (all its blocks) without committing any of it."""
     groups = config.kv_cache_groups
     raw = [n for g in groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
@@ -144,5 +142,4 @@ def reserve_elastic(
             f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps "
             "a raw buffer (or the model keeps no cache); drop max_num_blocks"
         )
-    backing = reserve_backing(config.kv_cache_tensors[0].size, device)
-    return ElasticMemory(backing), backing.tensor
+    return ElasticMemory(reserve_backing(config.kv_cache_tensors[0].size, device))
