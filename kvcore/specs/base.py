@@ -268,15 +268,12 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     @property
     def page_size_bytes(self) -> int:
         """The sum of the layers' pages."""
-        return sum(self._each("page_size_bytes"))
+        return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
 
     @property
     def dtype_alignment(self) -> int:
         """The least common multiple of the layers' alignments."""
-        return math.lcm(*self._each("dtype_alignment"))
-
-    def _each(self, attribute: str) -> list[Any]:
-        return [getattr(s, attribute) for s in self.kv_cache_specs.values()]
+        return math.lcm(*(s.dtype_alignment for s in self.kv_cache_specs.values()))
 
     def _page_of_tokens(self, tokens: int) -> int:
         return sum(s._page_of_tokens(tokens) for s in self.kv_cache_specs.values())
