@@ -301,6 +301,11 @@ def test_uniform_type_specs():
     assert not UniformTypeKVCacheSpecs.is_uniform_type({"l0": a, "l1": mla})
     assert UniformTypeKVCacheSpecs.from_specs({"l0": a, "l1": mla}) is None
     assert UniformTypeKVCacheSpecs.from_specs({"l0": a, "l1": a.copy_with_new_block_size(8)}) is None
+    # Windows must match too: layers of one group share one attention window.
+    w1 = SlidingWindowSpec(16, 4, 32, torch.float16, sliding_window=64)
+    w2 = SlidingWindowSpec(16, 2, 32, torch.float16, sliding_window=128)
+    assert not UniformTypeKVCacheSpecs.is_uniform_type({"l0": w1, "l1": w2})
+    assert UniformTypeKVCacheSpecs.from_specs({"l0": w1, "l1": attrs.evolve(w2, sliding_window=64)})
     # Alignment of the union: sum of each layer's 8-token page.
     aligned = attrs.evolve(group, block_stride_alignment=MultipleOf(8))
     assert aligned.get_block_stride_alignment() == (a.page_size_bytes + b.page_size_bytes) // 2

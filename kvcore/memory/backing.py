@@ -1,9 +1,5 @@
-"""Backing memory for an elastic KV cache: reserve address space once, commit parts of it.
-
-The whole reservation is one int8 tensor (no copy), so plans, strides and views made for all
-of it work unchanged; memory is committed and released in whole granules and reads as zero
-when committed. CPU: an anonymous ``MAP_NORESERVE`` mapping (here); CUDA: ``backing_cuda``.
-"""
+"""An elastic cache's memory: address space reserved once as one int8 tensor, committed and
+released in whole granules (CPU here, CUDA in ``backing_cuda``; the README explains both)."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""CUDA backing memory through the driver's virtual memory API (``cuda-bindings``).
-
-The range is reserved once (``cuMemAddressReserve``) and handed to torch once through
-``__cuda_array_interface__``, so the tensor's address never changes. Each committed granule
-has its own physical handle (``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``) and goes
-back on its own (``cuMemUnmap``, ``cuMemRelease``).
-"""
+"""CUDA backing memory through the driver's virtual memory API (``cuda-bindings``): one
+reserved range wrapped once as a tensor, one physical handle per committed granule."""
 
 from __future__ import annotations
 

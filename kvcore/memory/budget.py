@@ -87,15 +87,10 @@ def request_memory(
             "gpu_memory_utilization or free memory held by other processes"
         )
     if free < own:
-        needs = f"asked by gpu_memory_utilization={utilization}"
-        if external:
-            needs = (
-                f"this engine needs besides the {_gib(external)} GiB of external weights "
-                f"(gpu_memory_utilization={utilization})"
-            )
+        besides = f" besides the {_gib(external)} GiB of external weights" if external else ""
         raise ValueError(
-            f"{dev} has {_gib(free)} of {_gib(total)} GiB free at startup, less than "
-            f"the {_gib(own)} GiB {needs}; lower gpu_memory_utilization or free memory "
-            "held by other processes"
+            f"{dev} has {_gib(free)} of {_gib(total)} GiB free at startup, less than the "
+            f"{_gib(own)} GiB this engine needs{besides} (gpu_memory_utilization={utilization}); "
+            "lower gpu_memory_utilization or free memory held by other processes"
         )
     return own

@@ -94,7 +94,7 @@ class KVCacheConfig:
 
     def num_blocks_of(self, tensor: KVCacheTensor) -> int:
         """Blocks addressed through ``tensor`` (every group shares the pool)."""
-        if not any(tensor is t or tensor == t for t in self.kv_cache_tensors):
+        if tensor not in self.kv_cache_tensors:
             raise ValueError(f"{tensor!r} is not one of this config's tensors")
         return self.num_blocks
 

@@ -1,6 +1,5 @@
-"""Which bytes the first ``n`` blocks of an elastic cache need, and committing exactly those:
-plan, strides and views are those of all ``max_num_blocks`` blocks, and only the memory behind
-them follows the block count."""
+"""Which bytes the first ``n`` blocks of an elastic cache need, and committing exactly those
+(plan, strides and views stay those of all ``max_num_blocks`` blocks)."""
 
 from __future__ import annotations
 
@@ -12,7 +11,7 @@ import torch
 from kvcore._validate import as_int
 from kvcore.memory.backing import BackingMemory, reserve_backing
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.layout import KVCacheLayout, block_runs, round_up
+from kvcore.memory.layout import block_runs, round_up
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import KVCacheSpec
 
@@ -32,9 +31,13 @@ def merge_ranges(ranges: Iterable[tuple[int, int]]) -> Ranges:
     return out
 
 
-def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> Ranges:
+def block_byte_ranges(
+    views: Mapping[str, ViewRows], num_blocks: int, granularity: int = 1
+) -> Ranges:
     """Byte ranges (from the allocation's start) that blocks ``[0, num_blocks)`` occupy: each
-    run of block 0, from block 0's copy to the end of block ``n - 1``'s."""
+    run of block 0, from block 0's copy to the end of block ``n - 1``'s, rounded out to whole
+    ``granularity``-byte granules."""
+    g = granularity
     spans = []
     for view, rows in views.values():
         item = view.element_size()
@@ -43,12 +46,7 @@ def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int) -> Ranges:
         base, block_stride = view.storage_offset() * item, strides[0] * rows
         last = base + (num_blocks - 1) * block_stride + run
         spans.extend((base + o, last + o) for o in offsets)
-    return merge_ranges(spans)
-
-
-def granule_ranges(ranges: Iterable[tuple[int, int]], granularity: int) -> Ranges:
-    g = granularity
-    return merge_ranges((start // g * g, round_up(end, g)) for start, end in ranges)
+    return merge_ranges((start // g * g, round_up(end, g)) for start, end in spans)
 
 
 def subtract_ranges(a: Ranges, b: Ranges) -> Ranges:
@@ -87,7 +85,7 @@ class ElasticMemory:
         """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed
         (all or nothing: a grow that fails gives back what it committed and raises)."""
         backing = self.backing
-        want = granule_ranges(block_byte_ranges(self._views, num_blocks), backing.granularity)
+        want = block_byte_ranges(self._views, num_blocks, backing.granularity)
         added: Ranges = []
         try:
             for start, end in subtract_ranges(want, self._committed):
@@ -113,17 +111,16 @@ def checked_max_blocks(max_num_blocks: Any) -> int:
 
 
 def first_elastic_blocks(
+    config: KVCacheConfig,
     specs: Mapping[str, KVCacheSpec],
-    layout: KVCacheLayout,
-    max_num_blocks: Any,
     num_blocks: int | None,
     available_memory: int | None,
 ) -> int:
-    """Blocks an elastic cache commits at creation: ``num_blocks``, what ``available_memory``
-    buys, or (neither) all of them."""
-    max_num_blocks = checked_max_blocks(max_num_blocks)
+    """Blocks an elastic cache planned as ``config`` commits at creation: ``num_blocks``, what
+    ``available_memory`` buys, or (neither) all of them."""
+    max_num_blocks = config.num_blocks
     if num_blocks is None and available_memory is not None:
-        planned = plan_kv_cache(specs, layout, available_memory=available_memory)
+        planned = plan_kv_cache(specs, config.layout, available_memory=available_memory)
         num_blocks = min(planned.num_blocks, max_num_blocks)
     if num_blocks is None:
         return max_num_blocks
@@ -136,9 +133,7 @@ def first_elastic_blocks(
     return num_blocks
 
 
-def reserve_elastic(
-    config: KVCacheConfig, device: torch.device
-) -> tuple[ElasticMemory, torch.Tensor]:
+def reserve_elastic(config: KVCacheConfig, device: torch.device) -> ElasticMemory:
     """Reserve the allocation of ``config`` (all its blocks) without committing any of it."""
     groups = config.kv_cache_groups
     raw = [n for g in groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
@@ -147,5 +142,4 @@ def reserve_elastic(
             f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps "
             "a raw buffer (or the model keeps no cache); drop max_num_blocks"
         )
-    backing = reserve_backing(config.kv_cache_tensors[0].size, device)
-    return ElasticMemory(backing), backing.tensor
+    return ElasticMemory(reserve_backing(config.kv_cache_tensors[0].size, device))

@@ -1,7 +1,4 @@
-"""The six physical layouts of the logical ``[L, B, H, N, C]`` KV cache tensor, and its strides.
-
-A layout is its name, the logical dims outermost first; every property and stride is read off it.
-"""
+"""The six physical layouts of the logical ``[L, B, H, N, C]`` KV cache tensor, and its strides."""
 
 from __future__ import annotations
 

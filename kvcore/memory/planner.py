@@ -1,8 +1,4 @@
-"""Plan a model's KV cache (SPEC §6): groups, bytes per block, block count and tensors.
-
-A layout that cannot hold the model is refused before the budget is checked, naming the
-layouts that can (each tried with a dry run, so a named layout really plans and allocates).
-"""
+"""Plan a model's KV cache (SPEC §6): groups, bytes per block, block count and tensors."""
 
 from __future__ import annotations
 
@@ -59,12 +55,6 @@ def _unify_page_size(spec: KVCacheSpec, page: int, layer_name: str) -> KVCacheSp
     return attrs.evolve(spec, page_size_padded=page)
 
 
-def _type_key(spec: KVCacheSpec) -> tuple:
-    """What layers must share to sit in one group despite different shapes."""
-    window = getattr(spec, "sliding_window", None), getattr(spec, "attention_chunk_size", None)
-    return type(spec), spec.block_size, *window
-
-
 def _cache_groups(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     for name, spec in specs.items():
         page, align = spec.page_size_bytes, spec.dtype_alignment
@@ -73,8 +63,8 @@ def _cache_groups(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
     distinct = list(dict.fromkeys(specs.values()))
     if len(distinct) == 1:
         return [KVCacheGroupSpec(list(specs), distinct[0])]
-    if len({_type_key(s) for s in distinct}) == 1:
-        uniform = UniformTypeKVCacheSpecs(distinct[0].block_size, specs)
+    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+    if uniform is not None:
         return [KVCacheGroupSpec(list(specs), uniform)]
     align = math.lcm(*(s.dtype_alignment for s in distinct))
     page = round_up(max(s.page_size_bytes for s in distinct), align)
@@ -161,15 +151,12 @@ def _strides(part: _Part, layout: KVCacheLayout, num_blocks: int, bytes_per_bloc
         fixed[1] = part.stride
     spec, layer = part.spec, part.layers[0]
     if spec.page_size_padded is not None and spec.num_heads > 1 and not layout.is_block_compact:
-        # NOTE: compute_layout_strides refuses this too; this message names the layer.
+        # NOTE: the one refusal compute_layout_strides could make here, naming the layer.
         raise _Refusal(
             f"it puts heads between layers and blocks, so layer {layer!r} cannot keep "
             f"its {spec.num_heads}-head page padded to {spec.page_size_padded} bytes"
         )
-    try:
-        strides = compute_layout_strides(spec, num_blocks, len(part.layers), layout, None, fixed)
-    except ValueError as exc:
-        raise _Refusal(f"layer {layer!r} cannot be laid out ({exc})") from exc
+    strides = compute_layout_strides(spec, num_blocks, len(part.layers), layout, None, fixed)
     if layout.is_layer_compact and strides[0] != num_blocks * part.stride:
         raise _Refusal(
             f"it cannot give layer {layer!r} a block stride of {part.stride} bytes "
@@ -218,7 +205,7 @@ def _checked(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> tuple[lis
 
 
 def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: _Refusal) -> ValueError:
-    """The error for a layout that cannot hold the model, naming the layouts that can."""
+    """The error for a layout that cannot hold the model, naming those that pass a dry run."""
     family = sorted(_PREFERRED, key=lambda o: o.is_layer_compact != layout.is_layer_compact)
     able = []
     for other in family:
@@ -245,9 +232,7 @@ def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCache
         )
     if not kv_cache_specs:
         raise ValueError("kv_cache_specs is empty; describe at least one layer")
-    for name, spec in kv_cache_specs.items():
-        if not isinstance(name, str):
-            raise TypeError(f"layer names must be str, got {name!r}")
+    for name, spec in kv_cache_specs.items():  # NOTE: KVCacheGroupSpec checks the names
         if not isinstance(spec, KVCacheSpec) or isinstance(spec, UniformTypeKVCacheSpecs):
             raise TypeError(
                 f"layer {name!r} needs a per-layer KVCacheSpec (e.g. FullAttentionSpec), "

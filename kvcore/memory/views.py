@@ -32,7 +32,6 @@ def create_kv_cache_views(
             f"raw must be a 1-D int8 tensor (the backing allocation), got {type(raw).__name__}{got}"
         )
     layout = KVCacheLayout.parse(layout)
-    num_blocks = positive_int("num_blocks", num_blocks)
     tensor = kv_cache_tensor
     if not isinstance(tensor, KVCacheTensor):
         raise TypeError(f"kv_cache_tensor must be a KVCacheTensor, got {tensor!r}")
@@ -41,15 +40,13 @@ def create_kv_cache_views(
     ratio = split_ratio(spec.block_size, kernel_block_size)
     if ratio > 1 and tensor.block_stride != spec.real_page_size_bytes:
         padded = spec.page_size_padded
-        page = f"page {spec.real_page_size_bytes} bytes"
-        page += "" if padded is None else f" padded to {padded}"
+        unpadded = "" if padded is None else f" with an unpadded spec (not padded to {padded})"
         raise ValueError(
-            f"layout {layout.name} does not store the blocks of {list(tensor.layers)} as "
-            f"dense pages (block stride {tensor.block_stride} bytes, {page}), so "
-            f"{spec.block_size}-token blocks cannot be split into {kernel_block_size}-token "
-            f"kernel blocks; use a smaller manager block size ({kernel_block_size} tokens) "
-            "or a layer-compact layout such as LBNHC"
-            + (" with an unpadded spec" if padded is not None else "")
+            f"layout {layout.name} does not store the blocks of {list(tensor.layers)} as dense "
+            f"pages (block stride {tensor.block_stride} bytes, page {spec.real_page_size_bytes} "
+            f"bytes), so {spec.block_size}-token blocks cannot be split into {kernel_block_size}"
+            f"-token kernel blocks; use a smaller manager block size ({kernel_block_size} tokens) "
+            f"or a layer-compact layout such as LBNHC{unpadded}"
         )
     # NOTE: a one-layer tensor's layer stride addresses nothing; leaving it
     # free keeps dims outside L (H in BHLNC) at kernel-block granularity.

@@ -149,10 +149,9 @@ class KVCache:
         )
         elastic = buffer = None
         if max_num_blocks is not None:
-            num_blocks = first_elastic_blocks(
-                specs, layout, max_num_blocks, num_blocks, available_memory
-            )
-            elastic, buffer = reserve_elastic(config, device)
+            num_blocks = first_elastic_blocks(config, specs, num_blocks, available_memory)
+            elastic = reserve_elastic(config, device)
+            buffer = elastic.backing.tensor
         kv_caches = allocate_kv_cache(
             config, device, layout, negotiation.allocation_kernel_block_sizes, buffer=buffer
         )

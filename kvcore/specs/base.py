@@ -218,29 +218,30 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
                 raise TypeError(
                     f"UniformTypeKVCacheSpecs: layer {name!r} maps to {spec!r}, not a KVCacheSpec"
                 )
-        kinds = {type(s) for s in self.kv_cache_specs.values()}
-        if len(kinds) != 1:
-            names = ", ".join(sorted(k.__name__ for k in kinds))
-            raise ValueError(f"UniformTypeKVCacheSpecs needs layers of one spec type, got {names}")
-        for name, spec in self.kv_cache_specs.items():
             if spec.block_size != self.block_size:
                 raise ValueError(
                     f"layer {name!r} has block size {spec.block_size}, the group "
                     f"has {self.block_size}; give every layer the same block size"
                 )
+        kinds = {type(s) for s in self.kv_cache_specs.values()}
+        if len(kinds) != 1:
+            names = ", ".join(sorted(k.__name__ for k in kinds))
+            raise ValueError(f"UniformTypeKVCacheSpecs needs layers of one spec type, got {names}")
 
     @classmethod
     def is_uniform_type(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> bool:
-        specs = list(kv_cache_specs.values())
-        return bool(specs) and all(
-            type(s) is type(specs[0]) and s.block_size == specs[0].block_size for s in specs
-        )
+        """Whether the specs can share one group: one type, block size and attention window."""
+        kinds = set()
+        for s in kv_cache_specs.values():
+            window = getattr(s, "sliding_window", None), getattr(s, "attention_chunk_size", None)
+            kinds.add((type(s), s.block_size, *window))
+        return len(kinds) == 1
 
     @classmethod
     def from_specs(
         cls, kv_cache_specs: Mapping[str, KVCacheSpec]
     ) -> UniformTypeKVCacheSpecs | None:
-        """Group ``kv_cache_specs`` when they share one type and block size, else None."""
+        """Group ``kv_cache_specs`` when they can share one group, else None."""
         if not cls.is_uniform_type(kv_cache_specs):
             return None
         return cls(next(iter(kv_cache_specs.values())).block_size, kv_cache_specs)
@@ -267,15 +268,12 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
     @property
     def page_size_bytes(self) -> int:
         """The sum of the layers' pages."""
-        return sum(self._each("page_size_bytes"))
+        return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
 
     @property
     def dtype_alignment(self) -> int:
         """The least common multiple of the layers' alignments."""
-        return math.lcm(*self._each("dtype_alignment"))
-
-    def _each(self, attribute: str) -> list[Any]:
-        return [getattr(s, attribute) for s in self.kv_cache_specs.values()]
+        return math.lcm(*(s.dtype_alignment for s in self.kv_cache_specs.values()))
 
     def _page_of_tokens(self, tokens: int) -> int:
         return sum(s._page_of_tokens(tokens) for s in self.kv_cache_specs.values())

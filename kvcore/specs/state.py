@@ -28,13 +28,14 @@ def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
 
 def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
     if isinstance(value, torch.dtype):
-        return (value,)
+        value = (value,)
     try:
-        return tuple(value)
+        dtypes = tuple(value)
     except TypeError:
         raise TypeError(
             f"MambaSpec.dtypes must be a torch.dtype or a sequence of them, got {value!r}"
         ) from None
+    return tuple(check_cache_dtype(f"MambaSpec.dtypes[{i}]", d) for i, d in enumerate(dtypes))
 
 
 @attrs.frozen
@@ -53,8 +54,6 @@ class MambaSpec(KVCacheSpec):
                 f"{name} needs one dtype per state shape and at least one state, got "
                 f"{len(self.shapes)} shapes and {len(self.dtypes)} dtypes"
             )
-        for i, dtype in enumerate(self.dtypes):
-            check_cache_dtype(f"{name}.dtypes[{i}]", dtype)
         for shape in self.shapes:
             if any(d <= 0 for d in shape):
                 raise ValueError(f"{name}: state shape {shape} has a non-positive dim")
