@@ -41,7 +41,14 @@ paths)
   for s in ${AREAS:-scripts/gpu_transfer3.sh scripts/gpu_hf3.sh scripts/gpu_memory3.sh scripts/gpu_runtime.sh}; do
     [ -f "$s" ] || continue
     n=$(basename "$s" .sh); TAIL=12 step "$n" 240 env OUT="$OUT/$n" bash "$s"
-  done ;;
+  done
+  if [ -n "${BEFORE:-}" ]; then  # the zeroer's host us per call, before/after alternating 3 times
+    PLUG=plugins/kvcore-torch:plugins/kvcore-triton
+    for i in 1 2 3; do for tree in before=$BEFORE after=$PWD; do
+      root=${tree#*=}; PYTHONPATH=$root:$root/${PLUG/:/:$root/} timeout 60 $PY \
+        scripts/gpu_zeroer_probe.py --label "${tree%%=*}" | tee -a "$OUT/zeroer_host_us.jsonl"
+    done; done
+  fi ;;
 bench)
   TAIL=60 step bench 540 env SKIP_TESTS=1 bash scripts/gpu_bench.sh ;;
 esac
