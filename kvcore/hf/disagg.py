@@ -1,11 +1,5 @@
-"""Disaggregated serving: hand a prompt's cached KV blocks from one engine to another.
-
-A prefill engine computes a prompt (prefix caching on); :func:`export_prefix` holds, per KV cache
-group, the blocks its prefix cache would hit. Any transport (NIXL, a host copy) moves their bytes
-into blocks a decode engine hands out with :func:`reserve_prefix`; :func:`import_prefix` caches
-those under the prompt's hashes, so the decode engine computes only the prompt's tail. A
-sliding-window group holds only the blocks inside the window (the others are the null block 0).
-"""
+"""Disaggregated serving: hand a prompt's cached KV blocks from one engine's prefix cache to
+another's (export, move the bytes with any transport, reserve, import)."""
 
 from __future__ import annotations
 

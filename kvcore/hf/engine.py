@@ -1,8 +1,5 @@
-"""``kvcore.hf.Engine``: continuous batching of a transformers causal LM over one kvcore KV cache.
-
-Each step schedules requests, packs them (:mod:`kvcore.hf.step`), zeroes new blocks
-(``KVCache.begin_step``), runs the model once (or replays its CUDA graph) and samples greedily.
-"""
+"""``kvcore.hf.Engine``: continuous batching of a transformers causal LM over one kvcore KV cache
+(schedule, pack, zero new blocks, one forward or a CUDA graph replay, greedy sampling per step)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Models to serve: small random-weight ones built from configs (no download), or a local checkpoint.
-
-Random models have peaky logits, so that rounding that differs between two exact attention
-implementations cannot flip a greedy token, and wide weights, so that attention decides it.
-"""
+"""Models to serve: small random-weight ones from configs (no download), or a local checkpoint."""
 
 from __future__ import annotations
 
@@ -83,7 +79,8 @@ def random_model(
     seed: int = 0,
     logit_std: float = 8.0,
 ) -> transformers.PreTrainedModel:
-    """A random-weight causal LM for ``config`` with logits of about ``logit_std`` spread."""
+    """A random-weight causal LM for ``config`` with logits of about ``logit_std`` spread: peaky, so
+    that rounding that differs between two exact attention implementations cannot flip a token."""
     device = torch.device(device)
     torch.manual_seed(seed)
     with device:  # NOTE: weights are drawn where they live (a 1B model initializes in seconds on a GPU)

@@ -1,10 +1,5 @@
-"""Continuous batching: which requests run this step, with how many tokens, in which blocks.
-
-Running requests go first, oldest first, then waiting ones while the token budget,
-``max_num_seqs`` and the free blocks last. When the pool runs dry, the newest running request is
-preempted and recomputed later (greedy decoding makes the result identical). With prefix
-caching, a request starts at the longest prefix every group caches, short of its last token.
-"""
+"""Continuous batching: which requests run this step, with how many tokens, in which blocks; who is
+preempted when the pool runs dry, and where a request starts with prefix caching."""
 
 from __future__ import annotations
 

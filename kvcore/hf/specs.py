@@ -1,10 +1,5 @@
-"""KV cache specs of a transformers decoder config, and what kvcore refuses to serve.
-
-Attention layers get a full, sliding-window or chunked-local spec named after their module; a
-hybrid's mixer layers a :class:`~kvcore.MambaSpec` of the states transformers keeps, in its
-dtypes (Mamba2 and gated delta net: a float32 recurrent state, then a convolution window; LFM2's
-short convolution: the window only). What kvcore cannot serve exactly raises a ``ValueError``.
-"""
+"""KV cache specs of a transformers decoder config (attention specs, a hybrid's mixers'
+``MambaSpec``), and the ``ValueError`` naming what kvcore cannot serve exactly."""
 
 from __future__ import annotations
 

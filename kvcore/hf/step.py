@@ -1,11 +1,5 @@
-"""One step's model inputs and attention metadata, and the CUDA graphs that replay decode steps.
-
-A step's tokens are packed into one row (``[1, T]``); each KV cache group gets its block table
-(rows of the scheduler's tables; a state group's is each request's state slot) and slot mapping.
-A padding request (``None``) reads only the null block and writes nowhere (slot -1). ``pad_to``
-builds the step a CUDA graph replays: padded to a captured size in persistent buffers, with
-full-width tables and ``max_seq_len = max_model_len``: one shape and one address per size.
-"""
+"""One step's model inputs and attention metadata (eager, or padded into the persistent buffers a
+CUDA graph replays), and the CUDA graphs of decode steps."""
 
 from __future__ import annotations
 
@@ -52,7 +46,11 @@ class StepBuilder:
         ]
 
     def build(self, batch: Batch, *, pad_to: int | None = None) -> Step:
-        """The step of ``batch``; ``pad_to``: padded to that many requests in the static buffers."""
+        """The step of ``batch``; ``pad_to``: padded to that many requests in the static buffers, with
+        full-width tables and ``max_seq_len = max_model_len`` (one shape and address per size).
+
+        A padding request (``None``) reads only the null block and writes nowhere (slot -1).
+        """
         entries = [*batch, *[(None, 1)] * ((pad_to or 0) - len(batch))]
         num_reqs = len(entries)
         real = np.array([r is not None for r, _ in entries])

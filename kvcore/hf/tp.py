@@ -1,8 +1,5 @@
-"""Tensor parallelism for HF models: transformers' own plan for the weights, kvcore's for the KV cache.
-
-transformers lays its mesh over the whole ``torch.distributed`` world, so the group must be the
-world, ranks in order; its loader needs ``accelerate``.
-"""
+"""Tensor parallelism for HF models: transformers' own plan for the weights (over the whole world,
+ranks in order; its loader needs ``accelerate``), kvcore's for the KV cache."""
 
 from __future__ import annotations
 
