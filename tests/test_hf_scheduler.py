@@ -87,7 +87,8 @@ def test_scheduler_keeps_blocks_consistent_and_finishes_everything(
 ):
     caching = caching and not state  # NOTE: the engine refuses prefix caching on a hybrid
     kv = make_cache(num_blocks, window, state, caching)
-    sched = Scheduler(kv, max_num_seqs=3, max_num_batched_tokens=budget, prefix_caching=caching)
+    sched = Scheduler(kv, max_num_seqs=3, max_num_batched_tokens=budget)
+    assert sched.prefix_caching == caching
     lengths = data.draw(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10)), min_size=1, max_size=7))
     requests = []
     for i, (prompt_len, new) in enumerate(lengths):

@@ -81,9 +81,7 @@ def export_prefix(engine: Engine, prompt: Sequence[int]) -> PrefixBlocks:
     scheduler = _scheduler(engine)
     tokens = check_prompt(0, prompt, 1, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
     num_tokens, ids = scheduler.lookup(Request(-1, tokens, len(tokens), 1))
-    blocks = PrefixBlocks(tokens[:num_tokens], ids)
-    _check(engine, blocks, held=True)
-    return blocks
+    return PrefixBlocks(tokens[:num_tokens], ids)
 
 
 def reserve_prefix(engine: Engine, like: PrefixBlocks) -> PrefixBlocks:

@@ -172,7 +172,7 @@ class Engine:
         )
         self._start_blocks = self.kv.num_blocks
         self.scheduler = Scheduler(
-            self.kv, max_num_seqs=max_num_seqs, prefix_caching=enable_prefix_caching,
+            self.kv, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=positive_int("max_num_batched_tokens", settings.max_num_batched_tokens),
         )
         if max_num_blocks is not None:

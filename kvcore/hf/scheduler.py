@@ -118,8 +118,10 @@ def check_prompt(index: int, prompt: Any, max_new_tokens: Any, *, vocab_size: in
 class Scheduler:
     """Queues, admission and block bookkeeping (the one table per group) for one ``KVCache``."""
 
-    def __init__(self, kv: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool) -> None:
+    def __init__(self, kv: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
         self.pool: BlockPool = kv.block_pool
+        #: Prefix caching is on when the cache's pool caches blocks (``enable_prefix_caching``).
+        self.prefix_caching = self.pool.enable_caching
         self.groups = [GroupInfo.of(g.kv_cache_spec) for g in kv.config.kv_cache_groups]
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -133,9 +135,6 @@ class Scheduler:
         # NOTE: sized for an elastic cache's largest pool.
         self.tables = [np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), np.int32) for g in self.groups]
         self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        if prefix_caching and not self.pool.enable_caching:
-            raise ValueError("prefix caching needs a BlockPool built with enable_caching=True")
-        self.prefix_caching = prefix_caching
 
     def _width(self, group: GroupInfo, num_blocks: int) -> int:
         # NOTE: a sliding-window request indexes block ``position // block_size`` up to the model's
@@ -296,14 +295,12 @@ class Scheduler:
             if self.prefix_caching:
                 self._cache_full_blocks(request)
 
-    def abort_all(self) -> int:
-        """Drop every queued request (running or waiting) and free all it holds; returns how many."""
-        requests = [*self.running, *self.waiting]
-        for request in requests:
+    def abort_all(self) -> None:
+        """Drop every queued request (running or waiting) and free all it holds."""
+        for request in [*self.running, *self.waiting]:
             self._release(request)
         self.running.clear()
         self.waiting.clear()
-        return len(requests)
 
     def finish(self, request: Request) -> None:
         request.finished = True
