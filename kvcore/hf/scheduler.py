@@ -118,14 +118,13 @@ def check_prompt(index: int, prompt: Any, max_new_tokens: Any, *, vocab_size: in
 class Scheduler:
     """Queues, admission and block bookkeeping (the one table per group) for one ``KVCache``."""
 
-    def __init__(self, kv: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCache, *, max_num_batched_tokens: int) -> None:
         self.pool: BlockPool = kv.block_pool
         #: Prefix caching is on when the cache's pool caches blocks (``enable_prefix_caching``).
         self.prefix_caching = self.pool.enable_caching
         self.groups = [GroupInfo.of(g.kv_cache_spec) for g in kv.config.kv_cache_groups]
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = kv.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = kv.max_model_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         #: Counts by ``EngineStats`` field (the engine's too).
@@ -133,17 +132,17 @@ class Scheduler:
         #: ``grow(k)``: try to add at least ``k`` free blocks (an elastic cache); True when it did.
         self.grow: Callable[[int], bool] | None = None
         # NOTE: sized for an elastic cache's largest pool.
-        self.tables = [np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), np.int32) for g in self.groups]
-        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
+        self.tables = [np.zeros((kv.max_num_seqs, self._width(g, kv)), np.int32) for g in self.groups]
+        self._free_rows = list(range(kv.max_num_seqs - 1, -1, -1))
 
-    def _width(self, group: GroupInfo, num_blocks: int) -> int:
+    def _width(self, group: GroupInfo, kv: KVCache) -> int:
         # NOTE: a sliding-window request indexes block ``position // block_size`` up to the model's
         # length although it holds only the window's blocks.
         if group.state:
             return 1
-        tokens = self.max_model_len
+        tokens = kv.max_model_len
         if group.sliding_window is None:
-            tokens = min(tokens, num_blocks * group.block_size)
+            tokens = min(tokens, kv.max_num_blocks * group.block_size)
         return -(-tokens // group.block_size)
 
     def blocks(self, request: Request, g: int) -> np.ndarray:
