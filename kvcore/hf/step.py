@@ -84,7 +84,7 @@ class StepBuilder:
             slots.append(np.where(real[owner], slot, -1))
         longs = np.concatenate([tokens, positions, logits_indices, *slots])
         ints = np.concatenate([starts, seq_lens, *(t.ravel() for t in tables)]).astype(np.int32)
-        shape = (num_reqs, num_tokens, len(logits_indices), [t.shape for t in tables],
+        shape = (num_reqs, num_tokens, len(logits_indices), tuple(t.shape for t in tables),
                  int(counts.max()), max_seq_len)
         if pad_to is None:
             device = self.kv.device
@@ -96,11 +96,10 @@ class StepBuilder:
             host_int[: len(ints)] = torch.from_numpy(ints)
             long_t[: len(longs)].copy_(host_long[: len(longs)], non_blocking=True)
             int_t[: len(ints)].copy_(host_int[: len(ints)], non_blocking=True)
-            key = (*shape[:3], tuple(shape[3]), *shape[4:])
-            if key not in self._padded_views:
+            if shape not in self._padded_views:
                 host = _unpack(host_long, host_int, *shape) if self._host_planners else None
-                self._padded_views[key] = (host, _unpack(long_t, int_t, *shape))
-            host, (input_ids, position_ids, logits_at, common) = self._padded_views[key]
+                self._padded_views[shape] = (host, _unpack(long_t, int_t, *shape))
+            host, (input_ids, position_ids, logits_at, common) = self._padded_views[shape]
             if host is not None:
                 self._plan_on_host(host[3])
         sampled = [r for (r, _), s in zip(entries, sampling) if s and r is not None]
@@ -132,7 +131,7 @@ class StepBuilder:
 
 
 def _unpack(longs: torch.Tensor, ints: torch.Tensor, num_reqs: int, num_tokens: int, num_sampled: int,
-            table_shapes: list[tuple[int, int]], max_query_len: int, max_seq_len: int) -> tuple:
+            table_shapes: Sequence[tuple[int, int]], max_query_len: int, max_seq_len: int) -> tuple:
     """Views of a packed step: input ids, positions, logits indices, and each group's metadata."""
     query_start_loc, seq_lens = ints[: num_reqs + 1], ints[num_reqs + 1 : 2 * num_reqs + 1]
     long_at, int_at = 2 * num_tokens + num_sampled, 2 * num_reqs + 1
@@ -162,14 +161,12 @@ class DecodeGraphs:
     """
 
     def __init__(self, device: torch.device, max_num_seqs: int, *, capture: bool = True) -> None:
-        if capture and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the KV cache is on {device}")
         self.device, self.capture = device, capture
         sizes = {s for s in (1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)) if s <= max_num_seqs}
         self.sizes = sorted(sizes | {max_num_seqs})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def bucket(self, num_reqs: int) -> int:
         """The smallest captured batch size that holds ``num_reqs`` requests."""
@@ -184,8 +181,6 @@ class DecodeGraphs:
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[size] = forward()
         self.graphs[size] = graph
@@ -213,8 +208,7 @@ class DecodeGraphs:
 
 
 def graphs_wanted(option: Any, device: torch.device, backend_name: str) -> bool:
-    """``cuda_graphs=None`` (Engine checked its type) means on for the ``triton`` and ``flashinfer``
-    backends on a CUDA device."""
+    """``cuda_graphs=None`` (Engine checked its type): on for :data:`GRAPH_BACKENDS` on a CUDA device."""
     if option is None:
         return device.type == "cuda" and backend_name in GRAPH_BACKENDS
     if option and device.type != "cuda":
