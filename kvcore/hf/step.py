@@ -154,11 +154,8 @@ GRAPH_BACKENDS = ("triton", "flashinfer")
 
 
 class DecodeGraphs:
-    """The captured decode steps of one engine, one per padded batch size.
-
-    Sizes: 1, 2, 4, 8, then multiples of 16, and ``max_num_seqs``. ``capture=False`` runs the
-    same padded steps eagerly (CPU tests of this path).
-    """
+    """An engine's captured decode steps, one per padded batch size (1, 2, 4, 8, multiples of 16,
+    ``max_num_seqs``); ``capture=False`` runs the same padded steps eagerly (CPU tests)."""
 
     def __init__(self, device: torch.device, max_num_seqs: int, *, capture: bool = True) -> None:
         self.device, self.capture = device, capture

@@ -39,10 +39,8 @@ def tp_group_size(group: Any) -> tuple[int, int]:
 
 
 def check_splittable(config: Any, tp_size: int) -> None:
-    """Refuse a ``tp_size`` that does not divide both the query and the KV heads.
-
-    NOTE: transformers never replicates KV heads across ranks, unlike ``shard_spec``.
-    """
+    """Refuse a ``tp_size`` that does not divide both the query and the KV heads (transformers,
+    unlike ``shard_spec``, never replicates KV heads across ranks)."""
     text = config.get_text_config()
     q_heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or q_heads)
