@@ -111,8 +111,7 @@ def import_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
             raise ValueError(f"group {g}: blocks {taken} are cached under other contents; import only reserved blocks")
         plans.append(pairs)
     for g, pairs in enumerate(plans):
-        if pairs:
-            pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=g)
+        pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=g)
     release_prefix(engine, blocks)
 
 
@@ -120,5 +119,4 @@ def release_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
     """Drop this holder's reference to every block of ``blocks``, once (last first: evicted first)."""
     _check(engine, blocks, held=True)
     held = [b for g in range(len(blocks.block_ids)) for b in reversed(blocks.held_ids(g))]
-    if held:
-        engine.kv.block_pool.free(held)
+    engine.kv.block_pool.free(held)

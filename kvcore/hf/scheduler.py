@@ -231,9 +231,7 @@ class Scheduler:
         """Free every block of ``request`` (last block first) and its row."""
         if request.row >= 0:
             for g, rows in enumerate(self.tables):
-                held = [b for b in reversed(self.blocks(request, g).tolist()) if b]
-                if held:
-                    self.pool.free(held)
+                self.pool.free([b for b in reversed(self.blocks(request, g).tolist()) if b])
                 rows[request.row] = 0
             self._free_rows.append(request.row)
         request.reset(len(self.groups))
@@ -284,8 +282,7 @@ class Scheduler:
                 continue
             hashes = self._hashes(request, g.block_size, full)[done:full]
             pairs = [(h, b) for h, b in zip(hashes, self.tables[i][request.row, done:full].tolist()) if b]
-            if pairs:
-                self.pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=i)
+            self.pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=i)
             request.num_cached_blocks[i] = full
 
     def finish_step(self, batch: list[tuple[Request, int]]) -> None:
