@@ -162,7 +162,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[tuple[Request, int]]:
-        """This step's requests and token counts (running first, then admitted ones)."""
+        """This step's requests and token counts: running ones, oldest first, then waiting ones while
+        the budget, ``max_num_seqs`` and the blocks last. A dry pool preempts the newest running one."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         preemptions = self.counts["preemptions"]
@@ -254,10 +255,9 @@ class Scheduler:
             {i: (h, g.block_size, g.window_blocks) for i, (g, h) in enumerate(zip(groups, hashes))},
             max_tokens=limit,
         )
-        ids: list[list[int]] = [[] for _ in groups]
+        ids: list[list[int]] = []
         for i, (g, h) in enumerate(zip(groups, hashes)):
-            if tokens:
-                ids[i] = pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=g.window_blocks)
+            ids.append(pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=g.window_blocks))
             if len(ids[i]) * g.block_size != tokens:
                 raise RuntimeError(f"group {i}: prefix cache returned {len(ids[i])} blocks for {tokens} tokens")
         return tokens, ids

@@ -3,6 +3,7 @@ CUDA graph replays), and the CUDA graphs of decode steps."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +37,6 @@ class StepBuilder:
 
     def __init__(self, kv: KVCache, groups: list[GroupInfo], tables: list[np.ndarray]) -> None:
         self.kv, self.groups, self.tables = kv, groups, tables
-        self._static: tuple[torch.Tensor, ...] | None = None
         #: A padded step's views of the static buffers, by shape (made once, reused every replay).
         self._padded_views: dict[tuple, tuple[tuple, tuple]] = {}
         #: (group, attention group) pairs whose builder plans on the host (``plan_graph_step``).
@@ -91,7 +91,7 @@ class StepBuilder:
             long_t, int_t = torch.from_numpy(longs).to(device), torch.from_numpy(ints).to(device)
             input_ids, position_ids, logits_at, common = _unpack(long_t, int_t, *shape)
         else:
-            host_long, host_int, long_t, int_t = self._static_buffers()
+            host_long, host_int, long_t, int_t = self._static_buffers
             host_long[: len(longs)] = torch.from_numpy(longs)
             host_int[: len(ints)] = torch.from_numpy(ints)
             long_t[: len(longs)].copy_(host_long[: len(longs)], non_blocking=True)
@@ -105,16 +105,15 @@ class StepBuilder:
         sampled = [r for (r, _), s in zip(entries, sampling) if s and r is not None]
         return Step(input_ids, position_ids, logits_at, sampled, common)
 
+    @functools.cached_property
     def _static_buffers(self) -> tuple[torch.Tensor, ...]:
         """Pinned host and device buffers for the largest padded step (one decode token per row)."""
-        if self._static is None:
-            batch, device = self.tables[0].shape[0], self.kv.device
-            pin = device.type == "cuda"
-            host_long = torch.zeros((3 + len(self.tables)) * batch, dtype=torch.int64, pin_memory=pin)
-            num_ints = 2 * batch + 1 + sum(batch * t.shape[1] for t in self.tables)
-            host_int = torch.zeros(num_ints, dtype=torch.int32, pin_memory=pin)
-            self._static = (host_long, host_int, host_long.to(device, copy=True), host_int.to(device, copy=True))
-        return self._static
+        batch, device = self.tables[0].shape[0], self.kv.device
+        pin = device.type == "cuda"
+        host_long = torch.zeros((3 + len(self.tables)) * batch, dtype=torch.int64, pin_memory=pin)
+        num_ints = 2 * batch + 1 + sum(batch * t.shape[1] for t in self.tables)
+        host_int = torch.zeros(num_ints, dtype=torch.int32, pin_memory=pin)
+        return host_long, host_int, host_long.to(device, copy=True), host_int.to(device, copy=True)
 
     def _plan_on_host(self, common: list[CommonAttentionMetadata]) -> None:
         """Let builders that plan on the host (``plan_graph_step``) plan a padded step from its CPU
