@@ -162,8 +162,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[tuple[Request, int]]:
-        """This step's requests and token counts: running ones, oldest first, then waiting ones while
-        the budget, ``max_num_seqs`` and the blocks last. A dry pool preempts the newest running one."""
+        """This step's requests and token counts: running ones (oldest first), then waiting ones while
+        the budget, ``max_num_seqs`` and the blocks last; a dry pool preempts the newest running one."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         preemptions = self.counts["preemptions"]
