@@ -6,8 +6,8 @@
 #   1. DecodeGraphs on CUDA: one pool handle, every captured size replays into its own output,
 #      replay equals the eager padded step; an engine with cuda_graphs=True captures every size.
 #   2. The hf tests on CUDA with the interpreter off: tokens equal model.generate through captured
-#      decode graphs, every graph captured at build time, graphs across an elastic grow, faults,
-#      the flashinfer fake's host plans.
+#      decode graphs, every graph captured at build time, graphs across an elastic grow, the
+#      flashinfer fake's host plans.
 # Run from the repository root: bash scripts/gpu_hf3.sh
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET= HF_HUB_OFFLINE=1
@@ -22,7 +22,7 @@ $PY -c "import torch, triton, transformers; print('torch', torch.__version__, '|
 '| transformers', transformers.__version__, '|', torch.cuda.get_device_name() if torch.cuda.is_available() else 'no CUDA')"
 
 step "1. DecodeGraphs on CUDA: pool made at build, replays equal the eager padded steps"
-timeout -k 5 60 $PY - >"$OUT/graphs.txt" 2>&1 <<'PY'
+timeout -k 5 50 $PY - >"$OUT/graphs.txt" 2>&1 <<'PY'
 import torch
 from kvcore.hf import Engine
 from kvcore.hf.models import model_config, random_model
@@ -55,8 +55,8 @@ PY
 rc=$?; tail -3 "$OUT/graphs.txt"; verdict $rc "$OUT/graphs.txt"
 
 step "2. hf tests on CUDA (interpreter off)"
-timeout -k 5 110 $PY -m pytest -q -rs -p no:cacheprovider tests/test_hf_engine.py tests/test_hf_defaults.py \
-  tests/test_hf_elastic.py tests/test_elastic_gpu.py \
+timeout -k 5 120 $PY -m pytest -q -rs -p no:cacheprovider tests/test_hf_engine.py tests/test_hf_defaults.py \
+  tests/test_elastic_gpu.py \
   plugins/kvcore-flashinfer/tests/test_flashinfer_fake.py >"$OUT/hf_tests.txt" 2>&1
 rc=$?; grep -E "^(SKIPPED|FAILED|ERROR)" "$OUT/hf_tests.txt" | head -12; tail -2 "$OUT/hf_tests.txt"
 verdict $rc "$OUT/hf_tests.txt"
