@@ -67,6 +67,8 @@ class _MixerLayer:
         return original(x, **{self.cache_kwarg: self.cache}), conv, recurrent
 
     def run(self, step: MixerStep, hidden: torch.Tensor, original: Any) -> torch.Tensor:
+        """Decodes in one ``[B, 1]`` call on states gathered from their slots, each prefill chunk in a
+        ``[1, n]`` call on its slot."""
         if step.scratch:
             return self._call(original, hidden, lambda t: torch.zeros_like(t[:1]))[0]
         out = torch.empty_like(hidden)

@@ -1,5 +1,5 @@
-"""One step's model inputs and attention metadata (eager, or padded into the persistent buffers a
-CUDA graph replays), and the CUDA graphs of decode steps."""
+"""One step's tokens packed into one row, with each KV cache group's block table and slot mapping
+(eager, or padded into the buffers a CUDA graph replays), and the CUDA graphs of decode steps."""
 
 from __future__ import annotations
 
