@@ -30,6 +30,7 @@ from kvcore.hf.scheduler import Scheduler  # noqa: E402
 
 
 def make_cache(num_blocks: int, window: int | None, state: bool = False, caching: bool = False) -> KVCache:
+    """A cache of ``num_blocks`` for at most 3 requests at once."""
     full = FullAttentionSpec(4, 1, 8, torch.float32)
     specs = {"model.layers.0.self_attn": full}
     if window is not None:
@@ -38,7 +39,7 @@ def make_cache(num_blocks: int, window: int | None, state: bool = False, caching
     if state:
         specs["model.layers.2.mamba"] = MambaSpec(4, [(2, 4), (3, 2)], [torch.float32, torch.float32])
     return KVCache.create(specs, dict.fromkeys(attention, "torch"), device="cpu", num_blocks=num_blocks,
-                          max_num_seqs=4, max_model_len=256, enable_prefix_caching=caching)
+                          max_num_seqs=3, max_model_len=256, enable_prefix_caching=caching)
 
 
 def check_invariants(sched: Scheduler, batch, budget: int) -> None:
@@ -87,7 +88,8 @@ def test_scheduler_keeps_blocks_consistent_and_finishes_everything(
 ):
     caching = caching and not state  # NOTE: the engine refuses prefix caching on a hybrid
     kv = make_cache(num_blocks, window, state, caching)
-    sched = Scheduler(kv, max_num_seqs=3, max_num_batched_tokens=budget, prefix_caching=caching)
+    sched = Scheduler(kv, max_num_batched_tokens=budget)
+    assert sched.prefix_caching == caching
     lengths = data.draw(st.lists(st.tuples(st.integers(1, 30), st.integers(1, 10)), min_size=1, max_size=7))
     requests = []
     for i, (prompt_len, new) in enumerate(lengths):

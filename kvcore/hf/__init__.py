@@ -1,7 +1,5 @@
-"""Serve HF ``transformers`` causal LMs through kvcore's paged KV cache (``pip install kvcore[hf]``).
-
-``import kvcore`` never imports transformers; this package does.
-"""
+"""Serve HF ``transformers`` causal LMs through kvcore's paged KV cache (``kvcore[hf]``);
+``import kvcore`` never imports transformers, this package does."""
 
 from __future__ import annotations
 

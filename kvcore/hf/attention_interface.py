@@ -1,9 +1,5 @@
-"""The attention function kvcore registers with transformers' ``AttentionInterface``.
-
-transformers calls it from every attention module with a step's tokens packed into one row and
-every extra ``model(...)`` keyword; the engine's :class:`StepContext` (``kvcore_step``) routes the
-call to the layer's backend ``forward``, which writes the new K/V and attends (no mask needed).
-"""
+"""The attention function kvcore registers with transformers' ``AttentionInterface``: it sends each
+layer's call on a step's packed row to that layer's backend ``forward``, with no mask."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
-"""Disaggregated serving: hand a prompt's cached KV blocks from one engine to another.
-
-A prefill engine computes a prompt (prefix caching on); :func:`export_prefix` holds, per KV cache
-group, the blocks its prefix cache would hit. Any transport (NIXL, a host copy) moves their bytes
-into blocks a decode engine hands out with :func:`reserve_prefix`; :func:`import_prefix` caches
-those under the prompt's hashes, so the decode engine computes only the prompt's tail. A
-sliding-window group holds only the blocks inside the window (the others are the null block 0).
-"""
+"""Disaggregated serving: hand a prompt's cached KV blocks from one engine's prefix cache to
+another's (export, move the bytes with any transport, reserve, import)."""
 
 from __future__ import annotations
 
@@ -87,9 +81,7 @@ def export_prefix(engine: Engine, prompt: Sequence[int]) -> PrefixBlocks:
     scheduler = _scheduler(engine)
     tokens = check_prompt(0, prompt, 1, vocab_size=engine.vocab_size, max_model_len=engine.max_model_len)
     num_tokens, ids = scheduler.lookup(Request(-1, tokens, len(tokens), 1))
-    blocks = PrefixBlocks(tokens[:num_tokens], ids)
-    _check(engine, blocks, held=True)
-    return blocks
+    return PrefixBlocks(tokens[:num_tokens], ids)
 
 
 def reserve_prefix(engine: Engine, like: PrefixBlocks) -> PrefixBlocks:
@@ -119,8 +111,7 @@ def import_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
             raise ValueError(f"group {g}: blocks {taken} are cached under other contents; import only reserved blocks")
         plans.append(pairs)
     for g, pairs in enumerate(plans):
-        if pairs:
-            pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=g)
+        pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=g)
     release_prefix(engine, blocks)
 
 
@@ -128,5 +119,4 @@ def release_prefix(engine: Engine, blocks: PrefixBlocks) -> None:
     """Drop this holder's reference to every block of ``blocks``, once (last first: evicted first)."""
     _check(engine, blocks, held=True)
     held = [b for g in range(len(blocks.block_ids)) for b in reversed(blocks.held_ids(g))]
-    if held:
-        engine.kv.block_pool.free(held)
+    engine.kv.block_pool.free(held)

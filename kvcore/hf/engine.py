@@ -1,8 +1,5 @@
-"""``kvcore.hf.Engine``: continuous batching of a transformers causal LM over one kvcore KV cache.
-
-Each step schedules requests, packs them (:mod:`kvcore.hf.step`), zeroes new blocks
-(``KVCache.begin_step``), runs the model once (or replays its CUDA graph) and samples greedily.
-"""
+"""``kvcore.hf.Engine``: continuous batching of a transformers causal LM over one kvcore KV cache
+(schedule, pack, zero new blocks, one forward or a CUDA graph replay, greedy sampling per step)."""
 
 from __future__ import annotations
 
@@ -102,8 +99,9 @@ def resolve_defaults(
             specs = make_specs(block_size)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = BATCHED_TOKENS.get(device.type, BATCHED_TOKENS["cpu"])
+    budget = positive_int("max_num_batched_tokens", max_num_batched_tokens)
     backends = {n: pick(s) for n, s in specs.items() if s.is_attention}
-    return EngineDefaults(block_size or BLOCK_SIZE, max_num_batched_tokens, backends, specs)
+    return EngineDefaults(block_size or BLOCK_SIZE, budget, backends, specs)
 
 
 class Engine:
@@ -154,8 +152,7 @@ class Engine:
         settings = resolve_defaults(
             lambda size: {n: shard_spec(s, tp_rank, tp_size)
                           for n, s in layer_specs(config, model.dtype, size).items()},
-            self.device, backend, None if block_size is None else positive_int("block_size", block_size),
-            max_num_batched_tokens,
+            self.device, backend, block_size, max_num_batched_tokens,
         )
         specs = settings.specs
         mixers = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
@@ -174,10 +171,7 @@ class Engine:
             max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
         )
         self._start_blocks = self.kv.num_blocks
-        self.scheduler = Scheduler(
-            self.kv, max_num_seqs=max_num_seqs, prefix_caching=enable_prefix_caching,
-            max_num_batched_tokens=positive_int("max_num_batched_tokens", settings.max_num_batched_tokens),
-        )
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=settings.max_num_batched_tokens)
         if max_num_blocks is not None:
             self.scheduler.grow = self._grow_cache
         self.counts = self.scheduler.counts

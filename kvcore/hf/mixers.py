@@ -1,12 +1,5 @@
-"""Run a hybrid model's mixers per request on their states in kvcore's state caches.
-
-transformers' mixers cannot keep apart two requests of the engine's one packed row, so
-while the engine serves, each mixer module's ``forward`` is replaced on the instance by one that
-splits the packed row: all single-token requests in one ``[B, 1]`` call on states gathered from
-their slots, each prefill chunk in its own ``[1, n]`` call on its slot. The states reach the
-mixer through a transformers ``Cache`` that always has a previous state (a new sequence's slot
-was zeroed by ``KVCache.begin_step``, which is what a fresh state is).
-"""
+"""Run a hybrid model's mixers per request on their states in kvcore's state caches (transformers'
+mixers cannot keep apart two requests of the engine's one packed row)."""
 
 from __future__ import annotations
 
@@ -55,6 +48,7 @@ class _MixerLayer:
         params = inspect.signature(module.forward).parameters
         self.cache_kwarg = "cache_params" if "cache_params" in params else "past_key_values"
         self.layer = LinearAttentionLayer()
+        # NOTE: always a previous state: a new sequence's slot was zeroed by begin_step, a fresh state.
         self.layer.has_previous_state[0] = True
         self.layer.is_conv_states_initialized[0] = True
         # NOTE: the Cache is indexed by the module's layer_idx; the layers before it are unused.
@@ -73,6 +67,8 @@ class _MixerLayer:
         return original(x, **{self.cache_kwarg: self.cache}), conv, recurrent
 
     def run(self, step: MixerStep, hidden: torch.Tensor, original: Any) -> torch.Tensor:
+        """Decodes in one ``[B, 1]`` call on states gathered from their slots, each prefill chunk in a
+        ``[1, n]`` call on its slot."""
         if step.scratch:
             return self._call(original, hidden, lambda t: torch.zeros_like(t[:1]))[0]
         out = torch.empty_like(hidden)

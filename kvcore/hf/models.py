@@ -1,8 +1,4 @@
-"""Models to serve: small random-weight ones built from configs (no download), or a local checkpoint.
-
-Random models have peaky logits, so that rounding that differs between two exact attention
-implementations cannot flip a greedy token, and wide weights, so that attention decides it.
-"""
+"""Models to serve: small random-weight ones from configs (no download), or a local checkpoint."""
 
 from __future__ import annotations
 
@@ -17,6 +13,7 @@ from kvcore.hf.tp import load_tp_model
 
 _MAMBA2 = {"mamba_n_heads": 8, "mamba_d_head": 16, "mamba_n_groups": 1, "mamba_d_state": 8,
            "mamba_chunk_size": 16, "mamba_expand": 2}
+_GRANITE = {"num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], **_MAMBA2}
 
 #: Architecture name -> (config class, keyword arguments beyond the common small shape).
 ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -32,13 +29,10 @@ ARCHITECTURES: dict[str, tuple[str, dict[str, Any]]] = {
     "bamba": ("BambaConfig", {"num_hidden_layers": 3, "attn_layer_indices": [1], **_MAMBA2}),
     "granitemoehybrid": (
         "GraniteMoeHybridConfig",
-        {"num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "num_local_experts": 4,
-         "num_experts_per_tok": 2, "shared_intermediate_size": 64, **_MAMBA2},
+        {**_GRANITE, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 64},
     ),
     "granitemoehybrid-dense": (
-        "GraniteMoeHybridConfig",
-        {"num_hidden_layers": 3, "layer_types": ["mamba", "attention", "mamba"], "num_local_experts": 0,
-         "shared_intermediate_size": 128, **_MAMBA2},
+        "GraniteMoeHybridConfig", {**_GRANITE, "num_local_experts": 0, "shared_intermediate_size": 128}
     ),
     "falcon_h1": ("FalconH1Config", {"mamba_d_ssm": 128, **_MAMBA2}),
     "nemotron_h": (
@@ -83,7 +77,8 @@ def random_model(
     seed: int = 0,
     logit_std: float = 8.0,
 ) -> transformers.PreTrainedModel:
-    """A random-weight causal LM for ``config`` with logits of about ``logit_std`` spread."""
+    """A random-weight causal LM for ``config`` with logits of about ``logit_std`` spread: peaky, so
+    that rounding that differs between two exact attention implementations cannot flip a token."""
     device = torch.device(device)
     torch.manual_seed(seed)
     with device:  # NOTE: weights are drawn where they live (a 1B model initializes in seconds on a GPU)

@@ -1,10 +1,5 @@
-"""Continuous batching: which requests run this step, with how many tokens, in which blocks.
-
-Running requests go first, oldest first, then waiting ones while the token budget,
-``max_num_seqs`` and the free blocks last. When the pool runs dry, the newest running request is
-preempted and recomputed later (greedy decoding makes the result identical). With prefix
-caching, a request starts at the longest prefix every group caches, short of its last token.
-"""
+"""Continuous batching: which requests run this step, with how many tokens, in which blocks; who is
+preempted when the pool runs dry, and where a request starts with prefix caching."""
 
 from __future__ import annotations
 
@@ -123,12 +118,13 @@ def check_prompt(index: int, prompt: Any, max_new_tokens: Any, *, vocab_size: in
 class Scheduler:
     """Queues, admission and block bookkeeping (the one table per group) for one ``KVCache``."""
 
-    def __init__(self, kv: KVCache, *, max_num_seqs: int, max_num_batched_tokens: int, prefix_caching: bool) -> None:
+    def __init__(self, kv: KVCache, *, max_num_batched_tokens: int) -> None:
         self.pool: BlockPool = kv.block_pool
+        #: Prefix caching is on when the cache's pool caches blocks (``enable_prefix_caching``).
+        self.prefix_caching = self.pool.enable_caching
         self.groups = [GroupInfo.of(g.kv_cache_spec) for g in kv.config.kv_cache_groups]
-        self.max_num_seqs = max_num_seqs
+        self.max_num_seqs = kv.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.max_model_len = kv.max_model_len
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         #: Counts by ``EngineStats`` field (the engine's too).
@@ -136,20 +132,17 @@ class Scheduler:
         #: ``grow(k)``: try to add at least ``k`` free blocks (an elastic cache); True when it did.
         self.grow: Callable[[int], bool] | None = None
         # NOTE: sized for an elastic cache's largest pool.
-        self.tables = [np.zeros((max_num_seqs, self._width(g, kv.max_num_blocks)), np.int32) for g in self.groups]
-        self._free_rows = list(range(max_num_seqs - 1, -1, -1))
-        if prefix_caching and not self.pool.enable_caching:
-            raise ValueError("prefix caching needs a BlockPool built with enable_caching=True")
-        self.prefix_caching = prefix_caching
+        self.tables = [np.zeros((kv.max_num_seqs, self._width(g, kv)), np.int32) for g in self.groups]
+        self._free_rows = list(range(kv.max_num_seqs - 1, -1, -1))
 
-    def _width(self, group: GroupInfo, num_blocks: int) -> int:
+    def _width(self, group: GroupInfo, kv: KVCache) -> int:
         # NOTE: a sliding-window request indexes block ``position // block_size`` up to the model's
         # length although it holds only the window's blocks.
         if group.state:
             return 1
-        tokens = self.max_model_len
+        tokens = kv.max_model_len
         if group.sliding_window is None:
-            tokens = min(tokens, num_blocks * group.block_size)
+            tokens = min(tokens, kv.max_num_blocks * group.block_size)
         return -(-tokens // group.block_size)
 
     def blocks(self, request: Request, g: int) -> np.ndarray:
@@ -169,7 +162,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[tuple[Request, int]]:
-        """This step's requests and token counts (running first, then admitted ones)."""
+        """This step's requests and token counts: running ones (oldest first), then waiting ones while
+        the budget, ``max_num_seqs`` and the blocks last; a dry pool preempts the newest running one."""
         budget = self.max_num_batched_tokens
         batch: list[tuple[Request, int]] = []
         preemptions = self.counts["preemptions"]
@@ -238,9 +232,7 @@ class Scheduler:
         """Free every block of ``request`` (last block first) and its row."""
         if request.row >= 0:
             for g, rows in enumerate(self.tables):
-                held = [b for b in reversed(self.blocks(request, g).tolist()) if b]
-                if held:
-                    self.pool.free(held)
+                self.pool.free([b for b in reversed(self.blocks(request, g).tolist()) if b])
                 rows[request.row] = 0
             self._free_rows.append(request.row)
         request.reset(len(self.groups))
@@ -263,10 +255,9 @@ class Scheduler:
             {i: (h, g.block_size, g.window_blocks) for i, (g, h) in enumerate(zip(groups, hashes))},
             max_tokens=limit,
         )
-        ids: list[list[int]] = [[] for _ in groups]
+        ids: list[list[int]] = []
         for i, (g, h) in enumerate(zip(groups, hashes)):
-            if tokens:
-                ids[i] = pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=g.window_blocks)
+            ids.append(pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=g.window_blocks))
             if len(ids[i]) * g.block_size != tokens:
                 raise RuntimeError(f"group {i}: prefix cache returned {len(ids[i])} blocks for {tokens} tokens")
         return tokens, ids
@@ -291,8 +282,7 @@ class Scheduler:
                 continue
             hashes = self._hashes(request, g.block_size, full)[done:full]
             pairs = [(h, b) for h, b in zip(hashes, self.tables[i][request.row, done:full].tolist()) if b]
-            if pairs:
-                self.pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=i)
+            self.pool.cache_blocks([h for h, _ in pairs], [b for _, b in pairs], group_id=i)
             request.num_cached_blocks[i] = full
 
     def finish_step(self, batch: list[tuple[Request, int]]) -> None:
@@ -301,14 +291,12 @@ class Scheduler:
             if self.prefix_caching:
                 self._cache_full_blocks(request)
 
-    def abort_all(self) -> int:
-        """Drop every queued request (running or waiting) and free all it holds; returns how many."""
-        requests = [*self.running, *self.waiting]
-        for request in requests:
+    def abort_all(self) -> None:
+        """Drop every queued request (running or waiting) and free all it holds."""
+        for request in [*self.running, *self.waiting]:
             self._release(request)
         self.running.clear()
         self.waiting.clear()
-        return len(requests)
 
     def finish(self, request: Request) -> None:
         request.finished = True

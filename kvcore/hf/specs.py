@@ -1,10 +1,5 @@
-"""KV cache specs of a transformers decoder config, and what kvcore refuses to serve.
-
-Attention layers get a full, sliding-window or chunked-local spec named after their module; a
-hybrid's mixer layers a :class:`~kvcore.MambaSpec` of the states transformers keeps, in its
-dtypes (Mamba2 and gated delta net: a float32 recurrent state, then a convolution window; LFM2's
-short convolution: the window only). What kvcore cannot serve exactly raises a ``ValueError``.
-"""
+"""KV cache specs of a transformers decoder config (attention specs, a hybrid's mixers'
+``MambaSpec``), and the ``ValueError`` naming what kvcore cannot serve exactly."""
 
 from __future__ import annotations
 
@@ -25,9 +20,10 @@ class HybridFamily(NamedTuple):
     attention: str
     #: ``"mamba2"``, ``"short_conv"`` or ``"gated_delta_net"``.
     kind: str
-    #: Config attributes: Mamba2's heads, head dim, groups, state size, conv kernel; a gated
-    #: delta net's key heads, value heads, key head dim, value head dim, conv kernel.
-    fields: tuple[str, ...] = ()
+    #: Config attributes: Mamba2's heads, head dim, groups, state size, conv kernel; a gated delta
+    #: net's key heads, value heads, key head dim, value head dim, conv kernel; a short convolution's
+    #: channels and window.
+    fields: tuple[str, ...]
 
 
 _BAMBA = HybridFamily(
@@ -41,7 +37,7 @@ HYBRID_FAMILIES = {
     "nemotron_h": HybridFamily(
         "mixer", "mixer", "mamba2", ("mamba_num_heads", "mamba_head_dim", "n_groups", "ssm_state_size", "conv_kernel")
     ),
-    "lfm2": HybridFamily("conv", "self_attn", "short_conv"),
+    "lfm2": HybridFamily("conv", "self_attn", "short_conv", ("hidden_size", "conv_L_cache")),
     "qwen3_next": HybridFamily(
         "linear_attn", "self_attn", "gated_delta_net",
         ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
@@ -254,11 +250,9 @@ def _mixer_spec(config: Any, dtype: torch.dtype, block_size: int) -> MambaSpec:
     """The state spec every mixer layer of hybrid ``config`` shares."""
     model_type = config.model_type
     family = HYBRID_FAMILIES[model_type]
-    if family.kind == "short_conv":
-        hidden = positive_int("config.hidden_size", config.hidden_size)
-        window = positive_int("config.conv_L_cache", config.conv_L_cache)
-        return MambaSpec(block_size, [(hidden, window)], [dtype])
     sizes = [positive_int(f"config.{name}", getattr(config, name, None)) for name in family.fields]
+    if family.kind == "short_conv":
+        return MambaSpec(block_size, [tuple(sizes)], [dtype])
     # NOTE: the scans return their final state in float32 and transformers keeps it so (bf16 models too).
     recurrent_dtype = torch.float32 if dtype.itemsize <= 4 else dtype
     if family.kind == "gated_delta_net":

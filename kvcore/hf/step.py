@@ -1,14 +1,9 @@
-"""One step's model inputs and attention metadata, and the CUDA graphs that replay decode steps.
-
-A step's tokens are packed into one row (``[1, T]``); each KV cache group gets its block table
-(rows of the scheduler's tables; a state group's is each request's state slot) and slot mapping.
-A padding request (``None``) reads only the null block and writes nowhere (slot -1). ``pad_to``
-builds the step a CUDA graph replays: padded to a captured size in persistent buffers, with
-full-width tables and ``max_seq_len = max_model_len``: one shape and one address per size.
-"""
+"""One step's tokens packed into one row, with each KV cache group's block table and slot mapping
+(eager, or padded into the buffers a CUDA graph replays), and the CUDA graphs of decode steps."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -42,7 +37,6 @@ class StepBuilder:
 
     def __init__(self, kv: KVCache, groups: list[GroupInfo], tables: list[np.ndarray]) -> None:
         self.kv, self.groups, self.tables = kv, groups, tables
-        self._static: tuple[torch.Tensor, ...] | None = None
         #: A padded step's views of the static buffers, by shape (made once, reused every replay).
         self._padded_views: dict[tuple, tuple[tuple, tuple]] = {}
         #: (group, attention group) pairs whose builder plans on the host (``plan_graph_step``).
@@ -52,7 +46,11 @@ class StepBuilder:
         ]
 
     def build(self, batch: Batch, *, pad_to: int | None = None) -> Step:
-        """The step of ``batch``; ``pad_to``: padded to that many requests in the static buffers."""
+        """The step of ``batch``; ``pad_to``: padded to that many requests in the static buffers, with
+        full-width tables and ``max_seq_len = max_model_len`` (one shape and address per size).
+
+        A padding request (``None``) reads only the null block and writes nowhere (slot -1).
+        """
         entries = [*batch, *[(None, 1)] * ((pad_to or 0) - len(batch))]
         num_reqs = len(entries)
         real = np.array([r is not None for r, _ in entries])
@@ -86,38 +84,36 @@ class StepBuilder:
             slots.append(np.where(real[owner], slot, -1))
         longs = np.concatenate([tokens, positions, logits_indices, *slots])
         ints = np.concatenate([starts, seq_lens, *(t.ravel() for t in tables)]).astype(np.int32)
-        shape = (num_reqs, num_tokens, len(logits_indices), [t.shape for t in tables],
+        shape = (num_reqs, num_tokens, len(logits_indices), tuple(t.shape for t in tables),
                  int(counts.max()), max_seq_len)
         if pad_to is None:
             device = self.kv.device
             long_t, int_t = torch.from_numpy(longs).to(device), torch.from_numpy(ints).to(device)
             input_ids, position_ids, logits_at, common = _unpack(long_t, int_t, *shape)
         else:
-            host_long, host_int, long_t, int_t = self._static_buffers()
+            host_long, host_int, long_t, int_t = self._static_buffers
             host_long[: len(longs)] = torch.from_numpy(longs)
             host_int[: len(ints)] = torch.from_numpy(ints)
             long_t[: len(longs)].copy_(host_long[: len(longs)], non_blocking=True)
             int_t[: len(ints)].copy_(host_int[: len(ints)], non_blocking=True)
-            key = (*shape[:3], tuple(shape[3]), *shape[4:])
-            if key not in self._padded_views:
+            if shape not in self._padded_views:
                 host = _unpack(host_long, host_int, *shape) if self._host_planners else None
-                self._padded_views[key] = (host, _unpack(long_t, int_t, *shape))
-            host, (input_ids, position_ids, logits_at, common) = self._padded_views[key]
+                self._padded_views[shape] = (host, _unpack(long_t, int_t, *shape))
+            host, (input_ids, position_ids, logits_at, common) = self._padded_views[shape]
             if host is not None:
                 self._plan_on_host(host[3])
         sampled = [r for (r, _), s in zip(entries, sampling) if s and r is not None]
         return Step(input_ids, position_ids, logits_at, sampled, common)
 
+    @functools.cached_property
     def _static_buffers(self) -> tuple[torch.Tensor, ...]:
         """Pinned host and device buffers for the largest padded step (one decode token per row)."""
-        if self._static is None:
-            batch, device = self.tables[0].shape[0], self.kv.device
-            pin = device.type == "cuda"
-            host_long = torch.zeros((3 + len(self.tables)) * batch, dtype=torch.int64, pin_memory=pin)
-            num_ints = 2 * batch + 1 + sum(batch * t.shape[1] for t in self.tables)
-            host_int = torch.zeros(num_ints, dtype=torch.int32, pin_memory=pin)
-            self._static = (host_long, host_int, host_long.to(device, copy=True), host_int.to(device, copy=True))
-        return self._static
+        batch, device = self.tables[0].shape[0], self.kv.device
+        pin = device.type == "cuda"
+        host_long = torch.zeros((3 + len(self.tables)) * batch, dtype=torch.int64, pin_memory=pin)
+        num_ints = 2 * batch + 1 + sum(batch * t.shape[1] for t in self.tables)
+        host_int = torch.zeros(num_ints, dtype=torch.int32, pin_memory=pin)
+        return host_long, host_int, host_long.to(device, copy=True), host_int.to(device, copy=True)
 
     def _plan_on_host(self, common: list[CommonAttentionMetadata]) -> None:
         """Let builders that plan on the host (``plan_graph_step``) plan a padded step from its CPU
@@ -134,7 +130,7 @@ class StepBuilder:
 
 
 def _unpack(longs: torch.Tensor, ints: torch.Tensor, num_reqs: int, num_tokens: int, num_sampled: int,
-            table_shapes: list[tuple[int, int]], max_query_len: int, max_seq_len: int) -> tuple:
+            table_shapes: Sequence[tuple[int, int]], max_query_len: int, max_seq_len: int) -> tuple:
     """Views of a packed step: input ids, positions, logits indices, and each group's metadata."""
     query_start_loc, seq_lens = ints[: num_reqs + 1], ints[num_reqs + 1 : 2 * num_reqs + 1]
     long_at, int_at = 2 * num_tokens + num_sampled, 2 * num_reqs + 1
@@ -157,21 +153,16 @@ GRAPH_BACKENDS = ("triton", "flashinfer")
 
 
 class DecodeGraphs:
-    """The captured decode steps of one engine, one per padded batch size.
-
-    Sizes: 1, 2, 4, 8, then multiples of 16, and ``max_num_seqs``. ``capture=False`` runs the
-    same padded steps eagerly (CPU tests of this path).
-    """
+    """An engine's captured decode steps, one per padded batch size (1, 2, 4, 8, multiples of 16,
+    ``max_num_seqs``); ``capture=False`` runs the same padded steps eagerly (CPU tests)."""
 
     def __init__(self, device: torch.device, max_num_seqs: int, *, capture: bool = True) -> None:
-        if capture and device.type != "cuda":
-            raise ValueError(f"CUDA graphs need a CUDA device, the KV cache is on {device}")
         self.device, self.capture = device, capture
         sizes = {s for s in (1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)) if s <= max_num_seqs}
         self.sizes = sorted(sizes | {max_num_seqs})
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
-        self.pool = None
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
 
     def bucket(self, num_reqs: int) -> int:
         """The smallest captured batch size that holds ``num_reqs`` requests."""
@@ -186,8 +177,6 @@ class DecodeGraphs:
                 forward()
         torch.cuda.current_stream(self.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        if self.pool is None:
-            self.pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[size] = forward()
         self.graphs[size] = graph
@@ -215,8 +204,7 @@ class DecodeGraphs:
 
 
 def graphs_wanted(option: Any, device: torch.device, backend_name: str) -> bool:
-    """``cuda_graphs=None`` (Engine checked its type) means on for the ``triton`` and ``flashinfer``
-    backends on a CUDA device."""
+    """``cuda_graphs=None`` (Engine checked its type): on for :data:`GRAPH_BACKENDS` on a CUDA device."""
     if option is None:
         return device.type == "cuda" and backend_name in GRAPH_BACKENDS
     if option and device.type != "cuda":

@@ -1,8 +1,5 @@
-"""Tensor parallelism for HF models: transformers' own plan for the weights, kvcore's for the KV cache.
-
-transformers lays its mesh over the whole ``torch.distributed`` world, so the group must be the
-world, ranks in order; its loader needs ``accelerate``.
-"""
+"""Tensor parallelism for HF models: transformers' own plan for the weights (over the whole world,
+ranks in order; its loader needs ``accelerate``), kvcore's for the KV cache."""
 
 from __future__ import annotations
 
@@ -42,10 +39,8 @@ def tp_group_size(group: Any) -> tuple[int, int]:
 
 
 def check_splittable(config: Any, tp_size: int) -> None:
-    """Refuse a ``tp_size`` that does not divide both the query and the KV heads.
-
-    NOTE: transformers never replicates KV heads across ranks, unlike ``shard_spec``.
-    """
+    """Refuse a ``tp_size`` that does not divide both the query and the KV heads (transformers,
+    unlike ``shard_spec``, never replicates KV heads across ranks)."""
     text = config.get_text_config()
     q_heads = int(text.num_attention_heads)
     kv_heads = int(getattr(text, "num_key_value_heads", None) or q_heads)
