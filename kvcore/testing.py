@@ -26,11 +26,12 @@ def build_cache(
     dtype,
     *,
     kernel_block_size=None,
+    num_layers=2,
     device=DEVICE,
 ):
-    """Allocate a two-layer cache through kvcore; return its kernel-block views."""
+    """Allocate a ``num_layers``-layer cache through kvcore; return its kernel-block views."""
     spec = FullAttentionSpec(block_size, kv_heads, head_size, dtype)
-    names = [f"model.layers.{i}.attn" for i in range(2)]
+    names = [f"model.layers.{i}.attn" for i in range(num_layers)]
     config = plan_kv_cache(dict.fromkeys(names, spec), layout, num_blocks=num_blocks)
     sizes = None if kernel_block_size is None else [kernel_block_size]
     caches = allocate_kv_cache(config, device, kernel_block_sizes=sizes)

@@ -219,4 +219,26 @@ def test_a_command_whose_distribution_is_broken_is_named_and_the_rest_works(load
     assert main(["models", "--json"]) == 0 and json.loads(capsys.readouterr().out)
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
-    assert exc.value.code == 0 and "bench" in capsys.readouterr().out
+    listed = [line.split()[0] for line in capsys.readouterr().out.splitlines() if line.startswith("    ")]
+    assert exc.value.code == 0 and listed.count("bench") == 1
+
+
+def _adds_a_command(name):
+    def add_command(commands):
+        commands.add_parser(name, help="another tool's command").set_defaults(func=lambda args: 0)
+
+    return lambda: add_command
+
+
+@pytest.mark.parametrize("name", ["plan", "models", "plugins", "completion"])
+def test_a_distribution_cannot_take_a_built_in_command_name(name, monkeypatch, capsys):
+    other = SimpleNamespace(name=name, value="other.cli:add_command", load=_adds_a_command(name),
+                            dist=SimpleNamespace(name="other-tool"))
+    _no_commands_installed(monkeypatch, other)
+    assert main(["plan", "llama-3-8b", "--num-blocks", "8", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["num_blocks"] == 8
+    assert f"ignoring command {name!r} of other-tool" in captured.err
+    with pytest.raises(SystemExit) as exc:
+        main(["completion", "fish"])
+    assert exc.value.code == 2 and "invalid choice: 'fish'" in capsys.readouterr().err

@@ -510,3 +510,13 @@ def test_a_wrong_answer_is_named_without_asking_any_plugin_again(wrong_is_later)
         kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)
     assert wrong.calls == 1  # asked once, by pluggy; the error path calls no plugin
     assert quiet.calls == (0 if wrong_is_later else 1)  # asked before "wrong" only when registered later
+
+
+def test_a_plugin_registered_in_process_is_described_as_such():
+    from kvcore.plugins.manager import PluginInfo
+
+    assert PluginInfo(name="myplug").describe() == "plugin 'myplug' (registered in-process)"
+    info = PluginInfo(name="torch", distribution="kvcore-torch", version="0.1.0",
+                      entry_point="kvcore_torch.plugin")
+    assert info.describe() == (
+        "plugin 'torch' (entry point 'kvcore_torch.plugin' of distribution kvcore-torch 0.1.0)")

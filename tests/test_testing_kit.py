@@ -31,3 +31,12 @@ def test_batch_blocks_are_distinct_and_kernel_tables_split_them():
     assert batch.kernel_table[:, ::2].tolist() == (batch.manager_table * 2).tolist()
     views = build_cache("LBNHC", 8, 16, 1, 8, torch.float32, kernel_block_size=4, device="cpu")
     assert views[0].shape == (32, 1, 4, 16)
+
+
+def test_build_cache_gives_each_layer_its_own_memory():
+    views = build_cache("BLNHC", 16, 6, 2, 8, torch.float32, num_layers=3, device="cpu")
+    assert len(views) == 3
+    for i, view in enumerate(views):
+        view.fill_(float(i + 1))
+    for i, view in enumerate(views):
+        assert torch.all(view == i + 1)

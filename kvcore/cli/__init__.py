@@ -16,7 +16,6 @@ import re
 import sys
 from importlib import metadata
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from kvcore import __version__
@@ -69,6 +68,7 @@ def size_arg(text: str) -> int:
 
 
 def positive_int_arg(text: str) -> int:
+    """An argparse type: a positive integer."""
     try:
         value = int(text)
     except ValueError:
@@ -79,6 +79,7 @@ def positive_int_arg(text: str) -> int:
 
 
 def layout_arg(text: str) -> KVCacheLayout:
+    """An argparse type: a layout name (any case)."""
     from kvcore.memory.layout import KVCacheLayout
 
     try:
@@ -115,8 +116,8 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     def command(name: str, func, **kwargs) -> argparse.ArgumentParser:
-        help, description = _COMMANDS[name]
-        parser = sub.add_parser(name, help=help, description=description, **kwargs)
+        summary, description = _COMMANDS[name]
+        parser = sub.add_parser(name, help=summary, description=description, **kwargs)
         parser.set_defaults(func=func)
         return parser
 
@@ -138,11 +139,11 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     plugins = command("plugins", _lazy("kvcore.cli.plugins"))
     plugins.add_argument("--json", action="store_true",
                          help="print a JSON list, one object per plugin")
-    _add_installed_commands(sub)
     completion = command("completion", _completion,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"),
                             help="the shell to complete in")
+    _add_installed_commands(sub)
     return parser
 
 
@@ -151,12 +152,20 @@ def _add_installed_commands(sub: argparse._SubParsersAction) -> None:
     is not installed, or whose distribution fails to load, still answers with the remedy."""
     unavailable = dict(_ELSEWHERE)
     for entry_point in metadata.entry_points(group="kvcore.cli"):
+        where = entry_point.dist.name if entry_point.dist else entry_point.value
+        if entry_point.name in sub.choices:
+            print(f"kvcore: ignoring command {entry_point.name!r} of {where}: kvcore already has "
+                  f"one by that name; rename its entry point in group kvcore.cli", file=sys.stderr)
+            continue
         unavailable.pop(entry_point.name, None)
+        # NOTE: what a distribution that fails half-way added is taken back; the stub replaces it
+        choices, actions = dict(sub.choices), list(sub._choices_actions)
         try:
             entry_point.load()(sub)
         except Exception as exc:  # NOTE: a broken distribution must not take kvcore down
-            sub.choices.pop(entry_point.name, None)  # half added: the stub below replaces it
-            where = entry_point.dist.name if entry_point.dist else entry_point.value
+            sub.choices.clear()
+            sub.choices.update(choices)
+            sub._choices_actions[:] = actions
             unavailable[entry_point.name] = (
                 f"kvcore {entry_point.name} could not be loaded from {where} "
                 f"({type(exc).__name__}: {exc}); reinstall or uninstall {where}")

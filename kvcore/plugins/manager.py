@@ -40,6 +40,8 @@ class PluginInfo:
 
     def describe(self) -> str:
         """The plugin in messages: entry point, distribution and version."""
+        if self.entry_point is None:
+            return f"plugin {self.name!r} (registered in-process)"
         return (
             f"plugin {self.name!r} (entry point '{self.entry_point}' of distribution "
             f"{self.distribution or '?'} {self.version or '?'})"
