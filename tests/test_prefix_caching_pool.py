@@ -223,3 +223,19 @@ CachingPoolMachine.TestCase.settings = settings(
     max_examples=120, stateful_step_count=40, deadline=None, derandomize=True
 )
 test_caching_pool_matches_model = CachingPoolMachine.TestCase
+
+
+def test_a_block_freed_before_its_retried_zeroing_is_forgotten_by_the_cache():
+    import random
+
+    rng = random.Random(7)
+    pool = BlockPool(8, enable_caching=True)
+    ids = pool.allocate(3)
+    assert pool.take_new_blocks() == ids
+    hashes = [rng.randbytes(16) for _ in ids]
+    pool.cache_blocks(hashes, ids)
+    pool.requeue_new_blocks(ids[1:])  # zeroing failed for two of them: not written yet
+    pool.free(ids)
+    assert pool.num_cached_blocks == 1 and pool.block_hash(ids[0]) == (0, hashes[0])
+    assert pool.find_cached_prefix(hashes) == 1  # the zeroed block still hits, the others do not
+    assert pool.num_free_blocks == 7 and pool.take_new_blocks() == []

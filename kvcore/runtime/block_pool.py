@@ -151,7 +151,9 @@ class BlockPool:
         for block_id in ids:
             refs[block_id] -= 1
             if refs[block_id] == 0:
-                self._to_zero.pop(block_id, None)  # NOTE: never written, so never cached either
+                if block_id in self._to_zero:  # NOTE: not zeroed (maybe requeued): not cached
+                    del self._to_zero[block_id]
+                    self._drop(block_id)
                 if block_id in self._keys:
                     self._evictable[block_id] = None
                 else:
