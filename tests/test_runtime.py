@@ -19,6 +19,7 @@ from kvcore import (
     MambaSpec,
     MultipleOf,
     SlidingWindowSpec,
+    UniformTypeKVCacheSpecs,
     get_plugin_manager,
     hookimpl,
 )
@@ -202,6 +203,11 @@ def test_bad_input_is_refused(pm):
     with pytest.raises(ValueError, match="max_num_seqs"):
         KVCache.create(specs(), {n: "torch" for n in LAYERS}, device="cpu", num_blocks=4,
                        max_num_seqs=0, max_model_len=16, plugin_manager=pm)
+    grouped = UniformTypeKVCacheSpecs(16, {n: FullAttentionSpec(16, 2, 8, torch.float32) for n in LAYERS})
+    for backends in ({}, {"grouped": "torch"}):
+        with pytest.raises(TypeError, match="layer 'grouped' needs a per-layer KVCacheSpec"):
+            KVCache.create({"grouped": grouped}, backends, device="cpu", num_blocks=4,
+                           max_num_seqs=1, max_model_len=16, plugin_manager=pm)
     kv = create(pm)
     with pytest.raises(ValueError, match="one per group"):
         kv.build_metadata([])

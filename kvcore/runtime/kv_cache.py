@@ -31,7 +31,7 @@ from kvcore.runtime.attn_group import AttentionGroup, map_kv_caches_to_kernel_bl
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
-from kvcore.specs import KVCacheSpec
+from kvcore.specs import AttentionSpec, KVCacheSpec
 from kvcore.specs.base import check_hashable
 
 
@@ -56,7 +56,10 @@ def _served_specs(
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
         raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
-    missing = [n for n, s in layer_specs.items() if s.is_attention and n not in layer_backends]
+    # NOTE: AttentionSpec, not is_attention: a grouped spec here is refused by the planner
+    missing = [
+        n for n, s in layer_specs.items() if isinstance(s, AttentionSpec) and n not in layer_backends
+    ]
     if missing:
         raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
     backends = {}
