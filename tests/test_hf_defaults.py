@@ -42,6 +42,8 @@ def test_explicit_values_win():
 def test_warm_up_captures_every_missing_size_once(monkeypatch):
     from kvcore.hf.step import DecodeGraphs
 
+    with pytest.raises(ValueError, match="CUDA graphs need a CUDA device, the KV cache is on cpu"):
+        DecodeGraphs(torch.device("cpu"), 5)
     graphs = DecodeGraphs(torch.device("cpu"), 5, capture=False)
     graphs.graphs[2] = object()
     captured = []

@@ -157,6 +157,8 @@ class DecodeGraphs:
     ``max_num_seqs``); ``capture=False`` runs the same padded steps eagerly (CPU tests)."""
 
     def __init__(self, device: torch.device, max_num_seqs: int, *, capture: bool = True) -> None:
+        if capture and device.type != "cuda":
+            raise ValueError(f"CUDA graphs need a CUDA device, the KV cache is on {device}")
         self.device, self.capture = device, capture
         sizes = {s for s in (1, 2, 4, 8, *range(16, max_num_seqs + 1, 16)) if s <= max_num_seqs}
         self.sizes = sorted(sizes | {max_num_seqs})
