@@ -319,6 +319,8 @@ def test_uniform_type_specs_bad_input():
         UniformTypeKVCacheSpecs(16, {"a": a, "b": MLAAttentionSpec(16, 1, 64, torch.float16)})
     with pytest.raises(ValueError, match="'b' has block size 8.*16"):
         UniformTypeKVCacheSpecs(16, {"a": a, "b": a.copy_with_new_block_size(8)})
+    with pytest.raises(ValueError, match="one spec type, got FullAttentionSpec, MLAAttentionSpec"):
+        UniformTypeKVCacheSpecs(16, {"a": a, "b": MLAAttentionSpec(8, 1, 64, torch.float16)})
     with pytest.raises(TypeError, match="'b' maps to 3"):
         UniformTypeKVCacheSpecs(16, {"a": a, "b": 3})
     with pytest.raises(TypeError, match=r"map layer names.*\[1, 2\]"):

@@ -218,15 +218,16 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
                 raise TypeError(
                     f"UniformTypeKVCacheSpecs: layer {name!r} maps to {spec!r}, not a KVCacheSpec"
                 )
+        kinds = {type(s) for s in self.kv_cache_specs.values()}
+        if len(kinds) != 1:
+            names = ", ".join(sorted(k.__name__ for k in kinds))
+            raise ValueError(f"UniformTypeKVCacheSpecs needs layers of one spec type, got {names}")
+        for name, spec in self.kv_cache_specs.items():
             if spec.block_size != self.block_size:
                 raise ValueError(
                     f"layer {name!r} has block size {spec.block_size}, the group "
                     f"has {self.block_size}; give every layer the same block size"
                 )
-        kinds = {type(s) for s in self.kv_cache_specs.values()}
-        if len(kinds) != 1:
-            names = ", ".join(sorted(k.__name__ for k in kinds))
-            raise ValueError(f"UniformTypeKVCacheSpecs needs layers of one spec type, got {names}")
 
     @classmethod
     def is_uniform_type(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> bool:
