@@ -174,6 +174,23 @@ def test_range_arithmetic_matches_sets(a, b):
     assert as_set(subtract_ranges(a, b)) == as_set(a) - as_set(b)
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 3), st.integers(1, 4), st.integers(1, 8), st.permutations(range(4)),
+                          st.integers(0, 64), st.integers(1, 2)), min_size=1, max_size=3),
+       st.integers(1, 4), st.sampled_from([1, 2, 8, 64, 512]))
+def test_rounding_to_granules_covers_exactly_the_granules_blocks_touch(layers, n, g):
+    views = {}
+    for i, (heads, rows_n, c, order, offset, rows) in enumerate(layers):
+        shape = (rows * 4, heads, rows_n, c)  # 4 manager blocks of `rows` rows each
+        laid = [shape[d] for d in order]
+        dense = torch.empty(offset + torch.Size(laid).numel(), dtype=torch.float16)[offset:].view(laid)
+        views[f"l{i}"] = (dense.permute([order.index(d) for d in range(4)]), rows)
+    exact = block_byte_ranges(views, n)
+    rounded = block_byte_ranges(views, n, g)
+    assert rounded == merge_ranges(rounded) and all(s % g == 0 and e % g == 0 for s, e in rounded)
+    assert {x for s, e in rounded for x in range(s // g, e // g)} == granules_touched(exact, g)
+
+
 def test_a_grow_that_runs_out_of_memory_changes_nothing(monkeypatch):
     from kvcore.memory import backing as backing_module
 
