@@ -13,7 +13,7 @@ import torch
 
 from kvcore._validate import positive_int
 from kvcore.distributed import shard_spec
-from kvcore.errors import KVCoreError
+from kvcore.errors import InsufficientMemoryError
 from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs import KVCacheSpec, MambaSpec
@@ -171,6 +171,7 @@ class Engine:
             max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
         )
         self._start_blocks = self.kv.num_blocks
+        self._no_memory: InsufficientMemoryError | None = None  # NOTE: why this step's grow failed
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=settings.max_num_batched_tokens)
         if max_num_blocks is not None:
             self.scheduler.grow = self._grow_cache
@@ -262,9 +263,11 @@ class Engine:
         if short > room:
             return False
         for extra in dict.fromkeys((min(room, max(short, kv.num_blocks // 4)), short)):
-            with contextlib.suppress(KVCoreError):  # NOTE: no memory for that many: the bare need, then preempt
+            try:
                 kv.resize(kv.num_blocks + extra)
                 return True
+            except InsufficientMemoryError as exc:  # NOTE: no memory for that many: the bare need, then preempt
+                self._no_memory = exc
         return False
 
     def run(self) -> dict[int, list[int]]:
@@ -301,7 +304,12 @@ class Engine:
     def _step(self) -> None:
         counts, clock = self.counts, self._clock
         t0 = clock()
+        self._no_memory = None
         batch = self.scheduler.schedule()
+        if not batch and self._no_memory is not None:
+            raise InsufficientMemoryError(
+                f"the elastic KV cache cannot grow to hold the next request ({self._no_memory}); free memory, "
+                "or create the Engine with a larger num_blocks (memory committed at the start)") from self._no_memory
         if not batch:
             raise RuntimeError("the scheduler found nothing to run although requests are waiting")
         t1 = clock()

@@ -12,6 +12,10 @@ from kvcore._validate import as_int, attrs_non_negative, attrs_positive, positiv
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
+#: Most blocks one cache (its block pool) manages: the pool's host bookkeeping costs about 50
+#: bytes a block.
+MAX_NUM_BLOCKS = 1 << 26
+
 
 def _layer_names(value: Any) -> tuple[str, ...]:
     if isinstance(value, str) or not isinstance(value, Iterable):

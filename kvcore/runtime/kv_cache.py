@@ -219,7 +219,8 @@ class KVCache:
         return self.config.kv_cache_tensors[0].size if self.config.kv_cache_tensors else 0
 
     def resize(self, num_blocks: int) -> None:
-        """Grow or shrink an elastic cache to ``num_blocks`` blocks in place, all or nothing.
+        """Grow or shrink an elastic cache to ``num_blocks`` blocks in place, all or nothing
+        (an exception or Ctrl-C at any point leaves memory, pool and zeroer at the old size).
 
         No live byte moves; shrinking refuses while blocks at or above ``num_blocks`` are held.
         """
@@ -234,12 +235,24 @@ class KVCache:
                 f"num_blocks must be between 2 and max_num_blocks={self.max_num_blocks}, got "
                 f"{num_blocks}; create the cache with a larger max_num_blocks to grow further"
             )
-        if num_blocks > self.num_blocks:
-            self.elastic.resize(num_blocks)  # NOTE: may fail (no memory) before the pool changes
-            self.block_pool.resize(num_blocks)
-        elif num_blocks < self.num_blocks:
-            self.block_pool.resize(num_blocks)  # NOTE: refuses while blocks above are held
-            self.elastic.resize(num_blocks)
+        old, elastic, pool = self.num_blocks, self.elastic, self.block_pool
+        try:
+            if num_blocks > old:
+                elastic.resize(num_blocks)  # NOTE: may fail (no memory) before the pool changes
+                pool.resize(num_blocks)
+            elif num_blocks < old:
+                pool.resize(num_blocks)  # NOTE: refuses while blocks above are held
+                elastic.resize(num_blocks)
+        except BaseException:  # NOTE: Ctrl-C too: memory back at ``old``, the pool never beyond it
+            try:
+                if elastic.num_blocks != old:
+                    elastic.resize(old)
+            finally:
+                backed = min(old, elastic.num_blocks)
+                if pool.num_blocks != backed:
+                    pool.resize(backed)
+                self.zeroer.num_blocks = backed
+            raise
         self.zeroer.num_blocks = num_blocks
 
     @property

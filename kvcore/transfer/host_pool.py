@@ -118,7 +118,8 @@ class HostKVPool:
 
     def _move(self, device_ids: Any, host_ids: Any, group_id: int | None, *, to_host: bool,
               non_blocking: bool) -> CopyHandle:
-        dev, host = paired_ids((device_ids, self.descriptor.num_blocks, "device block id", False),
+        # NOTE: the cache's size now: an elastic cache may have shrunk since this pool was made
+        dev, host = paired_ids((device_ids, self.kv_cache.num_blocks, "device block id", False),
                                (host_ids, self.num_host_blocks, "host block id", True),
                                first_is_src=to_host)
         patterns, staging = self._layout(group_id)

@@ -34,7 +34,8 @@ from kvcore.transfer.regions import group_selection, paired_ids, whole_block_pat
 from kvcore.transfer.transport import Transport, transport_between
 
 _LOCAL = "NIXL_INIT_AGENT"  # NOTE: NIXL's name for the initiator's side of a prepared list
-_RECONNECT = "if the peer process exited, reconnect to a live one (connect() with fresh metadata())"
+_RECONNECT = ("if the peer process exited or resized its KV cache, connect() again with its fresh "
+              "metadata()")
 
 
 @contextlib.contextmanager
@@ -89,7 +90,10 @@ class NixlAgent:
             self._registered = self._agent.register_memory([self._raw])
 
     def metadata(self) -> bytes:
-        """What a peer passes to :meth:`connect`: NIXL's agent metadata and this descriptor."""
+        """What a peer passes to :meth:`connect`: NIXL's agent metadata and this descriptor, of
+        the cache's size now (a peer learns of a later resize only by connecting again)."""
+        if self.descriptor.num_blocks != self.kv_cache.num_blocks:
+            self.descriptor = describe(self.kv_cache)
         return pack(self.name, self.descriptor, self._agent.get_agent_metadata())
 
     def connect(self, peer_metadata: bytes, *, heads_may_differ: bool = False) -> str:
@@ -160,7 +164,8 @@ class NixlAgent:
 
     def _prepare(self, owner: str, descriptor: KVCacheDescriptor,
                  groups: tuple[int, ...]) -> PreparedRuns:
-        """``owner``'s runs of ``groups`` as a NIXL prepared list (made on first use, then kept)."""
+        """``owner``'s runs of ``groups`` as a NIXL prepared list (made on first use, then kept;
+        this side's covers every block the allocation is planned for, whatever its size now)."""
         key = (owner, groups)
         if key not in self._prepared:
             patterns = whole_block_patterns(descriptor, groups)
@@ -169,8 +174,10 @@ class NixlAgent:
                 if reason is not None:
                     raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {owner!r}: "
                                                 f"{reason}")
+            count = self.kv_cache.max_num_blocks if owner == _LOCAL else None
             with _nixl(f"prepare the descriptor list of {owner!r}"):
-                self._prepared[key] = PreparedRuns(descriptor, patterns).prepare(self._agent, owner)
+                prepared = PreparedRuns(descriptor, patterns, count)
+                self._prepared[key] = prepared.prepare(self._agent, owner)
         return self._prepared[key]
 
     def read_head_slice(self, peer: str, remote_ids: Any, local_ids: Any, *, head_start: int,
@@ -200,9 +207,10 @@ class NixlAgent:
         return self._start("READ", peer, handle, runs, sum(p.nbytes for p in plan))
 
     def _ids(self, op: str, peer: str, local_ids: Any, remote_ids: Any) -> tuple[torch.Tensor, ...]:
-        """(local ids, remote ids), checked; a READ writes the local side."""
+        """(local ids, remote ids), checked (local ones against the cache's size now, the peer's
+        against the size it stated when it connected); a READ writes the local side."""
         far = self._peers[peer].descriptor.num_blocks
-        return paired_ids((local_ids, self.descriptor.num_blocks, "local block id", False),
+        return paired_ids((local_ids, self.kv_cache.num_blocks, "local block id", False),
                           (remote_ids, far, f"block id of peer {peer!r}", False),
                           first_is_src=op != "READ")
 
