@@ -10,6 +10,9 @@ from kvcore.specs import FullAttentionSpec, SlidingWindowSpec
 
 pytest.importorskip("kvcore_triton")
 
+# NOTE: what "auto" picks depends on the backends installed: only this repository's load.
+pytestmark = pytest.mark.usefixtures("own_plugins")
+
 
 def _specs(size):
     return {

@@ -8,6 +8,7 @@ through entry point group ``kvcore.cli`` (``kvcore bench``: kvcore-bench, in ben
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
@@ -107,8 +108,9 @@ def _lazy(module_name: str, function: str = "run"):
     return lambda args: getattr(importlib.import_module(module_name), function)(args)
 
 
-def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
-    """The ``kvcore`` parser; ``json_errors``: usage errors as JSON objects."""
+def build_parser(*, json_errors: bool = False, asked: str | None = None) -> argparse.ArgumentParser:
+    """The ``kvcore`` parser; ``json_errors``: usage errors as JSON objects; ``asked``: the
+    command asked for (another distribution's command is imported only when it is that one)."""
     parser_class = _JsonErrorParser if json_errors else argparse.ArgumentParser
     parser = parser_class(prog="kvcore", description=__doc__.splitlines()[0],
                           epilog="Run 'kvcore COMMAND --help' for the options of one command.")
@@ -143,32 +145,39 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"),
                             help="the shell to complete in")
-    _add_installed_commands(sub)
+    _add_installed_commands(sub, asked)
     return parser
 
 
-def _add_installed_commands(sub: argparse._SubParsersAction) -> None:
-    """Let each entry point of group ``kvcore.cli`` add its command to ``sub``; a command that
-    is not installed, or whose distribution fails to load, still answers with the remedy."""
+def _add_installed_commands(sub: argparse._SubParsersAction, asked: str | None) -> None:
+    """Add each entry point of group ``kvcore.cli`` to ``sub`` as a command of its name; only
+    the one ``asked`` for is imported, so a command that hangs, exits or prints when imported
+    never touches the others. One not installed, or whose distribution fails to load, answers
+    with the remedy."""
     unavailable = dict(_ELSEWHERE)
     for entry_point in metadata.entry_points(group="kvcore.cli"):
+        name = entry_point.name
         where = entry_point.dist.name if entry_point.dist else entry_point.value
-        if entry_point.name in sub.choices:
-            print(f"kvcore: ignoring command {entry_point.name!r} of {where}: kvcore already has "
-                  f"one by that name; rename its entry point in group kvcore.cli", file=sys.stderr)
+        if name in sub.choices:
+            print(f"kvcore: ignoring command {name!r} of {where}: kvcore already has one by that "
+                  "name; rename its entry point in group kvcore.cli", file=sys.stderr)
             continue
-        unavailable.pop(entry_point.name, None)
+        unavailable.pop(name, None)
+        if name != asked:  # NOTE: listed by name only; never run (main asks for it by name)
+            sub.add_parser(name, help=f"a command of {where}", add_help=False)
+            continue
         # NOTE: what a distribution that fails half-way added is taken back; the stub replaces it
         choices, actions = dict(sub.choices), list(sub._choices_actions)
         try:
-            entry_point.load()(sub)
-        except Exception as exc:  # NOTE: a broken distribution must not take kvcore down
+            with contextlib.redirect_stdout(sys.stderr):  # NOTE: no print of its reaches stdout
+                entry_point.load()(sub)
+        except BaseException as exc:  # NOTE: SystemExit and Ctrl-C too: this command fails, named
             sub.choices.clear()
             sub.choices.update(choices)
             sub._choices_actions[:] = actions
-            unavailable[entry_point.name] = (
-                f"kvcore {entry_point.name} could not be loaded from {where} "
-                f"({type(exc).__name__}: {exc}); reinstall or uninstall {where}")
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            unavailable[name] = (f"kvcore {name} could not be loaded from {where} ({error}); "
+                                 f"reinstall or uninstall {where} (uninstall it if it hangs)")
     for name, reason in unavailable.items():
         if name in sub.choices:
             continue
@@ -213,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     json_errors = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
-    args = build_parser(json_errors=json_errors).parse_args(argv)
+    asked = next((word for word in argv if not word.startswith("-")), None)
+    args = build_parser(json_errors=json_errors, asked=asked).parse_args(argv)
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()

@@ -96,7 +96,8 @@ class PreparedRuns:
     every block, so descriptor ``r * num_blocks + b`` is that run in block ``b`` (``num_blocks``:
     the descriptor's, or every block the allocation is planned for)."""
 
-    def __init__(self, descriptor: KVCacheDescriptor, patterns, num_blocks: int | None = None) -> None:
+    def __init__(self, descriptor: KVCacheDescriptor, patterns,
+                 num_blocks: int | None = None) -> None:
         self.kind, self.device = mem_type(descriptor.allocations[patterns[0].allocation].device)
         bases = [descriptor.allocations[p.allocation].base_ptr for p in patterns]
         self.starts = torch.tensor([b + s for b, p in zip(bases, patterns) for s in p.starts])
