@@ -111,6 +111,8 @@ class NixlAgent:
         reason = check_peer(name, self.descriptor, desc, heads_may_differ)
         remedy = ("the peer process may have exited or its metadata is stale: restart the peer "
                   "and pass its fresh metadata()")
+        if name in self._peers:  # NOTE: NIXL keeps a peer it saw fail disconnected until removed
+            self._forget(name)
         with _nixl(f"connect to peer {name!r}", remedy):
             added = self._agent.add_remote_agent(agent_md)
         added = added.decode() if isinstance(added, bytes) else str(added)
@@ -231,16 +233,20 @@ class NixlAgent:
             started.backend = self._agent.query_xfer_backend(handle)
         return started
 
-    def close(self) -> None:
-        """Forget the peers and deregister the allocation (errors of a dead peer are ignored)."""
-        for prepared in self._prepared.values():
+    def _forget(self, peer: str) -> None:
+        """Release ``peer``'s prepared lists (``_LOCAL``: this side's) and remove the peer (errors
+        of a dead peer are ignored)."""
+        for key in [k for k in self._prepared if k[0] == peer]:
             with contextlib.suppress(Exception):  # NOTE: a dead peer's list may be gone already
-                prepared.release()
-        for peer in self._peers:
+                self._prepared.pop(key).release()
+        if self._peers.pop(peer, None) is not None:
             with contextlib.suppress(Exception):  # NOTE: a peer that died cannot be told
                 self._agent.remove_remote_agent(peer)
-        self._prepared.clear()
-        self._peers.clear()
+
+    def close(self) -> None:
+        """Forget the peers and deregister the allocation (errors of a dead peer are ignored)."""
+        for peer in [*self._peers, _LOCAL]:
+            self._forget(peer)
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
             self._registered = None
