@@ -49,7 +49,7 @@ def kvcore(paths, *argv: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([*map(str, paths), os.environ.get("PYTHONPATH", "")])}
     try:
         return subprocess.run([sys.executable, "-m", "kvcore", *argv], capture_output=True, text=True, env=env,
-                              timeout=90)
+                              timeout=60)
     except subprocess.TimeoutExpired:
         pytest.fail(f"kvcore {' '.join(argv)} waited on another distribution's command")
 
