@@ -77,10 +77,7 @@ def test_help_lists_every_command_and_those_other_distributions_add():
     assert {p.split()[-1] for p in full if p.count(" ") == 1} == {*_COMMANDS, *_ELSEWHERE, *installed}
 
 
-# NOTE: another distribution's command has its options only when asked for (then imported).
 _ALL = dict(_parsers(build_parser()))
-for _name in {e.name for e in metadata.entry_points(group="kvcore.cli")} - set(_COMMANDS):
-    _ALL.update(_parsers(build_parser(asked=_name)))
 
 
 @pytest.mark.parametrize("prog", sorted(_ALL))

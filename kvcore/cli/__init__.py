@@ -15,9 +15,10 @@ import json
 import os
 import re
 import sys
+import threading
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcore import __version__
 from kvcore._units import SIZE_UNITS_HELP, parse_size
@@ -56,6 +57,8 @@ _ELSEWHERE = {"bench": "kvcore bench needs the kvcore-bench distribution: pip in
               "benchmarks (in a checkout)"}
 # NOTE: KVCacheLayout's member names, so that help text needs no torch; a test checks they match.
 LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+#: Seconds completion waits for another distribution's command to import (then: its name only).
+_IMPORT_WAIT = 10.0
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
 _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
 
@@ -108,9 +111,10 @@ def _lazy(module_name: str, function: str = "run"):
     return lambda args: getattr(importlib.import_module(module_name), function)(args)
 
 
-def build_parser(*, json_errors: bool = False, asked: str | None = None) -> argparse.ArgumentParser:
-    """The ``kvcore`` parser; ``json_errors``: usage errors as JSON objects; ``asked``: the
-    command asked for (another distribution's command is imported only when it is that one)."""
+def build_parser(*, json_errors: bool = False, load: str | None = "*") -> argparse.ArgumentParser:
+    """The ``kvcore`` parser; ``json_errors``: usage errors as JSON objects; ``load``: which
+    other distributions' commands to import, ``"*"`` all (what completion needs), a command
+    name that one, None none (each is still listed by name)."""
     parser_class = _JsonErrorParser if json_errors else argparse.ArgumentParser
     parser = parser_class(prog="kvcore", description=__doc__.splitlines()[0],
                           epilog="Run 'kvcore COMMAND --help' for the options of one command.")
@@ -145,15 +149,15 @@ def build_parser(*, json_errors: bool = False, asked: str | None = None) -> argp
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"),
                             help="the shell to complete in")
-    _add_installed_commands(sub, asked)
+    _add_installed_commands(sub, load)
     return parser
 
 
-def _add_installed_commands(sub: argparse._SubParsersAction, asked: str | None) -> None:
-    """Add each entry point of group ``kvcore.cli`` to ``sub`` as a command of its name; only
-    the one ``asked`` for is imported, so a command that hangs, exits or prints when imported
-    never touches the others. One not installed, or whose distribution fails to load, answers
-    with the remedy."""
+def _add_installed_commands(sub: argparse._SubParsersAction, load: str | None) -> None:
+    """Add each entry point of group ``kvcore.cli`` to ``sub`` as a command of its name,
+    importing those ``load`` names (see :func:`build_parser`): a command that hangs, exits or
+    prints when imported touches no other. One not installed, or whose distribution fails to
+    load, answers with the remedy."""
     unavailable = dict(_ELSEWHERE)
     for entry_point in metadata.entry_points(group="kvcore.cli"):
         name = entry_point.name
@@ -163,14 +167,14 @@ def _add_installed_commands(sub: argparse._SubParsersAction, asked: str | None) 
                   "name; rename its entry point in group kvcore.cli", file=sys.stderr)
             continue
         unavailable.pop(name, None)
-        if name != asked:  # NOTE: listed by name only; never run (main asks for it by name)
+        if load not in ("*", name):  # NOTE: listed by name only; main asks for it by name
             sub.add_parser(name, help=f"a command of {where}", add_help=False)
             continue
         # NOTE: what a distribution that fails half-way added is taken back; the stub replaces it
         choices, actions = dict(sub.choices), list(sub._choices_actions)
         try:
             with contextlib.redirect_stdout(sys.stderr):  # NOTE: no print of its reaches stdout
-                entry_point.load()(sub)
+                (entry_point.load() if load == name else _import(entry_point, _IMPORT_WAIT))(sub)
         except BaseException as exc:  # NOTE: SystemExit and Ctrl-C too: this command fails, named
             sub.choices.clear()
             sub.choices.update(choices)
@@ -187,6 +191,27 @@ def _add_installed_commands(sub: argparse._SubParsersAction, asked: str | None) 
                               prefix_chars="\0", add_help=False)
         stub.add_argument("words", nargs="*", help="ignored")
         stub.set_defaults(func=functools.partial(_unavailable, reason))
+
+
+def _import(entry_point: metadata.EntryPoint, wait: float) -> Any:
+    """``entry_point.load()`` in a daemon thread, given up after ``wait`` seconds; what it
+    raises (``SystemExit`` too) is raised here."""
+    got: list = []
+
+    def run() -> None:
+        try:
+            got.append(entry_point.load())
+        except BaseException as exc:  # NOTE: raised again in the caller's thread
+            got.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(wait)
+    if not got:
+        raise TimeoutError(f"still importing after {wait} s")
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    return got[0]
 
 
 def _unavailable(reason: str, args: argparse.Namespace) -> int:
@@ -223,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     json_errors = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
     asked = next((word for word in argv if not word.startswith("-")), None)
-    args = build_parser(json_errors=json_errors, asked=asked).parse_args(argv)
+    args = build_parser(json_errors=json_errors, load=asked).parse_args(argv)
     try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()

@@ -166,9 +166,13 @@ class NixlAgent:
 
     def _prepare(self, owner: str, descriptor: KVCacheDescriptor,
                  groups: tuple[int, ...]) -> PreparedRuns:
-        """``owner``'s runs of ``groups`` as a NIXL prepared list (made on first use, then kept;
-        this side's covers every block the allocation is planned for, whatever its size now)."""
+        """``owner``'s runs of ``groups`` as a NIXL prepared list (made on first use, then kept
+        while that side's size stays: this side's is made again after a resize)."""
         key = (owner, groups)
+        size = self.kv_cache.num_blocks if owner == _LOCAL else descriptor.num_blocks
+        if key in self._prepared and self._prepared[key].num_blocks != size:
+            with contextlib.suppress(Exception):  # NOTE: NIXL may have dropped it already
+                self._prepared.pop(key).release()
         if key not in self._prepared:
             patterns = whole_block_patterns(descriptor, groups)
             if owner != _LOCAL:  # NOTE: connect() checked whole blocks pair up; this is per group
@@ -176,9 +180,8 @@ class NixlAgent:
                 if reason is not None:
                     raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {owner!r}: "
                                                 f"{reason}")
-            count = self.kv_cache.max_num_blocks if owner == _LOCAL else None
             with _nixl(f"prepare the descriptor list of {owner!r}"):
-                prepared = PreparedRuns(descriptor, patterns, count)
+                prepared = PreparedRuns(descriptor, patterns, size)
                 self._prepared[key] = prepared.prepare(self._agent, owner)
         return self._prepared[key]
 

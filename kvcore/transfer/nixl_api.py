@@ -94,7 +94,7 @@ class PreparedRuns:
     """One side's whole-block runs as a NIXL prepared list: row ``r`` of NIXL's Nx5 strided
     rows ``(address, length, device, stride, count)`` is run ``r`` of the block patterns at
     every block, so descriptor ``r * num_blocks + b`` is that run in block ``b`` (``num_blocks``:
-    the descriptor's, or every block the allocation is planned for)."""
+    the descriptor's unless given)."""
 
     def __init__(self, descriptor: KVCacheDescriptor, patterns,
                  num_blocks: int | None = None) -> None:
