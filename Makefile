@@ -30,6 +30,7 @@ demo: $(STAMP)
 	$(CPU_ENV) $(PY) examples/serve_hf.py
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check kvcore plugins benchmarks tests examples
 	$(CPU_ENV) $(PY) -m pytest -q
 
 clean:

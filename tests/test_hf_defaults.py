@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.hf.engine import BATCHED_TOKENS, BLOCK_SIZE, resolve_defaults as resolve
+from kvcore.hf.engine import BATCHED_TOKENS, BLOCK_SIZE
+from kvcore.hf.engine import resolve_defaults as resolve
 from kvcore.specs import FullAttentionSpec, SlidingWindowSpec
 
 pytest.importorskip("kvcore_triton")

@@ -14,15 +14,15 @@ import torch
 from kvcore._validate import positive_int
 from kvcore.distributed import shard_spec
 from kvcore.errors import KVCoreError
-from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
-from kvcore.runtime.kv_cache import KVCache
-from kvcore.specs import KVCacheSpec, MambaSpec
 from kvcore.hf.attention_interface import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.scheduler import Request, Scheduler, check_prompt
 from kvcore.hf.specs import check_hybrid_options, check_model, layer_specs, model_modules
 from kvcore.hf.step import DecodeGraphs, Step, StepBuilder, graphs_wanted
 from kvcore.hf.tp import resolve_tp
+from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
+from kvcore.runtime.kv_cache import KVCache
+from kvcore.specs import KVCacheSpec, MambaSpec
 
 #: Block size when the backend prefers none.
 BLOCK_SIZE = 16
