@@ -1,4 +1,4 @@
-"""Tensor parallelism (SPEC §8): shard KV heads across ranks, and agree (``torch.distributed``) on
+"""Tensor parallelism: shard KV heads across ranks, and agree (``torch.distributed``) on
 one block count and layout so one scheduler block table is valid on every rank."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 
 from kvcore._validate import as_int, positive_int
-from kvcore.memory.layout import KVCacheLayout
-from kvcore.plugins.layouts import resolve_kv_cache_layout
+from kvcore.memory.layout import KVCacheLayout, resolve_kv_cache_layout
 from kvcore.specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 
 __all__ = ["agree_layout", "agree_num_blocks", "kv_head_range", "shard_spec"]

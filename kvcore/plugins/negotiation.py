@@ -1,20 +1,24 @@
-"""A plan and its backends' answers, turned into one frozen record per KV cache group that every
-later stage reads (the hooks are never asked again)."""
+"""What the negotiation decided, one frozen record per KV cache group and one for the whole cache,
+read by every later stage (the hooks are never asked again), and how it explains itself."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import attrs
 import torch
 
-from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
+from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import is_encoder_only
-from kvcore.plugins.answers import HookAnswers, key_of, label
+from kvcore.plugins.answers import HookAnswers, common_size, key_of, label, no_common_size
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
-from kvcore.specs import KVCacheSpec
+from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements, describe_requirements
+from kvcore.specs import KVCacheSpec, MultipleOf
+
+
+class Refused(str):
+    """Why a candidate (a layout, a kernel block size) cannot be used: a value, not an exception."""
 
 
 @attrs.frozen
@@ -38,7 +42,8 @@ class BackendNegotiation:
 @attrs.frozen
 class GroupNegotiation:
     """One KV cache group: ``kernel_block_size`` None without pages; ``ratio`` rows of a view as
-    allocated per manager block (> 1 only for a dense group split at allocation)."""
+    allocated per manager block (> 1 only for a dense group split at allocation); ``why``: the
+    rule that decided the kernel block size."""
 
     group_id: int
     layer_names: tuple[str, ...]
@@ -46,13 +51,41 @@ class GroupNegotiation:
     kernel_block_size: int | None
     ratio: int
     backends: tuple[BackendNegotiation, ...]
+    why: str = ""
+
+
+@attrs.frozen
+class Candidate:
+    """A layout the negotiation considered: ``refusal`` None when it met every rule (or was not
+    tried: ``tried`` False)."""
+
+    layout: KVCacheLayout
+    refusal: Refused | None = None
+    tried: bool = True
 
 
 @attrs.frozen
 class Negotiation:
-    """One :class:`GroupNegotiation` per KV cache group of a plan, in group order."""
+    """Everything one negotiation decided: the layout, the plan, one :class:`GroupNegotiation` per
+    KV cache group in group order, each layer's backend, and why (:meth:`explain`)."""
 
     groups: tuple[GroupNegotiation, ...]
+    layout: KVCacheLayout | None = None
+    config: KVCacheConfig | None = attrs.field(default=None, repr=False)
+    layer_backends: Mapping[str, type[AttentionBackend]] = attrs.field(factory=dict, repr=False)
+    #: blocks usable when the cache is made (an elastic cache: those committed, up to the plan's)
+    num_blocks: int | None = None
+    elastic: bool = False
+    device: torch.device | None = None
+    max_num_seqs: int = 1
+    max_model_len: int = 1
+    enable_prefix_caching: bool = False
+    candidates: tuple[Candidate, ...] = ()
+    layout_rule: str = ""
+    #: layer -> how its backend was chosen ("named" or what ``"auto"`` weighed)
+    backend_rules: Mapping[str, str] = attrs.field(factory=dict, repr=False)
+    #: (backend, served spec) -> what its plugin declared (sizes, layouts, requirements, priority)
+    declared: tuple[tuple[str, str], ...] = ()
 
     @property
     def kernel_block_sizes(self) -> list[int]:
@@ -69,6 +102,50 @@ class Negotiation:
             if g.kernel_block_size is not None and g.kv_cache_spec.has_layer_views
             for name in g.layer_names
         }
+
+    def explain(self) -> str:
+        """Why every layer got what it got: backends, declarations, layouts tried, kernel blocks."""
+        lines = [f"negotiated on {self.device}: layout {self.layout.name if self.layout else '-'}"]
+        by_rule: dict[tuple[str, str], list[str]] = {}
+        for name, backend in self.layer_backends.items():
+            by_rule.setdefault((label(backend), self.backend_rules.get(name, "")), []).append(name)
+        lines.append("backends:")
+        lines += [f"  {_layers(names)}: {backend}, {rule}" for (backend, rule), names in by_rule.items()]
+        lines.append("declared:")
+        lines += [f"  {who}: {what}" for who, what in self.declared] or ["  (no backend)"]
+        lines.append(f"layout {self.layout.name if self.layout else '-'}: {self.layout_rule}")
+        for c in self.candidates:
+            lines.append(f"  {c.layout.name}: " + ("not tried" if not c.tried else c.refusal or "meets every rule"))
+        lines.append("groups:")
+        for g in self.groups:
+            spec = g.kv_cache_spec
+            lines.append(f"  group {g.group_id} ({type(spec).__name__}, {len(g.layer_names)} layers, "
+                         f"{spec.block_size}-token blocks): {g.why}")
+            lines += [f"    {label(e.backend)}: kernel blocks of {e.kernel_block_size} tokens, {e.kernel_block_stride} "
+                      "kernel pages apart" for e in g.backends if e.kernel_block_stride]
+        if self.config is not None:
+            elastic = f", {self.num_blocks:,} committed at first" if self.elastic else ""
+            lines.append(f"plan: {self.config.num_blocks:,} blocks{elastic}")
+        return "\n".join(lines)
+
+
+def _layers(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{len(names)} layers ({names[0]} .. {names[-1]})"
+
+
+def declaration(answers: HookAnswers, backend: type, spec: KVCacheSpec, device: torch.device) -> str:
+    """What ``backend``'s plugin declared for ``spec``, in words (from the answers kept)."""
+    sizes = answers.kernel_block_sizes(backend, spec)
+    layouts = answers.stated_layouts(backend, spec)
+    req = answers.requirements(backend, spec)
+    said = [
+        "kernel block sizes " + ", ".join(f"multiple of {s.base}" if isinstance(s, MultipleOf) else str(s)
+                                           for s in sizes),
+        "layouts " + ("any" if layouts is None else ", ".join(x.name for x in layouts)),
+        "requires " + describe_requirements(req),
+    ]
+    priority = answers.asked("kvcore_backend_priority", backend, spec, device)
+    return "; ".join(said + ([] if priority is None else [f"priority {priority}"]))
 
 
 def can_split(spec: KVCacheSpec) -> bool:
@@ -93,14 +170,22 @@ def group_kernel_block_size(
     group_id: int,
     pairs: Sequence[tuple[type[AttentionBackend], KVCacheSpec]],
     answers: HookAnswers,
-) -> int | None:
-    """The kernel block size of KV cache group ``group_id`` (None: the group has no pages)."""
+) -> tuple[int | None | Refused, str]:
+    """The kernel block size of KV cache group ``group_id`` (None: no pages) and the rule."""
     group = config.kv_cache_groups[group_id]
     if is_encoder_only(group):
-        return None
+        return None, "keeps no cache"
+    manager = group.kv_cache_spec.block_size
     if not splits_by_backends(config, group):
-        return group.kv_cache_spec.block_size
-    return answers.common_block_size(group.kv_cache_spec.block_size, pairs)
+        what = "packed blocks" if is_packed(config, group) else "blocks that do not split"
+        return manager, f"{what} keep the manager block size"
+    offers = answers.offers(pairs)
+    size = common_size(manager, [s for _, s in offers])
+    if size is None:
+        return Refused(no_common_size(manager, offers)), ""
+    rule = "every backend takes the manager block size" if size == manager else (
+        f"the largest size every backend takes that divides {manager}")
+    return size, f"kernel blocks of {size} tokens: {rule}"
 
 
 def backend_groups(
@@ -133,50 +218,54 @@ def backend_groups(
     return out
 
 
-def negotiate(
-    config: KVCacheConfig,
-    layer_backends: Mapping[str, type[AttentionBackend]],
-    answers: HookAnswers,
-) -> Negotiation:
-    """One record per KV cache group of ``config`` (planned from customized specs)."""
+def group_records(
+    config: KVCacheConfig, layer_backends: Mapping[str, type[AttentionBackend]], answers: HookAnswers
+) -> tuple[GroupNegotiation, ...] | Refused:
+    """One record per KV cache group of ``config`` (planned from customized specs), or why not."""
     records = []
     for gid, by_key in enumerate(backend_groups(config, layer_backends, answers, customize=False)):
         group = config.kv_cache_groups[gid]
-        kernel = group_kernel_block_size(config, gid, list(by_key), answers)
+        kernel, why = group_kernel_block_size(config, gid, list(by_key), answers)
+        if isinstance(kernel, Refused):
+            return kernel
         packed = is_packed(config, group)
         entries = []
         for (backend, spec), names in by_key.items():
             own, stride = (kernel if kernel != spec.block_size else None), 0
             if kernel is not None and packed and can_split(spec):
-                own = _own_kernel_size(answers, backend, spec, kernel)
+                offers = answers.offers([(backend, spec)])
+                own = common_size(kernel, [offers[0][1]])
+                if own is None:
+                    return Refused(no_common_size(kernel, offers))
+                own = None if own == spec.block_size else own
                 if own is not None:
                     tensor = next(t for t in config.kv_cache_tensors if names[0] in t.layers)
-                    stride = packed_kernel_stride(
-                        spec, tensor.block_stride, own, label(backend), names
-                    )
+                    stride = packed_stride(spec, tensor.block_stride, own)
+                    if stride is None:
+                        return Refused(cannot_split(label(backend), spec, own, names))
             req = answers.requirements(backend, spec)
-            record = BackendNegotiation(backend, tuple(names), spec, kernel, own, stride, req)
-            entries.append(record)
+            entries.append(BackendNegotiation(backend, tuple(names), spec, kernel, own, stride, req))
         ratio = 1 if kernel is None or packed else group.kv_cache_spec.block_size // kernel
-        if ratio > 1:
-            _check_dense_split(group, kernel, answers)
+        refusal = _dense_split_refusal(group, kernel, answers) if ratio > 1 else None
+        if refusal is not None:
+            return refusal
         layers, spec = tuple(group.layer_names), group.kv_cache_spec
-        records.append(GroupNegotiation(gid, layers, spec, kernel, ratio, tuple(entries)))
-    return Negotiation(tuple(records))
+        records.append(GroupNegotiation(gid, layers, spec, kernel, ratio, tuple(entries), why))
+    return tuple(records)
 
 
-def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> None:
+def _dense_split_refusal(group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> Refused | None:
     """A padded page cannot be split: say who padded it (not the layout)."""
     spec = group.kv_cache_spec
     if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
-        return
+        return None
     padder = answers.padded_by.get(key_of(spec))
     who = (
         "the plan padded (to unify page sizes across layer types)"
         if padder is None
         else f"backend {padder!r}'s kvcore_customize_spec padded"
     )
-    raise ValueError(
+    return Refused(
         f"{who} the {spec.real_page_size_bytes}-byte pages of {list(group.layer_names)} to "
         f"{spec.page_size_padded} bytes, and padded pages cannot be split into {kernel}-token "
         f"kernel blocks; use a manager block size of {kernel} tokens"
@@ -184,45 +273,20 @@ def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswer
     )
 
 
-def settle_kernel_block_size(
-    record: BackendNegotiation, kernel_block_size: int, answers: Callable[[], HookAnswers]
-) -> BackendNegotiation:
-    """``record`` in a group of ``kernel_block_size`` (a hand-made record takes its backend's)."""
-    kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
-    agreed = record.group_kernel_block_size
-    if agreed is not None and kernel_block_size != agreed:
-        raise ValueError(
-            f"attention group of {list(record.layer_names)} was negotiated with kernel block "
-            f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
-        )
-    if agreed is not None:
-        return record
-    spec, own = record.kv_cache_spec, None
-    if can_split(spec):
-        own = _own_kernel_size(answers(), record.backend, spec, kernel_block_size)
-    return attrs.evolve(record, group_kernel_block_size=kernel_block_size, kernel_block_size=own)
+def packed_stride(spec: KVCacheSpec, block_stride_bytes: int, kernel: int) -> int | None:
+    """Kernel pages between two manager blocks of a packed cache (None: its blocks cannot split)."""
+    if spec.tokens_per_state <= 1 or spec.num_heads != 1:
+        return None
+    page = spec.get_num_kernel_states(kernel) * spec.state_content_size_bytes
+    return None if block_stride_bytes % page else block_stride_bytes // page
 
 
-def _own_kernel_size(
-    answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec, kernel: int
-) -> int | None:
-    own = answers.common_block_size(kernel, [(backend, spec)])
-    return None if own == spec.block_size else own
-
-
-def packed_kernel_stride(
-    spec: KVCacheSpec, block_stride_bytes: int, kernel: int, backend: str, names: Sequence[str]
-) -> int:
-    """Kernel pages between two manager blocks of a packed cache, else ``ValueError``."""
-    rows = spec.get_num_kernel_states(kernel) if spec.tokens_per_state > 1 else 0
-    page = rows * spec.state_content_size_bytes
-    if spec.tokens_per_state <= 1 or spec.num_heads != 1 or block_stride_bytes % page:
-        raise ValueError(
-            f"{backend} needs {kernel}-token kernel blocks, which packed {spec.block_size}-token "
-            f"blocks of {list(names)} cannot be split into; use a manager block size of {kernel} "
-            "or a layer-compact layout such as LBNHC"
-        )
-    return block_stride_bytes // page
+def cannot_split(backend: str, spec: KVCacheSpec, kernel: int, names: Sequence[str]) -> str:
+    return (
+        f"{backend} needs {kernel}-token kernel blocks, which packed {spec.block_size}-token "
+        f"blocks of {list(names)} cannot be split into; use a manager block size of {kernel} "
+        "or a layer-compact layout such as LBNHC"
+    )
 
 
 def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch.Tensor:
@@ -240,3 +304,4 @@ def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: in
         (num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
         (view.stride(0) * stride, *view.stride()[1:]),
     )
+

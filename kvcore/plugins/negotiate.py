@@ -1,0 +1,300 @@
+"""The negotiation stage: one pass decides, for every layer, its backend (``"auto"`` resolved once per
+distinct spec), the spec it stores, its kernel block size, the layout and the plan. Each candidate
+layout is planned once; a refused one is kept as a value with its reason, and errors are worded
+from the reasons collected."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from fractions import Fraction
+from typing import Any
+
+import pluggy
+import torch
+
+from kvcore._validate import as_int, positive_int
+from kvcore.distributed import agree_layout, agree_num_blocks
+from kvcore.errors import KernelRequirementError
+from kvcore.memory.elastic import checked_max_blocks
+from kvcore.memory.layout import KVCacheLayout, checked_request, layout_candidates, requested_layout
+from kvcore.memory.planner import PagePlan, checked_budget, lay_out
+from kvcore.plugins.answers import HookAnswers, accepts, key_of, label
+from kvcore.plugins.auto import AUTO, checked_device, choose_backend, serves
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.negotiation import Candidate, Negotiation, Refused, declaration, group_records
+from kvcore.plugins.rules import ViewCheck, view_checks
+from kvcore.settings import Settings
+from kvcore.specs import AttentionSpec, KVCacheSpec
+from kvcore.specs.base import check_hashable
+
+Backends = dict[str, type[AttentionBackend]]
+
+
+def resolve_backends(
+    layer_specs: Mapping[str, KVCacheSpec],
+    layer_backends: Mapping[str, type[AttentionBackend] | str],
+    answers: HookAnswers,
+    device: torch.device,
+) -> tuple[Backends, dict[str, str]]:
+    """Each layer's backend class (a name looked up, ``"auto"`` chosen once per distinct spec) and
+    how it was chosen."""
+    chosen: dict[Any, tuple[type[AttentionBackend], str]] = {}
+    for layer, backend in layer_backends.items():
+        if not isinstance(backend, (str, type)):
+            raise TypeError(
+                f"layer_backends[{layer!r}] is {backend!r}; pass a backend class, a registered "
+                "backend name or 'auto'"
+            )
+        key = (key_of(layer_specs[layer]), backend)
+        if key not in chosen and backend == AUTO:
+            choice = choose_backend(answers, layer_specs[layer], device)
+            chosen[key] = choice.backend, f'picked by "auto": {choice.explain()}'
+        elif key not in chosen:
+            chosen[key] = answers.backend(backend), "named"
+    found = {layer: chosen[(key_of(layer_specs[layer]), b)] for layer, b in layer_backends.items()}
+    return {n: b for n, (b, _) in found.items()}, {n: rule for n, (_, rule) in found.items()}
+
+
+def default_block_size(
+    layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, Any], answers: HookAnswers, fallback: int
+) -> int:
+    """The manager block size for these layers when the caller names none: the first ``int`` the
+    first attention layer's backend declares (else ``fallback``), grown for a hybrid until an
+    attention page holds a state page (pages are unified to the largest, and growing the
+    attention block wastes less than padding it unless the state page is under two of them)."""
+    attention = [n for n, s in layer_specs.items() if s.is_attention]
+    if not attention:
+        return fallback
+    first = attention[0]
+    sizes = answers.kernel_block_sizes(answers.backend(layer_backends[first]), layer_specs[first])
+    size = next((s for s in sizes if isinstance(s, int)), fallback)
+    states = [s.real_page_size_bytes for s in layer_specs.values() if not s.is_attention and s.has_cache_pages]
+    page = max(layer_specs[n].real_page_size_bytes for n in attention)
+    if states and max(states) >= 2 * page:
+        size *= -(-max(states) // page)
+    return size
+
+
+def _checked_layers(layer_specs: Any, layer_backends: Any) -> None:
+    if not isinstance(layer_specs, Mapping):
+        raise TypeError(f"layer_specs must map layer names to KVCacheSpecs, got {layer_specs!r}")
+    if not isinstance(layer_backends, Mapping):
+        raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
+    for name, spec in layer_specs.items():
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(
+                f"layer_specs[{name!r}] is {spec!r} ({type(spec).__name__}), not a KVCacheSpec; "
+                "describe the layer with a spec such as kvcore.FullAttentionSpec(...)"
+            )
+        check_hashable(f"layer_specs[{name!r}]", spec)
+    unknown = sorted(set(layer_backends) - set(layer_specs))
+    if unknown:
+        raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
+    # NOTE: AttentionSpec, not is_attention: a grouped spec here is refused by the planner
+    missing = [n for n, s in layer_specs.items() if isinstance(s, AttentionSpec) and n not in layer_backends]
+    if missing:
+        raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
+
+
+class _Outcome:
+    """One candidate layout planned once: the plan and its records, or why it is refused."""
+
+    def __init__(self, pages: PagePlan, refusal: str | None = None, error: Exception | None = None) -> None:
+        self.pages, self.refusal, self.error = pages, refusal, error
+        self.config: Any = None
+        self.records: Any = None
+        self.checks: list[ViewCheck] = []
+
+    @property
+    def candidate(self) -> Candidate:
+        return Candidate(self.pages.layout, None if self.refusal is None else Refused(self.refusal))
+
+
+class _Pass:
+    """The served specs and backends of one negotiation, and each candidate layout's outcome."""
+
+    def __init__(self, specs: dict[str, KVCacheSpec], backends: Backends, answers: HookAnswers) -> None:
+        self.specs, self.backends, self.answers = specs, backends, answers
+        self.pages: dict[KVCacheLayout, PagePlan] = {}
+
+    def plan(self, layout: KVCacheLayout, num_blocks: int | None, available_memory: int | None) -> _Outcome:
+        pages = self.pages.setdefault(layout, lay_out(self.specs, layout))
+        if pages.refusal is not None:
+            error = pages.error()
+            return _Outcome(pages, str(error), error)
+        if num_blocks is None:
+            num_blocks = pages.blocks_for(available_memory) if pages.parts else 2
+        if isinstance(num_blocks, str):
+            return _Outcome(pages, num_blocks, ValueError(num_blocks))
+        outcome = _Outcome(pages)
+        outcome.config = pages.place(num_blocks)
+        outcome.records = group_records(outcome.config, self.backends, self.answers)
+        if isinstance(outcome.records, Refused):
+            outcome.refusal, outcome.error = outcome.records, ValueError(outcome.records)
+            return outcome
+        outcome.checks = view_checks(outcome.config, outcome.records)
+        outcome.refusal = next(filter(None, (c.violation() for c in outcome.checks)), None)
+        return outcome
+
+
+def _remedy(outcomes: list[_Outcome], layer_specs: Mapping[str, KVCacheSpec], run: _Pass) -> str:
+    """A layout, else a block size (with a layout), that meets every rule, from the checks made."""
+    good = [o.pages.layout for o in outcomes if o.refusal is None]
+    if good:
+        return f"layout {good[0].name} meets every rule (pass layout={good[0].name!r} or None)"
+    sizes = sorted({s.block_size for s in layer_specs.values() if isinstance(s, AttentionSpec)})
+    offers = [run.answers.kernel_block_sizes(b, run.specs[n]) for n, b in run.backends.items()]
+    # NOTE: strides of undivided pages scale with the block size; split or packed kernel pages do not.
+    plain = [o for o in outcomes if o.checks and all(g.ratio == 1 and not any(e.kernel_block_stride for e in g.backends)
+                                                     for g in o.records)]
+    for size in [sizes[0] // 2, sizes[0] // 4, sizes[0] * 2, sizes[0] * 4] if len(sizes) == 1 else []:
+        if size < 1 or not all(accepts(offer, size) for offer in offers):
+            continue
+        for outcome in plain:
+            if all(c.violation(Fraction(size, sizes[0])) is None for c in outcome.checks):
+                return f"{size}-token blocks in layout {outcome.pages.layout.name} meet every rule"
+    return "no layout or block size tried meets it; plan fewer blocks or serve these layers with another backend"
+
+
+def _refuse(outcomes: list[_Outcome], candidates: list[KVCacheLayout], explicit: bool,
+            layer_specs: Mapping[str, KVCacheSpec], run: _Pass) -> Exception:
+    ruled = [o for o in outcomes if o.error is None and o.refusal is not None]
+    if not ruled or outcomes[0].error is not None and explicit:
+        return next(o.error for o in outcomes if o.error is not None)
+    names = ", ".join(c.name for c in candidates)
+    prefix = "" if explicit else f"no layout of [{names}] meets every kernel rule: "
+    return KernelRequirementError(f"{prefix}{ruled[0].refusal}; {_remedy(outcomes, layer_specs, run)}")
+
+
+def _check_abilities(run: _Pass, device: torch.device) -> None:
+    for (backend, spec), layer in {(b, run.specs[n]): n for n, b in reversed(run.backends.items())}.items():
+        why = serves(run.answers, backend, spec, device)
+        if why is None:
+            continue
+        try:
+            other = choose_backend(run.answers, spec, device).backend
+            remedy = f"serve it with backend {label(other)!r} (or 'auto')"
+        except ValueError:
+            remedy = "no registered backend can serve it there; use another device or dtype"
+        raise KernelRequirementError(f"backend {label(backend)!r} cannot serve layer {layer!r}: it {why}; {remedy}")
+
+
+def negotiate(
+    layer_specs: Mapping[str, KVCacheSpec],
+    layer_backends: Mapping[str, type[AttentionBackend] | str],
+    *,
+    device: torch.device | str,
+    layout: KVCacheLayout | str | None = None,
+    available_memory: int | None = None,
+    num_blocks: int | None = None,
+    max_num_seqs: int,
+    max_model_len: int,
+    plugin_manager: pluggy.PluginManager | None = None,
+    group: Any = None,
+    max_num_blocks: int | None = None,
+    enable_prefix_caching: bool = False,
+    settings: Settings | None = None,
+) -> Negotiation:
+    """Decide what every layer of ``layer_specs`` (model order) gets, as :meth:`KVCache.create
+    <kvcore.KVCache.create>` would with the same arguments, allocating nothing.
+
+    ``device`` need not exist here (it is asked about, not used). ``settings``: the environment's
+    (``Settings.from_env()``) when None.
+    """
+    settings = Settings.from_env() if settings is None else settings
+    device = checked_device(device)
+    max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
+    max_model_len = positive_int("max_model_len", max_model_len)
+    answers = HookAnswers(plugin_manager)
+    _checked_layers(layer_specs, layer_backends)
+    backends, backend_rules = resolve_backends(layer_specs, layer_backends, answers, device)
+    specs = {n: answers.customized_spec(backends[n], s) if n in backends else s for n, s in layer_specs.items()}
+    run = _Pass(specs, backends, answers)
+    _check_abilities(run, device)
+    pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
+    stated = answers.common_layouts(pairs)
+    candidates = layout_candidates([stated], specs.values())
+    requested = requested_layout(layout, settings)
+    ruled = any(answers.requirements(b, s).has_memory_rules for b, s in pairs)
+    elastic = max_num_blocks is not None
+    memory, blocks = available_memory, num_blocks  # NOTE: this rank's own budget
+    if not elastic and group is None:
+        memory, blocks = checked_budget(available_memory, num_blocks)
+    if elastic:  # NOTE: an elastic cache is planned for all its blocks, committed for the first ones
+        memory, blocks = None, checked_max_blocks(max_num_blocks)
+    if group is None:
+        outcomes = _pass(run, candidates, requested, ruled, blocks, memory)
+        rule = "requested" if requested is not None else (
+            "the first candidate that meets every kernel rule" if ruled else "the first candidate")
+    else:  # NOTE: every rank agrees on one layout and one block count
+        outcomes = [run.plan(c, blocks, memory) for c in candidates] if ruled else []
+        meeting = [o.pages.layout for o in outcomes if o.refusal is None]
+        requested = agree_layout(meeting or stated, specs.values(), group, requested)
+        own = _own_blocks(run, requested, num_blocks, available_memory, blocks if elastic else None)
+        num_blocks = agree_num_blocks(own, group)
+        outcomes = [run.plan(requested, blocks if elastic else num_blocks, None)]
+        available_memory, rule = None, "agreed by every rank"
+    accepted = outcomes[0] if requested is not None else next((o for o in outcomes if o.refusal is None), None)
+    if accepted is None or accepted.refusal is not None:
+        raise _refuse(outcomes, candidates, requested is not None, layer_specs, run)
+    config, committed = accepted.config, accepted.config.num_blocks
+    if elastic:
+        committed = _first_blocks(accepted.pages, committed, num_blocks, available_memory)
+    tried = {o.pages.layout: o.candidate for o in outcomes}
+    return Negotiation(
+        accepted.records, config.layout, config, dict(backends), committed, elastic, device,
+        max_num_seqs, max_model_len, enable_prefix_caching,
+        tuple(tried.get(c, Candidate(c, tried=False)) for c in candidates), rule, backend_rules,
+        tuple((f"{label(b)} for {type(s).__name__}", declaration(answers, b, s, device)) for b, s in pairs),
+    )
+
+
+def _pass(run: _Pass, candidates: list[KVCacheLayout], requested: KVCacheLayout | None, ruled: bool,
+          blocks: int | None, memory: int | None) -> list[_Outcome]:
+    """The candidates planned, in order, until one is accepted (each once). A requested layout is
+    the only one that may be accepted; when kernel rules refuse it the others are planned too, to
+    name one that meets them."""
+    if requested is not None:
+        outcomes = [run.plan(checked_request(requested, candidates), blocks, memory)]
+        if outcomes[0].refusal is not None and outcomes[0].error is None:
+            outcomes += [run.plan(c, blocks, memory) for c in candidates if c is not requested]
+        return outcomes
+    outcomes = []
+    for candidate in candidates if ruled else candidates[:1]:
+        outcomes.append(run.plan(candidate, blocks, memory))
+        if outcomes[-1].refusal is None:
+            break
+    return outcomes
+
+
+def _own_blocks(run: _Pass, layout: KVCacheLayout, num_blocks: int | None, available_memory: int | None,
+                elastic_blocks: int | None) -> int:
+    """This rank's block count under ``layout`` before the ranks agree."""
+    if num_blocks is not None:
+        return num_blocks
+    if available_memory is None:
+        return elastic_blocks if elastic_blocks is not None else checked_budget(None, None)[1]
+    pages = run.pages.setdefault(layout, lay_out(run.specs, layout))
+    own = pages.blocks_for(available_memory) if pages.parts else 2
+    if isinstance(own, str):
+        raise ValueError(own)
+    return own
+
+
+def _first_blocks(pages: PagePlan, max_blocks: int, num_blocks: int | None, available_memory: int | None) -> int:
+    """Blocks an elastic cache commits at creation: ``num_blocks``, what ``available_memory`` buys,
+    or (neither) all of them."""
+    if num_blocks is None and available_memory is not None:
+        bought = pages.blocks_for(available_memory)
+        if isinstance(bought, str):
+            raise ValueError(bought)
+        num_blocks = min(bought, max_blocks)
+    if num_blocks is None:
+        return max_blocks
+    num_blocks = as_int("num_blocks", num_blocks)
+    if not 2 <= num_blocks <= max_blocks:
+        raise ValueError(
+            f"num_blocks={num_blocks} must be between 2 and max_num_blocks={max_blocks}; "
+            "raise max_num_blocks or commit fewer blocks"
+        )
+    return num_blocks
