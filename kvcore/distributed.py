@@ -152,21 +152,23 @@ def agree_layout(
     """One KV cache layout for every rank in ``group``, from every rank's ``supported`` list (most
     preferred first; None: any), all-gathered and resolved once; when they cannot agree every rank
     raises the same ``ValueError`` naming each rank's list."""
-    specs = tuple(specs)
-    if not _initialized():
-        return resolve_kv_cache_layout([_layout_names(supported)], specs, requested)
-    gathered = _gather_attempt(lambda: _layout_names(supported), group)
+    specs, alone = tuple(specs), not _initialized()
+    gathered = [(_layout_names(supported), None)] if alone else _gather_attempt(lambda: _layout_names(supported), group)
     bad = [f"rank {r}: {error}" for r, (_, error) in enumerate(gathered) if error is not None]
     if bad:
         raise ValueError("invalid supported layouts on " + "; ".join(bad))
     lists = [names for names, _ in gathered]
+
+    def resolve() -> str:
+        return resolve_kv_cache_layout(lists, specs, requested).name
+
+    if alone:  # NOTE: no other rank: its own error, as resolving alone raises it
+        return KVCacheLayout[resolve()]
     described = "; ".join(
         f"rank {r} supports " + ("any layout" if names is None else f"[{', '.join(names)}]")
         for r, names in enumerate(lists)
     )
-    outcomes = _gather_attempt(
-        lambda: resolve_kv_cache_layout(lists, specs, requested).name, group
-    )
+    outcomes = _gather_attempt(resolve, group)
     errors = list(dict.fromkeys(e.rstrip(".") for _, e in outcomes if e is not None))
     if errors:
         failed = [r for r, (_, e) in enumerate(outcomes) if e is not None]

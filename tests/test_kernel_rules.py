@@ -238,3 +238,17 @@ def test_the_views_checked_are_the_views_allocated(layout, block, sizes, tokens_
     for name, view in kv.layer_kv_caches.items():
         assert (checked[name].shape, checked[name].stride()) == (view.shape, view.stride())
         assert checked[name].storage_offset() == view.storage_offset()
+
+
+def test_a_refused_layout_is_kept_with_its_reason_and_explained():
+    pm = manager(Rules(KernelRequirements(max_stride_elements=1024), layouts=["BLNHC", "LBNHC"]))
+    negotiation = kvcore.negotiate(LAYERS, dict.fromkeys(LAYERS, "ruled"), device="cpu", num_blocks=6,
+                                   max_num_seqs=2, max_model_len=64, plugin_manager=pm)
+    refused, chosen = negotiation.candidates
+    assert (refused.layout, chosen.layout, negotiation.layout) == (KVCacheLayout.BLNHC, KVCacheLayout.LBNHC,
+                                                                   KVCacheLayout.LBNHC)
+    assert "rule max_stride_elements needs every stride below 1024 elements, got 2048" in refused.refusal
+    assert chosen.refusal is None and chosen.config == negotiation.config
+    text = negotiation.explain()
+    assert "layout LBNHC: the first candidate that meets every kernel rule" in text
+    assert f"BLNHC: {refused.refusal}" in text and "LBNHC: meets every rule" in text

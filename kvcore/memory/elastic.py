@@ -3,30 +3,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from kvcore._validate import as_int
-from kvcore.memory.backing import BackingMemory, reserve_backing
+from kvcore.memory.backing import reserve_backing
+from kvcore.memory.backing_base import BackingMemory
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.layout import block_runs, round_up
+from kvcore.memory.layout import block_runs, merge_ranges, round_up
 
 #: A layer view as allocated and how many of its rows form one manager block.
 ViewRows = tuple[torch.Tensor, int]
 Ranges = list[tuple[int, int]]
-
-
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> Ranges:
-    """Sorted, non-overlapping ranges covering the same bytes; touching ranges are joined."""
-    out: Ranges = []
-    for start, end in sorted(ranges):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
 
 
 def block_byte_ranges(

@@ -296,3 +296,14 @@ def block_runs(
     for extent, stride in outer:
         offsets = [o + i * stride for o in offsets for i in range(extent)]
     return offsets, run
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping ranges covering the same bytes; touching ranges are joined."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out

@@ -4,17 +4,16 @@ a plugin that fails while ``"auto"`` weighs the backends is reported and skipped
 from __future__ import annotations
 
 import functools
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import pluggy
 
-from kvcore.errors import PluginError, PluginWarning
+from kvcore.errors import PluginError
 from kvcore.memory.layout import KVCacheLayout, parse_layouts
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.manager import call_first, collect_backends
+from kvcore.plugins.manager import call_first
 from kvcore.plugins.registry import get_backend, resolve_plugin_manager
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec, MultipleOf
@@ -133,11 +132,6 @@ class HookAnswers:
             f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}"
         )
 
-    def owner(self, backend: type) -> str | None:
-        """The plugin that registered ``backend`` (None: none did, or several)."""
-        found = collect_backends(self.pm).entries.get(getattr(backend, "name", None), [])
-        return found[0][1] if len(found) == 1 and found[0][0] is backend else None
-
     def asked(self, hook: str, backend: type, spec: Any, *more: Any) -> Any:
         """What ``hook`` answered for ``backend`` and ``spec`` in this negotiation (None: not asked)."""
         return self._kept.get((hook, backend, key_of(spec), *more))
@@ -149,18 +143,8 @@ class HookAnswers:
         key = (hook, backend, key_of(spec), *more.values())
         if key not in self._kept:
             self._alive.append(spec)
-            skip = [self.pm.get_plugin(name) for name in self.unhealthy] if hook in ISOLATED else []
-            try:
-                found = call_first(self.pm, hook, check, skip=skip, backend=backend, spec=spec, **more)
-            except PluginError as err:
-                culprit = getattr(err, "plugin_name", None)
-                owner = self.owner(backend)
-                if hook not in ISOLATED or culprit is None or owner in (None, culprit):
-                    raise
-                # NOTE: another plugin's answer about this backend: report that plugin, go on without it.
-                self.unhealthy[culprit] = err
-                warnings.warn(f"{err} (kvcore skips that plugin here)", PluginWarning, stacklevel=2)
-                return self._ask(hook, check, default, backend, spec, **more)
+            unhealthy = self.unhealthy if hook in ISOLATED else None
+            found = call_first(self.pm, hook, check, unhealthy=unhealthy, backend=backend, spec=spec, **more)
             self._kept[key] = default if found is None else found
         return self._kept[key]
 

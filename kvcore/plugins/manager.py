@@ -7,13 +7,14 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import attrs
 import pluggy
 
-from kvcore.errors import PluginError
+from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins import hookspecs
 from kvcore.plugins.backend import AttentionBackend
 
@@ -179,11 +180,34 @@ def _call(
 
 
 def call_first(
-    pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], *, skip: Sequence[Any] = (), **kwargs: Any
+    pm: pluggy.PluginManager,
+    hook_name: str,
+    check: Callable[[Any], Any],
+    *,
+    unhealthy: dict[str, PluginError] | None = None,
+    **kwargs: Any,
 ) -> Any:
-    """Call a firstresult hook (without the plugins ``skip``); ``check`` validates a non-None
-    answer (a refusal names the plugin whose own answer it is, else the wrapper that changed it)."""
+    """Call a firstresult hook; ``check`` validates a non-None answer (a refusal names the plugin
+    whose own answer it is, else the wrapper that changed it). With ``unhealthy`` (plugin name ->
+    its error), a plugin that fails about another plugin's backend is reported, noted there and
+    left out, and the hook asked again without it."""
+    skip = [pm.get_plugin(name) for name in unhealthy or ()]
     caller = pm.subset_hook_caller(hook_name, skip) if skip else getattr(pm.hook, hook_name)
+    try:
+        return _checked_first(pm, caller, check, kwargs)
+    except PluginError as err:
+        culprit, backend = getattr(err, "plugin_name", None), kwargs.get("backend")
+        found = collect_backends(pm).entries.get(getattr(backend, "name", None), [])
+        owner = found[0][1] if len(found) == 1 and found[0][0] is backend else None
+        if unhealthy is None or culprit is None or owner in (None, culprit):
+            raise
+        unhealthy[culprit] = err
+        warnings.warn(f"{err} (kvcore skips that plugin here)", PluginWarning, stacklevel=3)
+        return call_first(pm, hook_name, check, unhealthy=unhealthy, **kwargs)
+
+
+def _checked_first(pm: pluggy.PluginManager, caller: pluggy.HookCaller, check: Callable[[Any], Any],
+                   kwargs: dict[str, Any]) -> Any:
     result, turns = _call(pm, caller, kwargs)
     if result is None:
         return None
@@ -196,7 +220,7 @@ def call_first(
             owner, note = first.plugin_name, ""
         else:
             owner, note = _by_wrappers(caller, "changed by")
-        raise plugin_error(pm, owner, hook_name, f"returned a wrong value ({exc}){note}") from exc
+        raise plugin_error(pm, owner, caller.name, f"returned a wrong value ({exc}){note}") from exc
 
 
 def _refuses(check: Callable[[Any], Any], answer: Any) -> bool:

@@ -15,14 +15,15 @@ import torch
 from kvcore._validate import as_int, positive_int
 from kvcore.distributed import agree_layout, agree_num_blocks
 from kvcore.errors import KernelRequirementError
+from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.elastic import checked_max_blocks
 from kvcore.memory.layout import KVCacheLayout, checked_request, layout_candidates, requested_layout
 from kvcore.memory.planner import PagePlan, checked_budget, lay_out
-from kvcore.plugins.answers import HookAnswers, accepts, key_of, label
+from kvcore.plugins.answers import HookAnswers, accepts, label
 from kvcore.plugins.auto import AUTO, checked_device, choose_backend, serves
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.negotiation import Candidate, Negotiation, Refused, declaration, group_records
-from kvcore.plugins.rules import ViewCheck, view_checks
+from kvcore.plugins.negotiation import Candidate, Declared, Negotiation, Refused, group_records
+from kvcore.plugins.rules import view_checks
 from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
 from kvcore.specs.base import check_hashable
@@ -45,13 +46,13 @@ def resolve_backends(
                 f"layer_backends[{layer!r}] is {backend!r}; pass a backend class, a registered "
                 "backend name or 'auto'"
             )
-        key = (key_of(layer_specs[layer]), backend)
+        key = (layer_specs[layer], backend)
         if key not in chosen and backend == AUTO:
             choice = choose_backend(answers, layer_specs[layer], device)
             chosen[key] = choice.backend, f'picked by "auto": {choice.explain()}'
         elif key not in chosen:
             chosen[key] = answers.backend(backend), "named"
-    found = {layer: chosen[(key_of(layer_specs[layer]), b)] for layer, b in layer_backends.items()}
+    found = {layer: chosen[(layer_specs[layer], b)] for layer, b in layer_backends.items()}
     return {n: b for n, (b, _) in found.items()}, {n: rule for n, (_, rule) in found.items()}
 
 
@@ -96,67 +97,56 @@ def _checked_layers(layer_specs: Any, layer_backends: Any) -> None:
         raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
 
 
-class _Outcome:
-    """One candidate layout planned once: the plan and its records, or why it is refused."""
-
-    def __init__(self, pages: PagePlan, refusal: str | None = None, error: Exception | None = None) -> None:
-        self.pages, self.refusal, self.error = pages, refusal, error
-        self.config: Any = None
-        self.records: Any = None
-        self.checks: list[ViewCheck] = []
-
-    @property
-    def candidate(self) -> Candidate:
-        return Candidate(self.pages.layout, None if self.refusal is None else Refused(self.refusal))
-
-
 class _Pass:
-    """The served specs and backends of one negotiation, and each candidate layout's outcome."""
+    """The served specs and backends of one negotiation, and each layout's pages (laid out once)."""
 
     def __init__(self, specs: dict[str, KVCacheSpec], backends: Backends, answers: HookAnswers) -> None:
         self.specs, self.backends, self.answers = specs, backends, answers
         self.pages: dict[KVCacheLayout, PagePlan] = {}
 
-    def plan(self, layout: KVCacheLayout, num_blocks: int | None, available_memory: int | None) -> _Outcome:
+    def bought(self, layout: KVCacheLayout, available_memory: int) -> int | str:
+        """Blocks ``available_memory`` holds under ``layout``, or why too few."""
+        pages = self.pages.setdefault(layout, lay_out(self.specs, layout))
+        return pages.blocks_for(available_memory) if pages.parts else 2
+
+    def plan(self, layout: KVCacheLayout, num_blocks: int | None, available_memory: int | None) -> Candidate:
+        """``layout`` planned once: its plan, records and rule checks, or why it is refused."""
         pages = self.pages.setdefault(layout, lay_out(self.specs, layout))
         if pages.refusal is not None:
             error = pages.error()
-            return _Outcome(pages, str(error), error)
-        if num_blocks is None:
-            num_blocks = pages.blocks_for(available_memory) if pages.parts else 2
+            return Candidate(layout, str(error), error=error)
+        num_blocks = self.bought(layout, available_memory) if num_blocks is None else num_blocks
         if isinstance(num_blocks, str):
-            return _Outcome(pages, num_blocks, ValueError(num_blocks))
-        outcome = _Outcome(pages)
-        outcome.config = pages.place(num_blocks)
-        outcome.records = group_records(outcome.config, self.backends, self.answers)
-        if isinstance(outcome.records, Refused):
-            outcome.refusal, outcome.error = outcome.records, ValueError(outcome.records)
-            return outcome
-        outcome.checks = view_checks(outcome.config, outcome.records)
-        outcome.refusal = next(filter(None, (c.violation() for c in outcome.checks)), None)
-        return outcome
+            return Candidate(layout, num_blocks, error=ValueError(num_blocks))
+        config = pages.place(num_blocks)
+        groups = group_records(config, self.backends, self.answers)
+        if isinstance(groups, Refused):
+            return Candidate(layout, groups, error=ValueError(groups))
+        checks = tuple(view_checks(config, groups))
+        refusal = next(filter(None, (c.violation() for c in checks)), None)
+        return Candidate(layout, refusal, config=config, groups=groups, checks=checks)
 
 
-def _remedy(outcomes: list[_Outcome], layer_specs: Mapping[str, KVCacheSpec], run: _Pass) -> str:
+def _remedy(outcomes: list[Candidate], layer_specs: Mapping[str, KVCacheSpec], run: _Pass) -> str:
     """A layout, else a block size (with a layout), that meets every rule, from the checks made."""
-    good = [o.pages.layout for o in outcomes if o.refusal is None]
+    good = [o.layout for o in outcomes if o.refusal is None]
     if good:
         return f"layout {good[0].name} meets every rule (pass layout={good[0].name!r} or None)"
     sizes = sorted({s.block_size for s in layer_specs.values() if isinstance(s, AttentionSpec)})
     offers = [run.answers.kernel_block_sizes(b, run.specs[n]) for n, b in run.backends.items()]
     # NOTE: strides of undivided pages scale with the block size; split or packed kernel pages do not.
     plain = [o for o in outcomes if o.checks and all(g.ratio == 1 and not any(e.kernel_block_stride for e in g.backends)
-                                                     for g in o.records)]
+                                                     for g in o.groups)]
     for size in [sizes[0] // 2, sizes[0] // 4, sizes[0] * 2, sizes[0] * 4] if len(sizes) == 1 else []:
         if size < 1 or not all(accepts(offer, size) for offer in offers):
             continue
         for outcome in plain:
             if all(c.violation(Fraction(size, sizes[0])) is None for c in outcome.checks):
-                return f"{size}-token blocks in layout {outcome.pages.layout.name} meet every rule"
+                return f"{size}-token blocks in layout {outcome.layout.name} meet every rule"
     return "no layout or block size tried meets it; plan fewer blocks or serve these layers with another backend"
 
 
-def _refuse(outcomes: list[_Outcome], candidates: list[KVCacheLayout], explicit: bool,
+def _refuse(outcomes: list[Candidate], candidates: list[KVCacheLayout], explicit: bool,
             layer_specs: Mapping[str, KVCacheSpec], run: _Pass) -> Exception:
     ruled = [o for o in outcomes if o.error is None and o.refusal is not None]
     if not ruled or outcomes[0].error is not None and explicit:
@@ -167,7 +157,10 @@ def _refuse(outcomes: list[_Outcome], candidates: list[KVCacheLayout], explicit:
 
 
 def _check_abilities(run: _Pass, device: torch.device) -> None:
-    for (backend, spec), layer in {(b, run.specs[n]): n for n, b in reversed(run.backends.items())}.items():
+    first: dict[tuple[type, KVCacheSpec], str] = {}
+    for name, backend in run.backends.items():
+        first.setdefault((backend, run.specs[name]), name)
+    for (backend, spec), layer in first.items():
         why = serves(run.answers, backend, spec, device)
         if why is None:
             continue
@@ -212,10 +205,10 @@ def negotiate(
     run = _Pass(specs, backends, answers)
     _check_abilities(run, device)
     pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
+    ruled = any(answers.requirements(b, s).has_memory_rules for b, s in pairs)
     stated = answers.common_layouts(pairs)
     candidates = layout_candidates([stated], specs.values())
     requested = requested_layout(layout, settings)
-    ruled = any(answers.requirements(b, s).has_memory_rules for b, s in pairs)
     elastic = max_num_blocks is not None
     memory, blocks = available_memory, num_blocks  # NOTE: this rank's own budget
     if not elastic and group is None:
@@ -223,74 +216,64 @@ def negotiate(
     if elastic:  # NOTE: an elastic cache is planned for all its blocks, committed for the first ones
         memory, blocks = None, checked_max_blocks(max_num_blocks)
     if group is None:
-        outcomes = _pass(run, candidates, requested, ruled, blocks, memory)
+        tried = _pass(run, candidates, requested, ruled, blocks, memory)
         rule = "requested" if requested is not None else (
             "the first candidate that meets every kernel rule" if ruled else "the first candidate")
     else:  # NOTE: every rank agrees on one layout and one block count
-        outcomes = [run.plan(c, blocks, memory) for c in candidates] if ruled else []
-        meeting = [o.pages.layout for o in outcomes if o.refusal is None]
+        meeting = [c.layout for c in (run.plan(c, blocks, memory) for c in candidates if ruled) if c.refusal is None]
         requested = agree_layout(meeting or stated, specs.values(), group, requested)
-        own = _own_blocks(run, requested, num_blocks, available_memory, blocks if elastic else None)
-        num_blocks = agree_num_blocks(own, group)
-        outcomes = [run.plan(requested, blocks if elastic else num_blocks, None)]
-        available_memory, rule = None, "agreed by every rank"
-    accepted = outcomes[0] if requested is not None else next((o for o in outcomes if o.refusal is None), None)
+        own = num_blocks if num_blocks is not None else _bought(run, requested, available_memory, elastic and blocks)
+        num_blocks, available_memory = agree_num_blocks(own, group), None
+        tried, rule = [run.plan(requested, blocks if elastic else num_blocks, None)], "agreed by every rank"
+    accepted = tried[0] if requested is not None else next((c for c in tried if c.refusal is None), None)
     if accepted is None or accepted.refusal is not None:
-        raise _refuse(outcomes, candidates, requested is not None, layer_specs, run)
+        raise _refuse(tried, candidates, requested is not None, layer_specs, run)
     config, committed = accepted.config, accepted.config.num_blocks
     if elastic:
-        committed = _first_blocks(accepted.pages, committed, num_blocks, available_memory)
-    tried = {o.pages.layout: o.candidate for o in outcomes}
+        committed = _first_blocks(run, config, num_blocks, available_memory)
+    by_layout = {c.layout: c for c in tried}
     return Negotiation(
-        accepted.records, config.layout, config, dict(backends), committed, elastic, device,
+        accepted.groups, config.layout, config, dict(backends), committed, elastic, device,
         max_num_seqs, max_model_len, enable_prefix_caching,
-        tuple(tried.get(c, Candidate(c, tried=False)) for c in candidates), rule, backend_rules,
-        tuple((f"{label(b)} for {type(s).__name__}", declaration(answers, b, s, device)) for b, s in pairs),
+        tuple(by_layout.get(c, Candidate(c, tried=False)) for c in candidates), rule, backend_rules,
+        tuple(Declared.of(answers, b, s, device) for b, s in pairs),
     )
 
 
 def _pass(run: _Pass, candidates: list[KVCacheLayout], requested: KVCacheLayout | None, ruled: bool,
-          blocks: int | None, memory: int | None) -> list[_Outcome]:
+          blocks: int | None, memory: int | None) -> list[Candidate]:
     """The candidates planned, in order, until one is accepted (each once). A requested layout is
     the only one that may be accepted; when kernel rules refuse it the others are planned too, to
     name one that meets them."""
     if requested is not None:
-        outcomes = [run.plan(checked_request(requested, candidates), blocks, memory)]
-        if outcomes[0].refusal is not None and outcomes[0].error is None:
-            outcomes += [run.plan(c, blocks, memory) for c in candidates if c is not requested]
-        return outcomes
-    outcomes = []
+        tried = [run.plan(checked_request(requested, candidates), blocks, memory)]
+        if tried[0].refusal is not None and tried[0].error is None:
+            tried += [run.plan(c, blocks, memory) for c in candidates if c is not requested]
+        return tried
+    tried = []
     for candidate in candidates if ruled else candidates[:1]:
-        outcomes.append(run.plan(candidate, blocks, memory))
-        if outcomes[-1].refusal is None:
+        tried.append(run.plan(candidate, blocks, memory))
+        if tried[-1].refusal is None:
             break
-    return outcomes
+    return tried
 
 
-def _own_blocks(run: _Pass, layout: KVCacheLayout, num_blocks: int | None, available_memory: int | None,
-                elastic_blocks: int | None) -> int:
-    """This rank's block count under ``layout`` before the ranks agree."""
-    if num_blocks is not None:
-        return num_blocks
+def _bought(run: _Pass, layout: KVCacheLayout, available_memory: int | None, otherwise: int | None) -> int:
+    """Blocks ``available_memory`` holds under ``layout`` (None: ``otherwise``), else ``ValueError``."""
     if available_memory is None:
-        return elastic_blocks if elastic_blocks is not None else checked_budget(None, None)[1]
-    pages = run.pages.setdefault(layout, lay_out(run.specs, layout))
-    own = pages.blocks_for(available_memory) if pages.parts else 2
-    if isinstance(own, str):
-        raise ValueError(own)
-    return own
+        return otherwise or checked_budget(None, None)[1]
+    bought = run.bought(layout, available_memory)
+    if isinstance(bought, str):
+        raise ValueError(bought)
+    return bought
 
 
-def _first_blocks(pages: PagePlan, max_blocks: int, num_blocks: int | None, available_memory: int | None) -> int:
+def _first_blocks(run: _Pass, config: KVCacheConfig, num_blocks: int | None, available_memory: int | None) -> int:
     """Blocks an elastic cache commits at creation: ``num_blocks``, what ``available_memory`` buys,
     or (neither) all of them."""
-    if num_blocks is None and available_memory is not None:
-        bought = pages.blocks_for(available_memory)
-        if isinstance(bought, str):
-            raise ValueError(bought)
-        num_blocks = min(bought, max_blocks)
+    max_blocks = config.num_blocks
     if num_blocks is None:
-        return max_blocks
+        return min(_bought(run, config.layout, available_memory, max_blocks), max_blocks)
     num_blocks = as_int("num_blocks", num_blocks)
     if not 2 <= num_blocks <= max_blocks:
         raise ValueError(

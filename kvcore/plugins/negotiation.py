@@ -3,14 +3,16 @@ read by every later stage (the hooks are never asked again), and how it explains
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
 import torch
 
+from kvcore._table import format_ranges
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import is_encoder_only
+from kvcore.memory.views import to_kernel_blocks
 from kvcore.plugins.answers import HookAnswers, common_size, key_of, label, no_common_size
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements, describe_requirements
@@ -56,12 +58,17 @@ class GroupNegotiation:
 
 @attrs.frozen
 class Candidate:
-    """A layout the negotiation considered: ``refusal`` None when it met every rule (or was not
-    tried: ``tried`` False)."""
+    """A layout the negotiation considered, planned once: its plan, records and kernel-rule checks,
+    or why it is refused (``refusal``; ``error``, the error to raise, None when a kernel rule
+    refused it); ``tried`` False: never planned."""
 
     layout: KVCacheLayout
-    refusal: Refused | None = None
+    refusal: str | None = None
     tried: bool = True
+    error: Exception | None = attrs.field(default=None, eq=False, repr=False)
+    config: KVCacheConfig | None = attrs.field(default=None, eq=False, repr=False)
+    groups: tuple[GroupNegotiation, ...] = attrs.field(default=(), eq=False, repr=False)
+    checks: tuple[object, ...] = attrs.field(default=(), eq=False, repr=False)
 
 
 @attrs.frozen
@@ -84,8 +91,8 @@ class Negotiation:
     layout_rule: str = ""
     #: layer -> how its backend was chosen ("named" or what ``"auto"`` weighed)
     backend_rules: Mapping[str, str] = attrs.field(factory=dict, repr=False)
-    #: (backend, served spec) -> what its plugin declared (sizes, layouts, requirements, priority)
-    declared: tuple[tuple[str, str], ...] = ()
+    #: what each backend's plugin declared for each served spec
+    declared: tuple[Declared, ...] = ()
 
     @property
     def kernel_block_sizes(self) -> list[int]:
@@ -103,6 +110,16 @@ class Negotiation:
             for name in g.layer_names
         }
 
+    def kernel_views(self, kv_caches: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The views kernels read, from the views as allocated: a packed group's layers addressed by
+        kernel pages (a dense group's views are split at allocation already)."""
+        views = dict(kv_caches)
+        for entry in (e for g in self.groups for e in g.backends if e.kernel_block_stride):
+            rows = entry.kv_cache_spec.get_num_kernel_states(entry.kernel_block_size)
+            for name in entry.layer_names:
+                views[name] = to_kernel_blocks(views[name], rows, entry.kernel_block_stride)
+        return views
+
     def explain(self) -> str:
         """Why every layer got what it got: backends, declarations, layouts tried, kernel blocks."""
         lines = [f"negotiated on {self.device}: layout {self.layout.name if self.layout else '-'}"]
@@ -112,17 +129,20 @@ class Negotiation:
         lines.append("backends:")
         lines += [f"  {_layers(names)}: {backend}, {rule}" for (backend, rule), names in by_rule.items()]
         lines.append("declared:")
-        lines += [f"  {who}: {what}" for who, what in self.declared] or ["  (no backend)"]
+        lines += [f"  {d}" for d in self.declared] or ["  (no backend)"]
         lines.append(f"layout {self.layout.name if self.layout else '-'}: {self.layout_rule}")
         for c in self.candidates:
             lines.append(f"  {c.layout.name}: " + ("not tried" if not c.tried else c.refusal or "meets every rule"))
-        lines.append("groups:")
+        alike: dict[tuple[str, int, int, str], list[int]] = {}
         for g in self.groups:
-            spec = g.kv_cache_spec
-            lines.append(f"  group {g.group_id} ({type(spec).__name__}, {len(g.layer_names)} layers, "
-                         f"{spec.block_size}-token blocks): {g.why}")
-            lines += [f"    {label(e.backend)}: kernel blocks of {e.kernel_block_size} tokens, {e.kernel_block_stride} "
-                      "kernel pages apart" for e in g.backends if e.kernel_block_stride]
+            key = (type(g.kv_cache_spec).__name__, len(g.layer_names), g.kv_cache_spec.block_size, g.why)
+            alike.setdefault(key, []).append(g.group_id)
+        lines.append("groups:")
+        lines += [f"  group{'s' * (len(ids) > 1)} {format_ranges(ids)} ({kind}, {count} layers, {size}-token blocks): "
+                  f"{why}" for (kind, count, size, why), ids in alike.items()]
+        lines += [f"  group {g.group_id}, {label(e.backend)}: kernel blocks of {e.kernel_block_size} tokens, "
+                  f"{e.kernel_block_stride} kernel pages apart" for g in self.groups for e in g.backends
+                  if e.kernel_block_stride]
         if self.config is not None:
             elastic = f", {self.num_blocks:,} committed at first" if self.elastic else ""
             lines.append(f"plan: {self.config.num_blocks:,} blocks{elastic}")
@@ -133,19 +153,31 @@ def _layers(names: Sequence[str]) -> str:
     return names[0] if len(names) == 1 else f"{len(names)} layers ({names[0]} .. {names[-1]})"
 
 
-def declaration(answers: HookAnswers, backend: type, spec: KVCacheSpec, device: torch.device) -> str:
-    """What ``backend``'s plugin declared for ``spec``, in words (from the answers kept)."""
-    sizes = answers.kernel_block_sizes(backend, spec)
-    layouts = answers.stated_layouts(backend, spec)
-    req = answers.requirements(backend, spec)
-    said = [
-        "kernel block sizes " + ", ".join(f"multiple of {s.base}" if isinstance(s, MultipleOf) else str(s)
-                                           for s in sizes),
-        "layouts " + ("any" if layouts is None else ", ".join(x.name for x in layouts)),
-        "requires " + describe_requirements(req),
-    ]
-    priority = answers.asked("kvcore_backend_priority", backend, spec, device)
-    return "; ".join(said + ([] if priority is None else [f"priority {priority}"]))
+@attrs.frozen
+class Declared:
+    """What a backend's plugin declared for one (served) spec; ``priority`` None when not asked."""
+
+    backend: type[AttentionBackend]
+    spec: KVCacheSpec
+    sizes: tuple[int | MultipleOf, ...]
+    layouts: tuple[KVCacheLayout, ...] | None
+    requirements: KernelRequirements
+    priority: int | None = None
+
+    @classmethod
+    def of(cls, answers: HookAnswers, backend: type, spec: KVCacheSpec, device: torch.device) -> Declared:
+        layouts = answers.stated_layouts(backend, spec)
+        return cls(backend, spec, tuple(answers.kernel_block_sizes(backend, spec)),
+                   None if layouts is None else tuple(layouts), answers.requirements(backend, spec),
+                   answers.asked("kvcore_backend_priority", backend, spec, device))
+
+    def __str__(self) -> str:
+        sizes = ", ".join(f"multiple of {s.base}" if isinstance(s, MultipleOf) else str(s) for s in self.sizes)
+        said = [f"kernel block sizes {sizes}",
+                "layouts " + ("any" if self.layouts is None else ", ".join(x.name for x in self.layouts)),
+                "requires " + describe_requirements(self.requirements)]
+        priority = [] if self.priority is None else [f"priority {self.priority}"]
+        return f"{label(self.backend)} for {type(self.spec).__name__}: " + "; ".join(said + priority)
 
 
 def can_split(spec: KVCacheSpec) -> bool:
@@ -191,12 +223,10 @@ def group_kernel_block_size(
 def backend_groups(
     config: KVCacheConfig,
     layer_backends: Mapping[str, type[AttentionBackend]],
-    answers: HookAnswers,
-    *,
-    customize: bool,
+    serve: Callable[[type[AttentionBackend], KVCacheSpec], KVCacheSpec] | None = None,
 ) -> list[dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]]]:
-    """Per KV cache group, (backend, spec) -> its layers; ``customize``: specs through the hooks
-    (False: the config was planned from customized specs)."""
+    """Per KV cache group, (backend, spec) -> its layers; ``serve``: the spec a backend stores for
+    a layer's (None: the config was planned from the specs the backends store)."""
     out = []
     for gid, group in enumerate(config.kv_cache_groups):
         by_key: dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]] = {}
@@ -213,8 +243,7 @@ def backend_groups(
                     )
                 continue
             backend = layer_backends[name]
-            spec = answers.customized_spec(backend, spec) if customize else spec
-            by_key.setdefault((backend, spec), []).append(name)
+            by_key.setdefault((backend, spec if serve is None else serve(backend, spec)), []).append(name)
     return out
 
 
@@ -223,7 +252,7 @@ def group_records(
 ) -> tuple[GroupNegotiation, ...] | Refused:
     """One record per KV cache group of ``config`` (planned from customized specs), or why not."""
     records = []
-    for gid, by_key in enumerate(backend_groups(config, layer_backends, answers, customize=False)):
+    for gid, by_key in enumerate(backend_groups(config, layer_backends)):
         group = config.kv_cache_groups[gid]
         kernel, why = group_kernel_block_size(config, gid, list(by_key), answers)
         if isinstance(kernel, Refused):
@@ -287,21 +316,3 @@ def cannot_split(backend: str, spec: KVCacheSpec, kernel: int, names: Sequence[s
         f"blocks of {list(names)} cannot be split into; use a manager block size of {kernel} "
         "or a layer-compact layout such as LBNHC"
     )
-
-
-def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch.Tensor:
-    """A manager-block view ``[B, H, N, C]`` as ``[pages, H, kernel_rows, C]`` kernel pages."""
-    num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
-    return view.as_strided(
-        (num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
-        (kernel_rows * view.stride(-2), *view.stride()[1:]),
-    )
-
-
-def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: int) -> torch.Tensor:
-    """The inverse of :func:`to_kernel_blocks`."""
-    return view.as_strided(
-        (num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
-        (view.stride(0) * stride, *view.stride()[1:]),
-    )
-

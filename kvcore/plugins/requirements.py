@@ -101,7 +101,7 @@ class KernelRequirements:
             return f"takes cache dtypes {names}, not {got} (rule: dtypes)"
         sizes = self.head_sizes
         if head_size is not None and sizes is not None and head_size not in sizes:
-            return f"takes head sizes {list(sizes)}, not {head_size} (rule: head_sizes)"
+            return f"takes head sizes [{format_ranges(sorted(set(sizes)))}], not {head_size} (rule: head_sizes)"
         return None
 
     def view_violation(

@@ -13,7 +13,7 @@ import torch
 from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.plugins.answers import label
-from kvcore.plugins.negotiation import GroupNegotiation, to_kernel_blocks
+from kvcore.plugins.negotiation import GroupNegotiation, Negotiation
 from kvcore.plugins.requirements import KernelRequirements
 
 _N = 3  # NOTE: the logical index of N (tokens' states) in [L, B, H, N, C]
@@ -21,13 +21,8 @@ _N = 3  # NOTE: the logical index of N (tokens' states) in [L, B, H, N, C]
 
 def kernel_views(config: KVCacheConfig, groups: Sequence[GroupNegotiation]) -> dict[str, torch.Tensor]:
     """Every layer's kernel view of the plan, over a ``meta`` buffer (nothing allocated)."""
-    views = allocate_kv_cache(config, torch.device("meta"), None, [g.kernel_block_size if g.ratio > 1 else None
-                                                                   for g in groups])
-    for entry in (e for g in groups for e in g.backends if e.kernel_block_stride):
-        rows = entry.kv_cache_spec.get_num_kernel_states(entry.kernel_block_size)
-        for name in entry.layer_names:
-            views[name] = to_kernel_blocks(views[name], rows, entry.kernel_block_stride)
-    return views
+    sizes = [g.kernel_block_size if g.ratio > 1 else None for g in groups]
+    return Negotiation(tuple(groups)).kernel_views(allocate_kv_cache(config, torch.device("meta"), None, sizes))
 
 
 @attrs.frozen

@@ -13,6 +13,7 @@ import torch
 
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.memory.config import KVCacheConfig
+from kvcore.memory.views import to_kernel_blocks, to_manager_blocks
 from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import (
     AttentionBackend,
@@ -20,14 +21,7 @@ from kvcore.plugins.backend import (
     CommonAttentionMetadata,
 )
 from kvcore.plugins.block_sizes import get_block_table_width
-from kvcore.plugins.negotiation import (
-    BackendNegotiation,
-    backend_groups,
-    can_split,
-    cannot_split,
-    to_kernel_blocks,
-    to_manager_blocks,
-)
+from kvcore.plugins.negotiation import BackendNegotiation, backend_groups, can_split, cannot_split
 from kvcore.settings import Settings
 from kvcore.specs import KVCacheSpec
 
@@ -273,7 +267,7 @@ def build_attention_groups(
         raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
     answers = HookAnswers(plugin_manager)
     classes = {name: answers.backend(backend) for name, backend in layer_backends.items()}
-    by_group = backend_groups(kv_cache_config, classes, answers, customize=True)
+    by_group = backend_groups(kv_cache_config, classes, answers.customized_spec)
     return [
         [AttentionGroup(backend, names, spec, gid) for (backend, spec), names in by_key.items()]
         for gid, by_key in enumerate(by_group)

@@ -18,7 +18,7 @@ from kvcore.memory.views import allocate_kv_cache, checked_device
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore.plugins.negotiate import negotiate
 from kvcore.plugins.negotiation import Negotiation
-from kvcore.runtime.attn_group import AttentionGroup, map_kv_caches_to_kernel_blocks
+from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
@@ -72,7 +72,8 @@ class KVCache:
         With a ``torch.distributed`` ``group`` all ranks agree on one layout and block
         count. With ``max_num_blocks`` the cache is elastic: planned for that many
         blocks, memory committed for ``num_blocks`` (or what ``available_memory`` buys;
-        neither: all), changed later by :meth:`resize`.
+        neither: all), changed later by :meth:`resize`. The stages: :func:`kvcore.negotiate` decides,
+        then the cache is allocated and wired from its record.
         """
         settings = Settings.from_env()
         negotiation = negotiate(
@@ -81,39 +82,33 @@ class KVCache:
             max_model_len=max_model_len, plugin_manager=plugin_manager, group=group,
             max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching, settings=settings,
         )
-        return cls.from_negotiation(negotiation, settings)
-
-    @classmethod
-    def from_negotiation(cls, negotiation: Negotiation, settings: Settings | None = None) -> KVCache:
-        """Allocate and wire the cache ``negotiation`` decided (see :func:`kvcore.negotiate`)."""
-        settings = Settings.from_env() if settings is None else settings
-        config, device = negotiation.config, negotiation.device
+        config, device, rows = negotiation.config, negotiation.device, negotiation.rows_per_block()
         elastic = reserve_elastic(config, device) if negotiation.elastic else None
         kv_caches = allocate_kv_cache(config, device, None, negotiation.allocation_kernel_block_sizes,
                                       buffer=None if elastic is None else elastic.backing.tensor)
-        attn_groups = [[AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups]
-        for attn_group in (a for groups in attn_groups for a in groups):
-            attn_group.create_metadata_builders(device, max_num_seqs=negotiation.max_num_seqs,
-                                                max_model_len=negotiation.max_model_len, settings=settings)
-        rows = negotiation.rows_per_block()
-        views = {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}
-        zeroer = KVBlockZeroer.from_views(device, views, config.num_blocks, settings=settings)
         if elastic is not None:
             elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
                            for name, view in kv_caches.items()})  # fmt: skip
             elastic.resize(negotiation.num_blocks)
-            zeroer.num_blocks = negotiation.num_blocks
+        layer_kv_caches = negotiation.kernel_views(kv_caches)
+        attn_groups = [[AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups]
+        for attn_group in (a for groups in attn_groups for a in groups):
+            attn_group.create_metadata_builders(device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                                settings=settings)
+        views = {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}
+        zeroer = KVBlockZeroer.from_views(device, views, config.num_blocks, settings=settings)
+        zeroer.num_blocks = negotiation.num_blocks
         return cls(
             config,
             negotiation.layout,
             attn_groups,
             kv_caches,
-            map_kv_caches_to_kernel_blocks(kv_caches, attn_groups),
-            BlockPool(negotiation.num_blocks, enable_caching=negotiation.enable_prefix_caching),
+            layer_kv_caches,
+            BlockPool(negotiation.num_blocks, enable_caching=enable_prefix_caching),
             zeroer,
             device,
-            negotiation.max_num_seqs,
-            negotiation.max_model_len,
+            max_num_seqs,
+            max_model_len,
             negotiation,
             elastic,
             settings,
