@@ -89,6 +89,19 @@ def test_warm_prefill_compiles_without_touching_the_cache(arch):
     assert engine.stats().steps == 0
 
 
+def test_a_default_engine_runs_256_requests_at_once():
+    from _hf_reference import prompts_for
+
+    from kvcore.hf import Engine
+    from kvcore.hf.models import model_config, random_model
+
+    model = random_model(model_config("llama", num_hidden_layers=1, vocab_size=256), seed=2)
+    engine = Engine(model, num_blocks=300)  # the default max_num_seqs (64 used to leave 136 waiting)
+    outputs = engine.generate(prompts_for([3] * 200, seed=3), 2)
+    assert [len(o) for o in outputs] == [2] * 200
+    assert engine.stats().steps == 2  # every prompt prefilled in the first step, decoded in the second
+
+
 def _hybrid_specs(size, heads=128):
     from kvcore.specs import MambaSpec
 
