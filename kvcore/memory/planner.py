@@ -197,26 +197,10 @@ def _tensors(
     return tensors
 
 
-def _checked(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> tuple[list[_Part], int]:
-    """Parts and bytes per block under ``layout`` after a dry run; ``_Refusal`` if it fails."""
-    parts = _parts(groups, layout.is_layer_compact)
-    bytes_per_block = _bytes_per_block(parts, layout)
-    _tensors(parts, layout, _MIN_BLOCKS, bytes_per_block)
-    return parts, bytes_per_block
-
-
-def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: _Refusal) -> ValueError:
-    """The error for a layout that cannot hold the model, naming those that pass a dry run."""
+def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: str) -> ValueError:
+    """The error for a layout that cannot hold the model, naming those that can."""
     family = sorted(_PREFERRED, key=lambda o: o.is_layer_compact != layout.is_layer_compact)
-    able = []
-    for other in family:
-        if other is layout:
-            continue
-        try:
-            _checked(groups, other)
-        except _Refusal:
-            continue
-        able.append(other.name)
+    able = [o.name for o in family if o is not layout and _lay(groups, o).refusal is None]
     remedy = (
         f"use a layout that can, such as {able[0]} (all that can: {', '.join(able)})"
         if able
@@ -274,11 +258,11 @@ class PagePlan:
 
     def error(self) -> ValueError:
         """The refusal as the error to raise, naming the layouts that can hold the model."""
-        return _refused(self.groups, self.layout, _Refusal(self.refusal))
+        return _refused(self.groups, self.layout, self.refusal)
 
     def blocks_for(self, available_memory: int) -> int | str:
-        """Blocks ``available_memory`` bytes hold, or why they are too few."""
-        num_blocks = available_memory // self.bytes_per_block
+        """Blocks ``available_memory`` bytes hold (2 when nothing is allocated), or why too few."""
+        num_blocks = available_memory // self.bytes_per_block if self.parts else _MIN_BLOCKS
         if num_blocks >= _MIN_BLOCKS:
             return num_blocks
         count = sum(len(g.layer_names) for g in self.groups)
@@ -302,8 +286,10 @@ class PagePlan:
 
 def lay_out(kv_cache_specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout | str) -> PagePlan:
     """Group ``kv_cache_specs`` (model order) and lay their pages out in ``layout``."""
-    layout = KVCacheLayout.parse(layout)
-    groups = group_layers(_check_specs(kv_cache_specs))
+    return _lay(group_layers(_check_specs(kv_cache_specs)), KVCacheLayout.parse(layout))
+
+
+def _lay(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> PagePlan:
     if all(is_encoder_only(g) for g in groups):
         return PagePlan(groups, layout, [], 0)
     parts = _parts(groups, layout.is_layer_compact)
@@ -331,8 +317,7 @@ def plan_kv_cache(
     pages = lay_out(kv_cache_specs, layout)
     if pages.refusal is not None:  # NOTE: checked before the budget: the layout error is more useful
         raise pages.error()
-    if num_blocks is None:
-        num_blocks = pages.blocks_for(available_memory) if pages.parts else _MIN_BLOCKS
-        if isinstance(num_blocks, str):
-            raise ValueError(num_blocks)
+    num_blocks = pages.blocks_for(available_memory) if num_blocks is None else num_blocks
+    if isinstance(num_blocks, str):
+        raise ValueError(num_blocks)
     return pages.place(num_blocks)

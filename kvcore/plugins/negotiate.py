@@ -104,20 +104,20 @@ class _Pass:
         self.specs, self.backends, self.answers = specs, backends, answers
         self.pages: dict[KVCacheLayout, PagePlan] = {}
 
-    def bought(self, layout: KVCacheLayout, available_memory: int) -> int | str:
-        """Blocks ``available_memory`` holds under ``layout``, or why too few."""
-        pages = self.pages.setdefault(layout, lay_out(self.specs, layout))
-        return pages.blocks_for(available_memory) if pages.parts else 2
+    def bought(self, layout: KVCacheLayout, available_memory: int) -> int:
+        """Blocks ``available_memory`` holds under ``layout``, else ``ValueError`` saying why too few."""
+        bought = self.pages.setdefault(layout, lay_out(self.specs, layout)).blocks_for(available_memory)
+        if isinstance(bought, str):
+            raise ValueError(bought)
+        return bought
 
     def plan(self, layout: KVCacheLayout, num_blocks: int | None, available_memory: int | None) -> Candidate:
         """``layout`` planned once: its plan, records and rule checks, or why it is refused."""
         pages = self.pages.setdefault(layout, lay_out(self.specs, layout))
-        if pages.refusal is not None:
-            error = pages.error()
+        num_blocks = pages.blocks_for(available_memory) if num_blocks is None and pages.refusal is None else num_blocks
+        if pages.refusal is not None or isinstance(num_blocks, str):
+            error = pages.error() if pages.refusal is not None else ValueError(num_blocks)
             return Candidate(layout, str(error), error=error)
-        num_blocks = self.bought(layout, available_memory) if num_blocks is None else num_blocks
-        if isinstance(num_blocks, str):
-            return Candidate(layout, num_blocks, error=ValueError(num_blocks))
         config = pages.place(num_blocks)
         groups = group_records(config, self.backends, self.answers)
         if isinstance(groups, Refused):
@@ -210,11 +210,9 @@ def negotiate(
     candidates = layout_candidates([stated], specs.values())
     requested = requested_layout(layout, settings)
     elastic = max_num_blocks is not None
-    memory, blocks = available_memory, num_blocks  # NOTE: this rank's own budget
-    if not elastic and group is None:
-        memory, blocks = checked_budget(available_memory, num_blocks)
-    if elastic:  # NOTE: an elastic cache is planned for all its blocks, committed for the first ones
-        memory, blocks = None, checked_max_blocks(max_num_blocks)
+    # NOTE: an elastic cache is planned for all its blocks and commits the first ones
+    memory, blocks = (None, checked_max_blocks(max_num_blocks)) if elastic else checked_budget(
+        available_memory, num_blocks)
     if group is None:
         tried = _pass(run, candidates, requested, ruled, blocks, memory)
         rule = "requested" if requested is not None else (
@@ -222,15 +220,15 @@ def negotiate(
     else:  # NOTE: every rank agrees on one layout and one block count
         meeting = [c.layout for c in (run.plan(c, blocks, memory) for c in candidates if ruled) if c.refusal is None]
         requested = agree_layout(meeting or stated, specs.values(), group, requested)
-        own = num_blocks if num_blocks is not None else _bought(run, requested, available_memory, elastic and blocks)
-        num_blocks, available_memory = agree_num_blocks(own, group), None
+        if num_blocks is None:
+            num_blocks = blocks if available_memory is None else run.bought(requested, available_memory)
+        num_blocks, available_memory = agree_num_blocks(num_blocks, group), None
         tried, rule = [run.plan(requested, blocks if elastic else num_blocks, None)], "agreed by every rank"
     accepted = tried[0] if requested is not None else next((c for c in tried if c.refusal is None), None)
     if accepted is None or accepted.refusal is not None:
         raise _refuse(tried, candidates, requested is not None, layer_specs, run)
-    config, committed = accepted.config, accepted.config.num_blocks
-    if elastic:
-        committed = _first_blocks(run, config, num_blocks, available_memory)
+    config = accepted.config
+    committed = _first_blocks(run, config, num_blocks, available_memory) if elastic else config.num_blocks
     by_layout = {c.layout: c for c in tried}
     return Negotiation(
         accepted.groups, config.layout, config, dict(backends), committed, elastic, device,
@@ -258,22 +256,12 @@ def _pass(run: _Pass, candidates: list[KVCacheLayout], requested: KVCacheLayout 
     return tried
 
 
-def _bought(run: _Pass, layout: KVCacheLayout, available_memory: int | None, otherwise: int | None) -> int:
-    """Blocks ``available_memory`` holds under ``layout`` (None: ``otherwise``), else ``ValueError``."""
-    if available_memory is None:
-        return otherwise or checked_budget(None, None)[1]
-    bought = run.bought(layout, available_memory)
-    if isinstance(bought, str):
-        raise ValueError(bought)
-    return bought
-
-
 def _first_blocks(run: _Pass, config: KVCacheConfig, num_blocks: int | None, available_memory: int | None) -> int:
     """Blocks an elastic cache commits at creation: ``num_blocks``, what ``available_memory`` buys,
     or (neither) all of them."""
     max_blocks = config.num_blocks
     if num_blocks is None:
-        return min(_bought(run, config.layout, available_memory, max_blocks), max_blocks)
+        return max_blocks if available_memory is None else min(run.bought(config.layout, available_memory), max_blocks)
     num_blocks = as_int("num_blocks", num_blocks)
     if not 2 <= num_blocks <= max_blocks:
         raise ValueError(
