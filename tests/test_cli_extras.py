@@ -13,7 +13,6 @@ import subprocess
 import sys
 
 import pytest
-
 from _plugin_dists import make_dist
 
 EXTRAS = {

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import hypothesis.strategies as st
 import pytest
+from _elastic_caches import make_elastic, views_with_rows
 from hypothesis import given, settings
 
-from _elastic_caches import make_elastic, views_with_rows
 from kvcore.errors import InsufficientMemoryError
 from kvcore.memory import budget
 from kvcore.memory.elastic import block_byte_ranges, merge_ranges, subtract_ranges
@@ -92,6 +92,7 @@ def test_resize_is_all_or_nothing_whichever_step_raises(layout, sizes, seam, fai
 def test_an_interrupted_shrink_of_the_engine_leaves_the_next_generate_exact(monkeypatch):
     pytest.importorskip("transformers")
     from _hf_reference import prompts_for
+
     from kvcore.hf import Engine
     from kvcore.hf.models import model_config, random_model
 
@@ -123,6 +124,7 @@ def test_max_num_blocks_past_the_block_pool_limit_is_refused_before_anything_is_
 def test_an_engine_that_cannot_commit_memory_names_memory_not_the_scheduler(monkeypatch):
     pytest.importorskip("transformers")
     from _hf_reference import prompts_for, reference
+
     from kvcore.hf import Engine
     from kvcore.hf.models import model_config, random_model
 

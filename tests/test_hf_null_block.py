@@ -4,13 +4,13 @@ block-table entries point at) changes no token, in attention and in a hybrid's s
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
+from _hf_reference import prompts_for, reference  # noqa: E402
+
 from kvcore.hf import Engine  # noqa: E402
 from kvcore.hf.models import model_config, random_model  # noqa: E402
-from _hf_reference import prompts_for, reference  # noqa: E402
 
 # Prompts longer than mistral's and gemma3's 24-token window: out-of-window blocks go back to block 0.
 PROMPT_LENS, MAX_NEW = [5, 41, 17], 4

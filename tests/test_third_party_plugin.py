@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import torch
+from _plugin_dists import clean_plugin_env, make_dist  # noqa: F401
 
 import kvcore
-from _plugin_dists import clean_plugin_env, make_dist  # noqa: F401
 
 ROOT = Path(__file__).resolve().parents[1]
 #: The test files that depend on the installed backends (each pins them).

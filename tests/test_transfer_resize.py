@@ -9,8 +9,8 @@ import json
 
 import pytest
 import torch
-
 from _elastic_caches import block_bytes, make_elastic
+
 from kvcore.transfer import HostKVPool, NixlAgent, NixlUnavailableError, TransferError, describe
 
 
