@@ -22,9 +22,10 @@ OWN_PLUGINS = "torch,triton,flashinfer"
 def own_plugins(monkeypatch):
     """Only this repository's plugins load (``KVCORE_PLUGINS``), in the default manager too;
     the value is a fresh manager of them."""
-    from kvcore.plugins import get_plugin_manager, reset_default_plugin_manager
+    from kvcore.plugins import get_plugin_manager, registry
 
+    forget = registry.default_plugin_manager.cache_clear  # NOTE: a test may patch the function
     monkeypatch.setenv("KVCORE_PLUGINS", OWN_PLUGINS)
-    reset_default_plugin_manager()
+    forget()
     yield get_plugin_manager()
-    reset_default_plugin_manager()
+    forget()
