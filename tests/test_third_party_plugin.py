@@ -43,8 +43,10 @@ def kvcore_backend_priority(backend, spec, device):
 def test_tests_that_depend_on_the_installed_backends_pass_with_another_plugin_installed(tmp_path, monkeypatch):
     make_dist(tmp_path, "kvcore-eager", "1.0", {"eager": "fakeplug_eager"}, {"fakeplug_eager": EAGER})
     monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "torch,triton,flashinfer,eager")  # NOTE: others may be installed
     spec = kvcore.FullAttentionSpec(16, 2, 64, torch.float16)
     assert kvcore.select_backend(spec, "cpu", plugin_manager=kvcore.get_plugin_manager()).name == "eager"
+    monkeypatch.delenv("KVCORE_PLUGINS")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *PINNED], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=300)
