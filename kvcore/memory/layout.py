@@ -115,7 +115,9 @@ def compute_layout_strides(
     kernel_block_size: int | None = None,
     fixed_strides: Sequence[int | None] = (None,) * 5,
 ) -> tuple[int, int, int, int, int]:
-    """Byte strides of the logical ``[L, B, H, N, C]`` dims under ``layout`` (SPEC §2)."""
+    """Byte strides of the logical ``[L, B, H, N, C]`` dims under ``layout``. Scales of a
+    per-token-head spec follow the data of each unit inside the inner of L and B
+    (:func:`scale_unit`)."""
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
     if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -157,6 +159,8 @@ def compute_layout_strides(
     running = 1  # NOTE: bytes spanned by the dims inside the current one
     for pos in range(4, -1, -1):
         d = order[pos]
+        if pos == grid_end:  # NOTE: a unit's scales (if any) follow its data rows
+            running += running // extents[C] * spec.scale_size_bytes
         stride = fixed[d]
         if stride is None and padded is not None and pos == grid_end:
             stride = max(running, padded)
@@ -165,6 +169,13 @@ def compute_layout_strides(
         strides[d] = stride
         running = stride * extents[d]
     return tuple(strides)  # type: ignore[return-value]
+
+
+def scale_unit(layout: KVCacheLayout) -> tuple[int, ...]:
+    """Logical dims inside the inner of L and B (C last): the unit whose data rows its scales
+    follow (``[H, N, C]`` in LBHNC, ``[N, C]`` in LHBNC and BHLNC)."""
+    order = layout.stride_order
+    return order[max(order.index(L), order.index(B)) + 1 :]
 
 
 def block_runs(
