@@ -22,7 +22,8 @@ def serves(
 ) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device``; None when it can."""
     return answers.requirements(backend, spec).why_not(
-        device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None)
+        device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None),
+        getattr(spec, "kv_quant", None),
     )
 
 

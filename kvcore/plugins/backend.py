@@ -11,6 +11,23 @@ import torch
 from kvcore.specs import KVCacheSpec
 
 
+@attrs.frozen(eq=False)
+class KVQuantState:
+    """How one layer's cache is quantized; a backend reads it from ``metadata.kv_quant``.
+
+    ``kv_quant``: ``"per_tensor"`` (a cached value is ``x / k_scale`` or ``x / v_scale``,
+    saturated to ``dtype``) or ``"per_token_head"`` (``scale_cache``: the float32 kernel view
+    ``[B', H, N, 2]`` of each token's and head's K and V scale, addressed like the layer's kernel
+    view; a cached value is ``x / scale``, ``scale = amax(|x|) / max(dtype)``, 0 for a zero row).
+    """
+
+    kv_quant: str
+    dtype: torch.dtype
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    scale_cache: torch.Tensor | None = attrs.field(default=None, repr=False)
+
+
 @attrs.frozen(kw_only=True)
 class CommonAttentionMetadata:
     """Per-step batch description shared by every attention group.
@@ -33,6 +50,8 @@ class CommonAttentionMetadata:
     max_seq_len: int
     causal: bool = True
     debug_checks: bool | None = None
+    #: The layer's :class:`KVQuantState` (None: an unquantized cache); set per layer by the core.
+    kv_quant: KVQuantState | None = None
 
 
 @attrs.define(slots=False, eq=False)

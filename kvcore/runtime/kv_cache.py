@@ -29,10 +29,17 @@ from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, 
 from kvcore.plugins.negotiation import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup, map_kv_caches_to_kernel_blocks
 from kvcore.runtime.block_pool import BlockPool
+from kvcore.runtime.quant import (
+    layer_metadata,
+    per_tensor_scales,
+    quant_states,
+    scale_caches_of,
+)
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
 from kvcore.specs.base import check_hashable
+from kvcore.specs.quant import quantize_specs
 
 
 def _served_specs(
@@ -85,6 +92,8 @@ class KVCache:
 
     ``kv_caches`` are the views as allocated (KV connectors use them), ``layer_kv_caches``
     the views kernels take; ``attn_groups[g]`` are KV cache group ``g``'s attention groups.
+    A quantized cache adds ``scale_caches`` (per-token-head layers: float32 ``[B, H, N, 2]``
+    K and V scales, addressed like ``kv_caches``) and ``kv_scales`` (per-tensor layers: ``(k, v)``).
     Call :meth:`begin_step` once per step, after allocating blocks and before kernels run.
     """
 
@@ -101,6 +110,10 @@ class KVCache:
     negotiation: Negotiation = attrs.field(repr=False)
     elastic: ElasticMemory | None = attrs.field(repr=False)  # NOTE: None: a plain allocation
     settings: Settings = attrs.field(repr=False)  # NOTE: read once, in create
+    scale_caches: dict[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
+    kv_scales: dict[str, tuple[float, float]] = attrs.field(factory=dict)
+    #: Each quantized layer's record, handed to its backend in the layer's metadata.
+    quant_states: dict[str, Any] = attrs.field(factory=dict, repr=False)
 
     @classmethod
     def create(
@@ -118,6 +131,7 @@ class KVCache:
         group: Any = None,
         max_num_blocks: int | None = None,
         enable_prefix_caching: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
@@ -126,8 +140,11 @@ class KVCache:
         With a ``torch.distributed`` ``group`` all ranks agree on one layout and block
         count. With ``max_num_blocks`` the cache is elastic: planned for that many
         blocks, memory committed for ``num_blocks`` (or what ``available_memory`` buys;
-        neither: all), changed later by :meth:`resize`.
+        neither: all), changed later by :meth:`resize`. ``kv_cache_dtype`` stores attention
+        layers quantized ("fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head",
+        "fp8_per_token_head"); "auto" keeps their specs' dtype.
         """
+        layer_specs = quantize_specs(layer_specs, kv_cache_dtype)
         settings = Settings.from_env()
         device = checked_device(device)
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
@@ -167,9 +184,13 @@ class KVCache:
                 device, max_num_seqs=max_num_seqs, max_model_len=max_model_len, settings=settings
             )
         rows = negotiation.rows_per_block()
+        scale_caches = scale_caches_of(config, kv_caches, negotiation.allocation_kernel_block_sizes)
+        # NOTE: scales are zeroed (and committed) with their blocks: the runs touch and merge.
+        paged = {**kv_caches, **{f"{name} (scales)": v for name, v in scale_caches.items()}}
+        rows.update({f"{name} (scales)": rows[name] for name in scale_caches if name in rows})
         zeroer = KVBlockZeroer.from_views(
             device,
-            {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches},
+            {name: (paged[name], rows[name]) for name in rows if name in paged},
             config.num_blocks,
             settings=settings,
         )
@@ -177,7 +198,7 @@ class KVCache:
             num_blocks = config.num_blocks
         else:
             elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
-                           for name, view in kv_caches.items()})  # fmt: skip
+                           for name, view in paged.items()})  # fmt: skip
             elastic.resize(num_blocks)
             zeroer.num_blocks = num_blocks
         return cls(
@@ -194,7 +215,18 @@ class KVCache:
             negotiation,
             elastic,
             settings,
-        )
+        )._with_scales(scale_caches, per_tensor_scales(config))
+
+    def _with_scales(self, scale_caches: dict, kv_scales: dict) -> KVCache:
+        self.scale_caches, self.kv_scales = scale_caches, kv_scales
+        self.quant_states = quant_states(self.config, scale_caches, kv_scales)
+        return self
+
+    def load_kv_scales(self, modules: Mapping[str, Any]) -> None:
+        """Per-tensor scales from the ``k_scale`` / ``v_scale`` attributes (floats or 0-d
+        tensors) of each layer's attention module in ``modules`` (layer name -> module); a
+        missing attribute means 1.0. Call it before the first step writes the cache."""
+        self._with_scales(self.scale_caches, per_tensor_scales(self.config, modules))
 
     @property
     def kernel_block_sizes(self) -> list[int]:
@@ -300,5 +332,5 @@ class KVCache:
         for group_id, groups in enumerate(self.attn_groups):
             for attn_group in groups:
                 metadata = attn_group.build_metadata(common[group_id], ubatch_idx)
-                out.update(dict.fromkeys(attn_group.layer_names, metadata))
+                out.update(layer_metadata(metadata, attn_group.layer_names, self.quant_states))
         return out

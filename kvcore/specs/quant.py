@@ -69,7 +69,7 @@ def quantize_specs(specs: Mapping[str, Any], kv_cache_dtype: Any) -> dict[str, A
     ("auto": unchanged); state caches are never quantized."""
     storage = KV_CACHE_DTYPES[parse_kv_cache_dtype(kv_cache_dtype)]
     if storage is None or not isinstance(specs, Mapping):  # NOTE: the caller refuses a non-mapping
-        return specs if storage is None else dict(specs)
+        return specs
     dtype, kv_quant = storage
     out = {}
     for name, spec in specs.items():
