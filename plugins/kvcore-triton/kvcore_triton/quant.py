@@ -63,7 +63,8 @@ def round_to_float8(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr):
     exponent = tl.maximum((bits >> 23) & 0xFF, MIN_EXPONENT + 127)
     quantum = ((exponent - MANTISSA) << 23).to(tl.float32, bitcast=True)
     # NOTE: adding and subtracting 1.5 * 2**23 rounds a float32 below 2**22 to an integer, ties to even.
-    return ((x / quantum + 12582912.0) - 12582912.0) * quantum
+    rounded = ((x / quantum + 12582912.0) - 12582912.0) * quantum
+    return tl.where(rounded == 0, x * 0.0, rounded)  # NOTE: keeps the sign of a value rounding to zero
 
 
 @triton.jit
