@@ -73,7 +73,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         check_quant(kv_cache_view, quant)
         flashinfer()
         q_dtype = kv_cache_view.dtype if quant is None else query.dtype
-        if query.dim() != 3 or query.shape[-1] != head_size or query.dtype != q_dtype or q_dtype not in DTYPES:
+        # NOTE: over an fp8 cache the query stays in the model's float16 or bfloat16.
+        if query.dim() != 3 or query.shape[-1] != head_size or query.dtype != q_dtype or (
+            quant is not None and q_dtype not in DTYPES
+        ):
             raise ValueError(
                 f"query must be [tokens, query heads, {head_size}] in {q_dtype}, got "
                 f"{tuple(query.shape)} in {query.dtype}"

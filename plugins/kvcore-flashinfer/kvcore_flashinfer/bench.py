@@ -70,10 +70,11 @@ def decode_rows(
     native_out = own.run(query, native, **scales)
     del native
     reference = out if reference is None else reference
-    what = f"{str(view.dtype).removeprefix('torch.')}{' tensor cores' if tensor_cores else ''}"
+    what = "" if kv_quant is None else f" {str(view.dtype).removeprefix('torch.')}"
+    what += " tensor cores" if tensor_cores else ""
     return [
-        {"path": f"flashinfer {what} via kvcore views ({kind})", "ms": views_ms,
+        {"path": f"flashinfer{what} via kvcore views ({kind})", "ms": views_ms,
          "native_time_over_time": native_ms / views_ms, "max_abs_diff": (out.float() - reference.float()).abs().max().item()},
-        {"path": f"flashinfer {what} native NHD", "ms": native_ms, "native_time_over_time": 1.0,
+        {"path": f"flashinfer{what} native NHD", "ms": native_ms, "native_time_over_time": 1.0,
          "max_abs_diff": (native_out.float() - reference.float()).abs().max().item()},
     ]
