@@ -5,9 +5,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvcore.plugins.hookspecs import hookimpl
 from kvcore.memory.layout import KVCacheLayout
+<<<<<<< HEAD
 from kvcore.plugins.requirements import KernelRequirements
+=======
+from kvcore.plugins.hookspecs import hookimpl
+>>>>>>> main
 from kvcore.specs import MultipleOf
 from kvcore_torch.backend import TorchAttentionBackend
 
