@@ -8,10 +8,17 @@ from typing import ClassVar
 
 import pytest
 import torch
-
 from _quant_caches import (
-    MODES, PER_TOKEN_HEAD, block_byte_mask, block_rows, layer_specs, make_quant_cache, raw, torch_only,
+    MODES,
+    PER_TOKEN_HEAD,
+    block_byte_mask,
+    block_rows,
+    layer_specs,
+    make_quant_cache,
+    raw,
+    torch_only,
 )
+
 from kvcore import KVCache, KVCacheLayout, get_plugin_manager, hookimpl
 from kvcore.errors import KernelRequirementError
 from kvcore.plugins.backend import AttentionMetadataBuilder, CommonAttentionMetadata, KVQuantState
@@ -243,7 +250,9 @@ class _OpaquePlugin:
 
     @hookimpl
     def kvcore_kernel_requirements(self, backend, spec):
-        return KernelRequirements(kv_quant=("none", "per_tensor", "per_token_head")) if backend is _OpaqueBackend else None
+        if backend is _OpaqueBackend:
+            return KernelRequirements(kv_quant=("none", "per_tensor", "per_token_head"))
+        return None
 
 
 def test_metadata_without_a_kv_quant_field_is_refused_naming_it():

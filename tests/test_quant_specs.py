@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _quant_caches import MODES
+
 from kvcore import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 from kvcore.cli import KV_CACHE_DTYPES as CLI_MODES
 from kvcore.specs.quant import KV_CACHE_DTYPES, kv_cache_dtype_of, parse_kv_cache_dtype, quantize_specs

@@ -8,8 +8,8 @@ import json
 
 import pytest
 import torch
-
 from _quant_caches import MODES, PER_TOKEN_HEAD, block_byte_mask, byte_offsets, layer_specs, make_quant_cache, raw
+
 from kvcore import KVCacheLayout
 from kvcore.transfer import HostKVPool, KVCacheDescriptor, describe, plan_transfer
 from kvcore.transfer.compat import IncompatiblePeerError, check_peer, incompatibility

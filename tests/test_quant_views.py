@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _quant_caches import MODES, PER_TOKEN_HEAD, byte_offsets
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from _quant_caches import MODES, PER_TOKEN_HEAD, byte_offsets
 from kvcore import FullAttentionSpec, KVCacheLayout, allocate_kv_cache, plan_kv_cache
 from kvcore.memory.views import allocate_scale_views
 from kvcore.specs.quant import quantize_specs

@@ -14,13 +14,6 @@ import torch
 from kvcore._validate import positive_int
 from kvcore.distributed import shard_spec
 from kvcore.errors import KVCoreError
-<<<<<<< HEAD
-from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
-from kvcore.runtime.kv_cache import KVCache
-from kvcore.specs import KVCacheSpec, MambaSpec
-from kvcore.specs.quant import quantize_specs
-=======
->>>>>>> main
 from kvcore.hf.attention_interface import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.scheduler import Request, Scheduler, check_prompt
@@ -30,6 +23,7 @@ from kvcore.hf.tp import resolve_tp
 from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs import KVCacheSpec, MambaSpec
+from kvcore.specs.quant import quantize_specs
 
 #: Block size when the backend prefers none.
 BLOCK_SIZE = 16

@@ -43,19 +43,13 @@ import torch.nn.functional as F
 
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
-<<<<<<< HEAD
-from kvcore.specs import FullAttentionSpec
 from kvcore.memory.views import allocate_kv_cache, allocate_scale_views
 from kvcore.plugins.backend import KVQuantState
 from kvcore.settings import Settings
-from kvcore.specs.quant import KV_CACHE_DTYPES, quantize_specs
-=======
-from kvcore.memory.views import allocate_kv_cache
-from kvcore.settings import Settings
 from kvcore.specs import FullAttentionSpec
+from kvcore.specs.quant import KV_CACHE_DTYPES, quantize_specs
 from kvcore_triton import KernelConfig, paged_attention
 from kvcore_triton.attention import DECODE_VARIANTS, _tma_descriptor
->>>>>>> main
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 

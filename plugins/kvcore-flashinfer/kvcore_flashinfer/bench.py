@@ -66,28 +66,16 @@ def decode_rows(
     pages = page_table(table, seq_lens, page)
     own.plan(pages.indptr, pages.indices, pages.last_page_len, query.shape[1], kv_heads, head, page,
              q_data_type=query.dtype, kv_data_type=view.dtype, sm_scale=scale)
-<<<<<<< HEAD
     native_ms = time_ms(lambda: own.run(query, native, **scales))
     native_out = own.run(query, native, **scales)
-    del native
-=======
-    native_ms = time_ms(lambda: own.run(query, native))
-    native_out = own.run(query, native)
     native = None
->>>>>>> main
     reference = out if reference is None else reference
     what = "" if kv_quant is None else f" {str(view.dtype).removeprefix('torch.')}"
     what += " tensor cores" if tensor_cores else ""
     return [
-<<<<<<< HEAD
         {"path": f"flashinfer{what} via kvcore views ({kind})", "ms": views_ms,
-         "native_time_over_time": native_ms / views_ms, "max_abs_diff": (out.float() - reference.float()).abs().max().item()},
-        {"path": f"flashinfer{what} native NHD", "ms": native_ms, "native_time_over_time": 1.0,
-=======
-        {"path": f"flashinfer via kvcore views ({kind})", "ms": views_ms,
          "native_time_over_time": native_ms / views_ms,
          "max_abs_diff": (out.float() - reference.float()).abs().max().item()},
-        {"path": "flashinfer native NHD", "ms": native_ms, "native_time_over_time": 1.0,
->>>>>>> main
+        {"path": f"flashinfer{what} native NHD", "ms": native_ms, "native_time_over_time": 1.0,
          "max_abs_diff": (native_out.float() - reference.float()).abs().max().item()},
     ]

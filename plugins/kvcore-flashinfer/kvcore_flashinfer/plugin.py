@@ -10,12 +10,12 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
+import attrs
+
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.hookspecs import hookimpl
 from kvcore.plugins.requirements import KernelRequirements
 from kvcore.specs import MultipleOf
-import attrs
-
 from kvcore_flashinfer._runtime import DTYPES, FP8_DTYPES, HEAD_SIZES, MAX_STRIDE_ELEMENTS
 from kvcore_flashinfer.backend import FlashInferAttentionBackend
 

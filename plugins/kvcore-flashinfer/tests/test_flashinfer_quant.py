@@ -3,10 +3,10 @@
 
 from __future__ import annotations
 
+import fake_flashinfer
 import pytest
 import torch
 
-import fake_flashinfer
 import kvcore_torch
 from kvcore import FullAttentionSpec, KVCache, get_plugin_manager, plan_kv_cache
 from kvcore.errors import KernelRequirementError

@@ -29,7 +29,6 @@ from kvcore.plugins.paged_inputs import (
     check_tokens,
     value_checks,
 )
-
 from kvcore_torch.quant import dequantize
 
 #: Float32 elements of scores and pages one request chunk may hold (256 MiB).

@@ -6,11 +6,8 @@ from collections.abc import Callable
 from typing import Any
 
 from kvcore.memory.layout import KVCacheLayout
-<<<<<<< HEAD
-from kvcore.plugins.requirements import KernelRequirements
-=======
 from kvcore.plugins.hookspecs import hookimpl
->>>>>>> main
+from kvcore.plugins.requirements import KernelRequirements
 from kvcore.specs import MultipleOf
 from kvcore_torch.backend import TorchAttentionBackend
 

@@ -232,7 +232,8 @@ def paged_attention(
         # NOTE: the pointer path never reads kv_desc; the view stands in for it there.
         query, kv_cache_view, kv_desc if tma else kv_cache_view, quant.scales, block_table, query_start_loc,
         seq_lens, part_ml, part_acc, out,
-        qk_scale, quant.v_scale, window, tokens_per_split, splits, num_kv_heads, block_table.shape[1] * block_size, *strides,
+        qk_scale, quant.v_scale, window, tokens_per_split, splits, num_kv_heads, block_table.shape[1] * block_size,
+        *strides,
         GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1, WINDOWED=window > 0, TMA=tma,
         num_warps=config.num_warps or DECODE_WARPS, **common,
     )

@@ -5,7 +5,8 @@ pointers are marked 16-divisible, ints equal to 1 become constants), so the
 result is the code a real launch of the benchmark shape would build. Used by
 the tests to check that both read paths lower, and by hand to read their IR:
 
-    TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py pointer 64 16 4 3 [--dump] [--kv fp8e4nv|i8 --quant 1|2]
+    TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py pointer 64 16 4 3 [--dump]
+    TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py pointer 64 16 2 3 --kv fp8e4nv --quant 2
 """
 
 from __future__ import annotations
