@@ -140,9 +140,7 @@ def _spec(
     return spec, module
 
 
-def parse_model(
-    data: dict[str, Any], *, block_size: int | None = None, kv_cache_dtype: str | None = None
-) -> dict[str, KVCacheSpec]:
+def parse_model(data: dict[str, Any], *, block_size: int | None = None, kv_cache_dtype: str | None = None) -> dict:
     """Layer name -> spec, in model order, of a parsed TOML description (attention layers stored
     as ``kv_cache_dtype`` says, else as the file's ``kv_cache_dtype``, else unquantized)."""
     unknown = sorted(set(data) - _TOP_KEYS)
@@ -195,9 +193,7 @@ def _layer_name(template: Any, index: int, module: str) -> str:
         ) from None
 
 
-def load_model_file(
-    model: str | Path, *, block_size: int | None = None, kv_cache_dtype: str | None = None
-) -> ModelDescription:
+def load_model_file(model: str | Path, *, block_size: int | None = None, kv_cache_dtype: str | None = None):
     """Load a model from a TOML path or a preset name (``block_size``: that of every type;
     ``kv_cache_dtype``: how attention layers are stored, overriding the file's)."""
     if block_size is not None and (

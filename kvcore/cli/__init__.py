@@ -135,9 +135,8 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
                       f"of {', '.join(LAYOUT_NAMES)} (default: %(default)s)")
     plan.add_argument("--block-size", type=positive_int_arg, metavar="TOKENS",
                       help="block size for every layer type (default: the model file's)")
-    plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="MODE",
-                      help=f"store attention layers as one of {', '.join(KV_CACHE_DTYPES)} "
-                      "(default: the model file's, else its dtype)")
+    plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="MODE", help="store attention layers "
+                      f"as one of {', '.join(KV_CACHE_DTYPES)} (default: the model file's, else its dtype)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     models = command("models", _lazy("kvcore.cli.plan", "run_models"))
     models.add_argument("--json", action="store_true", help="print a JSON list instead of a table")

@@ -142,9 +142,8 @@ def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
         "source": model.source,
         "layout": config.layout.name,
         "kv_cache_dtype": kv_cache_dtype_of(model.kv_cache_specs.values()),
-        # NOTE: one token in every layer that keeps a cache (state caches: per sequence).
         "bytes_per_token": sum(s.page_size_bytes / s.block_size for s in model.kv_cache_specs.values()
-                               if s.is_attention and s.has_cache_pages),
+                               if s.is_attention and s.has_cache_pages),  # NOTE: state caches: per sequence
         "num_layers": len(model.kv_cache_specs),
         "num_blocks": config.num_blocks,
         "bytes_per_block": tensors[0].size // config.num_blocks if tensors else 0,

@@ -122,9 +122,8 @@ class Engine:
         None: on for the ``triton`` and ``flashinfer`` backends on a CUDA device.
     :param max_num_blocks: an elastic cache, grown instead of preempting while memory allows and
         shrunk back when ``generate`` returns.
-    :param kv_cache_dtype: "auto" (the model's dtype) or a quantized cache ("fp8", "fp8_e5m2",
-        "int8_per_token_head", "fp8_per_token_head"); per-tensor scales come from the attention
-        modules' ``k_scale`` / ``v_scale`` when they have them.
+    :param kv_cache_dtype: "auto" (the model's dtype) or a quantized cache (docs/quantized-cache.md); per-tensor
+        scales come from the attention modules' ``k_scale`` / ``v_scale`` when they have them.
     """
 
     def __init__(
@@ -158,8 +157,7 @@ class Engine:
         tp_rank, tp_size = resolve_tp(model, group)
         settings = resolve_defaults(
             lambda size: quantize_specs({n: shard_spec(s, tp_rank, tp_size)
-                                         for n, s in layer_specs(config, model.dtype, size).items()},
-                                        kv_cache_dtype),
+                                         for n, s in layer_specs(config, model.dtype, size).items()}, kv_cache_dtype),
             self.device, backend, block_size, max_num_batched_tokens,
         )
         specs = settings.specs

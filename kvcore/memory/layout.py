@@ -115,9 +115,8 @@ def compute_layout_strides(
     kernel_block_size: int | None = None,
     fixed_strides: Sequence[int | None] = (None,) * 5,
 ) -> tuple[int, int, int, int, int]:
-    """Byte strides of the logical ``[L, B, H, N, C]`` dims under ``layout``. Scales of a
-    per-token-head spec follow the data of each unit inside the inner of L and B
-    (:func:`scale_unit`)."""
+    """Byte strides of the logical ``[L, B, H, N, C]`` dims under ``layout`` (per-token-head scales follow
+    the data rows of each :func:`scale_unit`)."""
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
     if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -172,8 +171,7 @@ def compute_layout_strides(
 
 
 def scale_unit(layout: KVCacheLayout) -> tuple[int, ...]:
-    """Logical dims inside the inner of L and B (C last): the unit whose data rows its scales
-    follow (``[H, N, C]`` in LBHNC, ``[N, C]`` in LHBNC and BHLNC)."""
+    """Dims inside the inner of L and B: the unit whose data rows its scales follow (``[N, C]`` in BHLNC)."""
     order = layout.stride_order
     return order[max(order.index(L), order.index(B)) + 1 :]
 

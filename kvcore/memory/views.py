@@ -11,14 +11,7 @@ from kvcore._units import format_bytes
 from kvcore._validate import positive_int
 from kvcore.errors import KVCoreError
 from kvcore.memory.config import KVCacheConfig, KVCacheTensor
-from kvcore.memory.layout import (
-    C,
-    KVCacheLayout,
-    compute_layout_strides,
-    kernel_extents,
-    scale_unit,
-    split_ratio,
-)
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, kernel_extents, scale_unit, split_ratio
 from kvcore.specs import KVCacheSpec
 
 _BYTE_DTYPES = (torch.int8, torch.uint8)
@@ -34,61 +27,19 @@ def create_kv_cache_views(
 ) -> list[torch.Tensor]:
     """One ``[B', H, N, C]`` view per layer of ``kv_cache_tensor`` over the int8 buffer ``raw``,
     re-typed to ``spec.view_dtype`` (splitting blocks needs dense pages)."""
-    shape, strides, starts = _geometry(raw, spec, num_blocks, layout, kv_cache_tensor, kernel_block_size)
-    dtype = spec.view_dtype
-    base = raw.storage_offset() + kv_cache_tensor.offset
-    if any(s % dtype.itemsize for s in (*strides[1:4], base, kv_cache_tensor.layer_stride)):
-        raise ValueError(
-            f"strides {strides} / start byte {base} of {list(kv_cache_tensor.layers)} are not "
-            f"multiples of the {dtype.itemsize}-byte {dtype}; align the tensor's strides, "
-            "offset and page padding to it"
-        )
-    return [_strided(raw, shape, strides[1:], start).view(dtype) for start in starts]
+    return _views(raw, spec, num_blocks, layout, kv_cache_tensor, kernel_block_size, False)
 
 
-def create_scale_views(
-    raw: torch.Tensor,
-    spec: KVCacheSpec,
-    num_blocks: int,
-    layout: KVCacheLayout | str,
-    kv_cache_tensor: KVCacheTensor,
-    kernel_block_size: int | None = None,
-) -> list[torch.Tensor]:
-    """One float32 ``[B', H, N, 2]`` view (K scale, V scale) per layer of a per-token-head spec:
-    the bytes after the data rows of each unit of :func:`scale_unit` (no views: no scales)."""
+def create_scale_views(raw: torch.Tensor, spec: KVCacheSpec, num_blocks: int, layout: KVCacheLayout | str,
+                       kv_cache_tensor: KVCacheTensor, kernel_block_size: int | None = None) -> list[torch.Tensor]:
+    """One float32 ``[B', H, N, 2]`` view (K scale, V scale) per layer of a per-token-head spec,
+    addressed like its data view: the bytes after the data rows of each :func:`scale_unit`."""
     if not spec.scale_size_bytes:
         return []
-    layout = KVCacheLayout.parse(layout)
-    shape, strides, starts = _geometry(raw, spec, num_blocks, layout, kv_cache_tensor, kernel_block_size)
-    unit, content = scale_unit(layout), shape[-1]
-    scale = [s // content * spec.scale_size_bytes if d in unit else s for d, s in enumerate(strides)]
-    rows = math.prod(shape[d - 1] for d in unit if d != C)
-    shape = (*shape[:3], spec.scale_size_bytes)
-    return [
-        _strided(raw, shape, (*scale[1:4], 1), start + rows * content).view(torch.float32)
-        for start in starts
-    ]
+    return _views(raw, spec, num_blocks, layout, kv_cache_tensor, kernel_block_size, True)
 
 
-def _strided(raw: torch.Tensor, shape: Sequence[int], strides: Sequence[int], start: int):
-    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides))
-    if start + span > raw.numel():
-        raise ValueError(
-            f"a layer view spans bytes [{start}, {start + span}) but the buffer holds "
-            f"{raw.numel()}; plan fewer blocks or a larger tensor"
-        )
-    return raw.as_strided(tuple(shape), tuple(strides), raw.storage_offset() + start)
-
-
-def _geometry(
-    raw: torch.Tensor,
-    spec: KVCacheSpec,
-    num_blocks: int,
-    layout: KVCacheLayout | str,
-    tensor: KVCacheTensor,
-    kernel_block_size: int | None,
-) -> tuple[tuple[int, ...], tuple[int, ...], list[int]]:
-    """``[B', H, N, C]`` extents, the five byte strides and each layer's first byte in ``raw``."""
+def _views(raw, spec, num_blocks, layout, tensor, kernel_block_size, scales: bool) -> list[torch.Tensor]:
     if not isinstance(raw, torch.Tensor) or raw.dtype not in _BYTE_DTYPES or raw.dim() != 1:
         got = f" {raw.dtype} {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else ""
         raise TypeError(
@@ -117,16 +68,31 @@ def _geometry(
     num_layers = len(tensor.layers)
     strides = compute_layout_strides(spec, num_blocks, num_layers, layout, kernel_block_size, fixed)
     shape = kernel_extents(spec, num_blocks, num_layers, kernel_block_size)[1:]
+    view_strides, dtype, offset = strides[1:], spec.view_dtype, tensor.offset
+    if scales:  # NOTE: a unit's scale pairs mirror its data rows, 8 bytes for C bytes
+        unit, size = scale_unit(layout), spec.scale_size_bytes
+        offset += math.prod(shape[d - 1] for d in unit)
+        view_strides = (*(s // shape[-1] * size if d in unit else s for d, s in enumerate(strides[1:4], 1)), 1)
+        shape, dtype = (*shape[:3], size), torch.float32
+    span = 1 + sum((n - 1) * s for n, s in zip(shape, view_strides))
+    base = raw.storage_offset() + offset
+    if any(s % dtype.itemsize for s in (*view_strides[:3], base, tensor.layer_stride)):
+        raise ValueError(
+            f"strides {strides} / start byte {base} of {list(tensor.layers)} are not "
+            f"multiples of the {dtype.itemsize}-byte {dtype}; align the tensor's strides, "
+            "offset and page padding to it"
+        )
     end = min(raw.numel(), tensor.size)
-    span = 1 + sum((n - 1) * s for n, s in zip(shape, strides[1:]))
-    starts = [tensor.offset + i * tensor.layer_stride for i in range(num_layers)]
-    for name, start in zip(tensor.layers, starts):
+    views = []
+    for index, name in enumerate(tensor.layers):
+        start = offset + index * tensor.layer_stride
         if start + span > end:
             raise ValueError(
                 f"layer {name!r} spans bytes [{start}, {start + span}) but the buffer holds "
                 f"{end}; plan fewer blocks or a larger tensor"
             )
-    return shape, strides, starts
+        views.append(raw.as_strided(shape, view_strides, raw.storage_offset() + start).view(dtype))
+    return views
 
 
 def checked_device(device: torch.device | str) -> torch.device:
@@ -215,22 +181,14 @@ def allocate_kv_cache(
     return _layer_views(kv_cache_config, buffer, layout, kernel_block_sizes)
 
 
-def allocate_scale_views(
-    kv_cache_config: KVCacheConfig, buffer: torch.Tensor, kernel_block_sizes: list | None = None
-) -> dict[str, torch.Tensor]:
-    """The scale views (:func:`create_scale_views`) of every per-token-head layer of a config
+def allocate_scale_views(config: KVCacheConfig, buffer: torch.Tensor, kernel_block_sizes: list | None = None) -> dict:
+    """The scale views (:func:`create_scale_views`) of every per-token-head layer of ``config``
     allocated over ``buffer`` (flat int8), addressed like its data views."""
-    layout = kv_cache_config.layout
-    return _layer_views(kv_cache_config, buffer, layout, kernel_block_sizes, create_scale_views)
+    return _layer_views(config, buffer, config.layout, kernel_block_sizes, create_scale_views)
 
 
-def _layer_views(
-    config: KVCacheConfig,
-    buf: torch.Tensor,
-    layout: KVCacheLayout,
-    kernels: list | None,
-    make=create_kv_cache_views,
-) -> dict[str, torch.Tensor]:
+def _layer_views(config: KVCacheConfig, buf: torch.Tensor, layout: KVCacheLayout, kernels: list | None,
+                 make=create_kv_cache_views) -> dict[str, torch.Tensor]:
     kernels = kernels or []
     kv_caches: dict[str, torch.Tensor] = {}
     for tensor in config.kv_cache_tensors:

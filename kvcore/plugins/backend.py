@@ -13,13 +13,10 @@ from kvcore.specs import KVCacheSpec
 
 @attrs.frozen(eq=False)
 class KVQuantState:
-    """How one layer's cache is quantized; a backend reads it from ``metadata.kv_quant``.
-
-    ``kv_quant``: ``"per_tensor"`` (a cached value is ``x / k_scale`` or ``x / v_scale``,
-    saturated to ``dtype``) or ``"per_token_head"`` (``scale_cache``: the float32 kernel view
-    ``[B', H, N, 2]`` of each token's and head's K and V scale, addressed like the layer's kernel
-    view; a cached value is ``x / scale``, ``scale = amax(|x|) / max(dtype)``, 0 for a zero row).
-    """
+    """How one layer's cache is quantized (``metadata.kv_quant``): ``"per_tensor"`` (stored ``x / k_scale``
+    or ``x / v_scale``, saturated to ``dtype``) or ``"per_token_head"`` (stored ``x / scale``, ``scale =
+    amax(|x|) / max(dtype)`` per token and head, 0 for a zero row, kept in ``scale_cache``: the float32
+    ``[B', H, N, 2]`` K and V scales, addressed like the layer's kernel view)."""
 
     kv_quant: str
     dtype: torch.dtype

@@ -44,10 +44,8 @@ def write_then_attend(write_kv: Callable[..., None], paged_attention: Callable[.
     quant = getattr(metadata, "kv_quant", None)
     if quant is not None:  # NOTE: a quantized layer: both kernels take its scales
         kernel_options["kv_quant"] = quant
-    write_kv(
-        kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size, validate=validate,
-        **({} if quant is None else {"kv_quant": quant}),
-    )
+    write_kv(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size, validate=validate,
+             **({} if quant is None else {"kv_quant": quant}))
     return paged_attention(
         query[:n], kv_cache_view, metadata.block_table_tensor, metadata.query_start_loc,
         metadata.seq_lens, head_size=head_size, scale=scale, sliding_window=sliding_window,
@@ -65,18 +63,16 @@ def _got(value: Any) -> str:
 
 def check_kv_quant(kv_cache_view: torch.Tensor, kv_quant: Any) -> None:
     """``kv_quant`` must be the :class:`KVQuantState` of ``kv_cache_view`` (dtype, scale view)."""
-    if not isinstance(kv_quant, KVQuantState):
-        raise TypeError(f"kv_quant must be a KVQuantState (metadata.kv_quant), got {_got(kv_quant)}")
-    if kv_cache_view.dtype != kv_quant.dtype:
-        raise TypeError(f"kv_cache_view has dtype {kv_cache_view.dtype}, its kv_quant stores {kv_quant.dtype}")
-    scales = kv_quant.scale_cache
+    if not isinstance(kv_quant, KVQuantState) or kv_quant.dtype != kv_cache_view.dtype:
+        raise TypeError(f"kv_quant must be the KVQuantState (metadata.kv_quant) of a {kv_cache_view.dtype} view, "
+                        f"got {kv_quant!r:.120}")
+    want, scales = (*kv_cache_view.shape[:3], 2), kv_quant.scale_cache
+    if kv_quant.kv_quant == "per_token_head" and not (
+        isinstance(scales, torch.Tensor) and scales.dtype == torch.float32 and tuple(scales.shape) == want
+    ):
+        raise ValueError(f"kv_quant.scale_cache must be a float32 {want} view, got {_got(scales)}")
     if kv_quant.kv_quant == "per_token_head":
-        want = (*kv_cache_view.shape[:3], 2)
-        if not isinstance(scales, torch.Tensor) or scales.dtype != torch.float32 or tuple(scales.shape) != want:
-            raise ValueError(f"kv_quant.scale_cache must be a float32 {want} view, got {_got(scales)}")
         _on_device_of("kv_quant.scale_cache", scales, kv_cache_view)
-    elif kv_quant.kv_quant != "per_tensor":
-        raise ValueError(f"kv_quant.kv_quant={kv_quant.kv_quant!r}; expected 'per_tensor' or 'per_token_head'")
 
 
 def check_cache_view(
@@ -86,8 +82,7 @@ def check_cache_view(
     dtypes: Collection[torch.dtype] | None = None,
     kv_quant: KVQuantState | None = None,
 ) -> int:
-    """Validate a kernel-block view ``[B, H, N, C]`` (quantized: with its ``kv_quant``); return
-    ``head_size_v`` (None: all after K)."""
+    """Validate a kernel-block view ``[B, H, N, C]`` (and its ``kv_quant``); return ``head_size_v``."""
     if not isinstance(kv_cache_view, torch.Tensor) or kv_cache_view.dim() != 4:
         raise TypeError(
             "kv_cache_view must be a 4-D [blocks, heads, block_size, content] tensor, got "
@@ -115,10 +110,8 @@ def check_cache_view(
     return head_size_v
 
 
-def check_tokens(
-    name: str, tensor: torch.Tensor, tokens: int, heads: int, size: int, like: torch.Tensor,
-    quantized: bool = False,
-) -> None:
+def check_tokens(name: str, tensor: torch.Tensor, tokens: int, heads: int, size: int, like: torch.Tensor,
+                 quantized: bool = False) -> None:
     """``tensor`` must be ``[tokens, heads, size]`` with ``like``'s dtype (``quantized``: any
     floating dtype) and device."""
     if not isinstance(tensor, torch.Tensor):

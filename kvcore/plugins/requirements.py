@@ -12,9 +12,6 @@ import torch
 from kvcore._validate import attrs_optional_positive, attrs_positive, positive_int
 from kvcore.specs.quant import KV_QUANT_DTYPES
 
-#: What ``KernelRequirements.kv_quant`` may list: "none" (unquantized) and the spec modes.
-KV_QUANT_NAMES = ("none", *KV_QUANT_DTYPES)
-
 
 def _as_tuple(value: Any) -> tuple[Any, ...] | None:
     if value is None:
@@ -46,10 +43,8 @@ def _dtype(item: Any) -> None:
 
 
 def _kv_quant(item: Any) -> None:
-    if item not in KV_QUANT_NAMES:
-        raise ValueError(
-            f"KernelRequirements.kv_quant holds {item!r}; use names from {list(KV_QUANT_NAMES)}"
-        )
+    if item not in ("none", *KV_QUANT_DTYPES):
+        raise ValueError(f"KernelRequirements.kv_quant holds {item!r}; use 'none', 'per_tensor' or 'per_token_head'")
 
 
 def _each(check: Callable[[Any], Any]) -> Callable[[Any, Any, Any], None]:
@@ -74,8 +69,7 @@ class KernelRequirements:
     :param alignment_bytes: every stride but the last, in bytes, and every view's byte offset
         in its allocation, must be a multiple of this.
     :param note: a remedy added when the devices rule refuses a case; None: nothing to add.
-    :param kv_quant: cache quantizations the kernels read ("none", "per_tensor",
-        "per_token_head"); None: only "none". The layer's metadata carries the scales.
+    :param kv_quant: cache quantizations the kernels read ("none", "per_tensor", "per_token_head"); None: "none".
     """
 
     devices: tuple[str, ...] | None = attrs.field(
@@ -94,9 +88,7 @@ class KernelRequirements:
     note: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
     )
-    kv_quant: tuple[str, ...] | None = attrs.field(
-        default=None, converter=_as_tuple, validator=_each(_kv_quant)
-    )
+    kv_quant: tuple[str, ...] | None = attrs.field(default=None, converter=_as_tuple, validator=_each(_kv_quant))
 
     @property
     def has_memory_rules(self) -> bool:

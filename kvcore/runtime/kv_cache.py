@@ -29,12 +29,7 @@ from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, 
 from kvcore.plugins.negotiation import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup, map_kv_caches_to_kernel_blocks
 from kvcore.runtime.block_pool import BlockPool
-from kvcore.runtime.quant import (
-    layer_metadata,
-    per_tensor_scales,
-    quant_states,
-    scale_caches_of,
-)
+from kvcore.runtime.quant import layer_metadata, per_tensor_scales, quant_states, scale_caches_of
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
@@ -92,8 +87,8 @@ class KVCache:
 
     ``kv_caches`` are the views as allocated (KV connectors use them), ``layer_kv_caches``
     the views kernels take; ``attn_groups[g]`` are KV cache group ``g``'s attention groups.
-    A quantized cache adds ``scale_caches`` (per-token-head layers: float32 ``[B, H, N, 2]``
-    K and V scales, addressed like ``kv_caches``) and ``kv_scales`` (per-tensor layers: ``(k, v)``).
+    Quantized: ``scale_caches`` (per-token-head layers' float32 ``[B, H, N, 2]`` K and V scales,
+    addressed like ``kv_caches``), ``kv_scales`` (per-tensor layers' ``(k, v)``).
     Call :meth:`begin_step` once per step, after allocating blocks and before kernels run.
     """
 
@@ -112,8 +107,7 @@ class KVCache:
     settings: Settings = attrs.field(repr=False)  # NOTE: read once, in create
     scale_caches: dict[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
     kv_scales: dict[str, tuple[float, float]] = attrs.field(factory=dict)
-    #: Each quantized layer's record, handed to its backend in the layer's metadata.
-    quant_states: dict[str, Any] = attrs.field(factory=dict, repr=False)
+    quant_states: dict[str, Any] = attrs.field(factory=dict, repr=False)  # NOTE: into each layer's metadata
 
     @classmethod
     def create(
@@ -140,9 +134,8 @@ class KVCache:
         With a ``torch.distributed`` ``group`` all ranks agree on one layout and block
         count. With ``max_num_blocks`` the cache is elastic: planned for that many
         blocks, memory committed for ``num_blocks`` (or what ``available_memory`` buys;
-        neither: all), changed later by :meth:`resize`. ``kv_cache_dtype`` stores attention
-        layers quantized ("fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head",
-        "fp8_per_token_head"); "auto" keeps their specs' dtype.
+        neither: all), changed later by :meth:`resize`. ``kv_cache_dtype`` other than "auto"
+        stores attention layers quantized (docs/quantized-cache.md).
         """
         layer_specs = quantize_specs(layer_specs, kv_cache_dtype)
         settings = Settings.from_env()
@@ -215,18 +208,17 @@ class KVCache:
             negotiation,
             elastic,
             settings,
-        )._with_scales(scale_caches, per_tensor_scales(config))
-
-    def _with_scales(self, scale_caches: dict, kv_scales: dict) -> KVCache:
-        self.scale_caches, self.kv_scales = scale_caches, kv_scales
-        self.quant_states = quant_states(self.config, scale_caches, kv_scales)
-        return self
+            scale_caches,
+            (scales := per_tensor_scales(config)),
+            quant_states(config, scale_caches, scales),
+        )
 
     def load_kv_scales(self, modules: Mapping[str, Any]) -> None:
         """Per-tensor scales from the ``k_scale`` / ``v_scale`` attributes (floats or 0-d
         tensors) of each layer's attention module in ``modules`` (layer name -> module); a
         missing attribute means 1.0. Call it before the first step writes the cache."""
-        self._with_scales(self.scale_caches, per_tensor_scales(self.config, modules))
+        self.kv_scales = per_tensor_scales(self.config, modules)
+        self.quant_states = quant_states(self.config, self.scale_caches, self.kv_scales)
 
     @property
     def kernel_block_sizes(self) -> list[int]:

@@ -26,8 +26,7 @@ KV_CACHE_DTYPES: dict[str, tuple[torch.dtype, str] | None] = {
     "int8_per_token_head": (torch.int8, PER_TOKEN_HEAD),
     "fp8_per_token_head": (torch.float8_e4m3fn, PER_TOKEN_HEAD),
 }
-#: Bytes of one (head, state)'s scales in a per-token-head page: float32 K scale, V scale.
-SCALE_BYTES = 8
+SCALE_BYTES = 8  # NOTE: a per-token-head page's scales per (head, state): float32 K, V
 
 
 def parse_kv_cache_dtype(value: Any) -> str:
@@ -36,32 +35,23 @@ def parse_kv_cache_dtype(value: Any) -> str:
         raise TypeError(f"kv_cache_dtype must be a str such as 'fp8', got {value!r}")
     mode = value.strip().lower()
     if mode not in KV_CACHE_DTYPES:
-        raise ValueError(
-            f"kv_cache_dtype={value!r} is not a KV cache mode; valid: {', '.join(KV_CACHE_DTYPES)}"
-        )
+        raise ValueError(f"kv_cache_dtype={value!r} is not a KV cache mode; valid: {', '.join(KV_CACHE_DTYPES)}")
     return "fp8_e4m3" if mode == "fp8" else mode
 
 
 def check_kv_quant(spec: Any) -> None:
     """Refuse an attention spec whose ``kv_quant`` and storage ``dtype`` do not go together."""
     mode, name = spec.kv_quant, type(spec).__name__
-    if mode is None:
-        return
-    if not isinstance(mode, str) or mode not in KV_QUANT_DTYPES:
-        raise ValueError(
-            f"{name}.kv_quant={mode!r} is not a quantization kvcore stores; use None, "
-            f"{PER_TENSOR!r} or {PER_TOKEN_HEAD!r} (or pass kv_cache_dtype= where the cache is made)"
-        )
-    allowed = KV_QUANT_DTYPES[mode]
-    if spec.dtype not in allowed:
-        names = " or ".join(str(d) for d in allowed)
+    if mode is not None and (not isinstance(mode, str) or mode not in KV_QUANT_DTYPES):
+        raise ValueError(f"{name}.kv_quant={mode!r} is not a quantization kvcore stores; use None, "
+                         f"{PER_TENSOR!r} or {PER_TOKEN_HEAD!r} (or pass kv_cache_dtype= where the cache is made)")
+    if mode is not None and spec.dtype not in KV_QUANT_DTYPES[mode]:
+        names = " or ".join(map(str, KV_QUANT_DTYPES[mode]))
         raise ValueError(f"{name}.kv_quant={mode!r} stores {names}, not {spec.dtype}; pass dtype={names}")
     if mode == PER_TOKEN_HEAD and (spec.tokens_per_state != 1 or spec.state_content_size_bytes % 4):
-        raise ValueError(
-            f"{name}: per-token-head scales need one state per token and rows of a multiple of 4 "
-            f"bytes, got tokens_per_state={spec.tokens_per_state} and "
-            f"{spec.state_content_size_bytes}-byte rows; use kv_quant={PER_TENSOR!r} or None"
-        )
+        raise ValueError(f"{name}: per-token-head scales need one state per token and rows of a multiple of 4 "
+                         f"bytes, got tokens_per_state={spec.tokens_per_state} and {spec.state_content_size_bytes}"
+                         f"-byte rows; use kv_quant={PER_TENSOR!r} or None")
 
 
 def quantize_specs(specs: Mapping[str, Any], kv_cache_dtype: Any) -> dict[str, Any]:
@@ -71,24 +61,18 @@ def quantize_specs(specs: Mapping[str, Any], kv_cache_dtype: Any) -> dict[str, A
     if storage is None or not isinstance(specs, Mapping):  # NOTE: the caller refuses a non-mapping
         return specs
     dtype, kv_quant = storage
-    out = {}
+    out = dict(specs)
     for name, spec in specs.items():
         if isinstance(spec, KVCacheSpec) and spec.is_attention and spec.has_cache_pages:
             if spec.state_content_bytes is not None:
-                raise ValueError(
-                    f"layer {name!r} sets state_content_bytes={spec.state_content_bytes}, which "
-                    f"kv_cache_dtype={kv_cache_dtype!r} cannot re-size; describe it by head sizes"
-                )
-            spec = attrs.evolve(spec, dtype=dtype, kv_quant=kv_quant)
-        out[name] = spec
+                raise ValueError(f"layer {name!r} sets state_content_bytes={spec.state_content_bytes}, which "
+                                 f"kv_cache_dtype={kv_cache_dtype!r} cannot re-size; describe it by head sizes")
+            out[name] = attrs.evolve(spec, dtype=dtype, kv_quant=kv_quant)
     return out
 
 
 def kv_cache_dtype_of(specs: Any) -> str:
     """The mode of the attention specs among ``specs`` ("auto" unquantized, modes joined by ",")."""
-    names = {
-        next(n for n, s in KV_CACHE_DTYPES.items() if s == (spec.dtype, spec.kv_quant) and n != "fp8")
-        for spec in specs
-        if getattr(spec, "kv_quant", None) is not None
-    }
+    names = {next(n for n, s in list(KV_CACHE_DTYPES.items())[2:] if s == (spec.dtype, spec.kv_quant))
+             for spec in specs if getattr(spec, "kv_quant", None) is not None}  # NOTE: [2:]: not auto, fp8
     return ",".join(sorted(names)) or "auto"

@@ -69,8 +69,8 @@ class ContentMap:
 
 @attrs.frozen
 class ScaleView:
-    """A per-token-head layer's float32 scales: element ``[r, h, n, k]`` (``k`` 0: K, 1: V)
-    is at byte ``offset + 4 * (r * strides[0] + ... + k * strides[3])``, inside the block's page."""
+    """A per-token-head layer's float32 scales: ``[r, h, n, k]`` (``k`` 0: K, 1: V) at byte ``offset + 4 * (r *
+    strides[0] + ... + k * strides[3])``, inside the block's page."""
 
     offset: int
     shape: tuple[int, ...] = attrs.field(converter=tuple)
@@ -123,8 +123,7 @@ class GroupDescriptor:
 
 @attrs.frozen
 class KVCacheDescriptor:
-    """Everything a connector needs to move blocks of one KV cache; ``kv_cache_dtype`` is how
-    its attention layers are stored ("auto": unquantized)."""
+    """Everything a connector needs to move blocks of one KV cache (``kv_cache_dtype``: "auto" unquantized)."""
 
     layout: str
     num_blocks: int
@@ -223,7 +222,8 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
                 manager_block_stride=view.stride(0) * item * rows,
                 block_bytes=rows * view.shape[1] * view.shape[2] * view.shape[3] * item,
                 content=_content_map(group.spec_of(name)),
-                scales=_scale_view(kv_cache.scale_caches.get(name), base_ptr),
+                scales=None if (s := kv_cache.scale_caches.get(name)) is None
+                else ScaleView(s.data_ptr() - base_ptr, s.shape, s.stride()),
             ))
         ratio = spec.block_size // kernel_size
         strides = {layer.manager_block_stride for layer in layers}
@@ -235,10 +235,5 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
             manager_block_stride=strides.pop() if len(strides) == 1 else None,
             layer_names=group.layer_names, layers=layers,
         ))
-    specs = [g.spec_of(n) for g in config.kv_cache_groups for n in g.layer_names]
-    return KVCacheDescriptor(kv_cache.layout.name, kv_cache.num_blocks, allocations, groups,
-                             kv_cache_dtype=kv_cache_dtype_of(specs))
-
-
-def _scale_view(view: torch.Tensor | None, base_ptr: int) -> ScaleView | None:
-    return None if view is None else ScaleView(view.data_ptr() - base_ptr, view.shape, view.stride())
+    mode = kv_cache_dtype_of(g.spec_of(n) for g in config.kv_cache_groups for n in g.layer_names)
+    return KVCacheDescriptor(kv_cache.layout.name, kv_cache.num_blocks, allocations, groups, kv_cache_dtype=mode)

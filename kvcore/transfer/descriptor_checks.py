@@ -107,19 +107,16 @@ def _content(at: str, data: Any, row_bytes: int, head_slots: int) -> None:
         _range(where, [state["start"], state["end"]], size)
 
 
-def _scales(at: str, data: Any, shape: list[int], strides: list[int], rows: int) -> None:
-    """A per-token-head layer's scale view: rows like the data's, one (K, V) pair per (head, state)."""
-    if data is None:
-        return
-    data = _obj(at, data, {"offset", "shape", "strides"})
-    _int(f"{at}.offset", data["offset"])
-    _ints(f"{at}.shape", data["shape"], 1, 2**40, 4)
-    if data["shape"] != [*shape[:3], 2]:
-        raise _value_error(f"{at}.shape", data["shape"], f"expected {[*shape[:3], 2]} (the view's rows, 2)")
-    scale_strides = _ints(f"{at}.strides", data["strides"], 0, 2**62, 4)
-    if scale_strides[0] * 4 * rows != strides[0] * rows or scale_strides[3] != 1:
-        why = "scales repeat at the data's block stride, K and V side by side"
-        raise _value_error(f"{at}.strides", scale_strides, why)
+def _scales(at: str, data: Any, shape: list[int], block_stride: int) -> None:
+    """A per-token-head layer's scales: a (K, V) float32 pair per row of the view, in its blocks."""
+    if data is not None:
+        data = _obj(at, data, {"offset", "shape", "strides"})
+        _int(f"{at}.offset", data["offset"])
+        strides, want = _ints(f"{at}.strides", data["strides"], 0, 2**62, 4), [*shape[:3], 2]
+        shape = _ints(f"{at}.shape", data["shape"], 1, 2**40, 4)
+        if shape != want or strides[0] * 4 != block_stride or strides[3] != 1:
+            why = f"expected shape {want}, a block stride of {block_stride} bytes and K, V side by side"
+            raise _value_error(at, data, why)
 
 
 def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
@@ -144,7 +141,7 @@ def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
     nbytes = rows * shape[1] * shape[2] * shape[3] * item
     _int(f"{at}.block_bytes", data["block_bytes"], nbytes, nbytes, why)
     _content(f"{at}.content", data["content"], shape[3] * item, shape[1])
-    _scales(f"{at}.scales", data.get("scales"), shape, [s * item for s in strides], rows)
+    _scales(f"{at}.scales", data.get("scales"), shape, strides[0] * item)
 
 
 def _group(at: str, data: Any, index: int, num_allocations: int) -> None:

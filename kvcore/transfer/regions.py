@@ -135,8 +135,7 @@ def block_patterns(
         key = (layer.allocation, layer.manager_block_stride)
         starts, lengths = pieces.setdefault(key, [[], []])
         views = [(layer.offset, layer.shape, layer.byte_strides, layer.itemsize)]
-        if layer.scales is not None:  # NOTE: a per-token-head page: its scales move with it
-            scales = layer.scales
+        if (scales := layer.scales) is not None:  # NOTE: a per-token-head page: its scales move with it
             views.append((scales.offset, scales.shape, scales.byte_strides, 4))
         for offset, shape, strides, itemsize in views:
             offsets, run = block_runs(shape, strides, itemsize, layer.rows_per_block)
