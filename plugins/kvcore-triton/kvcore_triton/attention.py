@@ -78,10 +78,14 @@ class KernelConfig:
 DECODE_VARIANTS: dict[str, dict] = {"base": {}, "pointer": {"tma": False}}
 
 
-def _dot_dtype(query: torch.Tensor) -> tl.dtype:
+def _dot_dtype(query: torch.Tensor, cache_dtype: torch.dtype) -> tl.dtype:
     # NOTE: the Triton interpreter (CPU tensors) mis-computes bf16 tl.dot; upcast there.
     if query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and query.device.type == "cpu"):
         return tl.float32
+    # NOTE: fp8 widens to float16 in one packed conversion (to bfloat16 it takes a second one);
+    # queries and probabilities (times an amax, per token and head) sit well inside its range.
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return tl.float16
     return tl.float16 if query.dtype == torch.float16 else tl.bfloat16
 
 
@@ -193,7 +197,7 @@ def paged_attention(
         HEAD=head_size, HEAD_V=head_size_v,
         D_PAD=max(16, triton.next_power_of_2(head_size)), DV_PAD=max(16, triton.next_power_of_2(head_size_v)),
         BLOCK_N=block_size, TILE=config.tile,
-        DOT_DTYPE=_dot_dtype(query),
+        DOT_DTYPE=_dot_dtype(query, kv_cache_view.dtype),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
         QUANT=quant.mode, num_stages=config.num_stages,
     )

@@ -76,10 +76,14 @@ def _scaled_scores(s, scales, t_ok, MASKED: tl.constexpr, QUANT: tl.constexpr):
 
 
 @triton.jit
-def _scaled_probs(p, scales, t_ok, MASKED: tl.constexpr, QUANT: tl.constexpr):
-    """Probabilities times each column's V scale (per token and head; else ``p``)."""
+def _scaled_probs(p, scales, t_ok, v_scale, MASKED: tl.constexpr, QUANT: tl.constexpr):
+    """Probabilities times each column's V scale over ``v_scale`` (per token and head; else ``p``).
+
+    ``v_scale`` is 1 / max of the storage type here, applied to the output once: the products
+    stay in float16's normal range (a probability times an amax, not times amax / 448).
+    """
     if QUANT == 2:
-        p = p * _column_scales(scales + 1, t_ok, MASKED)[None, :]
+        p = p * (_column_scales(scales + 1, t_ok, MASKED) * (1.0 / v_scale))[None, :]
     return p
 
 
@@ -94,7 +98,7 @@ def _softmax_step(s, m_i, l_i):
 
 @triton.jit
 def _decode_tile(
-    q, m_i, l_i, acc, row, scales, t_ok, head_base, qk_scale, stride_kc,
+    q, m_i, l_i, acc, row, scales, t_ok, head_base, qk_scale, v_scale, stride_kc,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
@@ -108,14 +112,14 @@ def _decode_tile(
     m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
     v = _load_rows(head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc, t_ok, dv < HEAD_V,
                    HEAD_V != DV_PAD)
-    p = _scaled_probs(p, scales, t_ok, True, QUANT)
+    p = _scaled_probs(p, scales, t_ok, v_scale, True, QUANT)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _decode_tile_tma(
-    q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale, scale_head, stride_sb, stride_sn,
+    q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale, v_scale, scale_head, stride_sb, stride_sn,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, QUANT: tl.constexpr,
 ):
@@ -132,7 +136,7 @@ def _decode_tile_tma(
     if MASKED:
         s = tl.where(t_ok[None, :], s, float("-inf"))
     m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
-    p = _scaled_probs(p, scales, t_ok, MASKED, QUANT)
+    p = _scaled_probs(p, scales, t_ok, v_scale, MASKED, QUANT)
     v = tl.reshape(kv_desc.load([block, kv_head, n0, HEAD]), [TILE, HEAD_V])
     if MASKED:
         # NOTE: rows past the context may hold anything (even NaN); p is 0 there, so zero them.
@@ -200,7 +204,7 @@ def _decode_split_kernel(
         full_lo = tl.where(lo == first, first, first + TILE)
         full_hi = tl.maximum((hi // TILE) * TILE, full_lo)
         common = (table_row, kv_head)
-        scaling = (qk_scale, scale_head, stride_sb, stride_sn)
+        scaling = (qk_scale, v_scale, scale_head, stride_sb, stride_sn)
         if (lo != first) & (lo < hi):
             m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, first, lo, hi, *scaling,
                                              HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True, QUANT)
@@ -218,10 +222,10 @@ def _decode_split_kernel(
             row = block * stride_kb + n * stride_kn
             scales = scale_head + block * stride_sb + n * stride_sn
             m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, scales, (tok >= lo) & (tok < hi), head_base,
-                                         qk_scale, stride_kc, HEAD, HEAD_V, D_PAD, DV_PAD, DOT_DTYPE,
+                                         qk_scale, v_scale, stride_kc, HEAD, HEAD_V, D_PAD, DV_PAD, DOT_DTYPE,
                                          DOT_PRECISION, QUANT)
 
-    acc = acc * v_scale  # NOTE: the per-tensor V scale (1 otherwise), applied once
+    acc = acc * v_scale  # NOTE: the per-tensor V scale (per token: 1 / max, see _scaled_probs), once
     if SINGLE:
         o_off = q_row.to(tl.int64) * stride_ot + (kv_head * GROUP + g)[:, None] * stride_oh + dv[None, :]
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

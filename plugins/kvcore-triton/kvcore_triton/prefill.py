@@ -84,7 +84,7 @@ def _varlen_kernel(
             head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc,
             mask=k_ok[:, None] & (dv[None, :] < HEAD_V), other=0.0,
         )
-        p = _scaled_probs(p, scales, k_ok, True, QUANT)
+        p = _scaled_probs(p, scales, k_ok, v_scale, True, QUANT)
         acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
         m_i = m_new
 

@@ -50,8 +50,8 @@ def quant_args(kv_cache_view: torch.Tensor, kv_quant: KVQuantState | None) -> Qu
     mode = _MODES[kv_quant.kv_quant]
     if mode == PER_TENSOR:
         scales, strides, k_scale, v_scale = kv_cache_view, (0, 0, 0), kv_quant.k_scale, kv_quant.v_scale
-    else:  # NOTE: per token and head, the scales live in the page; the per-tensor ones are unused
-        scales, strides, k_scale, v_scale = kv_quant.scale_cache, kv_quant.scale_cache.stride()[:3], 1.0, 1.0
+    else:  # NOTE: per token and head, the scales live in the page; V's are taken times max (decode.py)
+        scales, strides, k_scale, v_scale = kv_quant.scale_cache, kv_quant.scale_cache.stride()[:3], 1.0, 1 / qmax
     return QuantArgs(mode, scales, strides, k_scale, v_scale, qmax, not floating, mantissa, min_exponent)
 
 

@@ -28,7 +28,8 @@ def uses_tma(config: KernelConfig, block_size: int) -> bool:
     return config.tma and config.tile <= block_size
 
 
-def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layout_strides=None, quant: int = 0):
+def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layout_strides=None, quant: int = 0,
+                kv: str = "bf16"):
     """Argument values of a decode launch: 4096 tokens, 32/8 heads, D=128 (LBNHC strides by default); a
     per-token-head cache (``quant=2``) keeps each block's scales after its data, in elements of 1 byte."""
     kv_heads, head = 8, 128
@@ -43,7 +44,8 @@ def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layou
     )
     constexprs = dict(
         GROUP=4, GROUP_PAD=16, HEAD=head, HEAD_V=head, D_PAD=head, DV_PAD=head, BLOCK_N=block_size,
-        TILE=config.tile, SINGLE=splits == 1, WINDOWED=False, DOT_DTYPE=tl.bfloat16, DOT_PRECISION=None,
+        TILE=config.tile, SINGLE=splits == 1, WINDOWED=False, DOT_PRECISION=None,
+        DOT_DTYPE=tl.float16 if kv.startswith("fp8") else tl.bfloat16,  # NOTE: as attention._dot_dtype picks
         TMA=uses_tma(config, block_size), QUANT=quant,
     )
     return runtime, constexprs
@@ -53,7 +55,7 @@ def compile_decode(config: KernelConfig, block_size: int, *, splits: int = 1, ca
                    kv: str = "bf16", quant: int = 0):
     """``triton.compile`` the split kernel for ``cuda:capability`` over a ``kv`` cache (``bf16``,
     ``fp8e4nv``, ``fp8e5``, ``i8``; ``quant`` 1 per tensor, 2 per token and head); the compiled kernel."""
-    runtime, constexprs = decode_args(config, block_size, splits=splits, quant=quant)
+    runtime, constexprs = decode_args(config, block_size, splits=splits, quant=quant, kv=kv)
     pointers = {"q_ptr": "*bf16", "kv_ptr": f"*{kv}", "block_table_ptr": "*i32", "query_start_loc_ptr": "*i32",
                 "seq_lens_ptr": "*i32", "part_ml_ptr": "*fp32", "part_acc_ptr": "*fp32", "out_ptr": "*bf16",
                 "scale_ptr": "*fp32" if quant == 2 else f"*{kv}"}
