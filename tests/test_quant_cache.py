@@ -279,3 +279,16 @@ def test_elastic_resize_commits_data_and_scales_together(mode, layout):
         kv.begin_step()  # NOTE: the grown blocks' data and scales are committed and zeroed
         assert (raw(kv)[block_byte_mask(kv, ids)] == 0).all()
         kv.block_pool.free(ids)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("mode", PER_TOKEN_HEAD)
+def test_scales_add_no_zeroer_segment(mode, layout):
+    # NOTE: a page's scales touch its data runs, so they merge into the same segments: the
+    # zeroer's launch geometry and host work per call stay those of an unquantized cache.
+    plain, quantized = make_quant_cache("auto", layout), make_quant_cache(mode, layout)
+    segments = [[len(a.segments) for a in kv.zeroer._allocations] for kv in (plain, quantized)]
+    assert segments[0] == segments[1]
+    pages = [sum(s.page for a in kv.zeroer._allocations for s in a.segments) for kv in (plain, quantized)]
+    # float32 rows of 2 x 16 values (128 bytes) against 8-bit rows (32 bytes) and their 8 scale bytes
+    assert pages[1] * 128 == pages[0] * (32 + 8)
