@@ -88,6 +88,8 @@ def describe_requirements(req: KernelRequirements) -> str:
         parts.append(f"strides below {req.max_stride_elements} elements")
     if req.alignment_bytes > 1:
         parts.append(f"{req.alignment_bytes}-byte aligned strides and offsets")
+    if req.kv_quant is not None:
+        parts.append("kv_quant " + ", ".join(req.kv_quant))
     return "; ".join(parts) or "none"
 
 

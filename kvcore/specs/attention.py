@@ -95,10 +95,7 @@ class AttentionSpec(KVCacheSpec):
         """8 (a float32 K and V scale per head and token) for per-token-head caches, else 0."""
         return SCALE_BYTES if self.kv_quant == PER_TOKEN_HEAD else 0
 
-    @property
-    def dtype_alignment(self) -> int:
-        """The element size (4, the scales' float32, for per-token-head caches)."""
-        return 4 if self.scale_size_bytes else self.dtype.itemsize
+    dtype_alignment = property(lambda self: 4 if self.scale_size_bytes else self.dtype.itemsize)  # NOTE: float32 scales
 
     @property
     def state_content_size_bytes(self) -> int:
