@@ -138,6 +138,11 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="MODE", help="store attention layers "
                       f"as one of {', '.join(KV_CACHE_DTYPES)} (default: the model file's, else its dtype)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--explain", action="store_true",
+                      help="also negotiate with the installed backends ('auto' for every attention layer) and "
+                      "say why each layer gets its backend, kernel block size and the layout")
+    plan.add_argument("--device", default="cpu",
+                      help="the device --explain negotiates for, e.g. cuda (default: %(default)s)")
     models = command("models", _lazy("kvcore.cli.plan", "run_models"))
     models.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     plugins = command("plugins", _lazy("kvcore.cli.plugins"))

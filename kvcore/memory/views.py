@@ -26,7 +26,7 @@ def create_kv_cache_views(
     kernel_block_size: int | None = None,
 ) -> list[torch.Tensor]:
     """One ``[B', H, N, C]`` view per layer of ``kv_cache_tensor`` over the int8 buffer ``raw``,
-    re-typed to ``spec.view_dtype`` (splitting blocks needs dense pages)."""
+    re-typed to ``spec.view_dtype`` (splitting blocks into kernel blocks needs dense pages)."""
     return _views(raw, spec, num_blocks, layout, kv_cache_tensor, kernel_block_size, False)
 
 
@@ -93,6 +93,24 @@ def _views(raw, spec, num_blocks, layout, tensor, kernel_block_size, scales: boo
             )
         views.append(raw.as_strided(shape, view_strides, raw.storage_offset() + start).view(dtype))
     return views
+
+
+def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch.Tensor:
+    """A manager-block view ``[B, H, N, C]`` as ``[pages, H, kernel_rows, C]`` kernel pages, kernel
+    page ``j`` of block ``b`` being page ``b * stride + j`` (other layers' pages between blocks)."""
+    num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
+    return view.as_strided(
+        (num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
+        (kernel_rows * view.stride(-2), *view.stride()[1:]),
+    )
+
+
+def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: int) -> torch.Tensor:
+    """The inverse of :func:`to_kernel_blocks`."""
+    return view.as_strided(
+        (num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
+        (view.stride(0) * stride, *view.stride()[1:]),
+    )
 
 
 def checked_device(device: torch.device | str) -> torch.device:
