@@ -19,6 +19,7 @@ from _quant_caches import (
     torch_only,
 )
 
+import kvcore
 from kvcore import KVCache, KVCacheLayout, get_plugin_manager, hookimpl
 from kvcore.errors import KernelRequirementError
 from kvcore.plugins.backend import AttentionMetadataBuilder, CommonAttentionMetadata, KVQuantState
@@ -292,3 +293,17 @@ def test_scales_add_no_zeroer_segment(mode, layout):
     pages = [sum(s.page for a in kv.zeroer._allocations for s in a.segments) for kv in (plain, quantized)]
     # float32 rows of 2 x 16 values (128 bytes) against 8-bit rows (32 bytes) and their 8 scale bytes
     assert pages[1] * 128 == pages[0] * (32 + 8)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_negotiation_stage_decides_on_quantized_specs_and_allocates_nothing(mode, monkeypatch):
+    import kvcore.memory.views as views
+
+    allocated = []
+    monkeypatch.setattr(views, "_zeroed_buffer", lambda *a: allocated.append(a))
+    specs = layer_specs()
+    negotiation = kvcore.negotiate(specs, dict.fromkeys(specs, "auto"), device="cpu", num_blocks=6, max_num_seqs=1,
+                                   max_model_len=32, plugin_manager=torch_only(), kv_cache_dtype=mode)
+    spec = negotiation.config.kv_cache_groups[0].kv_cache_spec
+    assert (spec.dtype, spec.kv_quant) == MODES[mode] and allocated == []
+    assert "kv_quant" in negotiation.explain()
