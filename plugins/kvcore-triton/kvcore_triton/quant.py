@@ -87,9 +87,10 @@ def quantize_rows(x, scale_ptrs, inv_scale, row_ok, QUANT: tl.constexpr, QMAX: t
     written to ``scale_ptrs`` ``[heads]`` where ``row_ok``."""
     x = x.to(tl.float32)
     if QUANT == 2:
+        # NOTE: IEEE-rounded divisions (a plain one may be approximate on GPUs): the reference's bytes.
         amax = tl.max(tl.abs(x), 1)
-        tl.store(scale_ptrs, amax / QMAX, mask=row_ok)
-        x = x * tl.where(amax > 0, QMAX / tl.where(amax > 0, amax, 1.0), 0.0)[:, None]
+        tl.store(scale_ptrs, tl.math.div_rn(amax, QMAX), mask=row_ok)
+        x = x * tl.where(amax > 0, tl.math.div_rn(QMAX, tl.where(amax > 0, amax, 1.0)), 0.0)[:, None]
     else:
         x = x * inv_scale
     return to_storage(x, QMAX, INTEGER, EXACT_CAST, MANTISSA, MIN_EXPONENT)
