@@ -114,10 +114,12 @@ class _Pass:
     def plan(self, layout: KVCacheLayout, num_blocks: int | None, available_memory: int | None) -> Candidate:
         """``layout`` planned once: its plan, records and rule checks, or why it is refused."""
         pages = self.pages.setdefault(layout, lay_out(self.specs, layout))
-        num_blocks = pages.blocks_for(available_memory) if num_blocks is None and pages.refusal is None else num_blocks
-        if pages.refusal is not None or isinstance(num_blocks, str):
-            error = pages.error() if pages.refusal is not None else ValueError(num_blocks)
+        if pages.refusal is not None:
+            error = pages.error()
             return Candidate(layout, str(error), error=error)
+        num_blocks = pages.blocks_for(available_memory) if num_blocks is None else num_blocks
+        if isinstance(num_blocks, str):
+            return Candidate(layout, num_blocks, error=ValueError(num_blocks))
         config = pages.place(num_blocks)
         groups = group_records(config, self.backends, self.answers)
         if isinstance(groups, Refused):
