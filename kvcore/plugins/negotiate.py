@@ -220,12 +220,15 @@ def negotiate(
         rule = "requested" if requested is not None else (
             "the first candidate that meets every kernel rule" if ruled else "the first candidate")
     else:  # NOTE: every rank agrees on one layout and one block count
-        meeting = [c.layout for c in (run.plan(c, blocks, memory) for c in candidates if ruled) if c.refusal is None]
-        requested = agree_layout(meeting or stated, specs.values(), group, requested)
+        planned = [run.plan(c, blocks, memory) for c in candidates] if ruled else []
+        requested = agree_layout([c.layout for c in planned if c.refusal is None] or stated, specs.values(), group,
+                                 requested)
         if num_blocks is None:
             num_blocks = blocks if available_memory is None else run.bought(requested, available_memory)
         num_blocks, available_memory = agree_num_blocks(num_blocks, group), None
-        tried, rule = [run.plan(requested, blocks if elastic else num_blocks, None)], "agreed by every rank"
+        tried = [run.plan(requested, blocks if elastic else num_blocks, None)]
+        tried += [c for c in planned if c.layout is not requested]
+        rule = "agreed by every rank"
     accepted = tried[0] if requested is not None else next((c for c in tried if c.refusal is None), None)
     if accepted is None or accepted.refusal is not None:
         raise _refuse(tried, candidates, requested is not None, layer_specs, run)
