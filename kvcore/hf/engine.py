@@ -76,11 +76,11 @@ class EngineDefaults:
 
 def resolve_defaults(
     make_specs: Callable[[int], Mapping[str, KVCacheSpec]], device: torch.device, backend: Any,
-    block_size: int | None, max_num_batched_tokens: int | None,
+    block_size: int | None, max_num_batched_tokens: int | None, *, unified_states: bool = True,
 ) -> EngineDefaults:
     """Resolve ``"auto"`` per layer, the block size (the first attention layer's backend's preference,
-    grown for a hybrid until an attention page holds a state page) and the step budget.
-    ``make_specs(block_size)`` gives the layer specs."""
+    grown for a hybrid's ``unified_states`` plan until an attention page holds a state page) and the
+    step budget. ``make_specs(block_size)`` gives the layer specs."""
     specs = make_specs(BLOCK_SIZE if block_size is None else block_size)
 
     def pick(spec: KVCacheSpec) -> Any:
@@ -93,7 +93,7 @@ def resolve_defaults(
         page = max(s.real_page_size_bytes for s in attention)
         # NOTE: pages are unified to the largest (SPEC §6); growing the attention block until its page
         # holds a state page wastes less than padding it, unless the state page is under two of them.
-        if states and max(states) >= 2 * page:
+        if states and unified_states and max(states) >= 2 * page:
             block_size *= -(-max(states) // page)
         if block_size != BLOCK_SIZE:
             specs = make_specs(block_size)
@@ -108,7 +108,7 @@ class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
     :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``) on its
-        device; a hybrid (mixers with state groups) runs without prefix caching, CUDA graphs or TP.
+        device; a hybrid (mixers with state groups) runs without prefix caching or TP.
     :param backend: attention backend name or class, or ``"auto"``: :func:`kvcore.select_backend`.
     :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
     :param num_blocks: blocks to plan; or ``available_memory`` bytes (default: 90% of the free
@@ -119,6 +119,9 @@ class Engine:
         None: on for the ``triton`` and ``flashinfer`` backends on a CUDA device.
     :param max_num_blocks: an elastic cache, grown instead of preempting while memory allows and
         shrunk back when ``generate`` returns.
+    :param mixer_backend: a hybrid's mixer backend name or class, or ``"auto"``.
+    :param separate_state_pages: a hybrid's states in a region of their own with their own page
+        size (``block_size`` sizes attention blocks alone); None: True for hybrids.
     """
 
     def __init__(
@@ -136,12 +139,15 @@ class Engine:
         group: Any = None,
         cuda_graphs: bool | None = None,
         max_num_blocks: int | None = None,
+        mixer_backend: Any = "auto",
+        separate_state_pages: bool | None = None,
     ) -> None:
         check_model(model)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
+        for option, value in (("cuda_graphs", cuda_graphs), ("separate_state_pages", separate_state_pages)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{option} must be True, False or None, got {value!r}")
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         config = model.config
         self.model = model
@@ -153,19 +159,21 @@ class Engine:
             lambda size: {n: shard_spec(s, tp_rank, tp_size)
                           for n, s in layer_specs(config, model.dtype, size).items()},
             self.device, backend, block_size, max_num_batched_tokens,
+            unified_states=separate_state_pages is False,
         )
         specs = settings.specs
         mixers = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
         attention = [n for n in specs if n not in mixers]
+        separate = bool(mixers) and separate_state_pages is not False
         if mixers:
-            check_hybrid_options(config, len(attention), enable_prefix_caching, tp_size, cuda_graphs)
-            cuda_graphs = False
+            check_hybrid_options(config, len(attention), enable_prefix_caching, tp_size, cuda_graphs, separate)
         modules = model_modules(model, list(specs))
         if num_blocks is None and available_memory is None:
             cuda = self.device.type == "cuda"
             available_memory = int(torch.cuda.mem_get_info(self.device)[0] * 0.9) if cuda else 256 << 20
         self.kv = KVCache.create(
-            specs, settings.layer_backends, device=self.device, layout=layout,
+            specs, {**settings.layer_backends, **dict.fromkeys(mixers, mixer_backend)},
+            device=self.device, layout=layout, separate_state_pages=separate,
             num_blocks=num_blocks, available_memory=available_memory,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
             max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
@@ -185,7 +193,8 @@ class Engine:
         #: Synchronize the device at every phase boundary so that ``stats()`` times are device-true.
         self.sync_timing = False
         self.graphs: DecodeGraphs | None = None
-        if graphs_wanted(cuda_graphs, self.device, self.kv.group_of(attention[0]).backend.get_name()):
+        backends = {self.kv.group_of(attention[0]).backend, *self.kv.mixer_backends.values()}
+        if graphs_wanted(cuda_graphs, self.device, [b.get_name() for b in backends]):
             self.graphs = DecodeGraphs(self.device, max_num_seqs)
         register_attention()
         self.warmup()
@@ -278,8 +287,6 @@ class Engine:
                     # no request can resume from that, so every queued one is dropped with its blocks.
                     self.scheduler.abort_all()
                     self._done = {}
-                    if self.mixers is not None:
-                        self.mixers.step = None
                     raise
         done, self._done = self._done, {}
         return done
@@ -307,10 +314,14 @@ class Engine:
         t1 = clock()
         graphed = self.graphs is not None and all(r.num_new_tokens == 1 for r, _ in batch)
         size = self.graphs.bucket(len(batch)) if graphed else None
-        step = self.steps.build(batch, pad_to=size)
-        metadata = None if graphed else self.kv.build_metadata(step.common)
         if self.mixers is not None:
-            self.mixers.step = self.mixers.plan(batch, self.scheduler.tables)
+            batch.sort(key=lambda entry: entry[1] != 1)  # NOTE: decodes first, one mixer call for them all
+        step = self.steps.build(batch, pad_to=size)
+        metadata = mixer_step = None
+        if not graphed:
+            metadata = self.kv.build_metadata(step.common)
+            if self.mixers is not None:
+                mixer_step = self.mixers.plan(batch, self.scheduler.tables, step.common)
         t2 = clock()
         counts["blocks_zeroed"] += len(self.kv.begin_step())
         t3 = clock()
@@ -318,9 +329,7 @@ class Engine:
             counts["graph_steps"] += 1
             next_tokens = self.graphs.run(size, lambda: self._forward(step))
         else:
-            next_tokens = self._forward(step, metadata)
-        if self.mixers is not None:
-            self.mixers.step = None
+            next_tokens = self._forward(step, metadata, mixer_step)
         t4 = clock()
         sampled = next_tokens[: len(step.sampled)].tolist()
         t5 = clock()
@@ -343,9 +352,16 @@ class Engine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _forward(self, step: Step, metadata: dict[str, Any] | None = None) -> torch.Tensor:
-        """The greedy next token of each logits row of ``step`` (metadata built now if not given)."""
-        return self._logits(step, self.kv.build_metadata(step.common) if metadata is None else metadata).argmax(-1)
+    def _forward(self, step: Step, metadata: dict[str, Any] | None = None, mixer_step: Any = None) -> torch.Tensor:
+        """The greedy next token of each logits row of ``step`` (metadata built now if not given; a
+        hybrid's ``mixer_step`` planned now as a padded decode step if not given)."""
+        if metadata is None:
+            metadata = self.kv.build_metadata(step.common)
+        mixers = self.mixers
+        if mixers is None or mixers.step is not None:  # NOTE: set already: a warm-up pass
+            return self._logits(step, metadata).argmax(-1)
+        with mixers.running(mixer_step or mixers.plan([(None, 1)] * step.common[0].num_reqs, (), step.common)):
+            return self._logits(step, metadata).argmax(-1)
 
     def _logits(self, step: Step, metadata: dict[str, Any]) -> torch.Tensor:
         """``[logits rows, vocab]``: the sampling requests' rows first, in ``step.sampled`` order."""

@@ -123,6 +123,8 @@ class Scheduler:
         #: Prefix caching is on when the cache's pool caches blocks (``enable_prefix_caching``).
         self.prefix_caching = self.pool.enable_caching
         self.groups = [GroupInfo.of(g.kv_cache_spec) for g in kv.config.kv_cache_groups]
+        #: Each group's pool: ``pool``, or the state pool of a separate state region.
+        self.pools = [kv.pool_of(g) for g in range(len(self.groups))]
         self.max_num_seqs = kv.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: collections.deque[Request] = collections.deque()
@@ -150,8 +152,9 @@ class Scheduler:
         return self.tables[g][request.row, : request.num_blocks[g]]
 
     def peak_blocks(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` tokens may hold at once, over all groups."""
-        return sum(g.peak_blocks(num_tokens, self.max_num_batched_tokens) for g in self.groups)
+        """Blocks of ``pool`` a request of ``num_tokens`` tokens may hold at once, over its groups."""
+        return sum(g.peak_blocks(num_tokens, self.max_num_batched_tokens)
+                   for g, pool in zip(self.groups, self.pools) if pool is self.pool)
 
     def add(self, request: Request) -> None:
         request.reset(len(self.groups))
@@ -207,13 +210,15 @@ class Scheduler:
             if info.sliding_window is not None:
                 self._drop_out_of_window(request, g, start - info.sliding_window + 1)
             needs.append(-(-(start + n) // info.block_size) - request.num_blocks[g])
-        short = sum(needs) - self.pool.num_free_blocks
-        if short > 0 and (self.grow is None or not self.grow(short)):
-            return False
+        for pool in dict.fromkeys(self.pools):
+            short = sum(n for n, p in zip(needs, self.pools) if p is pool) - pool.num_free_blocks
+            grow = self.grow if pool is self.pool else None  # NOTE: the state region never grows
+            if short > 0 and (grow is None or not grow(short)):
+                return False
         for g, need in enumerate(needs):
             if need > 0:
                 held = request.num_blocks[g]
-                self.tables[g][request.row, held : held + need] = self.pool.allocate(need)
+                self.tables[g][request.row, held : held + need] = self.pools[g].allocate(need)
                 request.num_blocks[g] += need
                 self.counts["blocks_allocated"] += need
         return True
@@ -232,7 +237,7 @@ class Scheduler:
         """Free every block of ``request`` (last block first) and its row."""
         if request.row >= 0:
             for g, rows in enumerate(self.tables):
-                self.pool.free([b for b in reversed(self.blocks(request, g).tolist()) if b])
+                self.pools[g].free([b for b in reversed(self.blocks(request, g).tolist()) if b])
                 rows[request.row] = 0
             self._free_rows.append(request.row)
         request.reset(len(self.groups))

@@ -72,12 +72,14 @@ class ElasticMemory:
     def __init__(self, backing: BackingMemory) -> None:
         self.backing = backing
         self._views: dict[str, ViewRows] = {}
+        self._fixed: Ranges = []
         self._committed: Ranges = []  # granule-aligned, merged
         self.num_blocks = 0
 
-    def track(self, views: Mapping[str, ViewRows]) -> None:
-        """The layer views (over ``backing.tensor``) whose blocks decide what is committed."""
-        self._views = dict(views)
+    def track(self, views: Mapping[str, ViewRows], fixed: Ranges = ()) -> None:
+        """The layer views (over ``backing.tensor``) whose blocks decide what is committed, and
+        byte ranges committed whatever the size (a separate state region)."""
+        self._views, self._fixed = dict(views), list(fixed)
 
     committed_bytes = property(lambda self: sum(end - start for start, end in self._committed))
 
@@ -85,7 +87,9 @@ class ElasticMemory:
         """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed
         (all or nothing: a grow that fails gives back what it committed and raises)."""
         backing = self.backing
-        want = block_byte_ranges(self._views, num_blocks, backing.granularity)
+        g = backing.granularity
+        fixed = [(start // g * g, round_up(end, g)) for start, end in self._fixed]
+        want = merge_ranges([*block_byte_ranges(self._views, num_blocks, g), *fixed])
         added: Ranges = []
         try:
             for start, end in subtract_ranges(want, self._committed):
@@ -115,12 +119,13 @@ def first_elastic_blocks(
     specs: Mapping[str, KVCacheSpec],
     num_blocks: int | None,
     available_memory: int | None,
+    **plan_options: Any,
 ) -> int:
     """Blocks an elastic cache planned as ``config`` commits at creation: ``num_blocks``, what
     ``available_memory`` buys, or (neither) all of them."""
     max_num_blocks = config.num_blocks
     if num_blocks is None and available_memory is not None:
-        planned = plan_kv_cache(specs, config.layout, available_memory=available_memory)
+        planned = plan_kv_cache(specs, config.layout, available_memory=available_memory, **plan_options)
         num_blocks = min(planned.num_blocks, max_num_blocks)
     if num_blocks is None:
         return max_num_blocks

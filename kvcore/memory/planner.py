@@ -10,7 +10,7 @@ import torch
 
 from kvcore._units import format_bytes_exact
 from kvcore._validate import non_negative_int, positive_int
-from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
+from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, is_state_spec
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, round_up
 from kvcore.memory.views import create_kv_cache_views
 from kvcore.specs import KVCacheSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
@@ -19,6 +19,8 @@ from kvcore.specs.base import check_hashable
 # NOTE: the order in which a refusal names the layouts that can plan a model.
 _PREFERRED = tuple(KVCacheLayout[n] for n in ("LBNHC", "BLNHC", "LBHNC", "BLHNC", "LHBNC", "BHLNC"))
 _MIN_BLOCKS = 2  # block 0 is the null block, so a pool needs one more
+#: Where the region after a separate state region starts: a multiple of this many bytes.
+REGION_ALIGNMENT = 4096
 
 
 class _Refusal(ValueError):
@@ -166,10 +168,12 @@ def _strides(part: _Part, layout: KVCacheLayout, num_blocks: int, bytes_per_bloc
 
 
 def _tensors(
-    parts: list[_Part], layout: KVCacheLayout, num_blocks: int, bytes_per_block: int
+    parts: list[_Part], layout: KVCacheLayout, num_blocks: int, bytes_per_block: int,
+    base: int = 0, size: int | None = None,
 ) -> list[KVCacheTensor]:
-    """One tensor per part, each viewed once over a meta buffer (``_Refusal`` if it cannot be)."""
-    size = bytes_per_block * num_blocks
+    """One tensor per part, each viewed once over a meta buffer (``_Refusal`` if it cannot be);
+    the region starts at byte ``base`` of a ``size``-byte allocation (default: just the region)."""
+    size = base + bytes_per_block * num_blocks if size is None else size
     meta = torch.empty(size, dtype=torch.int8, device="meta")
     tensors, offsets, heads = [], {}, {}
     overlaid = len({p.group_id for p in parts}) > 1
@@ -183,9 +187,9 @@ def _tensors(
                     f"it splits blocks by head, and layers {list(heads.values())} split "
                     f"them differently (heads, block stride) = {list(heads)}"
                 )
-        offset = offsets.get(part.group_id, 0)
+        offset = base + offsets.get(part.group_id, 0)
         blocks = num_blocks if layout.is_layer_compact else 1
-        offsets[part.group_id] = offset + part.footprint * blocks
+        offsets[part.group_id] = offset - base + part.footprint * blocks
         tensor = KVCacheTensor(size, part.layers, strides[0], strides[1], offset)
         if part.spec.has_layer_views:
             try:
@@ -204,7 +208,9 @@ def _checked(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> tuple[lis
     return parts, bytes_per_block
 
 
-def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: _Refusal) -> ValueError:
+def _refused(
+    regions: list[list[KVCacheGroupSpec]], layout: KVCacheLayout, reason: _Refusal
+) -> ValueError:
     """The error for a layout that cannot hold the model, naming those that pass a dry run."""
     family = sorted(_PREFERRED, key=lambda o: o.is_layer_compact != layout.is_layer_compact)
     able = []
@@ -212,7 +218,8 @@ def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: _Ref
         if other is layout:
             continue
         try:
-            _checked(groups, other)
+            for groups in regions:
+                _checked(groups, other)
         except _Refusal:
             continue
         able.append(other.name)
@@ -248,12 +255,28 @@ def plan_kv_cache(
     *,
     available_memory: int | None = None,
     num_blocks: int | None = None,
+    separate_state_pages: bool = False,
+    num_state_blocks: int | None = None,
 ) -> KVCacheConfig:
     """Plan the KV cache of a model whose layers are ``kv_cache_specs`` (in model order), with
     exactly one of ``available_memory`` (bytes) or ``num_blocks``; an encoder-only model gets no
-    tensors and ``num_blocks`` blocks (2 for any budget)."""
+    tensors and ``num_blocks`` blocks (2 for any budget).
+
+    ``separate_state_pages=True``: state caches get a region of their own at the start of the
+    allocation, ``num_state_blocks`` blocks (the null block included) of their natural page;
+    the other layers keep their own pages, and ``available_memory`` / ``num_blocks`` size their
+    pool after that region.
+    """
     layout = KVCacheLayout.parse(layout)
     specs = _check_specs(kv_cache_specs)
+    if not isinstance(separate_state_pages, bool):
+        raise TypeError(f"separate_state_pages must be True or False, got {separate_state_pages!r}")
+    states = {n: s for n, s in specs.items() if is_state_spec(s)} if separate_state_pages else {}
+    if num_state_blocks is not None and not states:
+        raise ValueError(
+            f"num_state_blocks={num_state_blocks!r} sizes a separate state region, which this plan "
+            "has none of; pass separate_state_pages=True for a model with state caches, or drop it"
+        )
     if (available_memory is None) == (num_blocks is None):
         raise ValueError(
             "pass exactly one of available_memory (bytes) or num_blocks, got "
@@ -268,6 +291,8 @@ def plan_kv_cache(
                 f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
                 "plan at least 2 blocks"
             )
+    if states:
+        return _plan_separate(specs, states, layout, available_memory, num_blocks, num_state_blocks)
     groups = group_layers(specs)
     if all(is_encoder_only(g) for g in groups):
         # NOTE: no byte is allocated, so any budget (0 included) holds the minimum pool.
@@ -275,18 +300,68 @@ def plan_kv_cache(
     try:
         parts, bytes_per_block = _checked(groups, layout)
     except _Refusal as exc:  # NOTE: checked before the budget: the layout error is more useful
-        raise _refused(groups, layout, exc) from None
+        raise _refused([groups], layout, exc) from None
+    num_blocks = _budget_blocks(specs, bytes_per_block, available_memory, num_blocks)
+    tensors = _tensors(parts, layout, num_blocks, bytes_per_block)
+    return KVCacheConfig(num_blocks, tensors, groups, layout)
+
+
+def _budget_blocks(
+    specs: dict[str, KVCacheSpec], bytes_per_block: int, available_memory: int | None,
+    num_blocks: int | None, reserved: int = 0,
+) -> int:
+    """``num_blocks``, or the blocks ``available_memory`` buys after ``reserved`` bytes."""
     if num_blocks is None:
-        num_blocks = available_memory // bytes_per_block
+        num_blocks = max(available_memory - reserved, 0) // bytes_per_block
         if num_blocks < _MIN_BLOCKS:
             layers = f"{len(specs)} layer" + ("s" if len(specs) != 1 else "")
-            need = format_bytes_exact(_MIN_BLOCKS * bytes_per_block)
+            need = format_bytes_exact(reserved + _MIN_BLOCKS * bytes_per_block)
+            region = f" after the {format_bytes_exact(reserved)} state region" if reserved else ""
             raise ValueError(
                 f"available_memory={format_bytes_exact(available_memory)} holds {num_blocks} "
-                f"KV cache block{'s' if num_blocks != 1 else ''}; one block of the model's "
+                f"KV cache block{'s' if num_blocks != 1 else ''}{region}; one block of the model's "
                 f"{layers} needs {format_bytes_exact(bytes_per_block)} and a pool needs "
                 f"{_MIN_BLOCKS} (block 0 is the null block), so plan with at least {need}, "
                 "a smaller block size or a smaller model"
             )
-    tensors = _tensors(parts, layout, num_blocks, bytes_per_block)
-    return KVCacheConfig(num_blocks, tensors, groups, layout)
+    return num_blocks
+
+
+def _plan_separate(
+    specs: dict[str, KVCacheSpec], states: dict[str, KVCacheSpec], layout: KVCacheLayout,
+    available_memory: int | None, num_blocks: int | None, num_state_blocks: int | None,
+) -> KVCacheConfig:
+    """A plan whose state groups have a region of their own (``separate_state_pages``)."""
+    if num_state_blocks is None:
+        raise ValueError(
+            "separate_state_pages=True needs num_state_blocks: the state region's blocks, one per "
+            "sequence and state group plus the null block (KVCache.create defaults it to "
+            "max_num_seqs + 1)"
+        )
+    num_state_blocks = positive_int("num_state_blocks", num_state_blocks)
+    if num_state_blocks < _MIN_BLOCKS:
+        raise ValueError(
+            f"num_state_blocks={num_state_blocks} leaves no state slot (block 0 is the null "
+            "block); plan at least 2"
+        )
+    others = group_layers({n: s for n, s in specs.items() if n not in states})
+    cached = [g for g in others if not is_encoder_only(g)]
+    if not cached:
+        raise ValueError(
+            f"separate_state_pages=True needs at least one layer beside the state caches "
+            f"{list(states)[:3]}; plan a model of state caches alone with the unified plan "
+            "(separate_state_pages=False)"
+        )
+    state_groups = _cache_groups(dict(states))
+    try:
+        state_parts, state_bytes = _checked(state_groups, layout)
+        parts, bytes_per_block = _checked(cached, layout)
+    except _Refusal as exc:
+        raise _refused([state_groups, cached], layout, exc) from None
+    region = round_up(state_bytes * num_state_blocks, REGION_ALIGNMENT)
+    num_blocks = _budget_blocks(specs, bytes_per_block, available_memory, num_blocks, region)
+    size = region + bytes_per_block * num_blocks
+    tensors = _tensors(state_parts, layout, num_state_blocks, state_bytes, 0, size)
+    tensors += _tensors(parts, layout, num_blocks, bytes_per_block, region, size)
+    groups = cached + state_groups + [g for g in others if is_encoder_only(g)]
+    return KVCacheConfig(num_blocks, tensors, groups, layout, num_state_blocks=num_state_blocks)

@@ -176,6 +176,7 @@ def _layer_views(
             kv_caches.update((name, buf) for name in tensor.layers)
             continue
         kernel = kernels[group_id] if group_id < len(kernels) else None
-        views = create_kv_cache_views(buf, spec, config.num_blocks, layout, tensor, kernel)
+        blocks = config.num_blocks_of(tensor)
+        views = create_kv_cache_views(buf, spec, blocks, layout, tensor, kernel)
         kv_caches.update(zip(tensor.layers, views))
     return kv_caches

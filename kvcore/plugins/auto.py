@@ -11,7 +11,8 @@ import torch
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import collect_backends
-from kvcore.specs import KVCacheSpec, MultipleOf
+from kvcore.plugins.mixer_backend import MixerBackend, is_mixer_backend
+from kvcore.specs import KVCacheSpec, MambaSpec, MultipleOf
 
 #: The backend name that means "the one :func:`select_backend` picks".
 AUTO = "auto"
@@ -21,7 +22,17 @@ def serves(
     answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device: torch.device
 ) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device``; None when it can."""
-    return answers.requirements(backend, spec).why_not(
+    requirements = answers.requirements(backend, spec)
+    if isinstance(spec, MambaSpec):  # NOTE: a mixer backend, for the mixer the spec names
+        if not is_mixer_backend(backend):
+            return "is an attention backend, not a mixer backend (rule: kind)"
+        if spec.mamba_type not in backend.mamba_types:
+            return f"runs mixers {list(backend.mamba_types)}, not {spec.mamba_type!r} (rule: mamba_types)"
+        whys = (requirements.why_not(device.type, dtype, None) for dtype in spec.dtypes)
+        return next((why for why in whys if why is not None), None)
+    if is_mixer_backend(backend):
+        return "is a mixer backend, not an attention backend (rule: kind)"
+    return requirements.why_not(
         device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None)
     )
 
@@ -31,11 +42,12 @@ def select_backend(
     device: torch.device | str,
     *,
     plugin_manager: pluggy.PluginManager | None = None,
-) -> type[AttentionBackend]:
+) -> type[AttentionBackend] | type[MixerBackend]:
     """The registered backend that serves ``spec`` on ``device``: what ``"auto"`` means.
 
     Among unambiguous backends whose requirements admit the device type, dtype and head size, the
     highest ``kvcore_backend_priority`` wins (ties: first name); none: ``ValueError`` saying why.
+    A ``MambaSpec`` gets a mixer backend whose ``mamba_types`` lists its ``mamba_type``.
     """
     if spec is not None and not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
@@ -58,16 +70,20 @@ def choose_backend(
         table.conflicts(),
         "its name is registered by several plugins (block all but one with KVCORE_BLOCK_PLUGINS)",
     )
+    mixer = isinstance(spec, MambaSpec)
     able: list[tuple[int, type[AttentionBackend]]] = []
     for name, (backend, _) in sorted(table.unambiguous().items()):
+        if is_mixer_backend(backend) != mixer:
+            continue  # NOTE: the other kind is never a candidate, nor listed
         reasons[name] = serves(answers, backend, spec, device)
         if reasons[name] is None:
             able.append((answers.priority(backend, spec, device), backend))
     if able:
         return max(able, key=lambda found: found[0])[1]  # NOTE: max keeps the first name of a tie
     listed = "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items()))
+    kind = "mixer" if mixer else "attention"
     raise ValueError(
-        f"no registered attention backend can serve {spec!r} on {device} "
+        f"no registered {kind} backend can serve {spec!r} on {device} "
         f"({listed or 'none is registered'}). Install or enable a plugin whose backend runs "
         "there, or pick a device and dtype one supports"
     )

@@ -26,9 +26,11 @@ from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.auto import resolve_auto
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, plan_meeting_rules
+from kvcore.plugins.mixer_backend import MixerBackend, is_mixer_backend
 from kvcore.plugins.negotiation import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup, map_kv_caches_to_kernel_blocks
 from kvcore.runtime.block_pool import BlockPool
+from kvcore.runtime.state_region import state_region, state_region_options
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
@@ -101,6 +103,11 @@ class KVCache:
     negotiation: Negotiation = attrs.field(repr=False)
     elastic: ElasticMemory | None = attrs.field(repr=False)  # NOTE: None: a plain allocation
     settings: Settings = attrs.field(repr=False)  # NOTE: read once, in create
+    #: Each mixer layer's backend (layers ``layer_backends`` mapped to a ``MixerBackend``).
+    mixer_backends: dict[str, type[MixerBackend]] = attrs.field(factory=dict, repr=False)
+    #: With separate state pages, the state groups' own block pool and zeroer (else None).
+    state_pool: BlockPool | None = None
+    state_zeroer: KVBlockZeroer | None = attrs.field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -118,6 +125,8 @@ class KVCache:
         group: Any = None,
         max_num_blocks: int | None = None,
         enable_prefix_caching: bool = False,
+        separate_state_pages: bool = False,
+        num_state_blocks: int | None = None,
     ) -> KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
@@ -126,7 +135,10 @@ class KVCache:
         With a ``torch.distributed`` ``group`` all ranks agree on one layout and block
         count. With ``max_num_blocks`` the cache is elastic: planned for that many
         blocks, memory committed for ``num_blocks`` (or what ``available_memory`` buys;
-        neither: all), changed later by :meth:`resize`.
+        neither: all), changed later by :meth:`resize`. ``separate_state_pages``: state
+        caches in a region of their own with ``num_state_blocks`` blocks (default
+        ``max_num_seqs + 1``) and a pool of their own (:attr:`state_pool`); the budget sizes the
+        other layers' pool after it.
         """
         settings = Settings.from_env()
         device = checked_device(device)
@@ -134,25 +146,29 @@ class KVCache:
         max_model_len = positive_int("max_model_len", max_model_len)
         answers = HookAnswers(plugin_manager)
         specs, backends = _served_specs(layer_specs, layer_backends, answers, device)
+        # NOTE: mixer layers' backends run on state views; they take no part in the attention groups
+        mixer_backends = {n: b for n, b in backends.items() if is_mixer_backend(b)}
+        backends = {n: b for n, b in backends.items() if n not in mixer_backends}
+        regions = state_region_options(specs, separate_state_pages, num_state_blocks, max_num_seqs)
         pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
         supported = answers.common_layouts(pairs)
         if group is not None:  # NOTE: every rank agrees on one layout and one block count
-            budget = {"available_memory": available_memory, "num_blocks": num_blocks}
+            budget = {"available_memory": available_memory, "num_blocks": num_blocks, **regions}
             supported = layouts_meeting_rules(specs, backends, answers, supported, budget)
             layout = agree_layout(supported, specs.values(), group, layout)
             if num_blocks is None:
-                probe = plan_kv_cache(specs, layout, available_memory=available_memory)
+                probe = plan_kv_cache(specs, layout, available_memory=available_memory, **regions)
                 num_blocks = probe.num_blocks
             num_blocks, available_memory = agree_num_blocks(num_blocks, group), None
-        budget = {"available_memory": available_memory, "num_blocks": num_blocks}
+        budget = {"available_memory": available_memory, "num_blocks": num_blocks, **regions}
         if max_num_blocks is not None:  # NOTE: an elastic cache is planned for all its blocks
-            budget = {"available_memory": None, "num_blocks": checked_max_blocks(max_num_blocks)}
+            budget = {"available_memory": None, "num_blocks": checked_max_blocks(max_num_blocks), **regions}
         layout, config, negotiation = plan_meeting_rules(
             layer_specs, specs, backends, answers, supported, layout, budget
         )
         elastic = buffer = None
         if max_num_blocks is not None:
-            num_blocks = first_elastic_blocks(config, specs, num_blocks, available_memory)
+            num_blocks = first_elastic_blocks(config, specs, num_blocks, available_memory, **regions)
             elastic = reserve_elastic(config, device)
             buffer = elastic.backing.tensor
         kv_caches = allocate_kv_cache(
@@ -167,17 +183,15 @@ class KVCache:
                 device, max_num_seqs=max_num_seqs, max_model_len=max_model_len, settings=settings
             )
         rows = negotiation.rows_per_block()
-        zeroer = KVBlockZeroer.from_views(
-            device,
-            {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches},
-            config.num_blocks,
-            settings=settings,
-        )
+        views = {name: (view, rows.get(name, 1)) for name, view in kv_caches.items() if name in rows}
+        state = state_region(config, views, device, settings, enable_prefix_caching)
+        zeroer = KVBlockZeroer.from_views(device, views, config.num_blocks, settings=settings)
         if elastic is None:
             num_blocks = config.num_blocks
         else:
             elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
-                           for name, view in kv_caches.items()})  # fmt: skip
+                           for name, view in kv_caches.items() if name not in state.views},
+                          fixed=state.byte_ranges)  # fmt: skip
             elastic.resize(num_blocks)
             zeroer.num_blocks = num_blocks
         return cls(
@@ -194,6 +208,9 @@ class KVCache:
             negotiation,
             elastic,
             settings,
+            mixer_backends,
+            state.pool,
+            state.zeroer,
         )
 
     @property
@@ -261,19 +278,27 @@ class KVCache:
             f"layer {layer_name!r} is in no attention group; layers: {self.config.layer_names}"
         )
 
+    def pool_of(self, group_id: int) -> BlockPool:
+        """The pool KV cache group ``group_id`` takes its blocks from."""
+        return self.state_pool if self.config.in_state_region(group_id) else self.block_pool
+
     def begin_step(self) -> list[int]:
-        """Zero every block allocated since the last step in one launch; returns their ids.
+        """Zero every block allocated since the last step, one launch per pool that has new
+        blocks; returns their ids (the block pool's, then the state pool's).
 
         When zeroing raises (a failed launch, Ctrl-C) the blocks stay pending for the next call.
         """
-        new_blocks = self.block_pool.take_new_blocks()
-        if new_blocks:
-            try:
-                self.zeroer.zero_block_ids(new_blocks)
-            except BaseException:
-                self.block_pool.requeue_new_blocks(new_blocks)
-                raise
-        return new_blocks
+        zeroed = []
+        for pool, zeroer in ((self.block_pool, self.zeroer), (self.state_pool, self.state_zeroer)):
+            new_blocks = pool.take_new_blocks() if pool is not None else []
+            if new_blocks:
+                try:
+                    zeroer.zero_block_ids(new_blocks)
+                except BaseException:
+                    pool.requeue_new_blocks(new_blocks)
+                    raise
+            zeroed += new_blocks
+        return zeroed
 
     def build_metadata(
         self, common: list[CommonAttentionMetadata], ubatch_idx: int = 0

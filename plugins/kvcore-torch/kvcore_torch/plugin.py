@@ -9,6 +9,7 @@ from kvcore.plugins.hookspecs import hookimpl
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.specs import MultipleOf
 from kvcore_torch.backend import TorchAttentionBackend
+from kvcore_torch.mixers import TorchMixerBackend
 
 # NOTE: views carry the layout in their strides, so every layout works. The
 # backend states no kernel requirements and keeps the core priority 0: it is
@@ -25,6 +26,7 @@ def _owns(backend: Any) -> bool:
 @hookimpl
 def kvcore_register_backends(register: Callable[[type], None]) -> None:
     register(TorchAttentionBackend)
+    register(TorchMixerBackend)  # NOTE: the reference for every mixer; priority 0, no requirements
 
 
 @hookimpl
