@@ -76,7 +76,7 @@ class EngineDefaults:
 
 def resolve_defaults(
     make_specs: Callable[[int], Mapping[str, KVCacheSpec]], device: torch.device, backend: Any,
-    block_size: int | None, max_num_batched_tokens: int | None, *, unified_states: bool = True,
+    block_size: int | None, max_num_batched_tokens: int | None, *, unified_states: bool = False,
 ) -> EngineDefaults:
     """Resolve ``"auto"`` per layer, the block size (the first attention layer's backend's preference,
     grown for a hybrid's ``unified_states`` plan until an attention page holds a state page) and the
@@ -221,9 +221,13 @@ class Engine:
                 self.graphs.capture_all(self.steps, self._forward, progress=progress)
 
     def _warm_prefill(self, num_tokens: int = 32) -> None:
-        """One step of a padding request (reads the null block, writes nothing)."""
+        """One step of a padding request (reads the null block, writes nothing); a hybrid's mixers
+        run on scratch states, their decode path too."""
         with self.serving(), (self.mixers.scratch() if self.mixers else contextlib.nullcontext()):
             self._forward(self.steps.build([(None, num_tokens)]))
+        if self.mixers is not None:
+            with self.serving(), self.mixers.scratch(decodes=1):
+                self._forward(self.steps.build([(None, 1)]))
 
     def _request(self, index: int, prompt: Any, max_new_tokens: Any) -> Request:
         tokens = check_prompt(index, prompt, max_new_tokens, vocab_size=self.vocab_size,

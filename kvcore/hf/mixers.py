@@ -28,7 +28,8 @@ class MixerStep:
     num_decodes: int
     decode_slots: dict[int, torch.Tensor]
     prefills: list[tuple[int, int, dict[int, int]]]
-    #: A warm-up pass: the whole row is one sequence on zero states outside the cache.
+    #: A warm-up pass on zero states outside the cache: the whole row is one sequence's chunk, or
+    #: (``num_decodes``) single tokens of as many sequences.
     scratch: bool = False
 
 
@@ -43,6 +44,9 @@ class MixerLayer:
         module, backend, row = self.module, self.backend, hidden[0]
         if step.scratch:
             scratch = [torch.zeros_like(state[:1]) for state in self.states]
+            if step.num_decodes:
+                slots = torch.zeros(step.num_decodes, dtype=torch.int32, device=row.device)
+                return backend.decode(module, row, scratch, slots).unsqueeze(0)
             return backend.prefill(module, row, scratch, 0).unsqueeze(0)
         decodes = step.num_decodes
         if decodes:
@@ -52,8 +56,18 @@ class MixerLayer:
         out = torch.empty_like(hidden)
         if decodes:
             out[0, :decodes] = y
-        for start, n, slots in step.prefills:
-            out[0, start : start + n] = backend.prefill(module, row[start : start + n], self.states, slots[self.group_id])
+        chunks: dict[int, list[tuple[int, int]]] = {}
+        for start, n, slots in step.prefills:  # NOTE: chunks of one length run as one batch
+            chunks.setdefault(n, []).append((start, slots[self.group_id]))
+        for n, found in chunks.items():
+            if len(found) == 1:
+                start, slot = found[0]
+                out[0, start : start + n] = backend.prefill(module, row[start : start + n], self.states, slot)
+                continue
+            batch = torch.stack([row[start : start + n] for start, _ in found])
+            y = backend.prefill_batch(module, batch, self.states, [slot for _, slot in found])
+            for (start, _), chunk in zip(found, y):
+                out[0, start : start + n] = chunk
         return out
 
 
@@ -98,9 +112,10 @@ class MixerRunner:
         finally:
             self.step = None
 
-    def scratch(self) -> contextlib.AbstractContextManager[None]:
-        """Run the mixers on zero states outside the cache for the duration (a warm-up pass)."""
-        return self.running(MixerStep(0, {}, [], scratch=True))
+    def scratch(self, decodes: int = 0) -> contextlib.AbstractContextManager[None]:
+        """Run the mixers on zero states outside the cache for the duration (a warm-up pass of one
+        chunk, or of ``decodes`` single tokens)."""
+        return self.running(MixerStep(decodes, {}, [], scratch=True))
 
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:

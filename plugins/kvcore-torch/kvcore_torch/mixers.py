@@ -62,7 +62,8 @@ def _cache_of(module: torch.nn.Module) -> _ModuleCache:
 
 class TorchMixerBackend(MixerBackend):
     """Reference mixers: decodes gather the batch's states by slot, run the module once on
-    ``[T, 1, hidden]`` and scatter the states back; a prefill chunk runs on its slot in place."""
+    ``[T, 1, hidden]`` and scatter the states back; a prefill chunk runs on its slot in place,
+    equal-length chunks of several sequences in one gathered call."""
 
     name: ClassVar[str] = "torch-mixer"
     mamba_types: ClassVar[tuple[str, ...]] = ("mamba2", "short_conv", "gated_delta_net")
@@ -82,3 +83,14 @@ class TorchMixerBackend(MixerBackend):
                 slot_id: int) -> torch.Tensor:
         views = [state[slot_id : slot_id + 1] for state in states]
         return _cache_of(layer).run(layer, hidden_states.unsqueeze(0), views)[0]
+
+    @staticmethod
+    def prefill_batch(layer: Any, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],
+                      slot_ids: Sequence[int]) -> torch.Tensor:
+        # NOTE: the modules keep the rows of a batch apart; one call for the equal-length chunks.
+        index = torch.tensor(list(slot_ids), dtype=torch.long).to(states[0].device, non_blocking=True)
+        gathered = [state.index_select(0, index) for state in states]
+        out = _cache_of(layer).run(layer, hidden_states, gathered)
+        for state, new in zip(states, gathered):
+            state.index_copy_(0, index, new)
+        return out

@@ -77,7 +77,5 @@ class TritonMixerBackend(MixerBackend):
             return TorchMixerBackend.decode(layer, hidden_states, states, slot_ids)
         return step(layer, hidden_states, states, slot_ids)
 
-    @staticmethod
-    def prefill(layer: Any, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],
-                slot_id: int) -> torch.Tensor:
-        return TorchMixerBackend.prefill(layer, hidden_states, states, slot_id)
+    prefill = TorchMixerBackend.__dict__["prefill"]
+    prefill_batch = TorchMixerBackend.__dict__["prefill_batch"]
