@@ -31,9 +31,12 @@ _KINDS: dict[str, type[KVCacheSpec]] = {
     "encoder_only": specs.EncoderOnlyAttentionSpec,
     "mamba": MambaSpec,
 }
+#: State blocks of a separate state region when the file does not say: 256 sequences and the null block.
+DEFAULT_STATE_BLOCKS = 257
 MAX_LAYERS = 10_000  # NOTE: real models have a few hundred; more is a typo
 MAX_PAGE_BYTES = 1 << 40  # one block of one layer: 1 TiB (more is a typo)
-_TOP_KEYS = {"name", "description", "num_layers", "block_size", "pattern", "layer_name", "types"}
+_TOP_KEYS = {"name", "description", "num_layers", "block_size", "pattern", "layer_name", "types",
+             "separate_state_pages", "num_state_blocks"}
 _OWN_KEYS = {"kind", "module", "block_size"}
 # NOTE: a full-attention spec's window fields record merged layers (a file says kind =
 # "sliding" instead), and MLA keeps no separate V.
@@ -61,6 +64,9 @@ class ModelDescription:
     name: str
     source: str
     kv_cache_specs: dict[str, KVCacheSpec] = attrs.field(hash=False)
+    #: ``plan_kv_cache``'s keywords for a separate state region (``separate_state_pages = true``
+    #: and ``num_state_blocks``, default 257) or none.
+    plan_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
 
 
 def preset_names() -> list[str]:
@@ -215,4 +221,14 @@ def load_model_file(model: str | Path, *, block_size: int | None = None) -> Mode
         layer_specs = parse_model(data, block_size=block_size)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
-    return ModelDescription(str(data.get("name", path.stem)), str(path), layer_specs)
+    separate = data.get("separate_state_pages", False)
+    blocks = data.get("num_state_blocks", DEFAULT_STATE_BLOCKS if separate else None)
+    if not isinstance(separate, bool) or (blocks is not None and (type(blocks) is not int or blocks < 2)):
+        raise ValueError(
+            f"{path}: separate_state_pages must be true or false and num_state_blocks an integer of "
+            f"at least 2 (one block per sequence plus the null block), got {separate!r} and {blocks!r}"
+        )
+    options = {"separate_state_pages": True, "num_state_blocks": blocks} if separate else {}
+    if blocks is not None and not separate:
+        raise ValueError(f"{path}: num_state_blocks sizes a separate state region; add separate_state_pages = true")
+    return ModelDescription(str(data.get("name", path.stem)), str(path), layer_specs, options)

@@ -118,7 +118,9 @@ class HostKVPool:
 
     def _move(self, device_ids: Any, host_ids: Any, group_id: int | None, *, to_host: bool,
               non_blocking: bool) -> CopyHandle:
-        dev, host = paired_ids((device_ids, self.descriptor.num_blocks, "device block id", False),
+        groups = group_selection(self.descriptor, group_id)
+        num_blocks = self.descriptor.num_blocks_of(groups[0]) if groups else self.descriptor.num_blocks
+        dev, host = paired_ids((device_ids, num_blocks, "device block id", False),
                                (host_ids, self.num_host_blocks, "host block id", True),
                                first_is_src=to_host)
         patterns, staging = self._layout(group_id)
