@@ -167,6 +167,7 @@ class Engine:
         separate = bool(mixers) and separate_state_pages is not False
         if mixers:
             check_hybrid_options(config, len(attention), enable_prefix_caching, tp_size, cuda_graphs, separate)
+            cuda_graphs = cuda_graphs if separate else False  # NOTE: padding rows need a slot nothing reads
         modules = model_modules(model, list(specs))
         if num_blocks is None and available_memory is None:
             cuda = self.device.type == "cuda"
