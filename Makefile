@@ -28,8 +28,14 @@ venv: $(STAMP)
 
 demo: $(STAMP)
 	$(CPU_ENV) $(PY) examples/serve_hf.py
+	@echo
+	@echo "kvcore is installed in .venv: run 'source .venv/bin/activate' once per shell, or try:"
+	@echo "  .venv/bin/kvcore plan gemma-3-27b --memory 40GiB"
+	@echo "  .venv/bin/python examples/run_decode.py --hybrid --layout BLNHC"
+	@echo "  .venv/bin/kvcore plugins"
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check kvcore plugins benchmarks tests examples
 	$(CPU_ENV) $(PY) -m pytest -q
 
 clean:

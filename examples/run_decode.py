@@ -133,6 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in rows:
         table.add_row(key, value)
     console.print(table)
+    if engine.out_unwritten:
+        layers = ", ".join(sorted(engine.out_unwritten))
+        console.print(f"[bold red]FAIL[/]: {args.backend}'s forward returned its output without writing it into "
+                      f"out= ({layers}); when out is given, write into it and return it")
+        return 1
     if not engine.max_abs_error <= tol:
         console.print(f"[bold red]FAIL[/]: paged attention differs from dense by {engine.max_abs_error:.3e} > {tol}")
         return 1

@@ -16,9 +16,9 @@ import math
 
 import attrs
 import torch
+from tiny_model import TinyTransformer, dense_attention
 
 from kvcore import CommonAttentionMetadata, KVCache, SlidingWindowSpec
-from tiny_model import TinyTransformer, dense_attention
 
 
 @attrs.define(eq=False)
@@ -77,6 +77,8 @@ class Engine:
             for g in kv.config.kv_cache_groups
         ]
         self.max_abs_error = 0.0
+        #: Layers whose backend returned an output without writing it into ``out=`` (checked runs).
+        self.out_unwritten: set[str] = set()
         self.tokens_processed = 0
         self.ever_freed: set[int] = set()
         self.recycled_blocks = 0  # allocations of a block some sequence had freed
@@ -206,8 +208,12 @@ class Engine:
     def _attend(self, index: int, q, k, v, batch, metadata) -> torch.Tensor:
         cfg, name = self.model.config, self.model.config.layer_name(index)
         window = cfg.window_of(index)
+        # NOTE: a checked run hands forward a NaN-filled out=, which the backend must fill and return.
+        buffer = q.new_full((*q.shape[:2], v.shape[-1]), math.nan) if self.check else None
         out = self.backend.forward(q, k, v, self.kv.layer_kv_caches[name], metadata[name],
-                                   head_size=cfg.head_size, scale=self.model.scale, sliding_window=window)
+                                   head_size=cfg.head_size, scale=self.model.scale, sliding_window=window, out=buffer)
+        if self.check and not torch.equal(out, buffer):
+            self.out_unwritten.add(name)
         if self.check:
             start = 0
             for seq, n in batch:

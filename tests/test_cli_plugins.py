@@ -78,7 +78,8 @@ def test_wrong_type_and_raising_hooks_make_the_plugin_unhealthy(tmp_path, monkey
     assert items["wrong"]["status"] == "unhealthy" and "'16, 32'" in items["wrong"]["error"]
     assert "kvcore_supported_kernel_block_sizes" in items["wrong"]["error"]
     assert items["raiser"]["status"] == "unhealthy" and "LookupError: no layout table" in items["raiser"]["error"]
-    assert items["fine"]["status"] == "loaded" and items["fine"]["kernel_block_sizes"] == {"fine-attn": [{"multiple_of": 16}]}
+    assert items["fine"]["status"] == "loaded"
+    assert items["fine"]["kernel_block_sizes"] == {"fine-attn": [{"multiple_of": 16}]}
     monkeypatch.setenv("KVCORE_PLUGINS", "fine")
     assert _json(capsys, code=0)["fine"]["error"] is None
 

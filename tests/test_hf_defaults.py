@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.hf.engine import BATCHED_TOKENS, BLOCK_SIZE, resolve_defaults as resolve
+from kvcore.hf.engine import BATCHED_TOKENS, BLOCK_SIZE
+from kvcore.hf.engine import resolve_defaults as resolve
 from kvcore.specs import FullAttentionSpec, SlidingWindowSpec
 
 pytest.importorskip("kvcore_triton")
@@ -86,6 +87,19 @@ def test_warm_prefill_compiles_without_touching_the_cache(arch):
     engine._warm_prefill(num_tokens=20)
     assert all(torch.equal(before[n], v) for n, v in engine.kv.layer_kv_caches.items())
     assert engine.stats().steps == 0
+
+
+def test_a_default_engine_runs_256_requests_at_once():
+    from _hf_reference import prompts_for
+
+    from kvcore.hf import Engine
+    from kvcore.hf.models import model_config, random_model
+
+    model = random_model(model_config("llama", num_hidden_layers=1, vocab_size=256), seed=2)
+    engine = Engine(model, num_blocks=300)  # the default max_num_seqs (64 used to leave 136 waiting)
+    outputs = engine.generate(prompts_for([3] * 200, seed=3), 2)
+    assert [len(o) for o in outputs] == [2] * 200
+    assert engine.stats().steps == 2  # every prompt prefilled in the first step, decoded in the second
 
 
 def _hybrid_specs(size, heads=128):

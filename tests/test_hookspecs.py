@@ -5,13 +5,12 @@ from __future__ import annotations
 import inspect
 
 import pluggy
-import pytest
 import torch
 from _plugin_dists import clean_plugin_env  # noqa: F401
 
 import kvcore
-from kvcore.plugins import hookspecs
 from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins import hookspecs
 from kvcore.plugins.layouts import supported_layouts
 from kvcore.specs import MultipleOf
 

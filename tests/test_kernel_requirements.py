@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 from _plugin_dists import clean_plugin_env  # noqa: F401
-from kvcore_torch import TorchAttentionBackend
 
 import kvcore
 from kvcore.errors import PluginError
 from kvcore.plugins.auto import preferred_block_size
 from kvcore.specs import MultipleOf
+from kvcore_torch import TorchAttentionBackend
 
 SPEC = kvcore.FullAttentionSpec(16, 2, 32, torch.float16)
 
@@ -143,9 +143,8 @@ def test_first_party_backends_triton_on_cuda_torch_on_cpu(monkeypatch):
 
 
 def test_triton_runs_on_cuda_only_unless_interpreted(monkeypatch):
-    from kvcore_triton import _checks
+    from kvcore_triton import TritonAttentionBackend, _checks
     from kvcore_triton import plugin as triton_plugin
-    from kvcore_triton import TritonAttentionBackend
 
     # NOTE: Triton fixes the interpreter when it decorates the kernels (kvcore_triton's import).
     monkeypatch.setattr(_checks, "INTERPRETED", False)
@@ -214,7 +213,8 @@ def test_auto_on_cuda_serves_with_triton_and_attends_right(monkeypatch):
     qf, kf, vf = (t.float().cpu() for t in (q, k, v))
     scores = torch.einsum("thd,shd->hts", qf, kf.repeat_interleave(2, dim=1)) * 0.125
     causal = torch.ones(70, 70, dtype=torch.bool).tril()
-    ref = torch.einsum("hts,shd->thd", scores.masked_fill(~causal, -torch.inf).softmax(-1), vf.repeat_interleave(2, dim=1))
+    weights = scores.masked_fill(~causal, -torch.inf).softmax(-1)
+    ref = torch.einsum("hts,shd->thd", weights, vf.repeat_interleave(2, dim=1))
     torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 

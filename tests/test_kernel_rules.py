@@ -160,7 +160,8 @@ def test_customize_may_not_change_what_a_layer_stores(field, change):
 
 def test_customize_may_not_change_the_spec_class():
     def slide(spec):
-        return kvcore.SlidingWindowSpec(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, sliding_window=8)
+        return kvcore.SlidingWindowSpec(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype,
+                                        sliding_window=8)
 
     pm = manager(Rules(None, customize=slide), name="classy")
     with pytest.raises(PluginError, match="classy.*changed the spec class from FullAttentionSpec to SlidingWindowSpec"):
@@ -168,7 +169,9 @@ def test_customize_may_not_change_the_spec_class():
 
 
 def test_customize_may_pad_and_align():
-    pad = lambda spec: attrs.evolve(spec, num_head_slots=3, block_stride_alignment=kvcore.MultipleOf(4))
+    def pad(spec):
+        return attrs.evolve(spec, num_head_slots=3, block_stride_alignment=kvcore.MultipleOf(4))
+
     pm = manager(Rules(None, customize=pad))
     kv = create(pm, {"l0": SPEC})
     assert kv.attn_groups[0][0].kv_cache_spec.num_head_slots == 3
@@ -176,7 +179,9 @@ def test_customize_may_pad_and_align():
 
 
 def test_a_page_padded_by_the_hook_is_not_blamed_on_the_layout():
-    pad = lambda spec: attrs.evolve(spec, page_size_padded=spec.real_page_size_bytes + 64)
+    def pad(spec):
+        return attrs.evolve(spec, page_size_padded=spec.real_page_size_bytes + 64)
+
     pm = manager(Rules(None, layouts=["LBNHC"], sizes=[8], customize=pad))
     with pytest.raises(ValueError) as info:
         create(pm, {"l0": SPEC, "l1": SPEC})

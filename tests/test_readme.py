@@ -1,4 +1,4 @@
-"""The README's engine example runs as written, and its CLI output is what kvcore prints."""
+"""The README's engine example runs as written, and the CLI output it and docs/ quote is what kvcore prints."""
 
 import re
 import shlex
@@ -8,7 +8,9 @@ import pytest
 
 from kvcore.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
 
 
 def test_readme_engine_example_runs(capsys):
@@ -22,8 +24,9 @@ def test_readme_engine_example_runs(capsys):
 
 
 def _console_examples():
-    """``(command, expected lines)`` of every ``$ kvcore ...`` in the README's console blocks."""
-    for block in re.findall(r"```console\n(.*?)```", README.read_text(), re.S):
+    """``(command, expected lines)`` of every ``$ kvcore ...`` in the console blocks of the README and docs/."""
+    blocks = [b for page in PAGES for b in re.findall(r"```console\n(.*?)```", page.read_text(), re.S)]
+    for block in blocks:
         command, expected = None, []
         for line in block.splitlines():
             if line.startswith("$ "):
@@ -41,6 +44,7 @@ EXAMPLES = [e for e in _console_examples() if e[0].startswith("kvcore ")]
 
 def test_readme_shows_cli_output():
     assert {c.split()[1] for c, _ in EXAMPLES} >= {"plan"}
+    assert len(EXAMPLES) >= 3  # the README's plan, and docs/planning.md's two
 
 
 @pytest.mark.parametrize("command, expected", EXAMPLES, ids=[c for c, _ in EXAMPLES])
@@ -63,3 +67,36 @@ def test_readme_cli_output_is_what_kvcore_prints(capsys, monkeypatch, command, e
         found = next((i for i in range(start, len(actual)) if actual[i : i + len(chunk)] == chunk), None)
         assert found is not None, f"README lines not printed by `{command}`:\n" + "\n".join(chunk)
         start = found + len(chunk)
+
+
+def test_readme_is_a_front_door_whose_links_resolve():
+    assert len(README.read_text().splitlines()) <= 450
+    for page in PAGES:
+        for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
+    mapped = README.read_text().split("## Repository", 1)[1]
+    for doc in (ROOT / "docs").glob("*.md"):
+        assert doc.name in mapped, f"the README's repository map leaves out docs/{doc.name}"
+
+
+def test_make_demo_prints_the_readmes_next_three_commands():
+    makefile = (ROOT / "Makefile").read_text()
+    printed = [c.strip() for c in re.findall(r'@echo "  (\.venv/bin/[^"]+)"', makefile)]
+    venv = README.read_text().split("### Using the venv", 1)[1]
+    shown = [line.split("#")[0].strip() for line in re.search(r"```bash\n(.*?)```", venv, re.S).group(1).splitlines()]
+    assert len(printed) == 3 and printed == shown
+    assert "source .venv/bin/activate" in venv and "source .venv/bin/activate" in makefile
+
+
+SHORTHAND = re.compile(
+    r"SPEC §|\b(?:first|second|third|fourth|fifth|sixth|seventh) (?:round|session|wave)\b|\blent\b"
+    r"|\bthe seed'?s?\b|(?<![\w/&])#\d+\b",
+    re.I,
+)
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_user_docs_speak_without_internal_shorthand(page):
+    found = [m.group(0) for m in SHORTHAND.finditer(page.read_text())]
+    assert not found, f"{page.name} uses shorthand a reader cannot decode: {found}"

@@ -19,8 +19,6 @@ from collections.abc import Mapping
 import torch
 
 from kvcore._units import format_bytes
-from kvcore_bench import emit, table
-from kvcore_bench.options import ARGUMENTS
 from kvcore.memory.backing import reserve_backing
 from kvcore.memory.elastic import ElasticMemory, merge_ranges
 from kvcore.memory.layout import KVCacheLayout, block_runs
@@ -28,6 +26,8 @@ from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.model_files import load_model_file
 from kvcore.specs import KVCacheSpec
+from kvcore_bench import emit, table
+from kvcore_bench.options import ARGUMENTS
 
 add_arguments = ARGUMENTS["elastic"]
 

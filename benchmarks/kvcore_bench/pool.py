@@ -14,10 +14,10 @@ import statistics
 import time
 from collections.abc import Callable
 
-from kvcore_bench import emit, progress_bar, table
-from kvcore_bench.options import ARGUMENTS, POOL_MAX_BLOCKS
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
+from kvcore_bench import emit, progress_bar, table
+from kvcore_bench.options import ARGUMENTS, POOL_MAX_BLOCKS
 
 add_arguments = ARGUMENTS["pool"]
 

@@ -10,6 +10,8 @@ import attrs
 import torch
 from transformers import AttentionInterface
 
+from kvcore.errors import PluginError
+
 #: The ``attn_implementation`` name of kvcore's attention function.
 ATTENTION_NAME = "kvcore"
 #: The ``model(...)`` keyword that carries a step's :class:`StepContext`.
@@ -61,12 +63,18 @@ def kvcore_attention(
         raise RuntimeError(f"kvcore attention takes one packed row of tokens, got a batch of {query.shape[0]}")
     scale = module.scaling if scaling is None else scaling
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
-    out = q.new_empty(1, q.shape[0], q.shape[1], v.shape[-1])
-    layer.backend.forward(
+    out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
+    # NOTE: the returned tensor is the output (``out`` when the backend wrote into it, as it should).
+    result = layer.backend.forward(
         q, k, v, layer.kv_cache, step.metadata[layer.name],
-        head_size=layer.head_size, scale=scale, sliding_window=layer.sliding_window, out=out[0],
+        head_size=layer.head_size, scale=scale, sliding_window=layer.sliding_window, out=out,
     )
-    return out, None
+    if not isinstance(result, torch.Tensor) or result.shape != out.shape:
+        raise PluginError(
+            f"backend {layer.backend.get_name()!r} forward returned {getattr(result, 'shape', result)!r} for "
+            f"{layer.name}; forward returns the attention output, {tuple(out.shape)} (written into out when given)"
+        )
+    return result.unsqueeze(0), None
 
 
 def register_attention() -> None:

@@ -13,10 +13,10 @@ import attrs
 import numpy as np
 import torch
 
+from kvcore.hf.scheduler import Request
 from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
-from kvcore.hf.scheduler import Request
 
 
 @attrs.frozen(eq=False)

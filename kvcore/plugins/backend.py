@@ -93,8 +93,9 @@ class AttentionBackend:
         :param kv_cache_view: the layer's kernel view (``KVCache.layer_kv_caches``).
         :param metadata: what the backend's builder built (block tables in kernel blocks).
         :param sliding_window: attend to at most this many past tokens, or None.
-        :param out: optional ``[tokens, q_heads, head_size_v]`` output buffer.
-        :returns: the attention output, ``[tokens, q_heads, head_size_v]``.
+        :param out: optional ``[tokens, q_heads, head_size_v]`` buffer: when given, the output is
+            written into it and it is returned.
+        :returns: the attention output, ``[tokens, q_heads, head_size_v]`` (callers use this).
         """
         raise NotImplementedError(
             f"{AttentionBackend.__qualname__}.forward is the protocol; an attention backend "

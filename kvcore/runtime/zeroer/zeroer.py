@@ -12,7 +12,13 @@ import torch
 
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.runtime.zeroer.inputs import (
-    Segment, allocations, checked_views, host_ids, id_list, tensor_ids, views_of_groups,
+    Segment,
+    allocations,
+    checked_views,
+    host_ids,
+    id_list,
+    tensor_ids,
+    views_of_groups,
 )
 from kvcore.settings import Settings
 
