@@ -10,6 +10,8 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _hf_reference import prompts_for, reference  # noqa: E402
+
 import kvcore  # noqa: E402
 from kvcore import MambaSpec, MixerBackend, select_backend  # noqa: E402
 from kvcore.errors import KernelRequirementError, PluginError  # noqa: E402
@@ -19,7 +21,6 @@ from kvcore.hf.step import DecodeGraphs  # noqa: E402
 from kvcore.plugins import default_plugin_manager, reset_default_plugin_manager  # noqa: E402
 from kvcore.plugins.registry import get_backends  # noqa: E402
 from kvcore_torch import TorchMixerBackend  # noqa: E402
-from _hf_reference import prompts_for, reference  # noqa: E402
 
 KERNEL_ARCHS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2"]
 PROMPT_LENS = [9, 30, 1, 21]

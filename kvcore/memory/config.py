@@ -8,13 +8,7 @@ from typing import Any
 
 import attrs
 
-from kvcore._validate import (
-    as_int,
-    attrs_non_negative,
-    attrs_optional_positive,
-    attrs_positive,
-    positive_int,
-)
+from kvcore._validate import as_int, attrs_non_negative, attrs_optional_positive, attrs_positive, positive_int
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
@@ -107,9 +101,7 @@ class KVCacheConfig:
         converter=list, validator=_instances_of(KVCacheGroupSpec, each=True)
     )
     layout: KVCacheLayout = attrs.field(default=KVCacheLayout.LBNHC, converter=KVCacheLayout.parse)
-    num_state_blocks: int | None = attrs.field(
-        default=None, kw_only=True, validator=attrs_optional_positive
-    )
+    num_state_blocks: int | None = attrs.field(default=None, kw_only=True, validator=attrs_optional_positive)
 
     #: Whether the state groups have a region and block ids of their own.
     separate_state_pages = property(lambda self: self.num_state_blocks is not None)
@@ -153,8 +145,7 @@ class KVCacheConfig:
 
     def _pooled_specs(self) -> list[KVCacheSpec]:
         """Specs of the groups whose blocks come from the ``num_blocks`` pool."""
-        groups = self.kv_cache_groups
-        return [g.kv_cache_spec for i, g in enumerate(groups) if not self.in_state_region(i)]
+        return [g.kv_cache_spec for i, g in enumerate(self.kv_cache_groups) if not self.in_state_region(i)]
 
     def blocks_per_sequence(self, num_tokens: int) -> int:
         """Blocks one sequence of ``num_tokens`` tokens takes over all groups of the

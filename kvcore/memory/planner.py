@@ -331,27 +331,15 @@ def _plan_separate(
     specs: dict[str, KVCacheSpec], states: dict[str, KVCacheSpec], layout: KVCacheLayout,
     available_memory: int | None, num_blocks: int | None, num_state_blocks: int | None,
 ) -> KVCacheConfig:
-    """A plan whose state groups have a region of their own (``separate_state_pages``)."""
-    if num_state_blocks is None:
-        raise ValueError(
-            "separate_state_pages=True needs num_state_blocks: the state region's blocks, one per "
-            "sequence and state group plus the null block (KVCache.create defaults it to "
-            "max_num_seqs + 1)"
-        )
-    num_state_blocks = positive_int("num_state_blocks", num_state_blocks)
-    if num_state_blocks < _MIN_BLOCKS:
-        raise ValueError(
-            f"num_state_blocks={num_state_blocks} leaves no state slot (block 0 is the null "
-            "block); plan at least 2"
-        )
+    """A plan whose state groups have a region of their own, ``num_state_blocks`` blocks first."""
+    if num_state_blocks is None or positive_int("num_state_blocks", num_state_blocks) < _MIN_BLOCKS:
+        raise ValueError(f"separate_state_pages=True needs num_state_blocks >= 2 (a slot per sequence and "
+                         f"state group, and the null block), got {num_state_blocks!r}")
     others = group_layers({n: s for n, s in specs.items() if n not in states})
     cached = [g for g in others if not is_encoder_only(g)]
     if not cached:
-        raise ValueError(
-            f"separate_state_pages=True needs at least one layer beside the state caches "
-            f"{list(states)[:3]}; plan a model of state caches alone with the unified plan "
-            "(separate_state_pages=False)"
-        )
+        raise ValueError("separate_state_pages=True needs at least one layer beside the state caches; "
+                         "plan a model of state caches alone with separate_state_pages=False")
     state_groups = _cache_groups(dict(states))
     try:
         state_parts, state_bytes = _checked(state_groups, layout)

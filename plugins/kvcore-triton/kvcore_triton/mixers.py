@@ -44,7 +44,8 @@ def _mamba2_decode(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], 
     return layer.out_proj(y.to(dtype))[:, 0]
 
 
-def _short_conv_decode(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], slots: torch.Tensor) -> torch.Tensor:
+def _short_conv_decode(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], slots: torch.Tensor
+                       ) -> torch.Tensor:
     b, c, hidden = layer.in_proj(x).chunk(3, dim=-1)
     conv = layer.conv
     y = causal_conv1d_update(b * hidden, states[0], conv.weight.squeeze(1), conv.bias, slots)
