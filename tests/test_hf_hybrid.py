@@ -68,6 +68,15 @@ def test_tokens_equal_model_generate_with_chunks_waiting_and_stale_slots(models,
     assert "forward" not in vars(engine.mixers.layers[state[0].layer_names[0]].module)  # restored
 
 
+@pytest.mark.parametrize("arch", ["bamba", "lfm2", "qwen3_next"])
+def test_the_unified_plan_is_exact_too(models, references, arch):
+    prompts, expected = references
+    engine = make_engine(models[arch], separate_state_pages=False)
+    assert not engine.kv.config.separate_state_pages and engine.kv.state_pool is None
+    fill_stale(engine)
+    assert engine.generate(prompts, MAX_NEW) == expected[arch]
+
+
 @pytest.mark.parametrize("separate", [True, False])
 def test_zeroing_new_state_slots_is_load_bearing(models, references, monkeypatch, separate):
     prompts, expected = references
