@@ -15,8 +15,9 @@ from kvcore._validate import positive_int
 from kvcore.distributed import shard_spec
 from kvcore.errors import KVCoreError
 from kvcore.hf.attention_interface import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
-from kvcore.hf.mixers import MixerRunner
+from kvcore.hf.mixers import MixerRunner, is_decode
 from kvcore.hf.scheduler import Request, Scheduler, check_prompt
+from kvcore.hf.specs import check_checkpoint_tokens as checked_checkpoint_tokens
 from kvcore.hf.specs import check_hybrid_options, check_model, layer_specs, model_modules
 from kvcore.hf.step import DecodeGraphs, Step, StepBuilder, graphs_wanted
 from kvcore.hf.tp import resolve_tp
@@ -124,6 +125,8 @@ class Engine:
     :param mixer_backend: a hybrid's mixer backend name or class, or ``"auto"``.
     :param separate_state_pages: a hybrid's states in a region of their own with their own page
         size (``block_size`` sizes attention blocks alone); None: True for hybrids.
+    :param state_checkpoint_tokens: with prefix caching, a hybrid keeps its states at each multiple
+        of this many prompt tokens (a multiple of the block size; None: the block size).
     """
 
     def __init__(
@@ -143,6 +146,7 @@ class Engine:
         max_num_blocks: int | None = None,
         mixer_backend: Any = "auto",
         separate_state_pages: bool | None = None,
+        state_checkpoint_tokens: int | None = None,
     ) -> None:
         check_model(model)
         if not isinstance(enable_prefix_caching, bool):
@@ -167,9 +171,11 @@ class Engine:
         mixers = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
         attention = [n for n in specs if n not in mixers]
         separate = bool(mixers) and separate_state_pages is not False
+        checkpoint = settings.block_size if state_checkpoint_tokens is None else state_checkpoint_tokens
         if mixers:
             check_hybrid_options(config, len(attention), enable_prefix_caching, tp_size, cuda_graphs, separate)
             cuda_graphs = cuda_graphs if separate else False  # NOTE: padding rows need a slot nothing reads
+            checkpoint = checked_checkpoint_tokens(checkpoint, settings.block_size)
         modules = model_modules(model, list(specs))
         if num_blocks is None and available_memory is None:
             cuda = self.device.type == "cuda"
@@ -182,7 +188,8 @@ class Engine:
             max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
         )
         self._start_blocks = self.kv.num_blocks
-        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=settings.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=settings.max_num_batched_tokens,
+                                   state_checkpoint_tokens=checkpoint)
         if max_num_blocks is not None:
             self.scheduler.grow = self._grow_cache
         self.counts = self.scheduler.counts
@@ -319,10 +326,10 @@ class Engine:
         if not batch:
             raise RuntimeError("the scheduler found nothing to run although requests are waiting")
         t1 = clock()
-        graphed = self.graphs is not None and all(r.num_new_tokens == 1 for r, _ in batch)
+        graphed = self.graphs is not None and all(r.num_new_tokens == 1 and is_decode(r, n) for r, n in batch)
         size = self.graphs.bucket(len(batch)) if graphed else None
         if self.mixers is not None:
-            batch.sort(key=lambda entry: entry[1] != 1)  # NOTE: decodes first, one mixer call for them all
+            batch.sort(key=lambda entry: not is_decode(*entry))  # NOTE: decodes first, one mixer call for them all
         step = self.steps.build(batch, pad_to=size)
         metadata = mixer_step = None
         if not graphed:
@@ -331,6 +338,10 @@ class Engine:
                 mixer_step = self.mixers.plan(batch, self.scheduler.tables, step.common)
         t2 = clock()
         counts["blocks_zeroed"] += len(self.kv.begin_step())
+        if self.scheduler.checkpoints is not None:  # NOTE: restored checkpoints, after zeroing the slots
+            tables, groups = self.scheduler.tables, self.scheduler.checkpoints.groups
+            rows = [(r, {g: int(tables[g][r.row, 0]) for g in groups}) for r, _ in batch if r.restore]
+            self.mixers.copy_states(self.scheduler.checkpoints.take_restores(rows))
         t3 = clock()
         if graphed:
             counts["graph_steps"] += 1

@@ -19,15 +19,20 @@ from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
 
 
+def is_decode(request: Request | None, num_tokens: int) -> bool:
+    """Whether a scheduled entry runs in the step's one decode call (a token, and no checkpoint)."""
+    return num_tokens == 1 and not (request is not None and request.checkpoints)
+
+
 @attrs.frozen(eq=False)
 class MixerStep:
     """One step's mixer work: the first ``num_decodes`` columns of the packed row decode (their
     state slots per state group, on the device); then each prefill chunk (first column, tokens,
-    slot per state group)."""
+    slot per state group, and the checkpoints it passes: tokens into the chunk, block per group)."""
 
     num_decodes: int
     decode_slots: dict[int, torch.Tensor]
-    prefills: list[tuple[int, int, dict[int, int]]]
+    prefills: list[tuple[int, int, dict[int, int], list[tuple[int, dict[int, int]]]]]
     #: A warm-up pass on zero states outside the cache: the whole row is one sequence's chunk, or
     #: (``num_decodes``) single tokens of as many sequences.
     scratch: bool = False
@@ -56,19 +61,36 @@ class MixerLayer:
         out = torch.empty_like(hidden)
         if decodes:
             out[0, :decodes] = y
-        chunks: dict[int, list[tuple[int, int]]] = {}
-        for start, n, slots in step.prefills:  # NOTE: chunks of one length run as one batch
-            chunks.setdefault(n, []).append((start, slots[self.group_id]))
-        for n, found in chunks.items():
-            if len(found) == 1:
-                start, slot = found[0]
-                out[0, start : start + n] = backend.prefill(module, row[start : start + n], self.states, slot)
-                continue
-            batch = torch.stack([row[start : start + n] for start, _ in found])
-            y = backend.prefill_batch(module, batch, self.states, [slot for _, slot in found])
-            for (start, _), chunk in zip(found, y):
-                out[0, start : start + n] = chunk
+        g, pieces = self.group_id, []
+        for start, n, slots, cuts in step.prefills:  # NOTE: a chunk runs in pieces ending at its checkpoints
+            marks = {cut: blocks[g] for cut, blocks in cuts}
+            ends = sorted({*marks, n})
+            pieces.append([(start + a, b - a, slots[g], marks.get(b)) for a, b in zip([0, *ends], ends)])
+        for rank in range(max(map(len, pieces), default=0)):
+            now = [p[rank] for p in pieces if rank < len(p)]
+            chunks: dict[int, list[tuple[int, int]]] = {}
+            for start, n, slot, _ in now:  # NOTE: pieces of one length run as one batch
+                chunks.setdefault(n, []).append((start, slot))
+            for n, found in chunks.items():
+                if len(found) == 1:
+                    start, slot = found[0]
+                    out[0, start : start + n] = backend.prefill(module, row[start : start + n], self.states, slot)
+                    continue
+                batch = torch.stack([row[start : start + n] for start, _ in found])
+                ys = backend.prefill_batch(module, batch, self.states, [slot for _, slot in found])
+                for (start, _), y in zip(found, ys):
+                    out[0, start : start + n] = y
+            done = [(slot, ckpt) for _, _, slot, ckpt in now if ckpt is not None]
+            copy_slots(self.states, [s for s, _ in done], [c for _, c in done])
         return out
+
+
+def copy_slots(states: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """Copy each state of slots ``src`` to slots ``dst`` (a checkpoint taken or restored)."""
+    if src:
+        index = torch.tensor([src, dst], dtype=torch.long).to(states[0].device)
+        for state in states:
+            state.index_copy_(0, index[1], state.index_select(0, index[0]))
 
 
 class MixerRunner:
@@ -94,11 +116,13 @@ class MixerRunner:
         """This step's mixer work; ``batch`` lists its single-token entries first, ``tables`` are the
         scheduler's and ``common`` the step's metadata (whose state tables hold the slots)."""
         decodes = 0
-        while decodes < len(batch) and batch[decodes][1] == 1:
+        while decodes < len(batch) and is_decode(*batch[decodes]):
             decodes += 1
         prefills, start = [], decodes
         for request, n in batch[decodes:]:
-            prefills.append((start, n, {g: int(tables[g][request.row, 0]) for g in self.state_groups}))
+            slots = {g: int(tables[g][request.row, 0]) for g in self.state_groups}
+            cuts = [(depth - request.num_computed, blocks) for depth, blocks, _ in request.checkpoints]
+            prefills.append((start, n, slots, cuts))
             start += n
         slots = {g: common[g].block_table_tensor[:decodes, 0] for g in self.state_groups} if decodes else {}
         return MixerStep(decodes, slots, prefills)
@@ -111,6 +135,12 @@ class MixerRunner:
             yield
         finally:
             self.step = None
+
+    def copy_states(self, group_slots: dict[int, tuple[list[int], list[int]]]) -> None:
+        """Copy state slots of every mixer layer: group -> ``(src, dst)`` (restored checkpoints)."""
+        for layer in self.layers.values():
+            if layer.group_id in group_slots:
+                copy_slots(layer.states, *group_slots[layer.group_id])
 
     def scratch(self, decodes: int = 0) -> contextlib.AbstractContextManager[None]:
         """Run the mixers on zero states outside the cache for the duration (a warm-up pass of one

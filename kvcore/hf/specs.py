@@ -142,10 +142,10 @@ def check_hybrid_options(
             f"this {kind!r} config has mixer layers only; kvcore.hf serves hybrids with at least one "
             "attention layer (set the config's layer types)"
         )
-    if prefix_caching:
+    if prefix_caching and not separate_state_pages:
         raise ValueError(
-            f"prefix caching cannot serve the hybrid {kind!r}: its mixer states are kept per sequence, not per "
-            "block, so no cached block names the state after a prefix; pass enable_prefix_caching=False"
+            f"prefix caching serves the hybrid {kind!r} only with separate_state_pages (None or True), whose "
+            "state region keeps its checkpoints; pass enable_prefix_caching=False or separate_state_pages=None"
         )
     if tp_size > 1:
         raise ValueError(f"kvcore.hf serves the hybrid {kind!r} on one device only; its mixer states are not sharded")
@@ -154,6 +154,17 @@ def check_hybrid_options(
             f"CUDA graphs serve the hybrid {kind!r} only with separate_state_pages (None or True): padded "
             "decode rows then update a state slot that nothing reads; pass cuda_graphs=False or None"
         )
+
+
+def check_checkpoint_tokens(tokens: Any, block_size: int) -> int:
+    """``state_checkpoint_tokens``: a positive multiple of the attention block size."""
+    tokens = positive_int("state_checkpoint_tokens", tokens)
+    if tokens % block_size:
+        raise ValueError(
+            f"state_checkpoint_tokens={tokens} is not a multiple of the {block_size}-token attention block, so "
+            f"no cached prefix would end at a checkpoint; pass a multiple of {block_size} (or None for {block_size})"
+        )
+    return tokens
 
 
 def model_modules(model: torch.nn.Module, names: list[str]) -> dict[str, torch.nn.Module]:

@@ -149,7 +149,8 @@ class KVCache:
         # NOTE: mixer layers' backends run on state views; they take no part in the attention groups
         mixer_backends = {n: b for n, b in backends.items() if is_mixer_backend(b)}
         backends = {n: b for n, b in backends.items() if n not in mixer_backends}
-        regions = state_region_options(specs, separate_state_pages, num_state_blocks, max_num_seqs)
+        regions = state_region_options(specs, separate_state_pages, num_state_blocks, max_num_seqs,
+                                       enable_prefix_caching)
         pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
         supported = answers.common_layouts(pairs)
         if group is not None:  # NOTE: every rank agrees on one layout and one block count

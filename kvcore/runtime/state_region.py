@@ -20,9 +20,9 @@ from kvcore.specs import KVCacheSpec
 
 
 def state_region_options(specs: Mapping[str, KVCacheSpec], separate: Any, num_state_blocks: Any,
-                         max_num_seqs: int) -> dict[str, Any]:
+                         max_num_seqs: int, prefix_caching: bool = False) -> dict[str, Any]:
     """``plan_kv_cache``'s keywords (none without a region); by default the region holds a slot
-    per sequence and state group, and the null block."""
+    per sequence and state group, as many checkpoints with prefix caching, and the null block."""
     if not isinstance(separate, bool):
         raise TypeError(f"separate_state_pages must be True or False, got {separate!r}")
     if num_state_blocks is not None and not separate:
@@ -32,7 +32,7 @@ def state_region_options(specs: Mapping[str, KVCacheSpec], separate: Any, num_st
     if not separate or not states:
         return {}
     if num_state_blocks is None:
-        num_state_blocks = max_num_seqs * len(group_layers(states)) + 1
+        num_state_blocks = (2 if prefix_caching else 1) * max_num_seqs * len(group_layers(states)) + 1
     return {"separate_state_pages": True, "num_state_blocks": positive_int("num_state_blocks", num_state_blocks)}
 
 
