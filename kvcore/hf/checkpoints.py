@@ -24,15 +24,15 @@ class StateCheckpoints:
 
     def plan(self, request, num_tokens: int, num_running: int) -> None:
         """Blocks for the checkpoints ``request`` passes in its next ``num_tokens`` prefill tokens
-        (multiples of ``tokens`` up to its prompt, not cached yet), while slots stay free for the
-        sequences still to be admitted; those it cannot have are skipped."""
+        (multiples of ``tokens`` up to its prompt, not cached yet), deepest first while slots stay
+        free for the sequences still to be admitted; those it cannot have are skipped."""
         start, size = request.num_computed, self.tokens
         last = min(start + num_tokens, request.prompt_len) // size
         if last * size <= start:
             return
         hashes = self.hashes(request, size, last)
         spare = self.pool.num_free_blocks - len(self.groups) * (self.max_num_seqs - num_running)
-        for index in range(start // size, last):
+        for index in range(last - 1, start // size - 1, -1):
             key = hashes[index]
             if any(self.pool.find_cached_prefix([key], group_id=g) for g in self.groups):
                 continue  # NOTE: another request checkpointed that prefix already
@@ -40,7 +40,7 @@ class StateCheckpoints:
                 break
             blocks = dict(zip(self.groups, self.pool.allocate(len(self.groups))))
             spare -= len(self.groups)
-            request.checkpoints.append(((index + 1) * size, blocks, key))
+            request.checkpoints.insert(0, ((index + 1) * size, blocks, key))
 
     def take_restores(self, requests: Sequence) -> dict[int, tuple[list[int], list[int]]]:
         """Per group, ``(checkpoints, slots)`` to copy before the step runs (``requests``: pairs of a
