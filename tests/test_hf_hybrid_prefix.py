@@ -10,9 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _hf_reference import prompts_for, reference  # noqa: E402
+
 from kvcore.hf import Engine  # noqa: E402
 from kvcore.hf.models import model_config, random_model  # noqa: E402
-from _hf_reference import prompts_for, reference  # noqa: E402
 
 HYBRIDS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2", "qwen3_next"]
 MAX_NEW = 4
