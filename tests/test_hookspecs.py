@@ -1,4 +1,4 @@
-"""Every hook is documented, flagged as SPEC §4 says, and has a core default."""
+"""Every hook is documented, flagged first-result where it stops at the first answer, and has a core default."""
 
 from __future__ import annotations
 

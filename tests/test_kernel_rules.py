@@ -1,4 +1,4 @@
-"""KernelRequirements in KVCache.create (SPEC §14) and what a customize hook may change (SPEC §9).
+"""KernelRequirements in KVCache.create, and what a customize hook may change (only padding and alignment).
 
 Each test registers fake backends in-process on a fresh manager; the plans
 are tiny (6 blocks of 16 tokens) and the views are checked over a meta
@@ -213,7 +213,7 @@ def test_a_backend_that_is_no_backend_names_the_layer():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvcore.plugins.kernel_rules import kernel_views  # noqa: E402
+from kvcore.plugins.rules import kernel_views  # noqa: E402
 
 
 @settings(max_examples=25, deadline=None)
@@ -234,7 +234,21 @@ def test_the_views_checked_are_the_views_allocated(layout, block, sizes, tokens_
         kv = create(pm, specs, layout=layout, num_blocks=3)
     except ValueError:
         return  # a packed split this layout cannot hold: refused before allocating
-    checked = kernel_views(kv.config, kv.negotiation)
+    checked = kernel_views(kv.config, kv.negotiation.groups)
     for name, view in kv.layer_kv_caches.items():
         assert (checked[name].shape, checked[name].stride()) == (view.shape, view.stride())
         assert checked[name].storage_offset() == view.storage_offset()
+
+
+def test_a_refused_layout_is_kept_with_its_reason_and_explained():
+    pm = manager(Rules(KernelRequirements(max_stride_elements=1024), layouts=["BLNHC", "LBNHC"]))
+    negotiation = kvcore.negotiate(LAYERS, dict.fromkeys(LAYERS, "ruled"), device="cpu", num_blocks=6,
+                                   max_num_seqs=2, max_model_len=64, plugin_manager=pm)
+    refused, chosen = negotiation.candidates
+    assert (refused.layout, chosen.layout, negotiation.layout) == (KVCacheLayout.BLNHC, KVCacheLayout.LBNHC,
+                                                                   KVCacheLayout.LBNHC)
+    assert "rule max_stride_elements needs every stride below 1024 elements, got 2048" in refused.refusal
+    assert chosen.refusal is None and chosen.config == negotiation.config
+    text = negotiation.explain()
+    assert "layout LBNHC: the first candidate that meets every kernel rule" in text
+    assert f"BLNHC: {refused.refusal}" in text and "LBNHC: meets every rule" in text

@@ -21,7 +21,9 @@ from kvcore.hf.specs import check_checkpoint_tokens as checked_checkpoint_tokens
 from kvcore.hf.specs import check_hybrid_options, check_model, layer_specs, model_modules
 from kvcore.hf.step import DecodeGraphs, Step, StepBuilder, graphs_wanted
 from kvcore.hf.tp import resolve_tp
-from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
+from kvcore.plugins.answers import HookAnswers
+from kvcore.plugins.auto import AUTO
+from kvcore.plugins.negotiate import default_block_size, resolve_backends
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs import KVCacheSpec, MambaSpec
 
@@ -79,30 +81,24 @@ def resolve_defaults(
     make_specs: Callable[[int], Mapping[str, KVCacheSpec]], device: torch.device, backend: Any,
     block_size: int | None, max_num_batched_tokens: int | None, *, unified_states: bool = False,
 ) -> EngineDefaults:
-    """Resolve ``"auto"`` per layer, the block size (the first attention layer's backend's preference,
+    """The negotiation stage's answers for an engine: each attention layer's backend (``"auto"``
+    asked once per distinct spec), the block size the backends prefer (16 when none states one;
     grown for a hybrid's ``unified_states`` plan until an attention page holds a state page) and the
     step budget. ``make_specs(block_size)`` gives the layer specs."""
+    answers = HookAnswers()
     specs = make_specs(BLOCK_SIZE if block_size is None else block_size)
-
-    def pick(spec: KVCacheSpec) -> Any:
-        return select_backend(spec, device) if isinstance(backend, str) and backend == AUTO else backend
-
-    attention = [s for s in specs.values() if s.is_attention]
-    if block_size is None and attention:
-        block_size = preferred_block_size(pick(attention[0]), attention[0]) or BLOCK_SIZE
-        states = [s.real_page_size_bytes for s in specs.values() if not s.is_attention and s.has_cache_pages]
-        page = max(s.real_page_size_bytes for s in attention)
-        # NOTE: pages are unified to the largest (SPEC §6); growing the attention block until its page
-        # holds a state page wastes less than padding it, unless the state page is under two of them.
-        if states and unified_states and max(states) >= 2 * page:
-            block_size *= -(-max(states) // page)
+    chosen = dict.fromkeys((n for n, s in specs.items() if s.is_attention), backend)
+    if block_size is None:
+        backends = resolve_backends(specs, chosen, answers, device)[0]
+        block_size = default_block_size(specs, backends, answers, BLOCK_SIZE, separate_state_pages=not unified_states)
         if block_size != BLOCK_SIZE:
             specs = make_specs(block_size)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = BATCHED_TOKENS.get(device.type, BATCHED_TOKENS["cpu"])
     budget = positive_int("max_num_batched_tokens", max_num_batched_tokens)
-    backends = {n: pick(s) for n, s in specs.items() if s.is_attention}
-    return EngineDefaults(block_size or BLOCK_SIZE, budget, backends, specs)
+    if isinstance(backend, str) and backend == AUTO:
+        chosen = resolve_backends(specs, chosen, answers, device)[0]
+    return EngineDefaults(block_size, budget, chosen, specs)
 
 
 class Engine:
