@@ -161,8 +161,8 @@ def test_hybrids_kvcore_cannot_own_are_refused_by_name(make, name, why):
 
 
 def test_prefix_caching_cuda_graphs_and_mixers_alone_are_refused(models):
-    with pytest.raises(ValueError, match="prefix caching"):
-        make_engine(models["lfm2"], enable_prefix_caching=True)
+    with pytest.raises(ValueError, match="prefix caching serves the hybrid 'lfm2' only with separate_state_pages"):
+        make_engine(models["lfm2"], enable_prefix_caching=True, separate_state_pages=False)
     with pytest.raises(ValueError, match="CUDA graphs serve the hybrid 'lfm2' only with separate_state_pages"):
         make_engine(models["lfm2"], cuda_graphs=True, separate_state_pages=False)
     with pytest.raises(ValueError, match="mixer layers only"):
