@@ -186,11 +186,13 @@ def run_check(args: argparse.Namespace, engine_kwargs: dict[str, Any],
                                max_new_tokens=args.check_new_tokens)[0, len(q):].tolist()
                 for q in checks]
     # NOTE: a small token budget admits requests over several steps, so later ones hit the cache.
+    # NOTE: a hybrid's state region keeps a slot and a checkpoint per sequence: 32 sequences at once.
     small_kwargs = {**engine_kwargs, "num_blocks": None, "available_memory": 1 << 30,
-                    "max_num_batched_tokens": 2 * args.check_prompt_len}
+                    "max_num_batched_tokens": 2 * args.check_prompt_len,
+                    "max_num_seqs": min(engine_kwargs["max_num_seqs"], 32)}
     out = {"requests": len(checks), "new_tokens": args.check_new_tokens,
            "prompt_len": args.check_prompt_len}
-    for caching in (False,) if args.model == "hybrid" else (False, True):
+    for caching in (False, True):
         result, got = run_kvcore(model, checks, checks[:2], args.check_new_tokens,
                                  {**small_kwargs, "enable_prefix_caching": caching})
         key = "prefix_caching" if caching else "plain"
