@@ -221,14 +221,7 @@ def load_model_file(model: str | Path, *, block_size: int | None = None) -> Mode
         layer_specs = parse_model(data, block_size=block_size)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
-    separate = data.get("separate_state_pages", False)
-    blocks = data.get("num_state_blocks", DEFAULT_STATE_BLOCKS if separate else None)
-    if not isinstance(separate, bool) or (blocks is not None and (type(blocks) is not int or blocks < 2)):
-        raise ValueError(
-            f"{path}: separate_state_pages must be true or false and num_state_blocks an integer of "
-            f"at least 2 (one block per sequence plus the null block), got {separate!r} and {blocks!r}"
-        )
-    options = {"separate_state_pages": True, "num_state_blocks": blocks} if separate else {}
-    if blocks is not None and not separate:
-        raise ValueError(f"{path}: num_state_blocks sizes a separate state region; add separate_state_pages = true")
+    options = {k: data[k] for k in ("separate_state_pages", "num_state_blocks") if k in data}
+    if options.get("separate_state_pages") is True:
+        options.setdefault("num_state_blocks", DEFAULT_STATE_BLOCKS)
     return ModelDescription(str(data.get("name", path.stem)), str(path), layer_specs, options)

@@ -137,8 +137,7 @@ def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
     kept = [g for g in groups if g["keeps_cache"]]
     # NOTE: a state-only model holds sequences of any length, one block per group each.
     state_only = bool(kept) and all(g["is_state"] for g in kept)
-    region = min((t.offset for t in tensors if config.num_blocks_of(t) == config.num_blocks
-                  and not config.in_state_region(config.group_of(t.layers[0])[0])), default=0)
+    region = min((t.offset for t in tensors if not config.in_state_region(config.group_of(t.layers[0])[0])), default=0)
     return {
         "model": model.name,
         "source": model.source,
@@ -213,8 +212,7 @@ def _capacity_line(summary: dict[str, Any]) -> tuple[str, str]:
         )
     states = sum(g["is_state"] for g in groups)
     state_text = f"; each of the {states} state groups takes 1 block" if states else ""
-    if summary["num_state_blocks"]:
-        state_text = "; its states take a slot of the state region"
+    state_text = "; its states take a slot of the state region" if summary["num_state_blocks"] else state_text
     return "token capacity", (
         f"{summary['token_capacity']:,} tokens in one sequence (every group keeping all its "
         f"blocks, rounded up to whole blocks{state_text})"
@@ -245,10 +243,8 @@ def print_plan(summary: dict[str, Any]) -> None:
     region, state_blocks = summary["state_region_bytes"], summary["num_state_blocks"]
     if state_blocks:
         tensor_columns.append(Column("offset", right=True))
-        for row, t in zip(rows, summary["tensors"]):
-            row.append(format_bytes(t["offset"]))
-        title = (f"tensors (one allocation: the state region's groups overlaid from byte 0, the "
-                 f"others from byte {region:,})")
+        rows = [[*row, format_bytes(t["offset"])] for row, t in zip(rows, summary["tensors"])]
+        title = f"tensors (one allocation: the state region's groups from byte 0, the others from byte {region:,})"
     print(f"\n{render(tensor_columns, rows, title=title, width=width)}\n")
     usable = summary["usable_blocks"]
     lines = [
@@ -258,10 +254,8 @@ def print_plan(summary: dict[str, Any]) -> None:
         _capacity_line(summary),
     ]
     if state_blocks:
-        ids = [g["id"] for g in summary["groups"] if g["in_state_region"]]
-        lines.insert(2, ("state region", (
-            f"{format_bytes_exact(region)}: {state_blocks:,} blocks of its own ({state_blocks - 1:,} "
-            f"usable), a slot per sequence in each of groups {format_ranges(ids)}")))
+        lines.insert(2, ("state region", f"{format_bytes_exact(region)}: {state_blocks:,} blocks of its own "
+                         f"({state_blocks - 1:,} usable), a slot per sequence in each state group"))
     for label, text in lines:
         print(textwrap.fill(text, width, initial_indent=f"{label + ':':<17}",
                             subsequent_indent=" " * 17))

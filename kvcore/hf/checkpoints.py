@@ -10,12 +10,9 @@ from kvcore.runtime.block_pool import BlockPool
 
 
 class StateCheckpoints:
-    """The state pool's checkpoints, for the scheduler of one engine.
-
-    A request carries ``restore`` (group -> the cached checkpoint it copies into its slot, a
-    reference held until the copy is issued) and ``checkpoints`` (this step's: boundary, group ->
-    block, group -> hash), blocks held until the step has written them and they are cached.
-    """
+    """The state pool's checkpoints, for one engine's scheduler. A request carries ``restore``
+    (group -> the checkpoint to copy into its slot, held until the copy is issued) and this step's
+    ``checkpoints`` (depth, group -> block, hash), held until written and cached."""
 
     def __init__(self, pool: BlockPool, groups: Sequence[int], tokens: int,
                  hashes: Callable[..., list[bytes]], max_num_seqs: int) -> None:
@@ -43,9 +40,8 @@ class StateCheckpoints:
             request.checkpoints.insert(0, ((index + 1) * size, blocks, key))
 
     def take_restores(self, requests: Sequence) -> dict[int, tuple[list[int], list[int]]]:
-        """Per group, ``(checkpoints, slots)`` to copy before the step runs (``requests``: pairs of a
-        request and its slot per group); the references are dropped (no block is handed out before
-        the copy, which the device runs in order)."""
+        """Per group, ``(checkpoints, slots)`` to copy before the step runs (``requests``: a request
+        and its slot per group each); the references go (no block is handed out before the copy)."""
         pairs: dict[int, tuple[list[int], list[int]]] = {}
         for request, slots in requests:
             for g, block in request.restore.items():

@@ -86,12 +86,9 @@ def is_state_spec(spec: KVCacheSpec) -> bool:
 class KVCacheConfig:
     """A planned KV cache: ``num_blocks`` blocks shared by all groups, which overlay each other
     from byte 0 of one allocation; a sequence of T tokens takes ``max_num_blocks_per_req(T)``
-    blocks in every group that keeps a cache (no sliding-window discount).
-
-    With ``num_state_blocks`` (separate state pages) the state groups overlay each other in a
-    region of their own at the start of the allocation, with ``num_state_blocks`` block ids of
-    their own; ``num_blocks`` then counts the other groups' blocks, after that region.
-    """
+    blocks in every group that keeps a cache (no sliding-window discount). With ``num_state_blocks``
+    (separate state pages) the state groups have a region of their own first, with that many block
+    ids; ``num_blocks`` counts the other groups' blocks, after it."""
 
     num_blocks: int = attrs.field(validator=attrs_positive)
     kv_cache_tensors: list[KVCacheTensor] = attrs.field(
@@ -148,8 +145,7 @@ class KVCacheConfig:
         return [g.kv_cache_spec for i, g in enumerate(self.kv_cache_groups) if not self.in_state_region(i)]
 
     def blocks_per_sequence(self, num_tokens: int) -> int:
-        """Blocks one sequence of ``num_tokens`` tokens takes over all groups of the
-        ``num_blocks`` pool (a separate state region's slots not counted)."""
+        """Blocks one sequence of ``num_tokens`` tokens takes in the ``num_blocks`` pool's groups."""
         num_tokens = positive_int("num_tokens", num_tokens)
         specs = self._pooled_specs()
         return sum(s.max_num_blocks_per_req(num_tokens) for s in specs if s.has_cache_pages)

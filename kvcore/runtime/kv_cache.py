@@ -12,7 +12,7 @@ import torch
 
 from kvcore._validate import as_int
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.elastic import ElasticMemory, reserve_elastic
+from kvcore.memory.elastic import ElasticMemory, block_byte_ranges, reserve_elastic
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.views import allocate_kv_cache, checked_device
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
@@ -21,7 +21,6 @@ from kvcore.plugins.negotiate import negotiate
 from kvcore.plugins.negotiation import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
-from kvcore.runtime.state_region import state_region
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
 from kvcore.specs import KVCacheSpec
@@ -99,11 +98,15 @@ class KVCache:
         kv_caches = allocate_kv_cache(config, device, None, negotiation.allocation_kernel_block_sizes,
                                       buffer=None if elastic is None else elastic.backing.tensor)
         views = {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}
-        state = state_region(config, views, device, settings, enable_prefix_caching)
+        state_pool = state_zeroer = None
+        states = {n: views.pop(n) for n in list(views) if config.in_state_region(config.group_of(n)[0])}
+        if states:  # NOTE: a separate state region: its own pool and zeroer; an elastic cache keeps it committed
+            state_pool = BlockPool(config.num_state_blocks, enable_caching=enable_prefix_caching)
+            state_zeroer = KVBlockZeroer.from_views(device, states, config.num_state_blocks, settings=settings)
         if elastic is not None:
             elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
-                           for name, view in kv_caches.items() if name not in state.views},
-                          fixed=state.byte_ranges)  # fmt: skip
+                           for name, view in kv_caches.items() if name not in states},
+                          fixed=block_byte_ranges(states, config.num_state_blocks) if states else ())  # fmt: skip
             elastic.resize(negotiation.num_blocks)
         layer_kv_caches = negotiation.kernel_views(kv_caches)
         attn_groups = [[AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups]
@@ -127,8 +130,8 @@ class KVCache:
             elastic,
             settings,
             {n: b for n, b in negotiation.layer_backends.items() if is_mixer_backend(b)},
-            state.pool,
-            state.zeroer,
+            state_pool,
+            state_zeroer,
         )
 
     @property
