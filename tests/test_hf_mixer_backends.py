@@ -21,8 +21,11 @@ from kvcore.hf.step import DecodeGraphs  # noqa: E402
 from kvcore.plugins import default_plugin_manager, reset_default_plugin_manager  # noqa: E402
 from kvcore.plugins.registry import get_backends  # noqa: E402
 from kvcore_torch import TorchMixerBackend  # noqa: E402
+from kvcore_triton._checks import INTERPRETED  # noqa: E402
 
 KERNEL_ARCHS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2"]
+#: kvcore-triton's kernels on the CPU models of these tests: through the interpreter only.
+interpreted = pytest.mark.skipif(not INTERPRETED, reason="kvcore-triton runs CPU tensors through the interpreter only")
 PROMPT_LENS = [9, 30, 1, 21]
 MAX_NEW = 5
 
@@ -159,6 +162,7 @@ def test_register_checks_the_mixer_protocol(attributes, problem):
         get_backends(pm)
 
 
+@interpreted
 @pytest.mark.parametrize("arch", KERNEL_ARCHS)
 def test_triton_mixer_kernels_give_model_generate_tokens(models, references, arch):
     prompts, expected = references
@@ -169,11 +173,13 @@ def test_triton_mixer_kernels_give_model_generate_tokens(models, references, arc
     assert engine.stats().steps > max(PROMPT_LENS) // 16 + MAX_NEW  # NOTE: chunked prefill beside decodes
 
 
+@interpreted
 def test_triton_mixer_refuses_a_gated_delta_net_by_name(models):
     with pytest.raises(KernelRequirementError, match=r"triton-mixer.*not 'gated_delta_net' \(rule: mamba_types\)"):
         Engine(models["qwen3_next"], num_blocks=12, mixer_backend="triton-mixer")
 
 
+@interpreted
 @pytest.mark.parametrize("separate", [True, False])
 def test_preemption_and_more_sequences_than_slots_through_the_kernels(models, separate):
     model = models["granitemoehybrid"]
@@ -234,3 +240,25 @@ def test_the_hybrid_default_block_is_the_attention_backends_not_grown_for_states
                     num_blocks=8, max_num_seqs=2)
     attention = next(g for g in engine.kv.config.kv_cache_groups if not isinstance(g.kv_cache_spec, MambaSpec))
     assert attention.kv_cache_spec.block_size == 16 and engine.kv.config.separate_state_pages
+
+
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("arch", ["bamba", "nemotron_h", "lfm2", "qwen3_next"])
+@pytest.mark.parametrize("caching", [False, True])
+def test_gpu_defaults_serve_hybrids_exactly_with_kernels_and_cuda_graphs(arch, caching, monkeypatch):
+    # NOTE: cuDNN's TF32 convolutions (transformers' reference prefill) round by call shape: off for equality.
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    model = random_model(model_config(arch), seed=2, device="cuda")
+    common = prompts_for([40], seed=21)[0]
+    prompts = [common[: 8 * k] + p for k, p in zip([5, 5, 2, 0, 4, 3], prompts_for([9, 30, 1, 21, 6, 13], seed=22))]
+    want = [model.generate(torch.tensor([p], device="cuda"), max_new_tokens=8, do_sample=False)[0, len(p):].tolist()
+            for p in prompts]
+    engine = Engine(model, num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=64,
+                    enable_prefix_caching=caching)
+    expected = {"triton-mixer"} if arch != "qwen3_next" else {"torch-mixer"}
+    assert {b.name for b in engine.kv.mixer_backends.values()} == expected
+    assert (engine.graphs is not None) == (arch != "qwen3_next")
+    assert [engine.generate([p], 8)[0] for p in prompts[:2]] + engine.generate(prompts[2:], 8) == want
+    assert engine.stats().graph_steps > 0 or engine.graphs is None
+    assert (engine.stats().prefix_cache_hit_tokens > 0) == caching

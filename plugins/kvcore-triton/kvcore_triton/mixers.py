@@ -30,14 +30,16 @@ def _mamba2_decode(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], 
         projected = projected * mup.reshape(-1)
     inner, groups, size = layer.intermediate_size, layer.n_groups, layer.ssm_state_size
     gate, xbc, dt = projected.split([inner, layer.conv_dim, layer.num_heads], dim=-1)
+    # NOTE: slot values are checked on CPU tensors only: no environment read, no sync per step on a GPU
+    check = slots.device.type == "cpu"
     xbc = causal_conv1d_update(xbc, conv, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, slots,
-                               activation=layer.activation)
+                               activation=layer.activation, validate=check)
     hidden, b, c = xbc.split([inner, groups * size, groups * size], dim=-1)
     normed = getattr(layer, "mamba_rms_norm", True)  # NOTE: FalconH1 without its norm gates in the scan
     y = selective_state_update(
         recurrent, hidden.view(rows, layer.num_heads, layer.head_dim), dt, layer.A_log,
         b.view(rows, groups, size), c.view(rows, groups, size), layer.D, layer.dt_bias, slots,
-        z=None if normed else gate.reshape(rows, layer.num_heads, layer.head_dim),
+        z=None if normed else gate.reshape(rows, layer.num_heads, layer.head_dim), validate=check,
     ).view(rows, 1, inner)
     if normed:
         y = layer.norm(y, gate.unsqueeze(1))
@@ -48,7 +50,8 @@ def _short_conv_decode(layer: Any, x: torch.Tensor, states: Sequence[torch.Tenso
                        ) -> torch.Tensor:
     b, c, hidden = layer.in_proj(x).chunk(3, dim=-1)
     conv = layer.conv
-    y = causal_conv1d_update(b * hidden, states[0], conv.weight.squeeze(1), conv.bias, slots)
+    y = causal_conv1d_update(b * hidden, states[0], conv.weight.squeeze(1), conv.bias, slots,
+                             validate=slots.device.type == "cpu")
     return layer.out_proj(c * y)
 
 

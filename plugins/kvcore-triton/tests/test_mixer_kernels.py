@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvcore.testing import DEVICE
 from kvcore_triton.mixer_kernels import causal_conv1d_update, selective_state_update
 
 
@@ -53,15 +54,18 @@ def test_conv_update_matches_the_reference_and_touches_only_listed_slots(rows, d
     x = torch.randn(rows, 2 * dim, generator=gen)[:, ::2]  # NOTE: a strided slice, as after a split
     weight, b = torch.randn(dim, kernel, generator=gen), torch.randn(dim, generator=gen) if bias else None
     want, new = conv_reference(x, before, weight, b, slots, silu)
-    out = torch.full((rows, dim), float("nan"))
-    causal_conv1d_update(x, state, weight, b, slots, activation="silu" if silu else None, out=out)
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    dev_buf = buf.to(DEVICE)
+    dev_state = dev_buf[7:].as_strided(state.shape, state.stride())
+    out = torch.full((rows, dim), float("nan"), device=DEVICE)
+    causal_conv1d_update(x.to(DEVICE), dev_state, weight.to(DEVICE), None if b is None else b.to(DEVICE),
+                         slots.to(DEVICE), activation="silu" if silu else None, out=out)
+    torch.testing.assert_close(out.cpu(), want, rtol=1e-5, atol=1e-5)
     expected = before.clone()
     expected[slots.long()] = new
-    assert torch.equal(state, expected)
+    assert torch.equal(dev_state.cpu(), expected)
     outside = torch.ones_like(buf, dtype=torch.bool)
     outside[7:].as_strided(state.shape, state.stride()).fill_(False)
-    assert torch.equal(buf[outside], buf_before[outside])  # NOTE: other layers' bytes untouched
+    assert torch.equal(dev_buf.cpu()[outside], buf_before[outside])  # NOTE: other layers' bytes untouched
 
 
 @settings(max_examples=12, deadline=None)
@@ -81,7 +85,10 @@ def test_state_update_matches_the_reference(rows, heads_per_group, groups, head_
     b, c = torch.randn(rows, groups, size, generator=gen), torch.randn(rows, groups, size, generator=gen)
     z = torch.randn(rows, heads, head_dim, generator=gen) if gate else None
     want, new = ssm_reference(before, x, dt, a_log, b, c, d, dt_bias, slots, z)
-    out = selective_state_update(state, x, dt, a_log, b, c, d, dt_bias, slots, z=z)
+    on = [t.to(DEVICE) if t is not None else None for t in (x, dt, a_log, b, c, d, dt_bias, slots, z)]
+    state = state.to(DEVICE)
+    out = selective_state_update(state, *on[:8], z=on[8]).cpu()
+    state = state.cpu()
     torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
     expected = before.clone()
     expected[slots] = new
@@ -98,7 +105,9 @@ def test_bfloat16_activations_over_float32_states():
     params = [torch.randn(2, generator=gen) for _ in range(3)]
     slots = torch.tensor([2, 0])
     want, new = ssm_reference(state.clone(), x, dt, params[0], b, c, params[1], params[2], slots, None)
-    out = selective_state_update(state, x, dt, params[0], b, c, params[1], params[2], slots)
+    state = state.to(DEVICE)
+    out = selective_state_update(state, *(t.to(DEVICE) for t in (x, dt, params[0], b, c, params[1], params[2], slots)))
+    out, state = out.cpu(), state.cpu()
     assert out.dtype == torch.bfloat16 and state.dtype == torch.float32
     torch.testing.assert_close(out, want, rtol=2e-2, atol=2e-2)
     torch.testing.assert_close(state[slots], new, rtol=1e-2, atol=1e-2)
@@ -106,13 +115,13 @@ def test_bfloat16_activations_over_float32_states():
 
 def test_out_of_range_slots_store_nothing_when_unchecked():
     gen = torch.Generator().manual_seed(1)
-    state = torch.randn(3, 6, 4, generator=gen)
+    state = torch.randn(3, 6, 4, generator=gen).to(DEVICE)
     before = state.clone()
-    x, weight = torch.randn(2, 6, generator=gen), torch.randn(6, 4, generator=gen)
-    out = causal_conv1d_update(x, state, weight, None, torch.tensor([5, -1]), validate=False)
+    x, weight = torch.randn(2, 6, generator=gen).to(DEVICE), torch.randn(6, 4, generator=gen).to(DEVICE)
+    out = causal_conv1d_update(x, state, weight, None, torch.tensor([5, -1], device=DEVICE), validate=False)
     assert torch.equal(state, before) and torch.equal(out, torch.zeros_like(out))
     with pytest.raises(ValueError, match=r"slot ids must be in \[0, 3\), got 5"):
-        causal_conv1d_update(x, state, weight, None, torch.tensor([5, 1]))
+        causal_conv1d_update(x, state, weight, None, torch.tensor([5, 1], device=DEVICE), validate=True)
     assert torch.equal(state, before)
 
 
@@ -127,18 +136,18 @@ def test_out_of_range_slots_store_nothing_when_unchecked():
     ],
 )
 def test_conv_update_refuses_bad_input_before_launching(change, message):
-    state = torch.zeros(3, 6, 4)
+    state = torch.zeros(3, 6, 4, device=DEVICE)
     args = {"x": torch.ones(2, 6), "weight": torch.ones(6, 4), "slots": torch.tensor([0, 1]), "activation": None,
             **change}
+    on = {k: v.to(DEVICE) if isinstance(v, torch.Tensor) else v for k, v in args.items()}
     with pytest.raises(ValueError, match=message):
-        causal_conv1d_update(args["x"], state, args["weight"], None, args["slots"], activation=args["activation"])
+        causal_conv1d_update(on["x"], state, on["weight"], None, on["slots"], activation=on["activation"])
     assert not state.any()
 
 
 def test_state_update_refuses_heads_that_are_no_multiple_of_groups():
-    state = torch.zeros(2, 3, 4, 8)
-    ones = torch.ones(3)
+    state, ones = torch.zeros(2, 3, 4, 8, device=DEVICE), torch.ones(3, device=DEVICE)
+    x, dt, bc = torch.ones(1, 3, 4, device=DEVICE), torch.ones(1, 3, device=DEVICE), torch.ones(1, 2, 8, device=DEVICE)
     with pytest.raises(ValueError, match=r"do not fit state \(2, 3, 4, 8\) \(heads a multiple of groups\)"):
-        selective_state_update(state, torch.ones(1, 3, 4), torch.ones(1, 3), ones, torch.ones(1, 2, 8),
-                               torch.ones(1, 2, 8), ones, ones, torch.tensor([1]))
+        selective_state_update(state, x, dt, ones, bc, bc, ones, ones, torch.tensor([1], device=DEVICE))
     assert not state.any()
