@@ -21,6 +21,7 @@ from kvcore.plugins.negotiate import negotiate
 from kvcore.plugins.negotiation import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
+from kvcore.runtime.quant import layer_metadata, per_tensor_scales, quant_states, scale_caches_of
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
 from kvcore.specs import KVCacheSpec
@@ -32,6 +33,8 @@ class KVCache:
 
     ``kv_caches`` are the views as allocated (KV connectors use them), ``layer_kv_caches``
     the views kernels take; ``attn_groups[g]`` are KV cache group ``g``'s attention groups.
+    Quantized: ``scale_caches`` (per-token-head layers' float32 ``[B, H, N, 2]`` K and V scales,
+    addressed like ``kv_caches``), ``kv_scales`` (per-tensor layers' ``(k, v)``).
     Call :meth:`begin_step` once per step, after allocating blocks and before kernels run.
     """
 
@@ -48,6 +51,9 @@ class KVCache:
     negotiation: Negotiation = attrs.field(repr=False)
     elastic: ElasticMemory | None = attrs.field(repr=False)  # NOTE: None: a plain allocation
     settings: Settings = attrs.field(repr=False)  # NOTE: read once, in create
+    scale_caches: dict[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
+    kv_scales: dict[str, tuple[float, float]] = attrs.field(factory=dict)
+    quant_states: dict[str, Any] = attrs.field(factory=dict, repr=False)  # NOTE: into each layer's metadata
     #: Each mixer layer's backend (layers ``layer_backends`` mapped to a ``MixerBackend``).
     mixer_backends: dict[str, type[MixerBackend]] = attrs.field(factory=dict, repr=False)
     #: With separate state pages, the state groups' own block pool and zeroer (else None).
@@ -70,6 +76,7 @@ class KVCache:
         group: Any = None,
         max_num_blocks: int | None = None,
         enable_prefix_caching: bool = False,
+        kv_cache_dtype: str = "auto",
         separate_state_pages: bool = False,
         num_state_blocks: int | None = None,
     ) -> KVCache:
@@ -81,6 +88,8 @@ class KVCache:
         count. With ``max_num_blocks`` the cache is elastic: planned for that many
         blocks, memory committed for ``num_blocks`` (or what ``available_memory`` buys;
         neither: all), changed later by :meth:`resize`. The stages: :func:`kvcore.negotiate` decides,
+        then the cache is allocated and wired from its record. ``kv_cache_dtype`` other than "auto"
+        stores attention layers quantized (docs/quantized-cache.md).
         then the cache is allocated and wired from its record. ``separate_state_pages``: state caches
         in a region of their own, ``num_state_blocks`` blocks (default: a slot per sequence, twice
         that with prefix caching) with a pool of their own (:attr:`state_pool`).
@@ -91,21 +100,27 @@ class KVCache:
             available_memory=available_memory, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, plugin_manager=plugin_manager, group=group,
             max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching, settings=settings,
+            kv_cache_dtype=kv_cache_dtype,
             separate_state_pages=separate_state_pages, num_state_blocks=num_state_blocks,
         )
         config, device, rows = negotiation.config, negotiation.device, negotiation.rows_per_block()
         elastic = reserve_elastic(config, device) if negotiation.elastic else None
         kv_caches = allocate_kv_cache(config, device, None, negotiation.allocation_kernel_block_sizes,
                                       buffer=None if elastic is None else elastic.backing.tensor)
-        views = {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}
+        scale_caches = scale_caches_of(config, kv_caches, negotiation.allocation_kernel_block_sizes)
+        # NOTE: scales are zeroed (and committed) with their blocks: the runs touch and merge.
+        paged = {**kv_caches, **{f"{name} (scales)": v for name, v in scale_caches.items()}}
+        rows.update({f"{name} (scales)": rows[name] for name in scale_caches if name in rows})
+        views = {name: (paged[name], rows[name]) for name in rows if name in paged}
         state_pool = state_zeroer = None
-        states = {n: views.pop(n) for n in list(views) if config.in_state_region(config.group_of(n)[0])}
+        region = [n for n in kv_caches if config.in_state_region(config.group_of(n)[0])]
+        states = {n: views.pop(n) for n in region if n in views}
         if states:  # NOTE: a separate state region: its own pool and zeroer; an elastic cache keeps it committed
             state_pool = BlockPool(config.num_state_blocks, enable_caching=enable_prefix_caching)
             state_zeroer = KVBlockZeroer.from_views(device, states, config.num_state_blocks, settings=settings)
         if elastic is not None:
             elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
-                           for name, view in kv_caches.items() if name not in states},
+                           for name, view in paged.items() if name not in states},
                           fixed=block_byte_ranges(states, config.num_state_blocks) if states else ())  # fmt: skip
             elastic.resize(negotiation.num_blocks)
         layer_kv_caches = negotiation.kernel_views(kv_caches)
@@ -129,10 +144,20 @@ class KVCache:
             negotiation,
             elastic,
             settings,
+            scale_caches,
+            (scales := per_tensor_scales(config)),
+            quant_states(config, scale_caches, scales),
             {n: b for n, b in negotiation.layer_backends.items() if is_mixer_backend(b)},
             state_pool,
             state_zeroer,
         )
+
+    def load_kv_scales(self, modules: Mapping[str, Any]) -> None:
+        """Per-tensor scales from the ``k_scale`` / ``v_scale`` attributes (floats or 0-d
+        tensors) of each layer's attention module in ``modules`` (layer name -> module); a
+        missing attribute means 1.0. Call it before the first step writes the cache."""
+        self.kv_scales = per_tensor_scales(self.config, modules)
+        self.quant_states = quant_states(self.config, self.scale_caches, self.kv_scales)
 
     @property
     def kernel_block_sizes(self) -> list[int]:
@@ -246,5 +271,5 @@ class KVCache:
         for group_id, groups in enumerate(self.attn_groups):
             for attn_group in groups:
                 metadata = attn_group.build_metadata(common[group_id], ubatch_idx)
-                out.update(dict.fromkeys(attn_group.layer_names, metadata))
+                out.update(layer_metadata(metadata, attn_group.layer_names, self.quant_states))
         return out
