@@ -60,20 +60,25 @@ class ElasticMemory:
     def __init__(self, backing: BackingMemory) -> None:
         self.backing = backing
         self._views: dict[str, ViewRows] = {}
+        self._fixed: Ranges = []
         self._committed: Ranges = []  # granule-aligned, merged
         self.num_blocks = 0
 
-    def track(self, views: Mapping[str, ViewRows]) -> None:
-        """The layer views (over ``backing.tensor``) whose blocks decide what is committed."""
-        self._views = dict(views)
+    def track(self, views: Mapping[str, ViewRows], fixed: Ranges = ()) -> None:
+        """The layer views (over ``backing.tensor``) whose blocks decide what is committed, and
+        byte ranges committed whatever the size (a separate state region)."""
+        self._views, self._fixed = dict(views), list(fixed)
 
     committed_bytes = property(lambda self: sum(end - start for start, end in self._committed))
 
     def resize(self, num_blocks: int) -> None:
-        """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed, all
-        or nothing: when a commit or release raises (Ctrl-C too) what changed is undone first."""
+        """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed (and the
+        fixed ranges, a separate state region, stay backed), all or nothing: when a commit or
+        release raises (Ctrl-C too) what changed is undone first."""
         backing, before, old = self.backing, self._committed, self.num_blocks
-        want = block_byte_ranges(self._views, num_blocks, backing.granularity)
+        g = backing.granularity
+        fixed = [(start // g * g, round_up(end, g)) for start, end in self._fixed]
+        want = merge_ranges([*block_byte_ranges(self._views, num_blocks, g), *fixed])
         gained = subtract_ranges(want, before)  # NOTE: a grow only gains, a shrink only loses
         ranges, step, undo = ((gained, backing.commit, backing.decommit) if gained else
                               (subtract_ranges(before, want), backing.decommit, backing.commit))
