@@ -24,7 +24,11 @@ def fill_nan(engine, seed=3):
     """Stale bytes a previous owner left: random floats everywhere, NaN in every state slot."""
     view = next(iter(engine.kv.kv_caches.values()))
     raw = torch.empty(0, dtype=torch.int8).set_(view.untyped_storage())
-    raw.view(torch.float32).copy_(torch.randn(raw.numel() // 4, generator=torch.Generator().manual_seed(seed)))
+    gen = torch.Generator().manual_seed(seed)
+    # NOTE: an elastic cache's memory past its committed ranges was given back (and cannot be written)
+    spans = [(0, raw.numel())] if engine.kv.elastic is None else engine.kv.elastic._committed
+    for start, end in spans:
+        raw[start:end].view(torch.float32).copy_(torch.randn((end - start) // 4, generator=gen))
     for name in engine.mixers.layers:
         engine.kv.kv_caches[name].view(torch.int8).fill_(-1)  # NOTE: all bits set: NaN in any float type
 
