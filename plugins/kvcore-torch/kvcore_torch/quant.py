@@ -1,10 +1,12 @@
 """The reference quantization of a kvcore cache: what a quantized K/V row stores and reads back.
 
-Per tensor: a stored value is ``x / scale`` (the layer's ``k_scale`` or ``v_scale``),
-saturated to the storage dtype's range. Per token and head: ``scale = amax(|x|) / max``
-over the row's head dim, a stored value is ``x * (max / amax)`` saturated (a zero row stores
-zeros with scale 0). Integers round half away from zero; floats round to nearest even (the
-dtype conversion). Reading multiplies back by the scale.
+Per tensor: a stored value is ``x * (1 / scale)`` (the layer's ``k_scale`` or ``v_scale``;
+the reciprocal rounded to float32), saturated to the storage dtype's range. Per token and head:
+``scale = amax(|x|) / max`` over the row's head dim, a stored value is ``x * (max / amax)``
+saturated (a zero row stores zeros with scale 0); both quotients are float32 divisions rounded
+to nearest, on every device, and ``max / amax`` stops at float32's largest finite value (a row
+below about 1e-36 never multiplies by inf). Integers round half away from zero; floats round to
+nearest even (the dtype conversion). Reading multiplies back by the scale.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from kvcore.plugins.backend import KVQuantState
+
+_FLOAT32_MAX = torch.finfo(torch.float32).max
 
 
 def max_value(dtype: torch.dtype) -> float:
@@ -35,9 +39,11 @@ def quantize(x: torch.Tensor, kv_quant: KVQuantState, scale: float) -> tuple[tor
     dtype = kv_quant.dtype
     if kv_quant.kv_quant == "per_tensor":
         return to_storage(x * (1.0 / scale), dtype), None
-    limit = max_value(dtype)
     amax = x.abs().amax(-1)
-    inverse = torch.where(amax > 0, limit / amax, torch.zeros_like(amax))
+    # NOTE: tensor by tensor: a divisor given as a number is a multiplication by its reciprocal on
+    # CUDA, and `number / tensor` is one everywhere (Tensor.__rtruediv__): one rounding more.
+    limit = torch.full_like(amax, max_value(dtype))
+    inverse = torch.where(amax > 0, limit / amax, torch.zeros_like(amax)).clamp(max=_FLOAT32_MAX)
     return to_storage(x * inverse[..., None], dtype), amax / limit
 
 

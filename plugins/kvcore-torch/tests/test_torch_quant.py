@@ -41,6 +41,26 @@ def test_per_token_head_scale_is_amax_over_max_and_zero_rows_keep_zero(dtype):
     assert ((back - x).abs() <= step / 2 + 1e-12).all()
 
 
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.int8])
+def test_per_token_head_divisions_are_rounded_once_on_every_device(dtype):
+    """Scale ``amax / max`` and inverse ``max / amax`` are correctly rounded float32 quotients
+    (a Triton kernel computes the same bytes), on the CPU and on a GPU alike."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 4, 32, generator=gen) * torch.logspace(-3, 3, 64)[:, None, None]
+    # NOTE: 127 / amax rounded once stores 1 for the second value, 127 * (1 / amax) stores 2.
+    x[0, 0, :2] = torch.tensor([2.460373640060425, 0.029059529304504395])
+    x[1, 2] *= 2e-37 / x[1, 2].abs().max()  # NOTE: max / amax overflows float32: the largest float stands in
+    stored, scales = quantize(x.to(device), KVQuantState("per_token_head", dtype), 1.0)
+    limit = max_value(dtype)
+    amax = x.abs().amax(-1).double()
+    assert torch.equal(scales.cpu(), (amax / limit).float())
+    inverse = torch.where(amax > 0, limit / amax, 0.0).clamp(max=torch.finfo(torch.float32).max).float()
+    want = to_storage(x * inverse[..., None], dtype)
+    assert torch.equal(stored.cpu().view(torch.int8), want.view(torch.int8))
+    assert stored.float().isfinite().all() and (stored[1, 2].float().abs().amax() > 0)
+
+
 def test_integers_round_half_away_from_zero():
     assert to_storage(torch.tensor([0.5, -0.5, 1.5, -2.5, 2.49]), torch.int8).tolist() == [1, -1, 2, -3, 2]
 

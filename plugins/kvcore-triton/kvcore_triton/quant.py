@@ -1,9 +1,10 @@
 """Quantized caches in the Triton kernels: the in-register conversion to the storage dtype (the
 write kernel) and the launch arguments a layer's ``KVQuantState`` gives every kernel.
 
-Stored values and scales are those of the torch reference (``kvcore_torch.quant``): per tensor
-``x / scale`` saturated; per token and head ``x * (max / amax)`` saturated, scale
-``amax / max`` (0 for a zero row); integers round half away from zero, floats to nearest even.
+Stored values and scales are those of the torch reference (``kvcore_torch.quant``), byte for
+byte: per tensor ``x * (1 / scale)`` saturated; per token and head ``x * (max / amax)`` saturated
+(the inverse at most float32's largest finite value), scale ``amax / max`` (0 for a zero row),
+both divisions rounded to nearest; integers round half away from zero, floats to nearest even.
 Kernels read 8-bit tiles, widen them in registers, and scale the scores (K) and the
 probabilities (V) instead of the tiles.
 """
@@ -87,10 +88,12 @@ def quantize_rows(x, scale_ptrs, inv_scale, row_ok, QUANT: tl.constexpr, QMAX: t
     written to ``scale_ptrs`` ``[heads]`` where ``row_ok``."""
     x = x.to(tl.float32)
     if QUANT == 2:
-        # NOTE: IEEE-rounded divisions (a plain one may be approximate on GPUs): the reference's bytes.
+        # NOTE: divisions rounded to nearest (a plain `/` is approximate on GPUs), the inverse kept
+        # finite for rows below about 1e-36: the reference's bytes on every device.
         amax = tl.max(tl.abs(x), 1)
         tl.store(scale_ptrs, tl.math.div_rn(amax, QMAX), mask=row_ok)
-        x = x * tl.where(amax > 0, tl.math.div_rn(QMAX, tl.where(amax > 0, amax, 1.0)), 0.0)[:, None]
+        inverse = tl.minimum(tl.math.div_rn(QMAX, tl.where(amax > 0, amax, 1.0)), 3.4028234663852886e38)
+        x = x * tl.where(amax > 0, inverse, 0.0)[:, None]
     else:
         x = x * inv_scale
     return to_storage(x, QMAX, INTEGER, EXACT_CAST, MANTISSA, MIN_EXPONENT)

@@ -7,11 +7,14 @@ the tests to check that both read paths lower, and by hand to read their IR:
 
     TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py pointer 64 16 4 3 [--dump]
     TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py pointer 64 16 2 3 --kv fp8e4nv --quant 2
+    TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py store i8 2
 """
 
 from __future__ import annotations
 
+import collections
 import json
+import re
 import sys
 
 import triton
@@ -21,6 +24,7 @@ from triton.compiler import ASTSource
 
 from kvcore_triton.attention import DECODE_VARIANTS, DECODE_WARPS, KernelConfig
 from kvcore_triton.decode import _decode_split_kernel
+from kvcore_triton.store import _store_kv_kernel
 
 
 def uses_tma(config: KernelConfig, block_size: int) -> bool:
@@ -86,6 +90,26 @@ def compile_decode(config: KernelConfig, block_size: int, *, splits: int = 1, ca
     return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=options)
 
 
+def compile_store(kv: str, quant: int, capability: int = 90):
+    """``triton.compile`` the K/V store kernel (8 heads of 128, bf16 input) writing a ``kv`` cache."""
+    qmax, mantissa, min_exponent = {"i8": (127.0, 0, 0), "fp8e4nv": (448.0, 3, -6), "fp8e5": (57344.0, 2, -14)}[kv]
+    constexprs = dict(HEAD=128, HEAD_V=128, D_PAD=128, DV_PAD=128, HEADS_PAD=8, BLOCK_N=16, QUANT=quant, QMAX=qmax,
+                      INTEGER=kv == "i8", EXACT_CAST=False, MANTISSA=mantissa, MIN_EXPONENT=min_exponent)
+    pointers = {"key_ptr": "*bf16", "value_ptr": "*bf16", "slot_ptr": "*i64", "kv_ptr": f"*{kv}",
+                "scale_ptr": "*fp32" if quant == 2 else f"*{kv}"}
+    signature = {name: pointers.get(name) or ("constexpr" if name in constexprs else
+                                              "fp32" if name.startswith("inv_") else "i32")
+                 for name in _store_kv_kernel.arg_names}
+    src = ASTSource(_store_kv_kernel, signature, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", capability, 32), options=dict(num_warps=4))
+
+
+def float_ops(ptx: str) -> dict:
+    """How many of each float32 division and conversion instruction ``ptx`` holds."""
+    ops = re.findall(r"^\s*((?:div|rcp|cvt)\.[\w.]+)", ptx, re.M)
+    return dict(collections.Counter(op for op in ops if "f32" in op or "e4m3" in op or "e5m2" in op))
+
+
 def summary(kernel) -> dict:
     """Shared memory, K/V buffers and async-copy / vector-load counts of a compiled kernel."""
     ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
@@ -106,6 +130,9 @@ def summary(kernel) -> dict:
 
 if __name__ == "__main__":
     # NOTE: needs the compiler, not the interpreter: run with TRITON_INTERPRET=0.
+    if sys.argv[1] == "store":  # store KV QUANT: the store kernel's float divisions and conversions
+        print(json.dumps(float_ops(compile_store(sys.argv[2], int(sys.argv[3])).asm["ptx"])))
+        sys.exit(0)
     name, tile, block = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     numbers = [a for a in sys.argv[4:] if a.isdigit() and sys.argv[sys.argv.index(a) - 1] != "--quant"]
     warps = int(numbers[0]) if numbers else 4

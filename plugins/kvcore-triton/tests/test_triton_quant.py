@@ -50,6 +50,9 @@ def test_store_kernel_writes_the_references_bytes(mode, layout):
     value = torch.randn(30, heads, head_size, generator=gen)
     key[4] = 0.0
     key[5, 1, 2] = 1e30
+    # NOTE: 127 / amax rounded once stores 1 here, 127 * (1 / amax) stores 2 (int8 per token and head).
+    key[6, 0, :2] = torch.tensor([2.460373640060425, 0.029059529304504395])
+    key[8, 2] *= 1e-37  # NOTE: max / amax overflows float32 (a finite inverse stands in)
     slots = torch.randperm(8 * 16, generator=gen)[:30]
     slots[7] = -1  # padding: skipped
     written = []
@@ -151,3 +154,20 @@ def test_quantized_decode_lowers_for_sm90_with_8bit_tiles(kv, quant, name, tile,
     if kv.startswith("fp8"):
         assert info["fp8_converts"] > 0  # the hardware fp8 -> f16 conversion, in registers
     assert info["shared"] < plain["shared"]  # half the bytes staged per tile
+
+
+@pytest.mark.parametrize(("kv", "quant"), [("i8", 2), ("fp8e4nv", 2), ("fp8e4nv", 1), ("fp8e5", 1)])
+def test_store_kernel_lowers_to_rounded_divisions_and_conversions_for_sm90(kv, quant):
+    """On a GPU the store kernel computes the reference's function: divisions rounded to nearest
+    (a plain `/` lowers to an approximate one), float8 conversions to nearest even, saturated."""
+    pytest.importorskip("triton.backends.nvidia.compiler")
+    script = Path(__file__).with_name("sm90_compile.py")
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
+    done = subprocess.run([sys.executable, str(script), "store", kv, str(quant)], capture_output=True, text=True,
+                          env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    ops = json.loads(done.stdout.splitlines()[0])
+    assert not [op for op in ops if op.startswith(("div.", "rcp.")) and op != "div.rn.f32"], ops
+    assert ("div.rn.f32" in ops) == (quant == 2)
+    if kv != "i8":
+        assert ops[f"cvt.rn.satfinite.{'e4m3' if kv == 'fp8e4nv' else 'e5m2'}x2.f32"] > 0
