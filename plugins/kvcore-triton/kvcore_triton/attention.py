@@ -32,7 +32,7 @@ from kvcore_triton._checks import (
 )
 from kvcore_triton.decode import LOG2E, _decode_merge_kernel, _decode_split_kernel
 from kvcore_triton.prefill import _varlen_kernel
-from kvcore_triton.quant import dot_scale_factor, quant_args
+from kvcore_triton.quant import dot_scale_factor, quant_args, widen_mode
 
 
 def _positive(inst, attribute, value) -> None:
@@ -71,6 +71,10 @@ class KernelConfig:
     #: strides; such tiles mask only a split's edges and the grid runs a request's KV heads side by
     #: side. False (or anywhere TMA does not apply): the pointer path, a (request, KV head, split) grid.
     tma: bool = attrs.field(default=True, validator=_bool)
+    #: Decode over an 8-bit cache on a GPU: widen each V tile to float16 as loaded (full-width loads,
+    #: packed conversions) and hand it to the dot through a 16-bit shared-memory transpose, instead
+    #: of loading the dot's operand byte by byte. No effect on other caches or under the interpreter.
+    stage_v: bool = attrs.field(default=False, validator=_bool)
 
 
 #: The decode read paths bench_decode.py times (KernelConfig overrides). Both are kept: each
@@ -82,9 +86,10 @@ def _dot_dtype(query: torch.Tensor, cache_dtype: torch.dtype) -> tl.dtype:
     # NOTE: the Triton interpreter (CPU tensors) mis-computes bf16 tl.dot; upcast there.
     if query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and query.device.type == "cpu"):
         return tl.float32
-    # NOTE: fp8 widens to float16 in one packed conversion (to bfloat16 it takes a second one);
-    # queries and probabilities (times an amax, per token and head) sit well inside its range.
-    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+    # NOTE: 8-bit values widen to float16 exactly in packed conversions (to bfloat16 fp8 takes a
+    # second one); queries and probabilities (times an amax, per token and head) sit well inside
+    # its range, and its 10 mantissa bits hold them more precisely than bfloat16's 7.
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8):
         return tl.float16
     return tl.float16 if query.dtype == torch.float16 else tl.bfloat16
 
@@ -239,6 +244,7 @@ def paged_attention(
         qk_scale, quant.v_scale, window, tokens_per_split, splits, num_kv_heads, block_table.shape[1] * block_size,
         *strides,
         GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1, WINDOWED=window > 0, TMA=tma,
+        WIDEN=widen_mode(kv_cache_view.dtype, common["DOT_DTYPE"]), STAGE_V=config.stage_v,
         num_warps=config.num_warps or DECODE_WARPS, **common,
     )
     if splits > 1:

@@ -32,6 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from kvcore_triton.quant import widen
+
 LOG2E = 1.4426950408889634
 
 
@@ -100,20 +102,22 @@ def _softmax_step(s, m_i, l_i):
 def _decode_tile(
     q, m_i, l_i, acc, row, scales, t_ok, head_base, qk_scale, v_scale, stride_kc,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, WIDEN: tl.constexpr,
+    STAGE_V: tl.constexpr,
 ):
     """One online-softmax step over the tile's (masked) rows ``row`` (per-token-head scales at
     ``scales``); returns (m, l, acc)."""
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
     k = _load_rows(head_base + row[:, None] + d[None, :] * stride_kc, t_ok, d < HEAD, HEAD != D_PAD)
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(widen(k, DOT_DTYPE, WIDEN, False)), input_precision=DOT_PRECISION) * qk_scale
     s = tl.where(t_ok[None, :], _scaled_scores(s, scales, t_ok, True, QUANT), float("-inf"))
     m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
     v = _load_rows(head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc, t_ok, dv < HEAD_V,
                    HEAD_V != DV_PAD)
     p = _scaled_probs(p, scales, t_ok, v_scale, True, QUANT)
-    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+    v = widen(v, DOT_DTYPE, WIDEN * STAGE_V, True)
+    acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
@@ -122,12 +126,13 @@ def _decode_tile_tma(
     q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale, v_scale, scale_head, stride_sb, stride_sn,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, QUANT: tl.constexpr,
+    WIDEN: tl.constexpr, STAGE_V: tl.constexpr,
 ):
     """``_decode_tile`` for a tile inside one kernel block, read by two TMA copies (K, V)."""
     block = tl.load(table_row + start // BLOCK_N)
     n0 = start % BLOCK_N
     k = tl.reshape(kv_desc.load([block, kv_head, n0, 0]), [TILE, HEAD])
-    s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.dot(q, tl.trans(widen(k, DOT_DTYPE, WIDEN, False)), input_precision=DOT_PRECISION) * qk_scale
     tok = start + tl.arange(0, TILE)
     t_ok = (tok >= lo) & (tok < hi)
     # NOTE: the tile lies inside one written or zeroed block: its scales need no mask.
@@ -138,6 +143,7 @@ def _decode_tile_tma(
     m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
     p = _scaled_probs(p, scales, t_ok, v_scale, MASKED, QUANT)
     v = tl.reshape(kv_desc.load([block, kv_head, n0, HEAD]), [TILE, HEAD_V])
+    v = widen(v, DOT_DTYPE, WIDEN * STAGE_V, True)
     if MASKED:
         # NOTE: rows past the context may hold anything (even NaN); p is 0 there, so zero them.
         v = tl.where(t_ok[:, None], v, 0.0)
@@ -157,6 +163,7 @@ def _decode_split_kernel(
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE: tl.constexpr, SINGLE: tl.constexpr, WINDOWED: tl.constexpr,
     DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, QUANT: tl.constexpr,
+    WIDEN: tl.constexpr, STAGE_V: tl.constexpr,
 ):
     if TMA:  # NOTE: a 1-D grid, KV head fastest: the heads of one request run side by side
         pid = tl.program_id(0)
@@ -207,13 +214,16 @@ def _decode_split_kernel(
         scaling = (qk_scale, v_scale, scale_head, stride_sb, stride_sn)
         if (lo != first) & (lo < hi):
             m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, first, lo, hi, *scaling,
-                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True, QUANT)
+                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True, QUANT, WIDEN,
+                                             STAGE_V)
         for start in range(full_lo, full_hi, TILE):
             m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, start, lo, hi, *scaling,
-                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, False, QUANT)
+                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, False, QUANT, WIDEN,
+                                             STAGE_V)
         if full_hi < hi:
             m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, full_hi, lo, hi, *scaling,
-                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True, QUANT)
+                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True, QUANT, WIDEN,
+                                             STAGE_V)
     else:
         head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
         for start in range(first, hi, TILE):
@@ -223,7 +233,7 @@ def _decode_split_kernel(
             scales = scale_head + block * stride_sb + n * stride_sn
             m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, scales, (tok >= lo) & (tok < hi), head_base,
                                          qk_scale, v_scale, stride_kc, HEAD, HEAD_V, D_PAD, DV_PAD, DOT_DTYPE,
-                                         DOT_PRECISION, QUANT)
+                                         DOT_PRECISION, QUANT, WIDEN, STAGE_V)
 
     acc = acc * v_scale  # NOTE: the per-tensor V scale (per token: 1 / max, see _scaled_probs), once
     if SINGLE:

@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from kvcore.plugins.backend import KVQuantState
+from kvcore_triton._checks import INTERPRETED
 
 #: ``QUANT`` constexpr values of the kernels.
 NONE, PER_TENSOR, PER_TOKEN_HEAD = 0, 1, 2
@@ -97,6 +98,47 @@ def quantize_rows(x, scale_ptrs, inv_scale, row_ok, QUANT: tl.constexpr, QMAX: t
     else:
         x = x * inv_scale
     return to_storage(x, QMAX, INTEGER, EXACT_CAST, MANTISSA, MIN_EXPONENT)
+
+
+#: ``WIDEN`` constexpr values: how ``widen`` turns an 8-bit tile into float16 with inline PTX.
+WIDEN_CAST, WIDEN_E4M3, WIDEN_E5M2, WIDEN_INT8 = 0, 1, 2, 3
+_WIDEN = {torch.float8_e4m3fn: WIDEN_E4M3, torch.float8_e5m2: WIDEN_E5M2, torch.int8: WIDEN_INT8}
+#: Four packed 8-bit values in ``$2`` to two float16 pairs ``$0``, ``$1`` (first value in the low bytes).
+_PTX_FLOAT8 = ("{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; "
+               "cvt.rn.f16x2.FMTx2 $0, lo; cvt.rn.f16x2.FMTx2 $1, hi; }")
+PTX_E4M3: tl.constexpr = tl.constexpr(_PTX_FLOAT8.replace("FMT", "e4m3"))
+PTX_E5M2: tl.constexpr = tl.constexpr(_PTX_FLOAT8.replace("FMT", "e5m2"))
+# NOTE: int8 b: (b ^ 0x80) = b + 128 as the low byte of the float16 0x64XX (1024 + that byte,
+# exact), minus 1152 (0x6480): b, exactly, in two byte permutes and two packed subtractions.
+PTX_INT8: tl.constexpr = tl.constexpr(
+    "{ .reg .b32 t, bias; xor.b32 t, $2, 0x80808080; mov.b32 bias, 0x64806480; "
+    "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
+    "sub.rn.f16x2 $0, $0, bias; sub.rn.f16x2 $1, $1, bias; }")
+
+
+def widen_mode(dtype: torch.dtype, dot_dtype) -> int:
+    """The ``WIDEN`` constexpr of a launch: inline PTX for an 8-bit cache on a GPU when the dot
+    takes float16; else a plain cast (the interpreter runs no PTX)."""
+    return WIDEN_CAST if INTERPRETED or dot_dtype != tl.float16 else _WIDEN.get(dtype, WIDEN_CAST)
+
+
+@triton.jit
+def widen(x, DOT_DTYPE: tl.constexpr, WIDEN: tl.constexpr, AS_LOADED: tl.constexpr):
+    """An 8-bit tile ``x`` as ``DOT_DTYPE``: with ``WIDEN`` (1 e4m3, 2 e5m2, 3 int8; 0 a cast),
+    float16 from packed conversions of inline PTX, four values per 32-bit register. ``AS_LOADED``
+    converts in the layout the tile was loaded in (full-width loads): a V tile then reaches the dot
+    through a 16-bit shared-memory transpose instead of being loaded byte by byte in the dot's
+    operand layout; else the conversion moves into the operand layout (K: 8-byte loads)."""
+    # NOTE: is_pure=False keeps the compiler from moving the conversion into the operand layout.
+    if WIDEN == 1:
+        y = tl.inline_asm_elementwise(PTX_E4M3, "=r,=r,r", [x], dtype=tl.float16, is_pure=not AS_LOADED, pack=4)
+    elif WIDEN == 2:
+        y = tl.inline_asm_elementwise(PTX_E5M2, "=r,=r,r", [x], dtype=tl.float16, is_pure=not AS_LOADED, pack=4)
+    elif WIDEN == 3:
+        y = tl.inline_asm_elementwise(PTX_INT8, "=r,=r,r", [x], dtype=tl.float16, is_pure=not AS_LOADED, pack=4)
+    else:
+        y = x.to(DOT_DTYPE)
+    return y
 
 
 def dot_scale_factor(args: QuantArgs) -> float:

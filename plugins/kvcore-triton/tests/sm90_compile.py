@@ -7,6 +7,7 @@ the tests to check that both read paths lower, and by hand to read their IR:
 
     TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py pointer 64 16 4 3 [--dump]
     TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py pointer 64 16 2 3 --kv fp8e4nv --quant 2
+    TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py base 64 64 2 5 --kv i8 --quant 2 --stage-v
     TRITON_INTERPRET=0 python plugins/kvcore-triton/tests/sm90_compile.py store i8 2
 """
 
@@ -49,8 +50,9 @@ def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layou
     constexprs = dict(
         GROUP=4, GROUP_PAD=16, HEAD=head, HEAD_V=head, D_PAD=head, DV_PAD=head, BLOCK_N=block_size,
         TILE=config.tile, SINGLE=splits == 1, WINDOWED=False, DOT_PRECISION=None,
-        DOT_DTYPE=tl.float16 if kv.startswith("fp8") else tl.bfloat16,  # NOTE: as attention._dot_dtype picks
+        DOT_DTYPE=tl.float16 if kv.startswith(("fp8", "i8")) else tl.bfloat16,  # NOTE: as attention._dot_dtype picks
         TMA=uses_tma(config, block_size), QUANT=quant,
+        WIDEN={"fp8e4nv": 1, "fp8e5": 2, "i8": 3}.get(kv, 0), STAGE_V=config.stage_v,  # NOTE: as widen_mode picks
     )
     return runtime, constexprs
 
@@ -123,6 +125,12 @@ def summary(kernel) -> dict:
         "fp8_converts": ptx.count("cvt.rn.f16x2.e4m3x2") + ptx.count("cvt.rn.f16x2.e5m2x2")
         + ptx.count("cvt.rn.bf16x2.e4m3x2"),
         "mma": ptx.count("mma.sync") + ptx.count("wgmma"),
+        # NOTE: an 8-bit dot operand loaded from shared memory one byte per instruction (no 8-bit
+        # ldmatrix transposes on sm_90), or a widened 16-bit tile transposed by ldmatrix.
+        "ld_shared_b8": len(re.findall(r"ld\.shared\.[bsu]8", ptx)),
+        "ldmatrix_trans": ptx.count("ldmatrix.sync.aligned.m8n8.x4.trans"),
+        "int_to_half": len(re.findall(r"cvt\.rn\.(?:b?f16)\.s(?:8|16|32)", ptx)),
+        "packed_half_subs": ptx.count("sub.rn.f16x2"),
         # NOTE: the head-major grid is 1-D; the request-major one reads its KV head from ctaid.y.
         "grid_dims": 1 + ("%ctaid.y" in ptx) + ("%ctaid.z" in ptx),
     }
@@ -139,9 +147,10 @@ if __name__ == "__main__":
     stages = int(numbers[1]) if len(numbers) > 1 else 3
     kv = sys.argv[sys.argv.index("--kv") + 1] if "--kv" in sys.argv else "bf16"
     quant = int(sys.argv[sys.argv.index("--quant") + 1]) if "--quant" in sys.argv else 0
-    cfg = KernelConfig(tile=tile, num_warps=warps, num_stages=stages, **DECODE_VARIANTS[name])
+    variant = {**DECODE_VARIANTS[name], **({"stage_v": True} if "--stage-v" in sys.argv else {})}
+    cfg = KernelConfig(tile=tile, num_warps=warps, num_stages=stages, **variant)
     k = compile_decode(cfg, block, kv=kv, quant=quant)
     print(json.dumps({"variant": name, "tile": tile, "block_size": block, "num_warps": warps,
-                      "num_stages": stages, "kv": kv, "quant": quant, **summary(k)}))
+                      "num_stages": stages, "kv": kv, "quant": quant, "stage_v": cfg.stage_v, **summary(k)}))
     if "--dump" in sys.argv:
         print(k.asm["ttgir"])

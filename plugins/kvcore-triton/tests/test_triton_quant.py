@@ -131,12 +131,28 @@ def test_nan_bytes_past_the_context_never_reach_the_output(mode, tma):
         assert out.isfinite().all()
 
 
-def _lower(kv, quant, name="pointer", tile=64, block_size=16):
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the inline PTX conversions run on CUDA devices only")
+@pytest.mark.parametrize("tma", [True, False], ids=["tma", "pointer"])
+@pytest.mark.parametrize("mode", MODES)
+def test_gpu_widened_tiles_decode_as_the_reference(mode, tma):
+    """Half-precision queries: K and V widened by inline PTX (V as loaded, or in the operand layout)."""
+    outs = []
+    for stage_v in (False, True):
+        out, ref = _both(mode, "LBNHC", DECODE, q_dtype=torch.bfloat16,
+                         config=KernelConfig(tile=16, tma=tma, stage_v=stage_v))
+        torch.testing.assert_close(out, ref, atol=3e-2, rtol=3e-2)
+        outs.append(out)
+    torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=2e-3)
+
+
+def _lower(kv, quant, name="pointer", tile=64, block_size=16, stage_v=False):
     pytest.importorskip("triton.backends.nvidia.compiler")
     script = Path(__file__).with_name("sm90_compile.py")
     env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_DEFAULT_FP_FUSION": "1"}
     done = subprocess.run([sys.executable, str(script), name, str(tile), str(block_size), "2", "3", "--kv", kv,
-                           "--quant", str(quant)], capture_output=True, text=True, env=env, timeout=300)
+                           "--quant", str(quant), *(["--stage-v"] if stage_v else [])],
+                          capture_output=True, text=True, env=env, timeout=300)
     if done.returncode and "ptxas" in done.stderr.lower():
         pytest.skip(f"no usable ptxas: {done.stderr.strip()[-200:]}")
     assert done.returncode == 0, done.stderr[-2000:]
@@ -154,6 +170,17 @@ def test_quantized_decode_lowers_for_sm90_with_8bit_tiles(kv, quant, name, tile,
     if kv.startswith("fp8"):
         assert info["fp8_converts"] > 0  # the hardware fp8 -> f16 conversion, in registers
     assert info["shared"] < plain["shared"]  # half the bytes staged per tile
+
+
+@pytest.mark.parametrize(("kv", "name", "tile", "block_size"), [("fp8e4nv", "base", 64, 64), ("i8", "pointer", 64, 16)])
+def test_staged_v_tiles_load_full_width_and_transpose_as_16_bit(kv, name, tile, block_size):
+    """``stage_v``: no 8-bit V operand loaded byte by byte from shared memory; the widened tile
+    is transposed by ldmatrix; int8 widens in packed float16 arithmetic, never one conversion a value."""
+    plain, staged = (_lower(kv, 2, name, tile, block_size, stage_v=s) for s in (False, True))
+    assert plain["ld_shared_b8"] > 0 and staged["ld_shared_b8"] == 0
+    assert staged["ldmatrix_trans"] > plain["ldmatrix_trans"] and staged["mma"] == plain["mma"]
+    assert staged["int_to_half"] == 0 and (plain["int_to_half"] > 0) == (kv == "i8")  # NOTE: plain: V's cast
+    assert (staged["packed_half_subs"] > plain["packed_half_subs"] > 0) == (kv == "i8")
 
 
 @pytest.mark.parametrize(("kv", "quant"), [("i8", 2), ("fp8e4nv", 2), ("fp8e4nv", 1), ("fp8e5", 1)])
