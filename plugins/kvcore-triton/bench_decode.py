@@ -24,9 +24,14 @@ layout, variant, config), then the best per layout.
     python plugins/kvcore-triton/bench_decode.py --kv-cache-dtype fp8,int8_per_token_head,fp8_per_token_head
 
 ``--kv-cache-dtype MODE[,MODE...]`` also decodes the same K/V stored quantized (written by the
-Triton store kernel) with the best bf16 config of each layout: time, bytes read (data and
-scales), the speed-up over the bf16 decode and the relative L2 error against SDPA on the bf16
-K/V; where FlashInfer is installed (CUDA), FlashInfer's fp8 decode of the per-tensor modes too.
+Triton store kernel) with the configs of ``quant_configs`` (on CUDA; the first only elsewhere),
+derived from the best bf16 config of each layout: one ``QTRY`` line each (time, bytes read, data
+and scales, the speed-up over the bf16 decode, the relative L2 error against SDPA on the bf16
+K/V), a ``QUANT`` line with the fastest, and a ``TARGET`` line per mode with a speed target;
+where FlashInfer is installed (CUDA), FlashInfer's fp8 decode of the per-tensor modes too.
+
+    python plugins/kvcore-triton/bench_decode.py --block-size 64 --layouts LBNHC --skip-torch-check \
+        --kv-cache-dtype fp8,int8_per_token_head,fp8_per_token_head
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ import statistics
 import sys
 import time
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -47,7 +53,7 @@ from kvcore.memory.views import allocate_kv_cache, allocate_scale_views
 from kvcore.plugins.backend import KVQuantState
 from kvcore.settings import Settings
 from kvcore.specs import FullAttentionSpec
-from kvcore.specs.quant import KV_CACHE_DTYPES, quantize_specs
+from kvcore.specs.quant import KV_CACHE_DTYPES, parse_kv_cache_dtype, quantize_specs
 from kvcore_triton import KernelConfig, paged_attention
 from kvcore_triton.attention import DECODE_VARIANTS, _tma_descriptor
 
@@ -251,8 +257,10 @@ class QuantCase:
 
         ms = _timer(decode, device, a.warmup, a.iters)
         ref = c.sdpa_out
+        tma = _tma_descriptor(self.view, config, a.head_size, a.head_size) is not None
         return {"block_size": c.block_size, "layout": c.layout.name, "kv_cache_dtype": self.mode,
-                "config": _config_dict(config), "decode_ms": ms, "kv_bytes": self.kv_bytes,
+                "config": {**_config_dict(config), "tma": config.tma, "stage_v": config.stage_v},
+                "path": "tma" if tma else "pointer", "decode_ms": ms, "kv_bytes": self.kv_bytes,
                 "decode_gbps": self.kv_bytes / ms / 1e6, "bf16_decode_ms": bf16_ms, "speedup_over_bf16": bf16_ms / ms,
                 "rel_l2_vs_sdpa": ((c.out.float() - ref).norm() / ref.norm()).item()}
 
@@ -269,6 +277,42 @@ class QuantCase:
                          sdpa_time_over_time=c.sdpa_ms / r["ms"], kv_cache_dtype=self.mode)
                 rows.append(r)
         return rows
+
+
+def quant_configs(best: KernelConfig) -> dict[str, KernelConfig]:
+    """The decode configs each quantized mode tries, from the layout's fastest bf16 one.
+
+    An 8-bit tile carries half the bytes of a bf16 one: ``num_stages`` 5 keeps two TMA tiles in
+    flight per program (3 and 4 keep one, 7 three), as many bytes as bf16 keeps with one;
+    ``stage_v`` widens V tiles as loaded (no byte-wide operand loads); four warps or 32-token
+    tiles trade registers per program for programs per SM; the pointer path covers tiles larger
+    than a kernel block.
+    """
+    staged = attrs.evolve(best, stage_v=True)
+    return {
+        "bf16cfg": best,
+        "s5": attrs.evolve(best, num_stages=5),
+        "sv": staged,
+        "sv_s5": attrs.evolve(staged, num_stages=5),
+        "sv_w4": attrs.evolve(staged, num_warps=4),
+        "sv_t32_s7": attrs.evolve(staged, tile=32, num_stages=7),
+        "sv_t32w4_s7": attrs.evolve(staged, tile=32, num_warps=4, num_stages=7),
+        "ptr_sv_s5": attrs.evolve(staged, tma=False, num_stages=5),
+        "ptr_sv_t128w4": attrs.evolve(staged, tma=False, tile=128, num_warps=4),
+    }
+
+
+#: The decode speed-ups over bf16 a quantized mode aims for (and fp8's time in ms at the target shape).
+QUANT_TARGETS = {"fp8_e4m3": (1.8, 0.150), "int8_per_token_head": (1.7, None), "fp8_per_token_head": (1.7, None)}
+
+
+def _quant_line(r) -> str:
+    c = r["config"]
+    knobs = (f"t{c['tile']} w{c['num_warps'] or 'd'} s{c['num_stages']} sp={c['num_splits'] or 'auto'} "
+             f"{r['path']}{' stage_v' if c['stage_v'] else ''}")
+    return (f"bs={r['block_size']:<3} {r['layout']:6} {r['kv_cache_dtype']:20} {r['variant']:13} {knobs:30} "
+            f"{r['decode_ms']:8.4f} ms {r['decode_gbps']:6.0f} GB/s  x{r['speedup_over_bf16']:.2f} over bf16 "
+            f"({r['bf16_decode_ms']:.4f} ms)  rel_l2_vs_sdpa {r['rel_l2_vs_sdpa']:.2e}")
 
 
 def _flashinfer_installed(device) -> bool:
@@ -430,23 +474,21 @@ def main(argv=None) -> int:
             if not mine:
                 continue
             c, v = mine[0]["config"], DECODE_VARIANTS[mine[0]["variant"]]
-            # NOTE: 8-bit tiles leave more room per program: a few configs beside bf16's best.
-            configs = {mine[0]["variant"]: KernelConfig(**c, **v), "t128w4": KernelConfig(**{**c, "tile": 128,
-                       "num_warps": 4}, **v), "stages2": KernelConfig(**{**c, "num_stages": 2}, **v),
-                       "pointer": KernelConfig(**c, **DECODE_VARIANTS["pointer"])}
+            configs = quant_configs(KernelConfig(**c, **v))
             for mode in modes:
                 quant = QuantCase(case, mode, device)
                 tried = []
                 for name, config in configs.items() if device.type == "cuda" else list(configs.items())[:1]:
                     try:
-                        tried.append({**quant.measure(config, device, mine[0]["decode_ms"]), "variant": name})
+                        row = {**quant.measure(config, device, mine[0]["decode_ms"]), "variant": name}
                     except Exception as exc:  # a config may not fit (shared memory, registers)
                         print(f"# {mode} {name}: skipped ({type(exc).__name__})", flush=True)
-                r = min(tried, key=lambda row: row["decode_ms"])
+                        continue
+                    tried.append(row)
+                    print("QTRY  " + _quant_line(row), flush=True)
+                r = dict(min(tried, key=lambda row: row["decode_ms"]), tried=len(tried))
                 quant_rows.append(r)
-                print(f"QUANT bs={block_size:<3} {r['layout']:6} {mode:20} {r['variant']:8} {r['decode_ms']:8.4f} ms "
-                      f"{r['decode_gbps']:6.0f} GB/s  x{r['speedup_over_bf16']:.2f} over bf16 "
-                      f"({r['bf16_decode_ms']:.4f} ms)  rel_l2_vs_sdpa {r['rel_l2_vs_sdpa']:.2e}", flush=True)
+                print("QUANT " + _quant_line(r), flush=True)
                 if quant.kv_quant.kv_quant == "per_tensor" and _flashinfer_installed(device):
                     for fr in quant.flashinfer(device):
                         flashinfer_rows.append(fr)
@@ -460,6 +502,14 @@ def main(argv=None) -> int:
                       f"{r['gbps']:.0f} GB/s sdpa/this {r['sdpa_time_over_time']:.3f} "
                       f"native/this {r['native_time_over_time']:.3f} diff_sdpa {r['max_abs_diff']:.1e}", flush=True)
         del cases
+    for r in quant_rows if device.type == "cuda" else ():  # NOTE: interpreter times say nothing
+        mode = parse_kv_cache_dtype(r["kv_cache_dtype"])
+        if mode in QUANT_TARGETS:
+            speedup, ms = QUANT_TARGETS[mode]
+            met = r["speedup_over_bf16"] >= speedup and (ms is None or r["decode_ms"] <= ms)
+            print(f"TARGET bs={r['block_size']:<3} {r['layout']:6} {mode:20} best of {r['tried']}: {r['variant']} "
+                  f"x{r['speedup_over_bf16']:.2f} {r['decode_ms'] * 1e3:.0f} us (wanted x{speedup}"
+                  f"{'' if ms is None else f' and <= {ms * 1e3:.0f} us'}): {'met' if met else 'NOT met'}", flush=True)
     print(f"# best per layout (sdpa/dec >= 1: paged decode no slower than SDPA); "
           f"{len(rows)} rows in {time.monotonic() - started:.0f} s", flush=True)
     for r in sorted(best, key=lambda r: (r["layout"], r["decode_ms"])):
