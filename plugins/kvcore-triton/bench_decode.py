@@ -285,8 +285,9 @@ def quant_configs(best: KernelConfig) -> dict[str, KernelConfig]:
     An 8-bit tile carries half the bytes of a bf16 one: ``num_stages`` 5 keeps two TMA tiles in
     flight per program (3 and 4 keep one, 7 three), as many bytes as bf16 keeps with one;
     ``stage_v`` widens V tiles as loaded (no byte-wide operand loads); four warps or 32-token
-    tiles trade registers per program for programs per SM; the pointer path covers tiles larger
-    than a kernel block.
+    tiles trade registers per program for programs per SM. Each keeps at least 4 programs per SM
+    of an H200 (sm_90 registers and shared memory), the one wave that 64 x 8 programs need; a
+    pointer-path point covers caches whose tiles TMA cannot read.
     """
     staged = attrs.evolve(best, stage_v=True)
     return {
@@ -298,7 +299,6 @@ def quant_configs(best: KernelConfig) -> dict[str, KernelConfig]:
         "sv_t32_s7": attrs.evolve(staged, tile=32, num_stages=7),
         "sv_t32w4_s7": attrs.evolve(staged, tile=32, num_warps=4, num_stages=7),
         "ptr_sv_s5": attrs.evolve(staged, tma=False, num_stages=5),
-        "ptr_sv_t128w4": attrs.evolve(staged, tma=False, tile=128, num_warps=4),
     }
 
 
