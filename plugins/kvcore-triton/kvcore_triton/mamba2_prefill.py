@@ -105,8 +105,10 @@ def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], 
     gate, xbc, dt = projected.split([inner, layer.conv_dim, heads], dim=-1)
     xbc, window = causal_conv(conv[rows], xbc, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation)
     hidden, b, c = xbc.split([inner, groups * size, groups * size], dim=-1)
-    low, high = getattr(layer, "time_step_limit", (0.0, float("inf")))
-    dt = torch.clamp(F.softplus(dt + layer.dt_bias.to(dt.dtype)), min=low, max=high)
+    dt = F.softplus(dt + layer.dt_bias.to(dt.dtype))
+    if n > 1:  # NOTE: as transformers, whose one-token step (its recurrent form) leaves dt unclamped
+        low, high = getattr(layer, "time_step_limit", (0.0, float("inf")))
+        dt = torch.clamp(dt, min=low, max=high)
     y, final = chunk_scan(hidden.reshape(k, n, heads, layer.head_dim), dt, -torch.exp(layer.A_log.float()),
                           b.reshape(k, n, groups, size), c.reshape(k, n, groups, size), layer.D, recurrent[rows],
                           layer.chunk_size)
