@@ -14,9 +14,9 @@ import torch
 from kvcore._validate import positive_int
 from kvcore.distributed import shard_spec
 from kvcore.errors import InsufficientMemoryError
+from kvcore.hf import profile
 from kvcore.hf.attention_interface import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.mixers import MixerRunner, is_decode
-from kvcore.hf.profile import default_cache_memory
 from kvcore.hf.scheduler import Request, Scheduler, check_prompt
 from kvcore.hf.specs import check_checkpoint_tokens as checked_checkpoint_tokens
 from kvcore.hf.specs import check_hybrid_options, check_model, layer_specs, model_modules
@@ -179,12 +179,13 @@ class Engine:
             checkpoint = checked_checkpoint_tokens(checkpoint, settings.block_size)
         modules = model_modules(model, list(specs))
         budget = settings.max_num_batched_tokens
-        if num_blocks is None and available_memory is None:  # NOTE: what the largest step leaves free
-            scratch = None
-            if mixers and self.device.type == "cuda":
-                found = resolve_backends(specs, dict.fromkeys(mixers, mixer_backend), HookAnswers(), self.device)[0]
-                scratch = MixerRunner.unbound({n: modules[n] for n in mixers}, specs, found, self.device)
-            available_memory = default_cache_memory(model, budget, min(budget, max_num_seqs), scratch)
+        if num_blocks is None and available_memory is None and self.device.type != "cuda":
+            available_memory = 256 << 20
+        elif num_blocks is None and available_memory is None:  # NOTE: what the largest step leaves free
+            found = resolve_backends(specs, dict.fromkeys(mixers, mixer_backend), HookAnswers(), self.device)[0]
+            scratch = MixerRunner.unbound({n: modules[n] for n in mixers}, specs, found, self.device)
+            peak = profile.step_peak(model, budget, min(budget, max_num_seqs), scratch if mixers else None)
+            available_memory = profile.cache_share(torch.cuda.mem_get_info(self.device)[0], peak, budget)
         self.kv = KVCache.create(
             specs, {**settings.layer_backends, **dict.fromkeys(mixers, mixer_backend)},
             device=self.device, layout=layout, separate_state_pages=separate,
