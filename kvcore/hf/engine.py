@@ -107,7 +107,7 @@ class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
     :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``) on its
-        device; a hybrid (mixers with state groups) runs without prefix caching or TP.
+        device; a hybrid (mixers with state groups) runs on one device.
     :param backend: attention backend name or class, or ``"auto"``: :func:`kvcore.select_backend`.
     :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
     :param num_blocks: blocks to plan; or ``available_memory`` bytes (default on a GPU: 90% of the
@@ -130,23 +130,11 @@ class Engine:
     """
 
     def __init__(
-        self,
-        model: Any,
-        *,
-        backend: Any = "auto",
-        block_size: int | None = None,
-        layout: Any = None,
-        num_blocks: int | None = None,
-        available_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = False,
-        group: Any = None,
-        cuda_graphs: bool | None = None,
-        max_num_blocks: int | None = None,
-        mixer_backend: Any = "auto",
-        separate_state_pages: bool | None = None,
-        state_checkpoint_tokens: int | None = None,
+        self, model: Any, *, backend: Any = "auto", block_size: int | None = None, layout: Any = None,
+        num_blocks: int | None = None, available_memory: int | None = None, max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False, group: Any = None,
+        cuda_graphs: bool | None = None, max_num_blocks: int | None = None, mixer_backend: Any = "auto",
+        separate_state_pages: bool | None = None, state_checkpoint_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
     ) -> None:
         check_model(model)
@@ -187,12 +175,10 @@ class Engine:
             peak = profile.step_peak(model, budget, min(budget, max_num_seqs), scratch if mixers else None)
             available_memory = profile.cache_share(torch.cuda.mem_get_info(self.device)[0], peak, budget)
         self.kv = KVCache.create(
-            specs, {**settings.layer_backends, **dict.fromkeys(mixers, mixer_backend)},
-            device=self.device, layout=layout, separate_state_pages=separate,
-            num_blocks=num_blocks, available_memory=available_memory,
-            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
-            max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
-        )
+            specs, {**settings.layer_backends, **dict.fromkeys(mixers, mixer_backend)}, device=self.device,
+            layout=layout, separate_state_pages=separate, num_blocks=num_blocks, available_memory=available_memory,
+            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group, max_num_blocks=max_num_blocks,
+            enable_prefix_caching=enable_prefix_caching)
         self.kv.load_kv_scales({name: modules[name] for name in attention})
         self._start_blocks = self.kv.num_blocks
         self._no_memory: InsufficientMemoryError | None = None  # NOTE: why this step's grow failed
@@ -221,10 +207,8 @@ class Engine:
         window = self.scheduler.groups[attn_group.kv_cache_group_id].sliding_window
         declared = getattr(module, "sliding_window", window)
         if declared != window:
-            raise ValueError(
-                f"{name} attends with sliding_window={declared} but its KV cache spec has {window}; "
-                "the model and its config disagree"
-            )
+            raise ValueError(f"{name} attends with sliding_window={declared} but its KV cache spec has {window}; "
+                             "the model and its config disagree")
         return LayerBinding(name, attn_group.backend, self.kv.layer_kv_caches[name],
                             attn_group.kv_cache_spec.head_size, window)
 

@@ -80,22 +80,18 @@ class MixerLayer:
                 # NOTE: a module that pads its chunk scan pads every row: rows capped so that one call's
                 # activations stay within those of the step budget in one row (what the engine measured)
                 rows = max(1, self.max_padded // (-(-n // self.chunk) * self.chunk))
-                for at in range(0, len(found), rows):
-                    self._prefill(out[0], row, n, found[at : at + rows])
+                for part in (found[at : at + rows] for at in range(0, len(found), rows)):
+                    slots = [slot for _, slot in part]
+                    if len(part) == 1:
+                        ys = backend.prefill(module, row[part[0][0] : part[0][0] + n], self.states, slots[0])[None]
+                    else:
+                        ys = backend.prefill_batch(module, torch.stack([row[a : a + n] for a, _ in part]),
+                                                   self.states, slots)
+                    for (start, _), y in zip(part, ys):
+                        out[0, start : start + n] = y
             done = [(slot, ckpt) for _, _, slot, ckpt in now if ckpt is not None]
             copy_slots(self.states, [s for s, _ in done], [c for _, c in done])
         return out
-
-    def _prefill(self, out: torch.Tensor, row: torch.Tensor, n: int, found: list[tuple[int, int]]) -> None:
-        """Prefill the ``n``-token pieces ``found`` (start in the row, slot) in one backend call."""
-        if len(found) == 1:
-            start, slot = found[0]
-            out[start : start + n] = self.backend.prefill(self.module, row[start : start + n], self.states, slot)
-            return
-        batch = torch.stack([row[start : start + n] for start, _ in found])
-        ys = self.backend.prefill_batch(self.module, batch, self.states, [slot for _, slot in found])
-        for (start, _), y in zip(found, ys):
-            out[start : start + n] = y
 
 
 def copy_slots(states: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
@@ -129,10 +125,9 @@ class MixerRunner:
     def unbound(cls, modules: Mapping[str, torch.nn.Module], specs: Mapping[str, MambaSpec],
                 backends: Mapping[str, Any], device: torch.device) -> MixerRunner:
         """Mixers on zero states of their own, for scratch passes before the KV cache exists."""
-        runner = cls.__new__(cls)
-        runner.layers = {name: MixerLayer(module, 0, [torch.zeros(1, *shape, dtype=dtype, device=device) for
-                                                      shape, dtype in zip(specs[name].shapes, specs[name].dtypes)],
-                                          backends[name], 1) for name, module in modules.items()}
+        runner, zeros = cls.__new__(cls), lambda spec: [torch.zeros(1, *shape, dtype=dtype, device=device)
+                                                        for shape, dtype in zip(spec.shapes, spec.dtypes)]
+        runner.layers = {n: MixerLayer(m, 0, zeros(specs[n]), backends[n], 1) for n, m in modules.items()}
         runner.state_groups, runner.step = [0], None
         return runner
 
