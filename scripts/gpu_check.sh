@@ -15,8 +15,9 @@
 #               the disaggregated example (Llama in BLNHC, Gemma 3 in LHBNC)
 #   elastic     CUDA virtual memory: the elastic GPU tests, the backing's commit/release, bench
 #               elastic --measure, decode over an elastic cache vs a plain one, examples/elastic.py
-#   hybrid      float32 tokens equal model.generate for every served hybrid (triton and torch), then
-#               `kvcore bench hf --model hybrid` (HYBRID_ARGS adds options)
+#   hybrid      the mixer kernel, Mamba2 prefill and hybrid GPU tests; float32 tokens equal
+#               model.generate for every served hybrid (triton and torch); `kvcore bench hf --model
+#               hybrid` (HYBRID_ARGS replaces its options: --requests 128 --shared-prefix 1024)
 #   flashinfer  kvcore-flashinfer: what "auto" picks, decode through kvcore's views vs its own
 #               tensor, engine tokens vs the torch backend, bench hf per backend, its GPU tests
 #   zeroer      host microseconds of zero_block_ids for 1 to 64 ids (median and best of many calls),
@@ -160,8 +161,12 @@ EOF
 }
 
 part_hybrid() {
-  TAIL=20 run tokens 120 $PY scripts/_hybrid_tokens.py "$LOG_DIR/tokens.json"
-  TAIL=20 run bench_hf 120 $PY -m kvcore bench hf --model hybrid ${HYBRID_ARGS:-} --json-out "$LOG_DIR/bench_hf.json"
+  TAIL=12 run kernels 150 $T plugins/kvcore-triton/tests/test_mixer_kernels.py plugins/kvcore-triton/tests/test_mamba2_prefill.py
+  TAIL=12 run gpu_tests 200 $T tests/test_hf_step_memory.py tests/test_hf_mixer_backends.py -m kvcore_gpu
+  TAIL=16 run tokens 150 $PY scripts/_hybrid_tokens.py "$LOG_DIR/tokens.json"
+  TAIL=45 run bench_hf 420 $PY -m kvcore bench hf --model hybrid ${HYBRID_ARGS:---requests 128 --shared-prefix 1024} \
+    --json-out "$LOG_DIR/bench_hf.json"
+  grep -q "Traceback" "$LOG_DIR/bench_hf.txt" && { echo "   bench hf: a traceback"; PART_RC=1; }
 }
 
 part_flashinfer() {

@@ -210,4 +210,4 @@ def test_a_mixer_bound_to_an_attention_group_is_an_internal_error_naming_it():
     kv = cached_cache("uniform", "LBNHC")
     name = next(iter(kv.kv_caches))
     with pytest.raises(RuntimeError, match=rf"mixer {name} is in a FullAttentionSpec group"):
-        MixerRunner(kv, {name: torch.nn.Identity()})
+        MixerRunner(kv, {name: torch.nn.Identity()}, 64)

@@ -5,6 +5,7 @@ times one pass, the device synchronized at both ends; output tokens are what it 
 """
 
 import argparse
+import gc
 import time
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +13,11 @@ from typing import Any
 import torch
 import transformers
 
+from kvcore.errors import InsufficientMemoryError
 from kvcore.hf import Engine
+
+#: What a run that does not fit in device memory raises (the bench reports it as not run and goes on).
+OUT_OF_MEMORY = (torch.OutOfMemoryError, MemoryError, InsufficientMemoryError)
 
 
 def model_config(kind: str, *, vocab: int, hidden: int, intermediate: int, layers: int, heads: int,
@@ -58,6 +63,19 @@ def timed(device: torch.device, fn: Callable[[], Any]) -> tuple[float, Any]:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start, out
+
+
+def guarded(run: Callable[[], tuple[dict, list]]) -> tuple[dict, list]:
+    """``run()``'s figures and outputs, or ``{"not_run": why}`` and no outputs when it runs out of
+    device memory (its memory is given back before the next run)."""
+    try:
+        return run()
+    except OUT_OF_MEMORY as exc:
+        why = f"out of memory ({str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__})"
+    gc.collect()  # NOTE: the failed engine, held by the traceback until now
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return {"not_run": why}, []
 
 
 def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int,
@@ -135,18 +153,18 @@ def run_static_generate(model: Any, prompts: list[list[int]], new_tokens: int) -
                 return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
                                       min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-        try:
-            warm_s, _ = timed(model.device, lambda: generate(2, all_ids[:batch]))
+        def timed_batch(size: int) -> tuple[dict, list]:
+            warm_s, _ = timed(model.device, lambda: generate(2, all_ids[:size]))
             seconds, outs = timed(model.device, lambda: [generate(new_tokens, chunk)
-                                                         for chunk in all_ids.split(batch)])
-        except (torch.cuda.OutOfMemoryError, MemoryError):
-            too_large.append(batch)
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
-            batch //= 2
-            continue
-        return {"seconds": seconds, "warmup_s": warm_s, "batch": batch, "out_of_memory_at": too_large,
-                "output_tokens": sum(int(out[:, all_ids.shape[1]:].numel()) for out in outs)}
+                                                         for chunk in all_ids.split(size)])
+            tokens = sum(int(out[:, all_ids.shape[1]:].numel()) for out in outs)
+            return {"seconds": seconds, "warmup_s": warm_s, "batch": size, "output_tokens": tokens}, []
+
+        result, _ = guarded(lambda: timed_batch(batch))  # noqa: B023 (called here)
+        if "not_run" not in result:
+            return {**result, "out_of_memory_at": too_large}
+        too_large.append(batch)
+        batch //= 2
     return {"not_run": f"out of memory at every batch size ({', '.join(map(str, too_large))})",
             "out_of_memory_at": too_large}
 
@@ -209,9 +227,12 @@ def run_check(args: argparse.Namespace, engine_kwargs: dict[str, Any],
     out = {"requests": len(checks), "new_tokens": args.check_new_tokens,
            "prompt_len": args.check_prompt_len}
     for caching in (False, True):
-        result, got = run_kvcore(model, checks, checks[:2], args.check_new_tokens,
-                                 {**small_kwargs, "enable_prefix_caching": caching})
+        result, got = guarded(lambda caching=caching: run_kvcore(
+            model, checks, checks[:2], args.check_new_tokens, {**small_kwargs, "enable_prefix_caching": caching}))
         key = "prefix_caching" if caching else "plain"
+        if "not_run" in result:
+            out[f"{key}_not_run"] = result["not_run"]
+            continue
         out[key] = sum(a == b for a, b in zip(got, want))
         out[f"{key}_hit_tokens"] = result["stats"]["prefix_cache_hit_tokens"]
     torch.backends.cudnn.allow_tf32 = tf32

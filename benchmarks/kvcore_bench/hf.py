@@ -134,40 +134,47 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                      "model": config.model_type},
         "engine": dict(engine_kwargs),
     }
-    out["kvcore"], outputs = runs.run_kvcore(model, prompts, warm, m, engine_kwargs,
-                                             profile="profile" not in skip)
-    if args.kv_cache_dtype != "auto":
-        out["quantized"] = runs.run_unquantized(model, prompts, warm, m, engine_kwargs, outputs)
+    out["kvcore"], outputs = runs.guarded(lambda: runs.run_kvcore(model, prompts, warm, m, engine_kwargs,
+                                                                  profile="profile" not in skip))
+    if args.kv_cache_dtype != "auto" and outputs:
+        out["quantized"], _ = runs.guarded(lambda: (runs.run_unquantized(model, prompts, warm, m, engine_kwargs,
+                                                                         outputs), []))
     if "eager" not in skip and device.type == "cuda" and not args.no_cuda_graphs:
-        out["kvcore_eager"], _ = runs.run_kvcore(model, prompts, warm, m,
-                                                 {**engine_kwargs, "cuda_graphs": False})
+        out["kvcore_eager"], _ = runs.guarded(lambda: runs.run_kvcore(
+            model, prompts, warm, m, {**engine_kwargs, "cuda_graphs": False}))
     if "generate_batch" not in skip:
         out["generate_batch"] = runs.run_generate_batch(model, prompts, warm[: min(n, 16)], m)
     if "static" not in skip:
         out["static_generate"] = runs.run_static_generate(model, prompts, m)
-    if hybrid and "llama" not in skip:  # NOTE: the same dimensions with attention in every layer
-        del model
-        llama = runs.model_config("llama", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
-                                  intermediate=args.intermediate, heads=args.heads,
-                                  kv_heads=args.kv_heads, max_pos=config.max_position_embeddings)
-        model = random_model(llama, dtype=dtype, device=device, seed=0)
-        size = default_block_size(llama, dtype, device, args.backend)
-        out["llama"], _ = runs.run_kvcore(model, prompts, warm, m, {
-            **engine_kwargs, "block_size": size, "num_blocks": blocks(p + m, size)})
-    out["roofline"] = runs.roofline(model, n, p, m, peak_tflops=args.peak_tflops,
-                                    hbm_tbps=args.hbm_tbps)
+    # NOTE: the timed model's roofline, before a hybrid's model gives way to the same-dims Llama
+    out["roofline"] = runs.roofline(model, n, p, m, peak_tflops=args.peak_tflops, hbm_tbps=args.hbm_tbps)
     if prefix and "prefix" not in skip:
         common, other = (runs.random_prompts(1, prefix, args.vocab, seed)[0] for seed in (3, 4))
         shared, shared_warm = [common + q for q in prompts], [other + q for q in warm]
         kwargs = {**engine_kwargs, "num_blocks": blocks(prefix + p + m)}
-        served = {key: runs.run_kvcore(model, shared, shared_warm, m,
-                                       {**kwargs, "enable_prefix_caching": key == "on"})
-                  for key in ("off", "on")}
+        served = {key: runs.guarded(lambda key=key: runs.run_kvcore(
+            model, shared, shared_warm, m, {**kwargs, "enable_prefix_caching": key == "on"}))
+            for key in ("off", "on")}
+        missing = [f"caching {key}: {served[key][0]['not_run']}" for key in served if "not_run" in served[key][0]]
         # NOTE: in bf16 a GEMM's rounding depends on the batch it runs in, so caching may flip some
         # greedy tokens of a random model; the float32 check below asserts equality.
         same = sum(a == b for a, b in zip(served["on"][1], served["off"][1]))
-        out["prefix"] = {"prefix_len": prefix, "same_requests": same, "requests": n,
-                         "off": served["off"][0], "on": served["on"][0]}
+        out["prefix"] = {"not_run": "; ".join(missing)} if missing else {
+            "prefix_len": prefix, "same_requests": same, "requests": n,
+            "off": served["off"][0], "on": served["on"][0]}
+    if hybrid and "llama" not in skip:  # NOTE: the same dimensions with attention in every layer
+        model = None  # NOTE: frees the hybrid before the Llama is built
+        llama = runs.model_config("llama", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
+                                  intermediate=args.intermediate, heads=args.heads,
+                                  kv_heads=args.kv_heads, max_pos=config.max_position_embeddings)
+        size = default_block_size(llama, dtype, device, args.backend)
+
+        def run_llama() -> tuple[dict, list]:
+            llama_model = random_model(llama, dtype=dtype, device=device, seed=0)
+            return runs.run_kvcore(llama_model, prompts, warm, m, {
+                **engine_kwargs, "block_size": size, "num_blocks": blocks(p + m, size)})
+
+        out["llama"], _ = runs.guarded(run_llama)
     model = None
     if "check" not in skip:
         out["check"] = runs.run_check(args, engine_kwargs, device)
@@ -233,9 +240,9 @@ def report(out: dict[str, Any]) -> None:
             for key, name in _ENGINES.items() if key in out and "not_run" not in out[key]]
     rows.append({"engine": "roofline", "output_tokens": None, "tps": roof["tokens_per_s"],
                  "seconds": roof["prefill_s"] + roof["decode_s"]})
-    kv_tps = _tps(kv)
+    kv_tps = None if "not_run" in kv else _tps(kv)
     for row in rows:
-        row["kvcore_vs"] = _kvcore_vs(kv_tps, row)
+        row["kvcore_vs"] = "-" if kv_tps is None else _kvcore_vs(kv_tps, row)
     print(table("output tokens/s (timed pass after a warm-up pass)", [
         ("engine", "engine", ""), ("output tokens", "output_tokens", ","),
         ("seconds", "seconds", ".2f"), ("tokens/s", "tps", ",.0f"),
@@ -247,13 +254,17 @@ def report(out: dict[str, Any]) -> None:
         print(textwrap.fill(
             f"static model.generate: {done}; out of memory at batch "
             f"{', '.join(map(str, static['out_of_memory_at']))}", width))
-    print(textwrap.fill(
-        f"kvcore: backend {kv['backend']}{_mixers(kv)}, {kv['layout']}, block {out['engine']['block_size']}; "
-        f"engine built in {kv['build_s']:.1f} s; first generate {kv['warmup_s']:.2f} s, second "
-        f"{kv['seconds']:.2f} s (first runs at {kv['first_vs_second']:.2f}x the second's speed)",
-        width))
-    print(_step_table(kv, width))
-    if "prefix" in out:
+    for key, name in (*_ENGINES.items(), ("prefix", "shared prefix"), ("quantized", "unquantized cache")):
+        if key != "static_generate" and "not_run" in out.get(key, {}):
+            print(textwrap.fill(f"{name}: not run: {out[key]['not_run']}", width))
+    if kv_tps is not None:
+        print(textwrap.fill(
+            f"kvcore: backend {kv['backend']}{_mixers(kv)}, {kv['layout']}, block {out['engine']['block_size']}; "
+            f"engine built in {kv['build_s']:.1f} s; first generate {kv['warmup_s']:.2f} s, second "
+            f"{kv['seconds']:.2f} s (first runs at {kv['first_vs_second']:.2f}x the second's speed)",
+            width))
+        print(_step_table(kv, width))
+    if "prefix" in out and "not_run" not in out["prefix"]:
         pre = out["prefix"]
         print(table(f"shared prefix of {pre['prefix_len']} tokens ({pre['same_requests']}/"
                     f"{pre['requests']} requests' tokens equal with caching on and off)", [
@@ -263,7 +274,8 @@ def report(out: dict[str, Any]) -> None:
             ("blocks zeroed", "blocks_zeroed", ","),
         ], [{"key": key, "tps": _tps(pre[key]), **pre[key]["stats"]} for key in ("off", "on")],
             width))
-    if "quantized" in out:
+        print(f"prefix caching on serves {_tps(pre['on']) / _tps(pre['off']):.2f}x the tokens/s of caching off")
+    if "quantized" in out and "not_run" not in out["quantized"] and kv_tps is not None:
         q = out["quantized"]
         print(textwrap.fill(
             f"KV cache {out['engine']['kv_cache_dtype']}: {_tps(kv):,.0f} tokens/s, "
@@ -274,6 +286,8 @@ def report(out: dict[str, Any]) -> None:
             "of float64 attention over the unquantized K/V", width))
     check = out.get("check", {})
     for key, label in (("plain", "prefix caching off"), ("prefix_caching", "prefix caching on")):
+        if f"{key}_not_run" in check:
+            print(textwrap.fill(f"float32 check, {label}: not run: {check[f'{key}_not_run']}", width))
         if key in check:
             print(textwrap.fill(
                 f"float32 check, {label}: {check[key]}/{check['requests']} requests' greedy "
@@ -286,5 +300,5 @@ def run(args: argparse.Namespace) -> int:
     emit(args, out, report)
     check = out.get("check", {})
     parts = [key for key in ("plain", "prefix_caching") if key in check]
-    ok = all(check[key] == check["requests"] for key in parts)
+    ok = all(check[key] == check["requests"] for key in parts) and not any(k.endswith("_not_run") for k in check)
     return 0 if ok else 1

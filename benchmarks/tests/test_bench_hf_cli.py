@@ -131,3 +131,32 @@ def test_the_static_baseline_halves_its_batch_until_it_fits_and_says_so(capsys):
         out = capsys.readouterr().out
         assert line in " ".join(out.split()) and "(mixers: triton-mixer)" in out
         assert ("static model.generate (batch 32)" in out) == ("batch" in static)
+
+
+def test_runs_that_run_out_of_memory_are_reported_as_not_run(monkeypatch, capsys):
+    from kvcore_bench import _hf_runs
+
+    served = _hf_runs.run_kvcore
+
+    def short_of_memory(model, prompts, warmup, new_tokens, engine_kwargs, **kwargs):
+        if model.config.model_type == "llama" or engine_kwargs.get("enable_prefix_caching"):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 32.00 GiB")
+        return served(model, prompts, warmup, new_tokens, engine_kwargs, **kwargs)
+
+    monkeypatch.setattr(_hf_runs, "run_kvcore", short_of_memory)
+    monkeypatch.setenv("COLUMNS", "80")
+    argv = ["bench", "hf", *hf.CPU_EXAMPLE.split(), "--model", "hybrid", "--requests", "2", "--prompt-len", "4",
+            "--shared-prefix", "16", "--skip", "generate_batch,static,profile", "--check-requests", "2",
+            "--check-prompt-len", "8", "--check-new-tokens", "2"]
+    assert main(argv) == 1  # NOTE: the float32 check with caching on did not run
+    out = " ".join(capsys.readouterr().out.split())
+    assert "kvcore.hf.Engine" in out and "(mixers: torch-mixer)" in out
+    for line in ("kvcore, same-dims Llama: not run: out of memory (CUDA out of memory. Tried to allocate 32.00 GiB)",
+                 "shared prefix: not run: caching on: out of memory",
+                 "float32 check, prefix caching on: not run: out of memory",
+                 "float32 check, prefix caching off: 3/3 requests' greedy tokens equal model.generate"):
+        assert line in out, out
+    monkeypatch.setattr(_hf_runs, "run_kvcore", lambda *a, **k: (_ for _ in ()).throw(torch.OutOfMemoryError("x")))
+    assert main(argv) == 1
+    out = " ".join(capsys.readouterr().out.split())
+    assert "kvcore.hf.Engine: not run: out of memory (x)" in out and "Traceback" not in out

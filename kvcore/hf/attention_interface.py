@@ -38,24 +38,16 @@ class StepContext:
 
 
 def kvcore_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    **kwargs: Any,
+    module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+    attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
+    sliding_window: int | None = None, **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
     """Paged attention of one layer for a packed step; returns ``([1, tokens, heads, head_dim_v], None)``."""
     step = kwargs.get(STEP_KWARG)
     if not isinstance(step, StepContext):
-        raise RuntimeError(
-            f"the {ATTENTION_NAME!r} attention implementation only runs inside kvcore.hf.Engine, "
-            "which passes each step's KV cache context; call model.set_attn_implementation('sdpa') "
-            "to run the model on its own"
-        )
+        raise RuntimeError(f"the {ATTENTION_NAME!r} attention implementation only runs inside kvcore.hf.Engine, "
+                           "which passes each step's KV cache context; call model.set_attn_implementation('sdpa') "
+                           "to run the model on its own")
     layer = step.layers.get(module)
     if layer is None:
         raise RuntimeError(f"{type(module).__name__} is not an attention module the engine bound to the KV cache")

@@ -47,10 +47,8 @@ def _check(engine: Engine, blocks: PrefixBlocks, *, held: bool) -> Scheduler:
     scheduler = _scheduler(engine)
     groups = scheduler.groups
     if len(blocks.block_ids) != len(groups):
-        raise ValueError(
-            f"the prefix lists blocks of {len(blocks.block_ids)} KV cache groups but this engine has "
-            f"{len(groups)}; both engines must serve the same model"
-        )
+        raise ValueError(f"the prefix lists blocks of {len(blocks.block_ids)} KV cache groups but this engine has "
+                         f"{len(groups)}; both engines must serve the same model")
     sizes = [g.block_size for g in groups]
     if any(blocks.num_tokens % s for s in sizes):
         raise ValueError(

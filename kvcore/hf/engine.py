@@ -14,6 +14,7 @@ import torch
 from kvcore._validate import positive_int
 from kvcore.distributed import shard_spec
 from kvcore.errors import InsufficientMemoryError
+from kvcore.hf import profile
 from kvcore.hf.attention_interface import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.mixers import MixerRunner, is_decode
 from kvcore.hf.scheduler import Request, Scheduler, check_prompt
@@ -106,11 +107,11 @@ class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
     :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``) on its
-        device; a hybrid (mixers with state groups) runs without prefix caching or TP.
+        device; a hybrid (mixers with state groups) runs on one device.
     :param backend: attention backend name or class, or ``"auto"``: :func:`kvcore.select_backend`.
     :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
-    :param num_blocks: blocks to plan; or ``available_memory`` bytes (default: 90% of the free
-        GPU memory, or 256 MiB on a CPU).
+    :param num_blocks: blocks to plan; or ``available_memory`` bytes (default on a GPU: 90% of the
+        free memory left beside the largest step, measured before the cache exists; 256 MiB on a CPU).
     :param max_num_seqs: requests running at once; 256, as vLLM: admission already waits for free
         blocks, so a smaller cap only idles the device (64 ran 256 requests at 0.49x on an H200).
     :param max_num_batched_tokens: tokens per step; None: 4,096 on a GPU, 2,048 elsewhere.
@@ -129,23 +130,11 @@ class Engine:
     """
 
     def __init__(
-        self,
-        model: Any,
-        *,
-        backend: Any = "auto",
-        block_size: int | None = None,
-        layout: Any = None,
-        num_blocks: int | None = None,
-        available_memory: int | None = None,
-        max_num_seqs: int = 256,
-        max_num_batched_tokens: int | None = None,
-        enable_prefix_caching: bool = False,
-        group: Any = None,
-        cuda_graphs: bool | None = None,
-        max_num_blocks: int | None = None,
-        mixer_backend: Any = "auto",
-        separate_state_pages: bool | None = None,
-        state_checkpoint_tokens: int | None = None,
+        self, model: Any, *, backend: Any = "auto", block_size: int | None = None, layout: Any = None,
+        num_blocks: int | None = None, available_memory: int | None = None, max_num_seqs: int = 256,
+        max_num_batched_tokens: int | None = None, enable_prefix_caching: bool = False, group: Any = None,
+        cuda_graphs: bool | None = None, max_num_blocks: int | None = None, mixer_backend: Any = "auto",
+        separate_state_pages: bool | None = None, state_checkpoint_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
     ) -> None:
         check_model(model)
@@ -177,26 +166,28 @@ class Engine:
             cuda_graphs = cuda_graphs if separate else False  # NOTE: padding rows need a slot nothing reads
             checkpoint = checked_checkpoint_tokens(checkpoint, settings.block_size)
         modules = model_modules(model, list(specs))
-        if num_blocks is None and available_memory is None:
-            cuda = self.device.type == "cuda"
-            available_memory = int(torch.cuda.mem_get_info(self.device)[0] * 0.9) if cuda else 256 << 20
+        budget = settings.max_num_batched_tokens
+        if num_blocks is None and available_memory is None and self.device.type != "cuda":
+            available_memory = 256 << 20
+        elif num_blocks is None and available_memory is None:  # NOTE: what the largest step leaves free
+            found = resolve_backends(specs, dict.fromkeys(mixers, mixer_backend), HookAnswers(), self.device)[0]
+            scratch = MixerRunner.unbound({n: modules[n] for n in mixers}, specs, found, self.device)
+            peak = profile.step_peak(model, budget, min(budget, max_num_seqs), scratch if mixers else None)
+            available_memory = profile.cache_share(torch.cuda.mem_get_info(self.device)[0], peak, budget)
         self.kv = KVCache.create(
-            specs, {**settings.layer_backends, **dict.fromkeys(mixers, mixer_backend)},
-            device=self.device, layout=layout, separate_state_pages=separate,
-            num_blocks=num_blocks, available_memory=available_memory,
-            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
-            max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
-        )
+            specs, {**settings.layer_backends, **dict.fromkeys(mixers, mixer_backend)}, device=self.device,
+            layout=layout, separate_state_pages=separate, num_blocks=num_blocks, available_memory=available_memory,
+            max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group, max_num_blocks=max_num_blocks,
+            enable_prefix_caching=enable_prefix_caching)
         self.kv.load_kv_scales({name: modules[name] for name in attention})
         self._start_blocks = self.kv.num_blocks
         self._no_memory: InsufficientMemoryError | None = None  # NOTE: why this step's grow failed
-        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=settings.max_num_batched_tokens,
-                                   state_checkpoint_tokens=checkpoint)
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=budget, state_checkpoint_tokens=checkpoint)
         if max_num_blocks is not None:
             self.scheduler.grow = self._grow_cache
         self.counts = self.scheduler.counts
         self._layers = {modules[name]: self._bind(name, modules[name]) for name in attention}
-        self.mixers = MixerRunner(self.kv, {n: modules[n] for n in mixers}) if mixers else None
+        self.mixers = MixerRunner(self.kv, {n: modules[n] for n in mixers}, budget) if mixers else None
         self.steps = StepBuilder(self.kv, self.scheduler.groups, self.scheduler.tables)
         eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         self._eos = frozenset([eos] if isinstance(eos, int) else eos or ())
@@ -216,10 +207,8 @@ class Engine:
         window = self.scheduler.groups[attn_group.kv_cache_group_id].sliding_window
         declared = getattr(module, "sliding_window", window)
         if declared != window:
-            raise ValueError(
-                f"{name} attends with sliding_window={declared} but its KV cache spec has {window}; "
-                "the model and its config disagree"
-            )
+            raise ValueError(f"{name} attends with sliding_window={declared} but its KV cache spec has {window}; "
+                             "the model and its config disagree")
         return LayerBinding(name, attn_group.backend, self.kv.layer_kv_caches[name],
                             attn_group.kv_cache_spec.head_size, window)
 

@@ -39,10 +39,15 @@ class MixerStep:
 
 
 class MixerLayer:
-    """One mixer module, its backend and its state views in the cache."""
+    """One mixer module, its backend, its state views in the cache, and the most chunk-padded tokens
+    one prefill call may take (``max_tokens`` rounded up to the module's ``chunk_size``, if any)."""
 
-    def __init__(self, module: torch.nn.Module, group_id: int, states: list[torch.Tensor], backend: Any) -> None:
+    def __init__(self, module: torch.nn.Module, group_id: int, states: list[torch.Tensor], backend: Any,
+                 max_tokens: int) -> None:
         self.module, self.group_id, self.states, self.backend = module, group_id, states, backend
+        chunk = getattr(module, "chunk_size", None)
+        self.chunk = chunk if isinstance(chunk, int) and chunk > 0 else 1
+        self.max_padded = -(-max_tokens // self.chunk) * self.chunk
 
     def run(self, step: MixerStep, hidden: torch.Tensor) -> torch.Tensor:
         """The mixer's output for the packed row ``hidden`` ``[1, tokens, hidden]``."""
@@ -72,14 +77,18 @@ class MixerLayer:
             for start, n, slot, _ in now:  # NOTE: pieces of one length run as one batch
                 chunks.setdefault(n, []).append((start, slot))
             for n, found in chunks.items():
-                if len(found) == 1:
-                    start, slot = found[0]
-                    out[0, start : start + n] = backend.prefill(module, row[start : start + n], self.states, slot)
-                    continue
-                batch = torch.stack([row[start : start + n] for start, _ in found])
-                ys = backend.prefill_batch(module, batch, self.states, [slot for _, slot in found])
-                for (start, _), y in zip(found, ys):
-                    out[0, start : start + n] = y
+                # NOTE: a module that pads its chunk scan pads every row: rows capped so that one call's
+                # activations stay within those of the step budget in one row (what the engine measured)
+                rows = max(1, self.max_padded // (-(-n // self.chunk) * self.chunk))
+                for part in (found[at : at + rows] for at in range(0, len(found), rows)):
+                    slots = [slot for _, slot in part]
+                    if len(part) == 1:
+                        ys = backend.prefill(module, row[part[0][0] : part[0][0] + n], self.states, slots[0])[None]
+                    else:
+                        ys = backend.prefill_batch(module, torch.stack([row[a : a + n] for a, _ in part]),
+                                                   self.states, slots)
+                    for (start, _), y in zip(part, ys):
+                        out[0, start : start + n] = y
             done = [(slot, ckpt) for _, _, slot, ckpt in now if ckpt is not None]
             copy_slots(self.states, [s for s, _ in done], [c for _, c in done])
         return out
@@ -88,15 +97,16 @@ class MixerLayer:
 def copy_slots(states: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
     """Copy each state of slots ``src`` to slots ``dst`` (a checkpoint taken or restored)."""
     if src:
-        index = torch.tensor([src, dst], dtype=torch.long).to(states[0].device)
+        index = torch.tensor([src, dst], dtype=torch.long).to(states[0].device, non_blocking=True)
         for state in states:
             state.index_copy_(0, index[1], state.index_select(0, index[0]))
 
 
 class MixerRunner:
-    """The mixer modules of one hybrid model, by path, bound to their state groups and backends."""
+    """The mixer modules of one hybrid model, by path, bound to their state groups and backends
+    (``max_tokens``: the engine's step budget, which bounds one prefill call)."""
 
-    def __init__(self, kv: KVCache, modules: Mapping[str, torch.nn.Module]) -> None:
+    def __init__(self, kv: KVCache, modules: Mapping[str, torch.nn.Module], max_tokens: int) -> None:
         self.layers: dict[str, MixerLayer] = {}
         for name, module in modules.items():
             g, group = kv.config.group_of(name)
@@ -107,9 +117,19 @@ class MixerRunner:
             if name not in kv.mixer_backends:
                 raise RuntimeError(f"mixer {name} has no mixer backend in the KV cache")
             states = spec.split_states(kv.layer_kv_caches[name])
-            self.layers[name] = MixerLayer(module, g, states, kv.mixer_backends[name])
+            self.layers[name] = MixerLayer(module, g, states, kv.mixer_backends[name], max_tokens)
         self.state_groups = sorted({layer.group_id for layer in self.layers.values()})
         self.step: MixerStep | None = None
+
+    @classmethod
+    def unbound(cls, modules: Mapping[str, torch.nn.Module], specs: Mapping[str, MambaSpec],
+                backends: Mapping[str, Any], device: torch.device) -> MixerRunner:
+        """Mixers on zero states of their own, for scratch passes before the KV cache exists."""
+        runner, zeros = cls.__new__(cls), lambda spec: [torch.zeros(1, *shape, dtype=dtype, device=device)
+                                                        for shape, dtype in zip(spec.shapes, spec.dtypes)]
+        runner.layers = {n: MixerLayer(m, 0, zeros(specs[n]), backends[n], 1) for n, m in modules.items()}
+        runner.state_groups, runner.step = [0], None
+        return runner
 
     def plan(self, batch: Sequence[tuple[Request | None, int]], tables: Sequence[np.ndarray],
              common: Sequence[CommonAttentionMetadata]) -> MixerStep:

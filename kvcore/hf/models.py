@@ -70,12 +70,8 @@ def model_config(arch: str, **overrides: Any) -> transformers.PretrainedConfig:
 
 
 def random_model(
-    config: transformers.PretrainedConfig,
-    *,
-    dtype: torch.dtype = torch.float32,
-    device: torch.device | str = "cpu",
-    seed: int = 0,
-    logit_std: float = 8.0,
+    config: transformers.PretrainedConfig, *, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu",
+    seed: int = 0, logit_std: float = 8.0,
 ) -> transformers.PreTrainedModel:
     """A random-weight causal LM for ``config`` with logits of about ``logit_std`` spread: peaky, so
     that rounding that differs between two exact attention implementations cannot flip a token."""

@@ -103,19 +103,15 @@ def check_prompt(index: int, prompt: Any, max_new_tokens: Any, *, vocab_size: in
         raise ValueError(f"{where} is empty; give at least one token id")
     bad = [t for t in tokens if not 0 <= t < vocab_size]
     if bad:
-        raise ValueError(
-            f"{where} holds token ids {sorted(set(bad))[:8]} outside the vocabulary 0..{vocab_size - 1}; "
-            "use the model's own tokenizer"
-        )
+        raise ValueError(f"{where} holds token ids {sorted(set(bad))[:8]} outside the vocabulary 0..{vocab_size - 1}; "
+                         "use the model's own tokenizer")
     new = as_int("max_new_tokens", max_new_tokens)
     if new < 1:
         raise ValueError(f"max_new_tokens must be at least 1, got {new}")
     if len(tokens) + new > max_model_len:
-        raise ValueError(
-            f"{where} has {len(tokens)} tokens; with max_new_tokens={new} it needs {len(tokens) + new} "
-            f"positions but the model takes at most {max_model_len} (max_position_embeddings); "
-            "shorten the prompt or lower max_new_tokens"
-        )
+        raise ValueError(f"{where} has {len(tokens)} tokens; with max_new_tokens={new} it needs {len(tokens) + new} "
+                         f"positions but the model takes at most {max_model_len} (max_position_embeddings); "
+                         "shorten the prompt or lower max_new_tokens")
     return tokens
 
 

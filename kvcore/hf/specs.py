@@ -99,16 +99,12 @@ def check_servable(config: Any) -> None:
     model_type = getattr(config, "model_type", None)
     if model_type in REFUSED_HYBRIDS:
         name, why = REFUSED_HYBRIDS[model_type]
-        raise ValueError(
-            f"kvcore does not serve {name} hybrids (model_type {model_type!r}): {why}. Served hybrids: "
-            f"{sorted(HYBRID_FAMILIES)}"
-        )
+        raise ValueError(f"kvcore does not serve {name} hybrids (model_type {model_type!r}): {why}. Served hybrids: "
+                         f"{sorted(HYBRID_FAMILIES)}")
     found = unsupported_features(config)
     if found:
-        raise ValueError(
-            f"kvcore cannot serve this {model_type or type(config).__name__} config exactly: it uses "
-            f"{'; '.join(found)}. No kvcore backend implements that; use a model without it"
-        )
+        raise ValueError(f"kvcore cannot serve this {model_type or type(config).__name__} config exactly: it uses "
+                         f"{'; '.join(found)}. No kvcore backend implements that; use a model without it")
 
 
 def check_model(model: Any) -> None:
@@ -119,10 +115,8 @@ def check_model(model: Any) -> None:
     check_servable(config)
     model_type = getattr(config, "model_type", None)
     if model_type not in SERVED_MODEL_TYPES:
-        raise ValueError(
-            f"kvcore.hf serves the model types {list(SERVED_MODEL_TYPES)}; {type(model).__name__} is "
-            f"{model_type!r}, whose modeling code kvcore has not verified token for token"
-        )
+        raise ValueError(f"kvcore.hf serves the model types {list(SERVED_MODEL_TYPES)}; {type(model).__name__} is "
+                         f"{model_type!r}, whose modeling code kvcore has not verified token for token")
     types = [] if is_hybrid(config) else _layer_types(config)
     if "chunked_attention" in types:
         raise ValueError(
@@ -138,10 +132,8 @@ def check_hybrid_options(
     """Refuse what a hybrid model cannot be served with."""
     kind = config.model_type
     if num_attention == 0:
-        raise ValueError(
-            f"this {kind!r} config has mixer layers only; kvcore.hf serves hybrids with at least one "
-            "attention layer (set the config's layer types)"
-        )
+        raise ValueError(f"this {kind!r} config has mixer layers only; kvcore.hf serves hybrids with at least one "
+                         "attention layer (set the config's layer types)")
     if prefix_caching and not separate_state_pages:
         raise ValueError(
             f"prefix caching serves the hybrid {kind!r} only with separate_state_pages (None or True), whose "
@@ -150,10 +142,8 @@ def check_hybrid_options(
     if tp_size > 1:
         raise ValueError(f"kvcore.hf serves the hybrid {kind!r} on one device only; its mixer states are not sharded")
     if cuda_graphs and not separate_state_pages:
-        raise ValueError(
-            f"CUDA graphs serve the hybrid {kind!r} only with separate_state_pages (None or True): padded "
-            "decode rows then update a state slot that nothing reads; pass cuda_graphs=False or None"
-        )
+        raise ValueError(f"CUDA graphs serve the hybrid {kind!r} only with separate_state_pages (None or True): padded "
+                         "decode rows then update a state slot that nothing reads; pass cuda_graphs=False or None")
 
 
 def check_checkpoint_tokens(tokens: Any, block_size: int) -> int:
@@ -172,10 +162,8 @@ def model_modules(model: torch.nn.Module, names: list[str]) -> dict[str, torch.n
     modules = dict(model.named_modules())
     missing = [n for n in names if n not in modules]
     if missing:
-        raise ValueError(
-            f"{type(model).__name__} has no attention modules {missing[:2]}...; pass the "
-            "*ForCausalLM model (its decoder layers are model.layers.<i>)"
-        )
+        raise ValueError(f"{type(model).__name__} has no attention modules {missing[:2]}...; pass the "
+                         "*ForCausalLM model (its decoder layers are model.layers.<i>)")
     return {n: modules[n] for n in names}
 
 
@@ -249,11 +237,9 @@ def layer_specs(config: Any, dtype: torch.dtype | str | None, block_size: int) -
             chunk = positive_int("config.attention_chunk_size", chunk)
             spec = ChunkedLocalAttentionSpec(block_size, kv_heads, head_dim, value, attention_chunk_size=chunk)
         else:
-            raise ValueError(
-                f"layer {i} is {layer_type!r} but the config sets no "
-                f"{'sliding_window' if layer_type == 'sliding_attention' else 'attention_chunk_size'}; "
-                "set it or change config.layer_types"
-            )
+            raise ValueError(f"layer {i} is {layer_type!r} but the config sets no "
+                             f"{'sliding_window' if layer_type == 'sliding_attention' else 'attention_chunk_size'}; "
+                             "set it or change config.layer_types")
         specs[f"model.layers.{i}.self_attn"] = spec
     return specs
 

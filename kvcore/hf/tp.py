@@ -19,10 +19,8 @@ def tp_group_size(group: Any) -> tuple[int, int]:
     if group is None:
         return 0, 1
     if not (dist.is_available() and dist.is_initialized()):
-        raise ValueError(
-            f"group={group!r} was given but torch.distributed is not initialized; call torch.distributed."
-            "init_process_group ('gloo' on CPU, 'nccl' on GPUs) first, or pass group=None for one process"
-        )
+        raise ValueError(f"group={group!r} was given but torch.distributed is not initialized; call torch.distributed."
+                         "init_process_group ('gloo' on CPU, 'nccl' on GPUs) first, or pass group=None for one process")
     try:
         ranks = dist.get_process_group_ranks(group)
     except (TypeError, ValueError, RuntimeError) as err:
@@ -58,11 +56,9 @@ def _distributed_config(config: Any, tp_size: int) -> DistributedConfig:
         raise ImportError("transformers loads tensor-parallel models through accelerate: pip install accelerate")
     value = os.environ.get("LOCAL_RANK")  # NOTE: transformers binds each rank to device LOCAL_RANK
     if value is None or not value.strip().isdigit():
-        raise ValueError(
-            f"LOCAL_RANK={value!r}: transformers' tensor-parallel loading reads this process's "
-            "index on its host from LOCAL_RANK (torchrun sets it, with RANK and WORLD_SIZE); set "
-            "it for each process you start yourself, e.g. LOCAL_RANK=<rank> on one host"
-        )
+        raise ValueError(f"LOCAL_RANK={value!r}: transformers' tensor-parallel loading reads this process's "
+                         "index on its host from LOCAL_RANK (torchrun sets it, with RANK and WORLD_SIZE); set "
+                         "it for each process you start yourself, e.g. LOCAL_RANK=<rank> on one host")
     return DistributedConfig(tp_size=tp_size, tp_plan="auto")
 
 
@@ -94,10 +90,8 @@ def shard_model(model: PreTrainedModel, group: Any = None) -> PreTrainedModel:
         raise ValueError("cannot shard the model over the group: " + " | ".join(errors))
     sums = [s for s, _ in gathered]
     if len(set(sums)) != 1:
-        raise ValueError(
-            f"the ranks' models have different weights (checksums {sums}); build the model "
-            "the same way on every rank (one config, one seed) or load it with load_tp_model"
-        )
+        raise ValueError(f"the ranks' models have different weights (checksums {sums}); build the model "
+                         "the same way on every rank (one config, one seed) or load it with load_tp_model")
     sharded = type(model).from_pretrained(
         None, config=model.config, state_dict=model.state_dict(), dtype=model.dtype,
         attn_implementation=model.config._attn_implementation, distributed_config=dist_config,

@@ -39,13 +39,11 @@ def _unify_page_size(spec: KVCacheSpec, page: int, layer_name: str) -> KVCacheSp
             return scaled
     mla = isinstance(spec, MLAAttentionSpec)
     if mla or not _paddable(spec):
-        raise ValueError(
-            f"{'MLA ' if mla else ''}layer {layer_name!r} ({type(spec).__name__}) has a "
-            f"{current}-byte page (block size {spec.block_size}) that does not divide the "
-            f"model's common page of {page} bytes (the largest page, rounded up to a multiple "
-            f"of every element size), and {'MLA' if mla else 'its'} pages cannot be padded; "
-            "choose block sizes whose pages divide the largest page"
-        )
+        raise ValueError(f"{'MLA ' if mla else ''}layer {layer_name!r} ({type(spec).__name__}) has a "
+                         f"{current}-byte page (block size {spec.block_size}) that does not divide the "
+                         f"model's common page of {page} bytes (the largest page, rounded up to a multiple "
+                         f"of every element size), and {'MLA' if mla else 'its'} pages cannot be padded; "
+                         "choose block sizes whose pages divide the largest page")
     return attrs.evolve(spec, page_size_padded=page)
 
 
@@ -131,10 +129,8 @@ def _bytes_per_block(parts: list[_Part], layout: KVCacheLayout) -> int:
         return round_up(largest, math.lcm(*alignments))
     strides = sorted({p.stride for p in parts})
     if len(footprints) > 1 and len(strides) > 1:
-        raise _Refusal(
-            f"it keeps each layer's blocks together, so overlaid groups need one "
-            f"per-layer block footprint, but this model's groups need {strides} bytes"
-        )
+        raise _Refusal(f"it keeps each layer's blocks together, so overlaid groups need one "
+                       f"per-layer block footprint, but this model's groups need {strides} bytes")
     return largest
 
 
@@ -147,16 +143,12 @@ def _strides(part: _Part, layout: KVCacheLayout, num_blocks: int, bytes_per_bloc
     spec, layer = part.spec, part.layers[0]
     if spec.page_size_padded is not None and spec.num_heads > 1 and not layout.is_block_compact:
         # NOTE: the one refusal compute_layout_strides could make here, naming the layer.
-        raise _Refusal(
-            f"it puts heads between layers and blocks, so layer {layer!r} cannot keep "
-            f"its {spec.num_heads}-head page padded to {spec.page_size_padded} bytes"
-        )
+        raise _Refusal(f"it puts heads between layers and blocks, so layer {layer!r} cannot keep "
+                       f"its {spec.num_heads}-head page padded to {spec.page_size_padded} bytes")
     strides = compute_layout_strides(spec, num_blocks, len(part.layers), layout, None, fixed)
     if layout.is_layer_compact and strides[0] != num_blocks * part.stride:
-        raise _Refusal(
-            f"it cannot give layer {layer!r} a block stride of {part.stride} bytes "
-            "(its page rounded to the block-stride alignment)"
-        )
+        raise _Refusal(f"it cannot give layer {layer!r} a block stride of {part.stride} bytes "
+                       "(its page rounded to the block-stride alignment)")
     return strides
 
 
@@ -176,10 +168,8 @@ def _tensors(
             # NOTE: in LHBNC a block is split across heads; overlaid groups must split it alike.
             heads.setdefault((part.spec.num_heads, strides[1]), part.layers[0])
             if len(heads) > 1:
-                raise _Refusal(
-                    f"it splits blocks by head, and layers {list(heads.values())} split "
-                    f"them differently (heads, block stride) = {list(heads)}"
-                )
+                raise _Refusal(f"it splits blocks by head, and layers {list(heads.values())} split "
+                               f"them differently (heads, block stride) = {list(heads)}")
         offset = base + offsets.get(part.group_id, 0)
         blocks = num_blocks if layout.is_layer_compact else 1
         offsets[part.group_id] = offset - base + part.footprint * blocks

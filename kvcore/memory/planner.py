@@ -48,18 +48,13 @@ def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: str,
 
 def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
     if not isinstance(kv_cache_specs, Mapping):
-        raise TypeError(
-            "kv_cache_specs must map layer names to specs in model order, got "
-            f"{type(kv_cache_specs).__name__}"
-        )
+        raise TypeError("kv_cache_specs must map layer names to specs in model order, got "
+                        f"{type(kv_cache_specs).__name__}")
     if not kv_cache_specs:
         raise ValueError("kv_cache_specs is empty; describe at least one layer")
     for name, spec in kv_cache_specs.items():  # NOTE: KVCacheGroupSpec checks the names
         if not isinstance(spec, KVCacheSpec) or isinstance(spec, UniformTypeKVCacheSpecs):
-            raise TypeError(
-                f"layer {name!r} needs a per-layer KVCacheSpec (e.g. FullAttentionSpec), "
-                f"got {spec!r}"
-            )
+            raise TypeError(f"layer {name!r} needs a per-layer KVCacheSpec (e.g. FullAttentionSpec), " f"got {spec!r}")
         check_hashable(f"the spec of layer {name!r}", spec)
     return dict(kv_cache_specs)
 
@@ -67,18 +62,14 @@ def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCache
 def checked_budget(available_memory: int | None, num_blocks: int | None) -> tuple[int | None, int | None]:
     """Exactly one of ``available_memory`` (bytes) and ``num_blocks`` (at least 2), checked."""
     if (available_memory is None) == (num_blocks is None):
-        raise ValueError(
-            "pass exactly one of available_memory (bytes) or num_blocks, got "
-            f"available_memory={available_memory!r}, num_blocks={num_blocks!r}"
-        )
+        raise ValueError("pass exactly one of available_memory (bytes) or num_blocks, got "
+                         f"available_memory={available_memory!r}, num_blocks={num_blocks!r}")
     if num_blocks is None:
         return non_negative_int("available_memory", available_memory), None
     num_blocks = positive_int("num_blocks", num_blocks)
     if num_blocks < _MIN_BLOCKS:
-        raise ValueError(
-            f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
-            "plan at least 2 blocks"
-        )
+        raise ValueError(f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
+                         "plan at least 2 blocks")
     return None, num_blocks
 
 
@@ -116,13 +107,11 @@ class PagePlan:
         layers = f"{count} layer" + ("s" if count != 1 else "")
         need = format_bytes_exact(self.region + _MIN_BLOCKS * self.bytes_per_block)
         region = f" after the {format_bytes_exact(self.region)} state region" if self.states else ""
-        return (
-            f"available_memory={format_bytes_exact(available_memory)} holds {num_blocks} "
-            f"KV cache block{'s' if num_blocks != 1 else ''}{region}; one block of the model's "
-            f"{layers} needs {format_bytes_exact(self.bytes_per_block)} and a pool needs "
-            f"{_MIN_BLOCKS} (block 0 is the null block), so plan with at least {need}, "
-            "a smaller block size or a smaller model"
-        )
+        return (f"available_memory={format_bytes_exact(available_memory)} holds {num_blocks} "
+                f"KV cache block{'s' if num_blocks != 1 else ''}{region}; one block of the model's "
+                f"{layers} needs {format_bytes_exact(self.bytes_per_block)} and a pool needs "
+                f"{_MIN_BLOCKS} (block 0 is the null block), so plan with at least {need}, "
+                "a smaller block size or a smaller model")
 
     def place(self, num_blocks: int) -> KVCacheConfig:
         """The plan of ``num_blocks`` blocks."""
@@ -190,13 +179,8 @@ def _lay(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> PagePlan:
 
 
 def plan_kv_cache(
-    kv_cache_specs: Mapping[str, KVCacheSpec],
-    layout: KVCacheLayout | str,
-    *,
-    available_memory: int | None = None,
-    num_blocks: int | None = None,
-    separate_state_pages: bool = False,
-    num_state_blocks: int | None = None,
+    kv_cache_specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout | str, *, available_memory: int | None = None,
+    num_blocks: int | None = None, separate_state_pages: bool = False, num_state_blocks: int | None = None,
 ) -> KVCacheConfig:
     """Plan the KV cache of a model whose layers are ``kv_cache_specs`` (in model order), with
     exactly one of ``available_memory`` (bytes) or ``num_blocks``; an encoder-only model gets no

@@ -1,6 +1,7 @@
 """The ``triton-mixer`` backend: Mamba2 and short-convolution decode steps for a whole batch in
-a few launches (the module's projections and norm, then the slot-indexed state kernels); prefill
-chunks and modules it does not recognise go to the torch reference."""
+a few launches (the module's projections and norm, then the slot-indexed state kernels); Mamba2
+prefill as batched matrix products (mamba2_prefill.py); other prefill chunks and modules it does
+not recognise go to the torch reference."""
 
 from __future__ import annotations
 
@@ -11,11 +12,9 @@ import torch
 
 from kvcore.plugins.mixer_backend import MixerBackend
 from kvcore_torch.mixers import TorchMixerBackend
+from kvcore_triton.mamba2_prefill import MAMBA2, mamba2_prefill
 from kvcore_triton.mixer_kernels import ACTIVATIONS, causal_conv1d_update, selective_state_update
 
-#: Attributes of transformers' Mamba2 mixers (Bamba, GraniteMoeHybrid, FalconH1, NemotronH) read here.
-_MAMBA2 = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias", "intermediate_size", "conv_dim",
-           "num_heads", "head_dim", "n_groups", "ssm_state_size", "activation")
 #: And of LFM2's short convolution.
 _SHORT_CONV = ("in_proj", "conv", "out_proj")
 
@@ -55,9 +54,13 @@ def _short_conv_decode(layer: Any, x: torch.Tensor, states: Sequence[torch.Tenso
     return layer.out_proj(c * y)
 
 
+def _is_mamba2(layer: Any, states: Sequence[torch.Tensor]) -> bool:
+    return len(states) == 2 and all(hasattr(layer, a) for a in MAMBA2) and layer.activation in ACTIVATIONS
+
+
 def _kernel_path(layer: Any, states: Sequence[torch.Tensor]) -> Any:
     """The decode step these kernels run for ``layer``, or None (the reference serves it)."""
-    if len(states) == 2 and all(hasattr(layer, a) for a in _MAMBA2) and layer.activation in ACTIVATIONS:
+    if _is_mamba2(layer, states):
         return _mamba2_decode
     if len(states) == 1 and all(hasattr(layer, a) for a in _SHORT_CONV) and hasattr(layer.conv, "weight"):
         return _short_conv_decode
@@ -68,7 +71,8 @@ class TritonMixerBackend(MixerBackend):
     """Mamba2 (transformers' Bamba, GraniteMoeHybrid, FalconH1 and NemotronH mixers) and LFM2's
     short convolution: each decode step is the module's projections around two Triton kernels
     that update every row's conv window and SSM state in place at its slot. No host sync, so a
-    decode step can be captured in a CUDA graph. Prefill runs the torch reference."""
+    decode step can be captured in a CUDA graph. Mamba2 prefill runs the chunked scan as batched
+    matrix products; other prefill runs the torch reference."""
 
     name: ClassVar[str] = "triton-mixer"
     mamba_types: ClassVar[tuple[str, ...]] = ("mamba2", "short_conv")
@@ -81,5 +85,16 @@ class TritonMixerBackend(MixerBackend):
             return TorchMixerBackend.decode(layer, hidden_states, states, slot_ids)
         return step(layer, hidden_states, states, slot_ids)
 
-    prefill = TorchMixerBackend.__dict__["prefill"]
-    prefill_batch = TorchMixerBackend.__dict__["prefill_batch"]
+    @staticmethod
+    def prefill(layer: Any, hidden_states: torch.Tensor, states: Sequence[torch.Tensor], slot_id: int) -> torch.Tensor:
+        if not _is_mamba2(layer, states):
+            return TorchMixerBackend.prefill(layer, hidden_states, states, slot_id)
+        return mamba2_prefill(layer, hidden_states[None], states, slice(slot_id, slot_id + 1))[0]
+
+    @staticmethod
+    def prefill_batch(layer: Any, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],
+                      slot_ids: Sequence[int]) -> torch.Tensor:
+        if not _is_mamba2(layer, states):
+            return TorchMixerBackend.prefill_batch(layer, hidden_states, states, slot_ids)
+        rows = torch.tensor(list(slot_ids), dtype=torch.long).to(states[0].device, non_blocking=True)
+        return mamba2_prefill(layer, hidden_states, states, rows)

@@ -29,17 +29,23 @@ def conv_reference(x, state, weight, bias, slots, silu):
     return (F.silu(out) if silu else out).to(x.dtype), new
 
 
-def ssm_reference(state, x, dt, a_log, b, c, d, dt_bias, slots, z):
+def ssm_reference(state, x, dt, a_log, b, c, d, dt_bias, slots, z, *, scales=False):
+    """The reference output and new states; with ``scales``, also the magnitudes each is a sum of
+    (float32 rounding, and a GPU's fast exp and log, err in proportion to them, not to the result)."""
     heads, groups = x.shape[1], b.shape[1]
     dt = F.softplus(dt.float() + dt_bias.float())[:, :, None, None]
     decay = torch.exp(dt * -torch.exp(a_log.float())[None, :, None, None])
     b = b.float().repeat_interleave(heads // groups, dim=1)[:, :, None, :]
     c = c.float().repeat_interleave(heads // groups, dim=1)
-    new = state[slots.long()].float() * decay + dt * b * x.float()[..., None]
+    old, step = state[slots.long()].float() * decay, dt * b * x.float()[..., None]
+    new = old + step
     y = (new * c[:, :, None, :]).sum(-1) + x.float() * d.float()[None, :, None]
-    if z is not None:
-        y = y * F.silu(z.float())
-    return y.to(x.dtype), new.to(state.dtype)
+    gate = 1.0 if z is None else F.silu(z.float())
+    if not scales:
+        return (y * gate).to(x.dtype), new.to(state.dtype)
+    state_scale = old.abs() + step.abs()
+    y_scale = (state_scale * c[:, :, None, :].abs()).sum(-1) + (x.float() * d.float()[None, :, None]).abs()
+    return (y * gate).to(x.dtype), new.to(state.dtype), y_scale * abs(gate), state_scale
 
 
 @settings(max_examples=12, deadline=None)
@@ -84,15 +90,14 @@ def test_state_update_matches_the_reference(rows, heads_per_group, groups, head_
     a_log, d = torch.randn(heads, generator=gen), torch.randn(heads, generator=gen)
     b, c = torch.randn(rows, groups, size, generator=gen), torch.randn(rows, groups, size, generator=gen)
     z = torch.randn(rows, heads, head_dim, generator=gen) if gate else None
-    want, new = ssm_reference(before, x, dt, a_log, b, c, d, dt_bias, slots, z)
+    want, new, want_scale, new_scale = ssm_reference(before, x, dt, a_log, b, c, d, dt_bias, slots, z, scales=True)
     on = [t.to(DEVICE) if t is not None else None for t in (x, dt, a_log, b, c, d, dt_bias, slots, z)]
     state = state.to(DEVICE)
     out = selective_state_update(state, *on[:8], z=on[8]).cpu()
     state = state.cpu()
-    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
-    expected = before.clone()
-    expected[slots] = new
-    torch.testing.assert_close(state, expected, rtol=1e-6, atol=1e-6)
+    # NOTE: within a few float32 roundings of the terms summed (a GPU's exp and log are approximate)
+    assert ((out - want).abs() <= 1e-5 * want_scale + 1e-6).all(), (out - want).abs().max()
+    assert ((state[slots] - new).abs() <= 1e-5 * new_scale + 1e-6).all(), (state[slots] - new).abs().max()
     untouched = [s for s in range(num_slots) if s not in slots.tolist()]
     assert torch.equal(state[untouched], before[untouched])
 

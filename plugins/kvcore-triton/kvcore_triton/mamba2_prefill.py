@@ -1,0 +1,119 @@
+"""Mamba2 prefill for a batch of equal-length chunks, continued from each sequence's slot: the
+module's projections and norm around the causal convolution and the chunked state-space scan,
+written as matrix products.
+
+transformers' reference scan (without the ``mamba_ssm`` kernels) multiplies out ``[chunk, chunk,
+heads, state]`` tensors per chunk before reducing them: 2 GiB per 256-token chunk at a
+Granite-4.0-H-like shape, and as slow as that much memory traffic. Here the same sums are batched
+matrix products over the heads' groups, so memory and time grow with the tokens (a few MiB per
+chunk), and the convolution is a sum of shifted products in float32 (no cuDNN, no TF32).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+#: Attributes of transformers' Mamba2 mixers (Bamba, GraniteMoeHybrid, FalconH1, NemotronH) read here.
+MAMBA2 = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias", "intermediate_size", "conv_dim",
+          "num_heads", "head_dim", "n_groups", "ssm_state_size", "activation", "chunk_size")
+
+
+def segment_sum(x: torch.Tensor) -> torch.Tensor:
+    """``[..., T]`` -> ``[..., T, T]``: entry ``[i, j]`` sums ``x[j + 1 .. i]``, -inf above the diagonal."""
+    size = x.shape[-1]
+    below = torch.ones(size, size, dtype=torch.bool, device=x.device).tril(-1)
+    sums = x[..., None].expand(*x.shape, size).masked_fill(~below, 0).cumsum(dim=-2)
+    return sums.masked_fill(~below.logical_or(torch.eye(size, dtype=torch.bool, device=x.device)), -torch.inf)
+
+
+def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+               d: torch.Tensor, initial: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mamba2's scan of ``x`` ``[k, T, H, P]`` from the states ``initial`` ``[k, H, P, N]`` (float32):
+    ``dt`` ``[k, T, H]`` (after softplus), ``a`` ``[H]`` (negative), ``b``, ``c`` ``[k, T, G, N]``,
+    ``d`` ``[H]``. Returns ``y`` ``[k, T, H, P]`` and the final states (both float32)."""
+    k, length, heads, p = x.shape
+    groups, n = b.shape[2:]
+    size = min(chunk_size, length)  # NOTE: a short piece is one chunk of its own length (no padding)
+    pad = -length % size
+    x = x.float()
+    residual = x * d.float()[:, None]
+    x = x * dt[..., None].float()
+    adt = a.float() * dt.float()
+
+    def chunks(t: torch.Tensor) -> torch.Tensor:
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        return t.view(k, -1, size, *t.shape[2:])
+
+    x, adt, b, c = chunks(x), chunks(adt).permute(0, 3, 1, 2), chunks(b.float()), chunks(c.float())
+    num = x.shape[1]
+    per = heads // groups
+    cumsum = adt.cumsum(-1)  # [k, H, chunks, size]
+    # 1. within each chunk: y_i = sum_{j <= i} (c_i . b_j) exp(A-sum of j+1..i) x_j dt_j
+    scores = torch.einsum("kclgn,kcsgn->kcgls", c, b).repeat_interleave(per, dim=2)
+    decay = torch.exp(segment_sum(adt)).transpose(1, 2)  # [k, chunks, H, size, size]
+    y = torch.einsum("kchls,kcshp->kclhp", scores * decay, x)
+    # 2. each chunk's own contribution to the state at its end
+    to_end = torch.exp(cumsum[..., -1:] - cumsum).permute(0, 2, 3, 1)[..., None]  # [k, chunks, size, H, 1]
+    grouped = (x * to_end).view(k, num, size, groups, per, p)
+    states = torch.einsum("kclgn,kclgjp->kcgjpn", b, grouped).reshape(k, num, heads, p, n)
+    # 3. the states at every chunk boundary, from the initial state on
+    states = torch.cat([initial.float()[:, None], states], dim=1)
+    carry = torch.exp(segment_sum(F.pad(cumsum[..., -1], (1, 0))))  # [k, H, chunks + 1, chunks + 1]
+    states = torch.einsum("khij,kjhpn->kihpn", carry, states)
+    states, final = states[:, :-1], states[:, -1]
+    # 4. what the state entering each chunk gives its tokens
+    entering = states.view(k, num, groups, per, p, n)
+    off = torch.einsum("kclgn,kcgjpn->kclgjp", c, entering).reshape(k, num, size, heads, p)
+    y = y + off * torch.exp(cumsum).permute(0, 2, 3, 1)[..., None]
+    return y.reshape(k, -1, heads, p)[:, :length] + residual, final
+
+
+def causal_conv(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The depthwise causal convolution of ``x`` ``[k, n, C]`` continuing the windows ``window``
+    ``[k, C, K]`` (weight ``[C, K]``): the activated output ``[k, n, C]`` and the new windows."""
+    kernel, n = weight.shape[-1], x.shape[1]
+    full = torch.cat([window.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [k, C, K + n]
+    acc = full[..., 1 : 1 + n].float() * weight[:, :1].float()
+    for j in range(1, kernel):
+        acc += full[..., 1 + j : 1 + j + n].float() * weight[:, j : j + 1].float()
+    if bias is not None:
+        acc += bias.float()[:, None]
+    out = acc.to(weight.dtype)
+    if activation is not None:
+        out = F.silu(out)
+    return out.to(x.dtype).transpose(1, 2), full[..., -kernel:]
+
+
+def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], rows: slice | torch.Tensor
+                   ) -> torch.Tensor:
+    """``layer``'s output for ``x`` ``[k, n, hidden]``, continuing from (and updating) the states at
+    ``rows`` of ``states`` (recurrent ``[slots, H, P, N]``, conv window ``[slots, C, K]``)."""
+    recurrent, conv = states
+    k, n, _ = x.shape
+    dtype = x.dtype
+    multiplier = getattr(layer, "ssm_in_multiplier", None)  # NOTE: FalconH1's muP scales
+    projected = layer.in_proj(x if multiplier is None else x * multiplier)
+    mup = getattr(layer, "mup_vector", None)
+    if mup is not None:
+        projected = projected * mup
+    inner, groups, size, heads = layer.intermediate_size, layer.n_groups, layer.ssm_state_size, layer.num_heads
+    gate, xbc, dt = projected.split([inner, layer.conv_dim, heads], dim=-1)
+    xbc, window = causal_conv(conv[rows], xbc, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation)
+    hidden, b, c = xbc.split([inner, groups * size, groups * size], dim=-1)
+    dt = F.softplus(dt + layer.dt_bias.to(dt.dtype))
+    if n > 1:  # NOTE: as transformers, whose one-token step (its recurrent form) leaves dt unclamped
+        low, high = getattr(layer, "time_step_limit", (0.0, float("inf")))
+        dt = torch.clamp(dt, min=low, max=high)
+    y, final = chunk_scan(hidden.reshape(k, n, heads, layer.head_dim), dt, -torch.exp(layer.A_log.float()),
+                          b.reshape(k, n, groups, size), c.reshape(k, n, groups, size), layer.D, recurrent[rows],
+                          layer.chunk_size)
+    recurrent[rows] = final.to(recurrent.dtype)
+    conv[rows] = window.to(conv.dtype)
+    y = y.reshape(k, n, inner)
+    y = layer.norm(y, gate) if getattr(layer, "mamba_rms_norm", True) else y * F.silu(gate)
+    return layer.out_proj(y.to(dtype))

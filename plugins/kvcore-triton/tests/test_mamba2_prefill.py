@@ -1,0 +1,113 @@
+"""kvcore-triton's Mamba2 prefill: the chunked scan equals the token-by-token recurrence it
+computes, and whole prefill calls equal transformers' own modules (the torch reference) for every
+Mamba2 hybrid, continuing from and writing back only the listed slots."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvcore.testing import DEVICE
+from kvcore_triton.mamba2_prefill import chunk_scan
+
+transformers = pytest.importorskip("transformers")
+
+from kvcore.hf import specs_from_config  # noqa: E402
+from kvcore.hf.models import model_config, random_model  # noqa: E402
+from kvcore_torch.mixers import TorchMixerBackend  # noqa: E402
+from kvcore_triton.mixers import TritonMixerBackend  # noqa: E402
+
+MAMBA2_ARCHS = ["bamba", "granitemoehybrid", "falcon_h1", "nemotron_h"]
+
+
+def recurrence(x, dt, a, b, c, d, initial):
+    """Mamba2 one token at a time: h = exp(dt a) h + dt b x, y = h . c + d x (float64)."""
+    x, dt, a, b, c, d, h = (t.double() for t in (x, dt, a, b, c, d, initial))
+    per = x.shape[2] // b.shape[2]
+    b, c = b.repeat_interleave(per, dim=2), c.repeat_interleave(per, dim=2)
+    ys = []
+    for t in range(x.shape[1]):
+        decay = torch.exp(dt[:, t] * a)[:, :, None, None]
+        h = h * decay + (dt[:, t, :, None, None] * x[:, t, :, :, None]) * b[:, t, :, None, :]
+        ys.append((h * c[:, t, :, None, :]).sum(-1) + d[None, :, None] * x[:, t])
+    return torch.stack(ys, 1), h
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 3), length=st.integers(1, 40), chunk=st.sampled_from([4, 8, 16]),
+       groups=st.integers(1, 2), per=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_the_chunked_scan_is_the_recurrence(rows, length, chunk, groups, per, seed):
+    gen = torch.Generator().manual_seed(seed)
+    heads, p, n = groups * per, 5, 6
+    x = torch.randn(rows, length, heads, p, generator=gen)
+    dt = F.softplus(torch.randn(rows, length, heads, generator=gen))
+    a = -torch.rand(heads, generator=gen) * 2
+    b, c = (torch.randn(rows, length, groups, n, generator=gen) for _ in range(2))
+    d, initial = torch.randn(heads, generator=gen), torch.randn(rows, heads, p, n, generator=gen)
+    y, final = chunk_scan(*(t.to(DEVICE) for t in (x, dt, a, b, c, d, initial)), chunk)
+    want_y, want_final = recurrence(x, dt, a, b, c, d, initial)
+    torch.testing.assert_close(y.cpu().double(), want_y, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(final.cpu().double(), want_final, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def mixers():
+    found = {}
+    for arch in MAMBA2_ARCHS:
+        for dtype in (torch.float32, torch.bfloat16):
+            model = random_model(model_config(arch), seed=3, dtype=dtype, device=DEVICE)
+            name, spec = next((n, s) for n, s in specs_from_config(model.config, dtype=dtype).items()
+                              if getattr(s, "mamba_type", None) == "mamba2")
+            found[arch, dtype] = model.get_submodule(name), spec
+    return found
+
+
+@pytest.mark.parametrize("arch", MAMBA2_ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows, length", [(1, 5), (3, 16), (2, 37), (2, 2), (4, 1)])
+def test_prefill_equals_transformers_modules_on_the_listed_slots(mixers, arch, dtype, rows, length, monkeypatch):
+    # NOTE: the reference's cuDNN convolution would round through TF32 on a GPU
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    module, spec = mixers[arch, dtype]
+    gen = torch.Generator().manual_seed(rows * 100 + length)
+    slots = [5, 2, 3, 1][:rows]
+    states = [torch.randn(7, *shape, generator=gen).to(dtype=dt, device=DEVICE) for shape, dt in
+              zip(spec.shapes, spec.dtypes)]
+    x = torch.randn(rows, length, module.hidden_size, generator=gen).to(dtype=dtype, device=DEVICE)
+    got, want = [s.clone() for s in states], [s.clone() for s in states]
+    with torch.inference_mode():
+        if rows == 1:
+            out = TritonMixerBackend.prefill(module, x[0], got, slots[0])[None]
+            ref = TorchMixerBackend.prefill(module, x[0], want, slots[0])[None]
+        else:
+            out = TritonMixerBackend.prefill_batch(module, x, got, slots)
+            ref = TorchMixerBackend.prefill_batch(module, x, want, slots)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    scale = ref.float().abs().max()
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert (out.float() - ref.float()).abs().max() <= tol * scale
+    for mine, theirs, before in zip(got, want, states):
+        assert (mine.float() - theirs.float()).abs().max() <= tol * theirs.float().abs().max()
+        others = [s for s in range(7) if s not in slots]
+        assert torch.equal(mine[others], before[others]) and not torch.equal(mine[slots], before[slots])
+
+
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_a_4096_token_scan_at_a_granite_4_h_shape_needs_little_memory():
+    # NOTE: 64 heads of 64 x 128 in 256-token chunks: transformers' reference multiplies out 2 GiB per chunk
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1, 4096, 64, 64, device="cuda", generator=gen)
+    dt = F.softplus(torch.randn(1, 4096, 64, device="cuda", generator=gen))
+    b, c = (torch.randn(1, 4096, 1, 128, device="cuda", generator=gen) for _ in range(2))
+    a, d = -torch.rand(64, device="cuda", generator=gen), torch.randn(64, device="cuda", generator=gen)
+    initial = torch.zeros(1, 64, 64, 128, device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    y, _ = chunk_scan(x, dt, a, b, c, d, initial, 256)
+    torch.cuda.synchronize()
+    assert torch.cuda.max_memory_allocated() - base < 3 << 30 and torch.isfinite(y).all()
