@@ -31,6 +31,22 @@ def emit(args: argparse.Namespace, result: object, print_text: Callable) -> None
         print_text(result)
 
 
+def machine(device) -> str:
+    """What a figure was measured on: the GPU's name, or the CPU's model and core count."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"CPU ({model or 'unknown model'}, {os.cpu_count()} cores)"
+
+
 def fmt(value: float | None, spec: str = ".1f") -> str:
     """``value`` formatted by ``spec``; ``-`` for a value not measured."""
     return "-" if value is None else format(value, spec)

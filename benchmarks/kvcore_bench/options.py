@@ -181,8 +181,8 @@ _HF = {
     None: [
         ("--skip", _names_arg(HF_PARTS), [],
          f"comma-separated parts to leave out: {','.join(HF_PARTS)} (default: none)"),
-        ("--peak-tflops", float, 989.0, "matrix peak of the roofline"),
-        ("--hbm-tbps", float, 4.8, "memory bandwidth of the roofline, TB/s"),
+        ("--peak-tflops", float, None, "matrix peak of the roofline, TFLOP/s (default: the GPU's where known)"),
+        ("--hbm-tbps", float, None, "memory bandwidth of the roofline, TB/s (default: the GPU's where known)"),
         ("--device", device_arg, None,
          "torch device, cpu or cuda[:N] (default: cuda when present, else cpu)"),
         _JSON, _JSON_OUT,

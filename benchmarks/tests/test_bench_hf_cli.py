@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 import pytest
@@ -93,3 +94,22 @@ def test_the_benchmarks_hybrid_is_granite_4_h_like():
         "model.layers.4.self_attn", "model.layers.12.self_attn"]
     state = specs["model.layers.0.mamba"]
     assert state.shapes == ((4, 64, 128), (2 * 128 + 2 * 128, 4)) and state.dtypes == (torch.float32, torch.bfloat16)
+
+
+def test_a_cpu_run_names_the_machine_and_draws_no_roofline_from_gpu_peaks(monkeypatch, capsys):
+    argv = ["bench", "hf", *hf.CPU_EXAMPLE.split(), "--new-tokens", "2", "--requests", "2", "--prompt-len", "4",
+            "--layers", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "on CPU (" in out and " cores)" in out
+    assert "roofline" not in out.replace("no roofline: the peaks of CPU", "")
+    assert main([*argv, "--peak-tflops", "2", "--hbm-tbps", "0.1", "--json"]) == 0  # the user's own peaks
+    result = json.loads(capsys.readouterr().out)
+    assert result["roofline"]["tokens_per_s"] > 0 and result["params"] > 0
+
+
+@pytest.mark.parametrize("name, peaks", [("NVIDIA H200", (989.0, 4.8)), ("NVIDIA H100 80GB HBM3", (989.0, 3.35)),
+                                         ("NVIDIA A10G", None), ("CPU (AMD EPYC, 2 cores)", None)])
+def test_roofline_peaks_are_known_per_gpu(name, peaks):
+    args = argparse.Namespace(peak_tflops=None, hbm_tbps=None)
+    assert hf.known_peaks(args, name) == peaks

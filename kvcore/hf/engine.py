@@ -205,10 +205,15 @@ class Engine:
                             attn_group.kv_cache_spec.head_size, window)
 
     def warmup(self, *, progress: bool = True) -> None:
-        """On a GPU, compile now what the first ``generate`` would (prefill kernels, decode graphs)."""
+        """On a GPU, compile now what the first ``generate`` would: a padding prefill step (a backend's
+        kernels should not specialize on a step's size: kvcore-triton's take one variant) and the
+        decode graphs, or without them a padding decode step."""
         if self.device.type != "cuda":
             return
-        self._warm_prefill()
+        from rich.console import Console
+
+        with Console(stderr=True).status("kvcore: compiling attention kernels") if progress else contextlib.nullcontext():
+            self._warm_prefill()
         if self.graphs is not None and self.graphs.capture:
             with self.serving():
                 self.graphs.capture_all(self.steps, self._forward, progress=progress)
@@ -217,6 +222,8 @@ class Engine:
         """One step of a padding request (reads the null block, writes nothing)."""
         with self.serving(), (self.mixers.scratch() if self.mixers else contextlib.nullcontext()):
             self._forward(self.steps.build([(None, num_tokens)]))
+            if self.graphs is None:  # NOTE: eager decode steps take the decode kernel
+                self._forward(self.steps.build([(None, 1)]))
 
     def _request(self, index: int, prompt: Any, max_new_tokens: Any) -> Request:
         tokens = check_prompt(index, prompt, max_new_tokens, vocab_size=self.vocab_size,

@@ -9,7 +9,8 @@ import triton.language as tl
 from kvcore_triton._checks import check_kv_write, value_checks
 
 
-@triton.jit
+# NOTE: slots sit at a step-dependent offset of one packed buffer: one variant for every step.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kv_kernel(
     key_ptr, value_ptr, slot_ptr, kv_ptr, num_slots, num_heads,
     stride_kt, stride_kh, stride_vt, stride_vh,
