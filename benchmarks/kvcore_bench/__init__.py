@@ -70,15 +70,20 @@ def _no_progress(total: int) -> Callable[[], None]:
 
 @contextlib.contextmanager
 def progress_bar(description: str) -> Iterator[Callable[[int], Callable[[], object]]]:
-    """``start(total) -> tick``: a progress bar on stderr, erased when done (none without rich)."""
+    """``start(total) -> tick``: a progress bar on a terminal's stderr, erased when done (none
+    without rich, or where stderr is not a terminal)."""
     try:
         from rich.console import Console
         from rich.progress import MofNCompleteColumn, Progress
     except ImportError:  # NOTE: a bare GPU machine may run kvcore from PYTHONPATH, without rich
         yield _no_progress
         return
+    console = Console(stderr=True)
+    if not console.is_terminal:  # NOTE: a bar in a log or a pipe is noise (and an empty line)
+        yield _no_progress
+        return
     columns = (*Progress.get_default_columns(), MofNCompleteColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with Progress(*columns, console=console, transient=True) as bar:
 
         def start(total: int) -> Callable[[], object]:
             """A task of ``total`` steps on the bar, and the function that advances it by one."""

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import textwrap
 import warnings
+from importlib import metadata
 
 import attrs
 
@@ -59,8 +61,29 @@ def _requirements(pm, answers: HookAnswers) -> dict[str, object]:
     return out
 
 
+def missing_kernels(distribution: str | None) -> list[str]:
+    """The distributions of a plugin's ``kernels`` extra (its kernel library) not installed here."""
+    if not distribution:
+        return []
+    try:
+        requires = metadata.distribution(distribution).requires or []
+    except metadata.PackageNotFoundError:
+        return []
+    missing = []
+    for requirement in requires:
+        name, _, marker = requirement.partition(";")
+        if re.search(r"""extra\s*==\s*["']kernels["']""", marker):
+            name = re.split(r"[\s<>=!~\[(;]", name.strip(), maxsplit=1)[0]
+            try:
+                metadata.distribution(name)
+            except metadata.PackageNotFoundError:
+                missing.append(name)
+    return missing
+
+
 def _json(info: PluginInfo, declared: dict, picks: dict[str, str | None]) -> dict[str, object]:
     item = info.to_json()
+    item["kernels_missing"] = missing_kernels(info.distribution)
     item["requirements"] = {b: health.requirements_json(declared[b]) for b in info.backends
                             if b in declared}
     item["auto"] = {b: [d for d, pick in picks.items() if pick == b] for b in info.backends}
@@ -113,6 +136,10 @@ def _record(info: PluginInfo, width: int, requirements: dict) -> list[str]:
         lines += _field("backend", text, width)
         if backend in requirements:
             lines += _field("requires", health.describe_requirements(requirements[backend]), width)
+    missing = missing_kernels(info.distribution)
+    if missing:
+        lines += _field("note", f"kernels: {', '.join(missing)} not installed (pip install "
+                        f"'{info.distribution}[kernels]'); its forward refuses until then", width)
     if info.error:
         lines += _field("error", info.error, width)
     return lines
