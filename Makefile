@@ -35,6 +35,7 @@ demo: $(STAMP)
 	@echo "  .venv/bin/kvcore plugins"
 
 test: $(STAMP)
+	$(VENV)/bin/ruff check kvcore plugins benchmarks tests examples
 	$(CPU_ENV) $(PY) -m pytest -q
 
 clean:

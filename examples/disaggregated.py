@@ -112,7 +112,8 @@ def one_process(args: argparse.Namespace) -> tuple[list[list[int]], list[list[in
     engine = build_engine(args, args.prefill_blocks)
     served = engine.generate(args.prompt_list, args.new_tokens)
     expected = [
-        engine.model.generate(torch.tensor([p], device=engine.device), max_new_tokens=args.new_tokens, do_sample=False)[0, len(p):].tolist()
+        engine.model.generate(torch.tensor([p], device=engine.device), max_new_tokens=args.new_tokens,
+                              do_sample=False)[0, len(p):].tolist()
         for p in args.prompt_list
     ]
     return served, expected

@@ -26,10 +26,10 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _args import ArgumentParser, device_arg, run  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
-from _args import ArgumentParser, device_arg, run  # noqa: E402
 from tiny_engine import Engine  # noqa: E402
 from tiny_model import ModelConfig, TinyTransformer  # noqa: E402
 

@@ -31,8 +31,8 @@ from rich.console import Console  # noqa: E402
 
 from kvcore._table import Column, render  # noqa: E402
 from kvcore.hf import Engine  # noqa: E402
-from kvcore.hf.specs import is_hybrid  # noqa: E402
 from kvcore.hf.models import ARCHITECTURES, load_model, model_config, random_model  # noqa: E402
+from kvcore.hf.specs import is_hybrid  # noqa: E402
 
 #: The demo's model shape: small enough for a CPU, large enough to make attention matter.
 DEMO_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -42,7 +42,8 @@ DEMO_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
     p = ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--arch", default="llama,gemma3,granitemoehybrid", help=f"random-weight models to serve: {sorted(ARCHITECTURES)}")
+    p.add_argument("--arch", default="llama,gemma3,granitemoehybrid",
+                   help=f"random-weight models to serve: {sorted(ARCHITECTURES)}")
     p.add_argument("--model", default=None, metavar="DIR", help="a local checkpoint directory instead")
     p.add_argument("--backend", default="triton" if cuda else "torch", help="registered backend name")
     p.add_argument("--device", type=device_arg, default="cuda" if cuda else "cpu")

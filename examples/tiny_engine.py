@@ -16,9 +16,9 @@ import math
 
 import attrs
 import torch
+from tiny_model import TinyTransformer, dense_attention
 
 from kvcore import CommonAttentionMetadata, KVCache, SlidingWindowSpec
-from tiny_model import TinyTransformer, dense_attention
 
 
 @attrs.define(eq=False)

@@ -13,7 +13,7 @@ _EXPORTS = {
     "kvcore.specs": "AttentionSpec ChunkedLocalAttentionSpec CrossAttentionSpec "
     "EncoderOnlyAttentionSpec FullAttentionSpec KVCacheSpec MambaSpec MLAAttentionSpec MultipleOf "
     "SlidingWindowSpec UniformTypeKVCacheSpecs",
-    "kvcore.memory.layout": "compute_layout_strides KVCacheLayout",
+    "kvcore.memory.layout": "compute_layout_strides KVCacheLayout resolve_kv_cache_layout",
     "kvcore.memory.config": "KVCacheConfig KVCacheGroupSpec KVCacheTensor",
     "kvcore.memory.planner": "plan_kv_cache",
     "kvcore.memory.views": "allocate_kv_cache create_kv_cache_views",
@@ -22,10 +22,12 @@ _EXPORTS = {
     "kvcore.plugins.hookspecs": "hookimpl hookspec",
     "kvcore.plugins.requirements": "KernelRequirements",
     "kvcore.plugins.auto": "select_backend",
+    "kvcore.plugins.negotiate": "negotiate",
+    "kvcore.plugins.negotiation": "Negotiation",
     "kvcore.plugins.registry": "get_backend get_plugin_manager",
     "kvcore.plugins.block_sizes": "customize_attention_spec get_block_table_width "
     "prepare_kernel_block_sizes select_common_block_size",
-    "kvcore.plugins.layouts": "resolve_kv_cache_layout supported_layouts",
+    "kvcore.plugins.layouts": "supported_layouts",
     "kvcore.runtime.attn_group": "AttentionGroup build_attention_groups "
     "map_kv_caches_to_kernel_blocks",
     "kvcore.runtime.block_pool": "BlockPool",

@@ -1,4 +1,4 @@
-"""Tensor parallelism (SPEC §8): shard KV heads across ranks, and agree (``torch.distributed``) on
+"""Tensor parallelism: shard KV heads across ranks, and agree (``torch.distributed``) on
 one block count and layout so one scheduler block table is valid on every rank."""
 
 from __future__ import annotations
@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 
 from kvcore._validate import as_int, positive_int
-from kvcore.memory.layout import KVCacheLayout
-from kvcore.plugins.layouts import resolve_kv_cache_layout
+from kvcore.memory.layout import KVCacheLayout, resolve_kv_cache_layout
 from kvcore.specs import AttentionSpec, KVCacheSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 
 __all__ = ["agree_layout", "agree_num_blocks", "kv_head_range", "shard_spec"]
@@ -153,21 +152,23 @@ def agree_layout(
     """One KV cache layout for every rank in ``group``, from every rank's ``supported`` list (most
     preferred first; None: any), all-gathered and resolved once; when they cannot agree every rank
     raises the same ``ValueError`` naming each rank's list."""
-    specs = tuple(specs)
-    if not _initialized():
-        return resolve_kv_cache_layout([_layout_names(supported)], specs, requested)
-    gathered = _gather_attempt(lambda: _layout_names(supported), group)
+    specs, alone = tuple(specs), not _initialized()
+    gathered = [(_layout_names(supported), None)] if alone else _gather_attempt(lambda: _layout_names(supported), group)
     bad = [f"rank {r}: {error}" for r, (_, error) in enumerate(gathered) if error is not None]
     if bad:
         raise ValueError("invalid supported layouts on " + "; ".join(bad))
     lists = [names for names, _ in gathered]
+
+    def resolve() -> str:
+        return resolve_kv_cache_layout(lists, specs, requested).name
+
+    if alone:  # NOTE: no other rank: its own error, as resolving alone raises it
+        return KVCacheLayout[resolve()]
     described = "; ".join(
         f"rank {r} supports " + ("any layout" if names is None else f"[{', '.join(names)}]")
         for r, names in enumerate(lists)
     )
-    outcomes = _gather_attempt(
-        lambda: resolve_kv_cache_layout(lists, specs, requested).name, group
-    )
+    outcomes = _gather_attempt(resolve, group)
     errors = list(dict.fromkeys(e.rstrip(".") for _, e in outcomes if e is not None))
     if errors:
         failed = [r for r, (_, e) in enumerate(outcomes) if e is not None]

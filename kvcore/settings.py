@@ -1,5 +1,6 @@
 """The environment switches kvcore honours, parsed strictly into one ``Settings`` where a call
-begins (``KVCache.create``, the CLI, a kernel function called directly) and passed down."""
+begins (``KVCache.create``, the CLI, building a plugin manager, a kernel function called
+directly) and passed down."""
 
 from __future__ import annotations
 
@@ -30,13 +31,27 @@ def env_names(name: str, environ: Mapping[str, str] | None = None) -> frozenset[
 
 @attrs.frozen
 class Settings:
-    """``debug_checks`` (``KVCORE_DEBUG_CHECKS``): force the checks that read tensor values on
+    """Every environment switch kvcore reads, parsed once where a call begins.
+
+    ``debug_checks`` (``KVCORE_DEBUG_CHECKS``): force the checks that read tensor values on
     the host (a device sync on GPUs) on or off; None: on for CPU tensors only.
     ``triton_interpret`` (``TRITON_INTERPRET``): Triton kernels run on CPU through its interpreter.
+    ``kv_cache_layout`` (``KVCORE_KV_CACHE_LAYOUT``): the layout requested when a call names none
+    (parsed where the layout is chosen, so the error can name the variable).
+    Plugin loading: ``autoload`` (not ``KVCORE_DISABLE_PLUGIN_AUTOLOAD``), ``plugins`` (the
+    entry points ``KVCORE_PLUGINS`` allows; None: all), ``blocked_plugins``
+    (``KVCORE_BLOCK_PLUGINS``), ``strict_plugins`` (``KVCORE_STRICT_PLUGINS``) and
+    ``trace_plugins`` (``KVCORE_TRACE_PLUGINS``).
     """
 
     debug_checks: bool | None = None
     triton_interpret: bool = False
+    kv_cache_layout: str | None = None
+    autoload: bool = True
+    plugins: frozenset[str] | None = None
+    blocked_plugins: frozenset[str] = frozenset()
+    strict_plugins: bool = False
+    trace_plugins: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> Settings:
@@ -44,4 +59,13 @@ class Settings:
         environ = os.environ if environ is None else environ
         # NOTE: TRITON_INTERPRET is parsed as Triton itself parses it, so kvcore never disagrees.
         interpret = environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE + ("y",)
-        return cls(env_flag("KVCORE_DEBUG_CHECKS", environ), interpret)
+        return cls(
+            env_flag("KVCORE_DEBUG_CHECKS", environ),
+            interpret,
+            environ.get("KVCORE_KV_CACHE_LAYOUT", "").strip() or None,
+            autoload=not env_flag("KVCORE_DISABLE_PLUGIN_AUTOLOAD", environ),
+            plugins=env_names("KVCORE_PLUGINS", environ),
+            blocked_plugins=env_names("KVCORE_BLOCK_PLUGINS", environ) or frozenset(),
+            strict_plugins=bool(env_flag("KVCORE_STRICT_PLUGINS", environ)),
+            trace_plugins=bool(env_flag("KVCORE_TRACE_PLUGINS", environ)),
+        )

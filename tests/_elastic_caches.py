@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-from kvcore_torch.backend import TorchAttentionBackend
-
 from _transfer_caches import KINDS, Fixed8Backend, layer_specs, plugin_manager
+
 from kvcore import KVCache, MambaSpec
+from kvcore_torch.backend import TorchAttentionBackend
 
 CASES = [(kind, layout) for kind, layouts in KINDS.items() for layout in layouts]
 

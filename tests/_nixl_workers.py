@@ -7,9 +7,8 @@ import sys
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from _transfer_caches import _SAME_SIZE_INT, block_rows, make_cache, raw_buffer  # noqa: E402
-
 import torch  # noqa: E402
+from _transfer_caches import _SAME_SIZE_INT, block_rows, make_cache, raw_buffer  # noqa: E402
 
 
 def fill(kv, seed: int) -> None:

@@ -13,10 +13,10 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from kvcore_torch import TorchAttentionBackend
 
 from kvcore.plugins import reset_default_plugin_manager
 from kvcore.plugins.backend import AttentionBackend
+from kvcore_torch import TorchAttentionBackend
 
 ENV_VARS = (
     "KVCORE_DISABLE_PLUGIN_AUTOLOAD",

@@ -6,7 +6,6 @@ import functools
 from typing import ClassVar
 
 import torch
-from kvcore_torch.backend import TorchAttentionBackend
 
 from kvcore import (
     FullAttentionSpec,
@@ -17,6 +16,7 @@ from kvcore import (
     get_plugin_manager,
     hookimpl,
 )
+from kvcore_torch.backend import TorchAttentionBackend
 
 LAYOUTS = [layout.name for layout in KVCacheLayout]
 # kind -> layouts it can be built in

@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcore.errors import KVCoreError
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from kvcore.memory.layout import compute_layout_strides
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
+from kvcore.memory.planner import plan_kv_cache
+from kvcore.memory.views import allocate_kv_cache
 from kvcore.specs import (
     FullAttentionSpec,
     KVCacheSpec,
@@ -14,10 +17,6 @@ from kvcore.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvcore.errors import KVCoreError
-from kvcore.memory.layout import KVCacheLayout
-from kvcore.memory.planner import plan_kv_cache
-from kvcore.memory.views import allocate_kv_cache
 
 
 class RawPageSpec(KVCacheSpec):
@@ -166,7 +165,8 @@ def test_device_without_cuda_and_oversized_allocations_are_kvcore_errors(monkeyp
     specs = {"l0": FullAttentionSpec(16, 2, 8, torch.float16)}
     config = plan_kv_cache(specs, "LBNHC", num_blocks=4)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(KVCoreError, match="device 'cuda' was requested but this torch has no usable CUDA.*device='cpu'"):
+    match = "device 'cuda' was requested but this torch has no usable CUDA.*device='cpu'"
+    with pytest.raises(KVCoreError, match=match):
         allocate_kv_cache(config, "cuda")
     with pytest.raises(KVCoreError, match="invalid device 'gpu0'"):
         allocate_kv_cache(config, "gpu0")

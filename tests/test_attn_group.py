@@ -175,3 +175,31 @@ def test_builders_and_kernel_tables_use_the_vllm_row_width(spec, kernel, width):
     assert group.get_metadata_builder().block_table_width == width
     if kernel:
         assert group.kernel_block_table.shape == (1, 3, width)
+
+
+def test_packed_compressed_group_gets_kernel_block_table():
+    """vLLM's own case: a packed compressed cache whose kernel needs 64-state pages, mapped from a
+    manager view whose block stride holds more rows (5 x 64) than the group uses (4 x 64) and whose
+    element type is not the spec's: the kernel view and the table follow the view's own stride."""
+    fake = make_backend("packed-fake")
+    pm = kvcore.get_plugin_manager(autoload=False)
+    pm.register(SizeTable({fake: [128, 256]}))
+    spec = kvcore.MLAAttentionSpec(1024, 1, 128, torch.uint8, state_content_bytes=132, tokens_per_state=4)
+    group = kvcore.AttentionGroup(fake, ["layer.0"], spec, 0)
+    group.create_metadata_builders("cpu", max_num_seqs=4, max_model_len=8192, kernel_block_size=1024,
+                                   plugin_manager=pm)
+    assert group.get_metadata_builder().kv_cache_spec.block_size == 256
+    row, stride_rows = 132, 5 * 64
+    backing = torch.randperm(3 * stride_rows).repeat_interleave(row)  # NOTE: int64 rows, not the spec's bytes
+    manager = backing.view(3, 1, stride_rows, row)[:, :, :256]
+    pages = map_kv_caches_to_kernel_blocks({"layer.0": manager}, [group])["layer.0"]
+    assert group.kernel_block_stride == 5
+    common = kvcore.CommonAttentionMetadata(
+        query_start_loc=torch.tensor([0, 1], dtype=torch.int32), seq_lens=torch.tensor([2048], dtype=torch.int32),
+        block_table_tensor=torch.tensor([[0, 2]], dtype=torch.int32), slot_mapping=torch.tensor([2047]),
+        num_reqs=1, num_actual_tokens=1, max_query_len=1, max_seq_len=2048,
+    )
+    table = group.build_metadata(common).block_table_tensor
+    assert table.tolist() == [[0, 1, 2, 3, 10, 11, 12, 13]]
+    assert torch.equal(pages[table[0, 4:], 0].flatten(0, 1), manager[2, 0])
+    assert torch.equal(pages[table[0, :4], 0].flatten(0, 1), manager[0, 0])

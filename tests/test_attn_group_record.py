@@ -1,4 +1,4 @@
-"""AttentionGroup is a read-only view of its negotiation record (issue 23: one path)."""
+"""AttentionGroup is a read-only view of its frozen negotiation record: nothing replaces it."""
 
 from __future__ import annotations
 
@@ -20,12 +20,14 @@ def test_decisions_are_read_from_the_record_and_not_settable():
     record = kv.negotiation.groups[0].backends[0]
     assert group.record is record
     assert (group.backend, group.layer_names, group.kv_cache_spec) == (record.backend, ["a", "b"], record.kv_cache_spec)
-    for name in ("backend", "layer_names", "kv_cache_spec", "kernel_block_stride"):
+    for name in ("backend", "layer_names", "kv_cache_spec", "kernel_block_size", "kernel_block_stride", "record",
+                 "kv_cache_group_id"):
         with pytest.raises(AttributeError):
             setattr(group, name, None)
     # A negotiated group keeps its size: 32 (no split) cannot become 16 by hand.
-    with pytest.raises(ValueError, match="negotiated with kernel block size None"):
-        group.kernel_block_size = 16
+    with pytest.raises(ValueError, match="negotiated with kernel block size 32, not 16"):
+        group.create_metadata_builders("cpu", max_num_seqs=1, max_model_len=64, kernel_block_size=16)
+    assert group.record is record and group.kernel_block_size is None
 
 
 def test_a_hand_made_group_learns_a_packed_stride_once():

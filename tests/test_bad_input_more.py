@@ -44,8 +44,7 @@ def test_kernel_block_table_checks_shape_and_micro_batch():
     class Any16(AttentionBackend):
         name = "any16"
 
-    group = AttentionGroup(Any16, ["a"], FullAttentionSpec(64, 2, 8, torch.float32), 0)
-    group.kernel_block_size = 16
+    group = AttentionGroup(Any16, ["a"], FullAttentionSpec(64, 2, 8, torch.float32), 0, kernel_block_size=16)
     group.kernel_block_table = torch.zeros(1, 2, 8, dtype=torch.int32)
     group.kernel_block_offsets = torch.arange(4, dtype=torch.int32)
     table = torch.tensor([[3, 1]], dtype=torch.int32)

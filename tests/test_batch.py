@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcore.model_runner import get_uniform_decode_token_count, is_uniform_query_len
 from kvcore.model_runner.multimodal import (
     EncoderTimingStats,
     gather_mm_placeholders,
     sanity_check_mm_encoder_outputs,
     scatter_mm_placeholders,
 )
-from kvcore.model_runner import get_uniform_decode_token_count, is_uniform_query_len
 
 
 @pytest.mark.parametrize(

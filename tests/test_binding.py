@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcore.memory.config import KVCacheGroupSpec
 from kvcore.model_runner.binding import (
     add_kv_sharing_layers_to_kv_cache_groups,
     bind_kv_cache,
@@ -13,7 +14,6 @@ from kvcore.model_runner.binding import (
     extract_layer_index,
     initialize_kv_cache_for_kv_sharing,
 )
-from kvcore.memory.config import KVCacheGroupSpec
 from kvcore.specs import FullAttentionSpec
 
 SPEC = FullAttentionSpec(16, num_kv_heads=2, head_size=8, dtype=torch.float16)

@@ -219,7 +219,7 @@ def test_plan_output_fits_80_columns_without_cutting_words(capsys, monkeypatch, 
 
 
 def test_spec_command_with_a_model_file_path(capsys, monkeypatch):
-    """SPEC §6's command: a TOML path under examples/models/ plans like the preset of that name."""
+    """The documented command: a TOML path under examples/models/ plans like the preset of that name."""
     from pathlib import Path
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
@@ -247,3 +247,20 @@ def test_two_state_groups_in_two_blocks_say_no_sequence_fits(capsys, tmp_path):
     assert "plan at least 3 blocks" in out and "sequences of any length" not in out
     main(["plan", str(path), "--num-blocks", "3"])
     assert "1 sequences of any length" in " ".join(capsys.readouterr().out.split())
+
+
+def test_explain_adds_the_negotiation_and_leaves_the_plan_as_it_was(capsys, monkeypatch):
+    monkeypatch.setenv("KVCORE_PLUGINS", "torch,triton")  # NOTE: other installed plugins could outbid
+    assert main(["plan", "jamba-1.5-mini", "--memory", "1GiB", "--layout", "BLNHC"]) == 0
+    plain = capsys.readouterr().out
+    assert main(["plan", "jamba-1.5-mini", "--memory", "1GiB", "--layout", "BLNHC", "--explain"]) == 0
+    explained = capsys.readouterr().out
+    assert explained.startswith(plain) and "negotiated on cpu: layout BLNHC" in explained
+    tail = explained[len(plain):]
+    assert 'torch, picked by "auto"' in tail and "triton: priority -1" in tail
+    assert "torch for FullAttentionSpec: kernel block sizes multiple of 1" in tail
+    assert "BLNHC: meets every rule" in tail and "LBNHC: not tried" in tail
+    assert "groups 0-6 (MambaSpec" in tail and "packed blocks keep the manager block size" in tail
+    assert main(["plan", "llama-3-8b", "--num-blocks", "4", "--explain", "--device", "cuda", "--json"]) == 0
+    explain = json.loads(capsys.readouterr().out)["explain"]
+    assert 'triton, picked by "auto"' in explain and "kernel block sizes 64, 32, 16" in explain

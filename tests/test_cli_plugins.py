@@ -78,7 +78,8 @@ def test_wrong_type_and_raising_hooks_make_the_plugin_unhealthy(tmp_path, monkey
     assert items["wrong"]["status"] == "unhealthy" and "'16, 32'" in items["wrong"]["error"]
     assert "kvcore_supported_kernel_block_sizes" in items["wrong"]["error"]
     assert items["raiser"]["status"] == "unhealthy" and "LookupError: no layout table" in items["raiser"]["error"]
-    assert items["fine"]["status"] == "loaded" and items["fine"]["kernel_block_sizes"] == {"fine-attn": [{"multiple_of": 16}]}
+    assert items["fine"]["status"] == "loaded"
+    assert items["fine"]["kernel_block_sizes"] == {"fine-attn": [{"multiple_of": 16}]}
     monkeypatch.setenv("KVCORE_PLUGINS", "fine")
     assert _json(capsys, code=0)["fine"]["error"] is None
 
@@ -128,7 +129,8 @@ def test_an_allow_list_that_matches_nothing_is_not_healthy(dists, capsys, monkey
 
 
 def test_a_plugin_whose_kernel_library_is_not_installed_says_so(tmp_path, monkeypatch, capsys):
-    for dist, name, kernels in (("lib-missing", "missing", "no-such-kernel-lib>=1.0"), ("lib-present", "present", "torch")):
+    for dist, name, kernels in (("lib-missing", "missing", "no-such-kernel-lib>=1.0"),
+                                ("lib-present", "present", "torch")):
         make_dist(tmp_path, dist, "1.0", {name: f"fakeplug_{name}"},
                   {f"fakeplug_{name}": backend_plugin_source(f"{name}-attn", "[16]")})
         metadata = tmp_path / f"{dist.replace('-', '_')}-1.0.dist-info" / "METADATA"

@@ -49,7 +49,8 @@ class Step:
         self.views = allocate_kv_cache(config, dev, kernel_block_sizes=[KERNEL_BLOCK])
         assert self.views[LAYERS[0]].shape[0] == NUM_BLOCKS * BLOCK // KERNEL_BLOCK
         self.group = AttentionGroup(TritonAttentionBackend, LAYERS, self.spec, 0)
-        self.group.create_metadata_builders(dev, max_num_seqs=REQS, max_model_len=MAX_LEN, kernel_block_size=KERNEL_BLOCK)
+        self.group.create_metadata_builders(dev, max_num_seqs=REQS, max_model_len=MAX_LEN,
+                                            kernel_block_size=KERNEL_BLOCK)
         assert self.group.kernel_block_size == KERNEL_BLOCK
         cols = MAX_LEN // BLOCK
         self.block_table = torch.zeros(REQS, cols, dtype=torch.int32, device=dev)

@@ -12,10 +12,10 @@ import copy
 import json
 
 import pytest
+from _transfer_caches import cached_cache
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _transfer_caches import cached_cache
 from kvcore.transfer import KVCacheDescriptor, describe, plan_transfer
 
 

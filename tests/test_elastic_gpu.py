@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from kvcore_torch.backend import TorchAttentionBackend
-
 from _elastic_caches import block_bytes
+
 from kvcore import FullAttentionSpec, KVCache
+from kvcore_torch.backend import TorchAttentionBackend
 
 pytestmark = [
     pytest.mark.kvcore_gpu,

@@ -15,10 +15,10 @@ from __future__ import annotations
 import hypothesis.strategies as st
 import pytest
 import torch
+from _elastic_caches import CASES, block_bytes, granules_touched, layer_groups, make_elastic, views_with_rows
 from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from _elastic_caches import CASES, block_bytes, granules_touched, layer_groups, make_elastic, views_with_rows
 from kvcore import BlockPool
 from kvcore.memory.elastic import block_byte_ranges
 

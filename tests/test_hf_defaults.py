@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvcore.hf.engine import BATCHED_TOKENS, BLOCK_SIZE, resolve_defaults as resolve
+from kvcore.hf.engine import BATCHED_TOKENS, BLOCK_SIZE
+from kvcore.hf.engine import resolve_defaults as resolve
 from kvcore.specs import FullAttentionSpec, SlidingWindowSpec
 
 pytest.importorskip("kvcore_triton")
@@ -128,3 +129,34 @@ def test_a_hybrids_attention_blocks_grow_until_their_page_holds_a_state_page():
     assert resolve(_hybrid_specs, torch.device("cpu"), "auto", 16, None).block_size == 16
     # a state page under two attention pages (8,960 against 8,192 bytes): padding attention is cheaper
     assert resolve(lambda size: _hybrid_specs(size, 16), torch.device("cpu"), "auto", None, None).block_size == 16
+
+
+def test_auto_is_asked_once_per_distinct_spec_so_every_layer_of_it_gets_one_backend(monkeypatch):
+    """A plugin whose priority changes from call to call cannot split one spec's layers."""
+    import kvcore
+    from kvcore.plugins import registry
+    from kvcore_torch import TorchAttentionBackend
+    from kvcore_torch import plugin as torch_plugin
+
+    fickle = type("Fickle", (TorchAttentionBackend,), {"name": "fickle"})
+
+    class Fickle:
+        calls = 0
+
+        @kvcore.hookimpl
+        def kvcore_register_backends(self, register):
+            register(fickle)
+
+        @kvcore.hookimpl
+        def kvcore_backend_priority(self, backend, spec, device):
+            if backend is fickle:
+                Fickle.calls += 1
+                return 10 if Fickle.calls % 2 else -10
+
+    pm = kvcore.get_plugin_manager(autoload=False)
+    pm.register(torch_plugin, name="torch")
+    pm.register(Fickle(), name="fickle")
+    monkeypatch.setattr(registry, "default_plugin_manager", lambda: pm)
+    specs = lambda size: {f"l{i}": FullAttentionSpec(size, 2, 64, torch.bfloat16) for i in range(6)}  # noqa: E731
+    got = resolve(specs, torch.device("cpu"), "auto", None, None)
+    assert set(got.layer_backends.values()) == {fickle} and Fickle.calls == 1

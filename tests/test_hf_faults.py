@@ -9,13 +9,13 @@ the next ``generate`` serves only its own prompts, token for token.
 from __future__ import annotations
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
+from _hf_reference import prompts_for, reference  # noqa: E402
+
 from kvcore.hf import Engine  # noqa: E402
 from kvcore.hf.models import model_config, random_model  # noqa: E402
-from _hf_reference import prompts_for, reference  # noqa: E402
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,11 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
+from _hf_reference import prompts_for, reference  # noqa: E402
+
 from kvcore import FullAttentionSpec, MambaSpec  # noqa: E402
 from kvcore.hf import Engine, specs_from_config  # noqa: E402
 from kvcore.hf.models import model_config, random_model  # noqa: E402
-from _hf_reference import prompts_for, reference  # noqa: E402
 
 HYBRIDS = ["bamba", "granitemoehybrid", "granitemoehybrid-dense", "falcon_h1", "nemotron_h", "lfm2", "qwen3_next"]
 PROMPT_LENS = [5, 40, 17, 1, 33, 26]
@@ -191,6 +192,7 @@ def test_the_gpu_warm_up_pass_leaves_every_state_slot_untouched(models, referenc
 
 def test_a_mixer_bound_to_an_attention_group_is_an_internal_error_naming_it():
     from _transfer_caches import cached_cache
+
     from kvcore.hf.mixers import MixerRunner
 
     kv = cached_cache("uniform", "LBNHC")

@@ -25,8 +25,10 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 
 from kvcore import FullAttentionSpec, KVCache, MambaSpec, SlidingWindowSpec  # noqa: E402
-from kvcore.hf.scheduler import Request  # noqa: E402
-from kvcore.hf.scheduler import Scheduler  # noqa: E402
+from kvcore.hf.scheduler import (
+    Request,  # noqa: E402
+    Scheduler,  # noqa: E402
+)
 
 
 def make_cache(num_blocks: int, window: int | None, state: bool = False, caching: bool = False) -> KVCache:

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 pytest.importorskip("transformers")
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+from kvcore.distributed import shard_spec  # noqa: E402
 from kvcore.hf.tp import (  # noqa: E402
     check_splittable,
     load_tp_model,
@@ -33,7 +34,6 @@ from kvcore.hf.tp import (  # noqa: E402
     shard_model,
     tp_group_size,
 )
-from kvcore.distributed import shard_spec  # noqa: E402
 from kvcore.specs import FullAttentionSpec, SlidingWindowSpec  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -109,7 +109,8 @@ def test_a_missing_local_rank_is_named_before_transformers_reads_it(monkeypatch,
         monkeypatch.delenv("LOCAL_RANK", raising=False)
     else:
         monkeypatch.setenv("LOCAL_RANK", value)
-    with pytest.raises(ValueError, match=rf"LOCAL_RANK={value!r}: transformers' tensor-parallel loading.*torchrun sets it"):
+    match = rf"LOCAL_RANK={value!r}: transformers' tensor-parallel loading.*torchrun sets it"
+    with pytest.raises(ValueError, match=match):
         _distributed_config(config, 2)
     monkeypatch.setenv("LOCAL_RANK", "1")
     assert _distributed_config(config, 2).tp_size == 2

@@ -1,17 +1,16 @@
-"""Every hook is documented, flagged as SPEC §4 says, and has a core default."""
+"""Every hook is documented, flagged first-result where it stops at the first answer, and has a core default."""
 
 from __future__ import annotations
 
 import inspect
 
 import pluggy
-import pytest
 import torch
 from _plugin_dists import clean_plugin_env  # noqa: F401
 
 import kvcore
-from kvcore.plugins import hookspecs
 from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins import hookspecs
 from kvcore.plugins.layouts import supported_layouts
 from kvcore.specs import MultipleOf
 

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _transfer_caches import _SAME_SIZE_INT, KINDS, block_rows, brute_force_bytes, make_cache, raw_buffer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _transfer_caches import KINDS, _SAME_SIZE_INT, block_rows, brute_force_bytes, make_cache, raw_buffer
 from kvcore import KVCacheLayout
 from kvcore.transfer import HostKVPool, host_pool
 

@@ -1,16 +1,16 @@
-"""KernelRequirements, the two SPEC §14 hooks and select_backend ("auto")."""
+"""KernelRequirements, the requirements and priority hooks, and select_backend ("auto")."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from _plugin_dists import clean_plugin_env  # noqa: F401
-from kvcore_torch import TorchAttentionBackend
 
 import kvcore
-from kvcore.errors import PluginError
+from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins.auto import preferred_block_size
 from kvcore.specs import MultipleOf
+from kvcore_torch import TorchAttentionBackend
 
 SPEC = kvcore.FullAttentionSpec(16, 2, 32, torch.float16)
 
@@ -143,9 +143,8 @@ def test_first_party_backends_triton_on_cuda_torch_on_cpu(monkeypatch):
 
 
 def test_triton_runs_on_cuda_only_unless_interpreted(monkeypatch):
-    from kvcore_triton import _checks
+    from kvcore_triton import TritonAttentionBackend, _checks
     from kvcore_triton import plugin as triton_plugin
-    from kvcore_triton import TritonAttentionBackend
 
     # NOTE: Triton fixes the interpreter when it decorates the kernels (kvcore_triton's import).
     monkeypatch.setattr(_checks, "INTERPRETED", False)
@@ -214,7 +213,8 @@ def test_auto_on_cuda_serves_with_triton_and_attends_right(monkeypatch):
     qf, kf, vf = (t.float().cpu() for t in (q, k, v))
     scores = torch.einsum("thd,shd->hts", qf, kf.repeat_interleave(2, dim=1)) * 0.125
     causal = torch.ones(70, 70, dtype=torch.bool).tril()
-    ref = torch.einsum("hts,shd->thd", scores.masked_fill(~causal, -torch.inf).softmax(-1), vf.repeat_interleave(2, dim=1))
+    weights = scores.masked_fill(~causal, -torch.inf).softmax(-1)
+    ref = torch.einsum("hts,shd->thd", weights, vf.repeat_interleave(2, dim=1))
     torch.testing.assert_close(out.float().cpu(), ref, atol=2e-2, rtol=2e-2)
 
 
@@ -240,3 +240,54 @@ def test_ambiguous_names_are_never_picked_and_spec_none_skips_dtype_and_head_siz
     # With no spec, only the device is checked: solo's head sizes do not rule it out.
     assert kvcore.select_backend(None, "cuda", plugin_manager=pm) is solo
 
+
+
+class _RaisesForEveryBackend:
+    """A plugin whose requirements (or priority) hook raises whatever backend it is asked about."""
+
+    def __init__(self, hook):
+        self.hook = hook
+
+    @kvcore.hookimpl
+    def kvcore_kernel_requirements(self, backend, spec):
+        if self.hook == "requirements":
+            raise RuntimeError("requirements table missing")
+
+    @kvcore.hookimpl
+    def kvcore_backend_priority(self, backend, spec, device):
+        if self.hook == "priority":
+            raise RuntimeError("priority table missing")
+
+
+@pytest.mark.parametrize("hook", ["requirements", "priority"])
+def test_a_plugin_whose_hook_raises_is_reported_skipped_and_the_others_serve(hook):
+    from kvcore.plugins.health import check_plugins
+    from kvcore_torch import plugin as torch_plugin
+
+    pm = kvcore.get_plugin_manager(autoload=False)
+    pm.register(torch_plugin, name="torch")
+    pm.register(_RaisesForEveryBackend(hook), name="broken")
+    with pytest.warns(PluginWarning, match=f"'broken'.*RuntimeError: {hook} table missing.*kvcore_"):
+        assert kvcore.select_backend(SPEC, "cpu", plugin_manager=pm) is TorchAttentionBackend
+    with pytest.warns(PluginWarning, match="'broken'"):
+        kv = kvcore.KVCache.create({"l0": SPEC, "l1": SPEC}, dict.fromkeys(["l0", "l1"], "auto"), device="cpu",
+                                   num_blocks=4, max_num_seqs=1, max_model_len=32, plugin_manager=pm)
+    assert {g.backend for g in kv.attn_groups[0]} == {TorchAttentionBackend}
+    with pytest.warns(PluginWarning):
+        (info,) = [i for i in check_plugins(pm) if i.name == "broken"]
+    assert info.status == "unhealthy" and f"{hook} table missing" in info.error
+    # A backend whose own plugin fails is skipped by "auto", and refused when named.
+
+    class OwnBroken(Declares):
+        @kvcore.hookimpl
+        def kvcore_kernel_requirements(self, backend, spec):
+            if backend is self.backend:
+                raise RuntimeError("own table missing")
+
+    pm = manager(OwnBroken(make_backend("odd"), priority=9))
+    pm.register(torch_plugin, name="torch")
+    with pytest.warns(PluginWarning, match="'p0'.*own table missing"):
+        assert kvcore.select_backend(SPEC, "cpu", plugin_manager=pm) is TorchAttentionBackend
+    with pytest.raises(PluginError, match="'p0'.*own table missing.*kvcore_kernel_requirements"):
+        kvcore.KVCache.create({"l0": SPEC}, {"l0": "odd"}, device="cpu", num_blocks=4, max_num_seqs=1,
+                              max_model_len=32, plugin_manager=pm)

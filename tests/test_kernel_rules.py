@@ -1,4 +1,4 @@
-"""KernelRequirements in KVCache.create (SPEC §14) and what a customize hook may change (SPEC §9).
+"""KernelRequirements in KVCache.create, and what a customize hook may change (only padding and alignment).
 
 Each test registers fake backends in-process on a fresh manager; the plans
 are tiny (6 blocks of 16 tokens) and the views are checked over a meta
@@ -160,7 +160,8 @@ def test_customize_may_not_change_what_a_layer_stores(field, change):
 
 def test_customize_may_not_change_the_spec_class():
     def slide(spec):
-        return kvcore.SlidingWindowSpec(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype, sliding_window=8)
+        return kvcore.SlidingWindowSpec(spec.block_size, spec.num_kv_heads, spec.head_size, spec.dtype,
+                                        sliding_window=8)
 
     pm = manager(Rules(None, customize=slide), name="classy")
     with pytest.raises(PluginError, match="classy.*changed the spec class from FullAttentionSpec to SlidingWindowSpec"):
@@ -168,7 +169,9 @@ def test_customize_may_not_change_the_spec_class():
 
 
 def test_customize_may_pad_and_align():
-    pad = lambda spec: attrs.evolve(spec, num_head_slots=3, block_stride_alignment=kvcore.MultipleOf(4))
+    def pad(spec):
+        return attrs.evolve(spec, num_head_slots=3, block_stride_alignment=kvcore.MultipleOf(4))
+
     pm = manager(Rules(None, customize=pad))
     kv = create(pm, {"l0": SPEC})
     assert kv.attn_groups[0][0].kv_cache_spec.num_head_slots == 3
@@ -176,7 +179,9 @@ def test_customize_may_pad_and_align():
 
 
 def test_a_page_padded_by_the_hook_is_not_blamed_on_the_layout():
-    pad = lambda spec: attrs.evolve(spec, page_size_padded=spec.real_page_size_bytes + 64)
+    def pad(spec):
+        return attrs.evolve(spec, page_size_padded=spec.real_page_size_bytes + 64)
+
     pm = manager(Rules(None, layouts=["LBNHC"], sizes=[8], customize=pad))
     with pytest.raises(ValueError) as info:
         create(pm, {"l0": SPEC, "l1": SPEC})
@@ -208,7 +213,7 @@ def test_a_backend_that_is_no_backend_names_the_layer():
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from kvcore.plugins.kernel_rules import kernel_views  # noqa: E402
+from kvcore.plugins.rules import kernel_views  # noqa: E402
 
 
 @settings(max_examples=25, deadline=None)
@@ -229,7 +234,21 @@ def test_the_views_checked_are_the_views_allocated(layout, block, sizes, tokens_
         kv = create(pm, specs, layout=layout, num_blocks=3)
     except ValueError:
         return  # a packed split this layout cannot hold: refused before allocating
-    checked = kernel_views(kv.config, kv.negotiation)
+    checked = kernel_views(kv.config, kv.negotiation.groups)
     for name, view in kv.layer_kv_caches.items():
         assert (checked[name].shape, checked[name].stride()) == (view.shape, view.stride())
         assert checked[name].storage_offset() == view.storage_offset()
+
+
+def test_a_refused_layout_is_kept_with_its_reason_and_explained():
+    pm = manager(Rules(KernelRequirements(max_stride_elements=1024), layouts=["BLNHC", "LBNHC"]))
+    negotiation = kvcore.negotiate(LAYERS, dict.fromkeys(LAYERS, "ruled"), device="cpu", num_blocks=6,
+                                   max_num_seqs=2, max_model_len=64, plugin_manager=pm)
+    refused, chosen = negotiation.candidates
+    assert (refused.layout, chosen.layout, negotiation.layout) == (KVCacheLayout.BLNHC, KVCacheLayout.LBNHC,
+                                                                   KVCacheLayout.LBNHC)
+    assert "rule max_stride_elements needs every stride below 1024 elements, got 2048" in refused.refusal
+    assert chosen.refusal is None and chosen.config == negotiation.config
+    text = negotiation.explain()
+    assert "layout LBNHC: the first candidate that meets every kernel rule" in text
+    assert f"BLNHC: {refused.refusal}" in text and "LBNHC: meets every rule" in text

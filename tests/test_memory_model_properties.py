@@ -25,13 +25,13 @@ import re
 from fractions import Fraction
 
 import attrs
-import kvcore_torch.plugin
 import pytest
 import torch
 from hypothesis import HealthCheck, Phase, event, given, settings
 from hypothesis import strategies as st
 
 import kvcore
+import kvcore_torch.plugin
 from kvcore import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
@@ -224,7 +224,8 @@ def check_layout(config, blocks: dict[str, torch.Tensor]) -> None:
         if not rows:
             continue
         flat = torch.cat([r.flatten() for r in rows])
-        assert int(torch.bincount(flat, minlength=size).max()) == 1, f"two (layer, block) pairs of {group.layer_names} share a byte"
+        shared = f"two (layer, block) pairs of {group.layer_names} share a byte"
+        assert int(torch.bincount(flat, minlength=size).max()) == 1, shared
         if len(config.kv_cache_groups) > 1:
             owner = torch.full((size,), -1, dtype=torch.int64)
             block_of = torch.cat([torch.arange(r.shape[0]).repeat_interleave(r.shape[1]) for r in rows])

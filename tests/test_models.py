@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvcore.model_runner.binding import extract_layer_index
 from kvcore.model_files import PRESET_DIR, find_model, load_model_file, parse_model, preset_names
+from kvcore.model_runner.binding import extract_layer_index
 from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, MultipleOf, SlidingWindowSpec
 
 

@@ -1,4 +1,4 @@
-"""The negotiation contract (SPEC §4.1): hooks asked once, one record read by every stage.
+"""The negotiation contract: hooks asked once, one record read by every stage.
 
 Invariant: in one ``KVCache.create`` each hook runs at most once per distinct
 (backend, spec); the plan, the views, the attention groups and the metadata
@@ -173,3 +173,23 @@ def test_compressed_and_dense_groups_keep_tables_inside_their_blocks(layout):
     assert (group.kernel_block_stride > 0) is packed
     for name in specs:
         assert_tables_match_views(kv, name)
+
+
+def test_negotiate_decides_what_create_allocates_and_says_why(counting):
+    pm, plugin = counting
+    specs = {f"layers.{i}.attn": FullAttentionSpec(32, 2, 8, torch.float32) for i in range(4)}
+    negotiation = kvcore.negotiate(specs, dict.fromkeys(specs, "counted"), device="cpu", num_blocks=6,
+                                   max_num_seqs=2, max_model_len=128, plugin_manager=pm)
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        negotiation.layout = kvcore.KVCacheLayout.LBNHC
+    kv = _create(pm, specs)
+    assert (negotiation.layout, negotiation.kernel_block_sizes) == (kv.layout, kv.kernel_block_sizes) == (
+        kvcore.KVCacheLayout.LBHNC, [16])
+    assert negotiation.config == kv.config and negotiation.groups == kv.negotiation.groups
+    assert negotiation.layer_backends == dict.fromkeys(specs, COUNTED)
+    text = negotiation.explain()
+    for words in ("layout LBHNC: the first candidate that meets every kernel rule", "LBHNC: meets every rule",
+                  "LBNHC: not tried", "counted for FullAttentionSpec: kernel block sizes 16; layouts LBHNC, LBNHC",
+                  "strides below 2147483648 elements", "4 layers (layers.0.attn .. layers.3.attn): counted, named",
+                  "kernel blocks of 16 tokens: the largest size every backend takes that divides 32"):
+        assert words in text, (words, text)

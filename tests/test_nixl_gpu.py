@@ -11,7 +11,6 @@ import multiprocessing
 
 import pytest
 import torch
-
 from _nixl_workers import fill, rows
 from _transfer_caches import brute_force_bytes, make_cache, raw_buffer
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from _nixl_workers import fill
 from _transfer_caches import block_rows, brute_force_bytes, make_cache, plugin_manager, raw_buffer
+
 from kvcore import FullAttentionSpec, KVCache
 from kvcore_torch.backend import TorchAttentionBackend
 

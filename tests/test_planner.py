@@ -10,8 +10,9 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.model_files import load_model_file, preset_names
 from kvcore.memory.planner import plan_kv_cache
+from kvcore.memory.views import allocate_kv_cache
+from kvcore.model_files import load_model_file, preset_names
 from kvcore.specs import (
     EncoderOnlyAttentionSpec,
     FullAttentionSpec,
@@ -21,7 +22,6 @@ from kvcore.specs import (
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
 )
-from kvcore.memory.views import allocate_kv_cache
 
 F32 = torch.float32
 
@@ -125,7 +125,8 @@ def test_encoder_only_model_plans_a_usable_pool(budget):
 
 
 def test_no_memory_for_a_cached_model_says_what_one_block_needs():
-    with pytest.raises(ValueError, match=r"available_memory=0 B holds 0 KV cache blocks.*16 KiB \(16,384 bytes\).*32 KiB \(32,768 bytes\)"):
+    match = r"available_memory=0 B holds 0 KV cache blocks.*16 KiB \(16,384 bytes\).*32 KiB \(32,768 bytes\)"
+    with pytest.raises(ValueError, match=match):
         plan_kv_cache({"l.0": full()}, "LBNHC", available_memory=0)
 
 
@@ -253,7 +254,8 @@ def test_budget_must_be_exactly_one():
 
 
 def test_too_little_memory_says_what_one_block_needs():
-    with pytest.raises(ValueError, match=r"holds 1 KV cache block.*needs 32 KiB \(32,768 bytes\).*64 KiB \(65,536 bytes\)"):
+    match = r"holds 1 KV cache block.*needs 32 KiB \(32,768 bytes\).*64 KiB \(65,536 bytes\)"
+    with pytest.raises(ValueError, match=match):
         plan_kv_cache({"l.0": full(), "l.1": full()}, "BLNHC", available_memory=65535)
 
 

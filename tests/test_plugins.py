@@ -159,7 +159,8 @@ def test_duplicate_backend_name_is_ambiguous_in_either_load_order(two_dists, mon
     make_dist(two_dists, "copycat-dist", "3.0", {copycat_entry_point: "fakeplug_copycat"},
               {"fakeplug_copycat": backend_plugin_source("bar-attn", "[8]")})
     monkeypatch.setenv("KVCORE_PLUGINS", f"foo,bar,{copycat_entry_point}")
-    with pytest.warns(PluginWarning, match="'bar-attn' is registered by .*bar-dist.*copycat-dist|'bar-attn' is registered by .*copycat-dist.*bar-dist"):
+    either = "'bar-attn' is registered by .*bar-dist.*copycat-dist|'bar-attn' is registered by .*copycat-dist.*bar-dist"
+    with pytest.warns(PluginWarning, match=either):
         pm = kvcore.get_plugin_manager()
     with pytest.raises(PluginError) as exc:
         get_backend("bar-attn", pm)
@@ -211,7 +212,8 @@ def test_in_process_duplicate_names_are_ambiguous_naming_both(first_is_original)
     plugins = [(_RegistersNamed(), "original"), (_AlsoRegistersNamed(), "copycat")]
     for plugin, name in plugins if first_is_original else plugins[::-1]:
         pm.register(plugin, name=name)
-    with pytest.raises(PluginError, match="'shared-name' is registered by .*(original|copycat).* and by .*(copycat|original)"):
+    match = "'shared-name' is registered by .*(original|copycat).* and by .*(copycat|original)"
+    with pytest.raises(PluginError, match=match):
         get_backend("shared-name", pm)
     statuses = {i.name: i.status for i in list_plugins(pm)}
     assert statuses["original"] == statuses["copycat"] == "conflict"
@@ -383,11 +385,13 @@ def test_errors_under_wrappers_name_the_plugin_at_fault():
     pm = kvcore.get_plugin_manager(autoload=False)
     pm.register(_RecordingOldWrapper(), name="innocent-wrapper")
     pm.register(_Explodes(), name="exploder")
-    with pytest.raises(PluginError, match="exploder.*ZeroDivisionError: bad table.*kvcore_supported_kernel_block_sizes"):
+    match = "exploder.*ZeroDivisionError: bad table.*kvcore_supported_kernel_block_sizes"
+    with pytest.raises(PluginError, match=match):
         kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)
     pm.unregister(name="exploder")
     pm.register(_BreaksAnswers(), name="breaker")
-    with pytest.raises(PluginError, match=r"wrong value.*16, 32.*wrappers of plugins \['breaker', 'innocent-wrapper'\]"):
+    match = r"wrong value.*16, 32.*wrappers of plugins \['breaker', 'innocent-wrapper'\]"
+    with pytest.raises(PluginError, match=match):
         kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)
     pm.unregister(name="innocent-wrapper")
     with pytest.raises(PluginError, match="'breaker'.*wrong value.*16, 32"):
@@ -504,7 +508,8 @@ def test_two_instances_of_one_plugin_class_are_told_apart():
 def test_a_wrong_answer_is_named_without_asking_any_plugin_again(wrong_is_later):
     pm = kvcore.get_plugin_manager(autoload=False)
     quiet, wrong = _Twin(make_backend("quiet-attn")), _Twin(make_backend("wrong-attn"), answer="64")
-    for plugin, name in ((quiet, "quiet"), (wrong, "wrong")) if wrong_is_later else ((wrong, "wrong"), (quiet, "quiet")):
+    order = ((quiet, "quiet"), (wrong, "wrong")) if wrong_is_later else ((wrong, "wrong"), (quiet, "quiet"))
+    for plugin, name in order:
         pm.register(plugin, name=name)
     with pytest.raises(PluginError, match=r"'wrong'\).*wrong value.*kvcore_supported_kernel_block_sizes"):
         kvcore.select_common_block_size(64, [_Named], plugin_manager=pm)

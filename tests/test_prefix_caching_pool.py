@@ -195,7 +195,8 @@ class CachingPoolMachine(RuleBasedStateMachine):
         groups = {0: (full, 2, None), 1: (other, 4, window)}
         top = min(2 * len(full), 4 * len(other), 99 if cap is None else cap)
         want = max(t for t in range(0, top + 1, 4)
-                   if self.model.is_hit(0, full[: t // 2], None) and self.model.is_hit(1, other[: t // 4], window))  # fmt: skip
+                   if self.model.is_hit(0, full[: t // 2], None)
+                   and self.model.is_hit(1, other[: t // 4], window))  # fmt: skip
         assert self.pool.find_common_prefix(groups, max_tokens=cap) == want
 
     @rule()

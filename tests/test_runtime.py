@@ -7,14 +7,13 @@ from typing import Any, ClassVar
 import pytest
 import torch
 import torch.distributed as dist
-from kvcore_torch import TorchAttentionBackend
 
 from kvcore import (
     AttentionBackend,
     CommonAttentionMetadata,
+    EncoderOnlyAttentionSpec,
     FullAttentionSpec,
     KVCache,
-    EncoderOnlyAttentionSpec,
     KVCacheLayout,
     MambaSpec,
     MultipleOf,
@@ -23,6 +22,7 @@ from kvcore import (
     get_plugin_manager,
     hookimpl,
 )
+from kvcore_torch import TorchAttentionBackend
 
 LAYERS = [f"layers.{i}.attn" for i in range(4)]
 

@@ -87,12 +87,14 @@ def test_debug_checks_are_read_at_kvcache_create_and_a_changed_environment_takes
     metadata, q, k, v = _one_step(checked, "l0", too_far, seed=1)
     assert metadata.debug_checks is True
     with pytest.raises(ValueError, match=f"slot_mapping holds slot {too_far}"):
-        checked.attn_groups[0][0].backend.forward(q, k, v, checked.layer_kv_caches["l0"], metadata, head_size=8, scale=0.5)
+        backend = checked.attn_groups[0][0].backend
+        backend.forward(q, k, v, checked.layer_kv_caches["l0"], metadata, head_size=8, scale=0.5)
     assert torch.equal(checked.layer_kv_caches["l0"], before)  # refused before anything was written
     # The first cache keeps what it read: its forward skips the bad slot though the environment now says 1.
     before = quiet.layer_kv_caches["l0"].clone()
     metadata, q, k, v = _one_step(quiet, "l0", too_far, seed=2)
-    out = quiet.attn_groups[0][0].backend.forward(q, k, v, quiet.layer_kv_caches["l0"], metadata, head_size=8, scale=0.5)
+    backend = quiet.attn_groups[0][0].backend
+    out = backend.forward(q, k, v, quiet.layer_kv_caches["l0"], metadata, head_size=8, scale=0.5)
     assert torch.equal(quiet.layer_kv_caches["l0"], before) and torch.isfinite(out).all()
 
 

@@ -342,7 +342,7 @@ def test_base_spec_is_one_raw_page_per_block():
     assert spec.view_dtype is torch.int8
     assert spec.max_num_blocks_per_req(17) == 2
     with pytest.raises(NotImplementedError, match="KVCacheSpec"):
-        KVCacheSpec(16).page_size_bytes
+        _ = KVCacheSpec(16).page_size_bytes
 
 
 @pytest.mark.parametrize(

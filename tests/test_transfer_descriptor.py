@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from _transfer_caches import KINDS, cached_cache, raw_buffer
+
 from kvcore import KVCache, MLAAttentionSpec, get_plugin_manager
 from kvcore.transfer import KVCacheDescriptor, describe
 

@@ -70,6 +70,7 @@ def test_without_the_transferred_kv_the_decode_engine_misses_or_goes_wrong(ex):
 @pytest.mark.skipif(not _nixl_importable(), reason="NIXL is not installed (pip install kvcore[nixl])")
 def test_two_processes_give_the_tokens_of_model_generate_and_skip_the_prompt(ex):
     from _transfer_caches import make_cache
+
     from kvcore.transfer import NixlAgent
 
     try:  # UCX cannot start in some sandboxes: then there is nothing to test here

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _transfer_caches import KINDS, brute_force_bytes, cached_cache, raw_buffer
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from _transfer_caches import KINDS, brute_force_bytes, cached_cache, raw_buffer
 from kvcore.transfer import describe, plan_transfer
 
 CASES = [(kind, layout) for kind, layouts in KINDS.items() for layout in layouts]

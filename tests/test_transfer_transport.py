@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import attrs
 import pytest
-
 from _transfer_caches import cached_cache
+
 from kvcore.transfer import describe
 from kvcore.transfer.transport import pick, process_info, transport_between
 

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 
 from kvcore.memory.config import KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
-from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 from kvcore.memory.views import create_kv_cache_views
+from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec
 
 
 def make_tensor(spec, num_blocks, num_layers, layout, offset=0, slack=0):

@@ -18,13 +18,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvcore.runtime.attn_group import AttentionGroup
-from kvcore.plugins.backend import AttentionBackend
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
-from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 from kvcore.memory.views import allocate_kv_cache
+from kvcore.plugins.backend import AttentionBackend
+from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.zeroer import KVBlockZeroer
+from kvcore.specs import FullAttentionSpec, MambaSpec, MLAAttentionSpec, SlidingWindowSpec
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 needs_interpreter = pytest.mark.skipif(
@@ -50,7 +50,8 @@ class Case:
             layers = [f"g{gid}.l{i}" for i in range(rng.randint(1, 3))]
             strides = compute_layout_strides(spec, self.num_blocks, len(layers), self.layout)
             kernel = None
-            if not isinstance(spec, MambaSpec) and spec.page_size_padded is None and strides[1] == spec.real_page_size_bytes:
+            dense = spec.page_size_padded is None and strides[1] == spec.real_page_size_bytes
+            if not isinstance(spec, MambaSpec) and dense:
                 kernel = rng.choice([None, block_size // 2, block_size // 4])
             extents = (len(layers), self.num_blocks, spec.num_heads, spec.num_states)
             sizes.append(sum((n - 1) * s for n, s in zip(extents, strides)) + spec.state_content_size_bytes)
@@ -182,7 +183,8 @@ def test_bad_ids_raise_and_write_nothing(backend, bad):
 @pytest.mark.parametrize(
     "good, expected",
     [(5, [5]), (np.int64(3), [3]), ([np.int32(1), 2], [1, 2]), (torch.tensor(4), [4]), ([torch.tensor(2), 0], [2, 0]),
-     (np.array([[1], [3]]), [1, 3]), ((1, 2), [1, 2]), (range(2), [0, 1]), (torch.tensor([[5, 1]], dtype=torch.int32), [5, 1])],
+     (np.array([[1], [3]]), [1, 3]), ((1, 2), [1, 2]), (range(2), [0, 1]),
+     (torch.tensor([[5, 1]], dtype=torch.int32), [5, 1])],
     ids=repr,
 )
 def test_every_integer_form_zeroes_its_blocks(backend, good, expected):

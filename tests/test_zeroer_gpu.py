@@ -17,12 +17,12 @@ try:
 except ImportError:  # pytest --import-mode=importlib
     from tests.test_zeroer import Case, _Backend, _packed_case, expected_after, fill_random, raw_bytes
 
-from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import compute_layout_strides
-from kvcore.specs import FullAttentionSpec
 from kvcore.memory.views import allocate_kv_cache
+from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.zeroer import KVBlockZeroer
+from kvcore.specs import FullAttentionSpec
 
 pytestmark = [
     pytest.mark.kvcore_gpu,

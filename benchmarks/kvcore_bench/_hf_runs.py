@@ -86,7 +86,7 @@ def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], ne
     if profile:
         engine.sync_timing = True
         result["profile_s"], _, result["profile"] = stats_of_generate()
-    del engine
+    engine = None  # NOTE: frees the cache before the next engine is built
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     return result, outputs

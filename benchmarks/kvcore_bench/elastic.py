@@ -22,8 +22,6 @@ import torch
 
 from kvcore._table import terminal_width
 from kvcore._units import format_bytes
-from kvcore_bench import emit, progress_bar, table
-from kvcore_bench.options import ARGUMENTS
 from kvcore.memory.backing import reserve_backing
 from kvcore.memory.elastic import ElasticMemory, block_byte_ranges, merge_ranges, subtract_ranges
 from kvcore.memory.layout import KVCacheLayout, block_runs
@@ -31,6 +29,8 @@ from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.model_files import load_model_file
 from kvcore.specs import KVCacheSpec
+from kvcore_bench import emit, progress_bar, table
+from kvcore_bench.options import ARGUMENTS
 
 add_arguments = ARGUMENTS["elastic"]
 

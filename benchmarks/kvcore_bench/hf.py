@@ -48,9 +48,9 @@ def known_peaks(args: argparse.Namespace, device_name: str) -> tuple[float, floa
 def checked_device(args: argparse.Namespace) -> torch.device:
     """``--device`` (default: CUDA), after refusing at once what cannot run: GPU-sized work
     on a CPU, or a backend that cannot serve a tiny model (before the big one is built)."""
-    from kvcore_bench._hf_runs import model_config
     from kvcore.hf import Engine
     from kvcore.hf.models import random_model
+    from kvcore_bench._hf_runs import model_config
 
     device = args.device or (torch.device("cuda") if torch.cuda.is_available() else None)
     if device is None:
@@ -96,8 +96,8 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     # NOTE: imported here, when the benchmark runs: transformers is an optional extra.
     import transformers
 
-    from kvcore_bench import _hf_runs as runs
     from kvcore.hf.models import random_model
+    from kvcore_bench import _hf_runs as runs
 
     device = checked_device(args)
     dtype = getattr(torch, args.dtype)
@@ -160,7 +160,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         same = sum(a == b for a, b in zip(served["on"][1], served["off"][1]))
         out["prefix"] = {"prefix_len": prefix, "same_requests": same, "requests": n,
                          "off": served["off"][0], "on": served["on"][0]}
-    del model
+    model = None
     if "check" not in skip:
         out["check"] = runs.run_check(args, engine_kwargs, device)
     return out

@@ -15,11 +15,11 @@ from contextlib import contextmanager
 import torch
 
 from kvcore._table import terminal_width
+from kvcore.memory.planner import plan_kv_cache
+from kvcore.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 from kvcore_bench import emit, machine, table
 from kvcore_bench._timing import Timer
 from kvcore_bench.options import ARGUMENTS
-from kvcore.memory.planner import plan_kv_cache
-from kvcore.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
 
 add_arguments = ARGUMENTS["plan"]
 TARGET_MS = 20.0

@@ -16,10 +16,10 @@ from collections.abc import Callable
 
 import torch
 
-from kvcore_bench import emit, machine, progress_bar, table
-from kvcore_bench.options import ARGUMENTS, POOL_MAX_BLOCKS
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
+from kvcore_bench import emit, machine, progress_bar, table
+from kvcore_bench.options import ARGUMENTS, POOL_MAX_BLOCKS
 
 add_arguments = ARGUMENTS["pool"]
 

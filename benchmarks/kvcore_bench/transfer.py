@@ -31,10 +31,6 @@ import torch
 
 from kvcore._table import terminal_width
 from kvcore._units import format_bytes
-from kvcore_bench import emit, progress_bar, table
-from kvcore_bench._timing import Timer
-from kvcore_bench.options import ARGUMENTS, CPU_TRANSFER_DEFAULTS, GPU_TRANSFER_DEFAULTS
-from kvcore_bench.transfer_nixl import gbps, nixl_rows, print_rows, rate
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.registry import get_plugin_manager
 from kvcore.runtime.kv_cache import KVCache
@@ -43,6 +39,10 @@ from kvcore.transfer import HostKVPool, NixlUnavailableError, describe, plan_tra
 from kvcore.transfer.nixl_api import PreparedRuns, nixl_api, paired_indices, xfer_arrays
 from kvcore.transfer.pairs import pair_runs
 from kvcore.transfer.regions import group_selection, whole_block_patterns
+from kvcore_bench import emit, progress_bar, table
+from kvcore_bench._timing import Timer
+from kvcore_bench.options import ARGUMENTS, CPU_TRANSFER_DEFAULTS, GPU_TRANSFER_DEFAULTS
+from kvcore_bench.transfer_nixl import gbps, nixl_rows, print_rows, rate
 
 add_arguments = ARGUMENTS["transfer"]
 

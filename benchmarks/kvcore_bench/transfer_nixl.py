@@ -20,11 +20,11 @@ from typing import Any
 
 import torch
 
-from kvcore_bench import table
-from kvcore_bench._timing import Timer
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer import NixlAgent, plan_transfer
 from kvcore.transfer.descriptor import raw_allocation
+from kvcore_bench import table
+from kvcore_bench._timing import Timer
 
 _INTS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: ``make(num_blocks, device) -> KVCache``, picklable (a partial of a module function).

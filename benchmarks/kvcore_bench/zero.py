@@ -17,9 +17,6 @@ import torch
 
 from kvcore._table import Column, render, terminal_width
 from kvcore._units import format_bytes
-from kvcore_bench import emit, fmt, table
-from kvcore_bench._timing import Timer, empty_launch, find_memset
-from kvcore_bench.options import ARGUMENTS
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
@@ -27,6 +24,9 @@ from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.runtime.zeroer import kernel as zero_kernel
 from kvcore.runtime.zeroer import zeroer as zero_module
 from kvcore.specs import FullAttentionSpec
+from kvcore_bench import emit, fmt, table
+from kvcore_bench._timing import Timer, empty_launch, find_memset
+from kvcore_bench.options import ARGUMENTS
 
 add_arguments = ARGUMENTS["zero"]
 
@@ -89,7 +89,7 @@ def collect(args: argparse.Namespace, device: torch.device | str) -> dict[str, A
             row["loop_wall_us"] = timer.wall_us(lambda: loop(ids_list))
             row["zero_us"] = timer.gpu_us(flat.zero_)
             result["rows"].append(_derive(row))
-        del kv, zeroer, raw, views
+        kv = zeroer = raw = views = None  # NOTE: frees this layout's cache before the next
         if device.type == "cuda":
             torch.cuda.empty_cache()
     result["targets"] = targets(result)

@@ -6,9 +6,9 @@ import json
 
 import pytest
 
-from kvcore_bench.plan import hybrid_model_specs
 from kvcore.cli import main
 from kvcore.memory.planner import plan_kv_cache
+from kvcore_bench.plan import hybrid_model_specs
 
 
 @pytest.mark.parametrize("argv", [["--layers", "0"], ["--repeat", "-1"], ["--memory", "-5GiB"]])

@@ -9,9 +9,9 @@ import os
 import pytest
 import torch
 
-from kvcore_bench import zero
 from kvcore.cli import build_parser, main
 from kvcore.memory.layout import KVCacheLayout
+from kvcore_bench import zero
 
 
 def _parse(*argv: str):

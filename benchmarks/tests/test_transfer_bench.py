@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from kvcore_bench import BENCHMARKS, transfer
 from kvcore.cli import main
+from kvcore_bench import BENCHMARKS, transfer
 
 SMALL = ["--layers", "3", "--kv-heads", "2", "--head-size", "16", "--repeats", "2", "--warmup", "1"]
 

@@ -134,6 +134,11 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
     plan.add_argument("--block-size", type=positive_int_arg, metavar="TOKENS",
                       help="block size for every layer type (default: the model file's)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
+    plan.add_argument("--explain", action="store_true",
+                      help="also negotiate with the installed backends ('auto' for every attention layer) and "
+                      "say why each layer gets its backend, kernel block size and the layout")
+    plan.add_argument("--device", default="cpu",
+                      help="the device --explain negotiates for, e.g. cuda (default: %(default)s)")
     models = command("models", _lazy("kvcore.cli.plan", "run_models"))
     models.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
     plugins = command("plugins", _lazy("kvcore.cli.plugins"))
@@ -230,8 +235,9 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``kvcore`` with ``argv`` (default: the process's arguments); the exit code.
 
     A ``ValueError`` or ``TypeError`` from a command is printed as ``kvcore COMMAND: error: ...``
-    (exit 2, like argparse's own), Ctrl-C as ``kvcore COMMAND: interrupted`` (exit 130); under ``--json`` every error, usage errors included, is a
-    ``{"error": {"command", "type", "message"}}`` object on stdout instead.
+    (exit 2, like argparse's own), Ctrl-C as ``kvcore COMMAND: interrupted`` (exit 130); under
+    ``--json`` every error, usage errors included, is a ``{"error": {"command", "type", "message"}}``
+    object on stdout instead.
     """
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     json_errors = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)

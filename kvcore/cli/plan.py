@@ -255,14 +255,30 @@ def run(args: argparse.Namespace) -> int:
     config = plan_kv_cache(model.kv_cache_specs, args.layout, available_memory=args.memory,
                            num_blocks=args.num_blocks)
     summary = summarize(model, config)
+    if getattr(args, "explain", False):
+        summary["explain"] = _explain(model, args)
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         print_plan(summary)
+        if "explain" in summary:
+            print(f"\n{summary['explain']}")
     for warning in summary["warnings"]:
         print(textwrap.fill(warning, terminal_width(), initial_indent="warning: ",
                             subsequent_indent="  "), file=sys.stderr)
     return 0
+
+
+def _explain(model: ModelDescription, args: argparse.Namespace) -> str:
+    """The negotiation of ``model`` with the installed backends, "auto" per attention layer."""
+    from kvcore.plugins.negotiate import negotiate
+
+    specs = model.kv_cache_specs
+    backends = {name: "auto" for name, spec in specs.items() if spec.is_attention}
+    negotiation = negotiate(specs, backends, device=args.device, layout=args.layout,
+                            available_memory=args.memory, num_blocks=args.num_blocks, max_num_seqs=1,
+                            max_model_len=max(s.block_size for s in specs.values()))
+    return negotiation.explain()
 
 
 def run_models(args: argparse.Namespace) -> int:

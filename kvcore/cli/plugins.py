@@ -19,7 +19,9 @@ from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins import health
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.manager import PluginInfo, collect_backends
-from kvcore.plugins.registry import PluginSettings, build_plugin_manager
+from kvcore.plugins.registry import build_plugin_manager
+from kvcore.plugins.requirements import describe_requirements, requirements_json
+from kvcore.settings import Settings
 
 _LABEL = 14
 
@@ -27,10 +29,10 @@ _LABEL = 14
 def run(args: argparse.Namespace) -> int:
     # NOTE: listing never raises for a broken plugin, even under KVCORE_STRICT_PLUGINS:
     # failures are shown in the records instead.
-    settings = PluginSettings.from_env()
+    settings = Settings.from_env()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PluginWarning)
-        pm = build_plugin_manager(attrs.evolve(settings, strict=False))
+        pm = build_plugin_manager(attrs.evolve(settings, strict_plugins=False))
     answers = HookAnswers(pm)
     infos = health.check_plugins(pm, answers)
     picks = health.auto_picks(answers)
@@ -84,7 +86,7 @@ def missing_kernels(distribution: str | None) -> list[str]:
 def _json(info: PluginInfo, declared: dict, picks: dict[str, str | None]) -> dict[str, object]:
     item = info.to_json()
     item["kernels_missing"] = missing_kernels(info.distribution)
-    item["requirements"] = {b: health.requirements_json(declared[b]) for b in info.backends
+    item["requirements"] = {b: requirements_json(declared[b]) for b in info.backends
                             if b in declared}
     item["auto"] = {b: [d for d, pick in picks.items() if pick == b] for b in info.backends}
     return item
@@ -135,7 +137,7 @@ def _record(info: PluginInfo, width: int, requirements: dict) -> list[str]:
         text = f"{backend}: {'; '.join(declared)}" if declared else backend
         lines += _field("backend", text, width)
         if backend in requirements:
-            lines += _field("requires", health.describe_requirements(requirements[backend]), width)
+            lines += _field("requires", describe_requirements(requirements[backend]), width)
     missing = missing_kernels(info.distribution)
     if missing:
         lines += _field("note", f"kernels: {', '.join(missing)} not installed (pip install "

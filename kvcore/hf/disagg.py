@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING
 
 import attrs
 
+from kvcore.hf.scheduler import Request, check_prompt
 from kvcore.runtime.block_pool import NULL_BLOCK_ID
 from kvcore.runtime.prefix_hash import block_hashes
-from kvcore.hf.scheduler import Request, check_prompt
 
 if TYPE_CHECKING:
     from kvcore.hf.engine import Engine

@@ -14,15 +14,17 @@ import torch
 from kvcore._validate import positive_int
 from kvcore.distributed import shard_spec
 from kvcore.errors import KVCoreError
-from kvcore.plugins.auto import AUTO, preferred_block_size, select_backend
-from kvcore.runtime.kv_cache import KVCache
-from kvcore.specs import KVCacheSpec, MambaSpec
 from kvcore.hf.attention_interface import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
 from kvcore.hf.mixers import MixerRunner
 from kvcore.hf.scheduler import Request, Scheduler, check_prompt
 from kvcore.hf.specs import check_hybrid_options, check_model, layer_specs, model_modules
 from kvcore.hf.step import DecodeGraphs, Step, StepBuilder, graphs_wanted
 from kvcore.hf.tp import resolve_tp
+from kvcore.plugins.answers import HookAnswers
+from kvcore.plugins.auto import AUTO
+from kvcore.plugins.negotiate import default_block_size, resolve_backends
+from kvcore.runtime.kv_cache import KVCache
+from kvcore.specs import KVCacheSpec, MambaSpec
 
 #: Block size when the backend prefers none.
 BLOCK_SIZE = 16
@@ -78,30 +80,22 @@ def resolve_defaults(
     make_specs: Callable[[int], Mapping[str, KVCacheSpec]], device: torch.device, backend: Any,
     block_size: int | None, max_num_batched_tokens: int | None,
 ) -> EngineDefaults:
-    """Resolve ``"auto"`` per layer, the block size (the first attention layer's backend's preference,
-    grown for a hybrid until an attention page holds a state page) and the step budget.
-    ``make_specs(block_size)`` gives the layer specs."""
+    """The negotiation stage's answers for an engine: each attention layer's backend (``"auto"``
+    asked once per distinct spec), the block size the backends prefer (16 when none states one)
+    and the step budget. ``make_specs(block_size)`` gives the layer specs."""
+    answers = HookAnswers()
     specs = make_specs(BLOCK_SIZE if block_size is None else block_size)
-
-    def pick(spec: KVCacheSpec) -> Any:
-        return select_backend(spec, device) if isinstance(backend, str) and backend == AUTO else backend
-
-    attention = [s for s in specs.values() if s.is_attention]
-    if block_size is None and attention:
-        block_size = preferred_block_size(pick(attention[0]), attention[0]) or BLOCK_SIZE
-        states = [s.real_page_size_bytes for s in specs.values() if not s.is_attention and s.has_cache_pages]
-        page = max(s.real_page_size_bytes for s in attention)
-        # NOTE: pages are unified to the largest (SPEC §6); growing the attention block until its page
-        # holds a state page wastes less than padding it, unless the state page is under two of them.
-        if states and max(states) >= 2 * page:
-            block_size *= -(-max(states) // page)
+    chosen = dict.fromkeys((n for n, s in specs.items() if s.is_attention), backend)
+    if block_size is None:
+        block_size = default_block_size(specs, resolve_backends(specs, chosen, answers, device)[0], answers, BLOCK_SIZE)
         if block_size != BLOCK_SIZE:
             specs = make_specs(block_size)
     if max_num_batched_tokens is None:
         max_num_batched_tokens = BATCHED_TOKENS.get(device.type, BATCHED_TOKENS["cpu"])
     budget = positive_int("max_num_batched_tokens", max_num_batched_tokens)
-    backends = {n: pick(s) for n, s in specs.items() if s.is_attention}
-    return EngineDefaults(block_size or BLOCK_SIZE, budget, backends, specs)
+    if isinstance(backend, str) and backend == AUTO:
+        chosen = resolve_backends(specs, chosen, answers, device)[0]
+    return EngineDefaults(block_size, budget, chosen, specs)
 
 
 class Engine:
@@ -212,7 +206,8 @@ class Engine:
             return
         from rich.console import Console
 
-        with Console(stderr=True).status("kvcore: compiling attention kernels") if progress else contextlib.nullcontext():
+        status = Console(stderr=True).status("kvcore: compiling attention kernels")
+        with status if progress else contextlib.nullcontext():
             self._warm_prefill()
         if self.graphs is not None and self.graphs.capture:
             with self.serving():

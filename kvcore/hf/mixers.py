@@ -19,9 +19,9 @@ try:
 except ImportError:  # NOTE: transformers before its per-layer linear-attention caches (checked: 5.17, 5.23)
     LinearAttentionLayer = None
 
+from kvcore.hf.scheduler import Request
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
-from kvcore.hf.scheduler import Request
 
 
 @attrs.frozen(eq=False)
@@ -83,7 +83,7 @@ class _MixerLayer:
         for start, n, slot_of in step.prefills:
             slot = slot_of[self.group_id]
             x = hidden[:, start : start + n]
-            out[:, start : start + n] = self._call(original, x, lambda t: t[slot : slot + 1])[0]
+            out[:, start : start + n] = self._call(original, x, lambda t: t[slot : slot + 1])[0]  # noqa: B023
         return out
 
 

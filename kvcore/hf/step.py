@@ -12,9 +12,9 @@ import attrs
 import numpy as np
 import torch
 
+from kvcore.hf.scheduler import GroupInfo, Request
 from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.hf.scheduler import GroupInfo, Request
 
 #: Scheduled requests (None: padding) and their token counts, in packed order.
 Batch = Sequence[tuple["Request | None", int]]
@@ -195,7 +195,7 @@ class DecodeGraphs:
             sizes = track(sizes, description="kvcore: capturing decode CUDA graphs", transient=True)
         for size in sizes:
             step = steps.build([], pad_to=size)
-            self.capture_size(size, lambda: forward(step))
+            self.capture_size(size, lambda: forward(step))  # noqa: B023 (called here)
 
     def run(self, size: int, forward: Callable[[], torch.Tensor]) -> torch.Tensor:
         """The next token of every row of the staged padded step of ``size``: replayed, or ``forward()``."""

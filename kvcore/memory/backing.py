@@ -9,35 +9,12 @@ import torch
 
 from kvcore._units import format_bytes
 from kvcore.errors import KVCoreError
+from kvcore.memory.backing_base import BackingMemory
 from kvcore.memory.budget import available_host_memory as _available_host_memory
 from kvcore.memory.layout import round_up
 
 # NOTE: the mmap module names MAP_NORESERVE only from Python 3.13.
 _MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000)
-
-
-class BackingMemory:
-    """Reserved address space, committed granule by granule (the interface)."""
-
-    size: int  # bytes reserved, a multiple of granularity
-    granularity: int  # bytes per granule: the unit of commit and release
-    tensor: torch.Tensor  # the reservation's first ``requested`` bytes as one int8 tensor
-
-    def commit(self, start: int, end: int) -> None:
-        """Back the granule-aligned ``[start, end)`` with zeroed memory, all or nothing."""
-        raise NotImplementedError
-
-    def decommit(self, start: int, end: int) -> None:
-        """Give the memory behind the granule-aligned ``[start, end)`` back."""
-        raise NotImplementedError
-
-    def check_range(self, start: int, end: int) -> None:
-        g = self.granularity
-        if start % g or end % g or not 0 <= start < end <= self.size:
-            raise ValueError(
-                f"[{start}, {end}) is not a granule-aligned range of this {self.size}-byte "
-                f"reservation (granule {g} bytes)"
-            )
 
 
 class CpuBacking(BackingMemory):

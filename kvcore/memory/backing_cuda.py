@@ -9,9 +9,8 @@ import torch
 
 from kvcore._units import format_bytes
 from kvcore.errors import KVCoreError
-from kvcore.memory.backing import BackingMemory
-from kvcore.memory.elastic import merge_ranges
-from kvcore.memory.layout import round_up
+from kvcore.memory.backing_base import BackingMemory
+from kvcore.memory.layout import merge_ranges, round_up
 
 _REMEDY = "install the optional extra: pip install 'kvcore[elastic]' (the cuda-bindings package)"
 

@@ -136,7 +136,8 @@ class KVCacheConfig:
 
     @property
     def token_capacity(self) -> int:
-        """Tokens one sequence can hold with every group keeping all its blocks (SPEC §2);
+        """Tokens one sequence can hold with every group keeping all its blocks (the null block
+        excluded, each group rounding up to whole blocks, no sliding-window discount);
         0 when none fits or no group's blocks grow with the tokens (see ``sequence_capacity``)."""
         specs = [g.kv_cache_spec for g in self.kv_cache_groups]
         growing = [s.block_size for s in specs if _grows_with_tokens(s)]

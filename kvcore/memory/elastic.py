@@ -3,32 +3,20 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from kvcore._validate import as_int
-from kvcore.memory.backing import BackingMemory, reserve_backing
+from kvcore.memory.backing import reserve_backing
+from kvcore.memory.backing_base import BackingMemory
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.layout import block_runs, round_up
-from kvcore.memory.planner import plan_kv_cache
-from kvcore.specs import KVCacheSpec
+from kvcore.memory.layout import block_runs, merge_ranges, round_up
 
 #: A layer view as allocated and how many of its rows form one manager block.
 ViewRows = tuple[torch.Tensor, int]
 Ranges = list[tuple[int, int]]
-
-
-def merge_ranges(ranges: Iterable[tuple[int, int]]) -> Ranges:
-    """Sorted, non-overlapping ranges covering the same bytes; touching ranges are joined."""
-    out: Ranges = []
-    for start, end in sorted(ranges):
-        if out and start <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], end))
-        else:
-            out.append((start, end))
-    return out
 
 
 def block_byte_ranges(
@@ -108,29 +96,6 @@ def checked_max_blocks(max_num_blocks: Any) -> int:
             f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}"
         )
     return max_num_blocks
-
-
-def first_elastic_blocks(
-    config: KVCacheConfig,
-    specs: Mapping[str, KVCacheSpec],
-    num_blocks: int | None,
-    available_memory: int | None,
-) -> int:
-    """Blocks an elastic cache planned as ``config`` commits at creation: ``num_blocks``, what
-    ``available_memory`` buys, or (neither) all of them."""
-    max_num_blocks = config.num_blocks
-    if num_blocks is None and available_memory is not None:
-        planned = plan_kv_cache(specs, config.layout, available_memory=available_memory)
-        num_blocks = min(planned.num_blocks, max_num_blocks)
-    if num_blocks is None:
-        return max_num_blocks
-    num_blocks = as_int("num_blocks", num_blocks)
-    if not 2 <= num_blocks <= max_num_blocks:
-        raise ValueError(
-            f"num_blocks={num_blocks} must be between 2 and max_num_blocks={max_num_blocks}; "
-            "raise max_num_blocks or commit fewer blocks"
-        )
-    return num_blocks
 
 
 def reserve_elastic(config: KVCacheConfig, device: torch.device) -> ElasticMemory:

@@ -1,12 +1,15 @@
-"""The six physical layouts of the logical ``[L, B, H, N, C]`` KV cache tensor, and its strides."""
+"""The six physical layouts of the logical ``[L, B, H, N, C]`` KV cache tensor, which of them a
+set of workers and specs may use, and the tensor's strides."""
 
 from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 from kvcore._validate import non_negative_int, positive_int
+from kvcore.settings import Settings
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
 
 L, B, H, N, C = range(5)
@@ -72,6 +75,100 @@ class KVCacheLayout(enum.Enum):
         return self.value[2:] == "HNC"
 
 
+#: The layout used when no worker states a preference.
+DEFAULT_LAYOUT = KVCacheLayout.LBNHC
+LAYOUT_ENV = "KVCORE_KV_CACHE_LAYOUT"
+
+
+def _names(layouts: Iterable[KVCacheLayout]) -> str:
+    return "[" + ", ".join(layout.name for layout in layouts) + "]"
+
+
+def parse_layouts(value: Any) -> list[KVCacheLayout]:
+    """A list of layouts (members or names), duplicates dropped, order kept."""
+    if isinstance(value, (str, KVCacheLayout)) or not isinstance(value, Iterable):
+        raise TypeError(f"expected a list of KV cache layouts, got {value!r}")
+    out = list(dict.fromkeys(KVCacheLayout.parse(item) for item in value))
+    if not out:
+        raise ValueError("expected at least one layout (return None to accept any)")
+    return out
+
+
+def requested_layout(requested: KVCacheLayout | str | None, settings: Settings) -> KVCacheLayout | None:
+    """An explicit layout: ``requested``, else the settings' ``KVCORE_KV_CACHE_LAYOUT``, else None."""
+    if requested is not None:
+        return KVCacheLayout.parse(requested)
+    try:
+        return None if settings.kv_cache_layout is None else KVCacheLayout.parse(settings.kv_cache_layout)
+    except ValueError as exc:
+        raise ValueError(
+            f"{LAYOUT_ENV}={settings.kv_cache_layout!r}: {exc}; fix or unset {LAYOUT_ENV}"
+        ) from None
+
+
+def layout_candidates(
+    supported: Sequence[Sequence[KVCacheLayout | str] | None],
+    specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec] = (),
+) -> list[KVCacheLayout]:
+    """The layouts every worker of ``supported`` takes (one list per worker, most preferred first;
+    None: any), in the first choosy worker's order: only block-compact ones when ``specs`` differ
+    in (heads, states, page bytes); LBNHC first when no worker states a preference."""
+    workers = [parse_layouts(w) for w in supported if w is not None] or [list(KVCacheLayout)]
+    candidates = [layout for layout in workers[0] if all(layout in w for w in workers[1:])]
+    if not candidates:
+        raise ValueError(
+            "workers support no common KV cache layout: "
+            + "; ".join(f"worker {i}: {_names(w)}" for i, w in enumerate(workers))
+            + ". Use backends that share a layout on every worker."
+        )
+    flat: list[KVCacheSpec] = []
+    for spec in specs.values() if isinstance(specs, Mapping) else specs:
+        if not isinstance(spec, KVCacheSpec):
+            raise TypeError(f"specs must hold KVCacheSpec objects, got {spec!r}")
+        is_uniform = isinstance(spec, UniformTypeKVCacheSpecs)
+        flat += spec.kv_cache_specs.values() if is_uniform else [spec]
+    shapes = {(s.num_heads, s.num_states, s.page_size_bytes) for s in flat if s.has_layer_views and s.has_cache_pages}
+    if len(shapes) > 1:
+        compact = [layout for layout in candidates if layout.is_block_compact]
+        if not compact:
+            raise ValueError(
+                f"layers with different (heads, states, page bytes) {sorted(shapes)} need a "
+                f"block-compact layout (LBNHC, LBHNC, BLNHC or BLHNC), but the workers only "
+                f"support {_names(candidates)}"
+            )
+        candidates = compact
+    if all(w is None for w in supported) and DEFAULT_LAYOUT in candidates:
+        candidates.remove(DEFAULT_LAYOUT)
+        candidates.insert(0, DEFAULT_LAYOUT)
+    return candidates
+
+
+def resolve_kv_cache_layout(
+    supported: Sequence[Sequence[KVCacheLayout | str] | None],
+    specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec] = (),
+    requested: KVCacheLayout | str | None = None,
+) -> KVCacheLayout:
+    """The layout to allocate with.
+
+    ``supported`` holds one list per worker, most preferred first (None: any layout). An explicit
+    request (``requested``, else ``KVCORE_KV_CACHE_LAYOUT``) must be one of
+    :func:`layout_candidates`; otherwise the first candidate wins, as vLLM resolves it.
+    """
+    candidates = layout_candidates(supported, specs)
+    layout = requested_layout(requested, Settings.from_env() if requested is None else Settings())
+    return candidates[0] if layout is None else checked_request(layout, candidates)
+
+
+def checked_request(layout: KVCacheLayout, candidates: Sequence[KVCacheLayout]) -> KVCacheLayout:
+    """``layout``, refused unless it is one of ``candidates``."""
+    if layout not in candidates:
+        raise ValueError(
+            f"requested KV cache layout {layout.name} is not usable here; candidates: "
+            f"{_names(candidates)}. Request one of them (argument or {LAYOUT_ENV})"
+        )
+    return layout
+
+
 def split_ratio(block_size: int, kernel_block_size: int | None) -> int:
     """Kernel blocks per manager block (1 for None); ``ValueError`` unless it divides."""
     if kernel_block_size is None:
@@ -115,7 +212,9 @@ def compute_layout_strides(
     kernel_block_size: int | None = None,
     fixed_strides: Sequence[int | None] = (None,) * 5,
 ) -> tuple[int, int, int, int, int]:
-    """Byte strides of the logical ``[L, B, H, N, C]`` dims under ``layout`` (SPEC §2)."""
+    """Byte strides of the logical ``[L, B, H, N, C]`` dims under ``layout``: a dim's stride is its
+    fixed value if given, else the bytes of the dims inside it (raised to the padded page at the
+    inner one of L and B)."""
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
     if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -197,3 +296,14 @@ def block_runs(
     for extent, stride in outer:
         offsets = [o + i * stride for o in offsets for i in range(extent)]
     return offsets, run
+
+
+def merge_ranges(ranges: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Sorted, non-overlapping ranges covering the same bytes; touching ranges are joined."""
+    out: list[tuple[int, int]] = []
+    for start, end in sorted(ranges):
+        if out and start <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], end))
+        else:
+            out.append((start, end))
+    return out

@@ -1,4 +1,4 @@
-"""Plan a model's KV cache (SPEC §6): groups, bytes per block, block count and tensors."""
+"""Plan a model's KV cache: groups, bytes per block, block count and tensors."""
 
 from __future__ import annotations
 
@@ -82,7 +82,8 @@ def _cache_groups(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
 
 
 def group_layers(kv_cache_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
-    """KV cache groups of a model, in model order (SPEC §6); encoder-only groups last."""
+    """KV cache groups of a model, in model order (page sizes unified to the largest); encoder-only
+    groups last."""
     cached = {n: s for n, s in kv_cache_specs.items() if s.has_cache_pages}
     encoder: dict[KVCacheSpec, list[str]] = {}
     for name, spec in kv_cache_specs.items():
@@ -196,26 +197,10 @@ def _tensors(
     return tensors
 
 
-def _checked(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> tuple[list[_Part], int]:
-    """Parts and bytes per block under ``layout`` after a dry run; ``_Refusal`` if it fails."""
-    parts = _parts(groups, layout.is_layer_compact)
-    bytes_per_block = _bytes_per_block(parts, layout)
-    _tensors(parts, layout, _MIN_BLOCKS, bytes_per_block)
-    return parts, bytes_per_block
-
-
-def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: _Refusal) -> ValueError:
-    """The error for a layout that cannot hold the model, naming those that pass a dry run."""
+def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: str) -> ValueError:
+    """The error for a layout that cannot hold the model, naming those that can."""
     family = sorted(_PREFERRED, key=lambda o: o.is_layer_compact != layout.is_layer_compact)
-    able = []
-    for other in family:
-        if other is layout:
-            continue
-        try:
-            _checked(groups, other)
-        except _Refusal:
-            continue
-        able.append(other.name)
+    able = [o.name for o in family if o is not layout and _lay(groups, o).refusal is None]
     remedy = (
         f"use a layout that can, such as {able[0]} (all that can: {', '.join(able)})"
         if able
@@ -242,6 +227,80 @@ def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCache
     return dict(kv_cache_specs)
 
 
+def checked_budget(available_memory: int | None, num_blocks: int | None) -> tuple[int | None, int | None]:
+    """Exactly one of ``available_memory`` (bytes) and ``num_blocks`` (at least 2), checked."""
+    if (available_memory is None) == (num_blocks is None):
+        raise ValueError(
+            "pass exactly one of available_memory (bytes) or num_blocks, got "
+            f"available_memory={available_memory!r}, num_blocks={num_blocks!r}"
+        )
+    if num_blocks is None:
+        return non_negative_int("available_memory", available_memory), None
+    num_blocks = positive_int("num_blocks", num_blocks)
+    if num_blocks < _MIN_BLOCKS:
+        raise ValueError(
+            f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
+            "plan at least 2 blocks"
+        )
+    return None, num_blocks
+
+
+@attrs.frozen
+class PagePlan:
+    """A model's pages laid out in one layout, before the block count is chosen; ``refusal`` says
+    why the layout cannot hold them (None: it can)."""
+
+    groups: list[KVCacheGroupSpec]
+    layout: KVCacheLayout
+    parts: list[_Part]
+    bytes_per_block: int
+    refusal: str | None = None
+
+    def error(self) -> ValueError:
+        """The refusal as the error to raise, naming the layouts that can hold the model."""
+        return _refused(self.groups, self.layout, self.refusal)
+
+    def blocks_for(self, available_memory: int) -> int | str:
+        """Blocks ``available_memory`` bytes hold (2 when nothing is allocated), or why too few."""
+        num_blocks = available_memory // self.bytes_per_block if self.parts else _MIN_BLOCKS
+        if num_blocks >= _MIN_BLOCKS:
+            return num_blocks
+        count = sum(len(g.layer_names) for g in self.groups)
+        layers = f"{count} layer" + ("s" if count != 1 else "")
+        need = format_bytes_exact(_MIN_BLOCKS * self.bytes_per_block)
+        return (
+            f"available_memory={format_bytes_exact(available_memory)} holds {num_blocks} "
+            f"KV cache block{'s' if num_blocks != 1 else ''}; one block of the model's "
+            f"{layers} needs {format_bytes_exact(self.bytes_per_block)} and a pool needs "
+            f"{_MIN_BLOCKS} (block 0 is the null block), so plan with at least {need}, "
+            "a smaller block size or a smaller model"
+        )
+
+    def place(self, num_blocks: int) -> KVCacheConfig:
+        """The plan of ``num_blocks`` blocks."""
+        if not self.parts:  # NOTE: no byte is allocated: any budget holds the minimum pool
+            return KVCacheConfig(num_blocks, [], self.groups, self.layout)
+        tensors = _tensors(self.parts, self.layout, num_blocks, self.bytes_per_block)
+        return KVCacheConfig(num_blocks, tensors, self.groups, self.layout)
+
+
+def lay_out(kv_cache_specs: Mapping[str, KVCacheSpec], layout: KVCacheLayout | str) -> PagePlan:
+    """Group ``kv_cache_specs`` (model order) and lay their pages out in ``layout``."""
+    return _lay(group_layers(_check_specs(kv_cache_specs)), KVCacheLayout.parse(layout))
+
+
+def _lay(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> PagePlan:
+    if all(is_encoder_only(g) for g in groups):
+        return PagePlan(groups, layout, [], 0)
+    parts = _parts(groups, layout.is_layer_compact)
+    try:
+        bytes_per_block = _bytes_per_block(parts, layout)
+        _tensors(parts, layout, _MIN_BLOCKS, bytes_per_block)  # NOTE: a dry run of the views
+    except _Refusal as exc:  # NOTE: the one place a refusal becomes a value
+        return PagePlan(groups, layout, parts, 0, str(exc))
+    return PagePlan(groups, layout, parts, bytes_per_block)
+
+
 def plan_kv_cache(
     kv_cache_specs: Mapping[str, KVCacheSpec],
     layout: KVCacheLayout | str,
@@ -253,40 +312,12 @@ def plan_kv_cache(
     exactly one of ``available_memory`` (bytes) or ``num_blocks``; an encoder-only model gets no
     tensors and ``num_blocks`` blocks (2 for any budget)."""
     layout = KVCacheLayout.parse(layout)
-    specs = _check_specs(kv_cache_specs)
-    if (available_memory is None) == (num_blocks is None):
-        raise ValueError(
-            "pass exactly one of available_memory (bytes) or num_blocks, got "
-            f"available_memory={available_memory!r}, num_blocks={num_blocks!r}"
-        )
-    if num_blocks is None:
-        available_memory = non_negative_int("available_memory", available_memory)
-    else:
-        num_blocks = positive_int("num_blocks", num_blocks)
-        if num_blocks < _MIN_BLOCKS:
-            raise ValueError(
-                f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
-                "plan at least 2 blocks"
-            )
-    groups = group_layers(specs)
-    if all(is_encoder_only(g) for g in groups):
-        # NOTE: no byte is allocated, so any budget (0 included) holds the minimum pool.
-        return KVCacheConfig(num_blocks or _MIN_BLOCKS, [], groups, layout)
-    try:
-        parts, bytes_per_block = _checked(groups, layout)
-    except _Refusal as exc:  # NOTE: checked before the budget: the layout error is more useful
-        raise _refused(groups, layout, exc) from None
-    if num_blocks is None:
-        num_blocks = available_memory // bytes_per_block
-        if num_blocks < _MIN_BLOCKS:
-            layers = f"{len(specs)} layer" + ("s" if len(specs) != 1 else "")
-            need = format_bytes_exact(_MIN_BLOCKS * bytes_per_block)
-            raise ValueError(
-                f"available_memory={format_bytes_exact(available_memory)} holds {num_blocks} "
-                f"KV cache block{'s' if num_blocks != 1 else ''}; one block of the model's "
-                f"{layers} needs {format_bytes_exact(bytes_per_block)} and a pool needs "
-                f"{_MIN_BLOCKS} (block 0 is the null block), so plan with at least {need}, "
-                "a smaller block size or a smaller model"
-            )
-    tensors = _tensors(parts, layout, num_blocks, bytes_per_block)
-    return KVCacheConfig(num_blocks, tensors, groups, layout)
+    _check_specs(kv_cache_specs)
+    available_memory, num_blocks = checked_budget(available_memory, num_blocks)
+    pages = lay_out(kv_cache_specs, layout)
+    if pages.refusal is not None:  # NOTE: checked before the budget: the layout error is more useful
+        raise pages.error()
+    num_blocks = pages.blocks_for(available_memory) if num_blocks is None else num_blocks
+    if isinstance(num_blocks, str):
+        raise ValueError(num_blocks)
+    return pages.place(num_blocks)

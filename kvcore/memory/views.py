@@ -25,7 +25,7 @@ def create_kv_cache_views(
     kernel_block_size: int | None = None,
 ) -> list[torch.Tensor]:
     """One ``[B', H, N, C]`` view per layer of ``kv_cache_tensor`` over the int8 buffer ``raw``,
-    re-typed to ``spec.view_dtype`` (SPEC §3; splitting blocks needs dense pages)."""
+    re-typed to ``spec.view_dtype`` (splitting blocks into kernel blocks needs dense pages)."""
     if not isinstance(raw, torch.Tensor) or raw.dtype not in _BYTE_DTYPES or raw.dim() != 1:
         got = f" {raw.dtype} {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else ""
         raise TypeError(
@@ -78,6 +78,24 @@ def create_kv_cache_views(
     return views
 
 
+def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch.Tensor:
+    """A manager-block view ``[B, H, N, C]`` as ``[pages, H, kernel_rows, C]`` kernel pages, kernel
+    page ``j`` of block ``b`` being page ``b * stride + j`` (other layers' pages between blocks)."""
+    num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
+    return view.as_strided(
+        (num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
+        (kernel_rows * view.stride(-2), *view.stride()[1:]),
+    )
+
+
+def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: int) -> torch.Tensor:
+    """The inverse of :func:`to_kernel_blocks`."""
+    return view.as_strided(
+        (num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
+        (view.stride(0) * stride, *view.stride()[1:]),
+    )
+
+
 def checked_device(device: torch.device | str) -> torch.device:
     """``device`` as a torch.device this process can allocate on, else KVCoreError."""
     try:
@@ -124,7 +142,7 @@ def allocate_kv_cache(
     *,
     buffer: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
-    """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]`` (SPEC §3);
+    """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]``;
     ``buffer`` is viewed instead (an elastic cache's reservation). A refusal allocates nothing."""
     if not isinstance(kv_cache_config, KVCacheConfig):
         raise TypeError(f"kv_cache_config must be a KVCacheConfig, got {kv_cache_config!r}")

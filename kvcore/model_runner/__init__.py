@@ -1,4 +1,4 @@
-"""The seed's model-runner helpers (SPEC §3): binding caches and KV sharing (``binding``), the
+"""vLLM's model-runner helpers, kept with their names: binding caches and KV sharing (``binding``), the
 multimodal ones (``multimodal``, unused by kvcore itself) and here the uniform-decode checks."""
 
 

@@ -1,4 +1,4 @@
-"""The seed's multimodal helpers (SPEC §3), for an engine's model runner; kvcore uses none."""
+"""vLLM's multimodal helpers, kept with their names for an engine's model runner; kvcore uses none."""
 
 from __future__ import annotations
 

@@ -1,15 +1,17 @@
-"""What the backends' plugins answered: each hook asked once per (backend, spec), checked, kept."""
+"""What the backends' plugins answered: each hook asked once per (backend, spec), checked, kept;
+a plugin that fails while ``"auto"`` weighs the backends is reported and skipped."""
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import pluggy
 
-from kvcore.memory.layout import KVCacheLayout
+from kvcore.errors import PluginError
+from kvcore.memory.layout import KVCacheLayout, parse_layouts
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import call_first
 from kvcore.plugins.registry import get_backend, resolve_plugin_manager
@@ -53,15 +55,6 @@ def check_sizes(value: Any) -> list[int | MultipleOf]:
     return list(value)
 
 
-def check_layouts(value: Any) -> list[KVCacheLayout]:
-    if isinstance(value, (str, KVCacheLayout)) or not isinstance(value, Iterable):
-        raise TypeError(f"expected a list of KV cache layouts, got {value!r}")
-    out = list(dict.fromkeys(KVCacheLayout.parse(item) for item in value))
-    if not out:
-        raise ValueError("expected at least one layout (return None to accept any)")
-    return out
-
-
 def _instance_of(cls: type, what: str) -> Callable[[Any], Any]:
     def check(value: Any) -> Any:
         if isinstance(value, bool) or not isinstance(value, cls):
@@ -95,9 +88,27 @@ def _check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCach
 
 
 def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
-    return any(
-        s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes
+    return any(s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes)
+
+
+def common_size(manager: int, offers: Sequence[Sequence[int | MultipleOf]]) -> int | None:
+    """The manager size when every offer takes it, else the largest offered int dividing it that
+    every offer takes; None when there is none."""
+    candidates = {s for ss in offers for s in ss if not isinstance(s, MultipleOf) and manager % s == 0}
+    return next((size for size in [manager, *sorted(candidates, reverse=True)]
+                 if all(accepts(s, size) for s in offers)), None)
+
+
+def no_common_size(manager: int, offers: Sequence[tuple[str, Sequence[int | MultipleOf]]]) -> str:
+    offered = "; ".join(f"{name}: {s}" for name, s in offers)
+    return (
+        f"No common block size for {manager} ({offered}). Use a manager block size "
+        "that every backend accepts or divides into a size they all accept."
     )
+
+
+#: Hooks ``"auto"`` asks of every backend: a plugin failing on another plugin's backend is skipped.
+ISOLATED = ("kvcore_kernel_requirements", "kvcore_backend_priority")
 
 
 class HookAnswers:
@@ -108,6 +119,8 @@ class HookAnswers:
         self._kept: dict[tuple[Any, ...], Any] = {}
         #: key_of(customized spec) -> the backend whose customize hook padded its page
         self.padded_by: dict[Any, str] = {}
+        #: plugin name -> the error that made this negotiation skip it (see ``ISOLATED``)
+        self.unhealthy: dict[str, PluginError] = {}
         self._alive: list[Any] = []  # NOTE: keeps unhashable specs alive while their id is a key
 
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
@@ -119,6 +132,10 @@ class HookAnswers:
             f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}"
         )
 
+    def asked(self, hook: str, backend: type, spec: Any, *more: Any) -> Any:
+        """What ``hook`` answered for ``backend`` and ``spec`` in this negotiation (None: not asked)."""
+        return self._kept.get((hook, backend, key_of(spec), *more))
+
     def _ask(
         self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any,
         **more: Any
@@ -126,7 +143,8 @@ class HookAnswers:
         key = (hook, backend, key_of(spec), *more.values())
         if key not in self._kept:
             self._alive.append(spec)
-            found = call_first(self.pm, hook, check, backend=backend, spec=spec, **more)
+            unhealthy = self.unhealthy if hook in ISOLATED else None
+            found = call_first(self.pm, hook, check, unhealthy=unhealthy, backend=backend, spec=spec, **more)
             self._kept[key] = default if found is None else found
         return self._kept[key]
 
@@ -135,7 +153,7 @@ class HookAnswers:
         return self._ask("kvcore_supported_kernel_block_sizes", check_sizes, sizes, backend, spec)
 
     def stated_layouts(self, backend: type, spec: Any) -> list[KVCacheLayout] | None:
-        return self._ask("kvcore_supported_layouts", check_layouts, None, backend, spec)
+        return self._ask("kvcore_supported_layouts", parse_layouts, None, backend, spec)
 
     def requirements(self, backend: type, spec: Any) -> KernelRequirements:
         check = _instance_of(KernelRequirements, "a kvcore.KernelRequirements")
@@ -165,21 +183,17 @@ class HookAnswers:
         self._kept[key] = new
         return new
 
+    def offers(self, pairs: Sequence[tuple[type, Any]]) -> list[tuple[str, list[int | MultipleOf]]]:
+        """Each (backend, spec)'s kernel block sizes, under the backend's name."""
+        return [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
+
     def common_block_size(self, manager: int, pairs: Sequence[tuple[type, Any]]) -> int:
         """The manager size when every offer takes it, else the largest offered int dividing it."""
-        offers = [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
-        sizes = [s for _, s in offers]
-        candidates = {
-            s for ss in sizes for s in ss if not isinstance(s, MultipleOf) and manager % s == 0
-        }
-        for size in [manager, *sorted(candidates, reverse=True)]:
-            if all(accepts(s, size) for s in sizes):
-                return size
-        offered = "; ".join(f"{name}: {s}" for name, s in offers)
-        raise ValueError(
-            f"No common block size for {manager} ({offered}). Use a manager block size "
-            "that every backend accepts or divides into a size they all accept."
-        )
+        offers = self.offers(pairs)
+        size = common_size(manager, [s for _, s in offers])
+        if size is None:
+            raise ValueError(no_common_size(manager, offers))
+        return size
 
     def common_layouts(self, pairs: Sequence[tuple[type, Any]]) -> list[KVCacheLayout] | None:
         """Layouts every (backend, spec) reads, in the first choosy backend's order (None: any)."""

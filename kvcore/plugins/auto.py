@@ -1,17 +1,20 @@
-"""The backend a device gets (``"auto"``: requirements say which can, priority which wins) and
-the block size a backend prefers."""
+"""The backend a device gets: ``"auto"`` weighs every registered backend once per spec
+(requirements say which can serve it, priority which wins), and says why."""
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
+import attrs
 import pluggy
 import torch
 
+from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import collect_backends
-from kvcore.specs import KVCacheSpec, MultipleOf
+from kvcore.specs import KVCacheSpec
 
 #: The backend name that means "the one :func:`select_backend` picks".
 AUTO = "auto"
@@ -26,6 +29,20 @@ def serves(
     )
 
 
+@attrs.frozen
+class Choice:
+    """What ``"auto"`` picked for one spec: ``weighed`` holds every backend's name with its
+    priority (an int) or why it cannot serve (a str)."""
+
+    backend: type[AttentionBackend]
+    weighed: tuple[tuple[str, int | str], ...]
+
+    def explain(self) -> str:
+        others = "; ".join(f"{name}: {'priority ' + str(w) if isinstance(w, int) else w}"
+                           for name, w in self.weighed)
+        return f"the highest priority of those that can serve it ({others})"
+
+
 def select_backend(
     spec: KVCacheSpec | None,
     device: torch.device | str,
@@ -36,50 +53,57 @@ def select_backend(
 
     Among unambiguous backends whose requirements admit the device type, dtype and head size, the
     highest ``kvcore_backend_priority`` wins (ties: first name); none: ``ValueError`` saying why.
+    A plugin whose requirements or priority hook fails is reported (``PluginWarning``) and skipped.
     """
     if spec is not None and not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
+    return choose_backend(HookAnswers(plugin_manager), spec, checked_device(device)).backend
+
+
+def checked_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` (it need not exist on this machine)."""
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a torch.device or a string such as 'cuda', got {device!r}")
     try:
-        device = torch.device(device)  # NOTE: it need not exist on this machine
+        return torch.device(device)
     except (RuntimeError, ValueError) as exc:
-        raise ValueError(
-            f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'"
-        ) from None
-    return choose_backend(HookAnswers(plugin_manager), spec, device)
+        raise ValueError(f"invalid device {device!r} ({exc}); pass 'cpu', 'cuda' or 'cuda:N'") from None
 
 
-def choose_backend(
-    answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device
-) -> type[AttentionBackend]:
+def _weigh(answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device: torch.device) -> int | str:
+    """``backend``'s priority for ``spec`` on ``device``, or why it cannot serve it."""
+    try:
+        why = serves(answers, backend, spec, device)
+        return why if why is not None else answers.priority(backend, spec, device)
+    except PluginError as err:  # NOTE: its own plugin failed: the others are still weighed
+        answers.unhealthy.setdefault(getattr(err, "plugin_name", None) or label_of(backend), err)
+        warnings.warn(f"{err} (kvcore skips that backend)", PluginWarning, stacklevel=3)
+        return f"its plugin is unhealthy ({err})"
+
+
+def label_of(backend: type) -> str:
+    return getattr(backend, "name", None) or backend.__qualname__
+
+
+def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device) -> Choice:
     table = collect_backends(answers.pm)
-    reasons = dict.fromkeys(
+    weighed: dict[str, int | str] = dict.fromkeys(
         table.conflicts(),
         "its name is registered by several plugins (block all but one with KVCORE_BLOCK_PLUGINS)",
     )
-    able: list[tuple[int, type[AttentionBackend]]] = []
     for name, (backend, _) in sorted(table.unambiguous().items()):
-        reasons[name] = serves(answers, backend, spec, device)
-        if reasons[name] is None:
-            able.append((answers.priority(backend, spec, device), backend))
+        weighed[name] = _weigh(answers, backend, spec, device)
+    able = [(w, name) for name, w in weighed.items() if isinstance(w, int)]
     if able:
-        return max(able, key=lambda found: found[0])[1]  # NOTE: max keeps the first name of a tie
-    listed = "; ".join(f"{name}: {why}" for name, why in sorted(reasons.items()))
-    raise ValueError(
+        best = max(able, key=lambda found: found[0])[1]  # NOTE: max keeps the first name of a tie
+        return Choice(table.unambiguous()[best][0], tuple(sorted(weighed.items())))
+    listed = "; ".join(f"{name}: {why}" for name, why in sorted(weighed.items()))
+    # NOTE: when a failing plugin left nothing to serve the spec, the error is that plugin's.
+    raise (PluginError if answers.unhealthy else ValueError)(
         f"no registered attention backend can serve {spec!r} on {device} "
         f"({listed or 'none is registered'}). Install or enable a plugin whose backend runs "
         "there, or pick a device and dtype one supports"
     )
-
-
-def resolve_auto(
-    answers: HookAnswers, backend: Any, spec: KVCacheSpec | None, device: torch.device
-) -> Any:
-    """``backend`` itself, or the backend :func:`select_backend` picks when it is ``"auto"``."""
-    if isinstance(backend, str) and backend == AUTO:
-        return choose_backend(answers, spec, device)
-    return backend
 
 
 def preferred_block_size(
@@ -91,4 +115,4 @@ def preferred_block_size(
     """The block size ``backend`` prefers for ``spec``: the first ``int`` its plugin declares."""
     answers = HookAnswers(plugin_manager)
     sizes = answers.kernel_block_sizes(answers.backend(backend), spec)
-    return next((s for s in sizes if not isinstance(s, MultipleOf)), None)
+    return next((s for s in sizes if isinstance(s, int)), None)

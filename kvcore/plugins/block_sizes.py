@@ -1,5 +1,6 @@
-"""Block-size negotiation for standalone callers (SPEC §3): each call asks the hooks through one
-``HookAnswers``, as ``KVCache.create`` does once for the whole cache."""
+"""vLLM's block-size functions for callers that negotiate piece by piece: each reads the
+negotiation's own rules, asking the hooks through one ``HookAnswers`` per call (``KVCache.create``
+asks once for the whole cache)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.layout import split_ratio
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.negotiation import group_kernel_block_size, splits_by_backends
+from kvcore.plugins.negotiation import Refused, group_kernel_block_size, splits_by_backends
 from kvcore.specs import KVCacheSpec
 
 
@@ -77,7 +78,9 @@ def prepare_kernel_block_sizes(
             )
         groups = attn_groups[gid] if gid < len(attn_groups) else []
         pairs = [(g.backend, g.kv_cache_spec) for g in groups]
-        size = group_kernel_block_size(kv_cache_config, gid, pairs, answers)
+        size, _ = group_kernel_block_size(kv_cache_config, gid, pairs, answers)
+        if isinstance(size, Refused):
+            raise ValueError(size)
         if size is not None:
             out.append(size)
     return out

@@ -1,19 +1,20 @@
 """kvcore's pluggy manager: hook calls that name the plugin at fault (each plain implementation
-notes what it answered or raised, under its ``HookImpl.plugin_name``), and registered backends."""
+takes part through pluggy's ``call_extra``, noted under its ``HookImpl.plugin_name``), and the
+registered backends."""
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import inspect
 import logging
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import attrs
 import pluggy
 
-from kvcore.errors import PluginError
+from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins import hookspecs
 from kvcore.plugins.backend import AttentionBackend
 
@@ -74,7 +75,8 @@ class KVCorePluginManager(pluggy.PluginManager):
                 logger.addHandler(logging.StreamHandler())
             self.add_hookcall_monitoring(
                 lambda hook, impls, kwargs: logger.debug(
-                    "%s(%s) asks %s", hook, kwargs, [i.plugin_name for i in reversed(impls)]
+                    "%s(%s) asks %s", hook, kwargs,
+                    [getattr(i.function, "kvcore_plugin_name", i.plugin_name) for i in reversed(impls)],
                 ),
                 lambda outcome, hook, impls, kwargs: logger.debug(
                     "%s -> %r", hook, outcome.exception or outcome.get_result()
@@ -130,23 +132,20 @@ class _Turn(NamedTuple):
     error: BaseException | None = None
 
 
-#: The turns taken in the hook call kvcore is making now.
-_TURNS: contextvars.ContextVar[list[_Turn]] = contextvars.ContextVar("kvcore_turns")
+def _noting(impl: Any, turns: list[_Turn]) -> Callable[..., Any]:
+    """``impl``'s function, noting its turn (pluggy reads the parameters through ``__wrapped__``)."""
 
-
-def _noting(function: Callable[..., Any], plugin_name: str) -> Callable[..., Any]:
-    @functools.wraps(function)
-    def noted(*args: Any, **kwargs: Any) -> Any:
-        turns = _TURNS.get([])  # NOTE: outside kvcore's calls, nothing is kept
+    @functools.wraps(impl.function)
+    def noted(*args: Any) -> Any:
         try:
-            answer = function(*args, **kwargs)
+            answer = impl.function(*args)
         except BaseException as exc:
-            turns.append(_Turn(plugin_name, error=exc))
+            turns.append(_Turn(impl.plugin_name, error=exc))
             raise
-        turns.append(_Turn(plugin_name, answer=answer))
+        turns.append(_Turn(impl.plugin_name, answer=answer))
         return answer
 
-    noted.kvcore_noting = True  # type: ignore[attr-defined]
+    noted.kvcore_plugin_name = impl.plugin_name  # type: ignore[attr-defined]  # NOTE: for the trace
     return noted
 
 
@@ -160,17 +159,17 @@ def _by_wrappers(caller: pluggy.HookCaller, what: str) -> tuple[str | None, str]
 
 
 def _call(
-    pm: pluggy.PluginManager, caller: pluggy.HookCaller, kwargs: dict[str, Any]
-) -> tuple[Any, list[tuple[str, Any, BaseException | None]]]:
-    for impl in caller.get_hookimpls():
-        # NOTE: pluggy keeps one HookImpl per implementation: its function is swapped once
-        # (wrappers are left as they are: their generators pass answers on).
-        if not (impl.wrapper or impl.hookwrapper or hasattr(impl.function, "kvcore_noting")):
-            impl.function = _noting(impl.function, impl.plugin_name)  # type: ignore[misc]
+    pm: pluggy.PluginManager, caller: pluggy.HookCaller, kwargs: dict[str, Any], only: Sequence[Any] | None = None
+) -> tuple[Any, list[_Turn]]:
+    """``caller(**kwargs)`` with the wrappers around it (only the plain implementations ``only``,
+    None: all), each plain implementation taking part through ``call_extra`` in its own place so
+    that its answer or exception is noted under its name; an exception names its plugin."""
+    every = getattr(pm.hook, caller.name).get_hookimpls()
+    wrappers_only = pm.subset_hook_caller(caller.name, [i.plugin for i in every if not (i.wrapper or i.hookwrapper)])
+    plain = [i for i in caller.get_hookimpls() if not (i.wrapper or i.hookwrapper) and (only is None or i in only)]
     turns: list[_Turn] = []
-    token = _TURNS.set(turns)
     try:
-        return caller(**kwargs), turns
+        return wrappers_only.call_extra([_noting(i, turns) for i in plain], kwargs), turns
     except PluginError:
         raise
     except Exception as exc:
@@ -178,16 +177,37 @@ def _call(
         owner, note = (raised[0], "") if raised else _by_wrappers(caller, "raised in")
         problem = f"raised {type(exc).__name__}: {exc}{note}"
         raise plugin_error(pm, owner, caller.name, problem) from exc
-    finally:
-        _TURNS.reset(token)
 
 
 def call_first(
-    pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], **kwargs: Any
+    pm: pluggy.PluginManager,
+    hook_name: str,
+    check: Callable[[Any], Any],
+    *,
+    unhealthy: dict[str, PluginError] | None = None,
+    **kwargs: Any,
 ) -> Any:
     """Call a firstresult hook; ``check`` validates a non-None answer (a refusal names the plugin
-    whose own answer it is, else the wrapper that changed it)."""
-    caller = getattr(pm.hook, hook_name)
+    whose own answer it is, else the wrapper that changed it). With ``unhealthy`` (plugin name ->
+    its error), a plugin that fails about another plugin's backend is reported, noted there and
+    left out, and the hook asked again without it."""
+    skip = [pm.get_plugin(name) for name in unhealthy or ()]
+    caller = pm.subset_hook_caller(hook_name, skip) if skip else getattr(pm.hook, hook_name)
+    try:
+        return _checked_first(pm, caller, check, kwargs)
+    except PluginError as err:
+        culprit, backend = getattr(err, "plugin_name", None), kwargs.get("backend")
+        found = collect_backends(pm).entries.get(getattr(backend, "name", None), [])
+        owner = found[0][1] if len(found) == 1 and found[0][0] is backend else None
+        if unhealthy is None or culprit is None or owner in (None, culprit):
+            raise
+        unhealthy[culprit] = err
+        warnings.warn(f"{err} (kvcore skips that plugin here)", PluginWarning, stacklevel=3)
+        return call_first(pm, hook_name, check, unhealthy=unhealthy, **kwargs)
+
+
+def _checked_first(pm: pluggy.PluginManager, caller: pluggy.HookCaller, check: Callable[[Any], Any],
+                   kwargs: dict[str, Any]) -> Any:
     result, turns = _call(pm, caller, kwargs)
     if result is None:
         return None
@@ -200,7 +220,7 @@ def call_first(
             owner, note = first.plugin_name, ""
         else:
             owner, note = _by_wrappers(caller, "changed by")
-        raise plugin_error(pm, owner, hook_name, f"returned a wrong value ({exc}){note}") from exc
+        raise plugin_error(pm, owner, caller.name, f"returned a wrong value ({exc}){note}") from exc
 
 
 def _refuses(check: Callable[[Any], Any], answer: Any) -> bool:
@@ -250,14 +270,14 @@ def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> Backe
         if (backend, owner) not in found:
             found.append((backend, owner))
 
-    impls = getattr(pm.hook, _REGISTER).get_hookimpls()
-    plain = [i for i in impls if not (i.wrapper or i.hookwrapper)]
+    hook = getattr(pm.hook, _REGISTER)
+    plain = [i for i in hook.get_hookimpls() if not (i.wrapper or i.hookwrapper)]
     for impl in reversed(plain):
         if only in (None, impl.plugin_name):
             calling.add(impl.plugin_name)
-            alone = pm.subset_hook_caller(_REGISTER, [i.plugin for i in plain if i is not impl])
+            # NOTE: one plugin at a time (its wrappers around it), so register knows the caller.
             try:
-                _call(pm, alone, {"register": functools.partial(register, owner=impl.plugin_name)})
+                _call(pm, hook, {"register": functools.partial(register, owner=impl.plugin_name)}, [impl])
             finally:
                 calling.discard(impl.plugin_name)
     table = BackendTable(entries)

@@ -1,5 +1,5 @@
-"""A plan and its backends' answers, turned into one frozen record per KV cache group that every
-later stage reads (the hooks are never asked again)."""
+"""What the negotiation decided, one frozen record per KV cache group and one for the whole cache,
+read by every later stage (the hooks are never asked again), and how it explains itself."""
 
 from __future__ import annotations
 
@@ -8,13 +8,19 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import torch
 
-from kvcore._validate import positive_int
+from kvcore._table import format_ranges
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
+from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import is_encoder_only
-from kvcore.plugins.answers import HookAnswers, key_of, label
+from kvcore.memory.views import to_kernel_blocks
+from kvcore.plugins.answers import HookAnswers, common_size, key_of, label, no_common_size
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
-from kvcore.specs import KVCacheSpec
+from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements, describe_requirements
+from kvcore.specs import KVCacheSpec, MultipleOf
+
+
+class Refused(str):
+    """Why a candidate (a layout, a kernel block size) cannot be used: a value, not an exception."""
 
 
 @attrs.frozen
@@ -38,7 +44,8 @@ class BackendNegotiation:
 @attrs.frozen
 class GroupNegotiation:
     """One KV cache group: ``kernel_block_size`` None without pages; ``ratio`` rows of a view as
-    allocated per manager block (> 1 only for a dense group split at allocation)."""
+    allocated per manager block (> 1 only for a dense group split at allocation); ``why``: the
+    rule that decided the kernel block size."""
 
     group_id: int
     layer_names: tuple[str, ...]
@@ -46,13 +53,46 @@ class GroupNegotiation:
     kernel_block_size: int | None
     ratio: int
     backends: tuple[BackendNegotiation, ...]
+    why: str = ""
+
+
+@attrs.frozen
+class Candidate:
+    """A layout the negotiation considered, planned once: its plan, records and kernel-rule checks,
+    or why it is refused (``refusal``; ``error``, the error to raise, None when a kernel rule
+    refused it); ``tried`` False: never planned."""
+
+    layout: KVCacheLayout
+    refusal: str | None = None
+    tried: bool = True
+    error: Exception | None = attrs.field(default=None, eq=False, repr=False)
+    config: KVCacheConfig | None = attrs.field(default=None, eq=False, repr=False)
+    groups: tuple[GroupNegotiation, ...] = attrs.field(default=(), eq=False, repr=False)
+    checks: tuple[object, ...] = attrs.field(default=(), eq=False, repr=False)
 
 
 @attrs.frozen
 class Negotiation:
-    """One :class:`GroupNegotiation` per KV cache group of a plan, in group order."""
+    """Everything one negotiation decided: the layout, the plan, one :class:`GroupNegotiation` per
+    KV cache group in group order, each layer's backend, and why (:meth:`explain`)."""
 
     groups: tuple[GroupNegotiation, ...]
+    layout: KVCacheLayout | None = None
+    config: KVCacheConfig | None = attrs.field(default=None, repr=False)
+    layer_backends: Mapping[str, type[AttentionBackend]] = attrs.field(factory=dict, repr=False)
+    #: blocks usable when the cache is made (an elastic cache: those committed, up to the plan's)
+    num_blocks: int | None = None
+    elastic: bool = False
+    device: torch.device | None = None
+    max_num_seqs: int = 1
+    max_model_len: int = 1
+    enable_prefix_caching: bool = False
+    candidates: tuple[Candidate, ...] = ()
+    layout_rule: str = ""
+    #: layer -> how its backend was chosen ("named" or what ``"auto"`` weighed)
+    backend_rules: Mapping[str, str] = attrs.field(factory=dict, repr=False)
+    #: what each backend's plugin declared for each served spec
+    declared: tuple[Declared, ...] = ()
 
     @property
     def kernel_block_sizes(self) -> list[int]:
@@ -69,6 +109,75 @@ class Negotiation:
             if g.kernel_block_size is not None and g.kv_cache_spec.has_layer_views
             for name in g.layer_names
         }
+
+    def kernel_views(self, kv_caches: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The views kernels read, from the views as allocated: a packed group's layers addressed by
+        kernel pages (a dense group's views are split at allocation already)."""
+        views = dict(kv_caches)
+        for entry in (e for g in self.groups for e in g.backends if e.kernel_block_stride):
+            rows = entry.kv_cache_spec.get_num_kernel_states(entry.kernel_block_size)
+            for name in entry.layer_names:
+                views[name] = to_kernel_blocks(views[name], rows, entry.kernel_block_stride)
+        return views
+
+    def explain(self) -> str:
+        """Why every layer got what it got: backends, declarations, layouts tried, kernel blocks."""
+        lines = [f"negotiated on {self.device}: layout {self.layout.name if self.layout else '-'}"]
+        by_rule: dict[tuple[str, str], list[str]] = {}
+        for name, backend in self.layer_backends.items():
+            by_rule.setdefault((label(backend), self.backend_rules.get(name, "")), []).append(name)
+        lines.append("backends:")
+        lines += [f"  {_layers(names)}: {backend}, {rule}" for (backend, rule), names in by_rule.items()]
+        lines.append("declared:")
+        lines += [f"  {d}" for d in self.declared] or ["  (no backend)"]
+        lines.append(f"layout {self.layout.name if self.layout else '-'}: {self.layout_rule}")
+        for c in self.candidates:
+            lines.append(f"  {c.layout.name}: " + ("not tried" if not c.tried else c.refusal or "meets every rule"))
+        alike: dict[tuple[str, int, int, str], list[int]] = {}
+        for g in self.groups:
+            key = (type(g.kv_cache_spec).__name__, len(g.layer_names), g.kv_cache_spec.block_size, g.why)
+            alike.setdefault(key, []).append(g.group_id)
+        lines.append("groups:")
+        lines += [f"  group{'s' * (len(ids) > 1)} {format_ranges(ids)} ({kind}, {count} layers, {size}-token blocks): "
+                  f"{why}" for (kind, count, size, why), ids in alike.items()]
+        lines += [f"  group {g.group_id}, {label(e.backend)}: kernel blocks of {e.kernel_block_size} tokens, "
+                  f"{e.kernel_block_stride} kernel pages apart" for g in self.groups for e in g.backends
+                  if e.kernel_block_stride]
+        if self.config is not None:
+            elastic = f", {self.num_blocks:,} committed at first" if self.elastic else ""
+            lines.append(f"plan: {self.config.num_blocks:,} blocks{elastic}")
+        return "\n".join(lines)
+
+
+def _layers(names: Sequence[str]) -> str:
+    return names[0] if len(names) == 1 else f"{len(names)} layers ({names[0]} .. {names[-1]})"
+
+
+@attrs.frozen
+class Declared:
+    """What a backend's plugin declared for one (served) spec; ``priority`` None when not asked."""
+
+    backend: type[AttentionBackend]
+    spec: KVCacheSpec
+    sizes: tuple[int | MultipleOf, ...]
+    layouts: tuple[KVCacheLayout, ...] | None
+    requirements: KernelRequirements
+    priority: int | None = None
+
+    @classmethod
+    def of(cls, answers: HookAnswers, backend: type, spec: KVCacheSpec, device: torch.device) -> Declared:
+        layouts = answers.stated_layouts(backend, spec)
+        return cls(backend, spec, tuple(answers.kernel_block_sizes(backend, spec)),
+                   None if layouts is None else tuple(layouts), answers.requirements(backend, spec),
+                   answers.asked("kvcore_backend_priority", backend, spec, device))
+
+    def __str__(self) -> str:
+        sizes = ", ".join(f"multiple of {s.base}" if isinstance(s, MultipleOf) else str(s) for s in self.sizes)
+        said = [f"kernel block sizes {sizes}",
+                "layouts " + ("any" if self.layouts is None else ", ".join(x.name for x in self.layouts)),
+                "requires " + describe_requirements(self.requirements)]
+        priority = [] if self.priority is None else [f"priority {self.priority}"]
+        return f"{label(self.backend)} for {type(self.spec).__name__}: " + "; ".join(said + priority)
 
 
 def can_split(spec: KVCacheSpec) -> bool:
@@ -93,25 +202,31 @@ def group_kernel_block_size(
     group_id: int,
     pairs: Sequence[tuple[type[AttentionBackend], KVCacheSpec]],
     answers: HookAnswers,
-) -> int | None:
-    """The kernel block size of KV cache group ``group_id`` (None: the group has no pages)."""
+) -> tuple[int | None | Refused, str]:
+    """The kernel block size of KV cache group ``group_id`` (None: no pages) and the rule."""
     group = config.kv_cache_groups[group_id]
     if is_encoder_only(group):
-        return None
+        return None, "keeps no cache"
+    manager = group.kv_cache_spec.block_size
     if not splits_by_backends(config, group):
-        return group.kv_cache_spec.block_size
-    return answers.common_block_size(group.kv_cache_spec.block_size, pairs)
+        what = "packed blocks" if is_packed(config, group) else "blocks that do not split"
+        return manager, f"{what} keep the manager block size"
+    offers = answers.offers(pairs)
+    size = common_size(manager, [s for _, s in offers])
+    if size is None:
+        return Refused(no_common_size(manager, offers)), ""
+    rule = "every backend takes the manager block size" if size == manager else (
+        f"the largest size every backend takes that divides {manager}")
+    return size, f"kernel blocks of {size} tokens: {rule}"
 
 
 def backend_groups(
     config: KVCacheConfig,
     layer_backends: Mapping[str, type[AttentionBackend]],
-    answers: HookAnswers,
-    *,
-    customize: bool,
+    serve: Callable[[type[AttentionBackend], KVCacheSpec], KVCacheSpec] | None = None,
 ) -> list[dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]]]:
-    """Per KV cache group, (backend, spec) -> its layers; ``customize``: specs through the hooks
-    (False: the config was planned from customized specs)."""
+    """Per KV cache group, (backend, spec) -> its layers; ``serve``: the spec a backend stores for
+    a layer's (None: the config was planned from the specs the backends store)."""
     out = []
     for gid, group in enumerate(config.kv_cache_groups):
         by_key: dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]] = {}
@@ -128,55 +243,58 @@ def backend_groups(
                     )
                 continue
             backend = layer_backends[name]
-            spec = answers.customized_spec(backend, spec) if customize else spec
-            by_key.setdefault((backend, spec), []).append(name)
+            by_key.setdefault((backend, spec if serve is None else serve(backend, spec)), []).append(name)
     return out
 
 
-def negotiate(
-    config: KVCacheConfig,
-    layer_backends: Mapping[str, type[AttentionBackend]],
-    answers: HookAnswers,
-) -> Negotiation:
-    """One record per KV cache group of ``config`` (planned from customized specs)."""
+def group_records(
+    config: KVCacheConfig, layer_backends: Mapping[str, type[AttentionBackend]], answers: HookAnswers
+) -> tuple[GroupNegotiation, ...] | Refused:
+    """One record per KV cache group of ``config`` (planned from customized specs), or why not."""
     records = []
-    for gid, by_key in enumerate(backend_groups(config, layer_backends, answers, customize=False)):
+    for gid, by_key in enumerate(backend_groups(config, layer_backends)):
         group = config.kv_cache_groups[gid]
-        kernel = group_kernel_block_size(config, gid, list(by_key), answers)
+        kernel, why = group_kernel_block_size(config, gid, list(by_key), answers)
+        if isinstance(kernel, Refused):
+            return kernel
         packed = is_packed(config, group)
         entries = []
         for (backend, spec), names in by_key.items():
             own, stride = (kernel if kernel != spec.block_size else None), 0
             if kernel is not None and packed and can_split(spec):
-                own = _own_kernel_size(answers, backend, spec, kernel)
+                offers = answers.offers([(backend, spec)])
+                own = common_size(kernel, [offers[0][1]])
+                if own is None:
+                    return Refused(no_common_size(kernel, offers))
+                own = None if own == spec.block_size else own
                 if own is not None:
                     tensor = next(t for t in config.kv_cache_tensors if names[0] in t.layers)
-                    stride = packed_kernel_stride(
-                        spec, tensor.block_stride, own, label(backend), names
-                    )
+                    stride = packed_stride(spec, tensor.block_stride, own)
+                    if stride is None:
+                        return Refused(cannot_split(label(backend), spec, own, names))
             req = answers.requirements(backend, spec)
-            record = BackendNegotiation(backend, tuple(names), spec, kernel, own, stride, req)
-            entries.append(record)
+            entries.append(BackendNegotiation(backend, tuple(names), spec, kernel, own, stride, req))
         ratio = 1 if kernel is None or packed else group.kv_cache_spec.block_size // kernel
-        if ratio > 1:
-            _check_dense_split(group, kernel, answers)
+        refusal = _dense_split_refusal(group, kernel, answers) if ratio > 1 else None
+        if refusal is not None:
+            return refusal
         layers, spec = tuple(group.layer_names), group.kv_cache_spec
-        records.append(GroupNegotiation(gid, layers, spec, kernel, ratio, tuple(entries)))
-    return Negotiation(tuple(records))
+        records.append(GroupNegotiation(gid, layers, spec, kernel, ratio, tuple(entries), why))
+    return tuple(records)
 
 
-def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> None:
+def _dense_split_refusal(group: KVCacheGroupSpec, kernel: int, answers: HookAnswers) -> Refused | None:
     """A padded page cannot be split: say who padded it (not the layout)."""
     spec = group.kv_cache_spec
     if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
-        return
+        return None
     padder = answers.padded_by.get(key_of(spec))
     who = (
         "the plan padded (to unify page sizes across layer types)"
         if padder is None
         else f"backend {padder!r}'s kvcore_customize_spec padded"
     )
-    raise ValueError(
+    return Refused(
         f"{who} the {spec.real_page_size_bytes}-byte pages of {list(group.layer_names)} to "
         f"{spec.page_size_padded} bytes, and padded pages cannot be split into {kernel}-token "
         f"kernel blocks; use a manager block size of {kernel} tokens"
@@ -184,59 +302,17 @@ def _check_dense_split(group: KVCacheGroupSpec, kernel: int, answers: HookAnswer
     )
 
 
-def settle_kernel_block_size(
-    record: BackendNegotiation, kernel_block_size: int, answers: Callable[[], HookAnswers]
-) -> BackendNegotiation:
-    """``record`` in a group of ``kernel_block_size`` (a hand-made record takes its backend's)."""
-    kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
-    agreed = record.group_kernel_block_size
-    if agreed is not None and kernel_block_size != agreed:
-        raise ValueError(
-            f"attention group of {list(record.layer_names)} was negotiated with kernel block "
-            f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
-        )
-    if agreed is not None:
-        return record
-    spec, own = record.kv_cache_spec, None
-    if can_split(spec):
-        own = _own_kernel_size(answers(), record.backend, spec, kernel_block_size)
-    return attrs.evolve(record, group_kernel_block_size=kernel_block_size, kernel_block_size=own)
+def packed_stride(spec: KVCacheSpec, block_stride_bytes: int, kernel: int) -> int | None:
+    """Kernel pages between two manager blocks of a packed cache (None: its blocks cannot split)."""
+    if spec.tokens_per_state <= 1 or spec.num_heads != 1:
+        return None
+    page = spec.get_num_kernel_states(kernel) * spec.state_content_size_bytes
+    return None if block_stride_bytes % page else block_stride_bytes // page
 
 
-def _own_kernel_size(
-    answers: HookAnswers, backend: type[AttentionBackend], spec: KVCacheSpec, kernel: int
-) -> int | None:
-    own = answers.common_block_size(kernel, [(backend, spec)])
-    return None if own == spec.block_size else own
-
-
-def packed_kernel_stride(
-    spec: KVCacheSpec, block_stride_bytes: int, kernel: int, backend: str, names: Sequence[str]
-) -> int:
-    """Kernel pages between two manager blocks of a packed cache, else ``ValueError``."""
-    rows = spec.get_num_kernel_states(kernel) if spec.tokens_per_state > 1 else 0
-    page = rows * spec.state_content_size_bytes
-    if spec.tokens_per_state <= 1 or spec.num_heads != 1 or block_stride_bytes % page:
-        raise ValueError(
-            f"{backend} needs {kernel}-token kernel blocks, which packed {spec.block_size}-token "
-            f"blocks of {list(names)} cannot be split into; use a manager block size of {kernel} "
-            "or a layer-compact layout such as LBNHC"
-        )
-    return block_stride_bytes // page
-
-
-def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch.Tensor:
-    """A manager-block view ``[B, H, N, C]`` as ``[pages, H, kernel_rows, C]`` kernel pages."""
-    num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
-    return view.as_strided(
-        (num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
-        (kernel_rows * view.stride(-2), *view.stride()[1:]),
-    )
-
-
-def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: int) -> torch.Tensor:
-    """The inverse of :func:`to_kernel_blocks`."""
-    return view.as_strided(
-        (num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
-        (view.stride(0) * stride, *view.stride()[1:]),
+def cannot_split(backend: str, spec: KVCacheSpec, kernel: int, names: Sequence[str]) -> str:
+    return (
+        f"{backend} needs {kernel}-token kernel blocks, which packed {spec.block_size}-token "
+        f"blocks of {list(names)} cannot be split into; use a manager block size of {kernel} "
+        "or a layer-compact layout such as LBNHC"
     )

@@ -20,39 +20,19 @@ from kvcore.plugins.manager import (
     collect_backends,
     conflict_message,
 )
-from kvcore.settings import env_flag, env_names
-
-
-@attrs.frozen
-class PluginSettings:
-    """The environment's plugin switches, read once per manager."""
-
-    autoload: bool = True
-    allow: frozenset[str] | None = None
-    block: frozenset[str] = frozenset()
-    strict: bool = False
-    trace: bool = False
-
-    @classmethod
-    def from_env(cls, *, autoload: bool = True) -> PluginSettings:
-        return cls(
-            autoload=autoload and not env_flag("KVCORE_DISABLE_PLUGIN_AUTOLOAD"),
-            allow=env_names("KVCORE_PLUGINS"),
-            block=env_names("KVCORE_BLOCK_PLUGINS") or frozenset(),
-            strict=bool(env_flag("KVCORE_STRICT_PLUGINS")),
-            trace=bool(env_flag("KVCORE_TRACE_PLUGINS")),
-        )
+from kvcore.settings import Settings
 
 
 def get_plugin_manager(*, autoload: bool = True) -> KVCorePluginManager:
     """A fresh plugin manager: hookspecs, core defaults, then installed plugins (if autoload)."""
-    return build_plugin_manager(PluginSettings.from_env(autoload=autoload))
+    settings = Settings.from_env()
+    return build_plugin_manager(attrs.evolve(settings, autoload=autoload and settings.autoload))
 
 
-def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
+def build_plugin_manager(settings: Settings) -> KVCorePluginManager:
     """:func:`get_plugin_manager` with explicit settings instead of the environment."""
-    pm = KVCorePluginManager(trace_calls=settings.trace)
-    for name in settings.block:
+    pm = KVCorePluginManager(trace_calls=settings.trace_plugins)
+    for name in settings.blocked_plugins:
         pm.set_blocked(name)
     entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
     for ep in sorted(entry_points, key=lambda e: e.name):
@@ -64,17 +44,17 @@ def build_plugin_manager(settings: PluginSettings) -> KVCorePluginManager:
         )
         if info.name in pm.plugin_infos:
             other = pm.plugin_infos[info.name].describe()
-            _report(f"{info.describe()} is skipped: {other} has that name", settings.strict)
+            _report(f"{info.describe()} is skipped: {other} has that name", settings.strict_plugins)
             continue
         pm.plugin_infos[info.name] = info
-        allowed = settings.allow is None or info.name in settings.allow
+        allowed = settings.plugins is None or info.name in settings.plugins
         if not (settings.autoload and allowed):
             info.status = "disabled"
         elif pm.is_blocked(info.name):
             info.status = "blocked"
         else:
-            _load(pm, info, settings.strict)
-    missing = sorted((settings.allow or frozenset()) - set(pm.plugin_infos))
+            _load(pm, info, settings.strict_plugins)
+    missing = sorted((settings.plugins or frozenset()) - set(pm.plugin_infos))
     if settings.autoload and missing:
         pm.settings_problems.append(
             f"KVCORE_PLUGINS names {missing} but no installed plugin has that entry point; "

@@ -9,6 +9,7 @@ from typing import Any
 import attrs
 import torch
 
+from kvcore._table import format_ranges
 from kvcore._validate import attrs_optional_positive, attrs_positive, positive_int
 
 
@@ -100,7 +101,7 @@ class KernelRequirements:
             return f"takes cache dtypes {names}, not {got} (rule: dtypes)"
         sizes = self.head_sizes
         if head_size is not None and sizes is not None and head_size not in sizes:
-            return f"takes head sizes {list(sizes)}, not {head_size} (rule: head_sizes)"
+            return f"takes head sizes [{format_ranges(sorted(set(sizes)))}], not {head_size} (rule: head_sizes)"
         return None
 
     def view_violation(
@@ -122,3 +123,30 @@ class KernelRequirements:
 
 #: What a backend whose plugin states nothing is held to.
 NO_REQUIREMENTS = KernelRequirements()
+
+
+def _dtype_name(value: Any) -> Any:
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+
+def requirements_json(req: KernelRequirements) -> dict[str, Any]:
+    """A backend's requirements as JSON values (None: no rule)."""
+    return attrs.asdict(
+        req, filter=lambda a, _: a.name != "note", value_serializer=lambda _, __, v: _dtype_name(v)
+    )
+
+
+def describe_requirements(req: KernelRequirements) -> str:
+    """One line of what a backend requires ("none" when nothing)."""
+    parts = []
+    if req.devices is not None:
+        parts.append("devices " + ", ".join(req.devices))
+    if req.dtypes is not None:
+        parts.append("dtypes " + ", ".join(_dtype_name(d) for d in req.dtypes))
+    if req.head_sizes is not None:
+        parts.append("head sizes " + format_ranges(sorted(set(req.head_sizes))))
+    if req.max_stride_elements is not None:
+        parts.append(f"strides below {req.max_stride_elements} elements")
+    if req.alignment_bytes > 1:
+        parts.append(f"{req.alignment_bytes}-byte aligned strides and offsets")
+    return "; ".join(parts) or "none"

@@ -1,5 +1,6 @@
 """Attention groups: the layers of one KV cache group that one backend serves, a read-only view
-of their negotiation record plus the per-step buffers (metadata builders, kernel block table)."""
+of their frozen negotiation record plus the per-step buffers (metadata builders, kernel block
+table)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 
 from kvcore._validate import non_negative_int, positive_int
 from kvcore.memory.config import KVCacheConfig
+from kvcore.memory.views import to_kernel_blocks, to_manager_blocks
 from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import (
     AttentionBackend,
@@ -19,14 +21,7 @@ from kvcore.plugins.backend import (
     CommonAttentionMetadata,
 )
 from kvcore.plugins.block_sizes import get_block_table_width
-from kvcore.plugins.negotiation import (
-    BackendNegotiation,
-    backend_groups,
-    packed_kernel_stride,
-    settle_kernel_block_size,
-    to_kernel_blocks,
-    to_manager_blocks,
-)
+from kvcore.plugins.negotiation import BackendNegotiation, backend_groups, can_split, cannot_split
 from kvcore.settings import Settings
 from kvcore.specs import KVCacheSpec
 
@@ -34,11 +29,12 @@ from kvcore.specs import KVCacheSpec
 class AttentionGroup:
     """Layers of one KV cache group that share a backend and a (customized) spec.
 
-    With ``kernel_block_size`` set, kernel block ``j`` of manager block ``b`` is
-    ``b * ratio + j`` (dense pages) or ``b * kernel_block_stride + j`` (a packed,
-    block-outermost cache). Every decision is read from :attr:`record`; a group made
-    by hand is settled by ``create_metadata_builders(kernel_block_size=...)`` and
-    learns a packed stride from the first view it maps.
+    With ``kernel_block_size`` set, kernel block ``j`` of manager block ``b`` is ``b * ratio + j``
+    (dense pages) or ``b * kernel_block_stride + j`` (a packed, block-outermost cache). Every
+    decision is read from :attr:`record`, a frozen negotiation record the group never replaces;
+    builders and tables are its per-step buffers. A group made by hand (no negotiation) is given
+    its kernel block size by ``create_metadata_builders(kernel_block_size=...)`` and, in a packed
+    cache, follows the block stride of the view ``map_kv_caches_to_kernel_blocks`` maps for it.
     """
 
     def __init__(
@@ -49,9 +45,11 @@ class AttentionGroup:
         kv_cache_group_id: int,
         kernel_block_size: int | None = None,
     ) -> None:
-        self.record = BackendNegotiation(backend, tuple(layer_names), kv_cache_spec, None)
-        self.kernel_block_size = kernel_block_size
-        self.kv_cache_group_id = kv_cache_group_id
+        kernel_block_size = None if kernel_block_size is None else positive_int("kernel_block_size", kernel_block_size)
+        record = BackendNegotiation(backend, tuple(layer_names), kv_cache_spec, None, kernel_block_size)
+        self._record, self._group_id = record, kv_cache_group_id
+        #: a hand-made group's kernel block size and packed stride, as it was wired
+        self._wired = (record.kernel_block_size, record.kernel_block_stride)
         # NOTE: persistent per micro-batch, so CUDA graphs capture the mapped table.
         self.kernel_block_table: torch.Tensor | None = None
         self.kernel_block_offsets: torch.Tensor | None = None
@@ -62,28 +60,25 @@ class AttentionGroup:
     def from_record(cls, record: BackendNegotiation, kv_cache_group_id: int) -> AttentionGroup:
         """The group a negotiation record describes (kernel blocks already decided)."""
         group = cls(record.backend, record.layer_names, record.kv_cache_spec, kv_cache_group_id)
-        group.record = record
+        group._record, group._wired = record, (record.kernel_block_size, record.kernel_block_stride)
         return group
 
-    @property
-    def backend(self) -> type[AttentionBackend]:
-        """The backend serving this group's layers."""
-        return self.record.backend
+    record = property(lambda self: self._record, doc="The frozen negotiation record of this group.")
+    kv_cache_group_id = property(lambda self: self._group_id, doc="The KV cache group of these layers.")
+    backend = property(lambda self: self._record.backend, doc="The backend serving this group's layers.")
+    layer_names = property(lambda self: list(self._record.layer_names), doc="The layers, in model order.")
+    kv_cache_spec = property(lambda self: self._record.kv_cache_spec, doc="The spec as the backend stores it.")
+    kernel_block_size = property(
+        lambda self: self._wired[0], doc="Tokens per kernel block; None when kernel blocks are the manager blocks."
+    )
+    kernel_block_stride = property(
+        lambda self: self._wired[1], doc="Kernel pages between two manager blocks of a packed cache (0: dense)."
+    )
 
     @property
-    def layer_names(self) -> list[str]:
-        """The group's layers, in model order."""
-        return list(self.record.layer_names)
-
-    @property
-    def kv_cache_spec(self) -> KVCacheSpec:
-        """The spec the group's layers share (as the backend customized it)."""
-        return self.record.kv_cache_spec
-
-    @property
-    def kernel_block_stride(self) -> int:
-        """Kernel pages between two manager blocks of a packed cache (0: dense pages)."""
-        return self.record.kernel_block_stride
+    def negotiated(self) -> bool:
+        """Whether a negotiation decided this group's kernel blocks (else it is wired by hand)."""
+        return self._record.group_kernel_block_size is not None
 
     def __repr__(self) -> str:
         return (
@@ -92,21 +87,6 @@ class AttentionGroup:
             f"kernel_block_size={self.kernel_block_size}, "
             f"kernel_block_stride={self.kernel_block_stride})"
         )
-
-    @property
-    def kernel_block_size(self) -> int | None:
-        """Tokens per kernel block; None when kernel blocks are the manager blocks."""
-        return self.record.kernel_block_size
-
-    @kernel_block_size.setter
-    def kernel_block_size(self, value: int | None) -> None:
-        value = None if value is None else positive_int("kernel_block_size", value)
-        if self.record.group_kernel_block_size is not None and value != self.kernel_block_size:
-            raise ValueError(
-                f"attention group of {self.layer_names} was negotiated with kernel block size "
-                f"{self.kernel_block_size}; it cannot be changed to {value}"
-            )
-        self.record = attrs.evolve(self.record, kernel_block_size=value)
 
     @property
     def blocks_per_manager_block(self) -> int:
@@ -126,8 +106,8 @@ class AttentionGroup:
     ) -> None:
         """Create one metadata builder per micro-batch and the kernel block table.
 
-        ``kernel_block_size`` is the KV cache group's (None: the record's); a group made
-        by hand takes the largest size its backend accepts that divides it.
+        ``kernel_block_size`` is the KV cache group's (None: the record's); a group made by hand
+        takes the largest size its backend accepts that divides it.
         """
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         max_model_len = positive_int("max_model_len", max_model_len)
@@ -135,11 +115,19 @@ class AttentionGroup:
         if settings is not None and not isinstance(settings, Settings):
             raise TypeError(f"settings must be a kvcore.settings.Settings or None: {settings!r}")
         self.settings = settings or Settings()
+        spec = self.kv_cache_spec
         if kernel_block_size is not None:
-            self.record = settle_kernel_block_size(
-                self.record, kernel_block_size, lambda: HookAnswers(plugin_manager)
-            )
-        spec, own = self.kv_cache_spec, self.kernel_block_size
+            kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
+            agreed = self._record.group_kernel_block_size
+            if agreed is not None and kernel_block_size != agreed:
+                raise ValueError(
+                    f"attention group of {self.layer_names} was negotiated with kernel block "
+                    f"size {agreed}, not {kernel_block_size}; pass {agreed} or None"
+                )
+            if agreed is None and can_split(spec):
+                own = HookAnswers(plugin_manager).common_block_size(kernel_block_size, [(self.backend, spec)])
+                self._wired = (None if own == spec.block_size else own, self._wired[1])
+        own = self.kernel_block_size
         builder_cls = self.backend.get_builder_cls()
         alignment = None if spec.tokens_per_state <= 0 else 128  # NOTE: state slots are not tokens
         max_blocks = spec.max_num_blocks_per_req(max_model_len)
@@ -227,24 +215,27 @@ class AttentionGroup:
         return out
 
     def map_kv_cache_to_kernel_blocks(self, kv_cache: torch.Tensor) -> torch.Tensor:
-        """The kernel view of a layer's view as allocated (already one for a dense group)."""
+        """The kernel view of a layer's view as allocated (already one for a dense group); a packed
+        view is addressed by the kernel pages its own block stride holds."""
         if self.kernel_block_size is None:
             raise ValueError(f"group {self.kv_cache_group_id} does not split blocks")
         spec, kernel = self.kv_cache_spec, self.kernel_block_size
         kernel_rows = spec.get_num_kernel_states(kernel)
         if kv_cache.shape[-2] == kernel_rows:
             return kv_cache
-        block_bytes = kv_cache.stride(0) * kv_cache.element_size()
-        who = label(self.backend)
-        stride = packed_kernel_stride(spec, block_bytes, kernel, who, self.layer_names)
-        if self.kernel_block_stride not in (0, stride):
+        page = kernel_rows * kv_cache.stride(-2)  # NOTE: in the view's own elements
+        if spec.tokens_per_state <= 1 or kv_cache.shape[1] != 1 or kv_cache.stride(0) % page:
+            raise ValueError(cannot_split(label(self.backend), spec, kernel, self.layer_names))
+        stride = kv_cache.stride(0) // page
+        expected = self.kernel_block_stride or (self.blocks_per_manager_block if self.negotiated else stride)
+        if stride != expected:
             raise ValueError(
                 f"a view with block stride {kv_cache.stride(0)} elements is not the view group "
                 f"{self.kv_cache_group_id} was negotiated for ({self.kernel_block_stride} kernel "
                 "pages per block); pass the views allocate_kv_cache made for this config"
             )
-        if not self.kernel_block_stride:
-            self.record = attrs.evolve(self.record, kernel_block_stride=stride)
+        if not self.negotiated:  # NOTE: a group wired by hand follows the view it is given
+            self._wired = (kernel, stride)
         return to_kernel_blocks(kv_cache, kernel_rows, stride)
 
     def map_kv_cache_to_manager_blocks(
@@ -276,7 +267,7 @@ def build_attention_groups(
         raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
     answers = HookAnswers(plugin_manager)
     classes = {name: answers.backend(backend) for name, backend in layer_backends.items()}
-    by_group = backend_groups(kv_cache_config, classes, answers, customize=True)
+    by_group = backend_groups(kv_cache_config, classes, answers.customized_spec)
     return [
         [AttentionGroup(backend, names, spec, gid) for (backend, spec), names in by_key.items()]
         for gid, by_key in enumerate(by_group)

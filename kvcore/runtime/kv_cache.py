@@ -1,5 +1,5 @@
-"""KVCache: the whole path from layer specs to zeroed, kernel-ready views; every stage after
-planning reads the one negotiation record per KV cache group (SPEC §7)."""
+"""KVCache: the whole path from layer specs to zeroed, kernel-ready views: negotiate (one stage
+decides what every layer gets), allocate, wire; every stage after negotiation reads its record."""
 
 from __future__ import annotations
 
@@ -10,73 +10,19 @@ import attrs
 import pluggy
 import torch
 
-from kvcore._validate import as_int, positive_int
-from kvcore.distributed import agree_layout, agree_num_blocks
+from kvcore._validate import as_int
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.elastic import (
-    ElasticMemory,
-    checked_max_blocks,
-    first_elastic_blocks,
-    reserve_elastic,
-)
+from kvcore.memory.elastic import ElasticMemory, reserve_elastic
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache, checked_device
-from kvcore.plugins.answers import HookAnswers
-from kvcore.plugins.auto import resolve_auto
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
-from kvcore.plugins.kernel_rules import check_abilities, layouts_meeting_rules, plan_meeting_rules
+from kvcore.plugins.negotiate import negotiate
 from kvcore.plugins.negotiation import Negotiation
-from kvcore.runtime.attn_group import AttentionGroup, map_kv_caches_to_kernel_blocks
+from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
-from kvcore.specs import AttentionSpec, KVCacheSpec
-from kvcore.specs.base import check_hashable
-
-
-def _served_specs(
-    layer_specs: Mapping[str, KVCacheSpec],
-    layer_backends: Mapping[str, type[AttentionBackend] | str],
-    answers: HookAnswers,
-    device: torch.device,
-) -> tuple[dict[str, KVCacheSpec], dict[str, type[AttentionBackend]]]:
-    """Each layer's spec as its backend stores it, and each layer's backend ("auto" resolved)."""
-    if not isinstance(layer_specs, Mapping):
-        raise TypeError(f"layer_specs must map layer names to KVCacheSpecs, got {layer_specs!r}")
-    if not isinstance(layer_backends, Mapping):
-        raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
-    for name, spec in layer_specs.items():
-        if not isinstance(spec, KVCacheSpec):
-            raise TypeError(
-                f"layer_specs[{name!r}] is {spec!r} ({type(spec).__name__}), not a KVCacheSpec; "
-                "describe the layer with a spec such as kvcore.FullAttentionSpec(...)"
-            )
-        check_hashable(f"layer_specs[{name!r}]", spec)
-    unknown = sorted(set(layer_backends) - set(layer_specs))
-    if unknown:
-        raise ValueError(f"layer_backends names layers without a spec: {unknown}; add their specs")
-    # NOTE: AttentionSpec, not is_attention: a grouped spec here is refused by the planner
-    missing = [
-        n for n, s in layer_specs.items() if isinstance(s, AttentionSpec) and n not in layer_backends
-    ]
-    if missing:
-        raise ValueError(f"attention layers {missing} have no backend; add them to layer_backends")
-    backends = {}
-    for layer, backend in layer_backends.items():
-        if not isinstance(backend, (str, type)):
-            raise TypeError(
-                f"layer_backends[{layer!r}] is {backend!r}; pass a backend class, a registered "
-                "backend name or 'auto'"
-            )
-        chosen = resolve_auto(answers, backend, layer_specs[layer], device)
-        backends[layer] = answers.backend(chosen)
-    specs = {
-        n: answers.customized_spec(backends[n], s) if n in backends else s
-        for n, s in layer_specs.items()
-    }
-    check_abilities(answers, specs, backends, device)
-    return specs, backends
+from kvcore.specs import KVCacheSpec
 
 
 @attrs.define(eq=False)
@@ -126,67 +72,39 @@ class KVCache:
         With a ``torch.distributed`` ``group`` all ranks agree on one layout and block
         count. With ``max_num_blocks`` the cache is elastic: planned for that many
         blocks, memory committed for ``num_blocks`` (or what ``available_memory`` buys;
-        neither: all), changed later by :meth:`resize`.
+        neither: all), changed later by :meth:`resize`. The stages: :func:`kvcore.negotiate` decides,
+        then the cache is allocated and wired from its record.
         """
         settings = Settings.from_env()
-        device = checked_device(device)
-        max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
-        max_model_len = positive_int("max_model_len", max_model_len)
-        answers = HookAnswers(plugin_manager)
-        specs, backends = _served_specs(layer_specs, layer_backends, answers, device)
-        pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
-        supported = answers.common_layouts(pairs)
-        if group is not None:  # NOTE: every rank agrees on one layout and one block count
-            budget = {"available_memory": available_memory, "num_blocks": num_blocks}
-            supported = layouts_meeting_rules(specs, backends, answers, supported, budget)
-            layout = agree_layout(supported, specs.values(), group, layout)
-            if num_blocks is None:
-                probe = plan_kv_cache(specs, layout, available_memory=available_memory)
-                num_blocks = probe.num_blocks
-            num_blocks, available_memory = agree_num_blocks(num_blocks, group), None
-        budget = {"available_memory": available_memory, "num_blocks": num_blocks}
-        if max_num_blocks is not None:  # NOTE: an elastic cache is planned for all its blocks
-            budget = {"available_memory": None, "num_blocks": checked_max_blocks(max_num_blocks)}
-        layout, config, negotiation = plan_meeting_rules(
-            layer_specs, specs, backends, answers, supported, layout, budget
+        negotiation = negotiate(
+            layer_specs, layer_backends, device=checked_device(device), layout=layout,
+            available_memory=available_memory, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+            max_model_len=max_model_len, plugin_manager=plugin_manager, group=group,
+            max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching, settings=settings,
         )
-        elastic = buffer = None
-        if max_num_blocks is not None:
-            num_blocks = first_elastic_blocks(config, specs, num_blocks, available_memory)
-            elastic = reserve_elastic(config, device)
-            buffer = elastic.backing.tensor
-        kv_caches = allocate_kv_cache(
-            config, device, layout, negotiation.allocation_kernel_block_sizes, buffer=buffer
-        )
-        attn_groups = [
-            [AttentionGroup.from_record(r, g.group_id) for r in g.backends]
-            for g in negotiation.groups
-        ]
-        for attn_group in (a for groups in attn_groups for a in groups):
-            attn_group.create_metadata_builders(
-                device, max_num_seqs=max_num_seqs, max_model_len=max_model_len, settings=settings
-            )
-        rows = negotiation.rows_per_block()
-        zeroer = KVBlockZeroer.from_views(
-            device,
-            {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches},
-            config.num_blocks,
-            settings=settings,
-        )
-        if elastic is None:
-            num_blocks = config.num_blocks
-        else:
+        config, device, rows = negotiation.config, negotiation.device, negotiation.rows_per_block()
+        elastic = reserve_elastic(config, device) if negotiation.elastic else None
+        kv_caches = allocate_kv_cache(config, device, None, negotiation.allocation_kernel_block_sizes,
+                                      buffer=None if elastic is None else elastic.backing.tensor)
+        if elastic is not None:
             elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
                            for name, view in kv_caches.items()})  # fmt: skip
-            elastic.resize(num_blocks)
-            zeroer.num_blocks = num_blocks
+            elastic.resize(negotiation.num_blocks)
+        layer_kv_caches = negotiation.kernel_views(kv_caches)
+        attn_groups = [[AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups]
+        for attn_group in (a for groups in attn_groups for a in groups):
+            attn_group.create_metadata_builders(device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
+                                                settings=settings)
+        views = {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}
+        zeroer = KVBlockZeroer.from_views(device, views, config.num_blocks, settings=settings)
+        zeroer.num_blocks = negotiation.num_blocks
         return cls(
             config,
-            layout,
+            negotiation.layout,
             attn_groups,
             kv_caches,
-            map_kv_caches_to_kernel_blocks(kv_caches, attn_groups),
-            BlockPool(num_blocks, enable_caching=enable_prefix_caching),
+            layer_kv_caches,
+            BlockPool(negotiation.num_blocks, enable_caching=enable_prefix_caching),
             zeroer,
             device,
             max_num_seqs,

@@ -1,4 +1,4 @@
-"""Stage 1, what one layer stores per block: frozen, validated spec classes (SPEC §3)."""
+"""Stage 1, what one layer stores per block: frozen, validated spec classes."""
 
 from kvcore.specs.attention import (  # noqa: F401
     AttentionSpec,

@@ -31,7 +31,7 @@ def _head_size_v(default: int | None) -> Any:
 
 @attrs.frozen
 class AttentionSpec(KVCacheSpec):
-    """Paged attention: ``C`` packs K then V of one head at one state (SPEC §2-3); a
+    """Paged attention: ``C`` packs K then V of one head at one state; a
     ``tokens_per_state`` > 1 compresses tokens, a ``Fraction`` < 1 stores several states per
     token, <= 0 one state per block."""
 

@@ -72,7 +72,7 @@ def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
 
 @attrs.frozen
 class KVCacheSpec:
-    """Base of all specs: a cache whose manager blocks hold ``block_size`` tokens (SPEC §2).
+    """Base of all specs: a cache whose manager blocks hold ``block_size`` tokens.
 
     A layer's view is ``[B, H, N, C]``: ``H`` head slots (``num_heads``), ``N`` states per block
     (``tokens_per_state`` tokens each; <= 0: one state per block) and ``C`` content bytes per

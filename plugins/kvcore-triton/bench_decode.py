@@ -34,14 +34,14 @@ import time
 
 import torch
 import torch.nn.functional as F
-from kvcore_triton import KernelConfig, paged_attention
-from kvcore_triton.attention import DECODE_VARIANTS, _tma_descriptor
 
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
-from kvcore.specs import FullAttentionSpec
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.settings import Settings
+from kvcore.specs import FullAttentionSpec
+from kvcore_triton import KernelConfig, paged_attention
+from kvcore_triton.attention import DECODE_VARIANTS, _tma_descriptor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -148,7 +148,7 @@ class Case:
         src = torch.empty(self.kv_bytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
         self.copy_ms = _timer(lambda: dst.copy_(src), device, args.warmup, args.iters)
-        del src, dst
+        src = dst = None
         k, v = _contiguous_kv(self.view, self.table, args)
         sdpa_fn, self.sdpa_mode = _sdpa(self.query.unsqueeze(2), k, v, self.scale)
         self.sdpa_ms = _timer(sdpa_fn, device, args.warmup, args.iters)

@@ -1,4 +1,4 @@
-"""What the zeroer is given, checked (block ids, layer views or the seed's arguments), and the
+"""What the zeroer is given, checked (block ids, layer views or vLLM's arguments), and the
 segment table of where every manager block of those views lives (docs/zeroer.md)."""
 
 from __future__ import annotations

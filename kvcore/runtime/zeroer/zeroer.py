@@ -11,9 +11,8 @@ from typing import Any
 import torch
 
 from kvcore._validate import non_negative_int, positive_int
-from kvcore.runtime.zeroer.inputs import (
-    Segment, allocations, checked_views, host_ids, id_list, tensor_ids, views_of_groups,
-)
+from kvcore.runtime.zeroer import inputs
+from kvcore.runtime.zeroer.inputs import host_ids, id_list, tensor_ids
 from kvcore.settings import Settings
 
 #: Largest run one kernel work item zeroes, and the finer chunks used when few ids leave SMs idle.
@@ -98,7 +97,7 @@ class KVBlockZeroer:
                  runner_only_attn_layers: Iterable[str] | None = None, *, backend: str = "auto",
                  settings: Settings | None = None) -> None:
         num_blocks = positive_int("num_blocks", num_blocks)
-        views = views_of_groups(attn_groups, kernel_block_sizes, kv_caches, num_blocks, runner_only_attn_layers)
+        views = inputs.views_of_groups(attn_groups, kernel_block_sizes, kv_caches, num_blocks, runner_only_attn_layers)
         self._build(device, views, num_blocks, backend, settings)
 
     @classmethod
@@ -107,7 +106,7 @@ class KVBlockZeroer:
         """A zeroer over ``views``: layer -> ``(view as allocated, rows_per_block)``, no runner-only layers."""
         num_blocks = positive_int("num_blocks", num_blocks)
         zeroer = cls.__new__(cls)
-        zeroer._build(device, checked_views(views, num_blocks), num_blocks, backend, settings)
+        zeroer._build(device, inputs.checked_views(views, num_blocks), num_blocks, backend, settings)
         return zeroer
 
     def _build(self, device: Any, views: Mapping, num_blocks: int, backend: str, settings: Settings | None) -> None:
@@ -116,7 +115,7 @@ class KVBlockZeroer:
             self.device = torch.device("cuda", torch.cuda.current_device())
         if backend not in _BACKENDS:
             raise ValueError(f"Unsupported zeroer backend: {backend!r}. Supported: {list(_BACKENDS)}")
-        self._allocations = allocations(views, num_blocks, self.device, (CHUNK_BYTES, FINE_CHUNK_BYTES))
+        self._allocations = inputs.allocations(views, num_blocks, self.device, (CHUNK_BYTES, FINE_CHUNK_BYTES))
         interpret = (settings or Settings.from_env()).triton_interpret
         runnable = _kernel() is not None and (self.device.type == "cuda" or (self.device.type == "cpu" and interpret))
         if backend == "triton" and self._allocations and not runnable:
@@ -147,7 +146,7 @@ class KVBlockZeroer:
                            for a in self._allocations if kernel is not None]
 
     @property
-    def segments(self) -> list[Segment]:
+    def segments(self) -> list[inputs.Segment]:
         """Merged segments of every allocation (byte offsets relative to each allocation)."""
         return [s for a in self._allocations for s in a.segments]
 

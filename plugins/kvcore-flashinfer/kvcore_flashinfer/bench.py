@@ -59,11 +59,12 @@ def decode_rows(
              q_data_type=query.dtype, kv_data_type=view.dtype, sm_scale=scale)
     native_ms = time_ms(lambda: own.run(query, native))
     native_out = own.run(query, native)
-    del native
+    native = None
     reference = out if reference is None else reference
     return [
         {"path": f"flashinfer via kvcore views ({kind})", "ms": views_ms,
-         "native_time_over_time": native_ms / views_ms, "max_abs_diff": (out.float() - reference.float()).abs().max().item()},
+         "native_time_over_time": native_ms / views_ms,
+         "max_abs_diff": (out.float() - reference.float()).abs().max().item()},
         {"path": "flashinfer native NHD", "ms": native_ms, "native_time_over_time": 1.0,
          "max_abs_diff": (native_out.float() - reference.float()).abs().max().item()},
     ]

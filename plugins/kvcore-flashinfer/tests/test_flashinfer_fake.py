@@ -7,10 +7,10 @@ against the kit's float64 reference. The real kernels run in test_flashinfer_gpu
 
 from __future__ import annotations
 
+import fake_flashinfer
 import pytest
 import torch
 
-import fake_flashinfer
 from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.specs import FullAttentionSpec
 from kvcore.testing import LAYOUTS, SPLITTABLE, build_cache, dense_reference, make_batch
@@ -124,8 +124,8 @@ def test_engine_tokens_equal_the_torch_backend_with_graph_step_plans():
     # the CUDA-graph path run eagerly (capture=False) and plan their fixed-size wrappers too.
     pytest.importorskip("transformers")
     from kvcore.hf import Engine
-    from kvcore.hf.step import DecodeGraphs
     from kvcore.hf.models import model_config, random_model
+    from kvcore.hf.step import DecodeGraphs
 
     model = random_model(model_config("gemma3"), seed=1)
     gen = torch.Generator().manual_seed(2)

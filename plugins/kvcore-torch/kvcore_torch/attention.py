@@ -153,7 +153,8 @@ def _chunks_by_length(starts, lens, block_size, table_cols, num_q_heads, num_kv_
     for i in order:
         w, n = max(width, q_lens[i]), max(longest, lens[i])
         cols = min(table_cols, -(-n // block_size))
-        if members and (len(members) + 1) * _cost(num_q_heads, num_kv_heads, content, w, cols * block_size) > CHUNK_ELEMENTS:
+        cost = _cost(num_q_heads, num_kv_heads, content, w, cols * block_size)
+        if members and (len(members) + 1) * cost > CHUNK_ELEMENTS:
             chunks.append((members, width, min(table_cols, -(-longest // block_size))))
             members, w, n = [], q_lens[i], lens[i]
         members.append(i)

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from kvcore.plugins.hookspecs import hookimpl
 from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins.hookspecs import hookimpl
 from kvcore.specs import MultipleOf
 from kvcore_torch.backend import TorchAttentionBackend
 

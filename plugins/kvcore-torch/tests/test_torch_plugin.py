@@ -7,10 +7,10 @@ import importlib.metadata
 import pytest
 import torch
 
-from kvcore.plugins.block_sizes import select_common_block_size
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.plugins.registry import get_backend
 from kvcore.plugins import get_plugin_manager
+from kvcore.plugins.block_sizes import select_common_block_size
+from kvcore.plugins.registry import get_backend
 from kvcore.specs import FullAttentionSpec, MultipleOf
 from kvcore_torch import TorchAttentionBackend
 from kvcore_torch import plugin as torch_plugin

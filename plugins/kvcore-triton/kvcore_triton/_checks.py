@@ -6,7 +6,6 @@ import torch
 import triton
 from triton.runtime.interpreter import InterpretedFunction
 
-from kvcore.plugins.paged_inputs import check_cache_view as _check_cache_view
 from kvcore.plugins.paged_inputs import (
     check_batch,
     check_batch_shapes,
@@ -16,6 +15,7 @@ from kvcore.plugins.paged_inputs import (
     check_tokens,
     value_checks,
 )
+from kvcore.plugins.paged_inputs import check_cache_view as _check_cache_view
 from kvcore.plugins.paged_inputs import check_kv_write as _check_kv_write
 
 DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -32,7 +32,8 @@ def _probe():
 INTERPRETED = isinstance(_probe, InterpretedFunction)
 
 __all__ = [
-    "DTYPES", "INTERPRETED", "check_batch", "check_device", "check_batch_shapes", "check_block_ids", "check_cache_view", "check_heads_and_window",
+    "DTYPES", "INTERPRETED", "check_batch", "check_device", "check_batch_shapes", "check_block_ids", "check_cache_view",
+    "check_heads_and_window",
     "check_index", "check_kv_write", "check_tokens", "value_checks",
 ]
 

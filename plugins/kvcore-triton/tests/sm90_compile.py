@@ -32,7 +32,8 @@ def decode_args(config: KernelConfig, block_size: int, *, splits: int = 1, layou
     kv_heads, head = 8, 128
     strides = layout_strides or (block_size * kv_heads * 2 * head, 2 * head, kv_heads * 2 * head, 1)  # LBNHC
     runtime = dict(
-        qk_scale=0.127, window=0, tokens_per_split=4096 // splits, num_splits=splits, num_kv_heads=kv_heads, table_hi=4096,
+        qk_scale=0.127, window=0, tokens_per_split=4096 // splits, num_splits=splits, num_kv_heads=kv_heads,
+        table_hi=4096,
         stride_qt=32 * head, stride_qh=head, stride_kb=strides[0], stride_kh=strides[1], stride_kn=strides[2],
         stride_kc=strides[3], stride_bt=4096 // block_size, stride_ot=32 * head, stride_oh=head,
     )

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import kvcore_torch
 import pytest
 import torch
 from triton_paged_cases import build_cache
 
+import kvcore_torch
 from kvcore_triton import KernelConfig, paged_attention
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA GPU")

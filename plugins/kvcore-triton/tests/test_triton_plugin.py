@@ -8,12 +8,12 @@ import pytest
 import torch
 from triton_paged_cases import DEVICE, build_cache, dense_reference, make_batch
 
-from kvcore.runtime.attn_group import AttentionGroup
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.plugins import get_plugin_manager
 from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.plugins.block_sizes import customize_attention_spec, select_common_block_size
-from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.registry import get_backend
-from kvcore.plugins import get_plugin_manager
+from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.specs import FullAttentionSpec, MultipleOf
 from kvcore_triton import KernelConfig, TritonAttentionBackend
 from kvcore_triton import plugin as triton_plugin
@@ -35,7 +35,9 @@ def test_entry_point_is_declared_and_loaded(pm):
 
 def test_fixed_kernel_block_sizes(pm):
     assert pm.hook.kvcore_supported_kernel_block_sizes(backend=TritonAttentionBackend, spec=SPEC) == [64, 32, 16]
-    pick = lambda size: select_common_block_size(size, [TritonAttentionBackend], [SPEC], plugin_manager=pm)
+    def pick(size):
+        return select_common_block_size(size, [TritonAttentionBackend], [SPEC], plugin_manager=pm)
+
     assert [pick(s) for s in (16, 64, 128, 48, 256)] == [16, 64, 64, 16, 64]
     with pytest.raises(ValueError, match="No common block size"):
         pick(40)

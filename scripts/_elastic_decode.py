@@ -21,16 +21,17 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "plugins", "kvcore-triton"))
 from bench_decode import _timer  # noqa: E402
-from kvcore_triton import paged_attention  # noqa: E402
 
 from kvcore import FullAttentionSpec, KVCacheLayout, plan_kv_cache  # noqa: E402
 from kvcore.memory.backing import reserve_backing  # noqa: E402
 from kvcore.memory.elastic import ElasticMemory  # noqa: E402
 from kvcore.memory.views import allocate_kv_cache  # noqa: E402
+from kvcore_triton import paged_attention  # noqa: E402
 
 
 def layer_view(specs, layout, num_blocks, device, elastic_blocks=None):
-    """The middle layer's view of a plain cache of ``num_blocks``, or of an elastic one reserved for ``elastic_blocks``."""
+    """The middle layer's view of a plain cache of ``num_blocks``, or of an elastic one reserved for
+    ``elastic_blocks``."""
     names = list(specs)
     if elastic_blocks is None:
         views = allocate_kv_cache(plan_kv_cache(specs, layout, num_blocks=num_blocks), device)

@@ -3,7 +3,7 @@
 For a short lease: a command stopped at its time limit still returns the
 layouts already measured. Takes ``kvcore bench transfer``'s options.
 
-    python scripts/gpu_nixl_rows.py --nixl-memory VRAM --nixl-blocks 16,64 --repeats 3 --warmup 1
+    python scripts/_nixl_rows.py --nixl-memory VRAM --nixl-blocks 16,64 --repeats 3 --warmup 1
 """
 
 from __future__ import annotations

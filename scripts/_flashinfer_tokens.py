@@ -5,7 +5,7 @@ full layers, query_pre_attn_scalar 24 so its scale is not head**-0.5), the
 same prompts (prefill, chunked prefill, decode): prints the share of tokens
 equal, the first step where each request differs, and graph steps taken.
 
-    python scripts/gpu_flashinfer_engine.py [llama gemma3] [--json-out PATH]
+    python scripts/_flashinfer_tokens.py [llama gemma3] [--json-out PATH]
 """
 
 from __future__ import annotations
