@@ -199,23 +199,20 @@ def _completion(args: argparse.Namespace) -> int:
 
 
 def _complete_names(parser: argparse.ArgumentParser) -> None:
-    """Let shtab complete layout names (options ``--layout``/``--layouts``) and preset names or
-    files (a ``model`` without choices), in every command of ``parser``."""
+    """Let shtab complete layout names (``--layout``, ``--layouts``) and preset names or files (a
+    ``model`` without choices) in every command of ``parser``, a parser made for completion only."""
     presets = " ".join(sorted(p.stem for p in _PRESET_DIR.glob("*.toml")))
-    layouts = " ".join(LAYOUT_NAMES)
-    hints = {
-        "layout": {"bash": "_kvcore_layouts", "zsh": f"({layouts})", "tcsh": f"({layouts})",
-                   "preamble": {"bash": f'_kvcore_layouts() {{ compgen -W "{layouts}" -- "$1"; }}'}},
-        "model": {"bash": "_kvcore_models", "tcsh": f"({presets})",
-                  "zsh": f"{{_alternative 'presets:preset:({presets})' 'files:file:_files'}}",
-                  "preamble": {"bash": f'_kvcore_models() {{ compgen -W "{presets}" -- "$1"; compgen -f -- "$1"; }}'}},
-    }
+    models = {"bash": "_kvcore_models", "tcsh": f"({presets})", "preamble": {"bash": f'_kvcore_models() {{ '
+              f'compgen -W "{presets}" -- "$1"; compgen -f -- "$1"; }}'},
+              "zsh": f"{{_alternative 'presets:preset:({presets})' 'files:file:_files'}}"}
     for action in parser._actions:
         if isinstance(action, argparse._SubParsersAction):
             for command in action.choices.values():
                 _complete_names(command)
-        elif action.choices is None and action.dest.rstrip("s") in hints:
-            action.complete = hints[action.dest.rstrip("s")]
+        elif action.dest in ("layout", "layouts"):
+            action.choices = LAYOUT_NAMES
+        elif action.dest == "model" and action.choices is None:
+            action.complete = models
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
@@ -235,18 +232,15 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``kvcore`` with ``argv`` (default: the process's arguments); the exit code.
 
     A ``ValueError`` or ``TypeError`` from a command is printed as ``kvcore COMMAND: error: ...``
-    (exit 2, like argparse's own), Ctrl-C as ``kvcore COMMAND: interrupted`` (exit 130); under
+    (exit 2, like argparse's own), Ctrl-C as one ``...: interrupted`` line (exit 130); under
     ``--json`` every error, usage errors included, is a ``{"error": {"command", "type", "message"}}``
     object on stdout instead.
     """
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     json_errors = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+    args = None
     try:  # NOTE: parsing may import torch (an option's type): Ctrl-C there is an interruption too
         args = build_parser(json_errors=json_errors).parse_args(argv)
-    except KeyboardInterrupt:
-        print("kvcore: interrupted", file=sys.stderr)
-        return 130
-    try:
         code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code
@@ -258,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
-        print(f"{getattr(args, 'command_name', f'kvcore {args.command}')}: interrupted", file=sys.stderr)
+        print(f"{getattr(args, 'command_name', 'kvcore')}: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # NOTE: the reader left (`kvcore plan ... | head`): not an error of ours;

@@ -65,22 +65,12 @@ def _requirements(pm, answers: HookAnswers) -> dict[str, object]:
 
 def missing_kernels(distribution: str | None) -> list[str]:
     """The distributions of a plugin's ``kernels`` extra (its kernel library) not installed here."""
-    if not distribution:
-        return []
     try:
-        requires = metadata.distribution(distribution).requires or []
+        requires = (metadata.requires(distribution) or []) if distribution else []
     except metadata.PackageNotFoundError:
         return []
-    missing = []
-    for requirement in requires:
-        name, _, marker = requirement.partition(";")
-        if re.search(r"""extra\s*==\s*["']kernels["']""", marker):
-            name = re.split(r"[\s<>=!~\[(;]", name.strip(), maxsplit=1)[0]
-            try:
-                metadata.distribution(name)
-            except metadata.PackageNotFoundError:
-                missing.append(name)
-    return missing
+    kernels = [re.match(r"[\w.-]+", r)[0] for r in requires if re.search(r"""extra\s*==\s*["']kernels["']""", r)]
+    return [name for name in kernels if next(iter(metadata.distributions(name=name)), None) is None]
 
 
 def _json(info: PluginInfo, declared: dict, picks: dict[str, str | None]) -> dict[str, object]:

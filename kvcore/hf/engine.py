@@ -199,9 +199,8 @@ class Engine:
                             attn_group.kv_cache_spec.head_size, window)
 
     def warmup(self, *, progress: bool = True) -> None:
-        """On a GPU, compile now what the first ``generate`` would: a padding prefill step (a backend's
-        kernels should not specialize on a step's size: kvcore-triton's take one variant) and the
-        decode graphs, or without them a padding decode step."""
+        """On a GPU, compile now every kernel variant a later step launches (kernels take one per step
+        size): a padding prefill step, and the decode graphs or else a padding decode step."""
         if self.device.type != "cuda":
             return
         from rich.console import Console
