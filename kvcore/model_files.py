@@ -13,6 +13,7 @@ import torch
 
 from kvcore import specs
 from kvcore.specs import KVCacheSpec, MambaSpec, MultipleOf
+from kvcore.specs.quant import quantize_specs
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -33,7 +34,8 @@ _KINDS: dict[str, type[KVCacheSpec]] = {
 }
 MAX_LAYERS = 10_000  # NOTE: real models have a few hundred; more is a typo
 MAX_PAGE_BYTES = 1 << 40  # one block of one layer: 1 TiB (more is a typo)
-_TOP_KEYS = {"name", "description", "num_layers", "block_size", "pattern", "layer_name", "types"}
+_TOP_KEYS = {"name", "description", "num_layers", "block_size", "pattern", "layer_name", "types",
+             "kv_cache_dtype"}
 _OWN_KEYS = {"kind", "module", "block_size"}
 # NOTE: a full-attention spec's window fields record merged layers (a file says kind =
 # "sliding" instead), and MLA keeps no separate V.
@@ -138,8 +140,9 @@ def _spec(
     return spec, module
 
 
-def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[str, KVCacheSpec]:
-    """Layer name -> spec, in model order, of a parsed TOML description."""
+def parse_model(data: dict[str, Any], *, block_size: int | None = None, kv_cache_dtype: str | None = None) -> dict:
+    """Layer name -> spec, in model order, of a parsed TOML description (attention layers stored
+    as ``kv_cache_dtype`` says, else as the file's ``kv_cache_dtype``, else unquantized)."""
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
         raise ValueError(f"unknown top-level keys {unknown}; valid: {', '.join(sorted(_TOP_KEYS))}")
@@ -177,7 +180,7 @@ def parse_model(data: dict[str, Any], *, block_size: int | None = None) -> dict[
         raise ValueError(f"layer_name {template!r} gives two layers one name; include {{index}}")
     if not out:
         raise ValueError("the pattern gives no layer a cache; name at least one type")
-    return out
+    return quantize_specs(out, data.get("kv_cache_dtype", "auto") if kv_cache_dtype is None else kv_cache_dtype)
 
 
 def _layer_name(template: Any, index: int, module: str) -> str:
@@ -190,8 +193,9 @@ def _layer_name(template: Any, index: int, module: str) -> str:
         ) from None
 
 
-def load_model_file(model: str | Path, *, block_size: int | None = None) -> ModelDescription:
-    """Load a model from a TOML path or a preset name (``block_size``: that of every type)."""
+def load_model_file(model: str | Path, *, block_size: int | None = None, kv_cache_dtype: str | None = None):
+    """Load a model from a TOML path or a preset name (``block_size``: that of every type;
+    ``kv_cache_dtype``: how attention layers are stored, overriding the file's)."""
     if block_size is not None and (
         isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0
     ):
@@ -212,7 +216,7 @@ def load_model_file(model: str | Path, *, block_size: int | None = None) -> Mode
     except tomllib.TOMLDecodeError as exc:
         raise ValueError(f"{path}: not valid TOML: {exc}") from None
     try:
-        layer_specs = parse_model(data, block_size=block_size)
+        layer_specs = parse_model(data, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
     return ModelDescription(str(data.get("name", path.stem)), str(path), layer_specs)

@@ -92,6 +92,21 @@ def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], ne
     return result, outputs
 
 
+def run_unquantized(model: Any, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int,
+                    engine_kwargs: dict[str, Any], quantized_outputs: list) -> dict[str, Any]:
+    """The same requests on the model-dtype cache: its figures, how many requests' greedy tokens
+    equal the quantized cache's, and the attention error of the mode at the model's shape."""
+    from kvcore_torch.accuracy import attention_error
+
+    result, outputs = run_kvcore(model, prompts, warmup, new_tokens, {**engine_kwargs, "kv_cache_dtype": "auto"})
+    config = model.config
+    head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    error = attention_error(engine_kwargs["kv_cache_dtype"], q_heads=config.num_attention_heads,
+                            kv_heads=config.num_key_value_heads, head_size=head, device=model.device)
+    return {"unquantized": result, "same_requests": sum(a == b for a, b in zip(outputs, quantized_outputs)),
+            "requests": len(prompts), "attention_rel_l2": error}
+
+
 def run_generate_batch(model: Any, prompts: list[list[int]], warmup: list[list[int]],
                        new_tokens: int) -> dict[str, Any]:
     """transformers' paged continuous batching (its own loop thread: no inference_mode here)."""
@@ -162,9 +177,10 @@ def run_check(args: argparse.Namespace, engine_kwargs: dict[str, Any],
         want = [model.generate(torch.tensor([q], device=device), do_sample=False,
                                max_new_tokens=args.check_new_tokens)[0, len(q):].tolist()
                 for q in checks]
-    # NOTE: a small token budget admits requests over several steps, so later ones hit the cache.
+    # NOTE: a small token budget admits requests over several steps, so later ones hit the cache;
+    # the check is of exactness, so it runs on the model-dtype cache.
     small_kwargs = {**engine_kwargs, "num_blocks": None, "available_memory": 1 << 30,
-                    "max_num_batched_tokens": 2 * args.check_prompt_len}
+                    "max_num_batched_tokens": 2 * args.check_prompt_len, "kv_cache_dtype": "auto"}
     out = {"requests": len(checks), "new_tokens": args.check_new_tokens,
            "prompt_len": args.check_prompt_len}
     for caching in (False,) if args.model == "hybrid" else (False, True):

@@ -8,6 +8,9 @@ Triton backend, CUDA graphs for decode steps), ``model.generate_batch``
 (static batch): output tokens/s, ratios, a roofline and where kvcore's step
 time goes. Then a shared-prefix workload with prefix caching off and on, and a
 float32 model whose greedy tokens must equal ``model.generate``'s.
+``--kv-cache-dtype MODE`` serves from a quantized cache and, in the same run, from
+the model-dtype cache: tokens/s of both and the share of requests whose greedy
+tokens are the same, plus the attention error of MODE at this model's shape.
 ``--model hybrid`` times a Granite-4.0-H-like hybrid (Mamba2 mixers) against
 the static ``model.generate`` only: ``generate_batch`` and prefix caching do
 not serve hybrids.
@@ -126,6 +129,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
         max_num_batched_tokens=args.max_batched_tokens,
         num_blocks=blocks(p + m),
         cuda_graphs=False if args.no_cuda_graphs else None,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     if hybrid:  # NOTE: a state slot per request and state group: the engine's default share
         engine_kwargs.update(num_blocks=None, available_memory=None)
@@ -136,8 +140,10 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                      "model": config.model_type},
         "engine": dict(engine_kwargs),
     }
-    out["kvcore"], _ = runs.run_kvcore(model, prompts, warm, m, engine_kwargs,
-                                       profile="profile" not in skip)
+    out["kvcore"], outputs = runs.run_kvcore(model, prompts, warm, m, engine_kwargs,
+                                             profile="profile" not in skip)
+    if args.kv_cache_dtype != "auto":
+        out["quantized"] = runs.run_unquantized(model, prompts, warm, m, engine_kwargs, outputs)
     if "eager" not in skip and device.type == "cuda" and not args.no_cuda_graphs:
         out["kvcore_eager"], _ = runs.run_kvcore(model, prompts, warm, m,
                                                  {**engine_kwargs, "cuda_graphs": False})
@@ -243,6 +249,15 @@ def report(out: dict[str, Any]) -> None:
             ("blocks zeroed", "blocks_zeroed", ","),
         ], [{"key": key, "tps": _tps(pre[key]), **pre[key]["stats"]} for key in ("off", "on")],
             width))
+    if "quantized" in out:
+        q = out["quantized"]
+        print(textwrap.fill(
+            f"KV cache {out['engine']['kv_cache_dtype']}: {_tps(kv):,.0f} tokens/s, "
+            f"{_tps(kv) / _tps(q['unquantized']):.2f}x the {work['dtype']} cache's "
+            f"{_tps(q['unquantized']):,.0f}; {q['same_requests']}/{q['requests']} requests "
+            f"({q['same_requests'] / q['requests']:.1%}) generate the same greedy tokens; attention "
+            f"over the quantized cache at this shape is within rel. L2 {q['attention_rel_l2']:.2e} "
+            "of float64 attention over the unquantized K/V", width))
     check = out.get("check", {})
     for key, label in (("plain", "prefix caching off"), ("prefix_caching", "prefix caching on")):
         if key in check:

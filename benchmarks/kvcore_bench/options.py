@@ -11,7 +11,7 @@ import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from kvcore.cli import LAYOUT_NAMES, layout_arg, positive_int_arg, size_arg
+from kvcore.cli import KV_CACHE_DTYPES, LAYOUT_NAMES, layout_arg, positive_int_arg, size_arg
 
 if TYPE_CHECKING:
     import torch
@@ -172,6 +172,9 @@ _HF = {
         ("--max-batched-tokens", INT, None,
          "tokens per step (default: kvcore.hf.Engine's, 4096 on a GPU)"),
         ("--no-cuda-graphs", FLAG, False, "run decode steps eagerly"),
+        ("--kv-cache-dtype", KV_CACHE_DTYPES, "auto",
+         "KV cache mode; other than auto, the same requests also run on the model-dtype cache, "
+         "for the speed ratio and the share of requests whose greedy tokens are the same"),
     ],
     "float32 token check (a smaller model)": [
         ("--check-requests", INT, 16, "prompts checked"),

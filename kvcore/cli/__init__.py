@@ -55,6 +55,8 @@ _ELSEWHERE = {"bench": "kvcore bench needs the kvcore-bench distribution: pip in
               "benchmarks (in a checkout)"}
 # NOTE: KVCacheLayout's member names, so that help text needs no torch; a test checks they match.
 LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+#: ``kvcore.specs.quant.KV_CACHE_DTYPES`` (named here so that parsing imports no torch).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head")
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
 _NEGATIVE_WITH_UNIT = re.compile(r"^-[0-9.]+\s*[A-Za-z]+$")
 
@@ -133,6 +135,8 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
                       f"of {', '.join(LAYOUT_NAMES)} (default: %(default)s)")
     plan.add_argument("--block-size", type=positive_int_arg, metavar="TOKENS",
                       help="block size for every layer type (default: the model file's)")
+    plan.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, metavar="MODE", help="store attention layers "
+                      f"as one of {', '.join(KV_CACHE_DTYPES)} (default: the model file's, else its dtype)")
     plan.add_argument("--json", action="store_true", help="print the plan as JSON")
     plan.add_argument("--explain", action="store_true",
                       help="also negotiate with the installed backends ('auto' for every attention layer) and "

@@ -21,6 +21,7 @@ from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.planner import group_layers, is_encoder_only, plan_kv_cache
 from kvcore.model_files import PRESET_DIR, ModelDescription, load_model_file, preset_names
 from kvcore.model_runner.binding import extract_layer_index
+from kvcore.specs.quant import kv_cache_dtype_of
 
 #: Padding above this share of a group's pages gets a warning.
 PADDING_WARN_PERCENT = 10.0
@@ -140,6 +141,9 @@ def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
         "model": model.name,
         "source": model.source,
         "layout": config.layout.name,
+        "kv_cache_dtype": kv_cache_dtype_of(model.kv_cache_specs.values()),
+        "bytes_per_token": sum(s.page_size_bytes / s.block_size for s in model.kv_cache_specs.values()
+                               if s.is_attention and s.has_cache_pages),  # NOTE: state caches: per sequence
         "num_layers": len(model.kv_cache_specs),
         "num_blocks": config.num_blocks,
         "bytes_per_block": tensors[0].size // config.num_blocks if tensors else 0,
@@ -238,6 +242,8 @@ def print_plan(summary: dict[str, Any]) -> None:
     print(f"\n{render(tensor_columns, rows, title=title, width=width)}\n")
     usable = summary["usable_blocks"]
     lines = [
+        ("KV cache dtype", summary["kv_cache_dtype"]),
+        ("bytes per token", f"{format_bytes_exact(round(summary['bytes_per_token']))}"),
         ("bytes per block", format_bytes_exact(summary["bytes_per_block"])),
         ("blocks", f"{summary['num_blocks']:,} ({usable:,} usable: block 0 is the null block)"),
         ("total", format_bytes_exact(summary["total_bytes"])),
@@ -251,7 +257,7 @@ def print_plan(summary: dict[str, Any]) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = load_model_file(args.model, block_size=args.block_size)
+    model = load_model_file(args.model, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
     config = plan_kv_cache(model.kv_cache_specs, args.layout, available_memory=args.memory,
                            num_blocks=args.num_blocks)
     summary = summarize(model, config)

@@ -59,7 +59,7 @@ def _requirements(pm, answers: HookAnswers) -> dict[str, object]:
     with contextlib.suppress(PluginError):
         for name, (backend, _) in collect_backends(pm).unambiguous().items():
             with contextlib.suppress(PluginError):
-                out[name] = answers.requirements(backend, health.REPRESENTATIVE_SPEC)
+                out[name] = answers.requirements(backend, health.REPRESENTATIVE)
     return out
 
 

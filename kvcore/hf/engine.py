@@ -25,6 +25,7 @@ from kvcore.plugins.auto import AUTO
 from kvcore.plugins.negotiate import default_block_size, resolve_backends
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs import KVCacheSpec, MambaSpec
+from kvcore.specs.quant import quantize_specs
 
 #: Block size when the backend prefers none.
 BLOCK_SIZE = 16
@@ -115,6 +116,8 @@ class Engine:
         None: on for the ``triton`` and ``flashinfer`` backends on a CUDA device.
     :param max_num_blocks: an elastic cache, grown instead of preempting while memory allows and
         shrunk back when ``generate`` returns.
+    :param kv_cache_dtype: "auto" (the model's dtype) or a quantized cache (docs/quantized-cache.md); per-tensor
+        scales come from the attention modules' ``k_scale`` / ``v_scale`` when they have them.
     """
 
     def __init__(
@@ -132,6 +135,7 @@ class Engine:
         group: Any = None,
         cuda_graphs: bool | None = None,
         max_num_blocks: int | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         check_model(model)
         if not isinstance(enable_prefix_caching, bool):
@@ -146,8 +150,8 @@ class Engine:
         self.max_model_len = positive_int("config.max_position_embeddings", config.max_position_embeddings)
         tp_rank, tp_size = resolve_tp(model, group)
         settings = resolve_defaults(
-            lambda size: {n: shard_spec(s, tp_rank, tp_size)
-                          for n, s in layer_specs(config, model.dtype, size).items()},
+            lambda size: quantize_specs({n: shard_spec(s, tp_rank, tp_size)
+                                         for n, s in layer_specs(config, model.dtype, size).items()}, kv_cache_dtype),
             self.device, backend, block_size, max_num_batched_tokens,
         )
         specs = settings.specs
@@ -166,6 +170,7 @@ class Engine:
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
             max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
         )
+        self.kv.load_kv_scales({name: modules[name] for name in attention})
         self._start_blocks = self.kv.num_blocks
         self.scheduler = Scheduler(self.kv, max_num_batched_tokens=settings.max_num_batched_tokens)
         if max_num_blocks is not None:

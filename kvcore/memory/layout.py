@@ -214,7 +214,7 @@ def compute_layout_strides(
 ) -> tuple[int, int, int, int, int]:
     """Byte strides of the logical ``[L, B, H, N, C]`` dims under ``layout``: a dim's stride is its
     fixed value if given, else the bytes of the dims inside it (raised to the padded page at the
-    inner one of L and B)."""
+    inner one of L and B; per-token-head scales follow the data rows of each :func:`scale_unit`)."""
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
     if isinstance(spec, UniformTypeKVCacheSpecs):
@@ -256,6 +256,8 @@ def compute_layout_strides(
     running = 1  # NOTE: bytes spanned by the dims inside the current one
     for pos in range(4, -1, -1):
         d = order[pos]
+        if pos == grid_end:  # NOTE: a unit's scales (if any) follow its data rows
+            running += running // extents[C] * spec.scale_size_bytes
         stride = fixed[d]
         if stride is None and padded is not None and pos == grid_end:
             stride = max(running, padded)
@@ -264,6 +266,12 @@ def compute_layout_strides(
         strides[d] = stride
         running = stride * extents[d]
     return tuple(strides)  # type: ignore[return-value]
+
+
+def scale_unit(layout: KVCacheLayout) -> tuple[int, ...]:
+    """Dims inside the inner of L and B: the unit whose data rows its scales follow (``[N, C]`` in BHLNC)."""
+    order = layout.stride_order
+    return order[max(order.index(L), order.index(B)) + 1 :]
 
 
 def block_runs(

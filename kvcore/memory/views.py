@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -10,7 +11,7 @@ from kvcore._units import format_bytes
 from kvcore._validate import positive_int
 from kvcore.errors import KVCoreError
 from kvcore.memory.config import KVCacheConfig, KVCacheTensor
-from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, kernel_extents, split_ratio
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, kernel_extents, scale_unit, split_ratio
 from kvcore.specs import KVCacheSpec
 
 _BYTE_DTYPES = (torch.int8, torch.uint8)
@@ -26,13 +27,25 @@ def create_kv_cache_views(
 ) -> list[torch.Tensor]:
     """One ``[B', H, N, C]`` view per layer of ``kv_cache_tensor`` over the int8 buffer ``raw``,
     re-typed to ``spec.view_dtype`` (splitting blocks into kernel blocks needs dense pages)."""
+    return _views(raw, spec, num_blocks, layout, kv_cache_tensor, kernel_block_size, False)
+
+
+def create_scale_views(raw: torch.Tensor, spec: KVCacheSpec, num_blocks: int, layout: KVCacheLayout | str,
+                       kv_cache_tensor: KVCacheTensor, kernel_block_size: int | None = None) -> list[torch.Tensor]:
+    """One float32 ``[B', H, N, 2]`` view (K scale, V scale) per layer of a per-token-head spec,
+    addressed like its data view: the bytes after the data rows of each :func:`scale_unit`."""
+    if not spec.scale_size_bytes:
+        return []
+    return _views(raw, spec, num_blocks, layout, kv_cache_tensor, kernel_block_size, True)
+
+
+def _views(raw, spec, num_blocks, layout, tensor, kernel_block_size, scales: bool) -> list[torch.Tensor]:
     if not isinstance(raw, torch.Tensor) or raw.dtype not in _BYTE_DTYPES or raw.dim() != 1:
         got = f" {raw.dtype} {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else ""
         raise TypeError(
             f"raw must be a 1-D int8 tensor (the backing allocation), got {type(raw).__name__}{got}"
         )
     layout = KVCacheLayout.parse(layout)
-    tensor = kv_cache_tensor
     if not isinstance(tensor, KVCacheTensor):
         raise TypeError(f"kv_cache_tensor must be a KVCacheTensor, got {tensor!r}")
     if not isinstance(spec, KVCacheSpec):
@@ -55,10 +68,14 @@ def create_kv_cache_views(
     num_layers = len(tensor.layers)
     strides = compute_layout_strides(spec, num_blocks, num_layers, layout, kernel_block_size, fixed)
     shape = kernel_extents(spec, num_blocks, num_layers, kernel_block_size)[1:]
-    view_strides = strides[1:]
+    view_strides, dtype, offset = strides[1:], spec.view_dtype, tensor.offset
+    if scales:  # NOTE: a unit's scale pairs mirror its data rows, 8 bytes for C bytes
+        unit, size = scale_unit(layout), spec.scale_size_bytes
+        offset += math.prod(shape[d - 1] for d in unit)
+        view_strides = (*(s // shape[-1] * size if d in unit else s for d, s in enumerate(strides[1:4], 1)), 1)
+        shape, dtype = (*shape[:3], size), torch.float32
     span = 1 + sum((n - 1) * s for n, s in zip(shape, view_strides))
-    dtype = spec.view_dtype
-    base = raw.storage_offset() + tensor.offset
+    base = raw.storage_offset() + offset
     if any(s % dtype.itemsize for s in (*view_strides[:3], base, tensor.layer_stride)):
         raise ValueError(
             f"strides {strides} / start byte {base} of {list(tensor.layers)} are not "
@@ -68,11 +85,11 @@ def create_kv_cache_views(
     end = min(raw.numel(), tensor.size)
     views = []
     for index, name in enumerate(tensor.layers):
-        start = tensor.offset + index * tensor.layer_stride
+        start = offset + index * tensor.layer_stride
         if start + span > end:
             raise ValueError(
-                f"layer {name!r} spans bytes [{start}, {start + span}) but the buffer "
-                f"holds {end}; plan fewer blocks or a larger tensor"
+                f"layer {name!r} spans bytes [{start}, {start + span}) but the buffer holds "
+                f"{end}; plan fewer blocks or a larger tensor"
             )
         views.append(raw.as_strided(shape, view_strides, raw.storage_offset() + start).view(dtype))
     return views
@@ -182,18 +199,24 @@ def allocate_kv_cache(
     return _layer_views(kv_cache_config, buffer, layout, kernel_block_sizes)
 
 
-def _layer_views(
-    config: KVCacheConfig, buf: torch.Tensor, layout: KVCacheLayout, kernels: list | None
-) -> dict[str, torch.Tensor]:
+def allocate_scale_views(config: KVCacheConfig, buffer: torch.Tensor, kernel_block_sizes: list | None = None) -> dict:
+    """The scale views (:func:`create_scale_views`) of every per-token-head layer of ``config``
+    allocated over ``buffer`` (flat int8), addressed like its data views."""
+    return _layer_views(config, buffer, config.layout, kernel_block_sizes, create_scale_views)
+
+
+def _layer_views(config: KVCacheConfig, buf: torch.Tensor, layout: KVCacheLayout, kernels: list | None,
+                 make=create_kv_cache_views) -> dict[str, torch.Tensor]:
     kernels = kernels or []
     kv_caches: dict[str, torch.Tensor] = {}
     for tensor in config.kv_cache_tensors:
         group_id, group = config.group_of(tensor.layers[0])
         spec = group.spec_of(tensor.layers[0])
         if not spec.has_layer_views:
-            kv_caches.update((name, buf) for name in tensor.layers)
+            if make is create_kv_cache_views:
+                kv_caches.update((name, buf) for name in tensor.layers)
             continue
         kernel = kernels[group_id] if group_id < len(kernels) else None
-        views = create_kv_cache_views(buf, spec, config.num_blocks, layout, tensor, kernel)
+        views = make(buf, spec, config.num_blocks, layout, tensor, kernel)
         kv_caches.update(zip(tensor.layers, views))
     return kv_caches

@@ -11,7 +11,7 @@ import pluggy
 import torch
 
 from kvcore.errors import PluginError, PluginWarning
-from kvcore.plugins.answers import HookAnswers
+from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import collect_backends
 from kvcore.specs import KVCacheSpec
@@ -25,7 +25,8 @@ def serves(
 ) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device``; None when it can."""
     return answers.requirements(backend, spec).why_not(
-        device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None)
+        device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None),
+        getattr(spec, "kv_quant", None),
     )
 
 
@@ -76,13 +77,9 @@ def _weigh(answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device
         why = serves(answers, backend, spec, device)
         return why if why is not None else answers.priority(backend, spec, device)
     except PluginError as err:  # NOTE: its own plugin failed: the others are still weighed
-        answers.unhealthy.setdefault(getattr(err, "plugin_name", None) or label_of(backend), err)
+        answers.unhealthy.setdefault(getattr(err, "plugin_name", None) or label(backend), err)
         warnings.warn(f"{err} (kvcore skips that backend)", PluginWarning, stacklevel=3)
         return f"its plugin is unhealthy ({err})"
-
-
-def label_of(backend: type) -> str:
-    return getattr(backend, "name", None) or backend.__qualname__
 
 
 def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch.device) -> Choice:

@@ -11,6 +11,20 @@ import torch
 from kvcore.specs import KVCacheSpec
 
 
+@attrs.frozen(eq=False)
+class KVQuantState:
+    """How one layer's cache is quantized (``metadata.kv_quant``): ``"per_tensor"`` (stored ``x / k_scale``
+    or ``x / v_scale``, saturated to ``dtype``) or ``"per_token_head"`` (stored ``x / scale``, ``scale =
+    amax(|x|) / max(dtype)`` per token and head, 0 for a zero row, kept in ``scale_cache``: the float32
+    ``[B', H, N, 2]`` K and V scales, addressed like the layer's kernel view)."""
+
+    kv_quant: str
+    dtype: torch.dtype
+    k_scale: float = 1.0
+    v_scale: float = 1.0
+    scale_cache: torch.Tensor | None = attrs.field(default=None, repr=False)
+
+
 @attrs.frozen(kw_only=True)
 class CommonAttentionMetadata:
     """Per-step batch description shared by every attention group.
@@ -33,6 +47,8 @@ class CommonAttentionMetadata:
     max_seq_len: int
     causal: bool = True
     debug_checks: bool | None = None
+    #: The layer's :class:`KVQuantState` (None: an unquantized cache); set per layer by the core.
+    kv_quant: KVQuantState | None = None
 
 
 @attrs.define(slots=False, eq=False)

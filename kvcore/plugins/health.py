@@ -13,7 +13,7 @@ from kvcore.plugins.registry import list_plugins, resolve_plugin_manager
 from kvcore.specs import FullAttentionSpec, MultipleOf
 
 #: The spec every backend is asked about: 16-token blocks, 8 KV heads of 128, bf16.
-REPRESENTATIVE_SPEC = FullAttentionSpec(16, 8, 128, torch.bfloat16)
+REPRESENTATIVE = FullAttentionSpec(16, 8, 128, torch.bfloat16)
 
 #: Statuses that make ``kvcore plugins`` exit 1.
 BAD_STATUSES = ("failed", "conflict", "unhealthy")
@@ -32,7 +32,7 @@ def check_plugins(
     except PluginError:
         entries = {}  # NOTE: list_plugins already marked the plugin that failed
     answers = answers or HookAnswers(pm)
-    spec = REPRESENTATIVE_SPEC
+    spec = REPRESENTATIVE
     for name, found in entries.items():
         for backend, owner in found:
             try:
@@ -69,7 +69,7 @@ def auto_picks(answers: HookAnswers) -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for device in ["cpu"] + (["cuda"] if torch.cuda.is_available() else []):
         try:
-            out[device] = choose_backend(answers, REPRESENTATIVE_SPEC, torch.device(device)).backend.name
+            out[device] = choose_backend(answers, REPRESENTATIVE, torch.device(device)).backend.name
         except ValueError:  # NOTE: PluginError too; check_plugins already reported it
             out[device] = None
     return out

@@ -27,6 +27,7 @@ from kvcore.plugins.rules import view_checks
 from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
 from kvcore.specs.base import check_hashable
+from kvcore.specs.quant import quantize_specs
 
 Backends = dict[str, type[AttentionBackend]]
 
@@ -114,10 +115,12 @@ class _Pass:
     def plan(self, layout: KVCacheLayout, num_blocks: int | None, available_memory: int | None) -> Candidate:
         """``layout`` planned once: its plan, records and rule checks, or why it is refused."""
         pages = self.pages.setdefault(layout, lay_out(self.specs, layout))
-        num_blocks = pages.blocks_for(available_memory) if num_blocks is None and pages.refusal is None else num_blocks
-        if pages.refusal is not None or isinstance(num_blocks, str):
-            error = pages.error() if pages.refusal is not None else ValueError(num_blocks)
+        if pages.refusal is not None:
+            error = pages.error()
             return Candidate(layout, str(error), error=error)
+        num_blocks = pages.blocks_for(available_memory) if num_blocks is None else num_blocks
+        if isinstance(num_blocks, str):
+            return Candidate(layout, num_blocks, error=ValueError(num_blocks))
         config = pages.place(num_blocks)
         groups = group_records(config, self.backends, self.answers)
         if isinstance(groups, Refused):
@@ -187,6 +190,7 @@ def negotiate(
     max_num_blocks: int | None = None,
     enable_prefix_caching: bool = False,
     settings: Settings | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> Negotiation:
     """Decide what every layer of ``layer_specs`` (model order) gets, as :meth:`KVCache.create
     <kvcore.KVCache.create>` would with the same arguments, allocating nothing.
@@ -194,6 +198,7 @@ def negotiate(
     ``device`` need not exist here (it is asked about, not used). ``settings``: the environment's
     (``Settings.from_env()``) when None.
     """
+    layer_specs = quantize_specs(layer_specs, kv_cache_dtype)  # NOTE: before backends customize them
     settings = Settings.from_env() if settings is None else settings
     device = checked_device(device)
     max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
@@ -218,12 +223,15 @@ def negotiate(
         rule = "requested" if requested is not None else (
             "the first candidate that meets every kernel rule" if ruled else "the first candidate")
     else:  # NOTE: every rank agrees on one layout and one block count
-        meeting = [c.layout for c in (run.plan(c, blocks, memory) for c in candidates if ruled) if c.refusal is None]
-        requested = agree_layout(meeting or stated, specs.values(), group, requested)
+        planned = [run.plan(c, blocks, memory) for c in candidates] if ruled else []
+        requested = agree_layout([c.layout for c in planned if c.refusal is None] or stated, specs.values(), group,
+                                 requested)
         if num_blocks is None:
             num_blocks = blocks if available_memory is None else run.bought(requested, available_memory)
         num_blocks, available_memory = agree_num_blocks(num_blocks, group), None
-        tried, rule = [run.plan(requested, blocks if elastic else num_blocks, None)], "agreed by every rank"
+        tried = [run.plan(requested, blocks if elastic else num_blocks, None)]
+        tried += [c for c in planned if c.layout is not requested]
+        rule = "agreed by every rank"
     accepted = tried[0] if requested is not None else next((c for c in tried if c.refusal is None), None)
     if accepted is None or accepted.refusal is not None:
         raise _refuse(tried, candidates, requested is not None, layer_specs, run)

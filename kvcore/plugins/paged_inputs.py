@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from kvcore.plugins.backend import KVQuantState
 from kvcore.settings import Settings
 
 DEBUG_CHECKS_ENV = "KVCORE_DEBUG_CHECKS"
@@ -40,9 +41,11 @@ def write_then_attend(write_kv: Callable[..., None], paged_attention: Callable[.
     """
     n = metadata.num_actual_tokens
     validate = step_checks(metadata.debug_checks, kv_cache_view.device)
-    write_kv(
-        kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size, validate=validate
-    )
+    quant = getattr(metadata, "kv_quant", None)
+    if quant is not None:  # NOTE: a quantized layer: both kernels take its scales
+        kernel_options["kv_quant"] = quant
+    write_kv(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size, validate=validate,
+             **({} if quant is None else {"kv_quant": quant}))
     return paged_attention(
         query[:n], kv_cache_view, metadata.block_table_tensor, metadata.query_start_loc,
         metadata.seq_lens, head_size=head_size, scale=scale, sliding_window=sliding_window,
@@ -58,20 +61,37 @@ def _got(value: Any) -> str:
     return type(value).__name__
 
 
+def check_kv_quant(kv_cache_view: torch.Tensor, kv_quant: Any) -> None:
+    """``kv_quant`` must be the :class:`KVQuantState` of ``kv_cache_view`` (dtype, scale view)."""
+    if not isinstance(kv_quant, KVQuantState) or kv_quant.dtype != kv_cache_view.dtype:
+        raise TypeError(f"kv_quant must be the KVQuantState (metadata.kv_quant) of a {kv_cache_view.dtype} view, "
+                        f"got {kv_quant!r:.120}")
+    want, scales = (*kv_cache_view.shape[:3], 2), kv_quant.scale_cache
+    if kv_quant.kv_quant == "per_token_head" and not (
+        isinstance(scales, torch.Tensor) and scales.dtype == torch.float32 and tuple(scales.shape) == want
+    ):
+        raise ValueError(f"kv_quant.scale_cache must be a float32 {want} view, got {_got(scales)}")
+    if kv_quant.kv_quant == "per_token_head":
+        _on_device_of("kv_quant.scale_cache", scales, kv_cache_view)
+
+
 def check_cache_view(
     kv_cache_view: torch.Tensor,
     head_size: int,
     head_size_v: int | None,
     dtypes: Collection[torch.dtype] | None = None,
+    kv_quant: KVQuantState | None = None,
 ) -> int:
-    """Validate a kernel-block view ``[B, H, N, C]``; return ``head_size_v`` (None: all after K)."""
+    """Validate a kernel-block view ``[B, H, N, C]`` (and its ``kv_quant``); return ``head_size_v``."""
     if not isinstance(kv_cache_view, torch.Tensor) or kv_cache_view.dim() != 4:
         raise TypeError(
             "kv_cache_view must be a 4-D [blocks, heads, block_size, content] tensor, got "
             + _got(kv_cache_view)
         )
     view_dtype = kv_cache_view.dtype
-    if not (kv_cache_view.is_floating_point() if dtypes is None else view_dtype in dtypes):
+    if kv_quant is not None:
+        check_kv_quant(kv_cache_view, kv_quant)
+    elif not (kv_cache_view.is_floating_point() if dtypes is None else view_dtype in dtypes):
         wanted = "a floating dtype" if dtypes is None else str([str(d) for d in dtypes])
         raise TypeError(
             f"kv_cache_view has dtype {view_dtype}, this backend takes {wanted}; "
@@ -90,17 +110,19 @@ def check_cache_view(
     return head_size_v
 
 
-def check_tokens(
-    name: str, tensor: torch.Tensor, tokens: int, heads: int, size: int, like: torch.Tensor
-) -> None:
-    """``tensor`` must be ``[tokens, heads, size]`` with ``like``'s dtype and device."""
+def check_tokens(name: str, tensor: torch.Tensor, tokens: int, heads: int, size: int, like: torch.Tensor,
+                 quantized: bool = False) -> None:
+    """``tensor`` must be ``[tokens, heads, size]`` with ``like``'s dtype (``quantized``: any
+    floating dtype) and device."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"{name} must be a tensor, got {type(tensor).__name__}")
     if tuple(tensor.shape) != (tokens, heads, size):
         raise ValueError(
             f"{name} must have shape {(tokens, heads, size)}, got {tuple(tensor.shape)}"
         )
-    if tensor.dtype != like.dtype:
+    if quantized and not tensor.is_floating_point():
+        raise TypeError(f"{name} has dtype {tensor.dtype}; a quantized KV cache takes floating values")
+    if tensor.dtype != like.dtype and not quantized:
         raise TypeError(
             f"{name} has dtype {tensor.dtype} but the KV cache holds {like.dtype}; cast it first"
         )
@@ -133,18 +155,20 @@ def check_kv_write(
     dtypes: Collection[torch.dtype] | None = None,
     *,
     check_slots: bool = True,
+    kv_quant: KVQuantState | None = None,
 ) -> int:
     """Validate a write of ``key``/``value`` through ``slot_mapping``; return the view's slots.
 
     ``check_slots``: every slot must be below ``B * N`` (a device sync on GPUs); negative: padding.
     """
     head_size_v = value.shape[-1] if isinstance(value, torch.Tensor) and value.dim() == 3 else None
-    head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v, dtypes)
+    head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v, dtypes, kv_quant)
     check_index("slot_mapping", slot_mapping, 1, kv_cache_view)
     num_tokens = slot_mapping.shape[0]
     num_blocks, num_heads, block_size, _ = kv_cache_view.shape
-    check_tokens("key", key, num_tokens, num_heads, head_size, kv_cache_view)
-    check_tokens("value", value, num_tokens, num_heads, head_size_v, kv_cache_view)
+    quantized = kv_quant is not None
+    check_tokens("key", key, num_tokens, num_heads, head_size, kv_cache_view, quantized)
+    check_tokens("value", value, num_tokens, num_heads, head_size_v, kv_cache_view, quantized)
     num_slots = num_blocks * block_size
     if check_slots and num_tokens and (top := int(slot_mapping.max())) >= num_slots:
         raise ValueError(

@@ -11,6 +11,7 @@ import torch
 
 from kvcore._table import format_ranges
 from kvcore._validate import attrs_optional_positive, attrs_positive, positive_int
+from kvcore.specs.quant import KV_QUANT_DTYPES
 
 
 def _as_tuple(value: Any) -> tuple[Any, ...] | None:
@@ -42,6 +43,11 @@ def _dtype(item: Any) -> None:
         raise TypeError(f"KernelRequirements.dtypes must hold torch dtypes, got {item!r}")
 
 
+def _kv_quant(item: Any) -> None:
+    if item not in ("none", *KV_QUANT_DTYPES):
+        raise ValueError(f"KernelRequirements.kv_quant holds {item!r}; use 'none', 'per_tensor' or 'per_token_head'")
+
+
 def _each(check: Callable[[Any], Any]) -> Callable[[Any, Any, Any], None]:
     def validate(inst: Any, attribute: Any, value: tuple[Any, ...] | None) -> None:
         if value is not None and not value:
@@ -64,6 +70,7 @@ class KernelRequirements:
     :param alignment_bytes: every stride but the last, in bytes, and every view's byte offset
         in its allocation, must be a multiple of this.
     :param note: a remedy added when the devices rule refuses a case; None: nothing to add.
+    :param kv_quant: cache quantizations the kernels read ("none", "per_tensor", "per_token_head"); None: "none".
     """
 
     devices: tuple[str, ...] | None = attrs.field(
@@ -82,15 +89,23 @@ class KernelRequirements:
     note: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
     )
+    kv_quant: tuple[str, ...] | None = attrs.field(default=None, converter=_as_tuple, validator=_each(_kv_quant))
 
     @property
     def has_memory_rules(self) -> bool:
         return self.max_stride_elements is not None or self.alignment_bytes > 1
 
     def why_not(
-        self, device_type: str | None, dtype: torch.dtype | None, head_size: int | None
+        self,
+        device_type: str | None,
+        dtype: torch.dtype | None,
+        head_size: int | None,
+        kv_quant: str | None = None,
     ) -> str | None:
         """Why kernels with these requirements cannot serve the case (None: they can)."""
+        taken, mode = self.kv_quant or ("none",), kv_quant or "none"
+        if mode not in taken:
+            return f"takes kv_quant {'/'.join(taken)}, not {mode} (rule: kv_quant)"
         if device_type is not None and self.devices is not None and device_type not in self.devices:
             extra = f"; {self.note}" if self.note else ""
             devices = "/".join(self.devices)
@@ -149,4 +164,6 @@ def describe_requirements(req: KernelRequirements) -> str:
         parts.append(f"strides below {req.max_stride_elements} elements")
     if req.alignment_bytes > 1:
         parts.append(f"{req.alignment_bytes}-byte aligned strides and offsets")
+    if req.kv_quant is not None:
+        parts.append("kv_quant " + ", ".join(req.kv_quant))
     return "; ".join(parts) or "none"

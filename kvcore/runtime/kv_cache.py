@@ -20,6 +20,7 @@ from kvcore.plugins.negotiate import negotiate
 from kvcore.plugins.negotiation import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
+from kvcore.runtime.quant import layer_metadata, per_tensor_scales, quant_states, scale_caches_of
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
 from kvcore.specs import KVCacheSpec
@@ -31,6 +32,8 @@ class KVCache:
 
     ``kv_caches`` are the views as allocated (KV connectors use them), ``layer_kv_caches``
     the views kernels take; ``attn_groups[g]`` are KV cache group ``g``'s attention groups.
+    Quantized: ``scale_caches`` (per-token-head layers' float32 ``[B, H, N, 2]`` K and V scales,
+    addressed like ``kv_caches``), ``kv_scales`` (per-tensor layers' ``(k, v)``).
     Call :meth:`begin_step` once per step, after allocating blocks and before kernels run.
     """
 
@@ -47,6 +50,9 @@ class KVCache:
     negotiation: Negotiation = attrs.field(repr=False)
     elastic: ElasticMemory | None = attrs.field(repr=False)  # NOTE: None: a plain allocation
     settings: Settings = attrs.field(repr=False)  # NOTE: read once, in create
+    scale_caches: dict[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
+    kv_scales: dict[str, tuple[float, float]] = attrs.field(factory=dict)
+    quant_states: dict[str, Any] = attrs.field(factory=dict, repr=False)  # NOTE: into each layer's metadata
 
     @classmethod
     def create(
@@ -64,6 +70,7 @@ class KVCache:
         group: Any = None,
         max_num_blocks: int | None = None,
         enable_prefix_caching: bool = False,
+        kv_cache_dtype: str = "auto",
     ) -> KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
@@ -73,7 +80,8 @@ class KVCache:
         count. With ``max_num_blocks`` the cache is elastic: planned for that many
         blocks, memory committed for ``num_blocks`` (or what ``available_memory`` buys;
         neither: all), changed later by :meth:`resize`. The stages: :func:`kvcore.negotiate` decides,
-        then the cache is allocated and wired from its record.
+        then the cache is allocated and wired from its record. ``kv_cache_dtype`` other than "auto"
+        stores attention layers quantized (docs/quantized-cache.md).
         """
         settings = Settings.from_env()
         negotiation = negotiate(
@@ -81,21 +89,26 @@ class KVCache:
             available_memory=available_memory, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
             max_model_len=max_model_len, plugin_manager=plugin_manager, group=group,
             max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching, settings=settings,
+            kv_cache_dtype=kv_cache_dtype,
         )
         config, device, rows = negotiation.config, negotiation.device, negotiation.rows_per_block()
         elastic = reserve_elastic(config, device) if negotiation.elastic else None
         kv_caches = allocate_kv_cache(config, device, None, negotiation.allocation_kernel_block_sizes,
                                       buffer=None if elastic is None else elastic.backing.tensor)
+        scale_caches = scale_caches_of(config, kv_caches, negotiation.allocation_kernel_block_sizes)
+        # NOTE: scales are zeroed (and committed) with their blocks: the runs touch and merge.
+        paged = {**kv_caches, **{f"{name} (scales)": v for name, v in scale_caches.items()}}
+        rows.update({f"{name} (scales)": rows[name] for name in scale_caches if name in rows})
         if elastic is not None:
             elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
-                           for name, view in kv_caches.items()})  # fmt: skip
+                           for name, view in paged.items()})  # fmt: skip
             elastic.resize(negotiation.num_blocks)
         layer_kv_caches = negotiation.kernel_views(kv_caches)
         attn_groups = [[AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups]
         for attn_group in (a for groups in attn_groups for a in groups):
             attn_group.create_metadata_builders(device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                                 settings=settings)
-        views = {name: (kv_caches[name], rows[name]) for name in rows if name in kv_caches}
+        views = {name: (paged[name], rows[name]) for name in rows if name in paged}
         zeroer = KVBlockZeroer.from_views(device, views, config.num_blocks, settings=settings)
         zeroer.num_blocks = negotiation.num_blocks
         return cls(
@@ -112,7 +125,17 @@ class KVCache:
             negotiation,
             elastic,
             settings,
+            scale_caches,
+            (scales := per_tensor_scales(config)),
+            quant_states(config, scale_caches, scales),
         )
+
+    def load_kv_scales(self, modules: Mapping[str, Any]) -> None:
+        """Per-tensor scales from the ``k_scale`` / ``v_scale`` attributes (floats or 0-d
+        tensors) of each layer's attention module in ``modules`` (layer name -> module); a
+        missing attribute means 1.0. Call it before the first step writes the cache."""
+        self.kv_scales = per_tensor_scales(self.config, modules)
+        self.quant_states = quant_states(self.config, self.scale_caches, self.kv_scales)
 
     @property
     def kernel_block_sizes(self) -> list[int]:
@@ -218,5 +241,5 @@ class KVCache:
         for group_id, groups in enumerate(self.attn_groups):
             for attn_group in groups:
                 metadata = attn_group.build_metadata(common[group_id], ubatch_idx)
-                out.update(dict.fromkeys(attn_group.layer_names, metadata))
+                out.update(layer_metadata(metadata, attn_group.layer_names, self.quant_states))
         return out

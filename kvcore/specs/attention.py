@@ -10,6 +10,7 @@ import torch
 
 from kvcore._validate import attrs_non_negative, attrs_positive
 from kvcore.specs.base import KVCacheSpec, check_cache_dtype, optional_positive, padded_page_size
+from kvcore.specs.quant import PER_TOKEN_HEAD, SCALE_BYTES, check_kv_quant
 
 
 def _tokens_per_state(value: Any) -> int | Fraction:
@@ -33,7 +34,8 @@ def _head_size_v(default: int | None) -> Any:
 class AttentionSpec(KVCacheSpec):
     """Paged attention: ``C`` packs K then V of one head at one state; a
     ``tokens_per_state`` > 1 compresses tokens, a ``Fraction`` < 1 stores several states per
-    token, <= 0 one state per block."""
+    token, <= 0 one state per block. ``kv_quant`` (None, ``"per_tensor"``, ``"per_token_head"``)
+    says how an 8-bit ``dtype`` is scaled; per-token-head scales follow the data in each page."""
 
     num_kv_heads: int = attrs.field(validator=attrs_positive)
     head_size: int = attrs.field(validator=attrs_positive)
@@ -47,6 +49,7 @@ class AttentionSpec(KVCacheSpec):
     tokens_per_state: int | Fraction = attrs.field(  # type: ignore[assignment]
         default=1, kw_only=True, converter=_tokens_per_state
     )
+    kv_quant: str | None = attrs.field(default=None, kw_only=True)
 
     def __attrs_post_init__(self) -> None:
         name = type(self).__name__
@@ -67,6 +70,7 @@ class AttentionSpec(KVCacheSpec):
                 f"not a multiple of the {itemsize}-byte {self.dtype}; set "
                 "state_content_bytes to a multiple of the element size"
             )
+        check_kv_quant(self)
         self._check_page_padding(f"the {itemsize}-byte {self.dtype}")
 
     page_size_bytes = property(padded_page_size)
@@ -85,6 +89,13 @@ class AttentionSpec(KVCacheSpec):
     def num_heads(self) -> int:
         """``H``: ``num_head_slots`` when a backend padded the heads, else ``num_kv_heads``."""
         return self.num_head_slots or self.num_kv_heads
+
+    @property
+    def scale_size_bytes(self) -> int:
+        """8 (a float32 K and V scale per head and token) for per-token-head caches, else 0."""
+        return SCALE_BYTES if self.kv_quant == PER_TOKEN_HEAD else 0
+
+    dtype_alignment = property(lambda self: 4 if self.scale_size_bytes else self.dtype.itemsize)  # NOTE: float32 scales
 
     @property
     def state_content_size_bytes(self) -> int:

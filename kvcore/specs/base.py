@@ -135,6 +135,11 @@ class KVCacheSpec:
         return self.page_size_bytes
 
     @property
+    def scale_size_bytes(self) -> int:
+        """Scale bytes per (head, state) kept in the page after the data (0: none)."""
+        return 0
+
+    @property
     def dtype_alignment(self) -> int:
         """Bytes every block and layer must start at a multiple of (the largest element)."""
         return self.view_dtype.itemsize
@@ -178,7 +183,8 @@ class KVCacheSpec:
         return 1 if tokens == self.block_size else self._page_of_tokens(tokens)
 
     def _page_of_tokens(self, tokens: int) -> int:
-        return self.num_heads * self.get_num_kernel_states(tokens) * self.state_content_size_bytes
+        rows = self.num_heads * self.get_num_kernel_states(tokens)
+        return rows * (self.state_content_size_bytes + self.scale_size_bytes)
 
     def _check_page_padding(self, element: str) -> None:
         padded, real, align = self.page_size_padded, self.real_page_size_bytes, self.dtype_alignment

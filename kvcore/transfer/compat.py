@@ -50,6 +50,7 @@ def unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
 def _facts(local: KVCacheDescriptor, remote: KVCacheDescriptor) -> Iterator[tuple]:
     """``(what, here, there)`` of every fact that must agree for whole blocks, outermost first."""
     yield "descriptor version", local.version, remote.version
+    yield "KV cache dtype", local.kv_cache_dtype, remote.kv_cache_dtype
     yield "layout", local.layout, remote.layout
     yield "number of KV cache groups", len(local.groups), len(remote.groups)
     for g, (a, b) in enumerate(zip(local.groups, remote.groups)):
@@ -89,8 +90,12 @@ def head_slice_mismatch(
     if len(a.layers) != len(b.layers) or not a.layers:
         return (f"group {group_id} has {len(a.layers)} layers with cache pages here, "
                 f"{len(b.layers)} on the peer")
+    if local.kv_cache_dtype != remote.kv_cache_dtype:
+        return f"KV cache dtype: {local.kv_cache_dtype} here, {remote.kv_cache_dtype} on the peer"
     for la, lb in zip(a.layers, b.layers):
         ca, cb = la.content, lb.content
+        if la.scales is not None:
+            return f"layer {la.name!r} keeps per-token-head scales, which move with whole blocks only"
         rows = [attrs.evolve(c, num_kv_heads=0, num_head_slots=0) for c in (ca, cb)]
         if ca.kind != "attention" or la.dtype != lb.dtype or rows[0] != rows[1]:
             return (f"layer {la.name!r} stores other rows than the peer's {lb.name!r} "

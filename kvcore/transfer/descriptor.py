@@ -11,6 +11,7 @@ import torch
 
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs import AttentionSpec, KVCacheSpec, MambaSpec
+from kvcore.specs.quant import kv_cache_dtype_of
 from kvcore.transfer.descriptor_checks import check_bounds, check_fields
 
 #: Format version written by :meth:`KVCacheDescriptor.to_json`; readers refuse others.
@@ -67,9 +68,24 @@ class ContentMap:
 
 
 @attrs.frozen
+class ScaleView:
+    """A per-token-head layer's float32 scales: ``[r, h, n, k]`` (``k`` 0: K, 1: V) at byte ``offset + 4 * (r *
+    strides[0] + ... + k * strides[3])``, inside the block's page."""
+
+    offset: int
+    shape: tuple[int, ...] = attrs.field(converter=tuple)
+    strides: tuple[int, ...] = attrs.field(converter=tuple)
+
+    @property
+    def byte_strides(self) -> tuple[int, ...]:
+        return tuple(4 * s for s in self.strides)
+
+
+@attrs.frozen
 class LayerDescriptor:
     """One layer's view: element ``[r, h, n, c]`` is at byte ``offset + r * byte_strides[0] +
-    ... + c * byte_strides[3]``; ``rows_per_block`` rows make one manager block."""
+    ... + c * byte_strides[3]``; ``rows_per_block`` rows make one manager block; ``scales``
+    (per-token-head caches) where each row's K and V scales are."""
 
     name: str
     allocation: int
@@ -82,6 +98,7 @@ class LayerDescriptor:
     manager_block_stride: int
     block_bytes: int
     content: ContentMap = attrs.field(converter=_built(ContentMap))
+    scales: ScaleView | None = attrs.field(default=None, converter=_built(ScaleView))
 
     @property
     def byte_strides(self) -> tuple[int, ...]:
@@ -106,13 +123,14 @@ class GroupDescriptor:
 
 @attrs.frozen
 class KVCacheDescriptor:
-    """Everything a connector needs to move blocks of one KV cache."""
+    """Everything a connector needs to move blocks of one KV cache (``kv_cache_dtype``: "auto" unquantized)."""
 
     layout: str
     num_blocks: int
     allocations: tuple[Allocation, ...] = attrs.field(converter=_tuple_of(Allocation))
     groups: tuple[GroupDescriptor, ...] = attrs.field(converter=_tuple_of(GroupDescriptor))
     version: int = DESCRIPTOR_VERSION
+    kv_cache_dtype: str = "auto"
 
     def group(self, group_id: int) -> GroupDescriptor:
         if type(group_id) is not int or not 0 <= group_id < len(self.groups):
@@ -204,6 +222,8 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
                 manager_block_stride=view.stride(0) * item * rows,
                 block_bytes=rows * view.shape[1] * view.shape[2] * view.shape[3] * item,
                 content=_content_map(group.spec_of(name)),
+                scales=None if (s := kv_cache.scale_caches.get(name)) is None
+                else ScaleView(s.data_ptr() - base_ptr, s.shape, s.stride()),
             ))
         ratio = spec.block_size // kernel_size
         strides = {layer.manager_block_stride for layer in layers}
@@ -215,4 +235,5 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
             manager_block_stride=strides.pop() if len(strides) == 1 else None,
             layer_names=group.layer_names, layers=layers,
         ))
-    return KVCacheDescriptor(kv_cache.layout.name, kv_cache.num_blocks, allocations, groups)
+    mode = kv_cache_dtype_of(g.spec_of(n) for g in config.kv_cache_groups for n in g.layer_names)
+    return KVCacheDescriptor(kv_cache.layout.name, kv_cache.num_blocks, allocations, groups, kv_cache_dtype=mode)

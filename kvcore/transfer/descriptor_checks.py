@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from kvcore.memory.layout import KVCacheLayout, block_runs
+from kvcore.specs.quant import KV_CACHE_DTYPES
 
 MAX_ADDRESS = 2**64
 #: A block split into more runs than this is not a layout kvcore makes.
@@ -19,7 +20,7 @@ _ALLOCATION = {"index", "device", "base_ptr", "size"}
 _GROUP = {"group_id", "spec_type", "block_size", "kernel_block_size", "ratio",
           "kernel_block_stride", "manager_block_stride", "layer_names", "layers"}
 _LAYER = {"name", "allocation", "offset", "dtype", "itemsize", "shape", "strides",
-          "rows_per_block", "manager_block_stride", "block_bytes", "content"}
+          "rows_per_block", "manager_block_stride", "block_bytes", "content", "scales"}
 _CONTENT = {"kind", "content_bytes", "num_kv_heads", "num_head_slots", "head_size",
             "head_size_v", "tokens_per_state", "k_bytes", "v_bytes", "states"}
 
@@ -106,8 +107,20 @@ def _content(at: str, data: Any, row_bytes: int, head_slots: int) -> None:
         _range(where, [state["start"], state["end"]], size)
 
 
+def _scales(at: str, data: Any, shape: list[int], block_stride: int) -> None:
+    """A per-token-head layer's scales: a (K, V) float32 pair per row of the view, in its blocks."""
+    if data is not None:
+        data = _obj(at, data, {"offset", "shape", "strides"})
+        _int(f"{at}.offset", data["offset"])
+        strides, want = _ints(f"{at}.strides", data["strides"], 0, 2**62, 4), [*shape[:3], 2]
+        shape = _ints(f"{at}.shape", data["shape"], 1, 2**40, 4)
+        if shape != want or strides[0] * 4 != block_stride or strides[3] != 1:
+            why = f"expected shape {want}, a block stride of {block_stride} bytes and K, V side by side"
+            raise _value_error(at, data, why)
+
+
 def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
-    data = _obj(at, data, _LAYER)
+    data = _obj(at, data, _LAYER, {"scales"})
     if _str(f"{at}.name", data["name"]) not in names:
         why = f"not one of the group's layer_names {names}"
         raise _value_error(f"{at}.name", data["name"], why)
@@ -128,6 +141,7 @@ def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
     nbytes = rows * shape[1] * shape[2] * shape[3] * item
     _int(f"{at}.block_bytes", data["block_bytes"], nbytes, nbytes, why)
     _content(f"{at}.content", data["content"], shape[3] * item, shape[1])
+    _scales(f"{at}.scales", data.get("scales"), shape, strides[0] * item)
 
 
 def _group(at: str, data: Any, index: int, num_allocations: int) -> None:
@@ -151,7 +165,11 @@ def _group(at: str, data: Any, index: int, num_allocations: int) -> None:
 
 def check_fields(data: Any) -> None:
     """Check the parsed JSON of a descriptor (version already checked) field by field."""
-    data = _obj("(top level)", data, {"layout", "num_blocks", "allocations", "groups", "version"})
+    top = {"layout", "num_blocks", "allocations", "groups", "version", "kv_cache_dtype"}
+    data = _obj("(top level)", data, top, {"kv_cache_dtype"})
+    modes = _str("kv_cache_dtype", data.get("kv_cache_dtype", "auto")).split(",")
+    if any(mode not in KV_CACHE_DTYPES for mode in modes):
+        raise _value_error("kv_cache_dtype", data["kv_cache_dtype"], f"expected modes of {list(KV_CACHE_DTYPES)}")
     layouts = list(KVCacheLayout.__members__)
     if _str("layout", data["layout"]) not in layouts:
         raise _value_error("layout", data["layout"], f"expected one of {layouts}")
@@ -194,3 +212,9 @@ def check_bounds(descriptor: Any) -> None:
                            max_runs=MAX_RUNS_PER_BLOCK)
             except ValueError as exc:
                 raise _value_error(f"{at}.strides", list(layer.strides), str(exc)) from None
+            scales = layer.scales
+            if scales is not None:
+                last = sum((n - 1) * s for n, s in zip((rows, *scales.shape[1:]), scales.byte_strides))
+                if scales.offset + last + 4 > size:
+                    why = f"its scales reach byte {scales.offset + last + 4} of a {size}-byte allocation"
+                    raise _value_error(f"{at}.scales.offset", scales.offset, why)

@@ -132,12 +132,15 @@ def block_patterns(
         chosen = [by_name[name] for name in dict.fromkeys(layers)]
     pieces: dict[tuple[int, int], list[list[int]]] = {}
     for layer in chosen:
-        offsets, run = block_runs(layer.shape, layer.byte_strides, layer.itemsize,
-                                  layer.rows_per_block)
         key = (layer.allocation, layer.manager_block_stride)
         starts, lengths = pieces.setdefault(key, [[], []])
-        starts.extend(layer.offset + o for o in offsets)
-        lengths.extend([run] * len(offsets))
+        views = [(layer.offset, layer.shape, layer.byte_strides, layer.itemsize)]
+        if (scales := layer.scales) is not None:  # NOTE: a per-token-head page: its scales move with it
+            views.append((scales.offset, scales.shape, scales.byte_strides, 4))
+        for offset, shape, strides, itemsize in views:
+            offsets, run = block_runs(shape, strides, itemsize, layer.rows_per_block)
+            starts.extend(offset + o for o in offsets)
+            lengths.extend([run] * len(offsets))
     patterns = []
     for (alloc, stride), runs in sorted(pieces.items()):
         starts, lengths = (tuple(t.tolist()) for t in merge_runs(*map(torch.tensor, runs)))

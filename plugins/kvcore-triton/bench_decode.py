@@ -21,6 +21,12 @@ layout, variant, config), then the best per layout.
     python plugins/kvcore-triton/bench_decode.py                 # H200 target shape
     python plugins/kvcore-triton/bench_decode.py --sweep --block-size 16,64 --skip-torch-check
     python plugins/kvcore-triton/bench_decode.py --flashinfer --block-size 16,64   # + FlashInfer rows
+    python plugins/kvcore-triton/bench_decode.py --kv-cache-dtype fp8,int8_per_token_head,fp8_per_token_head
+
+``--kv-cache-dtype MODE[,MODE...]`` also decodes the same K/V stored quantized (written by the
+Triton store kernel) with the best bf16 config of each layout: time, bytes read (data and
+scales), the speed-up over the bf16 decode and the relative L2 error against SDPA on the bf16
+K/V; where FlashInfer is installed (CUDA), FlashInfer's fp8 decode of the per-tensor modes too.
 """
 
 from __future__ import annotations
@@ -37,9 +43,11 @@ import torch.nn.functional as F
 
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from kvcore.memory.layout import KVCacheLayout, compute_layout_strides
-from kvcore.memory.views import allocate_kv_cache
+from kvcore.memory.views import allocate_kv_cache, allocate_scale_views
+from kvcore.plugins.backend import KVQuantState
 from kvcore.settings import Settings
 from kvcore.specs import FullAttentionSpec
+from kvcore.specs.quant import KV_CACHE_DTYPES, quantize_specs
 from kvcore_triton import KernelConfig, paged_attention
 from kvcore_triton.attention import DECODE_VARIANTS, _tma_descriptor
 
@@ -90,10 +98,11 @@ def _host_us(fn, device, iters):
     return statistics.median(times)
 
 
-def _allocate(args, layout, device, block_size):
-    """One layer's kernel-block view of a ``--num-layers``-layer kvcore cache."""
+def _allocate(args, layout, device, block_size, mode="auto"):
+    """One layer's kernel-block view of a ``--num-layers``-layer kvcore cache (stored as ``mode``),
+    its block table and its quantization (None unquantized)."""
     dtype = DTYPES[args.dtype]
-    spec = FullAttentionSpec(block_size, args.kv_heads, args.head_size, dtype)
+    spec = quantize_specs({"l": FullAttentionSpec(block_size, args.kv_heads, args.head_size, dtype)}, mode)["l"]
     blocks_per_req = -(-args.context // block_size)
     num_blocks = args.batch * blocks_per_req + 1
     strides = compute_layout_strides(spec, num_blocks, args.num_layers, layout)
@@ -103,13 +112,18 @@ def _allocate(args, layout, device, block_size):
         layers=names, layer_stride=strides[0], block_stride=strides[1],
     )
     config = KVCacheConfig(num_blocks, [tensor], [KVCacheGroupSpec(names, spec)], layout)
-    view = allocate_kv_cache(config, device)[names[args.num_layers // 2]]
-    gen = torch.Generator(device=device).manual_seed(0)
-    view.normal_(generator=gen)
+    name = names[args.num_layers // 2]
+    view = allocate_kv_cache(config, device)[name]
     # Block 0 stays unused; requests get shuffled blocks (a fragmented pool).
     perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(1)) + 1
     table = perm[: args.batch * blocks_per_req].view(args.batch, blocks_per_req).to(device, torch.int32)
-    return view, table
+    if spec.kv_quant is not None:
+        raw = torch.empty(0, dtype=torch.int8, device=device).set_(view.untyped_storage())
+        scales = allocate_scale_views(config, raw).get(name)
+        return view, table, KVQuantState(spec.kv_quant, spec.dtype, 1.0, 1.0, scales)
+    gen = torch.Generator(device=device).manual_seed(0)
+    view.normal_(generator=gen)
+    return view, table, None
 
 
 def _contiguous_kv(view, table, args):
@@ -135,7 +149,7 @@ class Case:
 
     def __init__(self, args, layout, device, block_size):
         self.layout, self.block_size = layout, block_size
-        self.view, self.table = _allocate(args, layout, device, block_size)
+        self.view, self.table, _ = _allocate(args, layout, device, block_size)
         gen = torch.Generator(device=device).manual_seed(2)
         self.query = torch.randn(args.batch, args.q_heads, args.head_size, generator=gen, device=device)
         self.query = self.query.to(self.view.dtype)
@@ -201,6 +215,66 @@ class Case:
         ref = kvcore_torch.paged_attention(self.query, self.view, self.table, self.qsl, self.seq_lens,
                                            head_size=a.head_size, scale=self.scale)
         return (ref.float() - self.out.float()).abs().max().item()
+
+
+class QuantCase:
+    """A bf16 case's K/V stored as ``mode`` (same block table), decoded with its scales."""
+
+    def __init__(self, case: Case, mode: str, device) -> None:
+        from kvcore_triton import write_kv
+
+        args = self.args = case.args
+        self.case, self.mode = case, mode
+        self.view, table, self.kv_quant = _allocate(args, case.layout, device, case.block_size, mode)
+        assert torch.equal(table, case.table)
+        # NOTE: every cached token, written by the Triton store kernel (quantized in the same launch).
+        bs = case.block_size
+        tokens = case.view[case.table.long()].permute(0, 1, 3, 2, 4).flatten(0, 2)
+        per_req = -(-args.context // bs) * bs
+        keep = (torch.arange(per_req, device=device) < args.context).repeat(args.batch)
+        slots = (case.table.long()[:, :, None] * bs + torch.arange(bs, device=device)).flatten()
+        tokens, slots = tokens[keep], slots[keep]
+        for start in range(0, slots.numel(), 1 << 16):
+            part = slice(start, start + (1 << 16))
+            write_kv(self.view, tokens[part, :, : args.head_size], tokens[part, :, args.head_size :],
+                     slots[part], args.head_size, kv_quant=self.kv_quant)
+        data = args.batch * args.context * args.kv_heads * 2 * args.head_size * self.view.element_size()
+        self.kv_bytes = data + (args.batch * args.context * args.kv_heads * 8 if mode.endswith("per_token_head") else 0)
+
+    def measure(self, config, device, bf16_ms) -> dict:
+        c, a = self.case, self.args
+
+        def decode():
+            return paged_attention(c.query, self.view, c.table, c.qsl, c.seq_lens, head_size=a.head_size,
+                                   scale=c.scale, out=c.out, max_query_len=1, max_seq_len=a.context,
+                                   config=config, kv_quant=self.kv_quant)
+
+        ms = _timer(decode, device, a.warmup, a.iters)
+        ref = c.sdpa_out
+        return {"block_size": c.block_size, "layout": c.layout.name, "kv_cache_dtype": self.mode,
+                "config": _config_dict(config), "decode_ms": ms, "kv_bytes": self.kv_bytes,
+                "decode_gbps": self.kv_bytes / ms / 1e6, "bf16_decode_ms": bf16_ms, "speedup_over_bf16": bf16_ms / ms,
+                "rel_l2_vs_sdpa": ((c.out.float() - ref).norm() / ref.norm()).item()}
+
+    def flashinfer(self, device) -> list[dict]:
+        """FlashInfer's fp8 decode (CUDA cores and tensor cores) of this per-tensor cache."""
+        from kvcore_flashinfer.bench import decode_rows
+
+        c, rows = self.case, []
+        for tensor_cores in (False, True):
+            for r in decode_rows(self.view, c.table, c.seq_lens, c.query, scale=c.scale, kv_quant=self.kv_quant,
+                                 time_ms=lambda fn: _timer(fn, device, c.args.warmup, c.args.iters),
+                                 reference=c.sdpa_out, tensor_cores=tensor_cores):
+                r.update(block_size=c.block_size, layout=c.layout.name, gbps=self.kv_bytes / r["ms"] / 1e6,
+                         sdpa_time_over_time=c.sdpa_ms / r["ms"], kv_cache_dtype=self.mode)
+                rows.append(r)
+        return rows
+
+
+def _flashinfer_installed(device) -> bool:
+    import importlib.util
+
+    return device.type == "cuda" and all(importlib.util.find_spec(m) for m in ("flashinfer", "kvcore_flashinfer"))
 
 
 def _config_dict(config) -> dict:
@@ -306,9 +380,15 @@ def main(argv=None) -> int:
     p.add_argument("--skip-torch-check", action="store_true", help="skip the (slow) torch backend comparison")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--json", action="store_true", help="also print one JSON object with every row at the end")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help=f"comma-separated KV cache modes decoded beside bf16, from {list(KV_CACHE_DTYPES)}")
     p.add_argument("--flashinfer", action="store_true",
                    help="also time FlashInfer through kvcore's views and on its own paged tensor (kvcore-flashinfer)")
     args = p.parse_args(argv)
+    modes = [m.strip() for m in args.kv_cache_dtype.split(",") if m.strip() and m.strip() != "auto"]
+    unknown = [m for m in modes if m not in KV_CACHE_DTYPES]
+    if unknown:
+        p.error(f"unknown --kv-cache-dtype {unknown}; choose from {list(KV_CACHE_DTYPES)}")
     device = torch.device(args.device)
     if device.type == "cpu" and not Settings.from_env().triton_interpret:
         print("bench_decode.py times Triton kernels on a CUDA GPU; on CPU run it with "
@@ -323,7 +403,7 @@ def main(argv=None) -> int:
         "block_sizes": block_sizes,
     }
     print(f"# {header['device']}  {header['shape']}  block sizes {block_sizes}", flush=True)
-    rows, baselines, best, flashinfer_rows = [], [], [], []
+    rows, baselines, best, flashinfer_rows, quant_rows = [], [], [], [], []
     for i, block_size in enumerate(block_sizes):
         cases = [Case(args, KVCacheLayout.parse(name), device, block_size) for name in args.layouts.split(",")]
         for case in cases:
@@ -345,6 +425,34 @@ def main(argv=None) -> int:
             if not args.skip_torch_check:
                 top["max_abs_diff_vs_torch_backend"] = case.torch_diff(KernelConfig(**c, **v))
             best.append(top)
+        for case in cases if modes else ():
+            mine = [r for r in best if r["layout"] == case.layout.name and r["block_size"] == block_size]
+            if not mine:
+                continue
+            c, v = mine[0]["config"], DECODE_VARIANTS[mine[0]["variant"]]
+            # NOTE: 8-bit tiles leave more room per program: a few configs beside bf16's best.
+            configs = {mine[0]["variant"]: KernelConfig(**c, **v), "t128w4": KernelConfig(**{**c, "tile": 128,
+                       "num_warps": 4}, **v), "stages2": KernelConfig(**{**c, "num_stages": 2}, **v),
+                       "pointer": KernelConfig(**c, **DECODE_VARIANTS["pointer"])}
+            for mode in modes:
+                quant = QuantCase(case, mode, device)
+                tried = []
+                for name, config in configs.items() if device.type == "cuda" else list(configs.items())[:1]:
+                    try:
+                        tried.append({**quant.measure(config, device, mine[0]["decode_ms"]), "variant": name})
+                    except Exception as exc:  # a config may not fit (shared memory, registers)
+                        print(f"# {mode} {name}: skipped ({type(exc).__name__})", flush=True)
+                r = min(tried, key=lambda row: row["decode_ms"])
+                quant_rows.append(r)
+                print(f"QUANT bs={block_size:<3} {r['layout']:6} {mode:20} {r['variant']:8} {r['decode_ms']:8.4f} ms "
+                      f"{r['decode_gbps']:6.0f} GB/s  x{r['speedup_over_bf16']:.2f} over bf16 "
+                      f"({r['bf16_decode_ms']:.4f} ms)  rel_l2_vs_sdpa {r['rel_l2_vs_sdpa']:.2e}", flush=True)
+                if quant.kv_quant.kv_quant == "per_tensor" and _flashinfer_installed(device):
+                    for fr in quant.flashinfer(device):
+                        flashinfer_rows.append(fr)
+                        print(f"FLASHINFER bs={block_size:<3} {fr['layout']:6} {fr['path']:46} {fr['ms']:.4f} ms "
+                              f"{fr['gbps']:.0f} GB/s native/this {fr['native_time_over_time']:.3f}", flush=True)
+                del quant
         for case in cases if args.flashinfer else ():
             for r in case.flashinfer(device):
                 flashinfer_rows.append(r)
@@ -360,7 +468,7 @@ def main(argv=None) -> int:
               + ("" if extra is None else f" diff_torch {extra:.1e}"), flush=True)
     if args.json:
         print(json.dumps({**header, "baselines": baselines, "rows": rows, "best": best,
-                          "flashinfer": flashinfer_rows}))
+                          "flashinfer": flashinfer_rows, "quantized": quant_rows}))
     return 0
 
 

@@ -11,6 +11,8 @@ from kvcore.errors import KVCoreError
 
 #: Cache dtypes FlashInfer's paged fp16/bf16 kernels take.
 DTYPES = (torch.float16, torch.bfloat16)
+#: Per-tensor quantized caches it reads (``kv_data_type``, with ``k_scale``/``v_scale`` at run).
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 #: Head sizes its paged decode and prefill kernels are built for (``DISPATCH_HEAD_DIM``).
 HEAD_SIZES = (64, 128, 256)
 #: Query heads per KV head its CUDA-core decode kernel is built for; other groups decode
@@ -44,10 +46,11 @@ def check_view(kv_cache_view: torch.Tensor, head_size: int, head_size_v: int) ->
             f"{kv_cache_view.device}: create the KVCache on a CUDA device, or use the 'torch' backend "
             "(or 'triton' with TRITON_INTERPRET=1) on the CPU"
         )
-    if kv_cache_view.dtype not in DTYPES:
+    if kv_cache_view.dtype not in DTYPES + FP8_DTYPES:
         raise KVCoreError(
-            f"the 'flashinfer' backend takes float16/bfloat16 caches, got {kv_cache_view.dtype}; "
-            "plan the cache in float16 or bfloat16, or use the 'triton' backend"
+            f"the 'flashinfer' backend takes float16/bfloat16 caches (or fp8 ones quantized per "
+            f"tensor), got {kv_cache_view.dtype}; plan the cache in float16 or bfloat16 (or "
+            "kv_cache_dtype='fp8'), or use the 'triton' backend"
         )
     if head_size not in HEAD_SIZES or head_size_v != head_size:
         raise KVCoreError(
@@ -64,6 +67,20 @@ def check_view(kv_cache_view: torch.Tensor, head_size: int, head_size_v: int) ->
         raise KVCoreError(
             f"the 'flashinfer' backend narrows strides to 32 bits, the view has stride {big[0]} "
             f">= 2**32 elements; pick a block-compact layout (LBNHC, LBHNC) or fewer blocks"
+        )
+
+
+def check_quant(kv_cache_view: torch.Tensor, kv_quant: Any) -> None:
+    """A quantized cache FlashInfer reads: fp8 with one K and one V scale per layer."""
+    if kv_quant is None:
+        if kv_cache_view.dtype in FP8_DTYPES:
+            raise KVCoreError("an fp8 cache view came without its scales (metadata.kv_quant); build the "
+                              "metadata with KVCache.build_metadata")
+        return
+    if kv_quant.kv_quant != "per_tensor" or kv_cache_view.dtype not in FP8_DTYPES:
+        raise KVCoreError(
+            f"the 'flashinfer' backend reads fp8 caches quantized per tensor, not {kv_quant.kv_quant} "
+            f"{kv_cache_view.dtype}; use kv_cache_dtype='fp8' or the 'triton' backend"
         )
 
 

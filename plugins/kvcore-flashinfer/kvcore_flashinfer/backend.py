@@ -9,7 +9,7 @@ import torch
 from kvcore.errors import KVCoreError
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.paged_inputs import check_heads_and_window, step_checks
-from kvcore_flashinfer._runtime import check_view, flashinfer, kv_pair
+from kvcore_flashinfer._runtime import DTYPES, check_quant, check_view, flashinfer, kv_pair
 from kvcore_flashinfer.builder import FlashInferMetadata, FlashInferMetadataBuilder, PlanKey
 
 
@@ -69,10 +69,16 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         head_size_v = value.shape[-1]
         check_view(kv_cache_view, head_size, head_size_v)
+        quant = metadata.kv_quant
+        check_quant(kv_cache_view, quant)
         flashinfer()
-        if query.dim() != 3 or query.shape[-1] != head_size or query.dtype != kv_cache_view.dtype:
+        q_dtype = kv_cache_view.dtype if quant is None else query.dtype
+        # NOTE: over an fp8 cache the query stays in the model's float16 or bfloat16.
+        if query.dim() != 3 or query.shape[-1] != head_size or query.dtype != q_dtype or (
+            quant is not None and q_dtype not in DTYPES
+        ):
             raise ValueError(
-                f"query must be [tokens, query heads, {head_size}] in {kv_cache_view.dtype}, got "
+                f"query must be [tokens, query heads, {head_size}] in {q_dtype}, got "
                 f"{tuple(query.shape)} in {query.dtype}"
             )
         num_kv_heads = kv_cache_view.shape[1]
@@ -86,19 +92,22 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
         n = metadata.num_actual_tokens
         _store()(kv_cache_view, key[:n], value[:n], metadata.slot_mapping[:n], head_size,
-                 validate=step_checks(metadata.common.debug_checks, kv_cache_view.device))
+                 validate=step_checks(metadata.common.debug_checks, kv_cache_view.device),
+                 **({} if quant is None else {"kv_quant": quant}))
         if n == 0:
             return out
         layout, k_cache, v_cache = kv_pair(kv_cache_view, head_size)
         plan_key = PlanKey(
             query.shape[1], num_kv_heads, head_size, query.dtype, layout,
             -1 if sliding_window is None else sliding_window - 1, float(scale),
+            None if quant is None else kv_cache_view.dtype,
         )
         q = query[:n] if query.stride(-1) == 1 else query[:n].contiguous()
         rows = out[:n]
         # NOTE: FlashInfer writes its output densely ([tokens, heads, dim], no strides).
         dense = rows if rows.is_contiguous() else torch.empty_like(rows, memory_format=torch.contiguous_format)
-        metadata.wrapper(plan_key).run(q, (k_cache, v_cache), out=dense)
+        scales = {} if quant is None else {"k_scale": quant.k_scale, "v_scale": quant.v_scale}
+        metadata.wrapper(plan_key).run(q, (k_cache, v_cache), out=dense, **scales)
         if dense is not rows:
             rows.copy_(dense)
         return out

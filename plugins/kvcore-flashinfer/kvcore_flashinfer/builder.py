@@ -22,7 +22,7 @@ import attrs
 import torch
 
 from kvcore.errors import KVCoreError
-from kvcore.plugins.backend import AttentionMetadataBuilder, CommonAttentionMetadata
+from kvcore.plugins.backend import AttentionMetadataBuilder, CommonAttentionMetadata, KVQuantState
 from kvcore_flashinfer._runtime import DECODE_GROUPS, flashinfer
 from kvcore_flashinfer.paging import PageTable, page_table
 
@@ -47,6 +47,8 @@ class PlanKey:
     layout: str
     window_left: int
     scale: float
+    #: The cache's dtype (fp8 for a per-tensor quantized cache; else the query's); None: ``dtype``.
+    kv_dtype: torch.dtype | None = None
 
     @property
     def decode_kernel(self) -> bool:
@@ -67,6 +69,8 @@ class FlashInferMetadata:
     graph_size: int | None = None
     #: Wrappers planned for this step, by key (one per group in practice).
     planned: dict[PlanKey, Any] = attrs.field(factory=dict, repr=False)
+    #: The layer's quantization (a per-tensor fp8 cache), set per layer by kvcore.
+    kv_quant: KVQuantState | None = None
 
     @property
     def num_actual_tokens(self) -> int:
@@ -136,7 +140,7 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         wrapper.plan(
             pages.indptr, pages.indices, pages.last_page_len, key.num_q_heads, key.num_kv_heads,
             key.head_size, self.page_size, window_left=key.window_left, q_data_type=key.dtype,
-            kv_data_type=key.dtype, sm_scale=key.scale,
+            kv_data_type=key.kv_dtype or key.dtype, sm_scale=key.scale,
         )
 
     def plan(self, metadata: FlashInferMetadata, key: PlanKey) -> Any:
@@ -163,7 +167,8 @@ class FlashInferMetadataBuilder(AttentionMetadataBuilder):
         wrapper.plan(
             metadata.qo_indptr, pages.indptr, pages.indices, pages.last_page_len, key.num_q_heads,
             key.num_kv_heads, key.head_size, self.page_size, causal=metadata.common.causal,
-            window_left=key.window_left, q_data_type=key.dtype, kv_data_type=key.dtype, sm_scale=key.scale,
+            window_left=key.window_left, q_data_type=key.dtype, kv_data_type=key.kv_dtype or key.dtype,
+            sm_scale=key.scale,
         )
         return wrapper
 

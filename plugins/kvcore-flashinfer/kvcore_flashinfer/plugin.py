@@ -10,11 +10,13 @@ import importlib.util
 from collections.abc import Callable
 from typing import Any
 
+import attrs
+
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.hookspecs import hookimpl
 from kvcore.plugins.requirements import KernelRequirements
 from kvcore.specs import MultipleOf
-from kvcore_flashinfer._runtime import DTYPES, HEAD_SIZES, MAX_STRIDE_ELEMENTS
+from kvcore_flashinfer._runtime import DTYPES, FP8_DTYPES, HEAD_SIZES, MAX_STRIDE_ELEMENTS
 from kvcore_flashinfer.backend import FlashInferAttentionBackend
 
 #: Below kvcore-triton's 100: on the H200 its decode read 4.36-4.41 TB/s where FlashInfer's
@@ -35,6 +37,8 @@ REQUIREMENTS = KernelRequirements(
     max_stride_elements=MAX_STRIDE_ELEMENTS,
     # NOTE: its kernels copy K/V with 16-byte cp.async loads.
     alignment_bytes=16,
+    # NOTE: fp8 pages with one scale per layer (kv_data_type, k_scale, v_scale); no per-token scales.
+    kv_quant=("none", "per_tensor"),
 )
 
 
@@ -60,7 +64,10 @@ def kvcore_supported_layouts(backend: Any, spec: Any) -> list[KVCacheLayout] | N
 
 @hookimpl
 def kvcore_kernel_requirements(backend: Any, spec: Any) -> KernelRequirements | None:
-    return REQUIREMENTS if _owns(backend) else None
+    if not _owns(backend):
+        return None
+    quantized = getattr(spec, "kv_quant", None) is not None
+    return attrs.evolve(REQUIREMENTS, dtypes=FP8_DTYPES) if quantized else REQUIREMENTS
 
 
 @hookimpl

@@ -24,12 +24,14 @@ class _Wrapper:
         self.qo, self.indptr, self.indices, self.last = (t.clone() for t in (qo_indptr, indptr, indices, last))
         self.heads, self.page, self.window, self.scale = (num_qo_heads, num_kv_heads, head_dim), page_size, \
             window_left, sm_scale
+        self.q_data_type, self.kv_data_type = kwargs.get("q_data_type"), kwargs.get("kv_data_type")
 
-    def run(self, q, paged_kv_cache, out=None):
+    def run(self, q, paged_kv_cache, out=None, k_scale=None, v_scale=None):
         if isinstance(paged_kv_cache, torch.Tensor):  # one [pages, 2, ...] tensor
             paged_kv_cache = (paged_kv_cache[:, 0], paged_kv_cache[:, 1])
         k_cache, v_cache = paged_kv_cache
         assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+        assert k_cache.dtype == (self.kv_data_type or k_cache.dtype)  # planned for what it reads
         if self.kv_layout == "HND":
             k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
         hq, hk, _ = self.heads
@@ -37,8 +39,8 @@ class _Wrapper:
         for i in range(len(self.last)):
             pages = self.indices[self.indptr[i] : self.indptr[i + 1]].long()
             n = (len(pages) - 1) * self.page + int(self.last[i])
-            keys = k_cache[pages].flatten(0, 1)[:n].double().repeat_interleave(hq // hk, 1)
-            values = v_cache[pages].flatten(0, 1)[:n].double().repeat_interleave(hq // hk, 1)
+            keys = k_cache[pages].flatten(0, 1)[:n].double().repeat_interleave(hq // hk, 1) * (k_scale or 1.0)
+            values = v_cache[pages].flatten(0, 1)[:n].double().repeat_interleave(hq // hk, 1) * (v_scale or 1.0)
             start, end = int(self.qo[i]), int(self.qo[i + 1])
             pos = torch.arange(n - (end - start), n)[:, None]
             k_pos = torch.arange(n)[None, :]

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from kvcore.plugins.backend import KVQuantState
 from kvcore.plugins.paged_inputs import (
     check_batch,
     check_batch_shapes,
@@ -28,6 +29,7 @@ from kvcore.plugins.paged_inputs import (
     check_tokens,
     value_checks,
 )
+from kvcore_torch.quant import dequantize
 
 #: Float32 elements of scores and pages one request chunk may hold (256 MiB).
 CHUNK_ELEMENTS = 1 << 26
@@ -48,6 +50,7 @@ def paged_attention(
     max_query_len: int | None = None,
     max_seq_len: int | None = None,
     validate: bool | None = None,
+    kv_quant: KVQuantState | None = None,
 ) -> torch.Tensor:
     """Attention of each new token over its request's cached tokens.
 
@@ -67,17 +70,20 @@ def paged_attention(
         (``ValueError``). None: on for CPU tensors or under
         ``KVCORE_DEBUG_CHECKS=1``; off on GPUs, where block ids are clamped
         into the cache instead (never read out of bounds).
+    :param kv_quant: the layer's quantization (``metadata.kv_quant``): pages are read back
+        through their scales (:func:`kvcore_torch.quant.dequantize`); the query may then be
+        any float dtype.
     :returns: ``[T, Hq, head_size_v]`` in ``query``'s dtype (``out`` if given).
     :raises TypeError: a query whose dtype is not the cache's (cast it first, as
         the Triton backend also asks).
     """
-    head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v)
+    head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v, kv_quant=kv_quant)
     if not isinstance(query, torch.Tensor) or query.dim() != 3 or query.shape[-1] != head_size:
         got = tuple(query.shape) if isinstance(query, torch.Tensor) else type(query).__name__
         raise ValueError(f"query must be [tokens, query heads, {head_size}], got {got}")
     num_tokens, num_q_heads, _ = query.shape
     # NOTE: one rule with the Triton backend: the query has the cache's dtype and device.
-    check_tokens("query", query, num_tokens, num_q_heads, head_size, kv_cache_view)
+    check_tokens("query", query, num_tokens, num_q_heads, head_size, kv_cache_view, kv_quant is not None)
     num_blocks, num_kv_heads, block_size, _ = kv_cache_view.shape
     check_heads_and_window(num_q_heads, num_kv_heads, sliding_window)
     num_reqs = check_batch_shapes(query_start_loc, seq_lens, block_table)
@@ -115,7 +121,7 @@ def paged_attention(
             reqs = torch.tensor(members, device=device)
         rows = _attend_requests(
             query, kv_cache_view, block_table, starts, lens, reqs, cols, width,
-            head_size, head_size_v, scale, sliding_window,
+            head_size, head_size_v, scale, sliding_window, kv_quant,
         )  # [R, width, Hq, Dv]
         # Position of each request in this chunk (-1: not in it; index num_reqs: no request).
         place = torch.full((num_reqs + 1,), -1, dtype=torch.int64, device=device)
@@ -165,7 +171,7 @@ def _chunks_by_length(starts, lens, block_size, table_cols, num_q_heads, num_kv_
 
 
 def _attend_requests(query, view, block_table, starts, lens, reqs, cols, width,
-                     head_size, head_size_v, scale, sliding_window) -> torch.Tensor:
+                     head_size, head_size_v, scale, sliding_window, kv_quant=None) -> torch.Tensor:
     """Padded attention of requests ``reqs``: ``[R, width, Hq, head_size_v]`` in float32."""
     device = view.device
     num_reqs = reqs.numel()
@@ -175,8 +181,10 @@ def _attend_requests(query, view, block_table, starts, lens, reqs, cols, width,
     ids = block_table.to(device)[reqs, :cols].to(torch.int64).clamp(0, num_blocks - 1)
     # [R, cols, H, N, C] -> [R, H, cols * N, C]
     pages = view[ids].permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, cols * block_size, content).float()
-    keys = pages[..., :head_size].unsqueeze(2)  # [R, H, 1, S, D]
-    values = pages[..., head_size : head_size + head_size_v].unsqueeze(2)
+    keys, values = pages[..., :head_size], pages[..., head_size : head_size + head_size_v]
+    if kv_quant is not None:
+        keys, values = _dequantized(kv_quant, ids, keys, values)
+    keys, values = keys.unsqueeze(2), values.unsqueeze(2)  # [R, H, 1, S, D]
     offset = torch.arange(width, device=device)
     first, seq = starts[reqs], lens[reqs]
     q_lens = starts[reqs + 1] - first
@@ -193,3 +201,12 @@ def _attend_requests(query, view, block_table, starts, lens, reqs, cols, width,
     probs = torch.softmax(scores, dim=-1)
     result = torch.matmul(probs, values)  # [R, H, G, W, Dv]
     return result.permute(0, 3, 1, 2, 4).reshape(num_reqs, width, num_q_heads, head_size_v)
+
+
+def _dequantized(kv_quant: KVQuantState, ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor):
+    """Gathered pages ``[R, H, S, D]`` read back through the layer's scales."""
+    if kv_quant.kv_quant == "per_tensor":
+        return dequantize(keys, kv_quant.k_scale), dequantize(values, kv_quant.v_scale)
+    num_reqs, num_kv_heads, tokens, _ = keys.shape
+    scales = kv_quant.scale_cache[ids].permute(0, 2, 1, 3, 4).reshape(num_reqs, num_kv_heads, tokens, 2)
+    return dequantize(keys, scales[..., 0]), dequantize(values, scales[..., 1])

@@ -48,13 +48,15 @@ def check_device(kv_cache_view: torch.Tensor) -> None:
         )
 
 
-def check_cache_view(kv_cache_view: torch.Tensor, head_size: int, head_size_v: int | None) -> int:
+def check_cache_view(kv_cache_view: torch.Tensor, head_size: int, head_size_v: int | None, kv_quant=None) -> int:
     """Validate a kernel-block view ``[B, H, N, C]`` of a dtype the kernels take; return ``head_size_v``."""
     check_device(kv_cache_view)
-    return _check_cache_view(kv_cache_view, head_size, head_size_v, DTYPES)
+    return _check_cache_view(kv_cache_view, head_size, head_size_v, DTYPES, kv_quant)
 
 
-def check_kv_write(kv_cache_view, key, value, slot_mapping, head_size: int, *, check_slots: bool) -> int:
+def check_kv_write(kv_cache_view, key, value, slot_mapping, head_size: int, *, check_slots: bool,
+                   kv_quant=None) -> int:
     """Validate a K/V write into a view of a dtype the kernels take; return the slot count."""
     check_device(kv_cache_view)
-    return _check_kv_write(kv_cache_view, key, value, slot_mapping, head_size, DTYPES, check_slots=check_slots)
+    return _check_kv_write(kv_cache_view, key, value, slot_mapping, head_size, DTYPES, check_slots=check_slots,
+                           kv_quant=kv_quant)

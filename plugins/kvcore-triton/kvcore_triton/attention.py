@@ -14,6 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kvcore.plugins.backend import KVQuantState
+
 try:
     from triton.tools.tensor_descriptor import TensorDescriptor
 except ImportError:  # NOTE: an older Triton has no host-side TMA descriptors: every tile takes the pointer path
@@ -30,6 +32,7 @@ from kvcore_triton._checks import (
 )
 from kvcore_triton.decode import LOG2E, _decode_merge_kernel, _decode_split_kernel
 from kvcore_triton.prefill import _varlen_kernel
+from kvcore_triton.quant import dot_scale_factor, quant_args
 
 
 def _positive(inst, attribute, value) -> None:
@@ -75,10 +78,14 @@ class KernelConfig:
 DECODE_VARIANTS: dict[str, dict] = {"base": {}, "pointer": {"tma": False}}
 
 
-def _dot_dtype(query: torch.Tensor) -> tl.dtype:
+def _dot_dtype(query: torch.Tensor, cache_dtype: torch.dtype) -> tl.dtype:
     # NOTE: the Triton interpreter (CPU tensors) mis-computes bf16 tl.dot; upcast there.
     if query.dtype == torch.float32 or (query.dtype == torch.bfloat16 and query.device.type == "cpu"):
         return tl.float32
+    # NOTE: fp8 widens to float16 in one packed conversion (to bfloat16 it takes a second one);
+    # queries and probabilities (times an amax, per token and head) sit well inside its range.
+    if cache_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return tl.float16
     return tl.float16 if query.dtype == torch.float16 else tl.bfloat16
 
 
@@ -145,6 +152,7 @@ def paged_attention(
     max_seq_len: int | None = None,
     config: KernelConfig | None = None,
     validate: bool | None = None,
+    kv_quant: KVQuantState | None = None,
 ) -> torch.Tensor:
     """Causal attention of each new token over its request's paged K/V.
 
@@ -156,15 +164,16 @@ def paged_attention(
     ``max_seq_len`` to avoid a device sync. ``validate`` checks offsets,
     lengths and block ids on the host (``ValueError``); None: on for CPU
     tensors or under ``KVCORE_DEBUG_CHECKS=1``, off on GPUs (no sync).
-    Returns ``[T, Hq, head_size_v]``.
+    ``kv_quant`` (``metadata.kv_quant``) reads a quantized cache through its
+    scales; the query is then in any float dtype. Returns ``[T, Hq, head_size_v]``.
     """
     config = config or KernelConfig()
-    head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v)
+    head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v, kv_quant)
     num_blocks, num_kv_heads, block_size, _ = kv_cache_view.shape
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
         raise ValueError(f"query must be [tokens, query heads, {head_size}], got {getattr(query, 'shape', query)!r}")
     num_tokens, num_q_heads, _ = query.shape
-    check_tokens("query", query, num_tokens, num_q_heads, head_size, kv_cache_view)
+    check_tokens("query", query, num_tokens, num_q_heads, head_size, kv_cache_view, kv_quant is not None)
     check_heads_and_window(num_q_heads, num_kv_heads, sliding_window)
     num_reqs = check_batch_shapes(query_start_loc, seq_lens, block_table, kv_cache_view)
     if value_checks(validate, kv_cache_view.device):
@@ -183,26 +192,28 @@ def paged_attention(
     query = query if query.stride(-1) == 1 else query.contiguous()
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     group = num_q_heads // num_kv_heads
+    quant = quant_args(kv_cache_view, kv_quant)
     common = dict(
         HEAD=head_size, HEAD_V=head_size_v,
         D_PAD=max(16, triton.next_power_of_2(head_size)), DV_PAD=max(16, triton.next_power_of_2(head_size_v)),
         BLOCK_N=block_size, TILE=config.tile,
-        DOT_DTYPE=_dot_dtype(query),
+        DOT_DTYPE=_dot_dtype(query, kv_cache_view.dtype),
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else None,
-        num_stages=config.num_stages,
+        QUANT=quant.mode, num_stages=config.num_stages,
     )
     strides = (
         query.stride(0), query.stride(1), *kv_cache_view.stride(),
-        block_table.stride(0), out.stride(0), out.stride(1),
+        block_table.stride(0), out.stride(0), out.stride(1), *quant.strides,
     )
-    qk_scale = scale * LOG2E
+    qk_scale = scale * LOG2E * dot_scale_factor(quant)
     window = sliding_window or 0
     if max_query_len > 1:
         group_pad = triton.next_power_of_2(group)
         block_q = max(1, config.prefill_rows // group_pad)
         grid = (num_reqs, num_kv_heads, triton.cdiv(max_query_len, block_q))
         _varlen_kernel[grid](
-            query, kv_cache_view, block_table, query_start_loc, seq_lens, out, qk_scale, window, *strides,
+            query, kv_cache_view, quant.scales, block_table, query_start_loc, seq_lens, out, qk_scale,
+            quant.v_scale, window, *strides,
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, num_warps=config.num_warps or VARLEN_WARPS, **common,
         )
         return out
@@ -223,9 +234,10 @@ def paged_attention(
     grid = (num_reqs * num_kv_heads * splits,) if tma else (num_reqs, num_kv_heads, splits)
     _decode_split_kernel[grid](
         # NOTE: the pointer path never reads kv_desc; the view stands in for it there.
-        query, kv_cache_view, kv_desc if tma else kv_cache_view, block_table, query_start_loc, seq_lens,
-        part_ml, part_acc, out,
-        qk_scale, window, tokens_per_split, splits, num_kv_heads, block_table.shape[1] * block_size, *strides,
+        query, kv_cache_view, kv_desc if tma else kv_cache_view, quant.scales, block_table, query_start_loc,
+        seq_lens, part_ml, part_acc, out,
+        qk_scale, quant.v_scale, window, tokens_per_split, splits, num_kv_heads, block_table.shape[1] * block_size,
+        *strides,
         GROUP=group, GROUP_PAD=group_pad, SINGLE=splits == 1, WINDOWED=window > 0, TMA=tma,
         num_warps=config.num_warps or DECODE_WARPS, **common,
     )

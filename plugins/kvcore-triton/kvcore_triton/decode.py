@@ -19,6 +19,12 @@ the H200 (BENCHMARKS.md); the variants that never won were removed.
 
 Tiles start at multiples of ``TILE`` (tokens before the split's first one are
 masked), so a tile covers whole kernel blocks or lies inside one.
+
+A quantized cache (``QUANT`` 1: per tensor, 2: per token and head) is read as
+8-bit tiles, widened to the dot dtype in registers; a per-tensor K scale is
+folded into ``qk_scale`` and the V scale into the output, per-token-head K
+scales multiply the score columns after ``q . k`` and V scales the
+probabilities before ``p . v``, so no dequantized tile is ever written.
 """
 
 from __future__ import annotations
@@ -40,15 +46,45 @@ def _load_rows(ptrs, row_ok, col_ok, MASK_COLS: tl.constexpr):
 
 
 @triton.jit
-def _row_offsets(table_row, tok, table_hi, stride_kb, stride_kn, BLOCK_N: tl.constexpr):
-    """Element offset of each token's row (kernel block and in-block position).
+def _token_blocks(table_row, tok, table_hi, BLOCK_N: tl.constexpr):
+    """Each token's kernel block and in-block position.
 
     Reads stop at the table's width (``table_hi`` tokens), not at the context:
     the ids do not wait for ``seq_lens``, and ids past the context are only
     used under the K/V loads' own mask.
     """
     block = tl.load(table_row + tok // BLOCK_N, mask=tok < table_hi, other=0).to(tl.int64)
-    return block * stride_kb + (tok % BLOCK_N) * stride_kn
+    return block, tok % BLOCK_N
+
+
+@triton.jit
+def _column_scales(scales, t_ok, MASKED: tl.constexpr):
+    """A tile's per-token K or V scales (masked columns read 0 when ``MASKED``)."""
+    if MASKED:
+        x = tl.load(scales, mask=t_ok, other=0.0)
+    else:
+        x = tl.load(scales)
+    return x
+
+
+@triton.jit
+def _scaled_scores(s, scales, t_ok, MASKED: tl.constexpr, QUANT: tl.constexpr):
+    """Scores times each column's K scale (per token and head; else ``s``)."""
+    if QUANT == 2:
+        s = s * _column_scales(scales, t_ok, MASKED)[None, :]
+    return s
+
+
+@triton.jit
+def _scaled_probs(p, scales, t_ok, v_scale, MASKED: tl.constexpr, QUANT: tl.constexpr):
+    """Probabilities times each column's V scale over ``v_scale`` (per token and head; else ``p``).
+
+    ``v_scale`` is 1 / max of the storage type here, applied to the output once: the products
+    stay in float16's normal range (a probability times an amax, not times amax / 448).
+    """
+    if QUANT == 2:
+        p = p * (_column_scales(scales + 1, t_ok, MASKED) * (1.0 / v_scale))[None, :]
+    return p
 
 
 @triton.jit
@@ -62,39 +98,45 @@ def _softmax_step(s, m_i, l_i):
 
 @triton.jit
 def _decode_tile(
-    q, m_i, l_i, acc, row, t_ok, head_base, qk_scale, stride_kc,
+    q, m_i, l_i, acc, row, scales, t_ok, head_base, qk_scale, v_scale, stride_kc,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
 ):
-    """One online-softmax step over the tile's (masked) rows ``row``; returns (m, l, acc)."""
+    """One online-softmax step over the tile's (masked) rows ``row`` (per-token-head scales at
+    ``scales``); returns (m, l, acc)."""
     d = tl.arange(0, D_PAD)
     dv = tl.arange(0, DV_PAD)
     k = _load_rows(head_base + row[:, None] + d[None, :] * stride_kc, t_ok, d < HEAD, HEAD != D_PAD)
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
-    s = tl.where(t_ok[None, :], s, float("-inf"))
+    s = tl.where(t_ok[None, :], _scaled_scores(s, scales, t_ok, True, QUANT), float("-inf"))
     m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
     v = _load_rows(head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc, t_ok, dv < HEAD_V,
                    HEAD_V != DV_PAD)
+    p = _scaled_probs(p, scales, t_ok, v_scale, True, QUANT)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
 def _decode_tile_tma(
-    q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale,
+    q, m_i, l_i, acc, kv_desc, table_row, kv_head, start, lo, hi, qk_scale, v_scale, scale_head, stride_sb, stride_sn,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_N: tl.constexpr, TILE: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, QUANT: tl.constexpr,
 ):
     """``_decode_tile`` for a tile inside one kernel block, read by two TMA copies (K, V)."""
     block = tl.load(table_row + start // BLOCK_N)
     n0 = start % BLOCK_N
     k = tl.reshape(kv_desc.load([block, kv_head, n0, 0]), [TILE, HEAD])
     s = tl.dot(q, tl.trans(k.to(DOT_DTYPE)), input_precision=DOT_PRECISION) * qk_scale
+    tok = start + tl.arange(0, TILE)
+    t_ok = (tok >= lo) & (tok < hi)
+    # NOTE: the tile lies inside one written or zeroed block: its scales need no mask.
+    scales = scale_head + block.to(tl.int64) * stride_sb + (n0 + tl.arange(0, TILE)) * stride_sn
+    s = _scaled_scores(s, scales, t_ok, MASKED, QUANT)
     if MASKED:
-        tok = start + tl.arange(0, TILE)
-        t_ok = (tok >= lo) & (tok < hi)
         s = tl.where(t_ok[None, :], s, float("-inf"))
     m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
+    p = _scaled_probs(p, scales, t_ok, v_scale, MASKED, QUANT)
     v = tl.reshape(kv_desc.load([block, kv_head, n0, HEAD]), [TILE, HEAD_V])
     if MASKED:
         # NOTE: rows past the context may hold anything (even NaN); p is 0 there, so zero them.
@@ -109,16 +151,16 @@ def _decode_tile_tma(
 @triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"],
             do_not_specialize_on_alignment=["block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
-    q_ptr, kv_ptr, kv_desc, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
+    q_ptr, kv_ptr, kv_desc, scale_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     part_ml_ptr, part_acc_ptr, out_ptr,
-    qk_scale, window, tokens_per_split, num_splits, num_kv_heads, table_hi,
+    qk_scale, v_scale, window, tokens_per_split, num_splits, num_kv_heads, table_hi,
     stride_qt, stride_qh,
     stride_kb, stride_kh, stride_kn, stride_kc,
-    stride_bt, stride_ot, stride_oh,
+    stride_bt, stride_ot, stride_oh, stride_sb, stride_sh, stride_sn,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
     HEAD: tl.constexpr, HEAD_V: tl.constexpr, D_PAD: tl.constexpr, DV_PAD: tl.constexpr,
     BLOCK_N: tl.constexpr, TILE: tl.constexpr, SINGLE: tl.constexpr, WINDOWED: tl.constexpr,
-    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr,
+    DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr, TMA: tl.constexpr, QUANT: tl.constexpr,
 ):
     if TMA:  # NOTE: a 1-D grid, KV head fastest: the heads of one request run side by side
         pid = tl.program_id(0)
@@ -160,28 +202,34 @@ def _decode_split_kernel(
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, DV_PAD], tl.float32)
     table_row = block_table_ptr + req.to(tl.int64) * stride_bt
+    scale_head = scale_ptr + kv_head.to(tl.int64) * stride_sh
     if TMA:
         # Only a split's partial first and last tiles are masked.
         full_lo = tl.where(lo == first, first, first + TILE)
         full_hi = tl.maximum((hi // TILE) * TILE, full_lo)
         common = (table_row, kv_head)
+        scaling = (qk_scale, v_scale, scale_head, stride_sb, stride_sn)
         if (lo != first) & (lo < hi):
-            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, first, lo, hi, qk_scale,
-                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True)
+            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, first, lo, hi, *scaling,
+                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True, QUANT)
         for start in range(full_lo, full_hi, TILE):
-            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, start, lo, hi, qk_scale,
-                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, False)
+            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, start, lo, hi, *scaling,
+                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, False, QUANT)
         if full_hi < hi:
-            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, full_hi, lo, hi, qk_scale,
-                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True)
+            m_i, l_i, acc = _decode_tile_tma(q, m_i, l_i, acc, kv_desc, *common, full_hi, lo, hi, *scaling,
+                                             HEAD, HEAD_V, BLOCK_N, TILE, DOT_DTYPE, DOT_PRECISION, True, QUANT)
     else:
         head_base = kv_ptr + kv_head.to(tl.int64) * stride_kh
         for start in range(first, hi, TILE):
             tok = start + tl.arange(0, TILE)
-            row = _row_offsets(table_row, tok, table_hi, stride_kb, stride_kn, BLOCK_N)
-            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, (tok >= lo) & (tok < hi), head_base, qk_scale,
-                                         stride_kc, HEAD, HEAD_V, D_PAD, DV_PAD, DOT_DTYPE, DOT_PRECISION)
+            block, n = _token_blocks(table_row, tok, table_hi, BLOCK_N)
+            row = block * stride_kb + n * stride_kn
+            scales = scale_head + block * stride_sb + n * stride_sn
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, row, scales, (tok >= lo) & (tok < hi), head_base,
+                                         qk_scale, v_scale, stride_kc, HEAD, HEAD_V, D_PAD, DV_PAD, DOT_DTYPE,
+                                         DOT_PRECISION, QUANT)
 
+    acc = acc * v_scale  # NOTE: the per-tensor V scale (per token: 1 / max, see _scaled_probs), once
     if SINGLE:
         o_off = q_row.to(tl.int64) * stride_ot + (kv_head * GROUP + g)[:, None] * stride_oh + dv[None, :]
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]

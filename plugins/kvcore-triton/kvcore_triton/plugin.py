@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.plugins.hookspecs import hookimpl
 from kvcore.plugins.requirements import KernelRequirements
@@ -22,6 +24,9 @@ _HEAD_SIZES = tuple(range(1, 257))
 #: kernels decode ~1.07x faster than FlashInfer's; on the CPU interpreter they
 #: are slow, so the torch backend wins there.
 CUDA_PRIORITY = 100
+#: Every cache quantization kvcore stores, and the 8-bit dtypes it stores them in.
+_KV_QUANT = ("none", "per_tensor", "per_token_head")
+QUANT_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2, torch.int8)
 _LAYOUTS = [KVCacheLayout.LBNHC, KVCacheLayout.BLNHC] + [
     layout for layout in KVCacheLayout if layout not in (KVCacheLayout.LBNHC, KVCacheLayout.BLNHC)
 ]
@@ -50,10 +55,12 @@ def kvcore_supported_layouts(backend: Any, spec: Any) -> list[KVCacheLayout] | N
 def kvcore_kernel_requirements(backend: Any, spec: Any) -> KernelRequirements | None:
     if not _owns(backend):
         return None
+    # NOTE: a quantized cache stores 8-bit values the kernels widen in registers.
+    dtypes = DTYPES if getattr(spec, "kv_quant", None) is None else QUANT_DTYPES
     if _checks.INTERPRETED:
-        return KernelRequirements(dtypes=DTYPES, head_sizes=_HEAD_SIZES)
+        return KernelRequirements(dtypes=dtypes, head_sizes=_HEAD_SIZES, kv_quant=_KV_QUANT)
     return KernelRequirements(
-        devices=("cuda",), dtypes=DTYPES, head_sizes=_HEAD_SIZES,
+        devices=("cuda",), dtypes=dtypes, head_sizes=_HEAD_SIZES, kv_quant=_KV_QUANT,
         note="set TRITON_INTERPRET=1 before triton is imported to run these kernels on CPU tensors",
     )
 

@@ -1,0 +1,41 @@
+"""``kvcore bench hf --kv-cache-dtype``: the quantized cache against the model-dtype one, one run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+pytest.importorskip("kvcore_triton.backend")  # NOTE: interpreted kernels, as in every CPU test
+
+from kvcore.cli import main  # noqa: E402
+
+TINY = ["bench", "hf", "--device", "cpu", "--backend", "torch", "--layers", "2", "--hidden", "64",
+        "--intermediate", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "128", "--requests", "4",
+        "--prompt-len", "12", "--new-tokens", "4", "--shared-prefix", "0", "--block-size", "16",
+        "--skip", "generate_batch,static,prefix,profile"]
+
+
+@pytest.mark.parametrize("mode", ["fp8", "int8_per_token_head"])
+def test_reports_speed_agreement_and_attention_error_against_the_model_dtype_cache(mode, capsys, tmp_path):
+    out = tmp_path / "hf.json"
+    assert main([*TINY, "--kv-cache-dtype", mode, "--check-requests", "2", "--check-prompt-len", "8",
+                 "--check-new-tokens", "2", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    quant = result["quantized"]
+    assert result["engine"]["kv_cache_dtype"] == mode
+    assert quant["requests"] == 4 and 0 <= quant["same_requests"] <= 4
+    assert quant["unquantized"]["output_tokens"] == result["kvcore"]["output_tokens"] == 16
+    assert 0 < quant["attention_rel_l2"] < 4e-2
+    # NOTE: the float32 exactness check runs on the model-dtype cache, so it still holds.
+    assert result["check"]["plain"] == result["check"]["requests"]
+    text = capsys.readouterr().out
+    assert f"KV cache {mode}" in text and "generate the same greedy tokens" in text
+
+
+def test_without_the_option_nothing_extra_runs(tmp_path):
+    out = tmp_path / "hf.json"
+    assert main([*TINY, "--skip", "generate_batch,static,prefix,profile,check", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert "quantized" not in result and result["engine"]["kv_cache_dtype"] == "auto"
