@@ -128,7 +128,7 @@ def test_engine_names_a_backend_that_returns_no_output():
     from kvcore.hf import Engine
 
     engine = Engine(_hf_model(), backend=ReturnsNothing, num_blocks=32, max_num_seqs=2)
-    with pytest.raises(PluginError, match="'returns-nothing' forward returned None .*returns the attention output"):
+    with pytest.raises(PluginError, match="'returns-nothing' forward returned None .*forward returns the output"):
         engine.generate([[5, 6, 7]], 2)
     assert engine.kv.block_pool.num_free_blocks == engine.kv.num_blocks - 1  # nothing held after the failure
 

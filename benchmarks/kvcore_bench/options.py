@@ -173,8 +173,9 @@ _HF = {
          "tokens per step (default: kvcore.hf.Engine's, 4096 on a GPU)"),
         ("--no-cuda-graphs", FLAG, False, "run decode steps eagerly"),
         ("--kv-cache-dtype", KV_CACHE_DTYPES, "auto",
-         "KV cache mode; other than auto, the same requests also run on the model-dtype cache, "
-         "for the speed ratio and the share of requests whose greedy tokens are the same"),
+         f"KV cache mode: {', '.join(KV_CACHE_DTYPES)}; other than auto, the same requests also run "
+         "on the model-dtype cache, for the speed ratio and the share of requests whose greedy "
+         "tokens are the same", {"metavar": "MODE"}),
     ],
     "float32 token check (a smaller model)": [
         ("--check-requests", INT, 16, "prompts checked"),
