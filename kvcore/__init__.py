@@ -20,6 +20,7 @@ _EXPORTS = {
     "kvcore.memory.budget": "MemorySnapshot request_memory",
     "kvcore.plugins.backend": "AttentionBackend AttentionMetadataBuilder CommonAttentionMetadata",
     "kvcore.plugins.hookspecs": "hookimpl hookspec",
+    "kvcore.plugins.mixer_backend": "MixerBackend",
     "kvcore.plugins.requirements": "KernelRequirements",
     "kvcore.plugins.auto": "select_backend",
     "kvcore.plugins.negotiate": "negotiate",

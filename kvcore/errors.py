@@ -15,6 +15,10 @@ class KernelRequirementError(KVCoreError):
     """A kernel view of a plan breaks a rule its backend declared (``KernelRequirements``)."""
 
 
+class InsufficientMemoryError(KVCoreError):
+    """Memory for KV cache blocks cannot be committed (an elastic cache's grow); nothing changed."""
+
+
 class PluginWarning(UserWarning):
     """A plugin was skipped (for example, its entry point failed to import)."""
 

@@ -32,10 +32,12 @@ _KINDS: dict[str, type[KVCacheSpec]] = {
     "encoder_only": specs.EncoderOnlyAttentionSpec,
     "mamba": MambaSpec,
 }
+#: State blocks of a separate state region when the file does not say: 256 sequences and the null block.
+DEFAULT_STATE_BLOCKS = 257
 MAX_LAYERS = 10_000  # NOTE: real models have a few hundred; more is a typo
 MAX_PAGE_BYTES = 1 << 40  # one block of one layer: 1 TiB (more is a typo)
 _TOP_KEYS = {"name", "description", "num_layers", "block_size", "pattern", "layer_name", "types",
-             "kv_cache_dtype"}
+             "separate_state_pages", "num_state_blocks", "kv_cache_dtype"}
 _OWN_KEYS = {"kind", "module", "block_size"}
 # NOTE: a full-attention spec's window fields record merged layers (a file says kind =
 # "sliding" instead), and MLA keeps no separate V.
@@ -63,6 +65,9 @@ class ModelDescription:
     name: str
     source: str
     kv_cache_specs: dict[str, KVCacheSpec] = attrs.field(hash=False)
+    #: ``plan_kv_cache``'s keywords for a separate state region (``separate_state_pages = true``
+    #: and ``num_state_blocks``, default 257) or none.
+    plan_options: dict[str, Any] = attrs.field(factory=dict, hash=False)
 
 
 def preset_names() -> list[str]:
@@ -219,4 +224,7 @@ def load_model_file(model: str | Path, *, block_size: int | None = None, kv_cach
         layer_specs = parse_model(data, block_size=block_size, kv_cache_dtype=kv_cache_dtype)
     except ValueError as exc:
         raise ValueError(f"{path}: {exc}") from exc
-    return ModelDescription(str(data.get("name", path.stem)), str(path), layer_specs)
+    options = {k: data[k] for k in ("separate_state_pages", "num_state_blocks") if k in data}
+    if options.get("separate_state_pages") is True:
+        options.setdefault("num_state_blocks", DEFAULT_STATE_BLOCKS)
+    return ModelDescription(str(data.get("name", path.stem)), str(path), layer_specs, options)

@@ -48,13 +48,15 @@ def make_dist(
     version: str,
     entry_points: dict[str, str],
     modules: dict[str, str],
+    group: str = "kvcore.plugins",
 ) -> Path:
-    """Write a fake distribution under ``root``; ``modules`` maps module name -> source."""
+    """Write a fake distribution under ``root``; ``modules`` maps module name -> source;
+    ``entry_points`` go into ``group``."""
     info = root / f"{dist.replace('-', '_')}-{version}.dist-info"
     info.mkdir(parents=True)
     (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\n")
     lines = "".join(f"{name} = {target}\n" for name, target in entry_points.items())
-    (info / "entry_points.txt").write_text("[kvcore.plugins]\n" + lines)
+    (info / "entry_points.txt").write_text(f"[{group}]\n" + lines)
     for module, source in modules.items():
         (root / f"{module}.py").write_text(textwrap.dedent(source))
     return root

@@ -193,19 +193,19 @@ def test_rounding_to_granules_covers_exactly_the_granules_blocks_touch(layers, n
 
 
 def test_a_grow_that_runs_out_of_memory_changes_nothing(monkeypatch):
-    from kvcore.memory import backing as backing_module
+    from kvcore.memory import budget
 
     kv = make_elastic("uniform", "LHBNC", 2, 4000)  # LHBNC: one run per layer and head, so many ranges
     kv.block_pool.allocate(1)
     state = (kv.num_blocks, kv.committed_bytes, kv.block_pool.num_free_blocks, kv.zeroer.num_blocks)
     calls = []
-    monkeypatch.setattr(backing_module, "_available_host_memory",
+    monkeypatch.setattr(budget, "available_host_memory",
                         lambda: 0 if calls.append(1) or len(calls) > 3 else None)
     with pytest.raises(KVCoreError, match="cannot commit"):
         kv.resize(3000)
     assert len(calls) == 4  # three ranges committed, then given back
     assert (kv.num_blocks, kv.committed_bytes, kv.block_pool.num_free_blocks, kv.zeroer.num_blocks) == state
-    monkeypatch.setattr(backing_module, "_available_host_memory", lambda: None)
+    monkeypatch.setattr(budget, "available_host_memory", lambda: None)
     kv.resize(3000)
     assert kv.block_pool.num_free_blocks == 2998
 

@@ -7,14 +7,16 @@
   created;
 - a NIXL registration made before a grow moves blocks the grow created;
 - ``kvcore.hf.Engine`` with the Triton backend (decode CUDA graphs) gives the
-  same tokens on an elastic cache as on a plain one.
+  same tokens on an elastic cache as on a plain one;
+- a resize that raises at any step (a mapping, a release, the pool; Ctrl-C too) leaves
+  memory, pool and zeroer at the old size, and live bytes unchanged.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from _elastic_caches import block_bytes
+from _elastic_caches import Faults, block_bytes
 
 from kvcore import FullAttentionSpec, KVCache
 from kvcore_torch.backend import TorchAttentionBackend
@@ -136,3 +138,22 @@ def test_engine_tokens_on_an_elastic_cache_with_decode_graphs():
     grown = Engine(model, backend=triton, num_blocks=4, max_num_blocks=256, max_num_seqs=4)
     assert grown.generate(prompts, 12) == plain.generate(prompts, 12)
     assert grown.stats().graph_steps > 0 and grown.stats().preemptions == 0 and grown.kv.num_blocks == 4
+
+
+@pytest.mark.parametrize("seam, fail_at, grow", [("commit", 0, True), ("commit", 2, True), ("pool", 0, True),
+                                                 ("decommit", 0, False), ("decommit", 2, False), ("pool", 0, False)])
+def test_a_resize_that_raises_anywhere_changes_nothing(seam, fail_at, grow):
+    kv = elastic("LBNHC", 4, 256)  # NOTE: 64 KiB a block per layer: 4 -> 200 maps granules in every layer
+    sent = fill(kv, [1, 3], 5)
+    if not grow:
+        kv.resize(200)
+    faults = Faults(kv, seam, fail_at)
+    before = faults.state()
+    with pytest.raises(KeyboardInterrupt):
+        kv.resize(200 if grow else 8)
+    assert faults.state() == before
+    faults.check()
+    faults.seam = None
+    kv.resize(200 if grow else 8)  # NOTE: the retry works
+    faults.check()
+    assert all(torch.equal(block_bytes(kv, n, b), sent[(b, n)]) for b in (1, 3) for n in kv.kv_caches)

@@ -11,6 +11,9 @@ from kvcore.specs import FullAttentionSpec, SlidingWindowSpec
 
 pytest.importorskip("kvcore_triton")
 
+# NOTE: what "auto" picks depends on the backends installed: only this repository's load.
+pytestmark = pytest.mark.usefixtures("own_plugins")
+
 
 def _specs(size):
     return {
@@ -114,7 +117,7 @@ def test_a_hybrids_attention_blocks_grow_until_their_page_holds_a_state_page():
     from kvcore.memory.layout import KVCacheLayout
     from kvcore.memory.planner import plan_kv_cache
 
-    got = resolve(_hybrid_specs, torch.device("cpu"), "auto", None, None)
+    got = resolve(_hybrid_specs, torch.device("cpu"), "auto", None, None, unified_states=True)
     state_page = got.specs["mixer0"].real_page_size_bytes
     attention_page = got.specs["attn1"].real_page_size_bytes
     assert got.block_size % BLOCK_SIZE == 0 and got.block_size > BLOCK_SIZE
@@ -128,7 +131,8 @@ def test_a_hybrids_attention_blocks_grow_until_their_page_holds_a_state_page():
     # an explicit block size is the user's choice and is kept
     assert resolve(_hybrid_specs, torch.device("cpu"), "auto", 16, None).block_size == 16
     # a state page under two attention pages (8,960 against 8,192 bytes): padding attention is cheaper
-    assert resolve(lambda size: _hybrid_specs(size, 16), torch.device("cpu"), "auto", None, None).block_size == 16
+    assert resolve(lambda size: _hybrid_specs(size, 16), torch.device("cpu"), "auto", None, None,
+                   unified_states=True).block_size == 16
 
 
 def test_auto_is_asked_once_per_distinct_spec_so_every_layer_of_it_gets_one_backend(monkeypatch):

@@ -37,7 +37,8 @@ def models():
 
 
 def engine(model, num_blocks=40, **kw):
-    return Engine(model, num_blocks=num_blocks, enable_prefix_caching=True, **kw)
+    # NOTE: the torch backend by name: "auto" would take whatever plugin is installed
+    return Engine(model, num_blocks=num_blocks, enable_prefix_caching=True, **{"backend": "torch", **kw})
 
 
 def copy_blocks(src, exported, dst, reserved):

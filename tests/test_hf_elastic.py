@@ -72,11 +72,11 @@ def test_example_engines_take_turns_with_the_memory(capsys):
 
 
 def test_engine_preempts_when_memory_runs_out(setup, monkeypatch):
-    from kvcore.memory import backing as backing_module
+    from kvcore.memory import budget
 
     model, prompts, expected = setup
     elastic = Engine(model, num_blocks=4, max_num_blocks=64, max_num_seqs=4, max_num_batched_tokens=32)
-    monkeypatch.setattr(backing_module, "_available_host_memory", lambda: 0)  # no grow can commit
+    monkeypatch.setattr(budget, "available_host_memory", lambda: 0)  # no grow can commit
     # 26 and 17 tokens: both start (3 blocks), then the second needs a 4th: preempted, not grown
     assert elastic.generate([prompts[3], prompts[2]], MAX_NEW) == [expected[3], expected[2]]
     assert elastic.kv.num_blocks == 4 and elastic.stats().preemptions > 0

@@ -65,7 +65,8 @@ def test_tokens_equal_model_generate_with_waiting_and_recycled_blocks(models, re
 @pytest.mark.parametrize("layout, block_size", [("BLHNC", 8), ("LHBNC", 32)])
 def test_layout_and_block_size_change_no_token(models, references, layout, block_size):
     prompts, expected = references
-    engine = Engine(models["gemma3"], layout=layout, block_size=block_size, num_blocks=40, max_num_seqs=4)
+    engine = Engine(models["gemma3"], backend="torch", layout=layout, block_size=block_size, num_blocks=40,
+                    max_num_seqs=4)
     assert engine.kv.layout.name == layout
     assert engine.generate(prompts, MAX_NEW) == expected["gemma3"]
 

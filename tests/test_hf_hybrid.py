@@ -68,11 +68,23 @@ def test_tokens_equal_model_generate_with_chunks_waiting_and_stale_slots(models,
     assert "forward" not in vars(engine.mixers.layers[state[0].layer_names[0]].module)  # restored
 
 
-def test_zeroing_new_state_slots_is_load_bearing(models, references, monkeypatch):
+@pytest.mark.parametrize("arch", ["bamba", "lfm2", "qwen3_next"])
+def test_the_unified_plan_is_exact_too(models, references, arch):
     prompts, expected = references
-    engine = make_engine(models["bamba"])
+    engine = make_engine(models[arch], separate_state_pages=False)
+    assert not engine.kv.config.separate_state_pages and engine.kv.state_pool is None
     fill_stale(engine)
-    monkeypatch.setattr(engine.kv.zeroer, "zero_block_ids", lambda ids: None)
+    assert engine.generate(prompts, MAX_NEW) == expected[arch]
+
+
+@pytest.mark.parametrize("separate", [True, False])
+def test_zeroing_new_state_slots_is_load_bearing(models, references, monkeypatch, separate):
+    prompts, expected = references
+    engine = make_engine(models["bamba"], separate_state_pages=separate)
+    fill_stale(engine)
+    # NOTE: separate state pages have a zeroer of their own; switching it off alone diverges.
+    zeroer = engine.kv.state_zeroer if separate else engine.kv.zeroer
+    monkeypatch.setattr(zeroer, "zero_block_ids", lambda ids: None)
     assert engine.generate(prompts, MAX_NEW) != expected["bamba"]
 
 
@@ -149,10 +161,10 @@ def test_hybrids_kvcore_cannot_own_are_refused_by_name(make, name, why):
 
 
 def test_prefix_caching_cuda_graphs_and_mixers_alone_are_refused(models):
-    with pytest.raises(ValueError, match="prefix caching"):
-        make_engine(models["lfm2"], enable_prefix_caching=True)
-    with pytest.raises(ValueError, match="CUDA graphs"):
-        make_engine(models["lfm2"], cuda_graphs=True)
+    with pytest.raises(ValueError, match="prefix caching serves the hybrid 'lfm2' only with separate_state_pages"):
+        make_engine(models["lfm2"], enable_prefix_caching=True, separate_state_pages=False)
+    with pytest.raises(ValueError, match="CUDA graphs serve the hybrid 'lfm2' only with separate_state_pages"):
+        make_engine(models["lfm2"], cuda_graphs=True, separate_state_pages=False)
     with pytest.raises(ValueError, match="mixer layers only"):
         make_engine(random_model(model_config("nemotron_h", hybrid_override_pattern="MM-M")))
 
@@ -176,7 +188,7 @@ def test_mixers_read_and_write_the_caches_own_views(models):
     engine = make_engine(models["bamba"])
     for name, layer in engine.mixers.layers.items():
         base = engine.kv.layer_kv_caches[name].untyped_storage().data_ptr()
-        assert layer.conv.untyped_storage().data_ptr() == layer.recurrent.untyped_storage().data_ptr() == base
+        assert [s.untyped_storage().data_ptr() for s in layer.states] == [base, base]
 
 
 def test_the_gpu_warm_up_pass_leaves_every_state_slot_untouched(models, references):

@@ -12,6 +12,9 @@ from kvcore.plugins.auto import preferred_block_size
 from kvcore.specs import MultipleOf
 from kvcore_torch import TorchAttentionBackend
 
+# NOTE: what "auto" picks depends on the backends installed: only this repository's load.
+pytestmark = pytest.mark.usefixtures("own_plugins")
+
 SPEC = kvcore.FullAttentionSpec(16, 2, 32, torch.float16)
 
 

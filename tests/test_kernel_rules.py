@@ -19,6 +19,9 @@ from kvcore import FullAttentionSpec, KernelRequirements, KVCache, KVCacheLayout
 from kvcore.errors import KernelRequirementError, PluginError
 from kvcore.plugins.health import check_plugins
 
+# NOTE: what "auto" picks depends on the backends installed: only this repository's load.
+pytestmark = pytest.mark.usefixtures("own_plugins")
+
 RULED = make_backend("ruled")
 SPEC = FullAttentionSpec(16, 2, 8, torch.float16)  # page: 16 tokens x 2 heads x 16 fp16 = 512 elements
 

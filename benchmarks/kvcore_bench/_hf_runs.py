@@ -80,6 +80,7 @@ def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], ne
         "num_blocks": engine.kv.num_blocks, "layout": engine.kv.layout.name,
         "kernel_block_sizes": list(engine.kv.kernel_block_sizes),
         "backend": next(iter(engine._layers.values())).backend.get_name(),  # an attention layer's
+        "mixer_backends": sorted({b.get_name() for b in engine.kv.mixer_backends.values()}),
         # Same-sized first and second generate: 1.0 when the first pays no compilation or capture.
         "first_vs_second": seconds / warm_s if warm_s else None,
     }
@@ -122,18 +123,32 @@ def run_generate_batch(model: Any, prompts: list[list[int]], warmup: list[list[i
 
 
 def run_static_generate(model: Any, prompts: list[list[int]], new_tokens: int) -> dict[str, Any]:
-    """Batched ``model.generate``: one static batch of equal-length prompts, dense KV cache."""
-    ids = torch.tensor(prompts, device=model.device)
+    """Batched ``model.generate`` over static batches of equal-length prompts (dense KV cache), at
+    the largest batch that fits: halved while it runs out of memory (a hybrid's reference chunk
+    scan asks for far more than the GPU has at 128 x 256); ``not_run`` says why when none fits."""
+    all_ids = torch.tensor(prompts, device=model.device)
+    too_large: list[int] = []
+    batch = len(prompts)
+    while batch >= 1:
+        def generate(n: int, ids: torch.Tensor) -> torch.Tensor:
+            with torch.inference_mode():
+                return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                                      min_new_tokens=n, do_sample=False, pad_token_id=0)
 
-    def generate(n: int) -> torch.Tensor:
-        with torch.inference_mode():
-            return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
-                                  min_new_tokens=n, do_sample=False, pad_token_id=0)
-
-    warm_s, _ = timed(model.device, lambda: generate(2))
-    seconds, out = timed(model.device, lambda: generate(new_tokens))
-    return {"seconds": seconds, "warmup_s": warm_s,
-            "output_tokens": int(out[:, ids.shape[1]:].numel())}
+        try:
+            warm_s, _ = timed(model.device, lambda: generate(2, all_ids[:batch]))
+            seconds, outs = timed(model.device, lambda: [generate(new_tokens, chunk)
+                                                         for chunk in all_ids.split(batch)])
+        except (torch.cuda.OutOfMemoryError, MemoryError):
+            too_large.append(batch)
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            batch //= 2
+            continue
+        return {"seconds": seconds, "warmup_s": warm_s, "batch": batch, "out_of_memory_at": too_large,
+                "output_tokens": sum(int(out[:, all_ids.shape[1]:].numel()) for out in outs)}
+    return {"not_run": f"out of memory at every batch size ({', '.join(map(str, too_large))})",
+            "out_of_memory_at": too_large}
 
 
 def roofline(model: Any, requests: int, prompt_len: int, new_tokens: int, *, peak_tflops: float,
@@ -146,12 +161,20 @@ def roofline(model: Any, requests: int, prompt_len: int, new_tokens: int, *, pea
     embed = model.get_input_embeddings().weight.numel()
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     types = getattr(config, "layer_types", None)
-    # NOTE: a hybrid's mixer layers keep a fixed-size state, not K/V per token.
+    # NOTE: a hybrid's mixer layers keep a fixed-size state, not K/V per token: read and written
+    # once per decode step.
     attention_layers = (config.num_hidden_layers if types is None
-                        else sum(t == "full_attention" for t in types))
+                        else sum(t in ("full_attention", "attention") for t in types))
     kv_per_token = attention_layers * config.num_key_value_heads * head_dim * 2 * size
+    state_bytes = 0
+    if types is not None and attention_layers < len(types):
+        from kvcore import MambaSpec
+        from kvcore.hf import specs_from_config
+
+        specs = specs_from_config(config, dtype=next(model.parameters()).dtype).values()
+        state_bytes = 2 * sum(s.real_page_size_bytes for s in specs if isinstance(s, MambaSpec))
     prefill_s = 2 * (params - embed) * requests * prompt_len / (peak_tflops * 1e12)
-    decode_bytes = sum(params * size + requests * (prompt_len + j) * kv_per_token
+    decode_bytes = sum(params * size + requests * ((prompt_len + j) * kv_per_token + state_bytes)
                        for j in range(1, new_tokens))
     decode_s = decode_bytes / (hbm_tbps * 1e12)
     return {"prefill_s": prefill_s, "decode_s": decode_s,
@@ -178,12 +201,14 @@ def run_check(args: argparse.Namespace, engine_kwargs: dict[str, Any],
                                max_new_tokens=args.check_new_tokens)[0, len(q):].tolist()
                 for q in checks]
     # NOTE: a small token budget admits requests over several steps, so later ones hit the cache;
-    # the check is of exactness, so it runs on the model-dtype cache.
+    # the check is of exactness, so it runs on the model-dtype cache. A hybrid's state region keeps a
+    # slot and a checkpoint per sequence: 32 sequences at once.
     small_kwargs = {**engine_kwargs, "num_blocks": None, "available_memory": 1 << 30,
-                    "max_num_batched_tokens": 2 * args.check_prompt_len, "kv_cache_dtype": "auto"}
+                    "max_num_batched_tokens": 2 * args.check_prompt_len, "kv_cache_dtype": "auto",
+                    "max_num_seqs": min(engine_kwargs["max_num_seqs"], 32)}
     out = {"requests": len(checks), "new_tokens": args.check_new_tokens,
            "prompt_len": args.check_prompt_len}
-    for caching in (False,) if args.model == "hybrid" else (False, True):
+    for caching in (False, True):
         result, got = run_kvcore(model, checks, checks[:2], args.check_new_tokens,
                                  {**small_kwargs, "enable_prefix_caching": caching})
         key = "prefix_caching" if caching else "plain"

@@ -11,9 +11,10 @@ float32 model whose greedy tokens must equal ``model.generate``'s.
 ``--kv-cache-dtype MODE`` serves from a quantized cache and, in the same run, from
 the model-dtype cache: tokens/s of both and the share of requests whose greedy
 tokens are the same, plus the attention error of MODE at this model's shape.
-``--model hybrid`` times a Granite-4.0-H-like hybrid (Mamba2 mixers) against
-the static ``model.generate`` only: ``generate_batch`` and prefix caching do
-not serve hybrids.
+``--model hybrid`` times a Granite-4.0-H-like hybrid (Mamba2 mixers) against the
+static ``model.generate`` (at the largest batch that fits) and, in the same run,
+kvcore serving a Llama of the same dimensions; ``generate_batch`` does not serve
+hybrids (prefix caching keeps state checkpoints for them).
 """
 
 import argparse
@@ -86,6 +87,15 @@ def checked_device(args: argparse.Namespace) -> torch.device:
     return device
 
 
+def default_block_size(config: Any, dtype: torch.dtype, device: torch.device, backend: str) -> int:
+    """The block size ``kvcore.hf.Engine`` picks for ``config`` by default."""
+    from kvcore.hf.engine import resolve_defaults
+    from kvcore.hf.specs import specs_from_config
+
+    make_specs = lambda size: specs_from_config(config, dtype=dtype, block_size=size)  # noqa: E731
+    return resolve_defaults(make_specs, device, backend, None, None).block_size
+
+
 def format_count(n: float) -> str:
     """A parameter count as people write it: ``851.4 M``, ``1.24 B``, ``96.3 K``."""
     for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
@@ -106,28 +116,22 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     dtype = getattr(torch, args.dtype)
     skip = set(args.skip)
     hybrid = args.model == "hybrid"
-    if hybrid:  # NOTE: no generate_batch, prefix caching or CUDA graphs to compare with
-        skip |= {"generate_batch", "prefix", "eager"}
+    if hybrid:  # NOTE: transformers' generate_batch does not serve hybrids
+        skip |= {"generate_batch"}
     n, p, m, prefix = args.requests, args.prompt_len, args.new_tokens, max(args.shared_prefix, 0)
     config = runs.bench_config(args, max(2048, prefix + p + m))
     model = random_model(config, dtype=dtype, device=device, seed=0)
     prompts, warm = (runs.random_prompts(n, p, args.vocab, seed) for seed in (1, 2))
     if args.block_size is None:  # NOTE: the engine's own default, to size the cache below
-        from kvcore.hf.engine import resolve_defaults as resolve
-        from kvcore.hf.specs import specs_from_config
+        args.block_size = default_block_size(config, model.dtype, device, args.backend)
 
-        args.block_size = resolve(
-            lambda size: specs_from_config(config, dtype=model.dtype, block_size=size),
-            device, args.backend, None, None,
-        ).block_size
-
-    def blocks(tokens: int) -> int:
-        return n * -(-tokens // args.block_size) + 2 * n + 1
+    def blocks(tokens: int, block_size: int | None = None) -> int:
+        return n * -(-tokens // (block_size or args.block_size)) + 2 * n + 1
 
     engine_kwargs = dict(
         backend=args.backend, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_batched_tokens,
-        num_blocks=blocks(p + m),
+        num_blocks=blocks(p + m), mixer_backend=args.mixer_backend,
         cuda_graphs=False if args.no_cuda_graphs else None,
         kv_cache_dtype=args.kv_cache_dtype,
     )
@@ -152,6 +156,15 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     if "static" not in skip:
         out["static_generate"] = runs.run_static_generate(model, prompts, m)
     out["params"] = sum(t.numel() for t in model.parameters())
+    if hybrid and "llama" not in skip:  # NOTE: the same dimensions with attention in every layer
+        del model
+        llama = runs.model_config("llama", vocab=args.vocab, hidden=args.hidden, layers=args.layers,
+                                  intermediate=args.intermediate, heads=args.heads,
+                                  kv_heads=args.kv_heads, max_pos=config.max_position_embeddings)
+        model = random_model(llama, dtype=dtype, device=device, seed=0)
+        size = default_block_size(llama, dtype, device, args.backend)
+        out["llama"], _ = runs.run_kvcore(model, prompts, warm, m, {
+            **engine_kwargs, "block_size": size, "num_blocks": blocks(p + m, size)})
     peaks = known_peaks(args, out["device"])
     out["roofline"] = peaks and runs.roofline(model, n, p, m, peak_tflops=peaks[0], hbm_tbps=peaks[1])
     if prefix and "prefix" not in skip:
@@ -176,8 +189,18 @@ def _tps(result: dict[str, Any]) -> float:
     return result["output_tokens"] / result["seconds"]
 
 
+def _mixers(kv: dict[str, Any]) -> str:
+    return f" (mixers: {', '.join(kv['mixer_backends'])})" if kv.get("mixer_backends") else ""
+
+
+def _label(key: str, name: str, result: dict[str, Any]) -> str:
+    """An engine's row label; a static batch smaller than the workload says its size."""
+    return f"{name} (batch {result['batch']})" if result.get("out_of_memory_at") else name
+
+
 _ENGINES = {"kvcore": "kvcore.hf.Engine", "kvcore_eager": "kvcore, no CUDA graphs",
-            "generate_batch": "model.generate_batch", "static_generate": "static model.generate"}
+            "llama": "kvcore, same-dims Llama", "generate_batch": "model.generate_batch",
+            "static_generate": "static model.generate"}
 _PHASES = {"schedule": "scheduler", "prepare": "inputs, metadata, block tables",
            "zero": "zeroing new blocks", "forward": "model forward (launch / replay)",
            "sample": "sampling (waits for the device)"}
@@ -217,8 +240,8 @@ def report(out: dict[str, Any]) -> None:
         f"{versions['transformers']}: {work['requests']} requests x ({work['prompt_len']} prompt "
         f"+ {work['new_tokens']} new) tokens, {work['dtype']}, {format_count(out['params'])} "
         "parameters", width))
-    rows = [{"engine": name, **out[key], "tps": _tps(out[key])}
-            for key, name in _ENGINES.items() if key in out]
+    rows = [{"engine": _label(key, name, out[key]), **out[key], "tps": _tps(out[key])}
+            for key, name in _ENGINES.items() if key in out and "not_run" not in out[key]]
     if roof:
         rows.append({"engine": "roofline", "output_tokens": None, "tps": roof["tokens_per_s"],
                      "seconds": roof["prefill_s"] + roof["decode_s"]})
@@ -233,8 +256,14 @@ def report(out: dict[str, Any]) -> None:
     if not roof:
         print(textwrap.fill(f"no roofline: the peaks of {out['device']} are not known (pass "
                             "--peak-tflops and --hbm-tbps)", width, break_on_hyphens=False))
+    static = out.get("static_generate", {})
+    if "not_run" in static or static.get("out_of_memory_at"):
+        done = "not run" if "not_run" in static else f"run at batch {static['batch']}"
+        print(textwrap.fill(
+            f"static model.generate: {done}; out of memory at batch "
+            f"{', '.join(map(str, static['out_of_memory_at']))}", width))
     print(textwrap.fill(
-        f"kvcore: backend {kv['backend']}, {kv['layout']}, block {out['engine']['block_size']}; "
+        f"kvcore: backend {kv['backend']}{_mixers(kv)}, {kv['layout']}, block {out['engine']['block_size']}; "
         f"engine built in {kv['build_s']:.1f} s; first generate {kv['warmup_s']:.2f} s, second "
         f"{kv['seconds']:.2f} s (first runs at {kv['first_vs_second']:.2f}x the second's speed)",
         width))

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 #: Parts of ``kvcore bench hf`` that ``--skip`` may leave out.
-HF_PARTS = ("eager", "generate_batch", "static", "prefix", "check", "profile")
+HF_PARTS = ("eager", "generate_batch", "static", "llama", "prefix", "check", "profile")
 #: Most blocks ``kvcore bench pool`` handles per round: seconds a round on one core.
 POOL_MAX_BLOCKS = 1 << 20
 #: NIXL memory kinds and peers of ``kvcore bench transfer``.
@@ -172,6 +172,8 @@ _HF = {
         ("--max-batched-tokens", INT, None,
          "tokens per step (default: kvcore.hf.Engine's, 4096 on a GPU)"),
         ("--no-cuda-graphs", FLAG, False, "run decode steps eagerly"),
+        ("--mixer-backend", str, "auto",
+         "a hybrid's mixer backend: auto, triton-mixer, torch-mixer, or any registered name"),
         ("--kv-cache-dtype", KV_CACHE_DTYPES, "auto",
          f"KV cache mode: {', '.join(KV_CACHE_DTYPES)}; other than auto, the same requests also run "
          "on the model-dtype cache, for the speed ratio and the share of requests whose greedy "

@@ -113,3 +113,42 @@ def test_a_cpu_run_names_the_machine_and_draws_no_roofline_from_gpu_peaks(monkey
 def test_roofline_peaks_are_known_per_gpu(name, peaks):
     args = argparse.Namespace(peak_tflops=None, hbm_tbps=None)
     assert hf.known_peaks(args, name) == peaks
+
+
+class _OutOfMemoryAbove:
+    """A stand-in model whose ``generate`` runs out of memory above ``limit`` sequences."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, limit: int) -> None:
+        self.limit, self.batches = limit, []
+
+    def generate(self, ids, *, max_new_tokens, **_):
+        self.batches.append(ids.shape[0])
+        if ids.shape[0] > self.limit:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 192.00 GiB")
+        return torch.cat([ids, torch.zeros(ids.shape[0], max_new_tokens, dtype=ids.dtype)], 1)
+
+
+def test_the_static_baseline_halves_its_batch_until_it_fits_and_says_so(capsys):
+    from kvcore_bench._hf_runs import run_static_generate
+
+    model = _OutOfMemoryAbove(32)
+    result = run_static_generate(model, [[3, 4, 5]] * 128, 6)
+    assert result["batch"] == 32 and result["out_of_memory_at"] == [128, 64]
+    assert result["output_tokens"] == 128 * 6 and model.batches[-4:] == [32] * 4
+    nothing = run_static_generate(_OutOfMemoryAbove(0), [[3, 4]] * 4, 2)
+    assert nothing == {"not_run": "out of memory at every batch size (4, 2, 1)", "out_of_memory_at": [4, 2, 1]}
+    kv = {"output_tokens": 10, "seconds": 1.0, "warmup_s": 1.0, "build_s": 0.1, "first_vs_second": 1.0,
+          "backend": "triton", "mixer_backends": ["triton-mixer"], "layout": "LBNHC",
+          "stats": {"steps": 1, "graph_steps": 0, **{f"{p}_s": 0.0 for p in hf._PHASES}}}
+    roof = {"tokens_per_s": 100.0, "prefill_s": 0.05, "decode_s": 0.05, "params": 1e6}
+    work = {"requests": 4, "prompt_len": 2, "new_tokens": 2, "dtype": "bfloat16", "model": "granitemoehybrid"}
+    for static, line in ((nothing, "static model.generate: not run; out of memory at batch 4, 2, 1"),
+                         ({**result, "seconds": 2.0}, "static model.generate: run at batch 32")):
+        hf.report({"device": "cpu", "versions": {"torch": "x", "transformers": "y"}, "workload": work,
+                   "engine": {"block_size": 64}, "kvcore": kv, "static_generate": static, "roofline": roof,
+                   "params": 1e6})
+        out = capsys.readouterr().out
+        assert line in " ".join(out.split()) and "(mixers: triton-mixer)" in out
+        assert ("static model.generate (batch 32)" in out) == ("batch" in static)

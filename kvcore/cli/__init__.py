@@ -8,15 +8,17 @@ through entry point group ``kvcore.cli`` (``kvcore bench``: kvcore-bench, in ben
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import importlib
 import json
 import os
 import re
 import sys
+import threading
 from importlib import metadata
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kvcore import __version__
 from kvcore._units import SIZE_UNITS_HELP, parse_size
@@ -55,6 +57,8 @@ _ELSEWHERE = {"bench": "kvcore bench needs the kvcore-bench distribution: pip in
               "benchmarks (in a checkout)"}
 # NOTE: KVCacheLayout's member names, so that help text needs no torch; a test checks they match.
 LAYOUT_NAMES = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")
+#: Seconds completion waits for another distribution's command to import (then: its name only).
+_IMPORT_WAIT = 10.0
 #: ``kvcore.specs.quant.KV_CACHE_DTYPES`` (named here so that parsing imports no torch).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head")
 # A value such as -5GiB: argparse would take it for an option (see _attach_negative_values).
@@ -109,8 +113,10 @@ def _lazy(module_name: str, function: str = "run"):
     return lambda args: getattr(importlib.import_module(module_name), function)(args)
 
 
-def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
-    """The ``kvcore`` parser; ``json_errors``: usage errors as JSON objects."""
+def build_parser(*, json_errors: bool = False, load: str | None = "*") -> argparse.ArgumentParser:
+    """The ``kvcore`` parser; ``json_errors``: usage errors as JSON objects; ``load``: which
+    other distributions' commands to import, ``"*"`` all (what completion needs), a command
+    name that one, None none (each is still listed by name)."""
     parser_class = _JsonErrorParser if json_errors else argparse.ArgumentParser
     parser = parser_class(prog="kvcore", description=__doc__.splitlines()[0],
                           epilog="Run 'kvcore COMMAND --help' for the options of one command.")
@@ -152,32 +158,39 @@ def build_parser(*, json_errors: bool = False) -> argparse.ArgumentParser:
                          formatter_class=argparse.RawDescriptionHelpFormatter)
     completion.add_argument("shell", choices=("bash", "zsh", "tcsh"),
                             help="the shell to complete in")
-    _add_installed_commands(sub)
+    _add_installed_commands(sub, load)
     return parser
 
 
-def _add_installed_commands(sub: argparse._SubParsersAction) -> None:
-    """Let each entry point of group ``kvcore.cli`` add its command to ``sub``; a command that
-    is not installed, or whose distribution fails to load, still answers with the remedy."""
+def _add_installed_commands(sub: argparse._SubParsersAction, load: str | None) -> None:
+    """Add each entry point of group ``kvcore.cli`` to ``sub`` as a command of its name,
+    importing those ``load`` names (see :func:`build_parser`): a command that hangs, exits or
+    prints when imported touches no other. One not installed, or whose distribution fails to
+    load, answers with the remedy."""
     unavailable = dict(_ELSEWHERE)
     for entry_point in metadata.entry_points(group="kvcore.cli"):
+        name = entry_point.name
         where = entry_point.dist.name if entry_point.dist else entry_point.value
-        if entry_point.name in sub.choices:
-            print(f"kvcore: ignoring command {entry_point.name!r} of {where}: kvcore already has "
-                  f"one by that name; rename its entry point in group kvcore.cli", file=sys.stderr)
+        if name in sub.choices:
+            print(f"kvcore: ignoring command {name!r} of {where}: kvcore already has one by that "
+                  "name; rename its entry point in group kvcore.cli", file=sys.stderr)
             continue
-        unavailable.pop(entry_point.name, None)
+        unavailable.pop(name, None)
+        if load not in ("*", name):  # NOTE: listed by name only; main asks for it by name
+            sub.add_parser(name, help=f"a command of {where}", add_help=False)
+            continue
         # NOTE: what a distribution that fails half-way added is taken back; the stub replaces it
         choices, actions = dict(sub.choices), list(sub._choices_actions)
         try:
-            entry_point.load()(sub)
-        except Exception as exc:  # NOTE: a broken distribution must not take kvcore down
+            with contextlib.redirect_stdout(sys.stderr):  # NOTE: no print of its reaches stdout
+                (entry_point.load() if load == name else _import(entry_point, _IMPORT_WAIT))(sub)
+        except BaseException as exc:  # NOTE: SystemExit and Ctrl-C too: this command fails, named
             sub.choices.clear()
             sub.choices.update(choices)
             sub._choices_actions[:] = actions
-            unavailable[entry_point.name] = (
-                f"kvcore {entry_point.name} could not be loaded from {where} "
-                f"({type(exc).__name__}: {exc}); reinstall or uninstall {where}")
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            unavailable[name] = (f"kvcore {name} could not be loaded from {where} ({error}); "
+                                 f"reinstall or uninstall {where} (uninstall it if it hangs)")
     for name, reason in unavailable.items():
         if name in sub.choices:
             continue
@@ -187,6 +200,27 @@ def _add_installed_commands(sub: argparse._SubParsersAction) -> None:
                               prefix_chars="\0", add_help=False)
         stub.add_argument("words", nargs="*", help="ignored")
         stub.set_defaults(func=functools.partial(_unavailable, reason))
+
+
+def _import(entry_point: metadata.EntryPoint, wait: float) -> Any:
+    """``entry_point.load()`` in a daemon thread, given up after ``wait`` seconds; what it
+    raises (``SystemExit`` too) is raised here."""
+    got: list = []
+
+    def run() -> None:
+        try:
+            got.append(entry_point.load())
+        except BaseException as exc:  # NOTE: raised again in the caller's thread
+            got.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(wait)
+    if not got:
+        raise TimeoutError(f"still importing after {wait} s")
+    if isinstance(got[0], BaseException):
+        raise got[0]
+    return got[0]
 
 
 def _unavailable(reason: str, args: argparse.Namespace) -> int:
@@ -242,9 +276,10 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     json_errors = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
+    asked = next((word for word in argv if not word.startswith("-")), None)
     args = None
     try:  # NOTE: parsing may import torch (an option's type): Ctrl-C there is an interruption too
-        args = build_parser(json_errors=json_errors).parse_args(argv)
+        args = build_parser(json_errors=json_errors, load=asked).parse_args(argv)
         code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code

@@ -71,6 +71,7 @@ def _group(config: KVCacheConfig, group_id: int) -> dict[str, Any]:
         "layers": list(group.layer_names),
         "keeps_cache": keeps,
         "is_state": state,
+        "in_state_region": config.in_state_region(group_id),
         "token_capacity": config.group_token_capacity(group_id) if keeps and not state else None,
     }
     for key in ("sliding_window", "attention_chunk_size"):
@@ -137,6 +138,7 @@ def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
     kept = [g for g in groups if g["keeps_cache"]]
     # NOTE: a state-only model holds sequences of any length, one block per group each.
     state_only = bool(kept) and all(g["is_state"] for g in kept)
+    region = min((t.offset for t in tensors if not config.in_state_region(config.group_of(t.layers[0])[0])), default=0)
     return {
         "model": model.name,
         "source": model.source,
@@ -146,7 +148,9 @@ def summarize(model: ModelDescription, config: KVCacheConfig) -> dict[str, Any]:
                                if s.is_attention and s.has_cache_pages),  # NOTE: state caches: per sequence
         "num_layers": len(model.kv_cache_specs),
         "num_blocks": config.num_blocks,
-        "bytes_per_block": tensors[0].size // config.num_blocks if tensors else 0,
+        "bytes_per_block": (tensors[0].size - region) // config.num_blocks if tensors else 0,
+        "num_state_blocks": config.num_state_blocks,
+        "state_region_bytes": region,
         "total_bytes": tensors[0].size if tensors else 0,
         "usable_blocks": config.usable_blocks,
         "token_capacity": config.token_capacity,
@@ -212,6 +216,7 @@ def _capacity_line(summary: dict[str, Any]) -> tuple[str, str]:
         )
     states = sum(g["is_state"] for g in groups)
     state_text = f"; each of the {states} state groups takes 1 block" if states else ""
+    state_text = "; its states take a slot of the state region" if summary["num_state_blocks"] else state_text
     return "token capacity", (
         f"{summary['token_capacity']:,} tokens in one sequence (every group keeping all its "
         f"blocks, rounded up to whole blocks{state_text})"
@@ -239,6 +244,11 @@ def print_plan(summary: dict[str, Any]) -> None:
     rows = [[str(t["group"]), str(t["num_layers"]), format_bytes(t["layer_stride"]),
              format_bytes(t["block_stride"]), format_bytes(t["size"])] for t in summary["tensors"]]
     title = "tensors (one allocation; every group's tensor starts at byte 0)"
+    region, state_blocks = summary["state_region_bytes"], summary["num_state_blocks"]
+    if state_blocks:
+        tensor_columns.append(Column("offset", right=True))
+        rows = [[*row, format_bytes(t["offset"])] for row, t in zip(rows, summary["tensors"])]
+        title = f"tensors (one allocation: the state region's groups from byte 0, the others from byte {region:,})"
     print(f"\n{render(tensor_columns, rows, title=title, width=width)}\n")
     usable = summary["usable_blocks"]
     lines = [
@@ -249,6 +259,9 @@ def print_plan(summary: dict[str, Any]) -> None:
         ("total", format_bytes_exact(summary["total_bytes"])),
         _capacity_line(summary),
     ]
+    if state_blocks:
+        lines.insert(2, ("state region", f"{format_bytes_exact(region)}: {state_blocks:,} blocks of its own "
+                         f"({state_blocks - 1:,} usable), a slot per sequence in each state group"))
     for label, text in lines:
         print(textwrap.fill(text, width, initial_indent=f"{label + ':':<17}",
                             subsequent_indent=" " * 17))
@@ -259,7 +272,7 @@ def print_plan(summary: dict[str, Any]) -> None:
 def run(args: argparse.Namespace) -> int:
     model = load_model_file(args.model, block_size=args.block_size, kv_cache_dtype=args.kv_cache_dtype)
     config = plan_kv_cache(model.kv_cache_specs, args.layout, available_memory=args.memory,
-                           num_blocks=args.num_blocks)
+                           num_blocks=args.num_blocks, **model.plan_options)
     summary = summarize(model, config)
     if getattr(args, "explain", False):
         summary["explain"] = _explain(model, args)

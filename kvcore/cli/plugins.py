@@ -78,7 +78,9 @@ def _json(info: PluginInfo, declared: dict, picks: dict[str, str | None]) -> dic
     item["kernels_missing"] = missing_kernels(info.distribution)
     item["requirements"] = {b: requirements_json(declared[b]) for b in info.backends
                             if b in declared}
-    item["auto"] = {b: [d for d, pick in picks.items() if pick == b] for b in info.backends}
+    # NOTE: "auto" here picks for an attention spec; mixer backends (no kernel block sizes) are left out
+    item["auto"] = {b: [d for d, pick in picks.items() if pick == b] for b in info.backends
+                    if b in info.kernel_block_sizes or b in picks.values()}
     return item
 
 

@@ -13,10 +13,11 @@ import torch
 
 from kvcore._validate import positive_int
 from kvcore.distributed import shard_spec
-from kvcore.errors import KVCoreError
+from kvcore.errors import InsufficientMemoryError
 from kvcore.hf.attention_interface import ATTENTION_NAME, STEP_KWARG, LayerBinding, StepContext, register_attention
-from kvcore.hf.mixers import MixerRunner
+from kvcore.hf.mixers import MixerRunner, is_decode
 from kvcore.hf.scheduler import Request, Scheduler, check_prompt
+from kvcore.hf.specs import check_checkpoint_tokens as checked_checkpoint_tokens
 from kvcore.hf.specs import check_hybrid_options, check_model, layer_specs, model_modules
 from kvcore.hf.step import DecodeGraphs, Step, StepBuilder, graphs_wanted
 from kvcore.hf.tp import resolve_tp
@@ -79,16 +80,18 @@ class EngineDefaults:
 
 def resolve_defaults(
     make_specs: Callable[[int], Mapping[str, KVCacheSpec]], device: torch.device, backend: Any,
-    block_size: int | None, max_num_batched_tokens: int | None,
+    block_size: int | None, max_num_batched_tokens: int | None, *, unified_states: bool = False,
 ) -> EngineDefaults:
     """The negotiation stage's answers for an engine: each attention layer's backend (``"auto"``
-    asked once per distinct spec), the block size the backends prefer (16 when none states one)
-    and the step budget. ``make_specs(block_size)`` gives the layer specs."""
+    asked once per distinct spec), the block size the backends prefer (16 when none states one;
+    grown for a hybrid's ``unified_states`` plan until an attention page holds a state page) and the
+    step budget. ``make_specs(block_size)`` gives the layer specs."""
     answers = HookAnswers()
     specs = make_specs(BLOCK_SIZE if block_size is None else block_size)
     chosen = dict.fromkeys((n for n, s in specs.items() if s.is_attention), backend)
     if block_size is None:
-        block_size = default_block_size(specs, resolve_backends(specs, chosen, answers, device)[0], answers, BLOCK_SIZE)
+        backends = resolve_backends(specs, chosen, answers, device)[0]
+        block_size = default_block_size(specs, backends, answers, BLOCK_SIZE, separate_state_pages=not unified_states)
         if block_size != BLOCK_SIZE:
             specs = make_specs(block_size)
     if max_num_batched_tokens is None:
@@ -103,7 +106,7 @@ class Engine:
     """Continuous batching of greedy generation for a transformers model over one KV cache.
 
     :param model: a ``*ForCausalLM`` of a served architecture (``SERVED_MODEL_TYPES``) on its
-        device; a hybrid (mixers with state groups) runs without prefix caching, CUDA graphs or TP.
+        device; a hybrid (mixers with state groups) runs without prefix caching or TP.
     :param backend: attention backend name or class, or ``"auto"``: :func:`kvcore.select_backend`.
     :param block_size: tokens per manager block; None: the backend's preferred size (16 if none).
     :param num_blocks: blocks to plan; or ``available_memory`` bytes (default: 90% of the free
@@ -116,6 +119,11 @@ class Engine:
         None: on for the ``triton`` and ``flashinfer`` backends on a CUDA device.
     :param max_num_blocks: an elastic cache, grown instead of preempting while memory allows and
         shrunk back when ``generate`` returns.
+    :param mixer_backend: a hybrid's mixer backend name or class, or ``"auto"``.
+    :param separate_state_pages: a hybrid's states in a region of their own with their own page
+        size (``block_size`` sizes attention blocks alone); None: True for hybrids.
+    :param state_checkpoint_tokens: with prefix caching, a hybrid keeps its states at each multiple
+        of this many prompt tokens (a multiple of the block size; None: the block size).
     :param kv_cache_dtype: "auto" (the model's dtype) or a quantized cache (docs/quantized-cache.md); per-tensor
         scales come from the attention modules' ``k_scale`` / ``v_scale`` when they have them.
     """
@@ -135,13 +143,17 @@ class Engine:
         group: Any = None,
         cuda_graphs: bool | None = None,
         max_num_blocks: int | None = None,
+        mixer_backend: Any = "auto",
+        separate_state_pages: bool | None = None,
+        state_checkpoint_tokens: int | None = None,
         kv_cache_dtype: str = "auto",
     ) -> None:
         check_model(model)
         if not isinstance(enable_prefix_caching, bool):
             raise TypeError(f"enable_prefix_caching must be True or False, got {enable_prefix_caching!r}")
-        if cuda_graphs is not None and not isinstance(cuda_graphs, bool):
-            raise TypeError(f"cuda_graphs must be True, False or None, got {cuda_graphs!r}")
+        for option, value in (("cuda_graphs", cuda_graphs), ("separate_state_pages", separate_state_pages)):
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"{option} must be True, False or None, got {value!r}")
         max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
         config = model.config
         self.model = model
@@ -153,26 +165,33 @@ class Engine:
             lambda size: quantize_specs({n: shard_spec(s, tp_rank, tp_size)
                                          for n, s in layer_specs(config, model.dtype, size).items()}, kv_cache_dtype),
             self.device, backend, block_size, max_num_batched_tokens,
+            unified_states=separate_state_pages is False,
         )
         specs = settings.specs
         mixers = [n for n, s in specs.items() if isinstance(s, MambaSpec)]
         attention = [n for n in specs if n not in mixers]
+        separate = bool(mixers) and separate_state_pages is not False
+        checkpoint = settings.block_size if state_checkpoint_tokens is None else state_checkpoint_tokens
         if mixers:
-            check_hybrid_options(config, len(attention), enable_prefix_caching, tp_size, cuda_graphs)
-            cuda_graphs = False
+            check_hybrid_options(config, len(attention), enable_prefix_caching, tp_size, cuda_graphs, separate)
+            cuda_graphs = cuda_graphs if separate else False  # NOTE: padding rows need a slot nothing reads
+            checkpoint = checked_checkpoint_tokens(checkpoint, settings.block_size)
         modules = model_modules(model, list(specs))
         if num_blocks is None and available_memory is None:
             cuda = self.device.type == "cuda"
             available_memory = int(torch.cuda.mem_get_info(self.device)[0] * 0.9) if cuda else 256 << 20
         self.kv = KVCache.create(
-            specs, settings.layer_backends, device=self.device, layout=layout,
+            specs, {**settings.layer_backends, **dict.fromkeys(mixers, mixer_backend)},
+            device=self.device, layout=layout, separate_state_pages=separate,
             num_blocks=num_blocks, available_memory=available_memory,
             max_num_seqs=max_num_seqs, max_model_len=self.max_model_len, group=group,
             max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
         )
         self.kv.load_kv_scales({name: modules[name] for name in attention})
         self._start_blocks = self.kv.num_blocks
-        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=settings.max_num_batched_tokens)
+        self._no_memory: InsufficientMemoryError | None = None  # NOTE: why this step's grow failed
+        self.scheduler = Scheduler(self.kv, max_num_batched_tokens=settings.max_num_batched_tokens,
+                                   state_checkpoint_tokens=checkpoint)
         if max_num_blocks is not None:
             self.scheduler.grow = self._grow_cache
         self.counts = self.scheduler.counts
@@ -186,7 +205,8 @@ class Engine:
         #: Synchronize the device at every phase boundary so that ``stats()`` times are device-true.
         self.sync_timing = False
         self.graphs: DecodeGraphs | None = None
-        if graphs_wanted(cuda_graphs, self.device, self.kv.group_of(attention[0]).backend.get_name()):
+        backends = {self.kv.group_of(attention[0]).backend, *self.kv.mixer_backends.values()}
+        if graphs_wanted(cuda_graphs, self.device, [b.get_name() for b in backends]):
             self.graphs = DecodeGraphs(self.device, max_num_seqs)
         register_attention()
         self.warmup()
@@ -218,10 +238,12 @@ class Engine:
                 self.graphs.capture_all(self.steps, self._forward, progress=progress)
 
     def _warm_prefill(self, num_tokens: int = 32) -> None:
-        """One step of a padding request (reads the null block, writes nothing)."""
+        """One step of a padding request (reads the null block, writes nothing); a hybrid's mixers
+        run on scratch states, their decode path too."""
         with self.serving(), (self.mixers.scratch() if self.mixers else contextlib.nullcontext()):
             self._forward(self.steps.build([(None, num_tokens)]))
-            if self.graphs is None:  # NOTE: eager decode steps take the decode kernel
+        if self.graphs is None or self.mixers is not None:  # NOTE: eager decode steps: the decode kernels
+            with self.serving(), (self.mixers.scratch(decodes=1) if self.mixers else contextlib.nullcontext()):
                 self._forward(self.steps.build([(None, 1)]))
 
     def _request(self, index: int, prompt: Any, max_new_tokens: Any) -> Request:
@@ -270,9 +292,11 @@ class Engine:
         if short > room:
             return False
         for extra in dict.fromkeys((min(room, max(short, kv.num_blocks // 4)), short)):
-            with contextlib.suppress(KVCoreError):  # NOTE: no memory for that many: the bare need, then preempt
+            try:
                 kv.resize(kv.num_blocks + extra)
                 return True
+            except InsufficientMemoryError as exc:  # NOTE: no memory for that many: the bare need, then preempt
+                self._no_memory = exc
         return False
 
     def run(self) -> dict[int, list[int]]:
@@ -286,8 +310,6 @@ class Engine:
                     # no request can resume from that, so every queued one is dropped with its blocks.
                     self.scheduler.abort_all()
                     self._done = {}
-                    if self.mixers is not None:
-                        self.mixers.step = None
                     raise
         done, self._done = self._done, {}
         return done
@@ -309,26 +331,37 @@ class Engine:
     def _step(self) -> None:
         counts, clock = self.counts, self._clock
         t0 = clock()
+        self._no_memory = None
         batch = self.scheduler.schedule()
+        if not batch and self._no_memory is not None:
+            raise InsufficientMemoryError(
+                f"the elastic KV cache cannot grow to hold the next request ({self._no_memory}); free memory, "
+                "or create the Engine with a larger num_blocks (memory committed at the start)") from self._no_memory
         if not batch:
             raise RuntimeError("the scheduler found nothing to run although requests are waiting")
         t1 = clock()
-        graphed = self.graphs is not None and all(r.num_new_tokens == 1 for r, _ in batch)
+        graphed = self.graphs is not None and all(r.num_new_tokens == 1 and is_decode(r, n) for r, n in batch)
         size = self.graphs.bucket(len(batch)) if graphed else None
-        step = self.steps.build(batch, pad_to=size)
-        metadata = None if graphed else self.kv.build_metadata(step.common)
         if self.mixers is not None:
-            self.mixers.step = self.mixers.plan(batch, self.scheduler.tables)
+            batch.sort(key=lambda entry: not is_decode(*entry))  # NOTE: decodes first, one mixer call for them all
+        step = self.steps.build(batch, pad_to=size)
+        metadata = mixer_step = None
+        if not graphed:
+            metadata = self.kv.build_metadata(step.common)
+            if self.mixers is not None:
+                mixer_step = self.mixers.plan(batch, self.scheduler.tables, step.common)
         t2 = clock()
         counts["blocks_zeroed"] += len(self.kv.begin_step())
+        if self.scheduler.checkpoints is not None:  # NOTE: restored checkpoints, after zeroing the slots
+            tables, groups = self.scheduler.tables, self.scheduler.checkpoints.groups
+            rows = [(r, {g: int(tables[g][r.row, 0]) for g in groups}) for r, _ in batch if r.restore]
+            self.mixers.copy_states(self.scheduler.checkpoints.take_restores(rows))
         t3 = clock()
         if graphed:
             counts["graph_steps"] += 1
             next_tokens = self.graphs.run(size, lambda: self._forward(step))
         else:
-            next_tokens = self._forward(step, metadata)
-        if self.mixers is not None:
-            self.mixers.step = None
+            next_tokens = self._forward(step, metadata, mixer_step)
         t4 = clock()
         sampled = next_tokens[: len(step.sampled)].tolist()
         t5 = clock()
@@ -351,9 +384,16 @@ class Engine:
             torch.cuda.synchronize(self.device)
         return time.perf_counter()
 
-    def _forward(self, step: Step, metadata: dict[str, Any] | None = None) -> torch.Tensor:
-        """The greedy next token of each logits row of ``step`` (metadata built now if not given)."""
-        return self._logits(step, self.kv.build_metadata(step.common) if metadata is None else metadata).argmax(-1)
+    def _forward(self, step: Step, metadata: dict[str, Any] | None = None, mixer_step: Any = None) -> torch.Tensor:
+        """The greedy next token of each logits row of ``step`` (metadata built now if not given; a
+        hybrid's ``mixer_step`` planned now as a padded decode step if not given)."""
+        if metadata is None:
+            metadata = self.kv.build_metadata(step.common)
+        mixers = self.mixers
+        if mixers is None or mixers.step is not None:  # NOTE: set already: a warm-up pass
+            return self._logits(step, metadata).argmax(-1)
+        with mixers.running(mixer_step or mixers.plan([(None, 1)] * step.common[0].num_reqs, (), step.common)):
+            return self._logits(step, metadata).argmax(-1)
 
     def _logits(self, step: Step, metadata: dict[str, Any]) -> torch.Tensor:
         """``[logits rows, vocab]``: the sampling requests' rows first, in ``step.sampled`` order."""

@@ -1,145 +1,158 @@
-"""Run a hybrid model's mixers per request on their states in kvcore's state caches (transformers'
-mixers cannot keep apart two requests of the engine's one packed row)."""
+"""A hybrid model's mixer layers, run through their mixer backends on the states in kvcore's state
+caches: per step one ``decode`` call per layer for every decoding sequence, one ``prefill`` call
+per prefill chunk (transformers' mixers cannot keep apart two requests of one packed row)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
 import numpy as np
 import torch
-import transformers
-
-try:
-    from transformers.cache_utils import LinearAttentionLayer
-except ImportError:  # NOTE: transformers before its per-layer linear-attention caches (checked: 5.17, 5.23)
-    LinearAttentionLayer = None
 
 from kvcore.hf.scheduler import Request
+from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
 
 
+def is_decode(request: Request | None, num_tokens: int) -> bool:
+    """Whether a scheduled entry runs in the step's one decode call (a token, and no checkpoint)."""
+    return num_tokens == 1 and not (request is not None and request.checkpoints)
+
+
 @attrs.frozen(eq=False)
 class MixerStep:
-    """Where each request's tokens sit in this step's packed row, and its state slot per state group."""
+    """One step's mixer work: the first ``num_decodes`` columns of the packed row decode (their
+    state slots per state group, on the device); then each prefill chunk (first column, tokens,
+    slot per state group, and the checkpoints it passes: tokens into the chunk, block per group)."""
 
-    #: Columns of the single-token requests, and their slots per state group.
-    decode_columns: torch.Tensor | None
+    num_decodes: int
     decode_slots: dict[int, torch.Tensor]
-    #: Per multi-token request: first column, token count, slot per state group.
-    prefills: list[tuple[int, int, dict[int, int]]]
-    #: A warm-up pass: the whole row is one request on zero states outside the cache.
+    prefills: list[tuple[int, int, dict[int, int], list[tuple[int, dict[int, int]]]]]
+    #: A warm-up pass on zero states outside the cache: the whole row is one sequence's chunk, or
+    #: (``num_decodes``) single tokens of as many sequences.
     scratch: bool = False
 
 
-class _MixerLayer:
-    """One mixer module, its kvcore state views, and the transformers ``Cache`` that hands them to it."""
+class MixerLayer:
+    """One mixer module, its backend and its state views in the cache."""
 
-    def __init__(self, module: torch.nn.Module, group_id: int, states: list[torch.Tensor]) -> None:
-        self.module = module
-        self.group_id = group_id
-        # NOTE: Mamba2 and gated-delta-net specs hold (recurrent, conv); a short convolution's only (conv,).
-        self.conv, self.recurrent = (states[1], states[0]) if len(states) == 2 else (states[0], None)
-        params = inspect.signature(module.forward).parameters
-        self.cache_kwarg = "cache_params" if "cache_params" in params else "past_key_values"
-        self.layer = LinearAttentionLayer()
-        # NOTE: always a previous state: a new sequence's slot was zeroed by begin_step, a fresh state.
-        self.layer.has_previous_state[0] = True
-        self.layer.is_conv_states_initialized[0] = True
-        # NOTE: the Cache is indexed by the module's layer_idx; the layers before it are unused.
-        unused = [LinearAttentionLayer() for _ in range(module.layer_idx)]
-        self.cache = transformers.Cache(layers=unused + [self.layer])
+    def __init__(self, module: torch.nn.Module, group_id: int, states: list[torch.Tensor], backend: Any) -> None:
+        self.module, self.group_id, self.states, self.backend = module, group_id, states, backend
 
-    def _call(self, original: Any, x: torch.Tensor, pick: Any) -> tuple[torch.Tensor, ...]:
-        """``original(x)`` on the states ``pick`` takes from the layer's; the output and those states."""
-        conv = pick(self.conv)
-        recurrent = None if self.recurrent is None else pick(self.recurrent)
-        layer = self.layer
-        layer.conv_states[0], layer.conv_kernel_size[0] = conv, conv.shape[-1]
-        layer.device, layer.dtype = conv.device, conv.dtype
-        layer.recurrent_states[0] = recurrent
-        layer.is_recurrent_states_initialized[0] = recurrent is not None
-        return original(x, **{self.cache_kwarg: self.cache}), conv, recurrent
-
-    def run(self, step: MixerStep, hidden: torch.Tensor, original: Any) -> torch.Tensor:
-        """Decodes in one ``[B, 1]`` call on states gathered from their slots, each prefill chunk in a
-        ``[1, n]`` call on its slot."""
+    def run(self, step: MixerStep, hidden: torch.Tensor) -> torch.Tensor:
+        """The mixer's output for the packed row ``hidden`` ``[1, tokens, hidden]``."""
+        module, backend, row = self.module, self.backend, hidden[0]
         if step.scratch:
-            return self._call(original, hidden, lambda t: torch.zeros_like(t[:1]))[0]
+            scratch = [torch.zeros_like(state[:1]) for state in self.states]
+            if step.num_decodes:
+                slots = torch.zeros(step.num_decodes, dtype=torch.int32, device=row.device)
+                return backend.decode(module, row, scratch, slots).unsqueeze(0)
+            return backend.prefill(module, row, scratch, 0).unsqueeze(0)
+        decodes = step.num_decodes
+        if decodes:
+            y = backend.decode(module, row[:decodes], self.states, step.decode_slots[self.group_id])
+            if not step.prefills:
+                return y.unsqueeze(0)
         out = torch.empty_like(hidden)
-        if step.decode_columns is not None:
-            slots = step.decode_slots[self.group_id]
-            x = hidden[0].index_select(0, step.decode_columns).unsqueeze(1)
-            y, conv, recurrent = self._call(original, x, lambda t: t.index_select(0, slots))
-            out[0].index_copy_(0, step.decode_columns, y[:, 0].to(out.dtype))
-            self.conv.index_copy_(0, slots, conv)
-            if recurrent is not None:
-                self.recurrent.index_copy_(0, slots, recurrent)
-        for start, n, slot_of in step.prefills:
-            slot = slot_of[self.group_id]
-            x = hidden[:, start : start + n]
-            out[:, start : start + n] = self._call(original, x, lambda t: t[slot : slot + 1])[0]  # noqa: B023
+        if decodes:
+            out[0, :decodes] = y
+        g, pieces = self.group_id, []
+        for start, n, slots, cuts in step.prefills:  # NOTE: a chunk runs in pieces ending at its checkpoints
+            marks = {cut: blocks[g] for cut, blocks in cuts}
+            ends = sorted({*marks, n})
+            pieces.append([(start + a, b - a, slots[g], marks.get(b)) for a, b in zip([0, *ends], ends)])
+        for rank in range(max(map(len, pieces), default=0)):
+            now = [p[rank] for p in pieces if rank < len(p)]
+            chunks: dict[int, list[tuple[int, int]]] = {}
+            for start, n, slot, _ in now:  # NOTE: pieces of one length run as one batch
+                chunks.setdefault(n, []).append((start, slot))
+            for n, found in chunks.items():
+                if len(found) == 1:
+                    start, slot = found[0]
+                    out[0, start : start + n] = backend.prefill(module, row[start : start + n], self.states, slot)
+                    continue
+                batch = torch.stack([row[start : start + n] for start, _ in found])
+                ys = backend.prefill_batch(module, batch, self.states, [slot for _, slot in found])
+                for (start, _), y in zip(found, ys):
+                    out[0, start : start + n] = y
+            done = [(slot, ckpt) for _, _, slot, ckpt in now if ckpt is not None]
+            copy_slots(self.states, [s for s, _ in done], [c for _, c in done])
         return out
 
 
+def copy_slots(states: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
+    """Copy each state of slots ``src`` to slots ``dst`` (a checkpoint taken or restored)."""
+    if src:
+        index = torch.tensor([src, dst], dtype=torch.long).to(states[0].device)
+        for state in states:
+            state.index_copy_(0, index[1], state.index_select(0, index[0]))
+
+
 class MixerRunner:
-    """The mixer modules of one hybrid model, by path, bound to their state groups in ``kv``."""
+    """The mixer modules of one hybrid model, by path, bound to their state groups and backends."""
 
     def __init__(self, kv: KVCache, modules: Mapping[str, torch.nn.Module]) -> None:
-        if LinearAttentionLayer is None:
-            raise ValueError(
-                f"serving a hybrid model needs transformers' linear-attention cache layers, which "
-                f"transformers {transformers.__version__} lacks; upgrade transformers (5.17 and later work)"
-            )
-        self.device = kv.device
-        self.layers: dict[str, _MixerLayer] = {}
+        self.layers: dict[str, MixerLayer] = {}
         for name, module in modules.items():
             g, group = kv.config.group_of(name)
             spec = group.kv_cache_spec
             if not isinstance(spec, MambaSpec):  # NOTE: kvcore's own invariant, not user input
                 kind = type(spec).__name__
                 raise RuntimeError(f"mixer {name} is in a {kind} group")  # noqa: TRY004
+            if name not in kv.mixer_backends:
+                raise RuntimeError(f"mixer {name} has no mixer backend in the KV cache")
             states = spec.split_states(kv.layer_kv_caches[name])
-            self.layers[name] = _MixerLayer(module, g, states)
+            self.layers[name] = MixerLayer(module, g, states, kv.mixer_backends[name])
         self.state_groups = sorted({layer.group_id for layer in self.layers.values()})
         self.step: MixerStep | None = None
 
-    def plan(self, batch: list[tuple[Request, int]], tables: Sequence[np.ndarray]) -> MixerStep:
-        """Columns and slots of this step's requests (``tables``: the scheduler's)."""
-        decodes, prefills = [], []
-        start = 0
-        for request, n in batch:
+    def plan(self, batch: Sequence[tuple[Request | None, int]], tables: Sequence[np.ndarray],
+             common: Sequence[CommonAttentionMetadata]) -> MixerStep:
+        """This step's mixer work; ``batch`` lists its single-token entries first, ``tables`` are the
+        scheduler's and ``common`` the step's metadata (whose state tables hold the slots)."""
+        decodes = 0
+        while decodes < len(batch) and is_decode(*batch[decodes]):
+            decodes += 1
+        prefills, start = [], decodes
+        for request, n in batch[decodes:]:
             slots = {g: int(tables[g][request.row, 0]) for g in self.state_groups}
-            if n == 1:
-                decodes.append([start, *slots.values()])
-            else:
-                prefills.append((start, n, slots))
+            cuts = [(depth - request.num_computed, blocks) for depth, blocks, _ in request.checkpoints]
+            prefills.append((start, n, slots, cuts))
             start += n
-        if not decodes:
-            return MixerStep(None, {}, prefills)
-        ids = torch.tensor(decodes, dtype=torch.long).T.contiguous().to(self.device)
-        return MixerStep(ids[0], {g: ids[i + 1] for i, g in enumerate(self.state_groups)}, prefills)
+        slots = {g: common[g].block_table_tensor[:decodes, 0] for g in self.state_groups} if decodes else {}
+        return MixerStep(decodes, slots, prefills)
 
     @contextlib.contextmanager
-    def scratch(self) -> Iterator[None]:
-        """Run the mixers on zero states outside the cache for the duration (a warm-up pass)."""
-        self.step = MixerStep(None, {}, [], scratch=True)
+    def running(self, step: MixerStep) -> Iterator[None]:
+        """Serve the mixers' calls from ``step`` for the duration."""
+        self.step = step
         try:
             yield
         finally:
             self.step = None
 
+    def copy_states(self, group_slots: dict[int, tuple[list[int], list[int]]]) -> None:
+        """Copy state slots of every mixer layer: group -> ``(src, dst)`` (restored checkpoints)."""
+        for layer in self.layers.values():
+            if layer.group_id in group_slots:
+                copy_slots(layer.states, *group_slots[layer.group_id])
+
+    def scratch(self, decodes: int = 0) -> contextlib.AbstractContextManager[None]:
+        """Run the mixers on zero states outside the cache for the duration (a warm-up pass of one
+        chunk, or of ``decodes`` single tokens)."""
+        return self.running(MixerStep(decodes, {}, [], scratch=True))
+
     @contextlib.contextmanager
     def installed(self) -> Iterator[None]:
-        """Route every mixer module's calls through :meth:`_MixerLayer.run` for the duration."""
+        """Route every mixer module's calls through :meth:`MixerLayer.run` for the duration."""
         saved = {name: vars(layer.module).get("forward") for name, layer in self.layers.items()}
         for layer in self.layers.values():
-            layer.module.forward = functools.partial(self._forward, layer, layer.module.forward)
+            layer.module.forward = functools.partial(self._forward, layer)
         try:
             yield
         finally:
@@ -149,9 +162,9 @@ class MixerRunner:
                 else:
                     layer.module.forward = saved[name]
 
-    def _forward(self, layer: _MixerLayer, original: Any, hidden_states: torch.Tensor, *_: Any, **__: Any) -> Any:
+    def _forward(self, layer: MixerLayer, hidden_states: torch.Tensor, *_: Any, **__: Any) -> Any:
         # NOTE: the decoder layer's mask and keyword arguments describe the packed row, which no
-        # per-request call may see; each call gets only its own tokens and states.
+        # per-sequence call may see; each call gets only its own tokens and states.
         if self.step is None:
             raise RuntimeError("a kvcore-served mixer was called outside an engine step")
-        return layer.run(self.step, hidden_states, original)
+        return layer.run(self.step, hidden_states)

@@ -11,6 +11,7 @@ import attrs
 import numpy as np
 
 from kvcore._validate import as_int
+from kvcore.hf.checkpoints import StateCheckpoints
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.runtime.prefix_hash import block_hashes, sliding_window_blocks
@@ -68,6 +69,9 @@ class Request:
     #: Per group: blocks already recorded in the prefix cache.
     num_cached_blocks: list[int] = attrs.field(factory=list)
     finished: bool = False
+    #: A hybrid's state checkpoints: to restore into its slots, and to write this step (checkpoints.py).
+    restore: dict[int, int] = attrs.field(factory=dict)
+    checkpoints: list = attrs.field(factory=list)
 
     @property
     def output(self) -> list[int]:
@@ -118,11 +122,14 @@ def check_prompt(index: int, prompt: Any, max_new_tokens: Any, *, vocab_size: in
 class Scheduler:
     """Queues, admission and block bookkeeping (the one table per group) for one ``KVCache``."""
 
-    def __init__(self, kv: KVCache, *, max_num_batched_tokens: int) -> None:
+    def __init__(self, kv: KVCache, *, max_num_batched_tokens: int, state_checkpoint_tokens: int | None = None,
+                 ) -> None:
         self.pool: BlockPool = kv.block_pool
         #: Prefix caching is on when the cache's pool caches blocks (``enable_prefix_caching``).
         self.prefix_caching = self.pool.enable_caching
         self.groups = [GroupInfo.of(g.kv_cache_spec) for g in kv.config.kv_cache_groups]
+        #: Each group's pool: ``pool``, or the state pool of a separate state region.
+        self.pools = [kv.pool_of(g) for g in range(len(self.groups))]
         self.max_num_seqs = kv.max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: collections.deque[Request] = collections.deque()
@@ -134,6 +141,15 @@ class Scheduler:
         # NOTE: sized for an elastic cache's largest pool.
         self.tables = [np.zeros((kv.max_num_seqs, self._width(g, kv)), np.int32) for g in self.groups]
         self._free_rows = list(range(kv.max_num_seqs - 1, -1, -1))
+        #: What a prefix hit matches per group: (tokens per hash, window); a state group's checkpoints.
+        self.keys = [(g.block_size, g.window_blocks) for g in self.groups]
+        self.checkpoints: StateCheckpoints | None = None
+        states = [g for g, pool in enumerate(self.pools) if pool is not self.pool]
+        if self.prefix_caching and states:
+            for g in states:
+                self.keys[g] = (state_checkpoint_tokens, 1)  # NOTE: one checkpoint at exactly that depth
+            self.checkpoints = StateCheckpoints(kv.state_pool, states, state_checkpoint_tokens, self._hashes,
+                                                kv.max_num_seqs)
 
     def _width(self, group: GroupInfo, kv: KVCache) -> int:
         # NOTE: a sliding-window request indexes block ``position // block_size`` up to the model's
@@ -150,8 +166,9 @@ class Scheduler:
         return self.tables[g][request.row, : request.num_blocks[g]]
 
     def peak_blocks(self, num_tokens: int) -> int:
-        """Blocks a request of ``num_tokens`` tokens may hold at once, over all groups."""
-        return sum(g.peak_blocks(num_tokens, self.max_num_batched_tokens) for g in self.groups)
+        """Blocks of ``pool`` a request of ``num_tokens`` tokens may hold at once, over its groups."""
+        return sum(g.peak_blocks(num_tokens, self.max_num_batched_tokens)
+                   for g, pool in zip(self.groups, self.pools) if pool is self.pool)
 
     def add(self, request: Request) -> None:
         request.reset(len(self.groups))
@@ -178,6 +195,8 @@ class Scheduler:
                 self.counts["preemptions"] += 1
             if request.row < 0:
                 break
+            if self.checkpoints is not None:
+                self.checkpoints.plan(request, n, len(self.running))
             batch.append((request, n))
             budget -= n
         preempted = self.counts["preemptions"] > preemptions
@@ -192,6 +211,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self.running.append(request)
+            if self.checkpoints is not None:
+                self.checkpoints.plan(request, n, len(self.running))
             batch.append((request, n))
             budget -= n
         return batch
@@ -207,13 +228,15 @@ class Scheduler:
             if info.sliding_window is not None:
                 self._drop_out_of_window(request, g, start - info.sliding_window + 1)
             needs.append(-(-(start + n) // info.block_size) - request.num_blocks[g])
-        short = sum(needs) - self.pool.num_free_blocks
-        if short > 0 and (self.grow is None or not self.grow(short)):
-            return False
+        for pool in dict.fromkeys(self.pools):
+            short = sum(n for n, p in zip(needs, self.pools) if p is pool) - pool.num_free_blocks
+            grow = self.grow if pool is self.pool else None  # NOTE: the state region never grows
+            if short > 0 and (grow is None or not grow(short)):
+                return False
         for g, need in enumerate(needs):
             if need > 0:
                 held = request.num_blocks[g]
-                self.tables[g][request.row, held : held + need] = self.pool.allocate(need)
+                self.tables[g][request.row, held : held + need] = self.pools[g].allocate(need)
                 request.num_blocks[g] += need
                 self.counts["blocks_allocated"] += need
         return True
@@ -230,9 +253,11 @@ class Scheduler:
 
     def _release(self, request: Request) -> None:
         """Free every block of ``request`` (last block first) and its row."""
+        if self.checkpoints is not None:
+            self.checkpoints.release(request)
         if request.row >= 0:
             for g, rows in enumerate(self.tables):
-                self.pool.free([b for b in reversed(self.blocks(request, g).tolist()) if b])
+                self.pools[g].free([b for b in reversed(self.blocks(request, g).tolist()) if b])
                 rows[request.row] = 0
             self._free_rows.append(request.row)
         request.reset(len(self.groups))
@@ -247,18 +272,19 @@ class Scheduler:
         return hashes[:num_blocks]
 
     def lookup(self, request: Request) -> tuple[int, list[list[int]]]:
-        """The longest cached prefix of ``request`` short of its last token, and its blocks per group
-        (each gains a reference, which the caller holds)."""
-        groups, pool, limit = self.groups, self.pool, request.num_tokens - 1
-        hashes = [self._hashes(request, g.block_size, limit // g.block_size) for g in groups]
-        tokens = pool.find_common_prefix(
-            {i: (h, g.block_size, g.window_blocks) for i, (g, h) in enumerate(zip(groups, hashes))},
-            max_tokens=limit,
-        )
+        """The longest cached prefix of ``request`` short of its last token that every group (each in
+        its pool) hits, and its blocks per group (each gains a reference, which the caller holds)."""
+        limit, tokens = request.num_tokens - 1, -1
+        hashes = [self._hashes(request, size, limit // size) for size, _ in self.keys]
+        while tokens != limit:  # NOTE: the pools answer in turn until they agree
+            tokens = limit
+            for pool in dict.fromkeys(self.pools):
+                mine = {i: (hashes[i], *self.keys[i]) for i, p in enumerate(self.pools) if p is pool}
+                limit = pool.find_common_prefix(mine, max_tokens=limit)
         ids: list[list[int]] = []
-        for i, (g, h) in enumerate(zip(groups, hashes)):
-            ids.append(pool.get_cached_blocks(h[: tokens // g.block_size], group_id=i, window=g.window_blocks))
-            if len(ids[i]) * g.block_size != tokens:
+        for i, (size, window) in enumerate(self.keys):
+            ids.append(self.pools[i].get_cached_blocks(hashes[i][: tokens // size], group_id=i, window=window))
+            if len(ids[i]) * size != tokens:
                 raise RuntimeError(f"group {i}: prefix cache returned {len(ids[i])} blocks for {tokens} tokens")
         return tokens, ids
 
@@ -268,6 +294,9 @@ class Scheduler:
         if tokens == 0:
             return
         for i, ids in enumerate(hit):
+            if self.pools[i] is not self.pool:  # NOTE: a checkpoint, copied into the slot _grow gives
+                request.restore[i] = ids[-1]
+                continue
             self.tables[i][request.row, : len(ids)] = ids
             request.num_blocks[i] = request.num_cached_blocks[i] = len(ids)
         request.num_computed = tokens
@@ -278,7 +307,7 @@ class Scheduler:
         """Record the blocks of ``request`` that the last step filled."""
         for i, g in enumerate(self.groups):
             full, done = request.num_computed // g.block_size, request.num_cached_blocks[i]
-            if full <= done:
+            if full <= done or self.pools[i] is not self.pool:
                 continue
             hashes = self._hashes(request, g.block_size, full)[done:full]
             pairs = [(h, b) for h, b in zip(hashes, self.tables[i][request.row, done:full].tolist()) if b]
@@ -290,6 +319,8 @@ class Scheduler:
             request.num_computed += n
             if self.prefix_caching:
                 self._cache_full_blocks(request)
+            if self.checkpoints is not None:
+                self.checkpoints.cache(request)
 
     def abort_all(self) -> None:
         """Drop every queued request (running or waiting) and free all it holds."""

@@ -132,7 +132,8 @@ def check_model(model: Any) -> None:
 
 
 def check_hybrid_options(
-    config: Any, num_attention: int, prefix_caching: bool, tp_size: int, cuda_graphs: bool | None
+    config: Any, num_attention: int, prefix_caching: bool, tp_size: int, cuda_graphs: bool | None,
+    separate_state_pages: bool,
 ) -> None:
     """Refuse what a hybrid model cannot be served with."""
     kind = config.model_type
@@ -141,18 +142,29 @@ def check_hybrid_options(
             f"this {kind!r} config has mixer layers only; kvcore.hf serves hybrids with at least one "
             "attention layer (set the config's layer types)"
         )
-    if prefix_caching:
+    if prefix_caching and not separate_state_pages:
         raise ValueError(
-            f"prefix caching cannot serve the hybrid {kind!r}: its mixer states are kept per sequence, not per "
-            "block, so no cached block names the state after a prefix; pass enable_prefix_caching=False"
+            f"prefix caching serves the hybrid {kind!r} only with separate_state_pages (None or True), whose "
+            "state region keeps its checkpoints; pass enable_prefix_caching=False or separate_state_pages=None"
         )
     if tp_size > 1:
         raise ValueError(f"kvcore.hf serves the hybrid {kind!r} on one device only; its mixer states are not sharded")
-    if cuda_graphs:
+    if cuda_graphs and not separate_state_pages:
         raise ValueError(
-            f"CUDA graphs cannot capture the hybrid {kind!r}: its mixers run per request with shapes that "
-            "change every step; pass cuda_graphs=False (or None)"
+            f"CUDA graphs serve the hybrid {kind!r} only with separate_state_pages (None or True): padded "
+            "decode rows then update a state slot that nothing reads; pass cuda_graphs=False or None"
         )
+
+
+def check_checkpoint_tokens(tokens: Any, block_size: int) -> int:
+    """``state_checkpoint_tokens``: a positive multiple of the attention block size."""
+    tokens = positive_int("state_checkpoint_tokens", tokens)
+    if tokens % block_size:
+        raise ValueError(
+            f"state_checkpoint_tokens={tokens} is not a multiple of the {block_size}-token attention block, so "
+            f"no cached prefix would end at a checkpoint; pass a multiple of {block_size} (or None for {block_size})"
+        )
+    return tokens
 
 
 def model_modules(model: torch.nn.Module, names: list[str]) -> dict[str, torch.nn.Module]:
@@ -252,13 +264,14 @@ def _mixer_spec(config: Any, dtype: torch.dtype, block_size: int) -> MambaSpec:
     family = HYBRID_FAMILIES[model_type]
     sizes = [positive_int(f"config.{name}", getattr(config, name, None)) for name in family.fields]
     if family.kind == "short_conv":
-        return MambaSpec(block_size, [tuple(sizes)], [dtype])
+        return MambaSpec(block_size, [tuple(sizes)], [dtype], mamba_type=family.kind)
     # NOTE: the scans return their final state in float32 and transformers keeps it so (bf16 models too).
     recurrent_dtype = torch.float32 if dtype.itemsize <= 4 else dtype
     if family.kind == "gated_delta_net":
         k_heads, v_heads, k_dim, v_dim, kernel = sizes
         conv_dim = 2 * k_heads * k_dim + v_heads * v_dim
-        return MambaSpec(block_size, [(v_heads, k_dim, v_dim), (conv_dim, kernel)], [recurrent_dtype, dtype])
+        shapes = [(v_heads, k_dim, v_dim), (conv_dim, kernel)]
+        return MambaSpec(block_size, shapes, [recurrent_dtype, dtype], mamba_type=family.kind)
     heads, head_dim, groups, d_state, kernel = sizes
     if model_type == "nemotron_h":
         intermediate = heads * head_dim
@@ -267,4 +280,5 @@ def _mixer_spec(config: Any, dtype: torch.dtype, block_size: int) -> MambaSpec:
     else:
         intermediate = int(config.mamba_expand * config.hidden_size)
     conv_dim = intermediate + 2 * groups * d_state
-    return MambaSpec(block_size, [(heads, head_dim, d_state), (conv_dim, kernel)], [recurrent_dtype, dtype])
+    shapes = [(heads, head_dim, d_state), (conv_dim, kernel)]
+    return MambaSpec(block_size, shapes, [recurrent_dtype, dtype], mamba_type=family.kind)

@@ -148,8 +148,8 @@ def _unpack(longs: torch.Tensor, ints: torch.Tensor, num_reqs: int, num_tokens: 
             longs[2 * num_tokens : 2 * num_tokens + num_sampled], common)
 
 
-#: Backends whose decode steps are captured by default (no host work inside ``forward``).
-GRAPH_BACKENDS = ("triton", "flashinfer")
+#: Backends whose decode steps are captured by default (no host work inside ``forward`` / ``decode``).
+GRAPH_BACKENDS = ("triton", "flashinfer", "triton-mixer")
 
 
 class DecodeGraphs:
@@ -205,10 +205,11 @@ class DecodeGraphs:
         return self.outputs[size]
 
 
-def graphs_wanted(option: Any, device: torch.device, backend_name: str) -> bool:
-    """``cuda_graphs=None`` (Engine checked its type): on for :data:`GRAPH_BACKENDS` on a CUDA device."""
+def graphs_wanted(option: Any, device: torch.device, backend_names: Sequence[str]) -> bool:
+    """``cuda_graphs=None`` (Engine checked its type): on a CUDA device, on when every backend of
+    the engine is one of :data:`GRAPH_BACKENDS`."""
     if option is None:
-        return device.type == "cuda" and backend_name in GRAPH_BACKENDS
+        return device.type == "cuda" and all(name in GRAPH_BACKENDS for name in backend_names)
     if option and device.type != "cuda":
         raise ValueError(f"cuda_graphs=True needs a CUDA device; the model is on {device}")
     return option

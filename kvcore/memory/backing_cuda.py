@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from kvcore._units import format_bytes
-from kvcore.errors import KVCoreError
+from kvcore.errors import InsufficientMemoryError, KVCoreError
 from kvcore.memory.backing_base import BackingMemory
 from kvcore.memory.layout import merge_ranges, round_up
 
@@ -139,7 +139,7 @@ class CudaBacking(BackingMemory):
             except KVCoreError as exc:
                 for offset in done:
                     res.unmap(offset)
-                raise KVCoreError(
+                raise InsufficientMemoryError(
                     f"cannot commit {format_bytes(end - start)} of KV cache on {self.device} "
                     f"({exc}); resize to fewer blocks or free device memory"
                 ) from exc

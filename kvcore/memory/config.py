@@ -8,9 +8,13 @@ from typing import Any
 
 import attrs
 
-from kvcore._validate import as_int, attrs_non_negative, attrs_positive, positive_int
+from kvcore._validate import as_int, attrs_non_negative, attrs_optional_positive, attrs_positive, positive_int
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
+
+#: Most blocks one cache (its block pool) manages: the pool's host bookkeeping costs about 50
+#: bytes a block.
+MAX_NUM_BLOCKS = 1 << 26
 
 
 def _layer_names(value: Any) -> tuple[str, ...]:
@@ -77,11 +81,18 @@ def _grows_with_tokens(spec: KVCacheSpec) -> bool:
     return spec.has_cache_pages and spec.max_num_blocks_per_req(spec.block_size + 1) > 1
 
 
+def is_state_spec(spec: KVCacheSpec) -> bool:
+    """Whether a sequence keeps one block of ``spec`` whatever its length (a state cache)."""
+    return spec.has_cache_pages and not _grows_with_tokens(spec)
+
+
 @attrs.define
 class KVCacheConfig:
     """A planned KV cache: ``num_blocks`` blocks shared by all groups, which overlay each other
     from byte 0 of one allocation; a sequence of T tokens takes ``max_num_blocks_per_req(T)``
-    blocks in every group that keeps a cache (no sliding-window discount)."""
+    blocks in every group that keeps a cache (no sliding-window discount). With ``num_state_blocks``
+    (separate state pages) the state groups have a region of their own first, with that many block
+    ids; ``num_blocks`` counts the other groups' blocks, after it."""
 
     num_blocks: int = attrs.field(validator=attrs_positive)
     kv_cache_tensors: list[KVCacheTensor] = attrs.field(
@@ -91,11 +102,21 @@ class KVCacheConfig:
         converter=list, validator=_instances_of(KVCacheGroupSpec, each=True)
     )
     layout: KVCacheLayout = attrs.field(default=KVCacheLayout.LBNHC, converter=KVCacheLayout.parse)
+    num_state_blocks: int | None = attrs.field(default=None, kw_only=True, validator=attrs_optional_positive)
+
+    #: Whether the state groups have a region and block ids of their own.
+    separate_state_pages = property(lambda self: self.num_state_blocks is not None)
+
+    def in_state_region(self, group_id: int) -> bool:
+        """Whether group ``group_id`` takes its blocks from the separate state region."""
+        return self.separate_state_pages and self.is_state_group(group_id)
 
     def num_blocks_of(self, tensor: KVCacheTensor) -> int:
-        """Blocks addressed through ``tensor`` (every group shares the pool)."""
+        """Blocks addressed through ``tensor`` (its region's: every group of a region shares it)."""
         if tensor not in self.kv_cache_tensors:
             raise ValueError(f"{tensor!r} is not one of this config's tensors")
+        if self.in_state_region(self.group_of(tensor.layers[0])[0]):
+            return self.num_state_blocks
         return self.num_blocks
 
     def group_of(self, layer_name: str) -> tuple[int, KVCacheGroupSpec]:
@@ -123,23 +144,29 @@ class KVCacheConfig:
         spec = self._spec_of_group(group_id)
         return spec.has_cache_pages and not _grows_with_tokens(spec)
 
+    def _pooled_specs(self) -> list[KVCacheSpec]:
+        """Specs of the groups whose blocks come from the ``num_blocks`` pool."""
+        return [g.kv_cache_spec for i, g in enumerate(self.kv_cache_groups) if not self.in_state_region(i)]
+
     def blocks_per_sequence(self, num_tokens: int) -> int:
-        """Blocks one sequence of ``num_tokens`` tokens takes over all groups."""
+        """Blocks one sequence of ``num_tokens`` tokens takes in the ``num_blocks`` pool's groups."""
         num_tokens = positive_int("num_tokens", num_tokens)
-        specs = [g.kv_cache_spec for g in self.kv_cache_groups]
+        specs = self._pooled_specs()
         return sum(s.max_num_blocks_per_req(num_tokens) for s in specs if s.has_cache_pages)
 
     def sequence_capacity(self, num_tokens: int) -> int:
-        """Sequences of ``num_tokens`` tokens each that fit in the pool at once (0: none)."""
+        """Sequences of ``num_tokens`` tokens each that fit in the pool (and state slots) at once."""
         needed = self.blocks_per_sequence(num_tokens)
-        return self.usable_blocks // needed if needed else 0
+        fit = self.usable_blocks // needed if needed else 0
+        slots = sum(map(self.in_state_region, range(len(self.kv_cache_groups))))
+        return min(fit, (self.num_state_blocks - 1) // slots) if slots else fit
 
     @property
     def token_capacity(self) -> int:
         """Tokens one sequence can hold with every group keeping all its blocks (the null block
         excluded, each group rounding up to whole blocks, no sliding-window discount);
         0 when none fits or no group's blocks grow with the tokens (see ``sequence_capacity``)."""
-        specs = [g.kv_cache_spec for g in self.kv_cache_groups]
+        specs = self._pooled_specs()
         growing = [s.block_size for s in specs if _grows_with_tokens(s)]
         usable = self.usable_blocks
         if not growing or self.blocks_per_sequence(1) > usable:

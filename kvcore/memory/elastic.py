@@ -11,7 +11,7 @@ import torch
 from kvcore._validate import as_int
 from kvcore.memory.backing import reserve_backing
 from kvcore.memory.backing_base import BackingMemory
-from kvcore.memory.config import KVCacheConfig
+from kvcore.memory.config import MAX_NUM_BLOCKS, KVCacheConfig
 from kvcore.memory.layout import block_runs, merge_ranges, round_up
 
 #: A layer view as allocated and how many of its rows form one manager block.
@@ -60,33 +60,43 @@ class ElasticMemory:
     def __init__(self, backing: BackingMemory) -> None:
         self.backing = backing
         self._views: dict[str, ViewRows] = {}
+        self._fixed: Ranges = []
         self._committed: Ranges = []  # granule-aligned, merged
         self.num_blocks = 0
 
-    def track(self, views: Mapping[str, ViewRows]) -> None:
-        """The layer views (over ``backing.tensor``) whose blocks decide what is committed."""
-        self._views = dict(views)
+    def track(self, views: Mapping[str, ViewRows], fixed: Ranges = ()) -> None:
+        """The layer views (over ``backing.tensor``) whose blocks decide what is committed, and
+        byte ranges committed whatever the size (a separate state region)."""
+        self._views, self._fixed = dict(views), list(fixed)
 
     committed_bytes = property(lambda self: sum(end - start for start, end in self._committed))
 
     def resize(self, num_blocks: int) -> None:
-        """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed
-        (all or nothing: a grow that fails gives back what it committed and raises)."""
-        backing = self.backing
-        want = block_byte_ranges(self._views, num_blocks, backing.granularity)
-        added: Ranges = []
+        """Commit or release granules so that exactly blocks ``[0, num_blocks)`` are backed (and the
+        fixed ranges, a separate state region, stay backed), all or nothing: when a commit or
+        release raises (Ctrl-C too) what changed is undone first."""
+        backing, before, old = self.backing, self._committed, self.num_blocks
+        g = backing.granularity
+        fixed = [(start // g * g, round_up(end, g)) for start, end in self._fixed]
+        want = merge_ranges([*block_byte_ranges(self._views, num_blocks, g), *fixed])
+        gained = subtract_ranges(want, before)  # NOTE: a grow only gains, a shrink only loses
+        ranges, step, undo = ((gained, backing.commit, backing.decommit) if gained else
+                              (subtract_ranges(before, want), backing.decommit, backing.commit))
+        done: Ranges = []  # NOTE: listed before the call; committing or releasing twice is harmless
         try:
-            for start, end in subtract_ranges(want, self._committed):
-                backing.commit(start, end)
-                added.append((start, end))
+            for start, end in ranges:
+                done.append((start, end))
+                step(start, end)
         except BaseException:
-            for start, end in added:
-                backing.decommit(start, end)
+            # NOTE: should the undo fail too, only what is surely backed stays listed
+            self._committed = subtract_ranges(before, merge_ranges(done))
+            self.num_blocks = min(old, num_blocks)
+            while done:
+                undo(*done[-1])
+                done.pop()
+            self._committed, self.num_blocks = before, old
             raise
-        for start, end in subtract_ranges(self._committed, want):
-            backing.decommit(start, end)
-        self._committed = want
-        self.num_blocks = num_blocks
+        self._committed, self.num_blocks = want, num_blocks
 
 
 def checked_max_blocks(max_num_blocks: Any) -> int:
@@ -94,6 +104,11 @@ def checked_max_blocks(max_num_blocks: Any) -> int:
     if max_num_blocks < 2:
         raise ValueError(
             f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}"
+        )
+    if max_num_blocks > MAX_NUM_BLOCKS:
+        raise ValueError(
+            f"max_num_blocks={max_num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks a "
+            "block pool manages; use larger blocks (a bigger block_size) or fewer of them"
         )
     return max_num_blocks
 

@@ -217,6 +217,6 @@ def _layer_views(config: KVCacheConfig, buf: torch.Tensor, layout: KVCacheLayout
                 kv_caches.update((name, buf) for name in tensor.layers)
             continue
         kernel = kernels[group_id] if group_id < len(kernels) else None
-        views = make(buf, spec, config.num_blocks, layout, tensor, kernel)
+        views = make(buf, spec, config.num_blocks_of(tensor), layout, tensor, kernel)
         kv_caches.update(zip(tensor.layers, views))
     return kv_caches

@@ -14,6 +14,7 @@ from kvcore.errors import PluginError
 from kvcore.memory.layout import KVCacheLayout, parse_layouts
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import call_first
+from kvcore.plugins.mixer_backend import MixerBackend
 from kvcore.plugins.registry import get_backend, resolve_plugin_manager
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec, MultipleOf
@@ -126,7 +127,7 @@ class HookAnswers:
     def backend(self, backend: type[AttentionBackend] | str) -> type[AttentionBackend]:
         if isinstance(backend, str):
             return get_backend(backend, self.pm)
-        if isinstance(backend, type) and issubclass(backend, AttentionBackend):
+        if isinstance(backend, type) and issubclass(backend, (AttentionBackend, MixerBackend)):
             return backend
         raise TypeError(
             f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}"

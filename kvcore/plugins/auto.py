@@ -14,7 +14,8 @@ from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import collect_backends
-from kvcore.specs import KVCacheSpec
+from kvcore.plugins.mixer_backend import MixerBackend, is_mixer_backend
+from kvcore.specs import KVCacheSpec, MambaSpec
 
 #: The backend name that means "the one :func:`select_backend` picks".
 AUTO = "auto"
@@ -24,10 +25,17 @@ def serves(
     answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device: torch.device
 ) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device``; None when it can."""
-    return answers.requirements(backend, spec).why_not(
-        device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None),
-        getattr(spec, "kv_quant", None),
-    )
+    requirements = answers.requirements(backend, spec)
+    if isinstance(spec, MambaSpec):  # NOTE: a mixer backend, for the mixer the spec names
+        if not is_mixer_backend(backend):
+            return "is an attention backend, not a mixer backend (rule: kind)"
+        if spec.mamba_type not in backend.mamba_types:
+            return f"runs mixers {list(backend.mamba_types)}, not {spec.mamba_type!r} (rule: mamba_types)"
+        return next(filter(None, (requirements.why_not(device.type, d, None) for d in spec.dtypes)), None)
+    if is_mixer_backend(backend):
+        return "is a mixer backend, not an attention backend (rule: kind)"
+    return requirements.why_not(device.type, getattr(spec, "dtype", None), getattr(spec, "head_size", None),
+                                getattr(spec, "kv_quant", None))
 
 
 @attrs.frozen
@@ -35,7 +43,7 @@ class Choice:
     """What ``"auto"`` picked for one spec: ``weighed`` holds every backend's name with its
     priority (an int) or why it cannot serve (a str)."""
 
-    backend: type[AttentionBackend]
+    backend: type[AttentionBackend] | type[MixerBackend]
     weighed: tuple[tuple[str, int | str], ...]
 
     def explain(self) -> str:
@@ -55,6 +63,7 @@ def select_backend(
     Among unambiguous backends whose requirements admit the device type, dtype and head size, the
     highest ``kvcore_backend_priority`` wins (ties: first name); none: ``ValueError`` saying why.
     A plugin whose requirements or priority hook fails is reported (``PluginWarning``) and skipped.
+    A ``MambaSpec`` gets a mixer backend whose ``mamba_types`` lists its ``mamba_type``.
     """
     if spec is not None and not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
@@ -88,8 +97,10 @@ def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch
         table.conflicts(),
         "its name is registered by several plugins (block all but one with KVCORE_BLOCK_PLUGINS)",
     )
+    mixer = isinstance(spec, MambaSpec)
     for name, (backend, _) in sorted(table.unambiguous().items()):
-        weighed[name] = _weigh(answers, backend, spec, device)
+        if is_mixer_backend(backend) == mixer:  # NOTE: the other kind is never a candidate, nor listed
+            weighed[name] = _weigh(answers, backend, spec, device)
     able = [(w, name) for name, w in weighed.items() if isinstance(w, int)]
     if able:
         best = max(able, key=lambda found: found[0])[1]  # NOTE: max keeps the first name of a tie
@@ -97,7 +108,7 @@ def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch
     listed = "; ".join(f"{name}: {why}" for name, why in sorted(weighed.items()))
     # NOTE: when a failing plugin left nothing to serve the spec, the error is that plugin's.
     raise (PluginError if answers.unhealthy else ValueError)(
-        f"no registered attention backend can serve {spec!r} on {device} "
+        f"no registered {'mixer' if mixer else 'attention'} backend can serve {spec!r} on {device} "
         f"({listed or 'none is registered'}). Install or enable a plugin whose backend runs "
         "there, or pick a device and dtype one supports"
     )

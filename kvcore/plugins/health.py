@@ -9,8 +9,9 @@ from kvcore.errors import PluginError
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.auto import choose_backend
 from kvcore.plugins.manager import PluginInfo, collect_backends
+from kvcore.plugins.mixer_backend import is_mixer_backend
 from kvcore.plugins.registry import list_plugins, resolve_plugin_manager
-from kvcore.specs import FullAttentionSpec, MultipleOf
+from kvcore.specs import FullAttentionSpec, MambaSpec, MultipleOf
 
 #: The spec every backend is asked about: 16-token blocks, 8 KV heads of 128, bf16.
 REPRESENTATIVE = FullAttentionSpec(16, 8, 128, torch.bfloat16)
@@ -32,9 +33,12 @@ def check_plugins(
     except PluginError:
         entries = {}  # NOTE: list_plugins already marked the plugin that failed
     answers = answers or HookAnswers(pm)
-    spec = REPRESENTATIVE
     for name, found in entries.items():
         for backend, owner in found:
+            mixer = is_mixer_backend(backend)
+            spec = REPRESENTATIVE
+            if mixer:  # NOTE: asked about a state cache of a mixer it runs
+                spec = MambaSpec(16, [(8, 4)], [torch.bfloat16], mamba_type=backend.mamba_types[0])
             try:
                 sizes = answers.kernel_block_sizes(backend, spec)
                 layouts = answers.stated_layouts(backend, spec)
@@ -43,6 +47,8 @@ def check_plugins(
                 answers.priority(backend, spec, torch.device("cpu"))
             except PluginError as exc:
                 _flag(by_name, getattr(exc, "plugin_name", None) or owner, exc)
+                continue
+            if mixer:  # NOTE: state caches keep one block per sequence in any layout
                 continue
             by_name[owner].kernel_block_sizes[name] = [
                 {"multiple_of": s.base} if isinstance(s, MultipleOf) else s for s in sizes

@@ -17,6 +17,7 @@ import pluggy
 from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins import hookspecs
 from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.mixer_backend import is_mixer_backend, mixer_problem
 
 logger = logging.getLogger("kvcore.plugins")
 
@@ -287,12 +288,17 @@ def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> Backe
 
 
 def _check_backend(pm: pluggy.PluginManager, backend: Any, owner: str) -> None:
-    if not (isinstance(backend, type) and issubclass(backend, AttentionBackend)):
-        problem = f"registered {backend!r}, not a kvcore.AttentionBackend subclass"
+    mixer = is_mixer_backend(backend)
+    if not (mixer or (isinstance(backend, type) and issubclass(backend, AttentionBackend))):
+        problem = f"registered {backend!r}, not a kvcore.AttentionBackend subclass (nor a MixerBackend)"
     elif not isinstance(getattr(backend, "name", None), str) or not backend.name:
         problem = (
             f"registered {backend.__qualname__} without a non-empty str class attribute 'name'"
         )
+    elif mixer:
+        problem = mixer_problem(backend)
+        if problem is None:
+            return
     elif inspect.getattr_static(backend, "forward") is AttentionBackend.__dict__["forward"]:
         problem = (
             f"registered {backend.__qualname__} ({backend.name!r}), which does not implement "

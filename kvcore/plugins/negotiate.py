@@ -18,10 +18,11 @@ from kvcore.errors import KernelRequirementError
 from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.elastic import checked_max_blocks
 from kvcore.memory.layout import KVCacheLayout, checked_request, layout_candidates, requested_layout
-from kvcore.memory.planner import PagePlan, checked_budget, lay_out
+from kvcore.memory.planner import PagePlan, checked_budget, lay_out, state_region_blocks
 from kvcore.plugins.answers import HookAnswers, accepts, label
 from kvcore.plugins.auto import AUTO, checked_device, choose_backend, serves
 from kvcore.plugins.backend import AttentionBackend
+from kvcore.plugins.mixer_backend import is_mixer_backend
 from kvcore.plugins.negotiation import Candidate, Declared, Negotiation, Refused, group_records
 from kvcore.plugins.rules import view_checks
 from kvcore.settings import Settings
@@ -58,12 +59,13 @@ def resolve_backends(
 
 
 def default_block_size(
-    layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, Any], answers: HookAnswers, fallback: int
+    layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, Any], answers: HookAnswers, fallback: int,
+    *, separate_state_pages: bool = False,
 ) -> int:
     """The manager block size for these layers when the caller names none: the first ``int`` the
-    first attention layer's backend declares (else ``fallback``), grown for a hybrid until an
-    attention page holds a state page (pages are unified to the largest, and growing the
-    attention block wastes less than padding it unless the state page is under two of them)."""
+    first attention layer's backend declares (else ``fallback``), grown for a hybrid in the unified
+    plan until an attention page holds a state page (pages are unified to the largest, and growing
+    the attention block wastes less than padding it unless the state page is under two of them)."""
     attention = [n for n, s in layer_specs.items() if s.is_attention]
     if not attention:
         return fallback
@@ -72,7 +74,7 @@ def default_block_size(
     size = next((s for s in sizes if isinstance(s, int)), fallback)
     states = [s.real_page_size_bytes for s in layer_specs.values() if not s.is_attention and s.has_cache_pages]
     page = max(layer_specs[n].real_page_size_bytes for n in attention)
-    if states and max(states) >= 2 * page:
+    if states and not separate_state_pages and max(states) >= 2 * page:
         size *= -(-max(states) // page)
     return size
 
@@ -101,20 +103,27 @@ def _checked_layers(layer_specs: Any, layer_backends: Any) -> None:
 class _Pass:
     """The served specs and backends of one negotiation, and each layout's pages (laid out once)."""
 
-    def __init__(self, specs: dict[str, KVCacheSpec], backends: Backends, answers: HookAnswers) -> None:
+    def __init__(self, specs: dict[str, KVCacheSpec], backends: Backends, answers: HookAnswers,
+                 num_state_blocks: int | None = None) -> None:
         self.specs, self.backends, self.answers = specs, backends, answers
+        self.num_state_blocks = num_state_blocks  # NOTE: a separate state region's blocks, or None
         self.pages: dict[KVCacheLayout, PagePlan] = {}
+
+    def _pages(self, layout: KVCacheLayout) -> PagePlan:
+        if layout not in self.pages:
+            self.pages[layout] = lay_out(self.specs, layout, self.num_state_blocks)
+        return self.pages[layout]
 
     def bought(self, layout: KVCacheLayout, available_memory: int) -> int:
         """Blocks ``available_memory`` holds under ``layout``, else ``ValueError`` saying why too few."""
-        bought = self.pages.setdefault(layout, lay_out(self.specs, layout)).blocks_for(available_memory)
+        bought = self._pages(layout).blocks_for(available_memory)
         if isinstance(bought, str):
             raise ValueError(bought)
         return bought
 
     def plan(self, layout: KVCacheLayout, num_blocks: int | None, available_memory: int | None) -> Candidate:
         """``layout`` planned once: its plan, records and rule checks, or why it is refused."""
-        pages = self.pages.setdefault(layout, lay_out(self.specs, layout))
+        pages = self._pages(layout)
         if pages.refusal is not None:
             error = pages.error()
             return Candidate(layout, str(error), error=error)
@@ -159,9 +168,9 @@ def _refuse(outcomes: list[Candidate], candidates: list[KVCacheLayout], explicit
     return KernelRequirementError(f"{prefix}{ruled[0].refusal}; {_remedy(outcomes, layer_specs, run)}")
 
 
-def _check_abilities(run: _Pass, device: torch.device) -> None:
+def _check_abilities(run: _Pass, device: torch.device, backends: Backends) -> None:
     first: dict[tuple[type, KVCacheSpec], str] = {}
-    for name, backend in run.backends.items():
+    for name, backend in backends.items():
         first.setdefault((backend, run.specs[name]), name)
     for (backend, spec), layer in first.items():
         why = serves(run.answers, backend, spec, device)
@@ -190,6 +199,8 @@ def negotiate(
     max_num_blocks: int | None = None,
     enable_prefix_caching: bool = False,
     settings: Settings | None = None,
+    separate_state_pages: bool = False,
+    num_state_blocks: int | None = None,
     kv_cache_dtype: str = "auto",
 ) -> Negotiation:
     """Decide what every layer of ``layer_specs`` (model order) gets, as :meth:`KVCache.create
@@ -207,8 +218,10 @@ def negotiate(
     _checked_layers(layer_specs, layer_backends)
     backends, backend_rules = resolve_backends(layer_specs, layer_backends, answers, device)
     specs = {n: answers.customized_spec(backends[n], s) if n in backends else s for n, s in layer_specs.items()}
-    run = _Pass(specs, backends, answers)
-    _check_abilities(run, device)
+    region = state_region_blocks(specs, separate_state_pages, num_state_blocks, max_num_seqs, enable_prefix_caching)
+    # NOTE: mixer layers' backends run on state views: no attention group, kernel block or layout of theirs
+    run = _Pass(specs, {n: b for n, b in backends.items() if not is_mixer_backend(b)}, answers, region)
+    _check_abilities(run, device, backends)
     pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
     ruled = any(answers.requirements(b, s).has_memory_rules for b, s in pairs)
     stated = answers.common_layouts(pairs)

@@ -4,6 +4,7 @@ through ``set_blocked``), and looking backends up."""
 from __future__ import annotations
 
 import functools
+import importlib
 import importlib.metadata
 import warnings
 
@@ -118,7 +119,9 @@ def default_plugin_manager() -> KVCorePluginManager:
 
 
 def reset_default_plugin_manager() -> None:
-    """Forget the default manager; the next use rebuilds it (reads the environment again)."""
+    """Forget the default manager; the next use rebuilds it (reads the environment and the
+    installed distributions again: call it after installing a plugin in-process)."""
+    importlib.invalidate_caches()
     default_plugin_manager.cache_clear()
 
 

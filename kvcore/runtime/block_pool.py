@@ -8,10 +8,9 @@ from collections.abc import Iterable, Mapping, Sequence
 
 from kvcore._validate import as_int, non_negative_int, positive_int
 from kvcore.errors import OutOfBlocksError
+from kvcore.memory.config import MAX_NUM_BLOCKS
 
 NULL_BLOCK_ID = 0
-#: Most blocks one pool manages: its host bookkeeping costs about 50 bytes a block.
-MAX_NUM_BLOCKS = 1 << 26
 
 
 def _checked_size(num_blocks: int) -> int:

@@ -12,10 +12,11 @@ import torch
 
 from kvcore._validate import as_int
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.elastic import ElasticMemory, reserve_elastic
+from kvcore.memory.elastic import ElasticMemory, block_byte_ranges, reserve_elastic
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.views import allocate_kv_cache, checked_device
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
+from kvcore.plugins.mixer_backend import MixerBackend, is_mixer_backend
 from kvcore.plugins.negotiate import negotiate
 from kvcore.plugins.negotiation import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup
@@ -53,6 +54,11 @@ class KVCache:
     scale_caches: dict[str, torch.Tensor] = attrs.field(factory=dict, repr=False)
     kv_scales: dict[str, tuple[float, float]] = attrs.field(factory=dict)
     quant_states: dict[str, Any] = attrs.field(factory=dict, repr=False)  # NOTE: into each layer's metadata
+    #: Each mixer layer's backend (layers ``layer_backends`` mapped to a ``MixerBackend``).
+    mixer_backends: dict[str, type[MixerBackend]] = attrs.field(factory=dict, repr=False)
+    #: With separate state pages, the state groups' own block pool and zeroer (else None).
+    state_pool: BlockPool | None = None
+    state_zeroer: KVBlockZeroer | None = attrs.field(default=None, repr=False)
 
     @classmethod
     def create(
@@ -71,6 +77,8 @@ class KVCache:
         max_num_blocks: int | None = None,
         enable_prefix_caching: bool = False,
         kv_cache_dtype: str = "auto",
+        separate_state_pages: bool = False,
+        num_state_blocks: int | None = None,
     ) -> KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
@@ -82,6 +90,9 @@ class KVCache:
         neither: all), changed later by :meth:`resize`. The stages: :func:`kvcore.negotiate` decides,
         then the cache is allocated and wired from its record. ``kv_cache_dtype`` other than "auto"
         stores attention layers quantized (docs/quantized-cache.md).
+        then the cache is allocated and wired from its record. ``separate_state_pages``: state caches
+        in a region of their own, ``num_state_blocks`` blocks (default: a slot per sequence, twice
+        that with prefix caching) with a pool of their own (:attr:`state_pool`).
         """
         settings = Settings.from_env()
         negotiation = negotiate(
@@ -90,6 +101,7 @@ class KVCache:
             max_model_len=max_model_len, plugin_manager=plugin_manager, group=group,
             max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching, settings=settings,
             kv_cache_dtype=kv_cache_dtype,
+            separate_state_pages=separate_state_pages, num_state_blocks=num_state_blocks,
         )
         config, device, rows = negotiation.config, negotiation.device, negotiation.rows_per_block()
         elastic = reserve_elastic(config, device) if negotiation.elastic else None
@@ -99,16 +111,23 @@ class KVCache:
         # NOTE: scales are zeroed (and committed) with their blocks: the runs touch and merge.
         paged = {**kv_caches, **{f"{name} (scales)": v for name, v in scale_caches.items()}}
         rows.update({f"{name} (scales)": rows[name] for name in scale_caches if name in rows})
+        views = {name: (paged[name], rows[name]) for name in rows if name in paged}
+        state_pool = state_zeroer = None
+        region = [n for n in kv_caches if config.in_state_region(config.group_of(n)[0])]
+        states = {n: views.pop(n) for n in region if n in views}
+        if states:  # NOTE: a separate state region: its own pool and zeroer; an elastic cache keeps it committed
+            state_pool = BlockPool(config.num_state_blocks, enable_caching=enable_prefix_caching)
+            state_zeroer = KVBlockZeroer.from_views(device, states, config.num_state_blocks, settings=settings)
         if elastic is not None:
             elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
-                           for name, view in paged.items()})  # fmt: skip
+                           for name, view in paged.items() if name not in states},
+                          fixed=block_byte_ranges(states, config.num_state_blocks) if states else ())  # fmt: skip
             elastic.resize(negotiation.num_blocks)
         layer_kv_caches = negotiation.kernel_views(kv_caches)
         attn_groups = [[AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups]
         for attn_group in (a for groups in attn_groups for a in groups):
             attn_group.create_metadata_builders(device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                                 settings=settings)
-        views = {name: (paged[name], rows[name]) for name in rows if name in paged}
         zeroer = KVBlockZeroer.from_views(device, views, config.num_blocks, settings=settings)
         zeroer.num_blocks = negotiation.num_blocks
         return cls(
@@ -128,6 +147,9 @@ class KVCache:
             scale_caches,
             (scales := per_tensor_scales(config)),
             quant_states(config, scale_caches, scales),
+            {n: b for n, b in negotiation.layer_backends.items() if is_mixer_backend(b)},
+            state_pool,
+            state_zeroer,
         )
 
     def load_kv_scales(self, modules: Mapping[str, Any]) -> None:
@@ -160,7 +182,8 @@ class KVCache:
         return self.config.kv_cache_tensors[0].size if self.config.kv_cache_tensors else 0
 
     def resize(self, num_blocks: int) -> None:
-        """Grow or shrink an elastic cache to ``num_blocks`` blocks in place, all or nothing.
+        """Grow or shrink an elastic cache to ``num_blocks`` blocks in place, all or nothing
+        (an exception or Ctrl-C at any point leaves memory, pool and zeroer at the old size).
 
         No live byte moves; shrinking refuses while blocks at or above ``num_blocks`` are held.
         """
@@ -175,12 +198,24 @@ class KVCache:
                 f"num_blocks must be between 2 and max_num_blocks={self.max_num_blocks}, got "
                 f"{num_blocks}; create the cache with a larger max_num_blocks to grow further"
             )
-        if num_blocks > self.num_blocks:
-            self.elastic.resize(num_blocks)  # NOTE: may fail (no memory) before the pool changes
-            self.block_pool.resize(num_blocks)
-        elif num_blocks < self.num_blocks:
-            self.block_pool.resize(num_blocks)  # NOTE: refuses while blocks above are held
-            self.elastic.resize(num_blocks)
+        old, elastic, pool = self.num_blocks, self.elastic, self.block_pool
+        try:
+            if num_blocks > old:
+                elastic.resize(num_blocks)  # NOTE: may fail (no memory) before the pool changes
+                pool.resize(num_blocks)
+            elif num_blocks < old:
+                pool.resize(num_blocks)  # NOTE: refuses while blocks above are held
+                elastic.resize(num_blocks)
+        except BaseException:  # NOTE: Ctrl-C too: memory back at ``old``, the pool never beyond it
+            try:
+                if elastic.num_blocks != old:
+                    elastic.resize(old)
+            finally:
+                backed = min(old, elastic.num_blocks)
+                if pool.num_blocks != backed:
+                    pool.resize(backed)
+                self.zeroer.num_blocks = backed
+            raise
         self.zeroer.num_blocks = num_blocks
 
     @property
@@ -202,19 +237,27 @@ class KVCache:
             f"layer {layer_name!r} is in no attention group; layers: {self.config.layer_names}"
         )
 
+    def pool_of(self, group_id: int) -> BlockPool:
+        """The pool KV cache group ``group_id`` takes its blocks from."""
+        return self.state_pool if self.config.in_state_region(group_id) else self.block_pool
+
     def begin_step(self) -> list[int]:
-        """Zero every block allocated since the last step in one launch; returns their ids.
+        """Zero every block allocated since the last step, one launch per pool that has new
+        blocks; returns their ids (the block pool's, then the state pool's).
 
         When zeroing raises (a failed launch, Ctrl-C) the blocks stay pending for the next call.
         """
-        new_blocks = self.block_pool.take_new_blocks()
-        if new_blocks:
-            try:
-                self.zeroer.zero_block_ids(new_blocks)
-            except BaseException:
-                self.block_pool.requeue_new_blocks(new_blocks)
-                raise
-        return new_blocks
+        zeroed = []
+        for pool, zeroer in ((self.block_pool, self.zeroer), (self.state_pool, self.state_zeroer)):
+            new_blocks = pool.take_new_blocks() if pool is not None else []
+            if new_blocks:
+                try:
+                    zeroer.zero_block_ids(new_blocks)
+                except BaseException:
+                    pool.requeue_new_blocks(new_blocks)
+                    raise
+            zeroed += new_blocks
+        return zeroed
 
     def build_metadata(
         self, common: list[CommonAttentionMetadata], ubatch_idx: int = 0

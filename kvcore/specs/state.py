@@ -38,14 +38,24 @@ def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
     return tuple(check_cache_dtype(f"MambaSpec.dtypes[{i}]", d) for i, d in enumerate(dtypes))
 
 
+def _mamba_type(inst: Any, attribute: Any, value: Any) -> None:
+    if value is not None and (not isinstance(value, str) or not value):
+        raise TypeError(
+            f"MambaSpec.mamba_type must be a non-empty str such as 'mamba2' or None, got {value!r}"
+        )
+
+
 @attrs.frozen
 class MambaSpec(KVCacheSpec):
     """A state cache (Mamba/SSM): one state per block holding tensors of ``shapes``/``dtypes``;
-    the page is the sum of their bytes (or ``page_size_padded``), views ``[B, 1, 1, C]``."""
+    the page is the sum of their bytes (or ``page_size_padded``), views ``[B, 1, 1, C]``.
+    ``mamba_type`` names the mixer that keeps the states (``"mamba2"``, ``"short_conv"``,
+    ``"gated_delta_net"``, ...): mixer backends are chosen by it."""
 
     shapes: tuple[tuple[int, ...], ...] = attrs.field(converter=_shapes)
     dtypes: tuple[torch.dtype, ...] = attrs.field(converter=_dtypes)
     page_size_padded: int | None = optional_positive()  # type: ignore[assignment]
+    mamba_type: str | None = attrs.field(default=None, kw_only=True, validator=_mamba_type)
 
     def __attrs_post_init__(self) -> None:
         name = type(self).__name__

@@ -39,6 +39,9 @@ def unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
     except (ValueError, TypeError, KeyError) as exc:
         raise ValueError(f"peer metadata is damaged ({exc}); pass the bytes of metadata() "
                          "unchanged") from None
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"peer metadata names its agent {name!r}, not a non-empty str; pass the "
+                         "bytes of metadata() unchanged")
     try:
         desc = KVCacheDescriptor.from_json(desc_text)
     except (TypeError, ValueError) as exc:

@@ -108,7 +108,8 @@ class LayerDescriptor:
 @attrs.frozen
 class GroupDescriptor:
     """One KV cache group: ``layers`` describes its layers with views (``layer_names`` all);
-    ``manager_block_stride`` is their common stride in bytes (None when they differ)."""
+    ``manager_block_stride`` is their common stride in bytes (None when they differ);
+    ``num_blocks``: the block ids of a separate state region (None: the descriptor's)."""
 
     group_id: int
     spec_type: str
@@ -119,6 +120,7 @@ class GroupDescriptor:
     manager_block_stride: int | None
     layer_names: tuple[str, ...] = attrs.field(converter=tuple)
     layers: tuple[LayerDescriptor, ...] = attrs.field(converter=_tuple_of(LayerDescriptor))
+    num_blocks: int | None = None
 
 
 @attrs.frozen
@@ -137,6 +139,11 @@ class KVCacheDescriptor:
             raise ValueError(f"group_id {group_id!r} is not a KV cache group of this descriptor; "
                              f"pass an integer in [0, {len(self.groups)})")
         return self.groups[group_id]
+
+    def num_blocks_of(self, group_id: int) -> int:
+        """Block ids of group ``group_id``: its state region's, or the descriptor's."""
+        found = self.group(group_id).num_blocks
+        return self.num_blocks if found is None else found
 
     def to_json(self) -> str:
         return json.dumps(attrs.asdict(self), sort_keys=True)
@@ -206,6 +213,7 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
     groups = []
     for group_id, group in enumerate(config.kv_cache_groups):
         spec = group.kv_cache_spec
+        own = config.num_state_blocks if config.in_state_region(group_id) else None
         first = group.spec_of(group.layer_names[0])
         kernel_size = next(kernel_sizes) if first.has_cache_pages else first.block_size
         layers = []
@@ -214,7 +222,7 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
             if view is None or not group.spec_of(name).has_layer_views:
                 continue
             # NOTE: views span the planned blocks (an elastic cache's max); ids go to num_blocks.
-            rows, item = view.shape[0] // config.num_blocks, view.element_size()
+            rows, item = view.shape[0] // (own or config.num_blocks), view.element_size()
             layers.append(LayerDescriptor(
                 name=name, allocation=0, offset=view.data_ptr() - base_ptr,
                 dtype=str(view.dtype).removeprefix("torch."), itemsize=item, shape=view.shape,
@@ -233,7 +241,7 @@ def describe(kv_cache: KVCache) -> KVCacheDescriptor:
             kernel_block_size=kernel_size, ratio=ratio,
             kernel_block_stride=next((s for s in kernel_strides if s), ratio),
             manager_block_stride=strides.pop() if len(strides) == 1 else None,
-            layer_names=group.layer_names, layers=layers,
+            layer_names=group.layer_names, layers=layers, num_blocks=own,
         ))
     mode = kv_cache_dtype_of(g.spec_of(n) for g in config.kv_cache_groups for n in g.layer_names)
     return KVCacheDescriptor(kv_cache.layout.name, kv_cache.num_blocks, allocations, groups, kv_cache_dtype=mode)

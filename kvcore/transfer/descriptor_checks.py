@@ -18,7 +18,7 @@ _DEVICE = re.compile(r"[a-z_]+(:\d+)?")
 _REMEDY = "; describe the cache with kvcore's describe() and pass its to_json() text unchanged"
 _ALLOCATION = {"index", "device", "base_ptr", "size"}
 _GROUP = {"group_id", "spec_type", "block_size", "kernel_block_size", "ratio",
-          "kernel_block_stride", "manager_block_stride", "layer_names", "layers"}
+          "kernel_block_stride", "manager_block_stride", "layer_names", "layers", "num_blocks"}
 _LAYER = {"name", "allocation", "offset", "dtype", "itemsize", "shape", "strides",
           "rows_per_block", "manager_block_stride", "block_bytes", "content", "scales"}
 _CONTENT = {"kind", "content_bytes", "num_kv_heads", "num_head_slots", "head_size",
@@ -145,8 +145,10 @@ def _layer(at: str, data: Any, num_allocations: int, names: list[str]) -> None:
 
 
 def _group(at: str, data: Any, index: int, num_allocations: int) -> None:
-    data = _obj(at, data, _GROUP)
+    data = _obj(at, data, _GROUP, {"num_blocks"})
     _int(f"{at}.group_id", data["group_id"], index, index)
+    if data.get("num_blocks") is not None:  # NOTE: a separate state region's block ids
+        _int(f"{at}.num_blocks", data["num_blocks"], 2, 2**31 - 1)
     _str(f"{at}.spec_type", data["spec_type"])
     for key in ("block_size", "kernel_block_size", "ratio", "kernel_block_stride"):
         _int(f"{at}.{key}", data[key], 1, 2**31)
@@ -194,11 +196,12 @@ def check_fields(data: Any) -> None:
 def check_bounds(descriptor: Any) -> None:
     """Refuse a descriptor in which a block of a layer addresses bytes outside its allocation."""
     for group in descriptor.groups:
+        num_blocks = descriptor.num_blocks_of(group.group_id)
         for i, layer in enumerate(group.layers):
             at = f"groups[{group.group_id}].layers[{i}] ({layer.name!r})"
-            rows = descriptor.num_blocks * layer.rows_per_block
+            rows = num_blocks * layer.rows_per_block
             if rows > layer.shape[0]:
-                why = f"{descriptor.num_blocks} blocks of {layer.rows_per_block} rows need {rows}"
+                why = f"{num_blocks} blocks of {layer.rows_per_block} rows need {rows}"
                 raise _value_error(f"{at}.shape[0]", layer.shape[0], why)
             strides = layer.byte_strides
             last = sum((n - 1) * s for n, s in zip((rows, *layer.shape[1:]), strides))

@@ -34,7 +34,8 @@ from kvcore.transfer.regions import group_selection, paired_ids, whole_block_pat
 from kvcore.transfer.transport import Transport, transport_between
 
 _LOCAL = "NIXL_INIT_AGENT"  # NOTE: NIXL's name for the initiator's side of a prepared list
-_RECONNECT = "if the peer process exited, reconnect to a live one (connect() with fresh metadata())"
+_RECONNECT = ("if the peer process exited or resized its KV cache, connect() again with its fresh "
+              "metadata()")
 
 
 @contextlib.contextmanager
@@ -89,7 +90,10 @@ class NixlAgent:
             self._registered = self._agent.register_memory([self._raw])
 
     def metadata(self) -> bytes:
-        """What a peer passes to :meth:`connect`: NIXL's agent metadata and this descriptor."""
+        """What a peer passes to :meth:`connect`: NIXL's agent metadata and this descriptor, of
+        the cache's size now (a peer learns of a later resize only by connecting again)."""
+        if self.descriptor.num_blocks != self.kv_cache.num_blocks:
+            self.descriptor = describe(self.kv_cache)
         return pack(self.name, self.descriptor, self._agent.get_agent_metadata())
 
     def connect(self, peer_metadata: bytes, *, heads_may_differ: bool = False) -> str:
@@ -107,6 +111,8 @@ class NixlAgent:
         reason = check_peer(name, self.descriptor, desc, heads_may_differ)
         remedy = ("the peer process may have exited or its metadata is stale: restart the peer "
                   "and pass its fresh metadata()")
+        if name in self._peers:  # NOTE: NIXL keeps a peer it saw fail disconnected until removed
+            self._forget(name)
         with _nixl(f"connect to peer {name!r}", remedy):
             added = self._agent.add_remote_agent(agent_md)
         added = added.decode() if isinstance(added, bytes) else str(added)
@@ -160,8 +166,13 @@ class NixlAgent:
 
     def _prepare(self, owner: str, descriptor: KVCacheDescriptor,
                  groups: tuple[int, ...]) -> PreparedRuns:
-        """``owner``'s runs of ``groups`` as a NIXL prepared list (made on first use, then kept)."""
+        """``owner``'s runs of ``groups`` as a NIXL prepared list (made on first use, then kept
+        while that side's size stays: this side's is made again after a resize)."""
         key = (owner, groups)
+        size = self.kv_cache.num_blocks if owner == _LOCAL else descriptor.num_blocks
+        if key in self._prepared and self._prepared[key].num_blocks != size:
+            with contextlib.suppress(Exception):  # NOTE: NIXL may have dropped it already
+                self._prepared.pop(key).release()
         if key not in self._prepared:
             patterns = whole_block_patterns(descriptor, groups)
             if owner != _LOCAL:  # NOTE: connect() checked whole blocks pair up; this is per group
@@ -170,7 +181,8 @@ class NixlAgent:
                     raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {owner!r}: "
                                                 f"{reason}")
             with _nixl(f"prepare the descriptor list of {owner!r}"):
-                self._prepared[key] = PreparedRuns(descriptor, patterns).prepare(self._agent, owner)
+                prepared = PreparedRuns(descriptor, patterns, size)
+                self._prepared[key] = prepared.prepare(self._agent, owner)
         return self._prepared[key]
 
     def read_head_slice(self, peer: str, remote_ids: Any, local_ids: Any, *, head_start: int,
@@ -200,9 +212,10 @@ class NixlAgent:
         return self._start("READ", peer, handle, runs, sum(p.nbytes for p in plan))
 
     def _ids(self, op: str, peer: str, local_ids: Any, remote_ids: Any) -> tuple[torch.Tensor, ...]:
-        """(local ids, remote ids), checked; a READ writes the local side."""
+        """(local ids, remote ids), checked (local ones against the cache's size now, the peer's
+        against the size it stated when it connected); a READ writes the local side."""
         far = self._peers[peer].descriptor.num_blocks
-        return paired_ids((local_ids, self.descriptor.num_blocks, "local block id", False),
+        return paired_ids((local_ids, self.kv_cache.num_blocks, "local block id", False),
                           (remote_ids, far, f"block id of peer {peer!r}", False),
                           first_is_src=op != "READ")
 
@@ -223,16 +236,20 @@ class NixlAgent:
             started.backend = self._agent.query_xfer_backend(handle)
         return started
 
-    def close(self) -> None:
-        """Forget the peers and deregister the allocation (errors of a dead peer are ignored)."""
-        for prepared in self._prepared.values():
+    def _forget(self, peer: str) -> None:
+        """Release ``peer``'s prepared lists (``_LOCAL``: this side's) and remove the peer (errors
+        of a dead peer are ignored)."""
+        for key in [k for k in self._prepared if k[0] == peer]:
             with contextlib.suppress(Exception):  # NOTE: a dead peer's list may be gone already
-                prepared.release()
-        for peer in self._peers:
+                self._prepared.pop(key).release()
+        if self._peers.pop(peer, None) is not None:
             with contextlib.suppress(Exception):  # NOTE: a peer that died cannot be told
                 self._agent.remove_remote_agent(peer)
-        self._prepared.clear()
-        self._peers.clear()
+
+    def close(self) -> None:
+        """Forget the peers and deregister the allocation (errors of a dead peer are ignored)."""
+        for peer in [*self._peers, _LOCAL]:
+            self._forget(peer)
         if self._registered is not None:
             self._agent.deregister_memory(self._registered)
             self._registered = None

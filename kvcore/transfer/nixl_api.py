@@ -93,15 +93,17 @@ class TransferHandle:
 class PreparedRuns:
     """One side's whole-block runs as a NIXL prepared list: row ``r`` of NIXL's Nx5 strided
     rows ``(address, length, device, stride, count)`` is run ``r`` of the block patterns at
-    every block, so descriptor ``r * num_blocks + b`` is that run in block ``b``."""
+    every block, so descriptor ``r * num_blocks + b`` is that run in block ``b`` (``num_blocks``:
+    the descriptor's unless given)."""
 
-    def __init__(self, descriptor: KVCacheDescriptor, patterns) -> None:
+    def __init__(self, descriptor: KVCacheDescriptor, patterns,
+                 num_blocks: int | None = None) -> None:
         self.kind, self.device = mem_type(descriptor.allocations[patterns[0].allocation].device)
         bases = [descriptor.allocations[p.allocation].base_ptr for p in patterns]
         self.starts = torch.tensor([b + s for b, p in zip(bases, patterns) for s in p.starts])
         self.strides = torch.tensor([p.block_stride for p in patterns for _ in p.starts])
         self.lengths = torch.tensor([n for p in patterns for n in p.lengths])
-        self.num_blocks = descriptor.num_blocks
+        self.num_blocks = descriptor.num_blocks if num_blocks is None else num_blocks
         self.handle, self._agent = None, None
 
     def rows(self) -> Any:

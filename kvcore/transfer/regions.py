@@ -149,9 +149,10 @@ def block_patterns(
 
 
 def group_selection(descriptor: KVCacheDescriptor, group_id: int | None) -> tuple[int, ...]:
-    """Group ids one call moves: ``group_id``, or every group with cache views."""
+    """Group ids one call moves: ``group_id``, or every group with cache views whose block ids
+    are the descriptor's (a separate state region's groups are moved by naming them)."""
     if group_id is None:
-        return tuple(g.group_id for g in descriptor.groups if g.layers)
+        return tuple(g.group_id for g in descriptor.groups if g.layers and g.num_blocks is None)
     if not descriptor.group(group_id).layers:
         raise ValueError(f"KV cache group {group_id} has no cache pages to move")
     return (group_id,)
@@ -181,15 +182,15 @@ def plan_transfer(
 
     Every byte the views of group ``group_id``'s layers (all, or ``layers``) address for
     those blocks, page padding excluded; sorted, disjoint, never touching. Ids are
-    integers in ``[1, num_blocks)`` (block 0 is the null block), else ``ValueError``.
+    integers in ``[1, num_blocks)`` (block 0 is the null block; a separate state region's
+    group counts its own blocks), else ``ValueError``.
     """
     if not isinstance(descriptor, KVCacheDescriptor):
         raise TypeError(f"plan_transfer needs a KVCacheDescriptor, got {type(descriptor).__name__}")
     if isinstance(layers, (str, bytes)):
         raise TypeError(f"plan_transfer's layers must be a list of layer names, got the string "
                         f"{layers!r}; pass [{layers!r}] to move that one layer")
-    descriptor.group(group_id)
-    ids = block_id_tensor(block_ids, descriptor.num_blocks, null_ok=False)
+    ids = block_id_tensor(block_ids, descriptor.num_blocks_of(group_id), null_ok=False)
     patterns = block_patterns(descriptor, (group_id,), None if layers is None else tuple(layers))
     regions = []
     for alloc in sorted({p.allocation for p in patterns}):

@@ -11,7 +11,6 @@ import torch
 import kvcore
 from kvcore.errors import KVCoreError
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.plugins import get_plugin_manager
 from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.plugins.registry import get_backend
 from kvcore.specs import FullAttentionSpec, MultipleOf
@@ -22,9 +21,10 @@ from kvcore_flashinfer import plugin as fi_plugin
 SPEC = FullAttentionSpec(16, 2, 64, torch.bfloat16)
 
 
-@pytest.fixture(scope="module")
-def pm():
-    return get_plugin_manager()
+@pytest.fixture
+def pm(own_plugins):
+    """This repository's plugins only: which backend "auto" picks depends on those installed."""
+    return own_plugins
 
 
 def test_entry_point_loads_without_importing_flashinfer(pm):

@@ -198,6 +198,9 @@ def _attend_requests(query, view, block_table, starts, lens, reqs, cols, width,
     if sliding_window is not None:
         visible &= q_pos[..., None] - k_pos < sliding_window
     scores.masked_fill_(~visible[:, None, None], float("-inf"))
+    # NOTE: keys no query of a request sees (padding, out of the window) are often the null
+    # block's bytes, which may hold NaN: 0 x NaN is NaN, so they are masked, not multiplied.
+    values = values.masked_fill(~visible.any(dim=1)[:, None, None, :, None], 0.0)
     probs = torch.softmax(scores, dim=-1)
     result = torch.matmul(probs, values)  # [R, H, G, W, Dv]
     return result.permute(0, 3, 1, 2, 4).reshape(num_reqs, width, num_q_heads, head_size_v)

@@ -10,6 +10,7 @@ from kvcore.plugins.hookspecs import hookimpl
 from kvcore.plugins.requirements import KernelRequirements
 from kvcore.specs import MultipleOf
 from kvcore_torch.backend import TorchAttentionBackend
+from kvcore_torch.mixers import TorchMixerBackend
 
 # NOTE: views carry the layout in their strides, so every layout works. The
 # backend states no memory rules (it reads every quantization) and keeps the
@@ -27,6 +28,7 @@ def _owns(backend: Any) -> bool:
 @hookimpl
 def kvcore_register_backends(register: Callable[[type], None]) -> None:
     register(TorchAttentionBackend)
+    register(TorchMixerBackend)  # NOTE: the reference for every mixer; priority 0, no requirements
 
 
 @hookimpl

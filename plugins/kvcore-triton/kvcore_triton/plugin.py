@@ -13,6 +13,7 @@ from kvcore.plugins.requirements import KernelRequirements
 from kvcore_triton import _checks
 from kvcore_triton._checks import DTYPES
 from kvcore_triton.backend import TritonAttentionBackend
+from kvcore_triton.mixers import TritonMixerBackend
 
 # NOTE: the first size is the one the backend prefers (64 measured fastest on
 # the H200); the kernels take all four view strides, so every layout works;
@@ -39,6 +40,7 @@ def _owns(backend: Any) -> bool:
 @hookimpl
 def kvcore_register_backends(register: Callable[[type], None]) -> None:
     register(TritonAttentionBackend)
+    register(TritonMixerBackend)
 
 
 @hookimpl
@@ -53,6 +55,8 @@ def kvcore_supported_layouts(backend: Any, spec: Any) -> list[KVCacheLayout] | N
 
 @hookimpl
 def kvcore_kernel_requirements(backend: Any, spec: Any) -> KernelRequirements | None:
+    if backend is TritonMixerBackend:
+        return KernelRequirements(devices=None if _checks.INTERPRETED else ("cuda",), dtypes=DTYPES)
     if not _owns(backend):
         return None
     # NOTE: a quantized cache stores 8-bit values the kernels widen in registers.
@@ -67,6 +71,6 @@ def kvcore_kernel_requirements(backend: Any, spec: Any) -> KernelRequirements | 
 
 @hookimpl
 def kvcore_backend_priority(backend: Any, spec: Any, device: Any) -> int | None:
-    if not _owns(backend):
+    if not _owns(backend) and backend is not TritonMixerBackend:
         return None
     return CUDA_PRIORITY if device.type == "cuda" else -1

@@ -1,0 +1,193 @@
+"""A model's KV cache groups (page sizes unified to the largest) and their pages laid out as
+tensors over one allocation: the parts of a plan before its block count is chosen."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import attrs
+import torch
+
+from kvcore.memory.config import KVCacheGroupSpec, KVCacheTensor
+from kvcore.memory.layout import KVCacheLayout, compute_layout_strides, round_up
+from kvcore.memory.views import create_kv_cache_views
+from kvcore.specs import KVCacheSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
+
+
+class _Refusal(ValueError):
+    """The layout cannot express the model's pages (re-raised naming layouts that can)."""
+
+
+def is_encoder_only(group: KVCacheGroupSpec) -> bool:
+    """Whether a group's layers keep no KV cache."""
+    return not group.kv_cache_spec.has_cache_pages
+
+
+def _paddable(spec: KVCacheSpec) -> bool:
+    return attrs.has(type(spec)) and "page_size_padded" in attrs.fields_dict(type(spec))
+
+
+def _unify_page_size(spec: KVCacheSpec, page: int, layer_name: str) -> KVCacheSpec:
+    """``spec`` grown (a larger block size) or padded so that its page is ``page`` bytes."""
+    current = spec.page_size_bytes
+    if current == page:
+        return spec
+    if page % current == 0 and spec.page_size_padded is None:
+        scaled = spec.copy_with_new_block_size(spec.block_size * (page // current))
+        if scaled.page_size_bytes == page:  # NOTE: a state cache's page does not grow
+            return scaled
+    mla = isinstance(spec, MLAAttentionSpec)
+    if mla or not _paddable(spec):
+        raise ValueError(
+            f"{'MLA ' if mla else ''}layer {layer_name!r} ({type(spec).__name__}) has a "
+            f"{current}-byte page (block size {spec.block_size}) that does not divide the "
+            f"model's common page of {page} bytes (the largest page, rounded up to a multiple "
+            f"of every element size), and {'MLA' if mla else 'its'} pages cannot be padded; "
+            "choose block sizes whose pages divide the largest page"
+        )
+    return attrs.evolve(spec, page_size_padded=page)
+
+
+def _cache_groups(specs: dict[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    for name, spec in specs.items():
+        page, align = spec.page_size_bytes, spec.dtype_alignment
+        if page % align and _paddable(spec):  # NOTE: a state cache of mixed dtypes
+            specs[name] = attrs.evolve(spec, page_size_padded=round_up(page, align))
+    distinct = list(dict.fromkeys(specs.values()))
+    if len(distinct) == 1:
+        return [KVCacheGroupSpec(list(specs), distinct[0])]
+    uniform = UniformTypeKVCacheSpecs.from_specs(specs)
+    if uniform is not None:
+        return [KVCacheGroupSpec(list(specs), uniform)]
+    align = math.lcm(*(s.dtype_alignment for s in distinct))
+    page = round_up(max(s.page_size_bytes for s in distinct), align)
+    first_layer = {spec: name for name, spec in reversed(specs.items())}
+    unified = {s: _unify_page_size(s, page, first_layer[s]) for s in distinct}
+    by_spec: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in specs.items():
+        by_spec.setdefault(unified[spec], []).append(name)
+    size = min(len(names) for names in by_spec.values())
+    return [
+        KVCacheGroupSpec(names[start : start + size], spec)
+        for spec, names in by_spec.items()
+        for start in range(0, len(names), size)
+    ]
+
+
+def group_layers(kv_cache_specs: Mapping[str, KVCacheSpec]) -> list[KVCacheGroupSpec]:
+    """KV cache groups of a model, in model order (page sizes unified to the largest); encoder-only
+    groups last."""
+    cached = {n: s for n, s in kv_cache_specs.items() if s.has_cache_pages}
+    encoder: dict[KVCacheSpec, list[str]] = {}
+    for name, spec in kv_cache_specs.items():
+        if not spec.has_cache_pages:
+            encoder.setdefault(spec, []).append(name)
+    groups = _cache_groups(cached) if cached else []
+    return groups + [KVCacheGroupSpec(names, spec) for spec, names in encoder.items()]
+
+
+@attrs.frozen
+class _Part:
+    """Layers of one group with one spec: they become one tensor."""
+
+    group_id: int
+    layers: tuple[str, ...]
+    spec: KVCacheSpec
+    stride: int  # bytes per layer per block (the page, rounded for layer-compact layouts)
+
+    @property
+    def footprint(self) -> int:
+        """Bytes of all the part's layers in one block."""
+        return len(self.layers) * self.stride
+
+
+def _parts(groups: list[KVCacheGroupSpec], layer_compact: bool) -> list[_Part]:
+    parts = []
+    for group_id, group in enumerate(groups):
+        if is_encoder_only(group):
+            continue
+        by_spec: dict[KVCacheSpec, list[str]] = {}
+        for name in group.layer_names:
+            by_spec.setdefault(group.spec_of(name), []).append(name)
+        # NOTE: largest element size first keeps every part's start aligned (element
+        # sizes are powers of two and each footprint is a multiple of its own).
+        for spec, names in sorted(by_spec.items(), key=lambda item: -item[0].dtype_alignment):
+            stride = spec.page_size_bytes
+            if layer_compact:
+                stride = round_up(stride, spec.get_block_stride_alignment())
+            parts.append(_Part(group_id, tuple(names), spec, stride))
+    return parts
+
+
+def _bytes_per_block(parts: list[_Part], layout: KVCacheLayout) -> int:
+    footprints: dict[int, int] = {}
+    for part in parts:
+        footprints[part.group_id] = footprints.get(part.group_id, 0) + part.footprint
+    largest = max(footprints.values())
+    if not layout.is_layer_compact:
+        specs = [p.spec for p in parts]
+        alignments = [a for s in specs for a in (s.get_block_stride_alignment(), s.dtype_alignment)]
+        return round_up(largest, math.lcm(*alignments))
+    strides = sorted({p.stride for p in parts})
+    if len(footprints) > 1 and len(strides) > 1:
+        raise _Refusal(
+            f"it keeps each layer's blocks together, so overlaid groups need one "
+            f"per-layer block footprint, but this model's groups need {strides} bytes"
+        )
+    return largest
+
+
+def _strides(part: _Part, layout: KVCacheLayout, num_blocks: int, bytes_per_block: int):
+    fixed = [None] * 5
+    if layout.is_block_outermost:
+        fixed[1] = bytes_per_block
+    elif layout.is_block_compact:
+        fixed[1] = part.stride
+    spec, layer = part.spec, part.layers[0]
+    if spec.page_size_padded is not None and spec.num_heads > 1 and not layout.is_block_compact:
+        # NOTE: the one refusal compute_layout_strides could make here, naming the layer.
+        raise _Refusal(
+            f"it puts heads between layers and blocks, so layer {layer!r} cannot keep "
+            f"its {spec.num_heads}-head page padded to {spec.page_size_padded} bytes"
+        )
+    strides = compute_layout_strides(spec, num_blocks, len(part.layers), layout, None, fixed)
+    if layout.is_layer_compact and strides[0] != num_blocks * part.stride:
+        raise _Refusal(
+            f"it cannot give layer {layer!r} a block stride of {part.stride} bytes "
+            "(its page rounded to the block-stride alignment)"
+        )
+    return strides
+
+
+def _tensors(
+    parts: list[_Part], layout: KVCacheLayout, num_blocks: int, bytes_per_block: int, base: int = 0,
+    size: int | None = None,
+) -> list[KVCacheTensor]:
+    """One tensor per part, each viewed once over a meta buffer (``_Refusal`` if it cannot be); the
+    parts start at byte ``base`` of a ``size``-byte allocation (default: just theirs)."""
+    size = base + bytes_per_block * num_blocks if size is None else size
+    meta = torch.empty(size, dtype=torch.int8, device="meta")
+    tensors, offsets, heads = [], {}, {}
+    overlaid = len({p.group_id for p in parts}) > 1
+    for part in parts:
+        strides = _strides(part, layout, num_blocks, bytes_per_block)
+        if layout is KVCacheLayout.LHBNC and overlaid:
+            # NOTE: in LHBNC a block is split across heads; overlaid groups must split it alike.
+            heads.setdefault((part.spec.num_heads, strides[1]), part.layers[0])
+            if len(heads) > 1:
+                raise _Refusal(
+                    f"it splits blocks by head, and layers {list(heads.values())} split "
+                    f"them differently (heads, block stride) = {list(heads)}"
+                )
+        offset = base + offsets.get(part.group_id, 0)
+        blocks = num_blocks if layout.is_layer_compact else 1
+        offsets[part.group_id] = offset - base + part.footprint * blocks
+        tensor = KVCacheTensor(size, part.layers, strides[0], strides[1], offset)
+        if part.spec.has_layer_views:
+            try:
+                create_kv_cache_views(meta, part.spec, num_blocks, layout, tensor)
+            except ValueError as exc:
+                raise _Refusal(f"layer {part.layers[0]!r} cannot be viewed ({exc})") from exc
+        tensors.append(tensor)
+    return tensors
