@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import shutil
+import textwrap
 import time
 from typing import Any
 
@@ -142,6 +144,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def say(text: str) -> None:
+    """Print ``text`` within the terminal's width (at most 80 columns), later lines indented."""
+    width = min(shutil.get_terminal_size().columns, 80)
+    print(textwrap.fill(text, width, subsequent_indent="  ", break_on_hyphens=False))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     ctx = multiprocessing.get_context("spawn")
@@ -166,21 +174,21 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     tokens, stats, moved, blocks, runs, nbytes, seconds, transport = outcome
     prompt_tokens = sum(map(len, args.prompt_list))
-    print(f"{args.arch}, layout {args.layout}, on {args.device}: the decode process read {sum(moved)} prompt "
-          f"tokens' KV ({blocks} blocks per KV cache group, {nbytes} bytes in {runs} runs) through NIXL")
-    print(f"transfer of the prompts' KV: {seconds * 1e3:.2f} ms ({nbytes / seconds / 1e9:.3f} GB/s, first "
-          f"transfer included), transport {transport}")
-    print(f"decode engine: computed {stats['prefill_tokens']} of {prompt_tokens} prompt tokens, "
-          f"{stats['prefix_cache_hit_tokens']} came from its prefix cache ({stats['prefix_cache_hits']} hits)")
+    say(f"{args.arch}, layout {args.layout}, on {args.device}: the decode process read {sum(moved)} prompt "
+        f"tokens' KV ({blocks} blocks per KV cache group, {nbytes} bytes in {runs} runs) through NIXL")
+    say(f"transfer of the prompts' KV: {seconds * 1e3:.2f} ms ({nbytes / seconds / 1e9:.3f} GB/s, first "
+        f"transfer included), transport {transport}")
+    say(f"decode engine: computed {stats['prefill_tokens']} of {prompt_tokens} prompt tokens, "
+        f"{stats['prefix_cache_hit_tokens']} came from its prefix cache ({stats['prefix_cache_hits']} hits)")
     for i, (got, want) in enumerate(zip(tokens, expected)):
-        print(f"prompt {i} ({len(args.prompt_list[i])} tokens, {moved[i]} transferred): "
-              f"{got}{'' if got == want else f'  != {want}'}")
+        say(f"prompt {i} ({len(args.prompt_list[i])} tokens, {moved[i]} transferred): "
+            f"{got}{'' if got == want else f'  != {want}'}")
     skipped = stats["prefix_cache_hit_tokens"] == sum(moved) and stats["prefill_tokens"] == prompt_tokens - sum(moved)
     same = tokens == expected == served
-    print("tokens equal a one-process Engine.generate and model.generate" if same
-          else "MISMATCH with the one-process run")
+    say("tokens equal a one-process Engine.generate and model.generate" if same
+        else "MISMATCH with the one-process run")
     if not skipped:
-        print("the decode engine did not skip the transferred prompt tokens")
+        say("the decode engine did not skip the transferred prompt tokens")
     return 0 if same and skipped else 1
 
 

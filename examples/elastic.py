@@ -6,23 +6,27 @@ requests its cache grows (instead of preempting); when ``generate`` returns
 it shrinks back and the memory goes back to the system (CPU) or the device
 (CUDA), ready for the other engine's burst. The timeline shows, at every
 grow and after every burst, each engine's committed KV cache memory and the
-memory held: the process's resident memory on a CPU, the device's used memory
-(``torch.cuda.mem_get_info``) on a GPU.
+memory held: the process's resident memory on a CPU (the models, activations and
+Python too), the device's used memory (``torch.cuda.mem_get_info``) on a GPU.
+The last lines give each cache's own peak growth.
 
 Run: python examples/elastic.py [--device cpu|cuda] [--rounds 2] [--requests 8] [--prompt-len 200]
 """
 
 from __future__ import annotations
 
-import argparse
 import mmap
 import os
+import sys
 import time
 
 import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from _args import ArgumentParser, device_arg, run  # noqa: E402
 
 from kvcore.hf import Engine  # noqa: E402
 from kvcore.hf.models import model_config, random_model  # noqa: E402
@@ -40,8 +44,8 @@ def held_bytes(device: torch.device) -> int:
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p = ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", type=device_arg, default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--requests", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=200)
@@ -73,8 +77,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row = {"t_s": time.perf_counter() - start, "event": event, "held": held_bytes(device),
                **{name: e.kv.committed_bytes for name, e in engines.items()}}
         timeline.append(row)
-        print(f"{row['t_s']:7.2f}s  {event:22} " + "  ".join(
-            f"{name}: {row[name] / MiB:8.1f} MiB" for name in engines) + f"   held: {row['held'] / MiB:9.1f} MiB")
+        print(f"{row['t_s']:6.1f}s  {event:21}" + "".join(
+            f"  {name} {row[name] / MiB:6.1f} MiB" for name in engines) + f"  held {row['held'] / MiB:7.1f} MiB")
 
     for name, engine in engines.items():
         grow, finish = engine.scheduler.grow, engine.scheduler.finish
@@ -99,11 +103,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
                        for _ in range(args.requests)]
             engine.generate(prompts, args.max_new_tokens)
             record(f"{name} done (round {round_ + 1})")
-    peak = max(r["held"] for r in timeline) - timeline[0]["held"]
-    print(f"peak KV growth {peak / MiB:.1f} MiB; preemptions: "
-          + ", ".join(f"{n} {e.stats().preemptions}" for n, e in engines.items()))
+    growth = {name: max(r[name] for r in timeline) - timeline[0][name] for name in engines}
+    print("peak KV cache growth (committed): " + ", ".join(f"{n} {g / MiB:.1f} MiB" for n, g in growth.items()))
+    print("preemptions: " + ", ".join(f"{n} {e.stats().preemptions}" for n, e in engines.items()))
     return timeline
 
 
 if __name__ == "__main__":
-    main()
+    run(main, "elastic.py")

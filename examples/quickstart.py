@@ -43,7 +43,8 @@ for layout in KVCacheLayout:
     print(f"\n{layout.name}: in memory, outermost first: {order}")
     # NOTE: the layout's C dim counts bytes; the next value is one element (2 bytes of bf16) away.
     byte_strides = [*strides[:4], strides[4] * spec.dtype.itemsize]
-    print("  bytes to the next " + ", ".join(f"{d}: {s:,}" for d, s in zip(DIMS, byte_strides)))
-    shape = " x ".join(str(n) for n in view.shape)
-    print(f"  layer 1 sees a [block, head, token, value] view of {shape} {dtype} elements;")
-    print("  elements to the next " + ", ".join(f"{d}: {s:,}" for d, s in zip(DIMS[1:], view.stride())))
+    print("  to the next  " + "".join(f"{d:>11}" for d in DIMS))
+    print("  bytes        " + "".join(f"{s:>11,}" for s in byte_strides))
+    print("  elements     " + f"{'-':>11}" + "".join(f"{s:>11,}" for s in view.stride()))
+    shape = " x ".join(str(n) for n in view.shape) + f" {dtype}"
+    print(f"  layer 1's view [block, head, token, value]: {shape}")

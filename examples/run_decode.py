@@ -26,6 +26,7 @@ if not torch.cuda.is_available():
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _args import ArgumentParser, device_arg, run  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn  # noqa: E402
 from rich.table import Table  # noqa: E402
@@ -40,12 +41,12 @@ TOLERANCE = {torch.float32: 5e-3, torch.float16: 1e-2, torch.bfloat16: 3e-2}
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--backend", default="triton" if cuda else "torch", help="registered backend name")
     p.add_argument("--layout", default=None, help="KV cache layout (default: the backends' preference)")
     p.add_argument("--block-size", type=int, default=16, help="manager block size in tokens")
     p.add_argument("--head-size", type=int, default=32, help="attention head size (flashinfer: 64, 128 or 256)")
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--device", type=device_arg, default="cuda" if cuda else "cpu")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"],
                    help="default: bfloat16 on CUDA, float32 on CPU")
     p.add_argument("--hybrid", action="store_true", help="make every odd layer a 64-token sliding window")
@@ -146,8 +147,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, TypeError) as exc:  # bad flags or a plan kvcore refuses
-        print(f"run_decode.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(main, "run_decode.py")

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
 import torch
@@ -27,6 +26,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from _args import ArgumentParser, device_arg, run  # noqa: E402
 from rich.console import Console  # noqa: E402
 
 from kvcore._table import Column, render  # noqa: E402
@@ -41,12 +41,12 @@ DEMO_SHAPE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, nu
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     cuda = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--arch", default="llama,gemma3,granitemoehybrid",
                    help=f"random-weight models to serve: {sorted(ARCHITECTURES)}")
     p.add_argument("--model", default=None, metavar="DIR", help="a local checkpoint directory instead")
     p.add_argument("--backend", default="triton" if cuda else "torch", help="registered backend name")
-    p.add_argument("--device", default="cuda" if cuda else "cpu")
+    p.add_argument("--device", type=device_arg, default="cuda" if cuda else "cpu")
     p.add_argument("--requests", type=int, default=10)
     p.add_argument("--max-new-tokens", type=int, default=12)
     p.add_argument("--num-blocks", type=int, default=16, help="KV cache blocks (block 0 is the null block)")
@@ -144,8 +144,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    try:
-        sys.exit(main())
-    except (ValueError, TypeError) as exc:  # bad flags, a model or request kvcore refuses
-        print(f"serve_hf.py: error: {exc}", file=sys.stderr)
-        sys.exit(2)
+    run(main, "serve_hf.py")

@@ -4,6 +4,8 @@ dense float64 reference (``dense_reference``)."""
 
 from __future__ import annotations
 
+import functools
+
 import attrs
 import torch
 
@@ -70,14 +72,13 @@ class PagedBatch:
                 out.append(block * kernel_block_size + pos % kernel_block_size)
         return torch.tensor(out, dtype=torch.int64)
 
-    def metadata(self, kernel_block_size: int, device=None) -> CommonAttentionMetadata:
-        """The step's metadata: its new tokens' rows and slots, kernel block tables."""
+    def metadata(self, size: int, device=None) -> CommonAttentionMetadata:
+        """The step's metadata (kernel blocks of ``size`` tokens): its new tokens' rows and slots."""
         return CommonAttentionMetadata(
             query_start_loc=self.query_start_loc.to(device), seq_lens=self.seq_lens_tensor.to(device),
-            block_table_tensor=self.kernel_table.to(device),
-            slot_mapping=self.slots(kernel_block_size, new_only=True).to(device), num_reqs=len(self.q_lens),
-            num_actual_tokens=sum(self.q_lens), max_query_len=max(self.q_lens), max_seq_len=max(self.seq_lens),
-        )
+            slot_mapping=self.slots(size, True).to(device), block_table_tensor=self.kernel_table.to(device),
+            num_reqs=len(self.q_lens), num_actual_tokens=sum(self.q_lens), max_query_len=max(self.q_lens),
+            max_seq_len=max(self.seq_lens))
 
     def tokens(self, tensors: list, new_only: bool) -> torch.Tensor:
         parts = [
@@ -125,37 +126,24 @@ def dense_reference(batch: PagedBatch, scale: float, sliding_window=None) -> tor
     return out
 
 
-def write_context(view: torch.Tensor, batch: PagedBatch) -> None:
-    """Write K then V of every token before the step into a kernel view, as earlier steps would have."""
-    size = view.shape[2]
-    slots = batch.slots(size, new_only=False).to(view.device)
-    keys, values = (batch.tokens(t, new_only=False).to(view) for t in (batch.keys, batch.values))
-    head = keys.shape[-1]
-    view[slots // size, :, slots % size, :head] = keys
-    view[slots // size, :, slots % size, head : head + values.shape[-1]] = values
-
-
 def run_forward(backend, view: torch.Tensor, batch: PagedBatch, *, scale: float, sliding_window=None):
-    """``backend.forward`` on ``batch``'s new tokens, after :func:`write_context`, with metadata from
-    the backend's own builder; returns the output. It is called twice, without ``out`` and with a
-    NaN-filled ``out``, which must come back holding the same output (``AssertionError`` if not)."""
-    device, (size, head) = view.device, (view.shape[2], batch.query.shape[-1])
-    write_context(view, batch)
+    """``backend.forward`` on ``batch``'s new tokens once its earlier ones are in ``view`` (as earlier steps
+    would have written them), with metadata from the backend's own builder; returns the output.
+    Called twice, without ``out`` and with a NaN-filled ``out``, which must come back holding it."""
+    device, size, head = view.device, view.shape[2], batch.query.shape[-1]
+    slots = batch.slots(size, new_only=False).to(device)
+    for t, start in ((batch.keys, 0), (batch.values, head)):  # K, then V
+        view[slots // size, :, slots % size, start : start + t[0].shape[-1]] = batch.tokens(t, False).to(view)
     spec = FullAttentionSpec(size, batch.keys[0].shape[1], head, view.dtype)
     builder = backend.get_builder_cls()(spec, ["layer"], device, max_num_seqs=len(batch.q_lens),
                                         max_model_len=batch.kernel_table.shape[1] * size)
-    metadata = builder.build(0, batch.metadata(size, device))
-    query = batch.query.to(device)
-    key, value = (batch.tokens(t, new_only=True).to(device) for t in (batch.keys, batch.values))
-    kwargs = dict(head_size=head, scale=scale, sliding_window=sliding_window)
-    result = backend.forward(query, key, value, view, metadata, **kwargs)
-    out = torch.full((*query.shape[:2], value.shape[-1]), float("nan"), dtype=query.dtype, device=device)
-    returned = backend.forward(query, key, value, view, metadata, out=out, **kwargs)
-    for name, got in (("forward(...)", result), ("forward(..., out=out)", returned), ("out", out)):
-        if not isinstance(got, torch.Tensor) or got.shape != out.shape:
-            raise AssertionError(f"{backend.__name__}.{name} gave {getattr(got, 'shape', got)!r}; forward returns "
-                                 f"the attention output, {tuple(out.shape)}, written into out when out is given")
-        torch.testing.assert_close(got, result, msg=lambda m, name=name: (
-            f"{backend.__name__}: {name} differs from forward(...): forward writes its output into out "
-            f"when out is given, and returns it\n{m}"))
+    new = [t.to(device) for t in (batch.query, batch.tokens(batch.keys, True), batch.tokens(batch.values, True))]
+    call = functools.partial(backend.forward, *new, view, builder.build(0, batch.metadata(size, device)),
+                             head_size=head, scale=scale, sliding_window=sliding_window)
+    result = call()
+    out = torch.full((*new[0].shape[:2], new[2].shape[-1]), float("nan"), dtype=new[0].dtype, device=device)
+    for name, got in (("forward(...)", result), ("forward(..., out=out)", call(out=out)), ("out", out)):
+        if not (isinstance(got, torch.Tensor) and got.shape == out.shape and torch.allclose(got, result)):
+            raise AssertionError(f"{backend.__name__}: {name} gave {getattr(got, 'shape', got)!r}, not forward(...)'s "
+                                 "output: forward returns the output, and writes it into out when out is given")
     return result

@@ -80,7 +80,8 @@ def test_run_forward_splits_blocks_and_windows_like_an_engine():
     torch.testing.assert_close(out.double(), dense_reference(batch, 0.5, sliding_window=7), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("backend, words", [(IgnoresOut, "out differs"), (ReturnsNothing, "gave None")])
+@pytest.mark.parametrize("backend, words",
+                         [(IgnoresOut, ": out gave"), (ReturnsNothing, r"forward\(\.\.\.\) gave None")])
 def test_run_forward_fails_a_backend_that_breaks_the_out_contract(backend, words):
     view, _ = build_cache("LBNHC", 8, 16, kv_heads=2, head_size=16, dtype=torch.float32, device="cpu")
     with pytest.raises(AssertionError, match=words):
@@ -99,7 +100,7 @@ def test_the_guides_test_snippet_runs_for_the_reference_and_for_your_own_backend
     assert own != snippet
     exec(compile(own, "docs/plugins.md", "exec"), {"ForwardOnly": ForwardOnly})
     broken = snippet.replace("from kvcore_torch import TorchAttentionBackend as Backend", "Backend = IgnoresOut")
-    with pytest.raises(AssertionError, match="writes its output into out"):
+    with pytest.raises(AssertionError, match="writes it into out when out is given"):
         exec(compile(broken, "docs/plugins.md", "exec"), {"IgnoresOut": IgnoresOut})
 
 
@@ -127,7 +128,7 @@ def test_engine_names_a_backend_that_returns_no_output():
     from kvcore.hf import Engine
 
     engine = Engine(_hf_model(), backend=ReturnsNothing, num_blocks=32, max_num_seqs=2)
-    with pytest.raises(PluginError, match="'returns-nothing' forward returned None .*returns the attention output"):
+    with pytest.raises(PluginError, match="'returns-nothing' forward returned None .*forward returns the output"):
         engine.generate([[5, 6, 7]], 2)
     assert engine.kv.block_pool.num_free_blocks == engine.kv.num_blocks - 1  # nothing held after the failure
 

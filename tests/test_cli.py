@@ -168,6 +168,30 @@ def test_completion_script_knows_every_command_and_option(shell, capsys, tmp_pat
         assert done.returncode == 0, done.stderr
 
 
+@pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+def test_bash_completes_preset_and_layout_names(capsys, tmp_path):
+    pytest.importorskip("shtab")
+    assert main(["completion", "bash"]) == 0
+    script = tmp_path / "kvcore.bash"
+    script.write_text(capsys.readouterr().out)
+    (tmp_path / "my-model.toml").write_text("")
+    complete = (f"source {script}\n"
+                'COMP_WORDS=("$@"); COMP_CWORD=$(($# - 1)); COMP_LINE="$*"; COMP_POINT=${#COMP_LINE}\n'
+                '_shtab_kvcore; echo "${COMPREPLY[*]}"')
+
+    def words(*line: str) -> set[str]:
+        done = subprocess.run(["bash", "-c", complete, "bash", "kvcore", *line], capture_output=True, text=True,
+                              cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+        return set(done.stdout.split())
+
+    assert words("plan", "--layout", "BL") == {"BLHNC", "BLNHC"}
+    assert words("plan", "--layout", "") == {"LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"}
+    assert words("plan", "gem") == {"gemma-3-27b"}
+    assert words("plan", "my") == {"my-model.toml"}  # a model file is completed too
+    assert words("models", "--j") == {"--json"}
+
+
 def test_completion_of_an_unknown_shell_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["completion", "fish"])

@@ -126,3 +126,26 @@ def test_an_allow_list_that_matches_nothing_is_not_healthy(dists, capsys, monkey
     monkeypatch.setenv("KVCORE_PLUGINS", "good")
     assert main(["plugins"]) == 0
     assert capsys.readouterr().err == ""
+
+
+def test_a_plugin_whose_kernel_library_is_not_installed_says_so(tmp_path, monkeypatch, capsys):
+    for dist, name, kernels in (("lib-missing", "missing", "no-such-kernel-lib>=1.0"),
+                                ("lib-present", "present", "torch")):
+        make_dist(tmp_path, dist, "1.0", {name: f"fakeplug_{name}"},
+                  {f"fakeplug_{name}": backend_plugin_source(f"{name}-attn", "[16]")})
+        metadata = tmp_path / f"{dist.replace('-', '_')}-1.0.dist-info" / "METADATA"
+        metadata.write_text(metadata.read_text() + "Requires-Dist: kvcore\nProvides-Extra: kernels\n"
+                            f'Requires-Dist: {kernels}; extra == "kernels"\n'
+                            'Requires-Dist: no-such-test-tool; extra == "test"\n')
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("KVCORE_PLUGINS", "missing,present")
+    monkeypatch.setenv("COLUMNS", "80")
+    items = _json(capsys, code=0)
+    assert items["missing"]["kernels_missing"] == ["no-such-kernel-lib"]  # not the test extra's tool
+    assert items["present"]["kernels_missing"] == []
+    assert main(["plugins"]) == 0
+    out = capsys.readouterr().out
+    record = out.split("missing  [loaded]")[1].split("\n\n")[0]
+    assert "note" in record and "no-such-kernel-lib not installed" in " ".join(record.split())
+    assert "'lib-missing[kernels]'" in " ".join(record.split())
+    assert "note" not in out.split("present  [loaded]")[1].split("\n\n")[0]

@@ -47,7 +47,7 @@ def test_engine_admits_what_fits_max_num_blocks_only(setup):
     assert elastic.kv.num_blocks == 2
 
 
-def test_example_engines_take_turns_with_the_memory():
+def test_example_engines_take_turns_with_the_memory(capsys):
     import importlib.util
     from pathlib import Path
 
@@ -64,6 +64,11 @@ def test_example_engines_take_turns_with_the_memory():
     a_done = next(r for r in timeline if r["event"].startswith("A done"))
     assert a_done["A"] == start["A"] and all(r["A"] == start["A"] for r in timeline if r["event"].startswith("B "))
     assert timeline[-1]["B"] == start["B"]
+    out = capsys.readouterr().out
+    assert all(len(line) <= 80 for line in out.splitlines()), max(out.splitlines(), key=len)
+    # the cache's own growth (committed bytes), not the process's resident memory
+    growth = {n: max(r[n] for r in timeline) - start[n] for n in "AB"}
+    assert f"peak KV cache growth (committed): A {growth['A'] / 2**20:.1f} MiB, B {growth['B'] / 2**20:.1f} MiB" in out
 
 
 def test_engine_preempts_when_memory_runs_out(setup, monkeypatch):

@@ -11,6 +11,8 @@ from kvcore.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md"))]
+#: Everything a user reads: the README, docs/, the benchmarks' figures and the changelog.
+USER_DOCS = [*PAGES, ROOT / "BENCHMARKS.md", ROOT / "CHANGELOG.md"]
 
 
 def test_readme_engine_example_runs(capsys):
@@ -71,7 +73,7 @@ def test_readme_cli_output_is_what_kvcore_prints(capsys, monkeypatch, command, e
 
 def test_readme_is_a_front_door_whose_links_resolve():
     assert len(README.read_text().splitlines()) <= 450
-    for page in PAGES:
+    for page in USER_DOCS:
         for target in re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", page.read_text()):
             if "://" not in target:
                 assert (page.parent / target).exists(), f"{page.name} links to {target}, which does not exist"
@@ -96,7 +98,19 @@ SHORTHAND = re.compile(
 )
 
 
-@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+@pytest.mark.parametrize("page", USER_DOCS, ids=[p.name for p in USER_DOCS])
 def test_user_docs_speak_without_internal_shorthand(page):
     found = [m.group(0) for m in SHORTHAND.finditer(page.read_text())]
     assert not found, f"{page.name} uses shorthand a reader cannot decode: {found}"
+
+
+def test_benchmarks_md_has_a_section_per_benchmark_that_says_how_to_reproduce_it():
+    text = (ROOT / "BENCHMARKS.md").read_text()
+    sections = {s.split("\n", 1)[0]: s for s in text.split("\n## ")[1:]}
+    for name in ("zero", "plan", "pool", "transfer", "hf", "elastic"):
+        section = next((s for title, s in sections.items() if f"`kvcore bench {name}`" in title), None)
+        assert section is not None, f"BENCHMARKS.md has no section for kvcore bench {name}"
+        assert "Reproduce:" in section and "20" in section  # the command, and a dated figure
+    check = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    for part in set(re.findall(r"gpu_check\.sh (\w+)", text)) - {"PART"}:
+        assert f"part_{part}()" in check, f"BENCHMARKS.md cites a part gpu_check.sh does not have: {part}"

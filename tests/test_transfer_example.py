@@ -85,9 +85,11 @@ def test_two_processes_give_the_tokens_of_model_generate_and_skip_the_prompt(ex)
     proc = subprocess.run([sys.executable, str(EXAMPLE), *argv], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert all(len(line) <= 80 for line in proc.stdout.splitlines()), proc.stdout
+    stdout = proc.stdout.replace("\n  ", " ")  # a report line wrapped at 80 columns, as one line
     args = ex.parse_args(argv)
     _, expected = ex.one_process(args)
-    lines = PROMPT_LINE.findall(proc.stdout)
+    lines = PROMPT_LINE.findall(stdout)
     assert [int(i) for i, *_ in lines] == list(range(len(args.prompt_list)))
     assert [ast.literal_eval(tokens) for *_, tokens in lines] == expected
     lengths = [len(p) for p in args.prompt_list]
@@ -95,11 +97,11 @@ def test_two_processes_give_the_tokens_of_model_generate_and_skip_the_prompt(ex)
     moved = [int(m) for _, _, m, _ in lines]
     # Each prompt's full blocks short of its last token moved (block size 16).
     assert moved == [(n - 1) // 16 * 16 for n in lengths] and sum(moved) > 0
-    computed, total, hit, hits = map(int, STATS_LINE.search(proc.stdout).groups())
+    computed, total, hit, hits = map(int, STATS_LINE.search(stdout).groups())
     assert (total, hit, hits) == (sum(lengths), sum(moved), sum(m > 0 for m in moved))
     assert computed == total - hit
-    assert "through NIXL" in proc.stdout
-    timing = TRANSFER_LINE.search(proc.stdout)
+    assert "through NIXL" in stdout
+    timing = TRANSFER_LINE.search(stdout)
     assert timing and float(timing.group(1)) > 0
     # Two processes on one host: cuda_ipc between GPU caches, shared memory (cma) between host caches.
     assert timing.group(2) == ("cuda_ipc" if args.device == "cuda" else "cma")

@@ -31,6 +31,22 @@ def emit(args: argparse.Namespace, result: object, print_text: Callable) -> None
         print_text(result)
 
 
+def machine(device) -> str:
+    """What a figure was measured on: the GPU's name, or the CPU's model and core count."""
+    import os
+
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    try:
+        with open("/proc/cpuinfo") as f:
+            model = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        model = ""
+    return f"CPU ({model or 'unknown model'}, {os.cpu_count()} cores)"
+
+
 def fmt(value: float | None, spec: str = ".1f") -> str:
     """``value`` formatted by ``spec``; ``-`` for a value not measured."""
     return "-" if value is None else format(value, spec)
@@ -54,15 +70,20 @@ def _no_progress(total: int) -> Callable[[], None]:
 
 @contextlib.contextmanager
 def progress_bar(description: str) -> Iterator[Callable[[int], Callable[[], object]]]:
-    """``start(total) -> tick``: a progress bar on stderr, erased when done (none without rich)."""
+    """``start(total) -> tick``: a progress bar on a terminal's stderr, erased when done (none
+    without rich, or where stderr is not a terminal)."""
     try:
         from rich.console import Console
         from rich.progress import MofNCompleteColumn, Progress
     except ImportError:  # NOTE: a bare GPU machine may run kvcore from PYTHONPATH, without rich
         yield _no_progress
         return
+    console = Console(stderr=True)
+    if not console.is_terminal:  # NOTE: a bar in a log or a pipe is noise (and an empty line)
+        yield _no_progress
+        return
     columns = (*Progress.get_default_columns(), MofNCompleteColumn())
-    with Progress(*columns, console=Console(stderr=True), transient=True) as bar:
+    with Progress(*columns, console=console, transient=True) as bar:
 
         def start(total: int) -> Callable[[], object]:
             """A task of ``total`` steps on the bar, and the function that advances it by one."""

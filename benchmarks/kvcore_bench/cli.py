@@ -7,6 +7,8 @@ import argparse
 import ast
 import importlib
 import importlib.util
+import shutil
+import textwrap
 import tokenize
 
 from kvcore_bench import BENCHMARKS
@@ -41,8 +43,12 @@ def add_command(commands: argparse._SubParsersAction) -> None:
         doc = _docstring(module_name)
         if doc is None:  # not installed
             continue
-        summary = doc.strip().splitlines()[0].split(": ", 1)[-1].rstrip(".")
-        one = benchmarks.add_parser(name, help=summary, description=doc,
+        paragraphs = [" ".join(p.split()) for p in doc.split("\n\n")]
+        summary = paragraphs[0].split(": ", 1)[-1].rstrip(".")
+        # NOTE: paragraphs kept, each filled to the terminal (argparse's own width), at most 80
+        width = min(shutil.get_terminal_size().columns, 80) - 2
+        description = "\n\n".join(textwrap.fill(p, width, break_on_hyphens=False) for p in paragraphs)
+        one = benchmarks.add_parser(name, help=summary, description=description,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)
         ARGUMENTS[name](one)
         one.set_defaults(func=_lazy(module_name), command_name=f"kvcore bench {name}")

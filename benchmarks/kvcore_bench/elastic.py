@@ -7,26 +7,29 @@ granules and how many, and the most memory committed beyond the blocks. With
 ``--measure``, on ``--device`` (default: CUDA when present, else the CPU):
 commit / release time of one granule and of ``--gib`` GiB, the memory given
 back (``torch.cuda.mem_get_info``; resident memory on a CPU), and a grow from 2
-blocks to all and back per layout (``KVCache.resize``).
+blocks to all and back per layout (``KVCache.resize``). A CPU backs a page when it
+is first written, so there a commit's time includes writing one byte per page.
 """
 
 import argparse
 import mmap
 import statistics
+import textwrap
 import time
 from collections.abc import Mapping
 
 import torch
 
+from kvcore._table import terminal_width
 from kvcore._units import format_bytes
 from kvcore.memory.backing import reserve_backing
-from kvcore.memory.elastic import ElasticMemory, merge_ranges
+from kvcore.memory.elastic import ElasticMemory, block_byte_ranges, merge_ranges, subtract_ranges
 from kvcore.memory.layout import KVCacheLayout, block_runs
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.memory.views import allocate_kv_cache
 from kvcore.model_files import load_model_file
 from kvcore.specs import KVCacheSpec
-from kvcore_bench import emit, table
+from kvcore_bench import emit, progress_bar, table
 from kvcore_bench.options import ARGUMENTS
 
 add_arguments = ARGUMENTS["elastic"]
@@ -79,6 +82,15 @@ def _held(device: torch.device) -> int:
         return int(f.read().split()[1]) * mmap.PAGESIZE
 
 
+def _touch(backing, ranges: list[tuple[int, int]]):
+    """What backs committed memory beyond ``commit``: on a CPU, writing one byte per page of
+    ``ranges`` (pages are backed when first written); nothing on a GPU, whose commit maps memory."""
+    if backing.tensor.device.type != "cpu" or not ranges:
+        return lambda: None
+    index = torch.cat([torch.arange(start, end, mmap.PAGESIZE) for start, end in ranges])
+    return lambda: backing.tensor.index_fill_(0, index, 1)
+
+
 def measure_backing(device: torch.device, gib: int, repeat: int) -> dict:
     """Commit / release time of one granule (median of ``repeat``) and of ``gib`` GiB; the
     memory given back."""
@@ -88,17 +100,20 @@ def measure_backing(device: torch.device, gib: int, repeat: int) -> dict:
     g = backing.granularity
     commit, release = [], []
     for i in range(1, repeat + 1):  # NOTE: granule 0 may be mapped from the start (a GPU maps it)
+        touch = _touch(backing, [(i * g, (i + 1) * g)])
         t0 = time.perf_counter()
         backing.commit(i * g, (i + 1) * g)
+        touch()
         t1 = time.perf_counter()
         backing.decommit(i * g, (i + 1) * g)
         commit.append(t1 - t0)
         release.append(time.perf_counter() - t1)
+    touch = _touch(backing, [(0, backing.size)])
     before = _held(device)
     t0 = time.perf_counter()
     backing.commit(0, backing.size)
+    touch()
     t1 = time.perf_counter()
-    backing.tensor[:size].fill_(1)  # NOTE: a CPU mapping is backed once written; a GPU's at commit
     grown = _held(device)
     t2 = time.perf_counter()
     backing.decommit(0, backing.size)
@@ -113,7 +128,7 @@ def measure_backing(device: torch.device, gib: int, repeat: int) -> dict:
     }
 
 
-def measure_resize(specs, device: torch.device, max_blocks: int) -> list[dict]:
+def measure_resize(specs, device: torch.device, max_blocks: int, tick=lambda: None) -> list[dict]:
     """Per layout: commit for 2 blocks, grow to ``max_blocks`` and shrink back (as ``resize``)."""
     rows = []
     for layout in KVCacheLayout:
@@ -128,8 +143,13 @@ def measure_resize(specs, device: torch.device, max_blocks: int) -> list[dict]:
         memory.track({n: (v, 1) for n, v in views.items()})
         memory.resize(2)
         small = memory.committed_bytes
+        rows_of = {n: (v, 1) for n, v in views.items()}
+        g = backing.granularity
+        touch = _touch(backing, subtract_ranges(block_byte_ranges(rows_of, max_blocks, g),
+                                                block_byte_ranges(rows_of, 2, g)))
         t0 = time.perf_counter()
         memory.resize(max_blocks)
+        touch()
         t1 = time.perf_counter()
         granules = (memory.committed_bytes - small) // backing.granularity
         memory.resize(2)
@@ -139,6 +159,7 @@ def measure_resize(specs, device: torch.device, max_blocks: int) -> list[dict]:
                      "grow_ms_per_granule": (t1 - t0) * 1e3 / max(granules, 1),
                      "shrink_ms_per_granule": (t2 - t1) * 1e3 / max(granules, 1)})
         del memory, backing, views
+        tick()
     return rows
 
 
@@ -152,19 +173,25 @@ def _print(result: dict, args: argparse.Namespace) -> None:
         ("max slack", lambda r: format_bytes(r["max_slack_bytes"]), "s"),
     ], result["layouts"]))
     if args.measure:
-        b = result["backing"]
-        print(f"\nbacking on {b['device']} ({format_bytes(b['granularity'])} granules): commit "
-              f"{b['commit_granule_ms']:.3f} ms / release {b['release_granule_ms']:.3f} ms per "
-              f"granule; {b['commit_gib_ms']:.1f} / {b['release_gib_ms']:.1f} ms per GiB; "
-              f"{format_bytes(b['returned_bytes'])} of {format_bytes(b['held_grown_bytes'])} "
-              "given back")
+        b, width = result["backing"], terminal_width()
+        cpu = b["device"] == "cpu"
+        print()
+        print(textwrap.fill(
+            f"backing on {b['device']} ({format_bytes(b['granularity'])} granules): commit "
+            f"{b['commit_granule_ms']:.3f} ms / release {b['release_granule_ms']:.3f} ms per granule; "
+            f"{b['commit_gib_ms']:.1f} / {b['release_gib_ms']:.1f} ms per GiB; "
+            f"{format_bytes(b['returned_bytes'])} of {format_bytes(b['held_grown_bytes'])} given back"
+            + (" (a CPU backs a page when first written: commit times include writing one byte "
+               "per page)" if cpu else ""), width))
+        done = [r for r in result["resize"] if "refused" not in r]
+        print(table(f"resize 2 -> {args.max_blocks} blocks and back", [
+            ("layout", "layout", ""), ("granules", "granules", ","), ("grow ms", "grow_ms", ".1f"),
+            ("ms/granule", "grow_ms_per_granule", ".4f"), ("shrink ms", "shrink_ms", ".1f"),
+            ("ms/granule", "shrink_ms_per_granule", ".4f"),
+        ], done, width))
         for r in result["resize"]:
             if "refused" in r:
-                print(f"  resize {r['layout']}: refused ({r['refused']})")
-                continue
-            print(f"  resize {r['layout']:6} 2 -> {args.max_blocks}: {r['granules']} granules, "
-                  f"grow {r['grow_ms']:.1f} ms ({r['grow_ms_per_granule']:.3f} ms/granule), "
-                  f"shrink {r['shrink_ms']:.1f} ms ({r['shrink_ms_per_granule']:.3f} ms/granule)")
+                print(textwrap.fill(f"{r['layout']} refused: {r['refused']}", width))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -179,7 +206,10 @@ def run(args: argparse.Namespace) -> int:
             continue
     if args.measure:
         device = args.device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        result["backing"] = measure_backing(device, args.gib, args.repeat)
-        result["resize"] = measure_resize(model.kv_cache_specs, device, args.max_blocks)
+        with progress_bar("kvcore bench elastic --measure") as start:
+            tick = start(len(KVCacheLayout) + 1)
+            result["backing"] = measure_backing(device, args.gib, args.repeat)
+            tick()
+            result["resize"] = measure_resize(model.kv_cache_specs, device, args.max_blocks, tick)
     emit(args, result, lambda r: _print(r, args))
     return 0

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from kvcore._table import terminal_width
-from kvcore_bench import emit, table
+from kvcore_bench import emit, machine, table
 from kvcore_bench.options import ARGUMENTS
 
 add_arguments = ARGUMENTS["hf"]
@@ -37,6 +37,16 @@ CPU_EXAMPLE = (
 )
 #: Most model work (about 2 * parameters * tokens) a CPU run may ask for: tens of seconds.
 CPU_MAX_FLOP = 5e11
+#: Dense bf16 matrix peak (TFLOP/s) and memory bandwidth (TB/s) of GPUs by name, for the roofline.
+PEAKS = {"H200": (989.0, 4.8), "H100": (989.0, 3.35)}
+
+
+def known_peaks(args: argparse.Namespace, device_name: str) -> tuple[float, float] | None:
+    """The roofline's peaks: ``--peak-tflops`` / ``--hbm-tbps``, else the device's own where known."""
+    own = next((peaks for name, peaks in PEAKS.items() if name in device_name), None)
+    if own is None and (args.peak_tflops is None or args.hbm_tbps is None):
+        return None
+    return (args.peak_tflops or own[0], args.hbm_tbps or own[1])
 
 
 def checked_device(args: argparse.Namespace) -> torch.device:
@@ -128,7 +138,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     if hybrid:  # NOTE: a state slot per request and state group: the engine's default share
         engine_kwargs.update(num_blocks=None, available_memory=None)
     out: dict[str, Any] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else str(device),
+        "device": machine(device),
         "versions": {"torch": torch.__version__, "transformers": transformers.__version__},
         "workload": {"requests": n, "prompt_len": p, "new_tokens": m, "dtype": args.dtype,
                      "model": config.model_type},
@@ -147,7 +157,9 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
     if "static" not in skip:
         out["static_generate"] = runs.run_static_generate(model, prompts, m)
     # NOTE: the timed model's roofline, before a hybrid's model gives way to the same-dims Llama
-    out["roofline"] = runs.roofline(model, n, p, m, peak_tflops=args.peak_tflops, hbm_tbps=args.hbm_tbps)
+    out["params"] = sum(t.numel() for t in model.parameters())
+    peaks = known_peaks(args, out["device"])
+    out["roofline"] = peaks and runs.roofline(model, n, p, m, peak_tflops=peaks[0], hbm_tbps=peaks[1])
     if prefix and "prefix" not in skip:
         common, other = (runs.random_prompts(1, prefix, args.vocab, seed)[0] for seed in (3, 4))
         shared, shared_warm = [common + q for q in prompts], [other + q for q in warm]
@@ -232,14 +244,15 @@ def report(out: dict[str, Any]) -> None:
     width = terminal_width()
     work, versions, roof, kv = out["workload"], out["versions"], out["roofline"], out["kvcore"]
     print(textwrap.fill(
-        f"kvcore bench hf on {out['device']} (torch {versions['torch']}, transformers "
-        f"{versions['transformers']}): {work['requests']} requests x ({work['prompt_len']} prompt "
-        f"+ {work['new_tokens']} new) tokens, {work['dtype']}, {format_count(roof['params'])} "
+        f"kvcore bench hf on {out['device']}; torch {versions['torch']}, transformers "
+        f"{versions['transformers']}: {work['requests']} requests x ({work['prompt_len']} prompt "
+        f"+ {work['new_tokens']} new) tokens, {work['dtype']}, {format_count(out['params'])} "
         "parameters", width))
     rows = [{"engine": _label(key, name, out[key]), **out[key], "tps": _tps(out[key])}
             for key, name in _ENGINES.items() if key in out and "not_run" not in out[key]]
-    rows.append({"engine": "roofline", "output_tokens": None, "tps": roof["tokens_per_s"],
-                 "seconds": roof["prefill_s"] + roof["decode_s"]})
+    if roof:
+        rows.append({"engine": "roofline", "output_tokens": None, "tps": roof["tokens_per_s"],
+                     "seconds": roof["prefill_s"] + roof["decode_s"]})
     kv_tps = None if "not_run" in kv else _tps(kv)
     for row in rows:
         row["kvcore_vs"] = "-" if kv_tps is None else _kvcore_vs(kv_tps, row)
@@ -248,6 +261,9 @@ def report(out: dict[str, Any]) -> None:
         ("seconds", "seconds", ".2f"), ("tokens/s", "tps", ",.0f"),
         ("kvcore is x faster", "kvcore_vs", "s"),
     ], rows, width))
+    if not roof:
+        print(textwrap.fill(f"no roofline: the peaks of {out['device']} are not known (pass "
+                            "--peak-tflops and --hbm-tbps)", width, break_on_hyphens=False))
     static = out.get("static_generate", {})
     if "not_run" in static or static.get("out_of_memory_at"):
         done = "not run" if "not_run" in static else f"run at batch {static['batch']}"

@@ -175,8 +175,9 @@ _HF = {
         ("--mixer-backend", str, "auto",
          "a hybrid's mixer backend: auto, triton-mixer, torch-mixer, or any registered name"),
         ("--kv-cache-dtype", KV_CACHE_DTYPES, "auto",
-         "KV cache mode; other than auto, the same requests also run on the model-dtype cache, "
-         "for the speed ratio and the share of requests whose greedy tokens are the same"),
+         f"KV cache mode: {', '.join(KV_CACHE_DTYPES)}; other than auto, the same requests also run "
+         "on the model-dtype cache, for the speed ratio and the share of requests whose greedy "
+         "tokens are the same", {"metavar": "MODE"}),
     ],
     "float32 token check (a smaller model)": [
         ("--check-requests", INT, 16, "prompts checked"),
@@ -186,8 +187,8 @@ _HF = {
     None: [
         ("--skip", _names_arg(HF_PARTS), [],
          f"comma-separated parts to leave out: {','.join(HF_PARTS)} (default: none)"),
-        ("--peak-tflops", float, 989.0, "matrix peak of the roofline"),
-        ("--hbm-tbps", float, 4.8, "memory bandwidth of the roofline, TB/s"),
+        ("--peak-tflops", float, None, "matrix peak of the roofline, TFLOP/s (default: the GPU's where known)"),
+        ("--hbm-tbps", float, None, "memory bandwidth of the roofline, TB/s (default: the GPU's where known)"),
         ("--device", device_arg, None,
          "torch device, cpu or cuda[:N] (default: cuda when present, else cpu)"),
         _JSON, _JSON_OUT,

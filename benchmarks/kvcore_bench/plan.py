@@ -17,7 +17,7 @@ import torch
 from kvcore._table import terminal_width
 from kvcore.memory.planner import plan_kv_cache
 from kvcore.specs import FullAttentionSpec, KVCacheSpec, MambaSpec, SlidingWindowSpec
-from kvcore_bench import emit, table
+from kvcore_bench import emit, machine, table
 from kvcore_bench._timing import Timer
 from kvcore_bench.options import ARGUMENTS
 
@@ -74,11 +74,12 @@ def measure(args: argparse.Namespace) -> dict:
                 "num_blocks": config.num_blocks, "median_ms": statistics.median(times),
                 "min_ms": min(times), "met": statistics.median(times) < TARGET_MS,
             })  # fmt: skip
-    return {"layers": args.layers, "memory": args.memory, "target_ms": TARGET_MS, "rows": rows}
+    return {"machine": machine(torch.device("cpu")), "layers": args.layers, "memory": args.memory,
+            "target_ms": TARGET_MS, "rows": rows}
 
 
 def _print(result: dict) -> None:
-    print(table(f"plan_kv_cache, {result['layers']}-layer hybrid model, one core", [
+    print(table(f"plan_kv_cache, {result['layers']}-layer hybrid model, one core of {result['machine']}", [
         ("layout", "layout", ""), ("groups", "groups", "d"), ("blocks", "num_blocks", ","),
         ("median ms", "median_ms", ".2f"), ("min ms", "min_ms", ".2f"),
         (f"< {TARGET_MS:g} ms", lambda r: "yes" if r["met"] else "NO", ""),

@@ -14,9 +14,11 @@ import statistics
 import time
 from collections.abc import Callable
 
+import torch
+
 from kvcore.runtime.block_pool import BlockPool
 from kvcore.runtime.prefix_hash import block_hashes
-from kvcore_bench import emit, progress_bar, table
+from kvcore_bench import emit, machine, progress_bar, table
 from kvcore_bench.options import ARGUMENTS, POOL_MAX_BLOCKS
 
 add_arguments = ARGUMENTS["pool"]
@@ -114,7 +116,7 @@ def measure(num_requests: int, blocks_per_request: int, block_size: int, repeat:
 
 def _print_table(result: dict) -> None:
     print(table(f"BlockPool, ns per block ({result['requests']} requests x "
-                f"{result['blocks_per_request']} blocks, this CPU)", [
+                f"{result['blocks_per_request']} blocks) on {result['machine']}", [
         ("operation", "label", ""), ("caching off", "off_ns", ".0f"),
         ("caching on", "on_ns", ".0f"),
         ("on / off",
@@ -126,6 +128,6 @@ def run(args: argparse.Namespace) -> int:
     with progress_bar("traffic, warm-up and timed rounds") as start:
         rows = measure(args.requests, args.blocks, args.block_size, args.repeat,
                        progress=start(args.repeat + 2))
-    emit(args, {"requests": args.requests, "blocks_per_request": args.blocks,
+    emit(args, {"machine": machine(torch.device("cpu")), "requests": args.requests, "blocks_per_request": args.blocks,
                 "block_size": args.block_size, "repeat": args.repeat, "rows": rows}, _print_table)
     return 0

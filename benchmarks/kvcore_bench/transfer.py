@@ -5,7 +5,11 @@ For each layout, moves random, never adjacent blocks of a model's KV cache:
 ``copy_(non_blocking=True)`` of as many bytes, measured in the same run (CUDA
 events, median of repeats; wall times on CPU); and, where NIXL imports, NIXL
 writes and reads to a peer agent (:mod:`kvcore_bench.transfer_nixl`). Without
-CUDA the defaults are CPU-sized.
+CUDA the defaults are CPU-sized and everything runs on one torch thread (on a
+shared machine, waking more times the OS scheduler, not the copy); reference
+copies are repeated at least 20 times, and one slower than a tenth of this
+machine's large-copy bandwidth (plus a call's overhead) is reported as
+implausible.
 
 ``--descriptors N`` counts instead what NIXL is handed for one transfer of N
 scattered (odd) or consecutive blocks: the copies (runs adjacent on both sides
@@ -16,6 +20,7 @@ NIXL imports, its ``nixlXferDList``) against the agent's prepared path
 """
 
 import argparse
+import contextlib
 import functools
 import logging
 import os
@@ -79,6 +84,52 @@ def build_cache(model: dict[str, Any], layout: str, num_blocks: int, device: str
     )
 
 
+#: A reference copy this many times slower than the machine's large copies (plus a call's
+#: overhead, in µs) measures the machine's load, not a copy.
+IMPLAUSIBLE, CALL_US = 10, 20.0
+
+
+def reference_timer(args: argparse.Namespace) -> Timer:
+    """The timer of plain reference copies: on a CPU at least 20 repeats after 3 warm-ups."""
+    cpu = args.device.type == "cpu"
+    return Timer(args.device, max(args.repeats, 20) if cpu else args.repeats,
+                 max(args.warmup, 3) if cpu else args.warmup)
+
+
+def copy_bandwidth(device: torch.device) -> float | None:
+    """GB/s of a warm 64 MiB host copy (CPU; GPU references are CUDA events)."""
+    if device.type != "cpu":
+        return None
+    src = torch.ones(64 << 20, dtype=torch.int8)
+    dst = torch.empty_like(src)
+    return gbps(src.numel(), Timer(device, 5, 2).wall_us(lambda: dst.copy_(src)))
+
+
+def implausible(result: dict[str, Any]) -> list[str]:
+    """The reference copies of ``result`` too slow for this machine, as ``'GB/s (bytes)'``."""
+    machine = result.get("copy_gbps")
+    slow = []
+    for kind, keys in (("host", ("d2h_memcpy", "h2d_memcpy")), ("nixl", ("copy",))):
+        for row in result[kind] if machine else ():
+            for key in keys:
+                us = row.get(f"{key}_us")
+                if us is not None and us > IMPLAUSIBLE * (row["bytes"] / (machine * 1e3) + CALL_US):
+                    slow.append(f"{row[f'{key}_gbps']:.2f} GB/s ({format_bytes(row['bytes'])})")
+    return slow
+
+
+@contextlib.contextmanager
+def one_thread_on_cpu(device: torch.device) -> Any:
+    """On a CPU, run on one torch thread for the duration (restored after)."""
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 def _host_rows(args, layout, timer, gen, tick) -> list[dict[str, Any]]:
     most = max(args.blocks)
     kv = build_cache(model_of(args), layout.name, 2 * most + 1, str(args.device))
@@ -97,8 +148,9 @@ def _host_rows(args, layout, timer, gen, tick) -> list[dict[str, Any]]:
                "copies": pool.offload(ids, slots).num_runs}
         row["offload_us"] = timer.gpu_us(lambda: pool.offload(ids, slots, non_blocking=True))
         row["restore_us"] = timer.gpu_us(lambda: pool.restore(slots, ids, non_blocking=True))
-        row["d2h_memcpy_us"] = timer.gpu_us(lambda: host.copy_(dev, non_blocking=True))
-        row["h2d_memcpy_us"] = timer.gpu_us(lambda: dev.copy_(host, non_blocking=True))
+        reference = reference_timer(args)
+        row["d2h_memcpy_us"] = reference.gpu_us(lambda: host.copy_(dev, non_blocking=True))
+        row["h2d_memcpy_us"] = reference.gpu_us(lambda: dev.copy_(host, non_blocking=True))
         for key in ("offload", "restore", "d2h_memcpy", "h2d_memcpy"):
             row[f"{key}_gbps"] = gbps(nbytes, row[f"{key}_us"])
         row["offload_vs_memcpy"] = row["d2h_memcpy_us"] / row["offload_us"]
@@ -127,6 +179,7 @@ def collect(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
         "model": model_of(args), "nixl_peer": args.nixl_peer,
         "nixl_progress_thread": args.nixl_progress_thread,
         "host": [], "nixl": [], "nixl_skipped": None, "nixl_failed": {},
+        "torch_threads": torch.get_num_threads(), "copy_gbps": copy_bandwidth(args.device),
     }
     if not args.no_host:
         timer = Timer(args.device, args.repeats, args.warmup)
@@ -221,10 +274,20 @@ def _print(result: dict[str, Any]) -> None:
         print()
     if result["nixl_skipped"]:
         print(textwrap.fill(f"NIXL rows skipped: {result['nixl_skipped']}", width))
+    if result["copy_gbps"]:
+        print(textwrap.fill(
+            f"On a CPU every row runs on {result['torch_threads']} torch thread; a 64 MiB copy runs at "
+            f"{result['copy_gbps']:.1f} GB/s here.", width))
     if result["nixl"]:
         print_rows(result["nixl"], width)
     for memory, error in result["nixl_failed"].items():
         print(textwrap.fill(f"NIXL in {memory} failed: {error}", width))
+    slow = implausible(result)
+    if slow:
+        print(textwrap.fill(
+            f"warning: {len(slow)} reference copies were implausibly slow for this machine "
+            f"({', '.join(slow[:3])}{', ...' if len(slow) > 3 else ''}): the machine is busy, and "
+            "ratios against them mean little.", width))
 
 
 def _print_descriptors(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -253,7 +316,7 @@ def run(args: argparse.Namespace) -> int:
         args = resolve(args)
         emit(args, descriptor_rows(args), lambda rows: _print_descriptors(rows, args))
         return 0
-    with progress_bar("kvcore bench transfer") as progress:
+    with progress_bar("kvcore bench transfer") as progress, one_thread_on_cpu(resolve(args).device):
         result = collect(args, progress)
     emit(args, result, _print)
     return 0

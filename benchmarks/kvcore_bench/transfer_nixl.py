@@ -134,6 +134,10 @@ def nixl_rows(args: argparse.Namespace, make: CacheFn, memory: str, device: torc
     cpu = torch.device("cpu")
     on, peer_on = {"VRAM": (device, device), "VRAM-DRAM": (device, cpu)}.get(memory, (cpu, cpu))
     timer = Timer(on, args.repeats, args.warmup)
+    # NOTE: a plain copy is quick and noisy: on a CPU it is repeated more (as the host rows' are).
+    cpu_ref = on.type == "cpu"
+    reference = Timer(on, max(args.repeats, 20) if cpu_ref else args.repeats,
+                      max(args.warmup, 3) if cpu_ref else args.warmup)
     most = max(args.nixl_blocks)
     a = make(2 * most + 2, str(on))  # the cache first: its CUDA context exists before any agent
     start = time.perf_counter()
@@ -177,7 +181,7 @@ def nixl_rows(args: argparse.Namespace, make: CacheFn, memory: str, device: torc
             read = functools.partial(agent.read_blocks, name, ids, ids)
             row["nixl_write_us"] = timer.wall_us(lambda: write().wait(timeout=120))
             row["nixl_read_us"] = timer.wall_us(lambda: read().wait(timeout=120))
-            _references(row, nbytes, src, dst, pinned, timer)
+            _references(row, nbytes, src, dst, pinned, reference)
             rows.append(row)
             tick()
         return rows

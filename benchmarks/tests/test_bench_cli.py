@@ -106,3 +106,14 @@ def test_completion_knows_every_benchmark_and_its_options(shell, capsys):
     script = capsys.readouterr().out
     for word in ("bench", *kvcore_bench.BENCHMARKS, "--pool-blocks", "--device", "--nixl-memory"):
         assert word in script, word
+
+
+@pytest.mark.parametrize("argv", [["bench", "--help"], *(["bench", name, "--help"] for name in kvcore_bench.BENCHMARKS),
+                                  ["completion", "--help"]], ids=" ".join)
+def test_help_fits_80_columns(argv, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "80")
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and out
+    assert all(len(line) <= 80 for line in out.splitlines()), max(out.splitlines(), key=len)

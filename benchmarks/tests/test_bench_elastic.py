@@ -24,3 +24,20 @@ def test_layout_costs_of_llama_at_2mib_granules(capsys):
     assert unaligned["grow_events"] * unaligned["mappings_per_grow_event"] + 32 == 600  # 1,200 MiB in all
     assert main(["bench", "elastic", "--max-blocks", "64"]) == 0
     assert "LHBNC" in capsys.readouterr().out
+
+
+def test_measure_on_a_cpu_times_what_backs_the_memory(capsys, monkeypatch):
+    import json
+
+    monkeypatch.setenv("COLUMNS", "80")
+    argv = ["bench", "elastic", "--measure", "--device", "cpu", "--max-blocks", "16", "--repeat", "3"]
+    assert main([*argv, "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    backing = result["backing"]
+    # a CPU backs pages when first written: committing a GiB writes 262,144 pages, not a free check
+    assert backing["held_grown_bytes"] >= 0.9 * 2**30 and backing["commit_gib_ms"] > 10
+    assert all(r["grow_ms"] > 0 and r["granules"] > 0 for r in result["resize"])
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "commit times include writing one byte per page" in out.replace("\n", " ")
+    assert all(len(line) <= 80 for line in out.splitlines()), max(out.splitlines(), key=len)

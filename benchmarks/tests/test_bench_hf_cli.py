@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 import pytest
@@ -95,6 +96,25 @@ def test_the_benchmarks_hybrid_is_granite_4_h_like():
     assert state.shapes == ((4, 64, 128), (2 * 128 + 2 * 128, 4)) and state.dtypes == (torch.float32, torch.bfloat16)
 
 
+def test_a_cpu_run_names_the_machine_and_draws_no_roofline_from_gpu_peaks(monkeypatch, capsys):
+    argv = ["bench", "hf", *hf.CPU_EXAMPLE.split(), "--new-tokens", "2", "--requests", "2", "--prompt-len", "4",
+            "--layers", "1"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "on CPU (" in out and " cores)" in out
+    assert "roofline" not in out.replace("no roofline: the peaks of CPU", "")
+    assert main([*argv, "--peak-tflops", "2", "--hbm-tbps", "0.1", "--json"]) == 0  # the user's own peaks
+    result = json.loads(capsys.readouterr().out)
+    assert result["roofline"]["tokens_per_s"] > 0 and result["params"] > 0
+
+
+@pytest.mark.parametrize("name, peaks", [("NVIDIA H200", (989.0, 4.8)), ("NVIDIA H100 80GB HBM3", (989.0, 3.35)),
+                                         ("NVIDIA A10G", None), ("CPU (AMD EPYC, 2 cores)", None)])
+def test_roofline_peaks_are_known_per_gpu(name, peaks):
+    args = argparse.Namespace(peak_tflops=None, hbm_tbps=None)
+    assert hf.known_peaks(args, name) == peaks
+
+
 class _OutOfMemoryAbove:
     """A stand-in model whose ``generate`` runs out of memory above ``limit`` sequences."""
 
@@ -127,7 +147,8 @@ def test_the_static_baseline_halves_its_batch_until_it_fits_and_says_so(capsys):
     for static, line in ((nothing, "static model.generate: not run; out of memory at batch 4, 2, 1"),
                          ({**result, "seconds": 2.0}, "static model.generate: run at batch 32")):
         hf.report({"device": "cpu", "versions": {"torch": "x", "transformers": "y"}, "workload": work,
-                   "engine": {"block_size": 64}, "kvcore": kv, "static_generate": static, "roofline": roof})
+                   "engine": {"block_size": 64}, "kvcore": kv, "static_generate": static, "roofline": roof,
+                   "params": 1e6})
         out = capsys.readouterr().out
         assert line in " ".join(out.split()) and "(mixers: triton-mixer)" in out
         assert ("static model.generate (batch 32)" in out) == ("batch" in static)

@@ -108,3 +108,21 @@ def test_bench_transfer_descriptors_counts_copies_and_prepared_rows(capsys, monk
     assert rows["BLNHC", "scattered"]["descriptors"] == 6 and rows["BLNHC", "consecutive"]["descriptors"] == 1
     assert rows["BLNHC", "consecutive"]["prepared_rows"] == 1
     assert all(r["prepared_ms"] > 0 and r["build_ms"] > 0 for r in rows.values())
+
+
+def test_cpu_references_are_timed_on_one_thread_and_implausible_ones_are_named(capsys, monkeypatch):
+    threads = torch.get_num_threads()
+    seen = []
+    real = transfer.collect
+    monkeypatch.setattr(transfer, "collect", lambda args, progress=None: seen.append(torch.get_num_threads())
+                        or real(args, progress))  # fmt: skip
+    assert main(["bench", "transfer", "--device", "cpu", "--layouts", "BLNHC", "--blocks", "4", "--no-nixl",
+                 "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert seen == [1] and torch.get_num_threads() == threads  # one thread while it runs, restored after
+    assert result["torch_threads"] == 1 and result["copy_gbps"] > 0.1
+    row = result["host"][0]
+    assert transfer.implausible(result) == [] or row["d2h_memcpy_gbps"] < result["copy_gbps"] / 10
+    slow = {**result, "host": [{**row, "d2h_memcpy_us": 1e6, "d2h_memcpy_gbps": row["bytes"] / 1e9}]}
+    assert transfer.implausible(slow) == [f"{row['bytes'] / 1e9:.2f} GB/s ({row['bytes'] // 1024} KiB)"]
+    assert transfer.implausible({**slow, "copy_gbps": None}) == []  # GPU rows: CUDA events, no check

@@ -46,9 +46,9 @@ _COMMANDS = {
                 "it declares. Exits 1 when a plugin failed, conflicts with another or answers a "
                 "hook badly."),
     "completion": ("print a shell completion script (bash, zsh, tcsh)",
-                   "The script is generated from kvcore's own parser by shtab, so it knows every "
-                   "command,\nbenchmark and option. Install it once, e.g. for bash (or zsh, "
-                   "into ~/.zfunc/_kvcore):\n\n"
+                   "The script is generated from kvcore's own parser by shtab, so it knows every\n"
+                   "command, benchmark and option, and the preset and layout names. Install it\n"
+                   "once, e.g. for bash (or zsh, into ~/.zfunc/_kvcore):\n\n"
                    "    kvcore completion bash > "
                    "~/.local/share/bash-completion/completions/kvcore"),
 }
@@ -230,8 +230,27 @@ def _unavailable(reason: str, args: argparse.Namespace) -> int:
 def _completion(args: argparse.Namespace) -> int:
     import shtab  # a dependency of kvcore, imported only here (it is not needed for help)
 
-    print(shtab.complete(build_parser(), shell=args.shell))
+    parser = build_parser()
+    _complete_names(parser)
+    print(shtab.complete(parser, shell=args.shell))
     return 0
+
+
+def _complete_names(parser: argparse.ArgumentParser) -> None:
+    """Let shtab complete layout names (``--layout``, ``--layouts``) and preset names or files (a
+    ``model`` without choices) in every command of ``parser``, a parser made for completion only."""
+    presets = " ".join(sorted(p.stem for p in _PRESET_DIR.glob("*.toml")))
+    models = {"bash": "_kvcore_models", "tcsh": f"({presets})", "preamble": {"bash": f'_kvcore_models() {{ '
+              f'compgen -W "{presets}" -- "$1"; compgen -f -- "$1"; }}'},
+              "zsh": f"{{_alternative 'presets:preset:({presets})' 'files:file:_files'}}"}
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for command in action.choices.values():
+                _complete_names(command)
+        elif action.dest in ("layout", "layouts"):
+            action.choices = LAYOUT_NAMES
+        elif action.dest == "model" and action.choices is None:
+            action.complete = models
 
 
 def _attach_negative_values(argv: list[str]) -> list[str]:
@@ -251,14 +270,16 @@ def main(argv: list[str] | None = None) -> int:
     """Run ``kvcore`` with ``argv`` (default: the process's arguments); the exit code.
 
     A ``ValueError`` or ``TypeError`` from a command is printed as ``kvcore COMMAND: error: ...``
-    (exit 2, like argparse's own); under ``--json`` every error, usage errors included, is a
-    ``{"error": {"command", "type", "message"}}`` object on stdout instead.
+    (exit 2, like argparse's own), Ctrl-C as one ``...: interrupted`` line (exit 130); under
+    ``--json`` every error, usage errors included, is a ``{"error": {"command", "type", "message"}}``
+    object on stdout instead.
     """
     argv = _attach_negative_values(list(sys.argv[1:] if argv is None else argv))
     json_errors = "--json" in (argv[: argv.index("--")] if "--" in argv else argv)
     asked = next((word for word in argv if not word.startswith("-")), None)
-    args = build_parser(json_errors=json_errors, load=asked).parse_args(argv)
-    try:
+    args = None
+    try:  # NOTE: parsing may import torch (an option's type): Ctrl-C there is an interruption too
+        args = build_parser(json_errors=json_errors, load=asked).parse_args(argv)
         code = int(args.func(args) or 0)
         sys.stdout.flush()
         return code
@@ -269,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(f"{command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"{getattr(args, 'command_name', 'kvcore')}: interrupted", file=sys.stderr)
+        return 130
     except BrokenPipeError:
         # NOTE: the reader left (`kvcore plan ... | head`): not an error of ours;
         # point stdout at devnull so Python's exit flush does not fail again.

@@ -6,9 +6,11 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import re
 import sys
 import textwrap
 import warnings
+from importlib import metadata
 
 import attrs
 
@@ -61,8 +63,19 @@ def _requirements(pm, answers: HookAnswers) -> dict[str, object]:
     return out
 
 
+def missing_kernels(distribution: str | None) -> list[str]:
+    """The distributions of a plugin's ``kernels`` extra (its kernel library) not installed here."""
+    try:
+        requires = (metadata.requires(distribution) or []) if distribution else []
+    except metadata.PackageNotFoundError:
+        return []
+    kernels = [re.match(r"[\w.-]+", r)[0] for r in requires if re.search(r"""extra\s*==\s*["']kernels["']""", r)]
+    return [name for name in kernels if next(iter(metadata.distributions(name=name)), None) is None]
+
+
 def _json(info: PluginInfo, declared: dict, picks: dict[str, str | None]) -> dict[str, object]:
     item = info.to_json()
+    item["kernels_missing"] = missing_kernels(info.distribution)
     item["requirements"] = {b: requirements_json(declared[b]) for b in info.backends
                             if b in declared}
     # NOTE: "auto" here picks for an attention spec; mixer backends (no kernel block sizes) are left out
@@ -117,6 +130,10 @@ def _record(info: PluginInfo, width: int, requirements: dict) -> list[str]:
         lines += _field("backend", text, width)
         if backend in requirements:
             lines += _field("requires", describe_requirements(requirements[backend]), width)
+    missing = missing_kernels(info.distribution)
+    if missing:
+        lines += _field("note", f"kernels: {', '.join(missing)} not installed (pip install "
+                        f"'{info.distribution}[kernels]'); its forward refuses until then", width)
     if info.error:
         lines += _field("error", info.error, width)
     return lines

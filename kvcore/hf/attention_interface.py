@@ -56,16 +56,13 @@ def kvcore_attention(
     scale = module.scaling if scaling is None else scaling
     q, k, v = query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1)
     out = q.new_empty(q.shape[0], q.shape[1], v.shape[-1])
-    # NOTE: the returned tensor is the output (``out`` when the backend wrote into it, as it should).
-    result = layer.backend.forward(
+    result = layer.backend.forward(  # NOTE: the output is what forward returns (``out``, written)
         q, k, v, layer.kv_cache, step.metadata[layer.name],
         head_size=layer.head_size, scale=scale, sliding_window=layer.sliding_window, out=out,
     )
     if not isinstance(result, torch.Tensor) or result.shape != out.shape:
-        raise PluginError(
-            f"backend {layer.backend.get_name()!r} forward returned {getattr(result, 'shape', result)!r} for "
-            f"{layer.name}; forward returns the attention output, {tuple(out.shape)} (written into out when given)"
-        )
+        raise PluginError(f"backend {layer.backend.get_name()!r} forward returned {getattr(result, 'shape', result)!r}"
+                          f" for {layer.name}; forward returns the output, {tuple(out.shape)}, in out if given")
     return result.unsqueeze(0), None
 
 

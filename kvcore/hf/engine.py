@@ -213,10 +213,15 @@ class Engine:
                             attn_group.kv_cache_spec.head_size, window)
 
     def warmup(self, *, progress: bool = True) -> None:
-        """On a GPU, compile now what the first ``generate`` would (prefill kernels, decode graphs)."""
+        """On a GPU, compile now every kernel variant a later step launches (kernels take one per step
+        size): a padding prefill step, and the decode graphs or else a padding decode step."""
         if self.device.type != "cuda":
             return
-        self._warm_prefill()
+        from rich.console import Console
+
+        status = Console(stderr=True).status("kvcore: compiling attention kernels")
+        with status if progress else contextlib.nullcontext():
+            self._warm_prefill()
         if self.graphs is not None and self.graphs.capture:
             with self.serving():
                 self.graphs.capture_all(self.steps, self._forward, progress=progress)
@@ -226,8 +231,8 @@ class Engine:
         run on scratch states, their decode path too."""
         with self.serving(), (self.mixers.scratch() if self.mixers else contextlib.nullcontext()):
             self._forward(self.steps.build([(None, num_tokens)]))
-        if self.mixers is not None:
-            with self.serving(), self.mixers.scratch(decodes=1):
+        if self.graphs is None or self.mixers is not None:  # NOTE: eager decode steps: the decode kernels
+            with self.serving(), (self.mixers.scratch(decodes=1) if self.mixers else contextlib.nullcontext()):
                 self._forward(self.steps.build([(None, 1)]))
 
     def _request(self, index: int, prompt: Any, max_new_tokens: Any) -> Request:

@@ -151,7 +151,11 @@ def _decode_tile_tma(
     return m_new, l_i, acc
 
 
-@triton.jit
+# NOTE: index tensors sit at step-dependent offsets of one packed buffer, a block table is as wide
+# as the step needs and a window differs per group: not specializing on them keeps one compiled
+# variant whatever the step (the engine warms it when built).
+@triton.jit(do_not_specialize=["window", "num_splits", "stride_bt"],
+            do_not_specialize_on_alignment=["block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _decode_split_kernel(
     q_ptr, kv_ptr, kv_desc, scale_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr,
     part_ml_ptr, part_acc_ptr, out_ptr,
@@ -249,7 +253,7 @@ def _decode_split_kernel(
         tl.store(part_acc_ptr + slot[:, None] * DV_PAD + dv[None, :], acc)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_splits"], do_not_specialize_on_alignment=["query_start_loc_ptr"])
 def _decode_merge_kernel(
     part_ml_ptr, part_acc_ptr, out_ptr, query_start_loc_ptr, num_splits,
     stride_ot, stride_oh,

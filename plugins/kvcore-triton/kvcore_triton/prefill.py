@@ -18,7 +18,11 @@ import triton.language as tl
 from kvcore_triton.decode import _scaled_probs, _scaled_scores
 
 
-@triton.jit
+# NOTE: index tensors sit at step-dependent offsets of one packed buffer, a block table is as wide
+# as the step needs and a window differs per group: not specializing on them keeps one compiled
+# variant whatever the step (the engine warms it when built).
+@triton.jit(do_not_specialize=["window", "stride_bt"],
+            do_not_specialize_on_alignment=["block_table_ptr", "query_start_loc_ptr", "seq_lens_ptr"])
 def _varlen_kernel(
     q_ptr, kv_ptr, scale_ptr, block_table_ptr, query_start_loc_ptr, seq_lens_ptr, out_ptr,
     qk_scale, v_scale, window,

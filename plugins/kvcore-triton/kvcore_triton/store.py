@@ -11,7 +11,8 @@ from kvcore_triton._checks import INTERPRETED, check_kv_write, value_checks
 from kvcore_triton.quant import quant_args, quantize_rows
 
 
-@triton.jit
+# NOTE: slots sit at a step-dependent offset of one packed buffer: one variant for every step.
+@triton.jit(do_not_specialize_on_alignment=["slot_ptr"])
 def _store_kv_kernel(
     key_ptr, value_ptr, slot_ptr, kv_ptr, scale_ptr, num_slots, num_heads, inv_k_scale, inv_v_scale,
     stride_kt, stride_kh, stride_vt, stride_vh,
