@@ -13,9 +13,9 @@ import pluggy
 from kvcore._validate import positive_int
 from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.layout import split_ratio
-from kvcore.plugins.answers import HookAnswers
+from kvcore.plugins.answers import HookAnswers, Refused
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.negotiation import Refused, group_kernel_block_size, splits_by_backends
+from kvcore.plugins.negotiation import group_kernel_block_size, splits_by_backends
 from kvcore.specs import KVCacheSpec
 
 
@@ -44,7 +44,10 @@ def select_common_block_size(
             f"kv_cache_specs has {len(specs)} entries for {len(classes)} backends; "
             "pass one spec (or None) per backend"
         )
-    return answers.common_block_size(manager, list(zip(classes, specs)))
+    size = answers.common_block_size(manager, list(zip(classes, specs)))
+    if isinstance(size, Refused):
+        raise ValueError(size)
+    return size
 
 
 def customize_attention_spec(
