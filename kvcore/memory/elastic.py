@@ -102,15 +102,20 @@ class ElasticMemory:
 def checked_max_blocks(max_num_blocks: Any) -> int:
     max_num_blocks = as_int("max_num_blocks", max_num_blocks)
     if max_num_blocks < 2:
-        raise ValueError(
-            f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}"
-        )
+        raise ValueError(f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}")
     if max_num_blocks > MAX_NUM_BLOCKS:
-        raise ValueError(
-            f"max_num_blocks={max_num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks a "
-            "block pool manages; use larger blocks (a bigger block_size) or fewer of them"
-        )
+        raise ValueError(f"max_num_blocks={max_num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks a block pool "
+                         "manages; use larger blocks (a bigger block_size) or fewer of them")
     return max_num_blocks
+
+
+def checked_num_blocks(num_blocks: Any, max_num_blocks: int) -> int:
+    """Blocks an elastic cache commits: an int from 2 to ``max_num_blocks``."""
+    num_blocks = as_int("num_blocks", num_blocks)
+    if not 2 <= num_blocks <= max_num_blocks:
+        raise ValueError(f"num_blocks={num_blocks} must be between 2 and max_num_blocks={max_num_blocks}; "
+                         "create the cache with a larger max_num_blocks or use fewer blocks")
+    return num_blocks
 
 
 def reserve_elastic(config: KVCacheConfig, device: torch.device) -> ElasticMemory:

@@ -5,18 +5,19 @@ from the reasons collected."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
 
 import pluggy
 import torch
 
-from kvcore._validate import as_int, positive_int
+from kvcore._validate import positive_int
 from kvcore.distributed import agree_layout, agree_num_blocks
 from kvcore.errors import KernelRequirementError
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.elastic import checked_max_blocks
+from kvcore.memory.elastic import checked_max_blocks, checked_num_blocks
 from kvcore.memory.layout import KVCacheLayout, checked_request, layout_candidates, requested_layout
 from kvcore.memory.planner import PagePlan, checked_budget, lay_out, state_region_blocks
 from kvcore.plugins.answers import HookAnswers, accepts, label
@@ -86,10 +87,8 @@ def _checked_layers(layer_specs: Any, layer_backends: Any) -> None:
         raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
     for name, spec in layer_specs.items():
         if not isinstance(spec, KVCacheSpec):
-            raise TypeError(
-                f"layer_specs[{name!r}] is {spec!r} ({type(spec).__name__}), not a KVCacheSpec; "
-                "describe the layer with a spec such as kvcore.FullAttentionSpec(...)"
-            )
+            raise TypeError(f"layer_specs[{name!r}] is {spec!r} ({type(spec).__name__}), not a KVCacheSpec; "
+                            "describe the layer with a spec such as kvcore.FullAttentionSpec(...)")
         check_hashable(f"layer_specs[{name!r}]", spec)
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
@@ -106,13 +105,9 @@ class _Pass:
     def __init__(self, specs: dict[str, KVCacheSpec], backends: Backends, answers: HookAnswers,
                  num_state_blocks: int | None = None) -> None:
         self.specs, self.backends, self.answers = specs, backends, answers
-        self.num_state_blocks = num_state_blocks  # NOTE: a separate state region's blocks, or None
-        self.pages: dict[KVCacheLayout, PagePlan] = {}
-
-    def _pages(self, layout: KVCacheLayout) -> PagePlan:
-        if layout not in self.pages:
-            self.pages[layout] = lay_out(self.specs, layout, self.num_state_blocks)
-        return self.pages[layout]
+        # NOTE: num_state_blocks: a separate state region's blocks, or None
+        self._pages: Callable[[KVCacheLayout], PagePlan] = functools.cache(
+            lambda layout: lay_out(specs, layout, num_state_blocks))
 
     def bought(self, layout: KVCacheLayout, available_memory: int) -> int:
         """Blocks ``available_memory`` holds under ``layout``, else ``ValueError`` saying why too few."""
@@ -283,10 +278,4 @@ def _first_blocks(run: _Pass, config: KVCacheConfig, num_blocks: int | None, ava
     max_blocks = config.num_blocks
     if num_blocks is None:
         return max_blocks if available_memory is None else min(run.bought(config.layout, available_memory), max_blocks)
-    num_blocks = as_int("num_blocks", num_blocks)
-    if not 2 <= num_blocks <= max_blocks:
-        raise ValueError(
-            f"num_blocks={num_blocks} must be between 2 and max_num_blocks={max_blocks}; "
-            "raise max_num_blocks or commit fewer blocks"
-        )
-    return num_blocks
+    return checked_num_blocks(num_blocks, max_blocks)
