@@ -21,9 +21,7 @@ from kvcore.specs import KVCacheSpec, MambaSpec
 AUTO = "auto"
 
 
-def serves(
-    answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device: torch.device
-) -> str | None:
+def serves(answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device: torch.device) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device``; None when it can."""
     requirements = answers.requirements(backend, spec)
     if isinstance(spec, MambaSpec):  # NOTE: a mixer backend, for the mixer the spec names
@@ -47,17 +45,12 @@ class Choice:
     weighed: tuple[tuple[str, int | str], ...]
 
     def explain(self) -> str:
-        others = "; ".join(f"{name}: {'priority ' + str(w) if isinstance(w, int) else w}"
-                           for name, w in self.weighed)
+        others = "; ".join(f"{name}: {'priority ' + str(w) if isinstance(w, int) else w}" for name, w in self.weighed)
         return f"the highest priority of those that can serve it ({others})"
 
 
-def select_backend(
-    spec: KVCacheSpec | None,
-    device: torch.device | str,
-    *,
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> type[AttentionBackend]:
+def select_backend(spec: KVCacheSpec | None, device: torch.device | str, *,
+                   plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
     """The registered backend that serves ``spec`` on ``device``: what ``"auto"`` means.
 
     Among unambiguous backends whose requirements admit the device type, dtype and head size, the
@@ -114,12 +107,8 @@ def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch
     )
 
 
-def preferred_block_size(
-    backend: type[AttentionBackend] | str,
-    spec: KVCacheSpec | None = None,
-    *,
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> int | None:
+def preferred_block_size(backend: type[AttentionBackend] | str, spec: KVCacheSpec | None = None, *,
+                         plugin_manager: pluggy.PluginManager | None = None) -> int | None:
     """The block size ``backend`` prefers for ``spec``: the first ``int`` its plugin declares."""
     answers = HookAnswers(plugin_manager)
     sizes = answers.kernel_block_sizes(answers.backend(backend), spec)

@@ -34,21 +34,15 @@ from kvcore.specs.quant import quantize_specs
 Backends = dict[str, type[AttentionBackend]]
 
 
-def resolve_backends(
-    layer_specs: Mapping[str, KVCacheSpec],
-    layer_backends: Mapping[str, type[AttentionBackend] | str],
-    answers: HookAnswers,
-    device: torch.device,
-) -> tuple[Backends, dict[str, str]]:
+def resolve_backends(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, type[AttentionBackend] | str],
+                     answers: HookAnswers, device: torch.device) -> tuple[Backends, dict[str, str]]:
     """Each layer's backend class (a name looked up, ``"auto"`` chosen once per distinct spec) and
     how it was chosen."""
     chosen: dict[Any, tuple[type[AttentionBackend], str]] = {}
     for layer, backend in layer_backends.items():
         if not isinstance(backend, (str, type)):
-            raise TypeError(
-                f"layer_backends[{layer!r}] is {backend!r}; pass a backend class, a registered "
-                "backend name or 'auto'"
-            )
+            raise TypeError(f"layer_backends[{layer!r}] is {backend!r}; pass a "
+                            "backend class, a registered backend name or 'auto'")
         key = (layer_specs[layer], backend)
         if key not in chosen and backend == AUTO:
             choice = choose_backend(answers, layer_specs[layer], device)
@@ -59,10 +53,8 @@ def resolve_backends(
     return {n: b for n, (b, _) in found.items()}, {n: rule for n, (_, rule) in found.items()}
 
 
-def default_block_size(
-    layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, Any], answers: HookAnswers, fallback: int,
-    *, separate_state_pages: bool = False,
-) -> int:
+def default_block_size(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, Any], answers: HookAnswers,
+                       fallback: int, *, separate_state_pages: bool = False) -> int:
     """The manager block size for these layers when the caller names none: the first ``int`` the
     first attention layer's backend declares (else ``fallback``), grown for a hybrid in the unified
     plan until an attention page holds a state page (pages are unified to the largest, and growing
@@ -179,25 +171,12 @@ def _check_abilities(run: _Pass, device: torch.device, backends: Backends) -> No
         raise KernelRequirementError(f"backend {label(backend)!r} cannot serve layer {layer!r}: it {why}; {remedy}")
 
 
-def negotiate(
-    layer_specs: Mapping[str, KVCacheSpec],
-    layer_backends: Mapping[str, type[AttentionBackend] | str],
-    *,
-    device: torch.device | str,
-    layout: KVCacheLayout | str | None = None,
-    available_memory: int | None = None,
-    num_blocks: int | None = None,
-    max_num_seqs: int,
-    max_model_len: int,
-    plugin_manager: pluggy.PluginManager | None = None,
-    group: Any = None,
-    max_num_blocks: int | None = None,
-    enable_prefix_caching: bool = False,
-    settings: Settings | None = None,
-    separate_state_pages: bool = False,
-    num_state_blocks: int | None = None,
-    kv_cache_dtype: str = "auto",
-) -> Negotiation:
+def negotiate(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, type[AttentionBackend] | str], *,
+              device: torch.device | str, layout: KVCacheLayout | str | None = None,
+              available_memory: int | None = None, num_blocks: int | None = None, max_num_seqs: int, max_model_len: int,
+              plugin_manager: pluggy.PluginManager | None = None, group: Any = None, max_num_blocks: int | None = None,
+              enable_prefix_caching: bool = False, settings: Settings | None = None, separate_state_pages: bool = False,
+              num_state_blocks: int | None = None, kv_cache_dtype: str = "auto") -> Negotiation:
     """Decide what every layer of ``layer_specs`` (model order) gets, as :meth:`KVCache.create
     <kvcore.KVCache.create>` would with the same arguments, allocating nothing.
 
@@ -246,12 +225,10 @@ def negotiate(
     config = accepted.config
     committed = _first_blocks(run, config, num_blocks, available_memory) if elastic else config.num_blocks
     by_layout = {c.layout: c for c in tried}
-    return Negotiation(
-        accepted.groups, config.layout, config, dict(backends), committed, elastic, device,
-        max_num_seqs, max_model_len, enable_prefix_caching,
-        tuple(by_layout.get(c, Candidate(c, tried=False)) for c in candidates), rule, backend_rules,
-        tuple(Declared.of(answers, b, s, device) for b, s in pairs),
-    )
+    return Negotiation(accepted.groups, config.layout, config, dict(backends), committed, elastic, device, max_num_seqs,
+                       max_model_len, enable_prefix_caching,
+                       tuple(by_layout.get(c, Candidate(c, tried=False)) for c in candidates), rule, backend_rules,
+                       tuple(Declared.of(answers, b, s, device) for b, s in pairs))
 
 
 def _pass(run: _Pass, candidates: list[KVCacheLayout], requested: KVCacheLayout | None, ruled: bool,
