@@ -33,14 +33,8 @@ class AttentionGroup:
     cache, follows the block stride of the view ``map_kv_caches_to_kernel_blocks`` maps for it.
     """
 
-    def __init__(
-        self,
-        backend: type[AttentionBackend],
-        layer_names: Sequence[str],
-        kv_cache_spec: KVCacheSpec,
-        kv_cache_group_id: int,
-        kernel_block_size: int | None = None,
-    ) -> None:
+    def __init__(self, backend: type[AttentionBackend], layer_names: Sequence[str], kv_cache_spec: KVCacheSpec,
+                 kv_cache_group_id: int, kernel_block_size: int | None = None) -> None:
         kernel_block_size = None if kernel_block_size is None else positive_int("kernel_block_size", kernel_block_size)
         record = BackendNegotiation(backend, tuple(layer_names), kv_cache_spec, None, kernel_block_size)
         self._record, self._group_id = record, kv_cache_group_id
@@ -209,12 +203,8 @@ class AttentionGroup:
         return to_manager_blocks(kv_cache, rows, self.kernel_block_stride, num_blocks)
 
 
-def build_attention_groups(
-    kv_cache_config: KVCacheConfig,
-    layer_backends: Mapping[str, type[AttentionBackend] | str],
-    *,
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> list[list[AttentionGroup]]:
+def build_attention_groups(kv_cache_config: KVCacheConfig, layer_backends: Mapping[str, type[AttentionBackend] | str],
+                           *, plugin_manager: pluggy.PluginManager | None = None) -> list[list[AttentionGroup]]:
     """Per KV cache group, one :class:`AttentionGroup` per (backend, customized spec).
 
     Specs are customized here through the hooks; state-cache layers may be left out of

@@ -60,25 +60,12 @@ class KVCache:
     state_zeroer: KVBlockZeroer | None = attrs.field(default=None, repr=False)
 
     @classmethod
-    def create(
-        cls,
-        layer_specs: Mapping[str, KVCacheSpec],
-        layer_backends: Mapping[str, type[AttentionBackend] | str],
-        *,
-        device: torch.device | str,
-        layout: KVCacheLayout | str | None = None,
-        available_memory: int | None = None,
-        num_blocks: int | None = None,
-        max_num_seqs: int,
-        max_model_len: int,
-        plugin_manager: pluggy.PluginManager | None = None,
-        group: Any = None,
-        max_num_blocks: int | None = None,
-        enable_prefix_caching: bool = False,
-        kv_cache_dtype: str = "auto",
-        separate_state_pages: bool = False,
-        num_state_blocks: int | None = None,
-    ) -> KVCache:
+    def create(cls, layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, type[AttentionBackend] | str],
+               *, device: torch.device | str, layout: KVCacheLayout | str | None = None,
+               available_memory: int | None = None, num_blocks: int | None = None, max_num_seqs: int,
+               max_model_len: int, plugin_manager: pluggy.PluginManager | None = None, group: Any = None,
+               max_num_blocks: int | None = None, enable_prefix_caching: bool = False, kv_cache_dtype: str = "auto",
+               separate_state_pages: bool = False, num_state_blocks: int | None = None) -> KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
         ``layer_backends`` maps each attention layer to a backend class, a registered name or ``"auto"``. Give
@@ -92,13 +79,12 @@ class KVCache:
         allocated and wired from its record.
         """
         settings = Settings.from_env()
-        negotiation = negotiate(
-            layer_specs, layer_backends, device=checked_device(device), layout=layout,
-            available_memory=available_memory, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, plugin_manager=plugin_manager, group=group, max_num_blocks=max_num_blocks,
-            enable_prefix_caching=enable_prefix_caching, settings=settings, kv_cache_dtype=kv_cache_dtype,
-            separate_state_pages=separate_state_pages, num_state_blocks=num_state_blocks,
-        )
+        negotiation = negotiate(layer_specs, layer_backends, device=checked_device(device), layout=layout,
+                                available_memory=available_memory, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len, plugin_manager=plugin_manager, group=group,
+                                max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
+                                settings=settings, kv_cache_dtype=kv_cache_dtype,
+                                separate_state_pages=separate_state_pages, num_state_blocks=num_state_blocks)
         config, device, rows = negotiation.config, negotiation.device, negotiation.rows_per_block()
         elastic = reserve_elastic(config, device) if negotiation.elastic else None
         kv_caches = allocate_kv_cache(config, device, None, negotiation.allocation_kernel_block_sizes,
