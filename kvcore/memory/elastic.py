@@ -19,9 +19,7 @@ ViewRows = tuple[torch.Tensor, int]
 Ranges = list[tuple[int, int]]
 
 
-def block_byte_ranges(
-    views: Mapping[str, ViewRows], num_blocks: int, granularity: int = 1
-) -> Ranges:
+def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int, granularity: int = 1) -> Ranges:
     """Byte ranges (from the allocation's start) that blocks ``[0, num_blocks)`` occupy: each
     run of block 0, from block 0's copy to the end of block ``n - 1``'s, rounded out to whole
     ``granularity``-byte granules."""
@@ -123,8 +121,6 @@ def reserve_elastic(config: KVCacheConfig, device: torch.device) -> ElasticMemor
     groups = config.kv_cache_groups
     raw = [n for g in groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
     if raw or not config.kv_cache_tensors:
-        raise ValueError(
-            f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps "
-            "a raw buffer (or the model keeps no cache); drop max_num_blocks"
-        )
+        raise ValueError(f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} "
+                         "keeps a raw buffer (or the model keeps no cache); drop max_num_blocks")
     return ElasticMemory(reserve_backing(config.kv_cache_tensors[0].size, device))
