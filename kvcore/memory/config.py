@@ -135,8 +135,7 @@ class KVCacheConfig:
 
     def is_state_group(self, group_id: int) -> bool:
         """Whether a group keeps one block per sequence whatever its length (a state cache)."""
-        spec = self._spec_of_group(group_id)
-        return spec.has_cache_pages and not _grows_with_tokens(spec)
+        return is_state_spec(self._spec_of_group(group_id))
 
     def _pooled_specs(self) -> list[KVCacheSpec]:
         """Specs of the groups whose blocks come from the ``num_blocks`` pool."""

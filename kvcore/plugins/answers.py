@@ -122,6 +122,10 @@ class HookAnswers:
     def kernel_block_sizes(self, backend: type, spec: Any) -> list[int | MultipleOf]:
         return self._ask("kvcore_supported_kernel_block_sizes", check_sizes, [MultipleOf(1)], backend, spec)
 
+    def preferred_block_size(self, backend: type, spec: Any) -> int | None:
+        """The first ``int`` of the backend's kernel block sizes: the size it prefers (None: no preference)."""
+        return next((s for s in self.kernel_block_sizes(backend, spec) if isinstance(s, int)), None)
+
     def stated_layouts(self, backend: type, spec: Any) -> list[KVCacheLayout] | None:
         return self._ask("kvcore_supported_layouts", parse_layouts, None, backend, spec)
 

@@ -60,10 +60,10 @@ def select_backend(spec: KVCacheSpec | None, device: torch.device | str, *,
     """
     if spec is not None and not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
-    return choose_backend(HookAnswers(plugin_manager), spec, checked_device(device)).backend
+    return choose_backend(HookAnswers(plugin_manager), spec, as_device(device)).backend
 
 
-def checked_device(device: Any) -> torch.device:
+def as_device(device: Any) -> torch.device:
     """``device`` as a ``torch.device`` (it need not exist on this machine)."""
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a torch.device or a string such as 'cuda', got {device!r}")
@@ -111,5 +111,4 @@ def preferred_block_size(backend: type[AttentionBackend] | str, spec: KVCacheSpe
                          plugin_manager: pluggy.PluginManager | None = None) -> int | None:
     """The block size ``backend`` prefers for ``spec``: the first ``int`` its plugin declares."""
     answers = HookAnswers(plugin_manager)
-    sizes = answers.kernel_block_sizes(answers.backend(backend), spec)
-    return next((s for s in sizes if isinstance(s, int)), None)
+    return answers.preferred_block_size(answers.backend(backend), spec)

@@ -21,7 +21,7 @@ from kvcore.memory.elastic import checked_max_blocks, checked_num_blocks
 from kvcore.memory.layout import KVCacheLayout, checked_request, layout_candidates, requested_layout
 from kvcore.memory.planner import PagePlan, checked_budget, lay_out, state_region_blocks
 from kvcore.plugins.answers import HookAnswers, accepts, label
-from kvcore.plugins.auto import AUTO, checked_device, choose_backend, serves
+from kvcore.plugins.auto import AUTO, as_device, choose_backend, serves
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.mixer_backend import is_mixer_backend
 from kvcore.plugins.negotiation import Candidate, Declared, Negotiation, Refused, group_records
@@ -63,8 +63,7 @@ def default_block_size(layer_specs: Mapping[str, KVCacheSpec], layer_backends: M
     if not attention:
         return fallback
     first = attention[0]
-    sizes = answers.kernel_block_sizes(answers.backend(layer_backends[first]), layer_specs[first])
-    size = next((s for s in sizes if isinstance(s, int)), fallback)
+    size = answers.preferred_block_size(answers.backend(layer_backends[first]), layer_specs[first]) or fallback
     states = [s.real_page_size_bytes for s in layer_specs.values() if not s.is_attention and s.has_cache_pages]
     page = max(layer_specs[n].real_page_size_bytes for n in attention)
     if states and not separate_state_pages and max(states) >= 2 * page:
@@ -185,7 +184,7 @@ def negotiate(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[st
     """
     layer_specs = quantize_specs(layer_specs, kv_cache_dtype)  # NOTE: before backends customize them
     settings = Settings.from_env() if settings is None else settings
-    device = checked_device(device)
+    device = as_device(device)
     max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
     max_model_len = positive_int("max_model_len", max_model_len)
     answers = HookAnswers(plugin_manager)

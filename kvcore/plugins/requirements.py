@@ -96,8 +96,7 @@ class KernelRequirements:
             devices = "/".join(self.devices)
             return f"runs on {devices} only, not {device_type} (rule: devices){extra}"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
-            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            got = str(dtype).removeprefix("torch.")
+            names, got = ", ".join(map(_dtype_name, self.dtypes)), _dtype_name(dtype)
             return f"takes cache dtypes {names}, not {got} (rule: dtypes)"
         sizes = self.head_sizes
         if head_size is not None and sizes is not None and head_size not in sizes:
