@@ -68,15 +68,8 @@ class AttentionSpec(KVCacheSpec):
 
     page_size_bytes = property(padded_page_size)
 
-    @property
-    def is_attention(self) -> bool:
-        """Always True: an attention backend serves these layers."""
-        return True
-
-    @property
-    def view_dtype(self) -> torch.dtype:
-        """The cache dtype."""
-        return self.dtype
+    is_attention = property(lambda self: True)
+    view_dtype = property(lambda self: self.dtype, doc="The cache dtype.")
 
     @property
     def num_heads(self) -> int:
@@ -136,10 +129,7 @@ class MLAAttentionSpec(FullAttentionSpec):
 class EncoderOnlyAttentionSpec(AttentionSpec):
     """Bidirectional encoder attention: no KV cache pages are allocated."""
 
-    @property
-    def has_cache_pages(self) -> bool:
-        """Always False: encoder-only attention keeps no pages."""
-        return False
+    has_cache_pages = property(lambda self: False, doc="Always False: encoder-only attention keeps no pages.")
 
 
 @attrs.frozen

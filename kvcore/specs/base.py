@@ -231,34 +231,15 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
             return None
         return cls(next(iter(kv_cache_specs.values())).block_size, kv_cache_specs)
 
-    @property
-    def _first(self) -> KVCacheSpec:
-        return next(iter(self.kv_cache_specs.values()))
-
-    @property
-    def tokens_per_state(self) -> int | Fraction:
-        """The layers' tokens per state (they share one spec type)."""
-        return self._first.tokens_per_state
-
-    @property
-    def has_cache_pages(self) -> bool:
-        """Whether the layers keep pages."""
-        return self._first.has_cache_pages
-
-    @property
-    def is_attention(self) -> bool:
-        """Whether an attention backend serves the layers."""
-        return self._first.is_attention
-
-    @property
-    def page_size_bytes(self) -> int:
-        """The sum of the layers' pages."""
-        return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
-
-    @property
-    def dtype_alignment(self) -> int:
-        """The least common multiple of the layers' alignments."""
-        return math.lcm(*(s.dtype_alignment for s in self.kv_cache_specs.values()))
+    # NOTE: the layers share one spec type: their first one's tokens per state and kind speak for all
+    _first = property(lambda self: next(iter(self.kv_cache_specs.values())))
+    tokens_per_state = property(lambda self: self._first.tokens_per_state)
+    has_cache_pages = property(lambda self: self._first.has_cache_pages)
+    is_attention = property(lambda self: self._first.is_attention)
+    page_size_bytes = property(lambda self: sum(s.page_size_bytes for s in self.kv_cache_specs.values()),
+                               doc="The sum of the layers' pages.")
+    dtype_alignment = property(lambda self: math.lcm(*(s.dtype_alignment for s in self.kv_cache_specs.values())),
+                               doc="The least common multiple of the layers' alignments.")
 
     def _page_of_tokens(self, tokens: int) -> int:
         return sum(s._page_of_tokens(tokens) for s in self.kv_cache_specs.values())

@@ -60,25 +60,18 @@ class MambaSpec(KVCacheSpec):
 
     page_size_bytes = property(padded_page_size)
 
-    @property
-    def state_content_size_bytes(self) -> int:
-        """``C``: the bytes of all state tensors together."""
-        return sum(self.state_bytes)
-
-    @property
-    def dtype_alignment(self) -> int:
-        """The largest state element, in bytes."""
-        return max(d.itemsize for d in self.dtypes)
+    state_content_size_bytes = property(lambda self: sum(self.state_bytes),
+                                        doc="``C``: the bytes of all state tensors together.")
+    dtype_alignment = property(lambda self: max(d.itemsize for d in self.dtypes),
+                               doc="The largest state element, in bytes.")
 
     @property
     def state_bytes(self) -> tuple[int, ...]:
         """Bytes of each state tensor, in order."""
         return tuple(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
 
-    @property
-    def view_dtype(self) -> torch.dtype:
-        """The common dtype of all states, or ``torch.int8`` when they differ."""
-        return self.dtypes[0] if len(set(self.dtypes)) == 1 else torch.int8
+    view_dtype = property(lambda self: self.dtypes[0] if len(set(self.dtypes)) == 1 else torch.int8,
+                          doc="The common dtype of all states, or ``torch.int8`` when they differ.")
 
     def max_num_blocks_per_req(self, max_model_len: int) -> int:
         positive_int("max_model_len", max_model_len)
