@@ -155,8 +155,8 @@ class KVCache:
         No live byte moves; shrinking refuses while blocks at or above ``num_blocks`` are held.
         """
         if self.elastic is None:
-            raise ValueError("this KVCache is not elastic; create it with KVCache.create(..., max_num_blocks=M) to "
-                             "resize it")
+            raise ValueError("this KVCache is not elastic; create it with "
+                             "KVCache.create(..., max_num_blocks=M) to resize it")
         num_blocks = checked_num_blocks(num_blocks, self.max_num_blocks)
         old, elastic, pool = self.num_blocks, self.elastic, self.block_pool
         try:

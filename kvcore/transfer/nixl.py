@@ -28,7 +28,7 @@ from kvcore.transfer.regions import group_selection, paired_ids, whole_block_pat
 from kvcore.transfer.transport import Transport, transport_between
 
 _LOCAL = "NIXL_INIT_AGENT"  # NOTE: NIXL's name for the initiator's side of a prepared list
-_RECONNECT = ("if the peer process exited or resized its KV cache, connect() again with its fresh metadata()")
+_RECONNECT = "if the peer process exited or resized its KV cache, connect() again with its fresh metadata()"
 
 
 @contextlib.contextmanager
