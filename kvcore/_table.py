@@ -63,13 +63,8 @@ def _widths(columns: Sequence[Column], rows: Sequence[Sequence[str]], width: int
     return widths
 
 
-def render(
-    columns: Sequence[Column],
-    rows: Sequence[Sequence[str]],
-    *,
-    title: str | None = None,
-    width: int | None = None,
-) -> str:
+def render(columns: Sequence[Column], rows: Sequence[Sequence[str]], *, title: str | None = None,
+           width: int | None = None) -> str:
     """The table as text (no trailing newline); ``width`` defaults to the terminal's."""
     width = terminal_width() if width is None else width
     rows = [[str(cell) for cell in row] for row in rows]
@@ -91,8 +86,5 @@ def render(
     emit([_wrap(col.header, w) for col, w in zip(columns, widths)], bottom=True)
     lines.append(GAP.join("-" * w for w in widths))
     for row in rows:
-        emit(
-            [_wrap(cell, w) if col.wrap else [cell] for col, w, cell in zip(columns, widths, row)],
-            bottom=False,
-        )
+        emit([_wrap(cell, w) if col.wrap else [cell] for col, w, cell in zip(columns, widths, row)], bottom=False)
     return "\n".join(lines)

@@ -6,10 +6,8 @@ import re
 from fractions import Fraction
 
 #: Which units mean what (also the command-line help).
-SIZE_UNITS_HELP = (
-    "K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024 (40G = 40GiB); "
-    "KB/MB/GB/TB are powers of 1000 (40GB = 40 x 10^9 bytes, about 37.25 GiB)"
-)
+SIZE_UNITS_HELP = ("K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024 (40G = 40GiB); "
+                   "KB/MB/GB/TB are powers of 1000 (40GB = 40 x 10^9 bytes, about 37.25 GiB)")
 
 _UNITS = {
     "": 1, "B": 1,
@@ -28,10 +26,8 @@ def parse_size(text: str) -> int:
     match = _SIZE.match(text) if isinstance(text, str) else None
     unit = match.group(3).upper() if match else None
     if not match or unit not in _UNITS:
-        raise ValueError(
-            f"invalid size {text!r}: use a byte count or a number with a unit, such as "
-            f"40GiB, 512MiB or 80GB ({SIZE_UNITS_HELP})"
-        )
+        raise ValueError(f"invalid size {text!r}: use a byte count or a number with "
+                         f"a unit, such as 40GiB, 512MiB or 80GB ({SIZE_UNITS_HELP})")
     value = int(Fraction(match.group(2)) * _UNITS[unit])
     if match.group(1) == "-" or value <= 0:
         raise ValueError(f"invalid size {text!r}: a size must be at least one byte, such as 40GiB")

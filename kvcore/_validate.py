@@ -16,9 +16,7 @@ def as_int(name: str, value: Any) -> int:
     try:
         return operator.index(value)
     except TypeError:
-        raise TypeError(
-            f"{name} must be an integer, got {value!r} ({type(value).__name__})"
-        ) from None
+        raise TypeError(f"{name} must be an integer, got {value!r} ({type(value).__name__})") from None
 
 
 def positive_int(name: str, value: Any) -> int:

@@ -21,10 +21,7 @@ def _check_rank(tp_rank: Any, tp_size: Any) -> tuple[int, int]:
     tp_size = positive_int("tp_size", tp_size)
     tp_rank = as_int("tp_rank", tp_rank)
     if not 0 <= tp_rank < tp_size:
-        raise ValueError(
-            f"tp_rank={tp_rank} is out of range for tp_size={tp_size}; "
-            f"pass a rank in 0..{tp_size - 1}"
-        )
+        raise ValueError(f"tp_rank={tp_rank} is out of range for tp_size={tp_size}; pass a rank in 0..{tp_size - 1}")
     return tp_rank, tp_size
 
 
@@ -34,10 +31,8 @@ def _per_rank(count: int, tp_size: int, what: str) -> int:
         return count // tp_size
     if count < tp_size and tp_size % count == 0:
         return 1
-    raise ValueError(
-        f"{what}={count} cannot be split over tp_size={tp_size}: neither divides the other; "
-        f"pick a tensor-parallel size that divides {count} or is a multiple of it"
-    )
+    raise ValueError(f"{what}={count} cannot be split over tp_size={tp_size}: neither divides the "
+                     f"other; pick a tensor-parallel size that divides {count} or is a multiple of it")
 
 
 def kv_head_range(num_kv_heads: int, tp_rank: int, tp_size: int) -> range:
@@ -60,10 +55,8 @@ def shard_spec(spec: KVCacheSpec, tp_rank: int, tp_size: int) -> KVCacheSpec:
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"shard_spec needs a KVCacheSpec, got {spec!r}")
     if isinstance(spec, UniformTypeKVCacheSpecs) and tp_size > 1:
-        return UniformTypeKVCacheSpecs(
-            spec.block_size,
-            {n: shard_spec(s, tp_rank, tp_size) for n, s in spec.kv_cache_specs.items()},
-        )
+        return UniformTypeKVCacheSpecs(spec.block_size,
+                                       {n: shard_spec(s, tp_rank, tp_size) for n, s in spec.kv_cache_specs.items()})
     if tp_size == 1 or isinstance(spec, MLAAttentionSpec) or not isinstance(spec, AttentionSpec):
         return spec
     heads = _per_rank(spec.num_kv_heads, tp_size, "num_kv_heads")
@@ -90,10 +83,8 @@ def _collective_device(group: Any) -> torch.device:
     if "gloo" in backend or "mpi" in backend:
         return torch.device("cpu")
     if not torch.cuda.is_available():
-        raise ValueError(
-            f"process group backend {backend!r} needs CUDA, which is not available; "
-            "initialize the group with backend='gloo' on CPU-only hosts"
-        )
+        raise ValueError(f"process group backend {backend!r} needs CUDA, which is not "
+                         "available; initialize the group with backend='gloo' on CPU-only hosts")
     return torch.device("cuda", torch.cuda.current_device())
 
 
@@ -109,11 +100,8 @@ def agree_num_blocks(num_blocks: int, group: Any = None) -> int:
     dist.all_reduce(local, op=dist.ReduceOp.MIN, group=group)
     agreed = int(local.item())
     if agreed <= 0:
-        raise ValueError(
-            f"ranks agreed on {agreed} KV cache blocks (this rank offered "
-            f"{num_blocks}); every rank needs a positive block count: give the "
-            "smallest rank more memory or plan fewer layers"
-        )
+        raise ValueError(f"ranks agreed on {agreed} KV cache blocks (this rank offered {num_blocks}); every rank "
+                         "needs a positive block count: give the smallest rank more memory or plan fewer layers")
     return agreed
 
 
@@ -121,10 +109,7 @@ def _layout_names(supported: Iterable[KVCacheLayout | str] | None) -> list[str] 
     if supported is None:
         return None
     if isinstance(supported, (str, KVCacheLayout)):
-        raise TypeError(
-            f"supported must be a list of layouts, got the single value {supported!r}; "
-            "wrap it in a list"
-        )
+        raise TypeError(f"supported must be a list of layouts, got the single value {supported!r}; wrap it in a list")
     names = [KVCacheLayout.parse(item).name for item in supported]
     if not names:
         raise ValueError("supported is empty; list at least one KVCacheLayout this rank accepts")
@@ -143,12 +128,8 @@ def _gather_attempt(function: Callable[[], Any], group: Any) -> list[tuple[Any, 
     return out
 
 
-def agree_layout(
-    supported: Sequence[KVCacheLayout | str] | None,
-    specs: Iterable[KVCacheSpec] = (),
-    group: Any = None,
-    requested: KVCacheLayout | str | None = None,
-) -> KVCacheLayout:
+def agree_layout(supported: Sequence[KVCacheLayout | str] | None, specs: Iterable[KVCacheSpec] = (), group: Any = None,
+                 requested: KVCacheLayout | str | None = None) -> KVCacheLayout:
     """One KV cache layout for every rank in ``group``, from every rank's ``supported`` list (most
     preferred first; None: any), all-gathered and resolved once; when they cannot agree every rank
     raises the same ``ValueError`` naming each rank's list."""
@@ -172,17 +153,12 @@ def agree_layout(
     errors = list(dict.fromkeys(e.rstrip(".") for _, e in outcomes if e is not None))
     if errors:
         failed = [r for r, (_, e) in enumerate(outcomes) if e is not None]
-        raise ValueError(
-            f"ranks could not agree on a KV cache layout: {described}. "
-            f"Ranks {failed} could not resolve: {' | '.join(errors)}. Give every rank "
-            "backends that share a layout, or request one layout every rank supports"
-        )
+        raise ValueError(f"ranks could not agree on a KV cache layout: {described}. Ranks "
+                         f"{failed} could not resolve: {' | '.join(errors)}. Give every rank "
+                         "backends that share a layout, or request one layout every rank supports")
     choices = {c for c, _ in outcomes}
     if len(choices) != 1:
         picked = ", ".join(f"rank {r} -> {c}" for r, (c, _) in enumerate(outcomes))
-        raise ValueError(
-            f"ranks resolved different KV cache layouts ({picked}) from {described}; "
-            "give every rank the same specs and the same requested layout "
-            "(argument or KVCORE_KV_CACHE_LAYOUT)"
-        )
+        raise ValueError(f"ranks resolved different KV cache layouts ({picked}) from {described}; give every "
+                         "rank the same specs and the same requested layout (argument or KVCORE_KV_CACHE_LAYOUT)")
     return KVCacheLayout[choices.pop()]

@@ -28,7 +28,5 @@ class OutOfBlocksError(KVCoreError):
 
     def __init__(self, requested: int, free: int) -> None:
         self.requested, self.free = requested, free
-        super().__init__(
-            f"cannot allocate {requested} KV cache blocks: only {free} are free. Free finished "
-            "sequences' blocks, lower the batch size, or plan the cache with more memory."
-        )
+        super().__init__(f"cannot allocate {requested} KV cache blocks: only {free} are free. Free finished "
+                         "sequences' blocks, lower the batch size, or plan the cache with more memory.")

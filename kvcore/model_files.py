@@ -79,10 +79,8 @@ def find_model(model: str | Path) -> Path:
     for path in (Path(model), PRESET_DIR / f"{model}.toml"):
         if path.is_file():
             return path
-    raise ValueError(
-        f"no model description {str(model)!r}: not a file and not a preset; "
-        f"presets: {', '.join(preset_names()) or '(none found)'}"
-    )
+    raise ValueError(f"no model description {str(model)!r}: not a file and not a "
+                     f"preset; presets: {', '.join(preset_names()) or '(none found)'}")
 
 
 def _dtype(name: Any) -> torch.dtype:
@@ -103,9 +101,7 @@ def _convert(key: str, value: Any) -> Any:
     return MultipleOf(value) if key == "block_stride_alignment" else value
 
 
-def _spec(
-    type_name: str, table: Any, block_size: int, layers: list[int]
-) -> tuple[KVCacheSpec, str]:
+def _spec(type_name: str, table: Any, block_size: int, layers: list[int]) -> tuple[KVCacheSpec, str]:
     """The spec of one type table and its module; ``layers``: the indices that use it."""
     where = f"types.{type_name}"
     if layers:
@@ -124,10 +120,8 @@ def _spec(
     unknown = sorted(set(table) - valid)
     if unknown:
         hints = [f"; {_HINTS[k]}" for k in unknown if k in _HINTS]
-        raise ValueError(
-            f"{where} has unknown keys {unknown}; a {kind!r} type takes: "
-            f"{', '.join(sorted(valid))}{''.join(hints)}"
-        )
+        raise ValueError(f"{where} has unknown keys {unknown}; a {kind!r} type "
+                         f"takes: {', '.join(sorted(valid))}{''.join(hints)}")
     required = [f.name for f in attrs.fields(cls) if f.default is attrs.NOTHING and f.init]
     missing = [k for k in required if k not in table and k != "block_size"]
     if missing:
@@ -138,10 +132,8 @@ def _spec(
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from exc
     if spec.page_size_bytes > MAX_PAGE_BYTES:
-        raise ValueError(
-            f"{where}: one block of one layer takes {spec.page_size_bytes:,} bytes, more than "
-            f"{MAX_PAGE_BYTES:,} (1 TiB); check block_size, num_kv_heads, head_size and shapes"
-        )
+        raise ValueError(f"{where}: one block of one layer takes {spec.page_size_bytes:,} bytes, more than "
+                         f"{MAX_PAGE_BYTES:,} (1 TiB); check block_size, num_kv_heads, head_size and shapes")
     return spec, module
 
 
@@ -158,10 +150,8 @@ def parse_model(data: dict[str, Any], *, block_size: int | None = None, kv_cache
     if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers <= 0:
         raise ValueError(f"num_layers must be a positive integer, got {num_layers!r}")
     if num_layers > MAX_LAYERS:
-        raise ValueError(
-            f"num_layers = {num_layers:,} is more than the {MAX_LAYERS:,} layers kvcore plans "
-            "(real models have a few hundred); check the value"
-        )
+        raise ValueError(f"num_layers = {num_layers:,} is more than the {MAX_LAYERS:,} layers "
+                         "kvcore plans (real models have a few hundred); check the value")
     pattern = data.get("pattern", list(types) if len(types) == 1 else None)
     if not isinstance(pattern, list) or not pattern:
         raise ValueError("pattern must list the layer types in order, e.g. ['local', 'global']")
@@ -192,10 +182,8 @@ def _layer_name(template: Any, index: int, module: str) -> str:
     try:
         return str(template).format(index=index, module=module)
     except (KeyError, IndexError, ValueError) as exc:
-        raise ValueError(
-            f"layer_name {template!r} is not a valid template ({exc!r}); "
-            "use the fields {index} and {module}, e.g. 'model.layers.{index}.{module}'"
-        ) from None
+        raise ValueError(f"layer_name {template!r} is not a valid template ({exc!r}); use the fields "
+                         "{index} and {module}, e.g. 'model.layers.{index}.{module}'") from None
 
 
 def load_model_file(model: str | Path, *, block_size: int | None = None, kv_cache_dtype: str | None = None):
@@ -204,18 +192,14 @@ def load_model_file(model: str | Path, *, block_size: int | None = None, kv_cach
     if block_size is not None and (
         isinstance(block_size, bool) or not isinstance(block_size, int) or block_size <= 0
     ):
-        raise ValueError(
-            f"block_size={block_size!r} (the block size given for every layer type) must "
-            "be a positive integer number of tokens, such as 16"
-        )
+        raise ValueError(f"block_size={block_size!r} (the block size given for every layer "
+                         "type) must be a positive integer number of tokens, such as 16")
     path = find_model(model)
     try:
         data = tomllib.loads(path.read_bytes().decode("utf-8"))
     except UnicodeDecodeError as exc:
-        raise ValueError(
-            f"{path}: not a TOML model description: byte {exc.start} is not UTF-8 text "
-            "(is it a binary file?)"
-        ) from None
+        raise ValueError(f"{path}: not a TOML model description: byte {exc.start} "
+                         "is not UTF-8 text (is it a binary file?)") from None
     except OSError as exc:
         raise ValueError(f"{path}: cannot read it: {exc.strerror or exc}") from None
     except tomllib.TOMLDecodeError as exc:

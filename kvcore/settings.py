@@ -17,9 +17,7 @@ def env_flag(name: str, environ: Mapping[str, str] | None = None) -> bool | None
     raw = (os.environ if environ is None else environ).get(name, "")
     value = raw.strip().lower()
     if value and value not in _TRUE + _FALSE:
-        raise ValueError(
-            f"{name}={raw!r} is not a switch; accepted values: 0/1/true/false (or no/yes, off/on)"
-        )
+        raise ValueError(f"{name}={raw!r} is not a switch; accepted values: 0/1/true/false (or no/yes, off/on)")
     return value in _TRUE if value else None
 
 
@@ -59,13 +57,10 @@ class Settings:
         environ = os.environ if environ is None else environ
         # NOTE: TRITON_INTERPRET is parsed as Triton itself parses it, so kvcore never disagrees.
         interpret = environ.get("TRITON_INTERPRET", "").strip().lower() in _TRUE + ("y",)
-        return cls(
-            env_flag("KVCORE_DEBUG_CHECKS", environ),
-            interpret,
-            environ.get("KVCORE_KV_CACHE_LAYOUT", "").strip() or None,
-            autoload=not env_flag("KVCORE_DISABLE_PLUGIN_AUTOLOAD", environ),
-            plugins=env_names("KVCORE_PLUGINS", environ),
-            blocked_plugins=env_names("KVCORE_BLOCK_PLUGINS", environ) or frozenset(),
-            strict_plugins=bool(env_flag("KVCORE_STRICT_PLUGINS", environ)),
-            trace_plugins=bool(env_flag("KVCORE_TRACE_PLUGINS", environ)),
-        )
+        return cls(env_flag("KVCORE_DEBUG_CHECKS", environ), interpret,
+                   environ.get("KVCORE_KV_CACHE_LAYOUT", "").strip() or None,
+                   autoload=not env_flag("KVCORE_DISABLE_PLUGIN_AUTOLOAD", environ),
+                   plugins=env_names("KVCORE_PLUGINS", environ),
+                   blocked_plugins=env_names("KVCORE_BLOCK_PLUGINS", environ) or frozenset(),
+                   strict_plugins=bool(env_flag("KVCORE_STRICT_PLUGINS", environ)),
+                   trace_plugins=bool(env_flag("KVCORE_TRACE_PLUGINS", environ)))

@@ -30,20 +30,15 @@ class CpuBacking(BackingMemory):
         page = mmap.PAGESIZE
         granularity = page if granularity is None else granularity
         if granularity <= 0 or granularity % page:
-            raise ValueError(
-                f"granularity must be a positive multiple of the {page}-byte page, "
-                f"got {granularity}"
-            )
+            raise ValueError(f"granularity must be a positive multiple of the {page}-byte page, got {granularity}")
         self.granularity = granularity
         self.size = round_up(size, granularity)
         flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         try:
             self._map = mmap.mmap(-1, self.size, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         except OSError as exc:
-            raise KVCoreError(
-                f"cannot reserve {format_bytes(self.size)} of address space ({exc}); "
-                "lower max_num_blocks"
-            ) from exc
+            raise KVCoreError(f"cannot reserve {format_bytes(self.size)} of address "
+                              f"space ({exc}); lower max_num_blocks") from exc
         # NOTE: the tensor keeps the mapping alive (frombuffer holds the buffer export).
         self.tensor = torch.frombuffer(self._map, dtype=torch.int8, count=size)
         self._protect(0, self.size, mmap.PROT_READ)
@@ -52,19 +47,15 @@ class CpuBacking(BackingMemory):
         address = ctypes.c_void_p(self.tensor.data_ptr() + start)
         if _LIBC.mprotect(address, ctypes.c_size_t(end - start), prot):
             error = os.strerror(ctypes.get_errno())
-            raise InsufficientMemoryError(
-                f"cannot change access to [{start}, {end}) of the KV cache ({error}); resize to "
-                "fewer blocks or free memory"
-            )
+            raise InsufficientMemoryError(f"cannot change access to [{start}, {end}) of the KV "
+                                          f"cache ({error}); resize to fewer blocks or free memory")
 
     def commit(self, start: int, end: int) -> None:
         self.check_range(start, end)
         available = budget.available_host_memory()
         if available is not None and end - start > available:
-            raise InsufficientMemoryError(
-                f"cannot commit {format_bytes(end - start)} of KV cache: the system has "
-                f"{format_bytes(available)} available; resize to fewer blocks or free memory"
-            )
+            raise InsufficientMemoryError(f"cannot commit {format_bytes(end - start)} of KV cache: the system has "
+                                          f"{format_bytes(available)} available; resize to fewer blocks or free memory")
         self._protect(start, end, mmap.PROT_READ | mmap.PROT_WRITE)
 
     def decommit(self, start: int, end: int) -> None:
@@ -73,23 +64,17 @@ class CpuBacking(BackingMemory):
         self._protect(start, end, mmap.PROT_READ)
 
 
-def reserve_backing(
-    size: int, device: torch.device, granularity: int | None = None
-) -> BackingMemory:
+def reserve_backing(size: int, device: torch.device, granularity: int | None = None) -> BackingMemory:
     """Reserve ``size`` bytes on a CPU or CUDA ``device``, nothing committed yet
     (``granularity``, CPU only, coarsens the commit unit, e.g. to rehearse a GPU's)."""
     device = torch.device(device)
     if device.type == "cpu":
         return CpuBacking(size, granularity)
     if device.type != "cuda":
-        raise KVCoreError(
-            f"an elastic KV cache (max_num_blocks) needs a CPU or CUDA device, got "
-            f"{str(device)!r}; drop max_num_blocks or use one of those"
-        )
+        raise KVCoreError("an elastic KV cache (max_num_blocks) needs a CPU or CUDA device, "
+                          f"got {str(device)!r}; drop max_num_blocks or use one of those")
     if granularity is not None:
-        raise ValueError(
-            "granularity applies to CPU caches only; a GPU commits at its driver's granularity"
-        )
+        raise ValueError("granularity applies to CPU caches only; a GPU commits at its driver's granularity")
     from kvcore.memory.backing_cuda import CudaBacking
 
     return CudaBacking(size, device)

@@ -24,7 +24,5 @@ class BackingMemory:
     def check_range(self, start: int, end: int) -> None:
         g = self.granularity
         if start % g or end % g or not 0 <= start < end <= self.size:
-            raise ValueError(
-                f"[{start}, {end}) is not a granule-aligned range of this {self.size}-byte "
-                f"reservation (granule {g} bytes)"
-            )
+            raise ValueError(f"[{start}, {end}) is not a granule-aligned range of "
+                             f"this {self.size}-byte reservation (granule {g} bytes)")

@@ -23,9 +23,7 @@ def driver_module() -> Any:
         try:
             from cuda import cuda as driver  # NOTE: cuda-python < 12.6 named the module so
         except ImportError:
-            raise KVCoreError(
-                f"an elastic KV cache on a GPU needs the CUDA driver API bindings; {_REMEDY}"
-            ) from None
+            raise KVCoreError(f"an elastic KV cache on a GPU needs the CUDA driver API bindings; {_REMEDY}") from None
     return driver
 
 
@@ -98,10 +96,8 @@ class CudaBacking(BackingMemory):
             try:
                 base = _call(d, "cuMemAddressReserve", self.size, g, 0, 0)
             except KVCoreError as exc:
-                raise KVCoreError(
-                    f"cannot reserve {format_bytes(self.size)} of device address space ({exc}); "
-                    "lower max_num_blocks"
-                ) from exc
+                raise KVCoreError(f"cannot reserve {format_bytes(self.size)} of device "
+                                  f"address space ({exc}); lower max_num_blocks") from exc
             self._res = _Reservation(d, int(base), self.size, g, size)
             # NOTE: torch asks the driver which device the pointer lives on, which needs memory
             # mapped there: the first granule (block 0 of the first layer in every layout) is.
@@ -110,10 +106,8 @@ class CudaBacking(BackingMemory):
             try:
                 self.tensor = torch.as_tensor(self._res, device=self.device)
             except (RuntimeError, TypeError, ValueError) as exc:  # NOTE: torch reads it via numpy
-                raise KVCoreError(
-                    f"torch could not wrap the reserved device range as a tensor ({exc}); "
-                    "install numpy, which torch needs to read __cuda_array_interface__"
-                ) from exc
+                raise KVCoreError(f"torch could not wrap the reserved device range as a tensor ({exc}); "
+                                  "install numpy, which torch needs to read __cuda_array_interface__") from exc
             self.tensor[:g].zero_()
 
     def commit(self, start: int, end: int) -> None:
@@ -139,10 +133,8 @@ class CudaBacking(BackingMemory):
             except KVCoreError as exc:
                 for offset in done:
                     res.unmap(offset)
-                raise InsufficientMemoryError(
-                    f"cannot commit {format_bytes(end - start)} of KV cache on {self.device} "
-                    f"({exc}); resize to fewer blocks or free device memory"
-                ) from exc
+                raise InsufficientMemoryError(f"cannot commit {format_bytes(end - start)} of KV cache on {self.device} "
+                                              f"({exc}); resize to fewer blocks or free device memory") from exc
             # NOTE: fresh physical memory holds stale bytes; committed memory reads as zero.
             for first, last in merge_ranges((o, o + g) for o in done):
                 self.tensor[first:last].zero_()

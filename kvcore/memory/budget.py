@@ -37,10 +37,8 @@ class MemorySnapshot:
 
     def __attrs_post_init__(self) -> None:
         if self.free_memory > self.total_memory:
-            raise ValueError(
-                f"free_memory ({self.free_memory} bytes) exceeds total_memory "
-                f"({self.total_memory} bytes); measure both at the same moment"
-            )
+            raise ValueError(f"free_memory ({self.free_memory} bytes) exceeds total_memory "
+                             f"({self.total_memory} bytes); measure both at the same moment")
 
     @classmethod
     def measure(cls, device: torch.device | str | int = "cpu") -> MemorySnapshot:
@@ -58,11 +56,7 @@ class MemorySnapshot:
         return cls(device, int(total), int(free))
 
 
-def request_memory(
-    snapshot: MemorySnapshot,
-    gpu_memory_utilization: float,
-    external_weight_memory: int = 0,
-) -> int:
+def request_memory(snapshot: MemorySnapshot, gpu_memory_utilization: float, external_weight_memory: int = 0) -> int:
     """Bytes this engine may use: ``gpu_memory_utilization`` of the device's total, less
     weights held by another process; ``ValueError`` when that is not there to take."""
     if not isinstance(snapshot, MemorySnapshot):
@@ -71,26 +65,19 @@ def request_memory(
     if isinstance(utilization, bool) or not isinstance(utilization, (int, float)):
         raise TypeError(f"gpu_memory_utilization must be a number, got {utilization!r}")
     if not 0 < utilization <= 1:
-        raise ValueError(
-            f"gpu_memory_utilization must be in (0, 1], got {utilization}; "
-            "it is the fraction of the device's total memory the engine may use"
-        )
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}; it "
+                         "is the fraction of the device's total memory the engine may use")
     external = non_negative_int("external_weight_memory", external_weight_memory)
     dev, total, free = snapshot.device, snapshot.total_memory, snapshot.free_memory
     budget = math.ceil(total * utilization)
     own = budget - external
     if external and own <= 0:
-        raise ValueError(
-            f"weights held outside this process on {dev} take {_gib(external)} GiB, "
-            f"no less than the whole budget of {_gib(budget)} GiB "
-            f"(gpu_memory_utilization={utilization} of {_gib(total)} GiB); raise "
-            "gpu_memory_utilization or free memory held by other processes"
-        )
+        raise ValueError(f"weights held outside this process on {dev} take {_gib(external)} GiB, no less than the "
+                         f"whole budget of {_gib(budget)} GiB (gpu_memory_utilization={utilization} of "
+                         f"{_gib(total)} GiB); raise gpu_memory_utilization or free memory held by other processes")
     if free < own:
         besides = f" besides the {_gib(external)} GiB of external weights" if external else ""
-        raise ValueError(
-            f"{dev} has {_gib(free)} of {_gib(total)} GiB free at startup, less than the "
-            f"{_gib(own)} GiB this engine needs{besides} (gpu_memory_utilization={utilization}); "
-            "lower gpu_memory_utilization or free memory held by other processes"
-        )
+        raise ValueError(f"{dev} has {_gib(free)} of {_gib(total)} GiB free at startup, less than the "
+                         f"{_gib(own)} GiB this engine needs{besides} (gpu_memory_utilization={utilization}); "
+                         "lower gpu_memory_utilization or free memory held by other processes")
     return own

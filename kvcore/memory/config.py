@@ -63,9 +63,7 @@ class KVCacheTensor:
 class KVCacheGroupSpec:
     """Layers that share one block table (and so one spec)."""
 
-    layer_names: list[str] = attrs.field(
-        converter=lambda names: list(_layer_names(names)), validator=_check_layers
-    )
+    layer_names: list[str] = attrs.field(converter=lambda names: list(_layer_names(names)), validator=_check_layers)
     kv_cache_spec: KVCacheSpec = attrs.field(validator=_instances_of(KVCacheSpec))
 
     def spec_of(self, layer_name: str) -> KVCacheSpec:
@@ -95,12 +93,10 @@ class KVCacheConfig:
     ids; ``num_blocks`` counts the other groups' blocks, after it."""
 
     num_blocks: int = attrs.field(validator=attrs_positive)
-    kv_cache_tensors: list[KVCacheTensor] = attrs.field(
-        converter=list, validator=_instances_of(KVCacheTensor, each=True)
-    )
-    kv_cache_groups: list[KVCacheGroupSpec] = attrs.field(
-        converter=list, validator=_instances_of(KVCacheGroupSpec, each=True)
-    )
+    kv_cache_tensors: list[KVCacheTensor] = attrs.field(converter=list,
+                                                        validator=_instances_of(KVCacheTensor, each=True))
+    kv_cache_groups: list[KVCacheGroupSpec] = attrs.field(converter=list,
+                                                          validator=_instances_of(KVCacheGroupSpec, each=True))
     layout: KVCacheLayout = attrs.field(default=KVCacheLayout.LBNHC, converter=KVCacheLayout.parse)
     num_state_blocks: int | None = attrs.field(default=None, kw_only=True, validator=attrs_optional_positive)
 
@@ -133,16 +129,13 @@ class KVCacheConfig:
     def _spec_of_group(self, group_id: int) -> KVCacheSpec:
         group_id, count = as_int("group_id", group_id), len(self.kv_cache_groups)
         if not 0 <= group_id < count:
-            raise ValueError(
-                f"group_id={group_id} is out of range; this config has "
-                f"{count} KV cache groups (ids 0..{count - 1})"
-            )
+            raise ValueError(f"group_id={group_id} is out of range; this config "
+                             f"has {count} KV cache groups (ids 0..{count - 1})")
         return self.kv_cache_groups[group_id].kv_cache_spec
 
     def is_state_group(self, group_id: int) -> bool:
         """Whether a group keeps one block per sequence whatever its length (a state cache)."""
-        spec = self._spec_of_group(group_id)
-        return spec.has_cache_pages and not _grows_with_tokens(spec)
+        return is_state_spec(self._spec_of_group(group_id))
 
     def _pooled_specs(self) -> list[KVCacheSpec]:
         """Specs of the groups whose blocks come from the ``num_blocks`` pool."""
@@ -180,14 +173,9 @@ class KVCacheConfig:
         spec = self._spec_of_group(group_id)
         what = f"group {group_id} ({type(spec).__name__})"
         if not spec.has_cache_pages:
-            raise ValueError(
-                f"{what} keeps no KV cache, so it has no token capacity; ask token_capacity "
-                "for the whole model"
-            )
+            raise ValueError(f"{what} keeps no KV cache, so it has no token "
+                             "capacity; ask token_capacity for the whole model")
         if not _grows_with_tokens(spec):
-            raise ValueError(
-                f"{what} is a state cache (one block per sequence whatever its length), so it "
-                "has no token capacity; use sequence_capacity(num_tokens) (check "
-                "is_state_group(group_id) first)"
-            )
+            raise ValueError(f"{what} is a state cache (one block per sequence whatever its length), so it has no "
+                             "token capacity; use sequence_capacity(num_tokens) (check is_state_group(group_id) first)")
         return self.usable_blocks * spec.block_size

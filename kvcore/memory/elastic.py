@@ -19,9 +19,7 @@ ViewRows = tuple[torch.Tensor, int]
 Ranges = list[tuple[int, int]]
 
 
-def block_byte_ranges(
-    views: Mapping[str, ViewRows], num_blocks: int, granularity: int = 1
-) -> Ranges:
+def block_byte_ranges(views: Mapping[str, ViewRows], num_blocks: int, granularity: int = 1) -> Ranges:
     """Byte ranges (from the allocation's start) that blocks ``[0, num_blocks)`` occupy: each
     run of block 0, from block 0's copy to the end of block ``n - 1``'s, rounded out to whole
     ``granularity``-byte granules."""
@@ -102,15 +100,20 @@ class ElasticMemory:
 def checked_max_blocks(max_num_blocks: Any) -> int:
     max_num_blocks = as_int("max_num_blocks", max_num_blocks)
     if max_num_blocks < 2:
-        raise ValueError(
-            f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}"
-        )
+        raise ValueError(f"max_num_blocks must be at least 2 (block 0 is the null block), got {max_num_blocks}")
     if max_num_blocks > MAX_NUM_BLOCKS:
-        raise ValueError(
-            f"max_num_blocks={max_num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks a "
-            "block pool manages; use larger blocks (a bigger block_size) or fewer of them"
-        )
+        raise ValueError(f"max_num_blocks={max_num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks a block pool "
+                         "manages; use larger blocks (a bigger block_size) or fewer of them")
     return max_num_blocks
+
+
+def checked_num_blocks(num_blocks: Any, max_num_blocks: int) -> int:
+    """Blocks an elastic cache commits: an int from 2 to ``max_num_blocks``."""
+    num_blocks = as_int("num_blocks", num_blocks)
+    if not 2 <= num_blocks <= max_num_blocks:
+        raise ValueError(f"num_blocks={num_blocks} must be between 2 and max_num_blocks={max_num_blocks}; "
+                         "create the cache with a larger max_num_blocks or use fewer blocks")
+    return num_blocks
 
 
 def reserve_elastic(config: KVCacheConfig, device: torch.device) -> ElasticMemory:
@@ -118,8 +121,6 @@ def reserve_elastic(config: KVCacheConfig, device: torch.device) -> ElasticMemor
     groups = config.kv_cache_groups
     raw = [n for g in groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
     if raw or not config.kv_cache_tensors:
-        raise ValueError(
-            f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} keeps "
-            "a raw buffer (or the model keeps no cache); drop max_num_blocks"
-        )
+        raise ValueError(f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} "
+                         "keeps a raw buffer (or the model keeps no cache); drop max_num_blocks")
     return ElasticMemory(reserve_backing(config.kv_cache_tensors[0].size, device))

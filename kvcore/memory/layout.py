@@ -101,15 +101,11 @@ def requested_layout(requested: KVCacheLayout | str | None, settings: Settings) 
     try:
         return None if settings.kv_cache_layout is None else KVCacheLayout.parse(settings.kv_cache_layout)
     except ValueError as exc:
-        raise ValueError(
-            f"{LAYOUT_ENV}={settings.kv_cache_layout!r}: {exc}; fix or unset {LAYOUT_ENV}"
-        ) from None
+        raise ValueError(f"{LAYOUT_ENV}={settings.kv_cache_layout!r}: {exc}; fix or unset {LAYOUT_ENV}") from None
 
 
-def layout_candidates(
-    supported: Sequence[Sequence[KVCacheLayout | str] | None],
-    specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec] = (),
-) -> list[KVCacheLayout]:
+def layout_candidates(supported: Sequence[Sequence[KVCacheLayout | str] | None],
+                      specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec] = ()) -> list[KVCacheLayout]:
     """The layouts every worker of ``supported`` takes (one list per worker, most preferred first;
     None: any), in the first choosy worker's order: only block-compact ones when ``specs`` differ
     in (heads, states, page bytes); LBNHC first when no worker states a preference."""
@@ -131,11 +127,9 @@ def layout_candidates(
     if len(shapes) > 1:
         compact = [layout for layout in candidates if layout.is_block_compact]
         if not compact:
-            raise ValueError(
-                f"layers with different (heads, states, page bytes) {sorted(shapes)} need a "
-                f"block-compact layout (LBNHC, LBHNC, BLNHC or BLHNC), but the workers only "
-                f"support {_names(candidates)}"
-            )
+            raise ValueError("layers with different (heads, states, page bytes) "
+                             f"{sorted(shapes)} need a block-compact layout (LBNHC, LBHNC, BLNHC "
+                             f"or BLHNC), but the workers only support {_names(candidates)}")
         candidates = compact
     if all(w is None for w in supported) and DEFAULT_LAYOUT in candidates:
         candidates.remove(DEFAULT_LAYOUT)
@@ -143,11 +137,9 @@ def layout_candidates(
     return candidates
 
 
-def resolve_kv_cache_layout(
-    supported: Sequence[Sequence[KVCacheLayout | str] | None],
-    specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec] = (),
-    requested: KVCacheLayout | str | None = None,
-) -> KVCacheLayout:
+def resolve_kv_cache_layout(supported: Sequence[Sequence[KVCacheLayout | str] | None],
+                            specs: Iterable[KVCacheSpec] | Mapping[str, KVCacheSpec] = (),
+                            requested: KVCacheLayout | str | None = None) -> KVCacheLayout:
     """The layout to allocate with.
 
     ``supported`` holds one list per worker, most preferred first (None: any layout). An explicit
@@ -162,10 +154,8 @@ def resolve_kv_cache_layout(
 def checked_request(layout: KVCacheLayout, candidates: Sequence[KVCacheLayout]) -> KVCacheLayout:
     """``layout``, refused unless it is one of ``candidates``."""
     if layout not in candidates:
-        raise ValueError(
-            f"requested KV cache layout {layout.name} is not usable here; candidates: "
-            f"{_names(candidates)}. Request one of them (argument or {LAYOUT_ENV})"
-        )
+        raise ValueError(f"requested KV cache layout {layout.name} is not usable here; candidates: "
+                         f"{_names(candidates)}. Request one of them (argument or {LAYOUT_ENV})")
     return layout
 
 
@@ -175,10 +165,8 @@ def split_ratio(block_size: int, kernel_block_size: int | None) -> int:
         return 1
     kernel_block_size = positive_int("kernel_block_size", kernel_block_size)
     if block_size % kernel_block_size:
-        raise ValueError(
-            f"block size {block_size} is not divisible by kernel block size "
-            f"{kernel_block_size}; pick a kernel block size that divides it"
-        )
+        raise ValueError(f"block size {block_size} is not divisible by kernel block size "
+                         f"{kernel_block_size}; pick a kernel block size that divides it")
     return block_size // kernel_block_size
 
 
@@ -218,11 +206,8 @@ def compute_layout_strides(
     if not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
     if isinstance(spec, UniformTypeKVCacheSpecs):
-        raise ValueError(
-            f"{type(spec).__name__} has no single [H, N, C] shape (layers "
-            f"{list(spec.kv_cache_specs)}); compute strides with each layer's own "
-            "spec (spec.kv_cache_specs[name])"
-        )
+        raise ValueError(f"{type(spec).__name__} has no single [H, N, C] shape (layers {list(spec.kv_cache_specs)}); "
+                         "compute strides with each layer's own spec (spec.kv_cache_specs[name])")
     layout = KVCacheLayout.parse(layout)
     num_blocks = positive_int("num_blocks", num_blocks)
     num_layers = positive_int("num_layers", num_layers)
@@ -230,28 +215,21 @@ def compute_layout_strides(
     block_size, padded = spec.block_size, spec.page_size_padded
     ratio = split_ratio(block_size, kernel_block_size)
     if padded is not None and ratio > 1:
-        raise ValueError(
-            f"a padded page ({padded} bytes) cannot be split into {ratio} kernel "
-            f"blocks of {kernel_block_size} tokens; use a manager block size of "
-            f"{kernel_block_size} or an unpadded spec"
-        )
+        raise ValueError(f"a padded page ({padded} bytes) cannot be split into {ratio} "
+                         f"kernel blocks of {kernel_block_size} tokens; use a manager "
+                         f"block size of {kernel_block_size} or an unpadded spec")
     if ratio > 1 and spec.tokens_per_state <= 0:
-        raise ValueError(
-            f"{type(spec).__name__} keeps one state per block, so its {block_size}-token "
-            f"blocks cannot be split into {kernel_block_size}-token kernel blocks; "
-            f"use kernel_block_size={block_size} (or None)"
-        )
+        raise ValueError(f"{type(spec).__name__} keeps one state per block, so its "
+                         f"{block_size}-token blocks cannot be split into {kernel_block_size}-token "
+                         f"kernel blocks; use kernel_block_size={block_size} (or None)")
     extents = kernel_extents(spec, num_blocks, num_layers, kernel_block_size)
     order = layout.stride_order
     # NOTE: the "page grid" is the physical dims down to the inner one of L and B.
     grid_end = max(order.index(L), order.index(B))
     grid_pages = math.prod(extents[d] for d in order[: grid_end + 1])
     if padded is not None and grid_pages != num_layers * num_blocks:
-        raise ValueError(
-            f"layout {layout.name} puts heads between layers and blocks, so a padded "
-            f"page cannot be expressed for {spec.num_heads} heads; use a "
-            "block-compact layout such as LBNHC or BLNHC"
-        )
+        raise ValueError(f"layout {layout.name} puts heads between layers and blocks, so a padded page cannot be "
+                         f"expressed for {spec.num_heads} heads; use a block-compact layout such as LBNHC or BLNHC")
     strides = [0] * 5
     running = 1  # NOTE: bytes spanned by the dims inside the current one
     for pos in range(4, -1, -1):
@@ -274,14 +252,8 @@ def scale_unit(layout: KVCacheLayout) -> tuple[int, ...]:
     return order[max(order.index(L), order.index(B)) + 1 :]
 
 
-def block_runs(
-    shape: Sequence[int],
-    byte_strides: Sequence[int],
-    itemsize: int,
-    rows_per_block: int = 1,
-    *,
-    max_runs: int | None = None,
-) -> tuple[list[int], int]:
+def block_runs(shape: Sequence[int], byte_strides: Sequence[int], itemsize: int, rows_per_block: int = 1, *,
+               max_runs: int | None = None) -> tuple[list[int], int]:
     """Offsets (from block 0's first byte) and common length of the contiguous runs that cover
     manager block 0 of a strided view once (dim 0: rows, ``rows_per_block`` of them a block)."""
     dims = [(n, s) for n, s in zip(shape[1:], byte_strides[1:]) if n > 1]
@@ -296,10 +268,8 @@ def block_runs(
             outer.append((extent, stride))
     count = math.prod(extent for extent, _ in outer)
     if max_runs is not None and count > max_runs:
-        raise ValueError(
-            f"a view of shape {tuple(shape)} and byte strides {tuple(byte_strides)} splits "
-            f"into {count} runs per block; store each (head, state) contiguously"
-        )
+        raise ValueError(f"a view of shape {tuple(shape)} and byte strides {tuple(byte_strides)} "
+                         f"splits into {count} runs per block; store each (head, state) contiguously")
     offsets = [0]
     for extent, stride in outer:
         offsets = [o + i * stride for o in offsets for i in range(extent)]

@@ -17,14 +17,8 @@ from kvcore.specs import KVCacheSpec
 _BYTE_DTYPES = (torch.int8, torch.uint8)
 
 
-def create_kv_cache_views(
-    raw: torch.Tensor,
-    spec: KVCacheSpec,
-    num_blocks: int,
-    layout: KVCacheLayout | str,
-    kv_cache_tensor: KVCacheTensor,
-    kernel_block_size: int | None = None,
-) -> list[torch.Tensor]:
+def create_kv_cache_views(raw: torch.Tensor, spec: KVCacheSpec, num_blocks: int, layout: KVCacheLayout | str,
+                          kv_cache_tensor: KVCacheTensor, kernel_block_size: int | None = None) -> list[torch.Tensor]:
     """One ``[B', H, N, C]`` view per layer of ``kv_cache_tensor`` over the int8 buffer ``raw``,
     re-typed to ``spec.view_dtype`` (splitting blocks into kernel blocks needs dense pages)."""
     return _views(raw, spec, num_blocks, layout, kv_cache_tensor, kernel_block_size, False)
@@ -42,9 +36,7 @@ def create_scale_views(raw: torch.Tensor, spec: KVCacheSpec, num_blocks: int, la
 def _views(raw, spec, num_blocks, layout, tensor, kernel_block_size, scales: bool) -> list[torch.Tensor]:
     if not isinstance(raw, torch.Tensor) or raw.dtype not in _BYTE_DTYPES or raw.dim() != 1:
         got = f" {raw.dtype} {tuple(raw.shape)}" if isinstance(raw, torch.Tensor) else ""
-        raise TypeError(
-            f"raw must be a 1-D int8 tensor (the backing allocation), got {type(raw).__name__}{got}"
-        )
+        raise TypeError(f"raw must be a 1-D int8 tensor (the backing allocation), got {type(raw).__name__}{got}")
     layout = KVCacheLayout.parse(layout)
     if not isinstance(tensor, KVCacheTensor):
         raise TypeError(f"kv_cache_tensor must be a KVCacheTensor, got {tensor!r}")
@@ -54,13 +46,11 @@ def _views(raw, spec, num_blocks, layout, tensor, kernel_block_size, scales: boo
     if ratio > 1 and tensor.block_stride != spec.real_page_size_bytes:
         padded = spec.page_size_padded
         unpadded = "" if padded is None else f" with an unpadded spec (not padded to {padded})"
-        raise ValueError(
-            f"layout {layout.name} does not store the blocks of {list(tensor.layers)} as dense "
-            f"pages (block stride {tensor.block_stride} bytes, page {spec.real_page_size_bytes} "
-            f"bytes), so {spec.block_size}-token blocks cannot be split into {kernel_block_size}"
-            f"-token kernel blocks; use a smaller manager block size ({kernel_block_size} tokens) "
-            f"or a layer-compact layout such as LBNHC{unpadded}"
-        )
+        raise ValueError(f"layout {layout.name} does not store the blocks of {list(tensor.layers)} as dense "
+                         f"pages (block stride {tensor.block_stride} bytes, page {spec.real_page_size_bytes} "
+                         f"bytes), so {spec.block_size}-token blocks cannot be split into "
+                         f"{kernel_block_size}-token kernel blocks; use a smaller manager block size "
+                         f"({kernel_block_size} tokens) or a layer-compact layout such as LBNHC{unpadded}")
     # NOTE: a one-layer tensor's layer stride addresses nothing; leaving it
     # free keeps dims outside L (H in BHLNC) at kernel-block granularity.
     layer_stride = tensor.layer_stride if len(tensor.layers) > 1 else None
@@ -77,20 +67,15 @@ def _views(raw, spec, num_blocks, layout, tensor, kernel_block_size, scales: boo
     span = 1 + sum((n - 1) * s for n, s in zip(shape, view_strides))
     base = raw.storage_offset() + offset
     if any(s % dtype.itemsize for s in (*view_strides[:3], base, tensor.layer_stride)):
-        raise ValueError(
-            f"strides {strides} / start byte {base} of {list(tensor.layers)} are not "
-            f"multiples of the {dtype.itemsize}-byte {dtype}; align the tensor's strides, "
-            "offset and page padding to it"
-        )
+        raise ValueError(f"strides {strides} / start byte {base} of {list(tensor.layers)} are not multiples of the "
+                         f"{dtype.itemsize}-byte {dtype}; align the tensor's strides, offset and page padding to it")
     end = min(raw.numel(), tensor.size)
     views = []
     for index, name in enumerate(tensor.layers):
         start = offset + index * tensor.layer_stride
         if start + span > end:
-            raise ValueError(
-                f"layer {name!r} spans bytes [{start}, {start + span}) but the buffer holds "
-                f"{end}; plan fewer blocks or a larger tensor"
-            )
+            raise ValueError(f"layer {name!r} spans bytes [{start}, {start + span}) but the "
+                             f"buffer holds {end}; plan fewer blocks or a larger tensor")
         views.append(raw.as_strided(shape, view_strides, raw.storage_offset() + start).view(dtype))
     return views
 
@@ -99,18 +84,14 @@ def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch
     """A manager-block view ``[B, H, N, C]`` as ``[pages, H, kernel_rows, C]`` kernel pages, kernel
     page ``j`` of block ``b`` being page ``b * stride + j`` (other layers' pages between blocks)."""
     num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
-    return view.as_strided(
-        (num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
-        (kernel_rows * view.stride(-2), *view.stride()[1:]),
-    )
+    return view.as_strided((num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
+                           (kernel_rows * view.stride(-2), *view.stride()[1:]))
 
 
 def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: int) -> torch.Tensor:
     """The inverse of :func:`to_kernel_blocks`."""
-    return view.as_strided(
-        (num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
-        (view.stride(0) * stride, *view.stride()[1:]),
-    )
+    return view.as_strided((num_blocks, *view.shape[1:-2], rows, view.shape[-1]),
+                           (view.stride(0) * stride, *view.stride()[1:]))
 
 
 def checked_device(device: torch.device | str) -> torch.device:
@@ -122,17 +103,13 @@ def checked_device(device: torch.device | str) -> torch.device:
         raise KVCoreError(f"invalid device {device!r} ({exc}); {remedy}") from exc
     if device.type == "cuda":
         if not torch.cuda.is_available():
-            raise KVCoreError(
-                f"device {str(device)!r} was requested but this torch has no usable CUDA "
-                f"(torch {torch.__version__}, CUDA {torch.version.cuda}); pass device='cpu' or "
-                "install a CUDA build of torch on a machine with a GPU"
-            )
+            raise KVCoreError(f"device {str(device)!r} was requested but this torch has no usable "
+                              f"CUDA (torch {torch.__version__}, CUDA {torch.version.cuda}); pass "
+                              "device='cpu' or install a CUDA build of torch on a machine with a GPU")
         count = torch.cuda.device_count()
         if device.index is not None and device.index >= count:
-            raise KVCoreError(
-                f"device {str(device)!r} does not exist: this machine has {count} CUDA "
-                f"device(s); pass one of cuda:0 .. cuda:{count - 1}"
-            )
+            raise KVCoreError(f"device {str(device)!r} does not exist: this machine has "
+                              f"{count} CUDA device(s); pass one of cuda:0 .. cuda:{count - 1}")
     return device
 
 
@@ -144,21 +121,14 @@ def _zeroed_buffer(size: int, device: torch.device | str) -> torch.Tensor:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         detail = str(exc).splitlines()[0] if str(exc) else "no detail"
-        raise KVCoreError(
-            f"cannot allocate the {format_bytes(size)} KV cache on {device} "
-            f"({type(exc).__name__}: {detail}); plan it with less memory "
-            "(available_memory=... or fewer num_blocks) or use a device with more free memory"
-        ) from exc
+        raise KVCoreError(f"cannot allocate the {format_bytes(size)} KV cache on {device} "
+                          f"({type(exc).__name__}: {detail}); plan it with less memory (available_memory=... "
+                          "or fewer num_blocks) or use a device with more free memory") from exc
 
 
-def allocate_kv_cache(
-    kv_cache_config: KVCacheConfig,
-    device: torch.device | str,
-    layout: KVCacheLayout | str | None = None,
-    kernel_block_sizes: list[int | None] | None = None,
-    *,
-    buffer: torch.Tensor | None = None,
-) -> dict[str, torch.Tensor]:
+def allocate_kv_cache(kv_cache_config: KVCacheConfig, device: torch.device | str,
+                      layout: KVCacheLayout | str | None = None, kernel_block_sizes: list[int | None] | None = None, *,
+                      buffer: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """Allocate one zero-filled int8 buffer and view it per layer as ``[B, H, N, C]``;
     ``buffer`` is viewed instead (an elastic cache's reservation). A refusal allocates nothing."""
     if not isinstance(kv_cache_config, KVCacheConfig):
@@ -167,18 +137,13 @@ def allocate_kv_cache(
         return {}
     sizes = sorted({t.size for t in kv_cache_config.kv_cache_tensors})
     if len(sizes) != 1:
-        raise ValueError(
-            f"KV cache tensors must share one backing allocation, but their sizes "
-            f"differ: {sizes} bytes; give every tensor the same size"
-        )
+        raise ValueError("KV cache tensors must share one backing allocation, but their "
+                         f"sizes differ: {sizes} bytes; give every tensor the same size")
     planned = kv_cache_config.layout
     layout = planned if layout is None else KVCacheLayout.parse(layout)
     if layout is not planned:
-        raise ValueError(
-            f"layout {layout.name} is not the layout the config was planned for "
-            f"({planned.name}); pass layout=None or {planned.name!r}, or plan again with "
-            f"plan_kv_cache(..., {layout.name!r})"
-        )
+        raise ValueError(f"layout {layout.name} is not the layout the config was planned for ({planned.name}); pass "
+                         f"layout=None or {planned.name!r}, or plan again with plan_kv_cache(..., {layout.name!r})")
     if kernel_block_sizes is not None:
         if isinstance(kernel_block_sizes, str) or not isinstance(kernel_block_sizes, Sequence):
             got = repr(kernel_block_sizes)

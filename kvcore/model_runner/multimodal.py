@@ -14,31 +14,23 @@ def scatter_mm_placeholders(embeds: torch.Tensor, is_embed: torch.Tensor | None)
     if is_embed is None:
         return embeds
     if is_embed.dtype != torch.bool or is_embed.dim() != 1:
-        raise ValueError(
-            f"is_embed must be a 1-D bool mask, got {is_embed.dtype} {tuple(is_embed.shape)}"
-        )
+        raise ValueError(f"is_embed must be a 1-D bool mask, got {is_embed.dtype} {tuple(is_embed.shape)}")
     count = int(is_embed.sum())
     if count != embeds.shape[0]:
-        raise ValueError(
-            f"is_embed marks {count} positions but there are {embeds.shape[0]} embeddings; "
-            "the mask needs one True per embedding"
-        )
+        raise ValueError(f"is_embed marks {count} positions but there are {embeds.shape[0]} "
+                         "embeddings; the mask needs one True per embedding")
     out = embeds.new_full((is_embed.shape[0], embeds.shape[-1]), torch.nan)
     out[is_embed] = embeds
     return out
 
 
-def gather_mm_placeholders(
-    placeholders: torch.Tensor, is_embed: torch.Tensor | None
-) -> torch.Tensor:
+def gather_mm_placeholders(placeholders: torch.Tensor, is_embed: torch.Tensor | None) -> torch.Tensor:
     """The embeddings at the True positions of ``is_embed`` (undoes the scatter)."""
     if is_embed is None:
         return placeholders
     if is_embed.shape[0] != placeholders.shape[0]:
-        raise ValueError(
-            f"is_embed has {is_embed.shape[0]} entries for {placeholders.shape[0]} placeholder "
-            "rows; pass the mask used to scatter them"
-        )
+        raise ValueError(f"is_embed has {is_embed.shape[0]} entries for {placeholders.shape[0]} "
+                         "placeholder rows; pass the mask used to scatter them")
     return placeholders[is_embed]
 
 
@@ -48,15 +40,11 @@ def sanity_check_mm_encoder_outputs(
     """``ValueError`` unless an encoder returned one 2-D tensor per item (or one 3-D tensor)."""
     hint = "the model's multimodal embedding method returned it"
     if not isinstance(mm_embeddings, (list, tuple, torch.Tensor)):
-        raise ValueError(
-            "multimodal embeddings must be a list/tuple of 2-D tensors or one 3-D tensor, "
-            f"got {type(mm_embeddings).__name__}; {hint}"
-        )
+        raise ValueError("multimodal embeddings must be a list/tuple of 2-D tensors or "
+                         f"one 3-D tensor, got {type(mm_embeddings).__name__}; {hint}")
     if len(mm_embeddings) != expected_num_items:
-        raise ValueError(
-            f"expected {expected_num_items} multimodal embeddings (one per input item), "
-            f"got {len(mm_embeddings)}; {hint}"
-        )
+        raise ValueError(f"expected {expected_num_items} multimodal embeddings "
+                         f"(one per input item), got {len(mm_embeddings)}; {hint}")
     shapes = [tuple(getattr(e, "shape", ())) for e in mm_embeddings]
     if any(len(s) != 2 for s in shapes):
         raise ValueError(f"each multimodal embedding must be 2-D, got shapes {shapes}; {hint}")

@@ -20,9 +20,7 @@ from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
 from kvcore.specs import KVCacheSpec, MultipleOf
 
 #: Spec fields a ``kvcore_customize_spec`` answer may change: padding and alignment only.
-CUSTOMIZABLE_FIELDS = (
-    "num_head_slots", "page_size_padded", "block_stride_alignment", "state_content_bytes"
-)
+CUSTOMIZABLE_FIELDS = ("num_head_slots", "page_size_padded", "block_stride_alignment", "state_content_bytes")
 
 
 def label(backend: type[AttentionBackend]) -> str:
@@ -43,16 +41,12 @@ def check_sizes(value: Any) -> list[int | MultipleOf]:
     if not isinstance(value, (list, tuple)):
         raise TypeError(f"expected a list of int or MultipleOf, got {value!r}")
     if not value:
-        raise ValueError(
-            "expected at least one size, got an empty list "
-            "(return None for a backend the plugin does not own)"
-        )
+        raise ValueError("expected at least one size, got an empty list (return None for a backend the plugin "
+                         "does not own)")
     for size in value:
         positive = isinstance(size, int) and not isinstance(size, bool) and size > 0
         if not (positive or isinstance(size, MultipleOf)):
-            raise TypeError(
-                f"expected positive ints or MultipleOf in the list, got {size!r} in {value!r}"
-            )
+            raise TypeError(f"expected positive ints or MultipleOf in the list, got {size!r} in {value!r}")
     return list(value)
 
 
@@ -70,42 +64,23 @@ def _check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCach
     if not isinstance(value, KVCacheSpec):
         raise TypeError(f"expected a KVCacheSpec, got {value!r}")
     if type(value) is not type(original):
-        raise TypeError(
-            f"for backend {backend!r} it changed the spec class from {type(original).__name__} "
-            f"to {type(value).__name__}; {allowed}"
-        )
-    changed = [
-        f"{f.name} from {getattr(original, f.name)!r} to {getattr(value, f.name)!r}"
-        for f in attrs.fields(type(original))
-        if f.name not in CUSTOMIZABLE_FIELDS and getattr(original, f.name) != getattr(value, f.name)
-    ]
+        raise TypeError(f"for backend {backend!r} it changed the spec class from {type(original).__name__} to "
+                        f"{type(value).__name__}; {allowed}")
+    changed = [f"{f.name} from {getattr(original, f.name)!r} to {getattr(value, f.name)!r}"
+               for f in attrs.fields(type(original))
+               if f.name not in CUSTOMIZABLE_FIELDS and getattr(original, f.name) != getattr(value, f.name)]
     if changed:
-        raise ValueError(
-            f"for backend {backend!r} it changed {'; '.join(changed)}, which changes what the "
-            f"layer stores; {allowed}: return attrs.evolve(spec, num_head_slots=...) or similar, "
-            "or None"
-        )
+        raise ValueError(f"for backend {backend!r} it changed {'; '.join(changed)}, which changes what the layer "
+                         f"stores; {allowed}: return attrs.evolve(spec, num_head_slots=...) or similar, or None")
     return value
+
+
+class Refused(str):
+    """Why a candidate (a layout, a kernel block size) cannot be used: a value, not an exception."""
 
 
 def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
     return any(s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes)
-
-
-def common_size(manager: int, offers: Sequence[Sequence[int | MultipleOf]]) -> int | None:
-    """The manager size when every offer takes it, else the largest offered int dividing it that
-    every offer takes; None when there is none."""
-    candidates = {s for ss in offers for s in ss if not isinstance(s, MultipleOf) and manager % s == 0}
-    return next((size for size in [manager, *sorted(candidates, reverse=True)]
-                 if all(accepts(s, size) for s in offers)), None)
-
-
-def no_common_size(manager: int, offers: Sequence[tuple[str, Sequence[int | MultipleOf]]]) -> str:
-    offered = "; ".join(f"{name}: {s}" for name, s in offers)
-    return (
-        f"No common block size for {manager} ({offered}). Use a manager block size "
-        "that every backend accepts or divides into a size they all accept."
-    )
 
 
 #: Hooks ``"auto"`` asks of every backend: a plugin failing on another plugin's backend is skipped.
@@ -129,18 +104,13 @@ class HookAnswers:
             return get_backend(backend, self.pm)
         if isinstance(backend, type) and issubclass(backend, (AttentionBackend, MixerBackend)):
             return backend
-        raise TypeError(
-            f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}"
-        )
+        raise TypeError(f"expected an AttentionBackend subclass or a registered backend name, got {backend!r}")
 
     def asked(self, hook: str, backend: type, spec: Any, *more: Any) -> Any:
         """What ``hook`` answered for ``backend`` and ``spec`` in this negotiation (None: not asked)."""
         return self._kept.get((hook, backend, key_of(spec), *more))
 
-    def _ask(
-        self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any,
-        **more: Any
-    ) -> Any:
+    def _ask(self, hook: str, check: Callable[[Any], Any], default: Any, backend: type, spec: Any, **more: Any) -> Any:
         key = (hook, backend, key_of(spec), *more.values())
         if key not in self._kept:
             self._alive.append(spec)
@@ -150,8 +120,11 @@ class HookAnswers:
         return self._kept[key]
 
     def kernel_block_sizes(self, backend: type, spec: Any) -> list[int | MultipleOf]:
-        sizes = [MultipleOf(1)]
-        return self._ask("kvcore_supported_kernel_block_sizes", check_sizes, sizes, backend, spec)
+        return self._ask("kvcore_supported_kernel_block_sizes", check_sizes, [MultipleOf(1)], backend, spec)
+
+    def preferred_block_size(self, backend: type, spec: Any) -> int | None:
+        """The first ``int`` of the backend's kernel block sizes: the size it prefers (None: no preference)."""
+        return next((s for s in self.kernel_block_sizes(backend, spec) if isinstance(s, int)), None)
 
     def stated_layouts(self, backend: type, spec: Any) -> list[KVCacheLayout] | None:
         return self._ask("kvcore_supported_layouts", parse_layouts, None, backend, spec)
@@ -184,17 +157,17 @@ class HookAnswers:
         self._kept[key] = new
         return new
 
-    def offers(self, pairs: Sequence[tuple[type, Any]]) -> list[tuple[str, list[int | MultipleOf]]]:
-        """Each (backend, spec)'s kernel block sizes, under the backend's name."""
-        return [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
-
-    def common_block_size(self, manager: int, pairs: Sequence[tuple[type, Any]]) -> int:
-        """The manager size when every offer takes it, else the largest offered int dividing it."""
-        offers = self.offers(pairs)
-        size = common_size(manager, [s for _, s in offers])
-        if size is None:
-            raise ValueError(no_common_size(manager, offers))
-        return size
+    def common_block_size(self, manager: int, pairs: Sequence[tuple[type, Any]]) -> int | Refused:
+        """The manager size when every (backend, spec) takes it, else the largest offered int dividing it that
+        every one takes, else why there is none."""
+        offers = [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
+        ints = {s for _, ss in offers for s in ss if not isinstance(s, MultipleOf) and manager % s == 0}
+        for size in [manager, *sorted(ints, reverse=True)]:
+            if all(accepts(ss, size) for _, ss in offers):
+                return size
+        offered = "; ".join(f"{name}: {ss}" for name, ss in offers)
+        return Refused(f"No common block size for {manager} ({offered}). Use a manager block size that every "
+                       "backend accepts or divides into a size they all accept.")
 
     def common_layouts(self, pairs: Sequence[tuple[type, Any]]) -> list[KVCacheLayout] | None:
         """Layouts every (backend, spec) reads, in the first choosy backend's order (None: any)."""
@@ -204,11 +177,7 @@ class HookAnswers:
             return None
         common = [layout for layout in lists[0] if all(layout in ls for ls in lists[1:])]
         if not common:
-            offered = "; ".join(
-                f"{b}: [{', '.join(x.name for x in ls)}]" for b, ls in stated if ls is not None
-            )
-            raise ValueError(
-                f"the backends share no KV cache layout: {offered}. "
-                "Serve these layers with backends that agree on a layout."
-            )
+            offered = "; ".join(f"{b}: [{', '.join(x.name for x in ls)}]" for b, ls in stated if ls is not None)
+            raise ValueError(f"the backends share no KV cache layout: {offered}. Serve these layers with backends "
+                             "that agree on a layout.")
         return common

@@ -21,9 +21,7 @@ from kvcore.specs import KVCacheSpec, MambaSpec
 AUTO = "auto"
 
 
-def serves(
-    answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device: torch.device
-) -> str | None:
+def serves(answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device: torch.device) -> str | None:
     """Why ``backend`` cannot serve ``spec`` on ``device``; None when it can."""
     requirements = answers.requirements(backend, spec)
     if isinstance(spec, MambaSpec):  # NOTE: a mixer backend, for the mixer the spec names
@@ -47,17 +45,12 @@ class Choice:
     weighed: tuple[tuple[str, int | str], ...]
 
     def explain(self) -> str:
-        others = "; ".join(f"{name}: {'priority ' + str(w) if isinstance(w, int) else w}"
-                           for name, w in self.weighed)
+        others = "; ".join(f"{name}: {'priority ' + str(w) if isinstance(w, int) else w}" for name, w in self.weighed)
         return f"the highest priority of those that can serve it ({others})"
 
 
-def select_backend(
-    spec: KVCacheSpec | None,
-    device: torch.device | str,
-    *,
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> type[AttentionBackend]:
+def select_backend(spec: KVCacheSpec | None, device: torch.device | str, *,
+                   plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
     """The registered backend that serves ``spec`` on ``device``: what ``"auto"`` means.
 
     Among unambiguous backends whose requirements admit the device type, dtype and head size, the
@@ -67,10 +60,10 @@ def select_backend(
     """
     if spec is not None and not isinstance(spec, KVCacheSpec):
         raise TypeError(f"spec must be a KVCacheSpec, got {spec!r}")
-    return choose_backend(HookAnswers(plugin_manager), spec, checked_device(device)).backend
+    return choose_backend(HookAnswers(plugin_manager), spec, as_device(device)).backend
 
 
-def checked_device(device: Any) -> torch.device:
+def as_device(device: Any) -> torch.device:
     """``device`` as a ``torch.device`` (it need not exist on this machine)."""
     if not isinstance(device, (str, torch.device)):
         raise TypeError(f"device must be a torch.device or a string such as 'cuda', got {device!r}")
@@ -114,13 +107,8 @@ def choose_backend(answers: HookAnswers, spec: KVCacheSpec | None, device: torch
     )
 
 
-def preferred_block_size(
-    backend: type[AttentionBackend] | str,
-    spec: KVCacheSpec | None = None,
-    *,
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> int | None:
+def preferred_block_size(backend: type[AttentionBackend] | str, spec: KVCacheSpec | None = None, *,
+                         plugin_manager: pluggy.PluginManager | None = None) -> int | None:
     """The block size ``backend`` prefers for ``spec``: the first ``int`` its plugin declares."""
     answers = HookAnswers(plugin_manager)
-    sizes = answers.kernel_block_sizes(answers.backend(backend), spec)
-    return next((s for s in sizes if isinstance(s, int)), None)
+    return answers.preferred_block_size(answers.backend(backend), spec)

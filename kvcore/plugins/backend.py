@@ -65,9 +65,7 @@ class AttentionMetadataBuilder:
     max_model_len: int = attrs.field(kw_only=True)
     block_table_width: int | None = attrs.field(default=None, kw_only=True)
 
-    def build(
-        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, **kwargs: Any
-    ) -> Any:
+    def build(self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, **kwargs: Any) -> Any:
         return common_attn_metadata
 
 
@@ -113,8 +111,6 @@ class AttentionBackend:
             written into it and it is returned.
         :returns: the attention output, ``[tokens, q_heads, head_size_v]`` (callers use this).
         """
-        raise NotImplementedError(
-            f"{AttentionBackend.__qualname__}.forward is the protocol; an attention backend "
-            "overrides it"
-        )
+        raise NotImplementedError(f"{AttentionBackend.__qualname__}.forward is the "
+                                  "protocol; an attention backend overrides it")
 

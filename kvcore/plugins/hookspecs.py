@@ -58,9 +58,7 @@ def kvcore_customize_spec(backend: type[AttentionBackend], spec: KVCacheSpec) ->
 
 
 @hookspec(firstresult=True)
-def kvcore_supported_layouts(
-    backend: type[AttentionBackend], spec: KVCacheSpec | None
-) -> list[KVCacheLayout] | None:
+def kvcore_supported_layouts(backend: type[AttentionBackend], spec: KVCacheSpec | None) -> list[KVCacheLayout] | None:
     """Physical KV cache layouts ``backend``'s kernels can read for the layer's ``spec`` (None
     when no spec is known). Stops at the first non-None result; with no answer (the core
     default), any layout goes.
@@ -71,9 +69,7 @@ def kvcore_supported_layouts(
 
 
 @hookspec(firstresult=True)
-def kvcore_kernel_requirements(
-    backend: type[AttentionBackend], spec: KVCacheSpec | None
-) -> KernelRequirements | None:
+def kvcore_kernel_requirements(backend: type[AttentionBackend], spec: KVCacheSpec | None) -> KernelRequirements | None:
     """What ``backend``'s kernels need of the memory they read for the layer's (customized)
     ``spec`` (None when no spec is known): devices, dtypes, strides.
     Stops at the first non-None result; the core default, tried last, states no requirement.

@@ -13,12 +13,8 @@ from kvcore.specs import KVCacheSpec
 __all__ = ["layout_candidates", "resolve_kv_cache_layout", "supported_layouts"]
 
 
-def supported_layouts(
-    backend: type[AttentionBackend] | str,
-    spec: KVCacheSpec | None = None,
-    *,
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> list[KVCacheLayout]:
+def supported_layouts(backend: type[AttentionBackend] | str, spec: KVCacheSpec | None = None, *,
+                      plugin_manager: pluggy.PluginManager | None = None) -> list[KVCacheLayout]:
     """Layouts ``backend`` reads for ``spec``, most preferred first (all six for None)."""
     answers = HookAnswers(plugin_manager)
     return answers.stated_layouts(answers.backend(backend), spec) or list(KVCacheLayout)

@@ -44,10 +44,8 @@ class PluginInfo:
         """The plugin in messages: entry point, distribution and version."""
         if self.entry_point is None:
             return f"plugin {self.name!r} (registered in-process)"
-        return (
-            f"plugin {self.name!r} (entry point '{self.entry_point}' of distribution "
-            f"{self.distribution or '?'} {self.version or '?'})"
-        )
+        return (f"plugin {self.name!r} (entry point '{self.entry_point}' of "
+                f"distribution {self.distribution or '?'} {self.version or '?'})")
 
     def flag(self, status: str, message: str) -> None:
         self.status = status
@@ -104,9 +102,7 @@ def describe_plugin(pm: pluggy.PluginManager, plugin_name: str | None) -> str:
     return f"plugin {label!r} (registered in-process as {plugin_name!r})"
 
 
-def plugin_error(
-    pm: pluggy.PluginManager, plugin_name: str | None, hook_name: str, problem: str
-) -> PluginError:
+def plugin_error(pm: pluggy.PluginManager, plugin_name: str | None, hook_name: str, problem: str) -> PluginError:
     if isinstance(pm, KVCorePluginManager) and plugin_name in pm.plugin_infos:
         remedy = f"fix or uninstall the plugin, or skip it with KVCORE_BLOCK_PLUGINS={plugin_name}"
     else:
@@ -180,14 +176,8 @@ def _call(
         raise plugin_error(pm, owner, caller.name, problem) from exc
 
 
-def call_first(
-    pm: pluggy.PluginManager,
-    hook_name: str,
-    check: Callable[[Any], Any],
-    *,
-    unhealthy: dict[str, PluginError] | None = None,
-    **kwargs: Any,
-) -> Any:
+def call_first(pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], *,
+               unhealthy: dict[str, PluginError] | None = None, **kwargs: Any) -> Any:
     """Call a firstresult hook; ``check`` validates a non-None answer (a refusal names the plugin
     whose own answer it is, else the wrapper that changed it). With ``unhealthy`` (plugin name ->
     its error), a plugin that fails about another plugin's backend is reported, noted there and
@@ -259,10 +249,8 @@ def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> Backe
 
     def register(backend: Any, owner: str) -> None:
         if owner not in calling:
-            raise PluginError(
-                f"register({backend!r}) was called after {_REGISTER} returned; call "
-                f"it from your plugin's {_REGISTER} implementation"
-            )
+            raise PluginError(f"register({backend!r}) was called after {_REGISTER} returned; "
+                              f"call it from your plugin's {_REGISTER} implementation")
         _check_backend(pm, backend, owner)
         found = entries.setdefault(backend.name, [])
         if any(other == owner and cls is not backend for cls, other in found):
@@ -292,19 +280,14 @@ def _check_backend(pm: pluggy.PluginManager, backend: Any, owner: str) -> None:
     if not (mixer or (isinstance(backend, type) and issubclass(backend, AttentionBackend))):
         problem = f"registered {backend!r}, not a kvcore.AttentionBackend subclass (nor a MixerBackend)"
     elif not isinstance(getattr(backend, "name", None), str) or not backend.name:
-        problem = (
-            f"registered {backend.__qualname__} without a non-empty str class attribute 'name'"
-        )
+        problem = (f"registered {backend.__qualname__} without a non-empty str class attribute 'name'")
     elif mixer:
         problem = mixer_problem(backend)
         if problem is None:
             return
     elif inspect.getattr_static(backend, "forward") is AttentionBackend.__dict__["forward"]:
-        problem = (
-            f"registered {backend.__qualname__} ({backend.name!r}), which does not implement "
-            "forward(query, key, value, kv_cache_view, metadata, *, head_size, scale, "
-            "sliding_window=None, out=None)"
-        )
+        problem = (f"registered {backend.__qualname__} ({backend.name!r}), which does not implement forward(query, "
+                   "key, value, kv_cache_view, metadata, *, head_size, scale, sliding_window=None, out=None)")
     else:
         return
     raise plugin_error(pm, owner, _REGISTER, problem)

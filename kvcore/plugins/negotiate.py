@@ -5,22 +5,23 @@ from the reasons collected."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from fractions import Fraction
 from typing import Any
 
 import pluggy
 import torch
 
-from kvcore._validate import as_int, positive_int
+from kvcore._validate import positive_int
 from kvcore.distributed import agree_layout, agree_num_blocks
 from kvcore.errors import KernelRequirementError
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.elastic import checked_max_blocks
+from kvcore.memory.elastic import checked_max_blocks, checked_num_blocks
 from kvcore.memory.layout import KVCacheLayout, checked_request, layout_candidates, requested_layout
 from kvcore.memory.planner import PagePlan, checked_budget, lay_out, state_region_blocks
 from kvcore.plugins.answers import HookAnswers, accepts, label
-from kvcore.plugins.auto import AUTO, checked_device, choose_backend, serves
+from kvcore.plugins.auto import AUTO, as_device, choose_backend, serves
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.mixer_backend import is_mixer_backend
 from kvcore.plugins.negotiation import Candidate, Declared, Negotiation, Refused, group_records
@@ -33,21 +34,15 @@ from kvcore.specs.quant import quantize_specs
 Backends = dict[str, type[AttentionBackend]]
 
 
-def resolve_backends(
-    layer_specs: Mapping[str, KVCacheSpec],
-    layer_backends: Mapping[str, type[AttentionBackend] | str],
-    answers: HookAnswers,
-    device: torch.device,
-) -> tuple[Backends, dict[str, str]]:
+def resolve_backends(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, type[AttentionBackend] | str],
+                     answers: HookAnswers, device: torch.device) -> tuple[Backends, dict[str, str]]:
     """Each layer's backend class (a name looked up, ``"auto"`` chosen once per distinct spec) and
     how it was chosen."""
     chosen: dict[Any, tuple[type[AttentionBackend], str]] = {}
     for layer, backend in layer_backends.items():
         if not isinstance(backend, (str, type)):
-            raise TypeError(
-                f"layer_backends[{layer!r}] is {backend!r}; pass a backend class, a registered "
-                "backend name or 'auto'"
-            )
+            raise TypeError(f"layer_backends[{layer!r}] is {backend!r}; pass a "
+                            "backend class, a registered backend name or 'auto'")
         key = (layer_specs[layer], backend)
         if key not in chosen and backend == AUTO:
             choice = choose_backend(answers, layer_specs[layer], device)
@@ -58,10 +53,8 @@ def resolve_backends(
     return {n: b for n, (b, _) in found.items()}, {n: rule for n, (_, rule) in found.items()}
 
 
-def default_block_size(
-    layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, Any], answers: HookAnswers, fallback: int,
-    *, separate_state_pages: bool = False,
-) -> int:
+def default_block_size(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, Any], answers: HookAnswers,
+                       fallback: int, *, separate_state_pages: bool = False) -> int:
     """The manager block size for these layers when the caller names none: the first ``int`` the
     first attention layer's backend declares (else ``fallback``), grown for a hybrid in the unified
     plan until an attention page holds a state page (pages are unified to the largest, and growing
@@ -70,8 +63,7 @@ def default_block_size(
     if not attention:
         return fallback
     first = attention[0]
-    sizes = answers.kernel_block_sizes(answers.backend(layer_backends[first]), layer_specs[first])
-    size = next((s for s in sizes if isinstance(s, int)), fallback)
+    size = answers.preferred_block_size(answers.backend(layer_backends[first]), layer_specs[first]) or fallback
     states = [s.real_page_size_bytes for s in layer_specs.values() if not s.is_attention and s.has_cache_pages]
     page = max(layer_specs[n].real_page_size_bytes for n in attention)
     if states and not separate_state_pages and max(states) >= 2 * page:
@@ -86,10 +78,8 @@ def _checked_layers(layer_specs: Any, layer_backends: Any) -> None:
         raise TypeError(f"layer_backends must map layer names to backends, got {layer_backends!r}")
     for name, spec in layer_specs.items():
         if not isinstance(spec, KVCacheSpec):
-            raise TypeError(
-                f"layer_specs[{name!r}] is {spec!r} ({type(spec).__name__}), not a KVCacheSpec; "
-                "describe the layer with a spec such as kvcore.FullAttentionSpec(...)"
-            )
+            raise TypeError(f"layer_specs[{name!r}] is {spec!r} ({type(spec).__name__}), not a KVCacheSpec; "
+                            "describe the layer with a spec such as kvcore.FullAttentionSpec(...)")
         check_hashable(f"layer_specs[{name!r}]", spec)
     unknown = sorted(set(layer_backends) - set(layer_specs))
     if unknown:
@@ -106,13 +96,9 @@ class _Pass:
     def __init__(self, specs: dict[str, KVCacheSpec], backends: Backends, answers: HookAnswers,
                  num_state_blocks: int | None = None) -> None:
         self.specs, self.backends, self.answers = specs, backends, answers
-        self.num_state_blocks = num_state_blocks  # NOTE: a separate state region's blocks, or None
-        self.pages: dict[KVCacheLayout, PagePlan] = {}
-
-    def _pages(self, layout: KVCacheLayout) -> PagePlan:
-        if layout not in self.pages:
-            self.pages[layout] = lay_out(self.specs, layout, self.num_state_blocks)
-        return self.pages[layout]
+        # NOTE: num_state_blocks: a separate state region's blocks, or None
+        self._pages: Callable[[KVCacheLayout], PagePlan] = functools.cache(
+            lambda layout: lay_out(specs, layout, num_state_blocks))
 
     def bought(self, layout: KVCacheLayout, available_memory: int) -> int:
         """Blocks ``available_memory`` holds under ``layout``, else ``ValueError`` saying why too few."""
@@ -184,25 +170,12 @@ def _check_abilities(run: _Pass, device: torch.device, backends: Backends) -> No
         raise KernelRequirementError(f"backend {label(backend)!r} cannot serve layer {layer!r}: it {why}; {remedy}")
 
 
-def negotiate(
-    layer_specs: Mapping[str, KVCacheSpec],
-    layer_backends: Mapping[str, type[AttentionBackend] | str],
-    *,
-    device: torch.device | str,
-    layout: KVCacheLayout | str | None = None,
-    available_memory: int | None = None,
-    num_blocks: int | None = None,
-    max_num_seqs: int,
-    max_model_len: int,
-    plugin_manager: pluggy.PluginManager | None = None,
-    group: Any = None,
-    max_num_blocks: int | None = None,
-    enable_prefix_caching: bool = False,
-    settings: Settings | None = None,
-    separate_state_pages: bool = False,
-    num_state_blocks: int | None = None,
-    kv_cache_dtype: str = "auto",
-) -> Negotiation:
+def negotiate(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, type[AttentionBackend] | str], *,
+              device: torch.device | str, layout: KVCacheLayout | str | None = None,
+              available_memory: int | None = None, num_blocks: int | None = None, max_num_seqs: int, max_model_len: int,
+              plugin_manager: pluggy.PluginManager | None = None, group: Any = None, max_num_blocks: int | None = None,
+              enable_prefix_caching: bool = False, settings: Settings | None = None, separate_state_pages: bool = False,
+              num_state_blocks: int | None = None, kv_cache_dtype: str = "auto") -> Negotiation:
     """Decide what every layer of ``layer_specs`` (model order) gets, as :meth:`KVCache.create
     <kvcore.KVCache.create>` would with the same arguments, allocating nothing.
 
@@ -211,7 +184,7 @@ def negotiate(
     """
     layer_specs = quantize_specs(layer_specs, kv_cache_dtype)  # NOTE: before backends customize them
     settings = Settings.from_env() if settings is None else settings
-    device = checked_device(device)
+    device = as_device(device)
     max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
     max_model_len = positive_int("max_model_len", max_model_len)
     answers = HookAnswers(plugin_manager)
@@ -251,12 +224,10 @@ def negotiate(
     config = accepted.config
     committed = _first_blocks(run, config, num_blocks, available_memory) if elastic else config.num_blocks
     by_layout = {c.layout: c for c in tried}
-    return Negotiation(
-        accepted.groups, config.layout, config, dict(backends), committed, elastic, device,
-        max_num_seqs, max_model_len, enable_prefix_caching,
-        tuple(by_layout.get(c, Candidate(c, tried=False)) for c in candidates), rule, backend_rules,
-        tuple(Declared.of(answers, b, s, device) for b, s in pairs),
-    )
+    return Negotiation(accepted.groups, config.layout, config, dict(backends), committed, elastic, device, max_num_seqs,
+                       max_model_len, enable_prefix_caching,
+                       tuple(by_layout.get(c, Candidate(c, tried=False)) for c in candidates), rule, backend_rules,
+                       tuple(Declared.of(answers, b, s, device) for b, s in pairs))
 
 
 def _pass(run: _Pass, candidates: list[KVCacheLayout], requested: KVCacheLayout | None, ruled: bool,
@@ -283,10 +254,4 @@ def _first_blocks(run: _Pass, config: KVCacheConfig, num_blocks: int | None, ava
     max_blocks = config.num_blocks
     if num_blocks is None:
         return max_blocks if available_memory is None else min(run.bought(config.layout, available_memory), max_blocks)
-    num_blocks = as_int("num_blocks", num_blocks)
-    if not 2 <= num_blocks <= max_blocks:
-        raise ValueError(
-            f"num_blocks={num_blocks} must be between 2 and max_num_blocks={max_blocks}; "
-            "raise max_num_blocks or commit fewer blocks"
-        )
-    return num_blocks
+    return checked_num_blocks(num_blocks, max_blocks)

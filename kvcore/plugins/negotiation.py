@@ -13,24 +13,17 @@ from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import is_encoder_only
 from kvcore.memory.views import to_kernel_blocks
-from kvcore.plugins.answers import HookAnswers, common_size, key_of, label, no_common_size
+from kvcore.plugins.answers import HookAnswers, Refused, key_of, label
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements, describe_requirements
 from kvcore.specs import KVCacheSpec, MultipleOf
 
 
-class Refused(str):
-    """Why a candidate (a layout, a kernel block size) cannot be used: a value, not an exception."""
-
-
 @attrs.frozen
 class BackendNegotiation:
-    """One attention group's backend, layers, spec and kernel blocks.
-
-    ``kernel_block_size``: None when kernel blocks are the manager blocks. ``kernel_block_stride``:
-    0 when kernel block ``j`` of manager block ``b`` is ``b * ratio + j`` (dense pages), else the
-    kernel pages between two blocks of a packed cache (``b * stride + j``).
-    """
+    """One attention group's backend, layers, spec and kernel blocks. ``kernel_block_size``: None when kernel
+    blocks are the manager blocks. ``kernel_block_stride``: 0 when kernel block ``j`` of manager block ``b`` is
+    ``b * ratio + j`` (dense pages), else the kernel pages between two blocks of a packed cache (``b * stride + j``)."""
 
     backend: type[AttentionBackend]
     layer_names: tuple[str, ...]
@@ -103,12 +96,8 @@ class Negotiation:
         return [g.kernel_block_size if g.ratio > 1 else None for g in self.groups]
 
     def rows_per_block(self) -> dict[str, int]:
-        return {
-            name: g.ratio
-            for g in self.groups
-            if g.kernel_block_size is not None and g.kv_cache_spec.has_layer_views
-            for name in g.layer_names
-        }
+        return {name: g.ratio for g in self.groups
+                if g.kernel_block_size is not None and g.kv_cache_spec.has_layer_views for name in g.layer_names}
 
     def kernel_views(self, kv_caches: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The views kernels read, from the views as allocated: a packed group's layers addressed by
@@ -185,11 +174,8 @@ def can_split(spec: KVCacheSpec) -> bool:
 
 
 def is_packed(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
-    return any(
-        len(t.layers) > 1 and t.block_stride > t.layer_stride
-        for t in config.kv_cache_tensors
-        if not set(group.layer_names).isdisjoint(t.layers)
-    )
+    return any(len(t.layers) > 1 and t.block_stride > t.layer_stride for t in config.kv_cache_tensors
+               if not set(group.layer_names).isdisjoint(t.layers))
 
 
 def splits_by_backends(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
@@ -197,12 +183,8 @@ def splits_by_backends(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
     return splittable and not is_packed(config, group)
 
 
-def group_kernel_block_size(
-    config: KVCacheConfig,
-    group_id: int,
-    pairs: Sequence[tuple[type[AttentionBackend], KVCacheSpec]],
-    answers: HookAnswers,
-) -> tuple[int | None | Refused, str]:
+def group_kernel_block_size(config: KVCacheConfig, group_id: int, pairs: Sequence[tuple[type, KVCacheSpec]],
+                            answers: HookAnswers) -> tuple[int | None | Refused, str]:
     """The kernel block size of KV cache group ``group_id`` (None: no pages) and the rule."""
     group = config.kv_cache_groups[group_id]
     if is_encoder_only(group):
@@ -211,45 +193,37 @@ def group_kernel_block_size(
     if not splits_by_backends(config, group):
         what = "packed blocks" if is_packed(config, group) else "blocks that do not split"
         return manager, f"{what} keep the manager block size"
-    offers = answers.offers(pairs)
-    size = common_size(manager, [s for _, s in offers])
-    if size is None:
-        return Refused(no_common_size(manager, offers)), ""
+    size = answers.common_block_size(manager, pairs)
+    if isinstance(size, Refused):
+        return size, ""
     rule = "every backend takes the manager block size" if size == manager else (
         f"the largest size every backend takes that divides {manager}")
     return size, f"kernel blocks of {size} tokens: {rule}"
 
 
-def backend_groups(
-    config: KVCacheConfig,
-    layer_backends: Mapping[str, type[AttentionBackend]],
-    serve: Callable[[type[AttentionBackend], KVCacheSpec], KVCacheSpec] | None = None,
-) -> list[dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]]]:
+def backend_groups(config: KVCacheConfig, layer_backends: Mapping[str, type],
+                   serve: Callable[[type, KVCacheSpec], KVCacheSpec] | None = None) -> list[dict[tuple, list[str]]]:
     """Per KV cache group, (backend, spec) -> its layers; ``serve``: the spec a backend stores for
     a layer's (None: the config was planned from the specs the backends store)."""
-    out = []
+    out: list[dict[tuple, list[str]]] = []
     for gid, group in enumerate(config.kv_cache_groups):
-        by_key: dict[tuple[type[AttentionBackend], KVCacheSpec], list[str]] = {}
-        out.append(by_key)
+        out.append(by_key := {})
         if not group.spec_of(group.layer_names[0]).has_layer_views:
             continue  # NOTE: a raw buffer's owner serves it: no backend entries
         for name in group.layer_names:
             spec = group.spec_of(name)
             if name not in layer_backends:
                 if spec.is_attention:
-                    raise ValueError(
-                        f"attention layer {name!r} (KV cache group {gid}) has no backend in "
-                        "layer_backends; map every attention layer of the config to a backend"
-                    )
+                    raise ValueError(f"attention layer {name!r} (KV cache group {gid}) has no backend in "
+                                     "layer_backends; map every attention layer of the config to a backend")
                 continue
             backend = layer_backends[name]
             by_key.setdefault((backend, spec if serve is None else serve(backend, spec)), []).append(name)
     return out
 
 
-def group_records(
-    config: KVCacheConfig, layer_backends: Mapping[str, type[AttentionBackend]], answers: HookAnswers
-) -> tuple[GroupNegotiation, ...] | Refused:
+def group_records(config: KVCacheConfig, layer_backends: Mapping[str, type[AttentionBackend]],
+                  answers: HookAnswers) -> tuple[GroupNegotiation, ...] | Refused:
     """One record per KV cache group of ``config`` (planned from customized specs), or why not."""
     records = []
     for gid, by_key in enumerate(backend_groups(config, layer_backends)):
@@ -262,24 +236,23 @@ def group_records(
         for (backend, spec), names in by_key.items():
             own, stride = (kernel if kernel != spec.block_size else None), 0
             if kernel is not None and packed and can_split(spec):
-                offers = answers.offers([(backend, spec)])
-                own = common_size(kernel, [offers[0][1]])
-                if own is None:
-                    return Refused(no_common_size(kernel, offers))
+                own = answers.common_block_size(kernel, [(backend, spec)])
+                if isinstance(own, Refused):
+                    return own
                 own = None if own == spec.block_size else own
                 if own is not None:
                     tensor = next(t for t in config.kv_cache_tensors if names[0] in t.layers)
                     stride = packed_stride(spec, tensor.block_stride, own)
                     if stride is None:
                         return Refused(cannot_split(label(backend), spec, own, names))
-            req = answers.requirements(backend, spec)
-            entries.append(BackendNegotiation(backend, tuple(names), spec, kernel, own, stride, req))
+            entries.append(BackendNegotiation(backend, tuple(names), spec, kernel, own, stride,
+                                              answers.requirements(backend, spec)))
         ratio = 1 if kernel is None or packed else group.kv_cache_spec.block_size // kernel
         refusal = _dense_split_refusal(group, kernel, answers) if ratio > 1 else None
         if refusal is not None:
             return refusal
-        layers, spec = tuple(group.layer_names), group.kv_cache_spec
-        records.append(GroupNegotiation(gid, layers, spec, kernel, ratio, tuple(entries), why))
+        records.append(GroupNegotiation(gid, tuple(group.layer_names), group.kv_cache_spec, kernel, ratio,
+                                        tuple(entries), why))
     return tuple(records)
 
 
@@ -289,17 +262,12 @@ def _dense_split_refusal(group: KVCacheGroupSpec, kernel: int, answers: HookAnsw
     if spec.page_size_padded is None or spec.page_size_padded == spec.real_page_size_bytes:
         return None
     padder = answers.padded_by.get(key_of(spec))
-    who = (
-        "the plan padded (to unify page sizes across layer types)"
-        if padder is None
-        else f"backend {padder!r}'s kvcore_customize_spec padded"
-    )
-    return Refused(
-        f"{who} the {spec.real_page_size_bytes}-byte pages of {list(group.layer_names)} to "
-        f"{spec.page_size_padded} bytes, and padded pages cannot be split into {kernel}-token "
-        f"kernel blocks; use a manager block size of {kernel} tokens"
-        + (", or a backend that does not pad pages" if padder is not None else "")
-    )
+    who = ("the plan padded (to unify page sizes across layer types)" if padder is None
+           else f"backend {padder!r}'s kvcore_customize_spec padded")
+    return Refused(f"{who} the {spec.real_page_size_bytes}-byte pages of {list(group.layer_names)} to "
+                   f"{spec.page_size_padded} bytes, and padded pages cannot be split into {kernel}-token kernel "
+                   f"blocks; use a manager block size of {kernel} tokens"
+                   + (", or a backend that does not pad pages" if padder is not None else ""))
 
 
 def packed_stride(spec: KVCacheSpec, block_stride_bytes: int, kernel: int) -> int | None:
@@ -311,8 +279,6 @@ def packed_stride(spec: KVCacheSpec, block_stride_bytes: int, kernel: int) -> in
 
 
 def cannot_split(backend: str, spec: KVCacheSpec, kernel: int, names: Sequence[str]) -> str:
-    return (
-        f"{backend} needs {kernel}-token kernel blocks, which packed {spec.block_size}-token "
-        f"blocks of {list(names)} cannot be split into; use a manager block size of {kernel} "
-        "or a layer-compact layout such as LBNHC"
-    )
+    return (f"{backend} needs {kernel}-token kernel blocks, which packed {spec.block_size}-token blocks of "
+            f"{list(names)} cannot be split into; use a manager block size of {kernel} or a layer-compact layout "
+            "such as LBNHC")

@@ -14,13 +14,7 @@ import pluggy
 from kvcore.errors import PluginError, PluginWarning
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.hookspecs import CORE_PLUGIN_NAME, ENTRY_POINT_GROUP
-from kvcore.plugins.manager import (
-    BackendTable,
-    KVCorePluginManager,
-    PluginInfo,
-    collect_backends,
-    conflict_message,
-)
+from kvcore.plugins.manager import BackendTable, KVCorePluginManager, PluginInfo, collect_backends, conflict_message
 from kvcore.settings import Settings
 
 
@@ -37,12 +31,9 @@ def build_plugin_manager(settings: Settings) -> KVCorePluginManager:
         pm.set_blocked(name)
     entry_points = importlib.metadata.entry_points(group=ENTRY_POINT_GROUP)
     for ep in sorted(entry_points, key=lambda e: e.name):
-        info = PluginInfo(
-            name=ep.name,
-            distribution=None if ep.dist is None else ep.dist.metadata["Name"] or ep.dist.name,
-            version=None if ep.dist is None else ep.dist.version,
-            entry_point=f"{ep.name} = {ep.value}",
-        )
+        info = PluginInfo(name=ep.name,
+                          distribution=None if ep.dist is None else ep.dist.metadata["Name"] or ep.dist.name,
+                          version=None if ep.dist is None else ep.dist.version, entry_point=f"{ep.name} = {ep.value}")
         if info.name in pm.plugin_infos:
             other = pm.plugin_infos[info.name].describe()
             _report(f"{info.describe()} is skipped: {other} has that name", settings.strict_plugins)
@@ -57,10 +48,8 @@ def build_plugin_manager(settings: Settings) -> KVCorePluginManager:
             _load(pm, info, settings.strict_plugins)
     missing = sorted((settings.plugins or frozenset()) - set(pm.plugin_infos))
     if settings.autoload and missing:
-        pm.settings_problems.append(
-            f"KVCORE_PLUGINS names {missing} but no installed plugin has that entry point; "
-            f"installed: {sorted(pm.plugin_infos)}"
-        )
+        pm.settings_problems.append(f"KVCORE_PLUGINS names {missing} but no installed plugin has "
+                                    f"that entry point; installed: {sorted(pm.plugin_infos)}")
         _report(pm.settings_problems[-1], strict=False)
     for name, found in collect_backends(pm).conflicts().items():
         _report(conflict_message(pm, name, [owner for _, owner in found]), strict=False)
@@ -90,10 +79,8 @@ def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
             # NOTE: pluggy imports, then registers: a plugin it holds failed registration
             problem = f"{info.describe()} could not be registered: {exc}"
         else:
-            problem = (
-                f"{info.describe()} failed to import, so none of its kvcore_* hooks run "
-                f"({type(exc).__name__}: {exc})"
-            )
+            problem = (f"{info.describe()} failed to import, so none of its "
+                       f"kvcore_* hooks run ({type(exc).__name__}: {exc})")
         if registered:
             pm.unregister(name=info.name)
         info.status, info.error = "failed", problem
@@ -105,10 +92,7 @@ def _load(pm: KVCorePluginManager, info: PluginInfo, strict: bool) -> None:
     marked = {c.name for c in pm.get_hookcallers(plugin) or []}
     unmarked = sorted(n for n in dir(plugin) if n.startswith("kvcore_") and n not in marked)
     if unmarked:
-        _report(
-            f"{info.describe()} defines {unmarked} without @kvcore.hookimpl; kvcore ignores them",
-            strict=False,
-        )
+        _report(f"{info.describe()} defines {unmarked} without @kvcore.hookimpl; kvcore ignores them", strict=False)
     info.status = "loaded"
 
 
@@ -129,24 +113,18 @@ def resolve_plugin_manager(plugin_manager: pluggy.PluginManager | None) -> plugg
     if plugin_manager is None:
         return default_plugin_manager()
     if not isinstance(plugin_manager, pluggy.PluginManager):
-        raise TypeError(
-            f"plugin_manager must be a pluggy.PluginManager (see kvcore.get_plugin_manager) "
-            f"or None, got {plugin_manager!r}"
-        )
+        raise TypeError("plugin_manager must be a pluggy.PluginManager (see "
+                        f"kvcore.get_plugin_manager) or None, got {plugin_manager!r}")
     return plugin_manager
 
 
-def get_backends(
-    plugin_manager: pluggy.PluginManager | None = None,
-) -> dict[str, type[AttentionBackend]]:
+def get_backends(plugin_manager: pluggy.PluginManager | None = None) -> dict[str, type[AttentionBackend]]:
     """Every registered backend by name; names two plugins registered are left out."""
     table = collect_backends(resolve_plugin_manager(plugin_manager))
     return {name: cls for name, (cls, _) in table.unambiguous().items()}
 
 
-def get_backend(
-    name: str, plugin_manager: pluggy.PluginManager | None = None
-) -> type[AttentionBackend]:
+def get_backend(name: str, plugin_manager: pluggy.PluginManager | None = None) -> type[AttentionBackend]:
     """The backend class registered under ``name`` (two plugins' name: ``PluginError``)."""
     pm = resolve_plugin_manager(plugin_manager)
     table = collect_backends(pm)
@@ -154,10 +132,8 @@ def get_backend(
     if len(found) > 1:
         raise PluginError(conflict_message(pm, name, [owner for _, owner in found]))
     if not found:
-        raise ValueError(
-            f"Unknown attention backend {name!r}. Registered: {sorted(table.unambiguous())}; "
-            "install the plugin that provides it or check KVCORE_PLUGINS/KVCORE_BLOCK_PLUGINS"
-        )
+        raise ValueError(f"Unknown attention backend {name!r}. Registered: {sorted(table.unambiguous())}; "
+                         "install the plugin that provides it or check KVCORE_PLUGINS/KVCORE_BLOCK_PLUGINS")
     return found[0][0]
 
 
@@ -165,15 +141,8 @@ def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[Plu
     """One record per plugin: entry points in every state, then in-process plugins."""
     pm = resolve_plugin_manager(plugin_manager)
     infos = pm.plugin_infos if isinstance(pm, KVCorePluginManager) else {}
-    out = [
-        attrs.evolve(i, hooks=[], backends=[], kernel_block_sizes={}, layouts={})
-        for i in infos.values()
-    ]
-    out += [
-        PluginInfo(name=n)
-        for n, _ in pm.list_name_plugin()
-        if n not in infos and n != CORE_PLUGIN_NAME
-    ]
+    out = [attrs.evolve(i, hooks=[], backends=[], kernel_block_sizes={}, layouts={}) for i in infos.values()]
+    out += [PluginInfo(name=n) for n, _ in pm.list_name_plugin() if n not in infos and n != CORE_PLUGIN_NAME]
     by_name = {info.name: info for info in out}
     try:
         table = collect_backends(pm)
@@ -190,7 +159,5 @@ def list_plugins(plugin_manager: pluggy.PluginManager | None = None) -> list[Plu
         plugin = pm.get_plugin(info.name)
         if plugin is not None:
             info.hooks = sorted(c.name for c in pm.get_hookcallers(plugin) or [])
-            info.backends = sorted(
-                n for n, found in table.entries.items() if any(o == info.name for _, o in found)
-            )
+            info.backends = sorted(n for n, found in table.entries.items() if any(o == info.name for _, o in found))
     return out

@@ -24,18 +24,14 @@ def _as_tuple(value: Any) -> tuple[Any, ...] | None:
 
 def _device_type(item: Any) -> None:
     if not isinstance(item, str):
-        raise TypeError(
-            f"KernelRequirements.devices must hold device type names such as 'cuda', got {item!r}"
-        )
+        raise TypeError(f"KernelRequirements.devices must hold device type names such as 'cuda', got {item!r}")
     try:
         valid = torch.device(item).type == item  # NOTE: "cuda:0" has type "cuda"
     except (RuntimeError, ValueError):
         valid = False
     if not valid:
-        raise ValueError(
-            f"KernelRequirements.devices holds {item!r}, which is not a torch device type; "
-            "use names such as 'cuda' or 'cpu' (no index)"
-        )
+        raise ValueError(f"KernelRequirements.devices holds {item!r}, which is not a "
+                         "torch device type; use names such as 'cuda' or 'cpu' (no index)")
 
 
 def _dtype(item: Any) -> None:
@@ -73,12 +69,8 @@ class KernelRequirements:
     :param kv_quant: cache quantizations the kernels read ("none", "per_tensor", "per_token_head"); None: "none".
     """
 
-    devices: tuple[str, ...] | None = attrs.field(
-        default=None, converter=_as_tuple, validator=_each(_device_type)
-    )
-    dtypes: tuple[torch.dtype, ...] | None = attrs.field(
-        default=None, converter=_as_tuple, validator=_each(_dtype)
-    )
+    devices: tuple[str, ...] | None = attrs.field(default=None, converter=_as_tuple, validator=_each(_device_type))
+    dtypes: tuple[torch.dtype, ...] | None = attrs.field(default=None, converter=_as_tuple, validator=_each(_dtype))
     head_sizes: tuple[int, ...] | None = attrs.field(
         default=None,
         converter=_as_tuple,
@@ -86,22 +78,15 @@ class KernelRequirements:
     )
     max_stride_elements: int | None = attrs.field(default=None, validator=attrs_optional_positive)
     alignment_bytes: int = attrs.field(default=1, validator=attrs_positive)
-    note: str | None = attrs.field(
-        default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str))
-    )
+    note: str | None = attrs.field(default=None, validator=attrs.validators.optional(attrs.validators.instance_of(str)))
     kv_quant: tuple[str, ...] | None = attrs.field(default=None, converter=_as_tuple, validator=_each(_kv_quant))
 
     @property
     def has_memory_rules(self) -> bool:
         return self.max_stride_elements is not None or self.alignment_bytes > 1
 
-    def why_not(
-        self,
-        device_type: str | None,
-        dtype: torch.dtype | None,
-        head_size: int | None,
-        kv_quant: str | None = None,
-    ) -> str | None:
+    def why_not(self, device_type: str | None, dtype: torch.dtype | None, head_size: int | None,
+                kv_quant: str | None = None) -> str | None:
         """Why kernels with these requirements cannot serve the case (None: they can)."""
         taken, mode = self.kv_quant or ("none",), kv_quant or "none"
         if mode not in taken:
@@ -111,8 +96,7 @@ class KernelRequirements:
             devices = "/".join(self.devices)
             return f"runs on {devices} only, not {device_type} (rule: devices){extra}"
         if dtype is not None and self.dtypes is not None and dtype not in self.dtypes:
-            names = ", ".join(str(d).removeprefix("torch.") for d in self.dtypes)
-            got = str(dtype).removeprefix("torch.")
+            names, got = ", ".join(map(_dtype_name, self.dtypes)), _dtype_name(dtype)
             return f"takes cache dtypes {names}, not {got} (rule: dtypes)"
         sizes = self.head_sizes
         if head_size is not None and sizes is not None and head_size not in sizes:
@@ -146,9 +130,7 @@ def _dtype_name(value: Any) -> Any:
 
 def requirements_json(req: KernelRequirements) -> dict[str, Any]:
     """A backend's requirements as JSON values (None: no rule)."""
-    return attrs.asdict(
-        req, filter=lambda a, _: a.name != "note", value_serializer=lambda _, __, v: _dtype_name(v)
-    )
+    return attrs.asdict(req, filter=lambda a, _: a.name != "note", value_serializer=lambda _, __, v: _dtype_name(v))
 
 
 def describe_requirements(req: KernelRequirements) -> str:

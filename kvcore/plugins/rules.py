@@ -49,10 +49,8 @@ class ViewCheck:
         if found is None:
             return None
         rule, value, needed = found
-        return (
-            f"backend {self.backend!r} cannot read layer {self.layer!r} in layout {self.layout}: "
-            f"rule {rule} needs {needed}, got {value}"
-        )
+        return (f"backend {self.backend!r} cannot read layer {self.layer!r} in "
+                f"layout {self.layout}: rule {rule} needs {needed}, got {value}")
 
 
 def view_checks(config: KVCacheConfig, groups: Sequence[GroupNegotiation]) -> list[ViewCheck]:

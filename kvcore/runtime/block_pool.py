@@ -16,31 +16,23 @@ NULL_BLOCK_ID = 0
 def _checked_size(num_blocks: int) -> int:
     num_blocks = positive_int("num_blocks", num_blocks)
     if num_blocks < 2:
-        raise ValueError(
-            f"a block pool needs at least 2 blocks (block {NULL_BLOCK_ID} is the "
-            f"reserved null block), got num_blocks={num_blocks}; plan more blocks"
-        )
+        raise ValueError(f"a block pool needs at least 2 blocks (block {NULL_BLOCK_ID} is the "
+                         f"reserved null block), got num_blocks={num_blocks}; plan more blocks")
     if num_blocks > MAX_NUM_BLOCKS:
-        raise ValueError(
-            f"num_blocks={num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks a BlockPool "
-            "manages (its host bookkeeping takes about 50 bytes a block); use larger blocks "
-            "(a bigger block_size) or plan fewer of them"
-        )
+        raise ValueError(f"num_blocks={num_blocks:,} is more than the {MAX_NUM_BLOCKS:,} blocks "
+                         "a BlockPool manages (its host bookkeeping takes about 50 bytes a "
+                         "block); use larger blocks (a bigger block_size) or plan fewer of them")
     return num_blocks
 
 
 def _hashes(hashes: Sequence[bytes]) -> list[bytes]:
     if isinstance(hashes, (bytes, bytearray, str)):
-        raise TypeError(
-            "hashes must be a list of block hashes (bytes), not one value; wrap it: [h]"
-        )
+        raise TypeError("hashes must be a list of block hashes (bytes), not one value; wrap it: [h]")
     out = list(hashes)
     for i, h in enumerate(out):
         if type(h) is not bytes or not h:
-            raise TypeError(
-                f"hashes[{i}] must be non-empty bytes from kvcore.block_hashes, got {h!r} "
-                f"({type(h).__name__}); a partial block has no hash and cannot be cached"
-            )
+            raise TypeError(f"hashes[{i}] must be non-empty bytes from kvcore.block_hashes, got {h!r} "
+                            f"({type(h).__name__}); a partial block has no hash and cannot be cached")
     return out
 
 
@@ -137,16 +129,12 @@ class BlockPool:
         refs = self._refs
         for block_id, count in Counter(ids).items():
             if refs[block_id] == 0:
-                raise ValueError(
-                    f"block {block_id} is not allocated (double free?); free each "
-                    "allocated block once per reference"
-                )
+                raise ValueError(f"block {block_id} is not allocated (double free?); "
+                                 "free each allocated block once per reference")
             if count > refs[block_id]:
                 times = "twice" if count == 2 else f"{count} times"
-                raise ValueError(
-                    f"block {block_id} appears {times} in one free() call but has only "
-                    f"{refs[block_id]} reference(s) (double free?); free it once per holder"
-                )
+                raise ValueError(f"block {block_id} appears {times} in one free() call but has only "
+                                 f"{refs[block_id]} reference(s) (double free?); free it once per holder")
         for block_id in ids:
             refs[block_id] -= 1
             if refs[block_id] == 0:
@@ -158,9 +146,7 @@ class BlockPool:
                 else:
                     self._free.append(block_id)
 
-    def find_cached_prefix(
-        self, hashes: Sequence[bytes], *, group_id: int = 0, window: int | None = None
-    ) -> int:
+    def find_cached_prefix(self, hashes: Sequence[bytes], *, group_id: int = 0, window: int | None = None) -> int:
         """How many leading blocks of ``hashes`` a hit would cover; changes nothing.
 
         ``window=None``: every block of the prefix must be cached. With ``window=w``
@@ -169,12 +155,8 @@ class BlockPool:
         """
         return self._hit_range(_hashes(hashes), group_id, window)[1]
 
-    def find_common_prefix(
-        self,
-        groups: Mapping[int, tuple[Sequence[bytes], int, int | None]],
-        *,
-        max_tokens: int | None = None,
-    ) -> int:
+    def find_common_prefix(self, groups: Mapping[int, tuple[Sequence[bytes], int, int | None]], *,
+                           max_tokens: int | None = None) -> int:
         """Tokens of the longest prefix every group hits (a multiple of each block size).
 
         ``groups[group_id] = (hashes, block_size, window)``; ``max_tokens`` caps the hit.
@@ -182,10 +164,8 @@ class BlockPool:
         checked = []
         for group_id, entry in groups.items():
             if not isinstance(entry, (tuple, list)) or len(entry) != 3:
-                raise TypeError(
-                    f"groups[{group_id!r}] must be (hashes, block_size, window), got {entry!r}; "
-                    "window is None for full attention"
-                )
+                raise TypeError(f"groups[{group_id!r}] must be (hashes, block_size, "
+                                f"window), got {entry!r}; window is None for full attention")
             block_size = positive_int("block_size", entry[1])
             checked.append((group_id, _hashes(entry[0]), block_size, entry[2]))
         limit = min((len(h) * bs for _, h, bs, _ in checked), default=0)
@@ -200,9 +180,7 @@ class BlockPool:
                     limit, changed = blocks * block_size, True
         return limit
 
-    def get_cached_blocks(
-        self, hashes: Sequence[bytes], *, group_id: int = 0, window: int | None = None
-    ) -> list[int]:
+    def get_cached_blocks(self, hashes: Sequence[bytes], *, group_id: int = 0, window: int | None = None) -> list[int]:
         """The blocks of the prefix :meth:`find_cached_prefix` measures; each gains a reference.
 
         With a ``window``, positions before it hold ``NULL_BLOCK_ID`` and take no reference.
@@ -220,47 +198,34 @@ class BlockPool:
             self._refs[block_id] += 1
         return [NULL_BLOCK_ID] * start + ids
 
-    def cache_blocks(
-        self, hashes: Sequence[bytes], block_ids: Sequence[int], *, group_id: int = 0
-    ) -> None:
+    def cache_blocks(self, hashes: Sequence[bytes], block_ids: Sequence[int], *, group_id: int = 0) -> None:
         """Record held, full, written blocks under their hashes (``hashes[i]``: ``block_ids[i]``).
 
         Call it once a block is full and the step writing it has begun. A hash the group
         already caches keeps its first block. All or nothing.
         """
         if not self._caching:
-            raise ValueError(
-                "this BlockPool was built without prefix caching; pass enable_caching=True"
-            )
+            raise ValueError("this BlockPool was built without prefix caching; pass enable_caching=True")
         hashes = _hashes(hashes)
         ids = [self._check_id(b) for b in block_ids]
         group_id = non_negative_int("group_id", group_id)
         if len(hashes) != len(ids):
-            raise ValueError(
-                f"cache_blocks got {len(hashes)} hashes for {len(ids)} block ids; give one hash "
-                "per block (block_hashes hashes full blocks only: a partial last block cannot be "
-                "cached)"
-            )
+            raise ValueError(f"cache_blocks got {len(hashes)} hashes for {len(ids)} block ids; give one hash per "
+                             "block (block_hashes hashes full blocks only: a partial last block cannot be cached)")
         if len(set(ids)) != len(ids):
             raise ValueError(f"cache_blocks got a block id twice in {ids}; list each block once")
         for h, block_id in zip(hashes, ids):
             if self._refs[block_id] == 0:
-                raise ValueError(
-                    f"block {block_id} is not allocated; cache only blocks you hold, "
-                    "once their contents are written"
-                )
+                raise ValueError(f"block {block_id} is not allocated; cache only "
+                                 "blocks you hold, once their contents are written")
             if block_id in self._to_zero:
-                raise ValueError(
-                    f"block {block_id} was allocated but no step has been handed it yet "
-                    "(take_new_blocks / KVCache.begin_step has not reported it, so it is still to "
-                    "be zeroed); cache it after the step that writes it"
-                )
+                raise ValueError(f"block {block_id} was allocated but no step has been handed it "
+                                 "yet (take_new_blocks / KVCache.begin_step has not reported it, so "
+                                 "it is still to be zeroed); cache it after the step that writes it")
             if self._keys.get(block_id, (group_id, h)) != (group_id, h):
-                raise ValueError(
-                    f"block {block_id} is already cached under another hash "
-                    f"(group {self._keys[block_id][0]}); a block's contents are fixed once it "
-                    "is full: cache each block once"
-                )
+                raise ValueError(f"block {block_id} is already cached under another hash "
+                                 f"(group {self._keys[block_id][0]}); a block's contents "
+                                 "are fixed once it is full: cache each block once")
         cache = self._maps.setdefault(group_id, {})
         for h, block_id in zip(hashes, ids):
             if h not in cache:
@@ -284,10 +249,8 @@ class BlockPool:
         held = [b for b in range(num_blocks, old) if self._refs[b]]
         if held:
             shown = ", ".join(map(str, held[:8])) + (", ..." if len(held) > 8 else "")
-            raise ValueError(
-                f"cannot shrink the pool to {num_blocks} blocks: {len(held)} block(s) at or "
-                f"above {num_blocks} are held ({shown}); free them first or shrink less"
-            )
+            raise ValueError(f"cannot shrink the pool to {num_blocks} blocks: {len(held)} block(s) at "
+                             f"or above {num_blocks} are held ({shown}); free them first or shrink less")
         for block_id in [b for b in self._evictable if b >= num_blocks]:
             del self._evictable[block_id]
             self._drop(block_id)
@@ -324,15 +287,11 @@ class BlockPool:
     def _check_id(self, block_id: int) -> int:
         block_id = as_int("block id", block_id)
         if block_id == NULL_BLOCK_ID:
-            raise ValueError(
-                f"block {NULL_BLOCK_ID} is the reserved null block and is never "
-                "allocated; drop it from the ids (e.g. padding in a block table)"
-            )
+            raise ValueError(f"block {NULL_BLOCK_ID} is the reserved null block and is never "
+                             "allocated; drop it from the ids (e.g. padding in a block table)")
         if not 0 < block_id < self.num_blocks:
-            raise ValueError(
-                f"block id {block_id} is outside this pool of {self.num_blocks} "
-                f"blocks; valid ids are 1..{self.num_blocks - 1}"
-            )
+            raise ValueError(f"block id {block_id} is outside this pool of {self.num_blocks} "
+                             f"blocks; valid ids are 1..{self.num_blocks - 1}")
         return block_id
 
     def __repr__(self) -> str:

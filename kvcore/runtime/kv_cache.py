@@ -10,9 +10,8 @@ import attrs
 import pluggy
 import torch
 
-from kvcore._validate import as_int
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.elastic import ElasticMemory, block_byte_ranges, reserve_elastic
+from kvcore.memory.elastic import ElasticMemory, block_byte_ranges, checked_num_blocks, reserve_elastic
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.views import allocate_kv_cache, checked_device
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
@@ -61,48 +60,31 @@ class KVCache:
     state_zeroer: KVBlockZeroer | None = attrs.field(default=None, repr=False)
 
     @classmethod
-    def create(
-        cls,
-        layer_specs: Mapping[str, KVCacheSpec],
-        layer_backends: Mapping[str, type[AttentionBackend] | str],
-        *,
-        device: torch.device | str,
-        layout: KVCacheLayout | str | None = None,
-        available_memory: int | None = None,
-        num_blocks: int | None = None,
-        max_num_seqs: int,
-        max_model_len: int,
-        plugin_manager: pluggy.PluginManager | None = None,
-        group: Any = None,
-        max_num_blocks: int | None = None,
-        enable_prefix_caching: bool = False,
-        kv_cache_dtype: str = "auto",
-        separate_state_pages: bool = False,
-        num_state_blocks: int | None = None,
-    ) -> KVCache:
+    def create(cls, layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, type[AttentionBackend] | str],
+               *, device: torch.device | str, layout: KVCacheLayout | str | None = None,
+               available_memory: int | None = None, num_blocks: int | None = None, max_num_seqs: int,
+               max_model_len: int, plugin_manager: pluggy.PluginManager | None = None, group: Any = None,
+               max_num_blocks: int | None = None, enable_prefix_caching: bool = False, kv_cache_dtype: str = "auto",
+               separate_state_pages: bool = False, num_state_blocks: int | None = None) -> KVCache:
         """Plan, allocate and wire a KV cache for ``layer_specs`` (model order).
 
-        ``layer_backends`` maps each attention layer to a backend class, a registered
-        name or ``"auto"``. Give one of ``available_memory`` (bytes) and ``num_blocks``.
-        With a ``torch.distributed`` ``group`` all ranks agree on one layout and block
-        count. With ``max_num_blocks`` the cache is elastic: planned for that many
-        blocks, memory committed for ``num_blocks`` (or what ``available_memory`` buys;
-        neither: all), changed later by :meth:`resize`. The stages: :func:`kvcore.negotiate` decides,
-        then the cache is allocated and wired from its record. ``kv_cache_dtype`` other than "auto"
-        stores attention layers quantized (docs/quantized-cache.md).
-        then the cache is allocated and wired from its record. ``separate_state_pages``: state caches
-        in a region of their own, ``num_state_blocks`` blocks (default: a slot per sequence, twice
-        that with prefix caching) with a pool of their own (:attr:`state_pool`).
+        ``layer_backends`` maps each attention layer to a backend class, a registered name or ``"auto"``. Give
+        one of ``available_memory`` (bytes) and ``num_blocks``. With a ``torch.distributed`` ``group`` all ranks
+        agree on one layout and block count. With ``max_num_blocks`` the cache is elastic: planned for that many
+        blocks, memory committed for ``num_blocks`` (or what ``available_memory`` buys; neither: all), changed
+        later by :meth:`resize`. ``kv_cache_dtype`` other than "auto" stores attention layers quantized
+        (docs/quantized-cache.md). ``separate_state_pages``: state caches in a region of their own,
+        ``num_state_blocks`` blocks (default: a slot per sequence, twice that with prefix caching) with a pool of
+        their own (:attr:`state_pool`). The stages: :func:`kvcore.negotiate` decides, then the cache is
+        allocated and wired from its record.
         """
         settings = Settings.from_env()
-        negotiation = negotiate(
-            layer_specs, layer_backends, device=checked_device(device), layout=layout,
-            available_memory=available_memory, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
-            max_model_len=max_model_len, plugin_manager=plugin_manager, group=group,
-            max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching, settings=settings,
-            kv_cache_dtype=kv_cache_dtype,
-            separate_state_pages=separate_state_pages, num_state_blocks=num_state_blocks,
-        )
+        negotiation = negotiate(layer_specs, layer_backends, device=checked_device(device), layout=layout,
+                                available_memory=available_memory, num_blocks=num_blocks, max_num_seqs=max_num_seqs,
+                                max_model_len=max_model_len, plugin_manager=plugin_manager, group=group,
+                                max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
+                                settings=settings, kv_cache_dtype=kv_cache_dtype,
+                                separate_state_pages=separate_state_pages, num_state_blocks=num_state_blocks)
         config, device, rows = negotiation.config, negotiation.device, negotiation.rows_per_block()
         elastic = reserve_elastic(config, device) if negotiation.elastic else None
         kv_caches = allocate_kv_cache(config, device, None, negotiation.allocation_kernel_block_sizes,
@@ -130,27 +112,12 @@ class KVCache:
                                                 settings=settings)
         zeroer = KVBlockZeroer.from_views(device, views, config.num_blocks, settings=settings)
         zeroer.num_blocks = negotiation.num_blocks
-        return cls(
-            config,
-            negotiation.layout,
-            attn_groups,
-            kv_caches,
-            layer_kv_caches,
-            BlockPool(negotiation.num_blocks, enable_caching=enable_prefix_caching),
-            zeroer,
-            device,
-            max_num_seqs,
-            max_model_len,
-            negotiation,
-            elastic,
-            settings,
-            scale_caches,
-            (scales := per_tensor_scales(config)),
-            quant_states(config, scale_caches, scales),
-            {n: b for n, b in negotiation.layer_backends.items() if is_mixer_backend(b)},
-            state_pool,
-            state_zeroer,
-        )
+        pool = BlockPool(negotiation.num_blocks, enable_caching=enable_prefix_caching)
+        scales, mixers = per_tensor_scales(config), {n: b for n, b in negotiation.layer_backends.items()
+                                                     if is_mixer_backend(b)}
+        return cls(config, negotiation.layout, attn_groups, kv_caches, layer_kv_caches, pool, zeroer, device,
+                   max_num_seqs, max_model_len, negotiation, elastic, settings, scale_caches, scales,
+                   quant_states(config, scale_caches, scales), mixers, state_pool, state_zeroer)
 
     def load_kv_scales(self, modules: Mapping[str, Any]) -> None:
         """Per-tensor scales from the ``k_scale`` / ``v_scale`` attributes (floats or 0-d
@@ -188,16 +155,9 @@ class KVCache:
         No live byte moves; shrinking refuses while blocks at or above ``num_blocks`` are held.
         """
         if self.elastic is None:
-            raise ValueError(
-                "this KVCache is not elastic; create it with KVCache.create(..., max_num_blocks=M) "
-                "to resize it"
-            )
-        num_blocks = as_int("num_blocks", num_blocks)
-        if not 2 <= num_blocks <= self.max_num_blocks:
-            raise ValueError(
-                f"num_blocks must be between 2 and max_num_blocks={self.max_num_blocks}, got "
-                f"{num_blocks}; create the cache with a larger max_num_blocks to grow further"
-            )
+            raise ValueError("this KVCache is not elastic; create it with "
+                             "KVCache.create(..., max_num_blocks=M) to resize it")
+        num_blocks = checked_num_blocks(num_blocks, self.max_num_blocks)
         old, elastic, pool = self.num_blocks, self.elastic, self.block_pool
         try:
             if num_blocks > old:
@@ -233,9 +193,7 @@ class KVCache:
             for attn_group in groups:
                 if layer_name in attn_group.layer_names:
                     return attn_group
-        raise ValueError(
-            f"layer {layer_name!r} is in no attention group; layers: {self.config.layer_names}"
-        )
+        raise ValueError(f"layer {layer_name!r} is in no attention group; layers: {self.config.layer_names}")
 
     def pool_of(self, group_id: int) -> BlockPool:
         """The pool KV cache group ``group_id`` takes its blocks from."""
@@ -259,27 +217,19 @@ class KVCache:
             zeroed += new_blocks
         return zeroed
 
-    def build_metadata(
-        self, common: list[CommonAttentionMetadata], ubatch_idx: int = 0
-    ) -> dict[str, Any]:
+    def build_metadata(self, common: list[CommonAttentionMetadata], ubatch_idx: int = 0) -> dict[str, Any]:
         """Each layer's backend metadata for one step (``common[g]``: group ``g``'s batch)."""
         if not isinstance(common, (list, tuple)):
-            raise TypeError(
-                f"common must be a list of CommonAttentionMetadata, one per KV cache group, got "
-                f"{type(common).__name__}"
-            )
+            raise TypeError(f"common must be a list of CommonAttentionMetadata, one per KV cache group, got "
+                            f"{type(common).__name__}")
         if len(common) != self.num_groups:
-            raise ValueError(
-                f"got {len(common)} common metadata objects for {self.num_groups} KV cache "
-                "groups; pass one per group (each with that group's block table)"
-            )
+            raise ValueError(f"got {len(common)} common metadata objects for {self.num_groups} KV cache groups; pass "
+                             "one per group (each with that group's block table)")
         for group_id, item in enumerate(common):
             if not isinstance(item, CommonAttentionMetadata):
-                raise TypeError(
-                    f"common[{group_id}] is a {type(item).__name__} ({item!r:.60}), not a "
-                    "CommonAttentionMetadata; build one per KV cache group with "
-                    "kvcore.plugins.backend.CommonAttentionMetadata(...)"
-                )
+                raise TypeError(f"common[{group_id}] is a {type(item).__name__} ({item!r:.60}), not a "
+                                "CommonAttentionMetadata; build one per KV cache group with "
+                                "kvcore.plugins.backend.CommonAttentionMetadata(...)")
         out: dict[str, Any] = {}
         for group_id, groups in enumerate(self.attn_groups):
             for attn_group in groups:

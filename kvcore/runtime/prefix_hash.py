@@ -25,18 +25,13 @@ def _encode_extra_keys(extra_keys: ExtraKey | Iterable[ExtraKey] | None) -> byte
     if isinstance(extra_keys, (int, str, bytes)):
         extra_keys = [extra_keys]  # NOTE: one key; a bool is refused below
     elif extra_keys is not None and not isinstance(extra_keys, Iterable):
-        raise TypeError(
-            "extra_keys must be None, one int/str/bytes key or a sequence of them, got "
-            f"{extra_keys!r}"
-        )
+        raise TypeError(f"extra_keys must be None, one int/str/bytes key or a sequence of them, got {extra_keys!r}")
     keys = [] if extra_keys is None else list(extra_keys)
     parts = [_U32.pack(len(keys))]
     for i, key in enumerate(keys):
         if isinstance(key, bool) or not isinstance(key, (int, str, bytes)):
-            raise TypeError(
-                f"extra_keys[{i}] must be an int, str or bytes (e.g. a LoRA id or an image "
-                f"hash), got {key!r} ({type(key).__name__})"
-            )
+            raise TypeError(f"extra_keys[{i}] must be an int, str or bytes (e.g. a LoRA "
+                            f"id or an image hash), got {key!r} ({type(key).__name__})")
         if isinstance(key, int):
             tag, payload = b"i", key.to_bytes(key.bit_length() // 8 + 1, "little", signed=True)
         elif isinstance(key, str):
@@ -62,9 +57,7 @@ def _token_array(token_ids: Sequence[int]) -> array:
     except (TypeError, OverflowError):
         for i, t in enumerate(ids):  # name the offending id
             if not 0 <= as_int(f"token_ids[{i}]", t) < 2**64:
-                raise ValueError(
-                    f"token_ids[{i}] = {t} is not a token id; ids must be in [0, 2**64)"
-                ) from None
+                raise ValueError(f"token_ids[{i}] = {t} is not a token id; ids must be in [0, 2**64)") from None
         tokens = array("Q", [as_int("token id", t) for t in ids])  # other int-like values
     # NOTE: array takes a bool as 0 or 1; only ids whose low byte is 0 or 1 are looked at.
     low = tokens.tobytes()[_LOW_BYTE::8]
@@ -72,23 +65,16 @@ def _token_array(token_ids: Sequence[int]) -> array:
         i = low.find(byte)
         while i != -1:
             if type(ids[i]) is bool:
-                raise TypeError(
-                    f"token_ids[{i}] is the bool {ids[i]!r}, not a token id; pass integer ids "
-                    "(int(x), or tensor.long() for a bool tensor)"
-                )
+                raise TypeError(f"token_ids[{i}] is the bool {ids[i]!r}, not a token id; pass "
+                                "integer ids (int(x), or tensor.long() for a bool tensor)")
             i = low.find(byte, i + 1)
     if sys.byteorder == "big":
         tokens.byteswap()
     return tokens
 
 
-def block_hashes(
-    token_ids: Sequence[int],
-    block_size: int,
-    *,
-    extra_keys: ExtraKey | Iterable[ExtraKey] | None = None,
-    parent: bytes | None = None,
-) -> list[bytes]:
+def block_hashes(token_ids: Sequence[int], block_size: int, *, extra_keys: ExtraKey | Iterable[ExtraKey] | None = None,
+                 parent: bytes | None = None) -> list[bytes]:
     """One chained 16-byte hash per full block of ``token_ids``; a partial last block gets none.
 
     Block ``i``'s hash covers its tokens, block ``i - 1``'s hash (``parent`` for block 0)
@@ -96,9 +82,7 @@ def block_hashes(
     """
     block_size = positive_int("block_size", block_size)
     if parent is not None and (type(parent) is not bytes or not parent):
-        raise TypeError(
-            f"parent must be None or a non-empty bytes hash from block_hashes, got {parent!r}"
-        )
+        raise TypeError(f"parent must be None or a non-empty bytes hash from block_hashes, got {parent!r}")
     tail = _encode_extra_keys(extra_keys) + _U32.pack(block_size)
     tokens = _token_array(token_ids)
     raw, step = memoryview(tokens).cast("B"), 8 * block_size

@@ -59,9 +59,7 @@ def layer_metadata(metadata: Any, layer_names: Iterable[str], states: Mapping[st
     for name in layer_names:
         state = states.get(name)
         if state is not None and not hasattr(getattr(type(metadata), "__attrs_attrs__", None), "kv_quant"):
-            raise TypeError(
-                f"layer {name!r} has a quantized cache but its backend's metadata "
-                f"({type(metadata).__name__}) has no kv_quant field; declare one (attrs) to serve it"
-            )
+            raise TypeError(f"layer {name!r} has a quantized cache but its backend's metadata "
+                            f"({type(metadata).__name__}) has no kv_quant field; declare one (attrs) to serve it")
         out[name] = metadata if state is None else attrs.evolve(metadata, kv_quant=state)
     return out

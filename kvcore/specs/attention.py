@@ -18,10 +18,8 @@ def _tokens_per_state(value: Any) -> int | Fraction:
     if isinstance(value, Fraction):
         return int(value) if value.denominator == 1 else value
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            "tokens_per_state must be an int or a fractions.Fraction, got "
-            f"{value!r} ({type(value).__name__})"
-        )
+        raise TypeError("tokens_per_state must be an int or a fractions.Fraction, "
+                        f"got {value!r} ({type(value).__name__})")
     return value
 
 
@@ -57,33 +55,21 @@ class AttentionSpec(KVCacheSpec):
             object.__setattr__(self, "head_size_v", self.head_size)
         tps = self.tokens_per_state
         if isinstance(tps, Fraction) and not 0 < tps < 1:
-            raise ValueError(
-                f"{name}.tokens_per_state={tps} is a fraction outside (0, 1); pass an "
-                "int (> 1 compresses tokens, <= 0 keeps one state per block) or a "
-                "Fraction below 1 (several states per token)"
-            )
+            raise ValueError(f"{name}.tokens_per_state={tps} is a fraction outside (0, 1); pass an int (> 1 compresses "
+                             "tokens, <= 0 keeps one state per block) or a Fraction below 1 (several states per token)")
         self.get_num_kernel_states(self.block_size)  # NOTE: raises unless blocks hold whole states
         itemsize = self.dtype.itemsize
         if self.state_content_size_bytes % itemsize:
-            raise ValueError(
-                f"{name}: {self.state_content_size_bytes} content bytes per state is "
-                f"not a multiple of the {itemsize}-byte {self.dtype}; set "
-                "state_content_bytes to a multiple of the element size"
-            )
+            raise ValueError(f"{name}: {self.state_content_size_bytes} content bytes per "
+                             f"state is not a multiple of the {itemsize}-byte {self.dtype}; "
+                             "set state_content_bytes to a multiple of the element size")
         check_kv_quant(self)
         self._check_page_padding(f"the {itemsize}-byte {self.dtype}")
 
     page_size_bytes = property(padded_page_size)
 
-    @property
-    def is_attention(self) -> bool:
-        """Always True: an attention backend serves these layers."""
-        return True
-
-    @property
-    def view_dtype(self) -> torch.dtype:
-        """The cache dtype."""
-        return self.dtype
+    is_attention = property(lambda self: True)
+    view_dtype = property(lambda self: self.dtype, doc="The cache dtype.")
 
     @property
     def num_heads(self) -> int:
@@ -135,21 +121,15 @@ class MLAAttentionSpec(FullAttentionSpec):
     def __attrs_post_init__(self) -> None:
         super().__attrs_post_init__()
         if self.num_kv_heads != 1:
-            raise ValueError(
-                f"MLAAttentionSpec.num_kv_heads={self.num_kv_heads}: MLA stores one latent "
-                "vector per token, shared by all heads, so num_kv_heads must be 1 (put the "
-                "latent size in head_size)"
-            )
+            raise ValueError(f"MLAAttentionSpec.num_kv_heads={self.num_kv_heads}: MLA stores one latent vector per "
+                             "token, shared by all heads, so num_kv_heads must be 1 (put the latent size in head_size)")
 
 
 @attrs.frozen
 class EncoderOnlyAttentionSpec(AttentionSpec):
     """Bidirectional encoder attention: no KV cache pages are allocated."""
 
-    @property
-    def has_cache_pages(self) -> bool:
-        """Always False: encoder-only attention keeps no pages."""
-        return False
+    has_cache_pages = property(lambda self: False, doc="Always False: encoder-only attention keeps no pages.")
 
 
 @attrs.frozen

@@ -25,11 +25,9 @@ def check_cache_dtype(where: str, value: Any) -> torch.dtype:
     if not isinstance(value, torch.dtype):
         raise TypeError(f"{where} must be a torch.dtype (e.g. torch.bfloat16), got {value!r}")
     if value in _NOT_CACHE_DTYPES or value.is_complex:
-        raise ValueError(
-            f"{where}={value} is not a dtype a KV cache can store; use a floating or integer "
-            "dtype such as torch.bfloat16, torch.float16, torch.float32, torch.float8_e4m3fn or "
-            "torch.int8 (store a complex value as two real ones)"
-        )
+        raise ValueError(f"{where}={value} is not a dtype a KV cache can store; use a floating or "
+                         "integer dtype such as torch.bfloat16, torch.float16, torch.float32, "
+                         "torch.float8_e4m3fn or torch.int8 (store a complex value as two real ones)")
     return value
 
 
@@ -38,11 +36,9 @@ def check_hashable(where: str, spec: Any) -> None:
     try:
         hash(spec)
     except TypeError as exc:
-        raise TypeError(
-            f"{where} ({type(spec).__name__}) cannot be hashed ({exc}); kvcore groups layers by "
-            "equal specs: declare the spec class with @attrs.frozen and immutable fields "
-            "(tuples, not lists)"
-        ) from None
+        raise TypeError(f"{where} ({type(spec).__name__}) cannot be hashed ({exc}); "
+                        "kvcore groups layers by equal specs: declare the spec class with "
+                        "@attrs.frozen and immutable fields (tuples, not lists)") from None
 
 
 def optional_positive() -> Any:
@@ -65,9 +61,7 @@ class MultipleOf:
 
 def _optional_multiple_of(inst: Any, attribute: Any, value: Any) -> None:
     if value is not None and not isinstance(value, MultipleOf):
-        raise TypeError(
-            f"{type(inst).__name__}.{attribute.name} must be None or a MultipleOf, got {value!r}"
-        )
+        raise TypeError(f"{type(inst).__name__}.{attribute.name} must be None or a MultipleOf, got {value!r}")
 
 
 @attrs.frozen
@@ -85,9 +79,7 @@ class KVCacheSpec:
     """
 
     block_size: int = attrs.field(validator=attrs_positive)
-    block_stride_alignment: MultipleOf | None = attrs.field(
-        default=None, kw_only=True, validator=_optional_multiple_of
-    )
+    block_stride_alignment: MultipleOf | None = attrs.field(default=None, kw_only=True, validator=_optional_multiple_of)
 
     @property
     def tokens_per_state(self) -> int | Fraction:
@@ -162,10 +154,8 @@ class KVCacheSpec:
             return 1
         states = Fraction(kernel_block_size) / tps
         if states.denominator != 1:
-            raise ValueError(
-                f"block size {kernel_block_size} does not hold a whole number of states at "
-                f"tokens_per_state={tps}; use a block size divisible by {tps}"
-            )
+            raise ValueError(f"block size {kernel_block_size} does not hold a whole number of states "
+                             f"at tokens_per_state={tps}; use a block size divisible by {tps}")
         return int(states)
 
     def copy_with_new_block_size(self, block_size: int) -> KVCacheSpec:
@@ -190,23 +180,17 @@ class KVCacheSpec:
         padded, real, align = self.page_size_padded, self.real_page_size_bytes, self.dtype_alignment
         name = type(self).__name__
         if padded is not None and padded < real:
-            raise ValueError(
-                f"{name}.page_size_padded={padded} is smaller than the page it pads "
-                f"({real} bytes); pass at least {real} or None"
-            )
+            raise ValueError(f"{name}.page_size_padded={padded} is smaller than the page "
+                             f"it pads ({real} bytes); pass at least {real} or None")
         if padded is not None and padded % align:
-            raise ValueError(
-                f"{name}.page_size_padded={padded} is not a multiple of {element}, so "
-                f"blocks after the first would start mid-element; pass a multiple of "
-                f"{align} (e.g. {-(-padded // align) * align}) or None"
-            )
+            raise ValueError(f"{name}.page_size_padded={padded} is not a multiple of {element}, "
+                             "so blocks after the first would start mid-element; pass a "
+                             f"multiple of {align} (e.g. {-(-padded // align) * align}) or None")
 
 
 def _spec_mapping(value: Any) -> dict[str, KVCacheSpec]:
     if not isinstance(value, Mapping):
-        raise TypeError(
-            f"UniformTypeKVCacheSpecs.kv_cache_specs must map layer names to specs, got {value!r}"
-        )
+        raise TypeError(f"UniformTypeKVCacheSpecs.kv_cache_specs must map layer names to specs, got {value!r}")
     return dict(value)
 
 
@@ -221,19 +205,15 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
             raise ValueError("UniformTypeKVCacheSpecs needs at least one layer spec")
         for name, spec in self.kv_cache_specs.items():
             if not isinstance(spec, KVCacheSpec):
-                raise TypeError(
-                    f"UniformTypeKVCacheSpecs: layer {name!r} maps to {spec!r}, not a KVCacheSpec"
-                )
+                raise TypeError(f"UniformTypeKVCacheSpecs: layer {name!r} maps to {spec!r}, not a KVCacheSpec")
         kinds = {type(s) for s in self.kv_cache_specs.values()}
         if len(kinds) != 1:
             names = ", ".join(sorted(k.__name__ for k in kinds))
             raise ValueError(f"UniformTypeKVCacheSpecs needs layers of one spec type, got {names}")
         for name, spec in self.kv_cache_specs.items():
             if spec.block_size != self.block_size:
-                raise ValueError(
-                    f"layer {name!r} has block size {spec.block_size}, the group "
-                    f"has {self.block_size}; give every layer the same block size"
-                )
+                raise ValueError(f"layer {name!r} has block size {spec.block_size}, the group "
+                                 f"has {self.block_size}; give every layer the same block size")
 
     @classmethod
     def is_uniform_type(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> bool:
@@ -245,42 +225,21 @@ class UniformTypeKVCacheSpecs(KVCacheSpec):
         return len(kinds) == 1
 
     @classmethod
-    def from_specs(
-        cls, kv_cache_specs: Mapping[str, KVCacheSpec]
-    ) -> UniformTypeKVCacheSpecs | None:
+    def from_specs(cls, kv_cache_specs: Mapping[str, KVCacheSpec]) -> UniformTypeKVCacheSpecs | None:
         """Group ``kv_cache_specs`` when they can share one group, else None."""
         if not cls.is_uniform_type(kv_cache_specs):
             return None
         return cls(next(iter(kv_cache_specs.values())).block_size, kv_cache_specs)
 
-    @property
-    def _first(self) -> KVCacheSpec:
-        return next(iter(self.kv_cache_specs.values()))
-
-    @property
-    def tokens_per_state(self) -> int | Fraction:
-        """The layers' tokens per state (they share one spec type)."""
-        return self._first.tokens_per_state
-
-    @property
-    def has_cache_pages(self) -> bool:
-        """Whether the layers keep pages."""
-        return self._first.has_cache_pages
-
-    @property
-    def is_attention(self) -> bool:
-        """Whether an attention backend serves the layers."""
-        return self._first.is_attention
-
-    @property
-    def page_size_bytes(self) -> int:
-        """The sum of the layers' pages."""
-        return sum(s.page_size_bytes for s in self.kv_cache_specs.values())
-
-    @property
-    def dtype_alignment(self) -> int:
-        """The least common multiple of the layers' alignments."""
-        return math.lcm(*(s.dtype_alignment for s in self.kv_cache_specs.values()))
+    # NOTE: the layers share one spec type: their first one's tokens per state and kind speak for all
+    _first = property(lambda self: next(iter(self.kv_cache_specs.values())))
+    tokens_per_state = property(lambda self: self._first.tokens_per_state)
+    has_cache_pages = property(lambda self: self._first.has_cache_pages)
+    is_attention = property(lambda self: self._first.is_attention)
+    page_size_bytes = property(lambda self: sum(s.page_size_bytes for s in self.kv_cache_specs.values()),
+                               doc="The sum of the layers' pages.")
+    dtype_alignment = property(lambda self: math.lcm(*(s.dtype_alignment for s in self.kv_cache_specs.values())),
+                               doc="The least common multiple of the layers' alignments.")
 
     def _page_of_tokens(self, tokens: int) -> int:
         return sum(s._page_of_tokens(tokens) for s in self.kv_cache_specs.values())

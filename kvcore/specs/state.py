@@ -16,14 +16,9 @@ def _shapes(value: Any) -> tuple[tuple[int, ...], ...]:
     try:
         shapes = [tuple(shape) for shape in value]
     except TypeError:
-        raise TypeError(
-            "MambaSpec.shapes must be a sequence of shapes (e.g. [(4, 128), (8, 64)]), got "
-            f"{value!r}"
-        ) from None
-    return tuple(
-        tuple(as_int(f"MambaSpec.shapes[{i}] dim", d) for d in shape)
-        for i, shape in enumerate(shapes)
-    )
+        raise TypeError("MambaSpec.shapes must be a sequence of shapes (e.g. "
+                        f"[(4, 128), (8, 64)]), got {value!r}") from None
+    return tuple(tuple(as_int(f"MambaSpec.shapes[{i}] dim", d) for d in shape) for i, shape in enumerate(shapes))
 
 
 def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
@@ -32,17 +27,13 @@ def _dtypes(value: Any) -> tuple[torch.dtype, ...]:
     try:
         dtypes = tuple(value)
     except TypeError:
-        raise TypeError(
-            f"MambaSpec.dtypes must be a torch.dtype or a sequence of them, got {value!r}"
-        ) from None
+        raise TypeError(f"MambaSpec.dtypes must be a torch.dtype or a sequence of them, got {value!r}") from None
     return tuple(check_cache_dtype(f"MambaSpec.dtypes[{i}]", d) for i, d in enumerate(dtypes))
 
 
 def _mamba_type(inst: Any, attribute: Any, value: Any) -> None:
     if value is not None and (not isinstance(value, str) or not value):
-        raise TypeError(
-            f"MambaSpec.mamba_type must be a non-empty str such as 'mamba2' or None, got {value!r}"
-        )
+        raise TypeError(f"MambaSpec.mamba_type must be a non-empty str such as 'mamba2' or None, got {value!r}")
 
 
 @attrs.frozen
@@ -60,10 +51,8 @@ class MambaSpec(KVCacheSpec):
     def __attrs_post_init__(self) -> None:
         name = type(self).__name__
         if not self.shapes or len(self.shapes) != len(self.dtypes):
-            raise ValueError(
-                f"{name} needs one dtype per state shape and at least one state, got "
-                f"{len(self.shapes)} shapes and {len(self.dtypes)} dtypes"
-            )
+            raise ValueError(f"{name} needs one dtype per state shape and at least one state, "
+                             f"got {len(self.shapes)} shapes and {len(self.dtypes)} dtypes")
         for shape in self.shapes:
             if any(d <= 0 for d in shape):
                 raise ValueError(f"{name}: state shape {shape} has a non-positive dim")
@@ -71,25 +60,18 @@ class MambaSpec(KVCacheSpec):
 
     page_size_bytes = property(padded_page_size)
 
-    @property
-    def state_content_size_bytes(self) -> int:
-        """``C``: the bytes of all state tensors together."""
-        return sum(self.state_bytes)
-
-    @property
-    def dtype_alignment(self) -> int:
-        """The largest state element, in bytes."""
-        return max(d.itemsize for d in self.dtypes)
+    state_content_size_bytes = property(lambda self: sum(self.state_bytes),
+                                        doc="``C``: the bytes of all state tensors together.")
+    dtype_alignment = property(lambda self: max(d.itemsize for d in self.dtypes),
+                               doc="The largest state element, in bytes.")
 
     @property
     def state_bytes(self) -> tuple[int, ...]:
         """Bytes of each state tensor, in order."""
         return tuple(math.prod(s) * d.itemsize for s, d in zip(self.shapes, self.dtypes))
 
-    @property
-    def view_dtype(self) -> torch.dtype:
-        """The common dtype of all states, or ``torch.int8`` when they differ."""
-        return self.dtypes[0] if len(set(self.dtypes)) == 1 else torch.int8
+    view_dtype = property(lambda self: self.dtypes[0] if len(set(self.dtypes)) == 1 else torch.int8,
+                          doc="The common dtype of all states, or ``torch.int8`` when they differ.")
 
     def max_num_blocks_per_req(self, max_model_len: int) -> int:
         positive_int("max_model_len", max_model_len)
@@ -103,19 +85,15 @@ class MambaSpec(KVCacheSpec):
             raise ValueError(f"split_states needs a [B, 1, 1, C] layer view, got {shown}")
         raw = view.view(torch.int8)[:, 0, 0, :]
         if raw.shape[1] != self.state_content_size_bytes:
-            raise ValueError(
-                f"the view holds {raw.shape[1]} bytes per block, this spec's states "
-                f"{self.state_content_size_bytes}; pass a view made for this spec"
-            )
+            raise ValueError(f"the view holds {raw.shape[1]} bytes per block, this spec's states "
+                             f"{self.state_content_size_bytes}; pass a view made for this spec")
         out, start = [], 0
         for i, (shape, dtype, nbytes) in enumerate(zip(self.shapes, self.dtypes, self.state_bytes)):
             offset = raw.storage_offset() + start
             if offset % dtype.itemsize or raw.stride(0) % dtype.itemsize:
-                raise ValueError(
-                    f"state {i} ({dtype}) starts at byte {offset} with block stride "
-                    f"{raw.stride(0)}, not multiples of {dtype.itemsize}; order the "
-                    "states by decreasing element size or pad the page"
-                )
+                raise ValueError(f"state {i} ({dtype}) starts at byte {offset} with block "
+                                 f"stride {raw.stride(0)}, not multiples of {dtype.itemsize}; "
+                                 "order the states by decreasing element size or pad the page")
             out.append(raw[:, start : start + nbytes].view(dtype).reshape(raw.shape[0], *shape))
             start += nbytes
         return out

@@ -37,8 +37,7 @@ def unpack(data: bytes) -> tuple[str, KVCacheDescriptor, dict, bytes]:
         fields = json.loads(header)
         name, desc_text, info = fields["name"], fields["descriptor"], fields["process"]
     except (ValueError, TypeError, KeyError) as exc:
-        raise ValueError(f"peer metadata is damaged ({exc}); pass the bytes of metadata() "
-                         "unchanged") from None
+        raise ValueError(f"peer metadata is damaged ({exc}); pass the bytes of metadata() unchanged") from None
     if not isinstance(name, str) or not name:
         raise ValueError(f"peer metadata names its agent {name!r}, not a non-empty str; pass the "
                          "bytes of metadata() unchanged")
@@ -91,8 +90,7 @@ def head_slice_mismatch(
     if a.block_size != b.block_size:
         return f"group {group_id} block size: {a.block_size} here, {b.block_size} on the peer"
     if len(a.layers) != len(b.layers) or not a.layers:
-        return (f"group {group_id} has {len(a.layers)} layers with cache pages here, "
-                f"{len(b.layers)} on the peer")
+        return (f"group {group_id} has {len(a.layers)} layers with cache pages here, {len(b.layers)} on the peer")
     if local.kv_cache_dtype != remote.kv_cache_dtype:
         return f"KV cache dtype: {local.kv_cache_dtype} here, {remote.kv_cache_dtype} on the peer"
     for la, lb in zip(a.layers, b.layers):
@@ -101,17 +99,14 @@ def head_slice_mismatch(
             return f"layer {la.name!r} keeps per-token-head scales, which move with whole blocks only"
         rows = [attrs.evolve(c, num_kv_heads=0, num_head_slots=0) for c in (ca, cb)]
         if ca.kind != "attention" or la.dtype != lb.dtype or rows[0] != rows[1]:
-            return (f"layer {la.name!r} stores other rows than the peer's {lb.name!r} "
-                    "(dtype, head size or content)")
+            return (f"layer {la.name!r} stores other rows than the peer's {lb.name!r} (dtype, head size or content)")
         if head_start is not None and not 0 <= head_start <= cb.num_kv_heads - ca.num_kv_heads:
             return (f"heads {head_start}..{head_start + ca.num_kv_heads - 1} do not exist on the "
                     f"peer, which has {cb.num_kv_heads} KV heads in layer {lb.name!r}")
     return None
 
 
-def check_peer(
-    name: str, local: KVCacheDescriptor, remote: KVCacheDescriptor, heads_may_differ: bool
-) -> str | None:
+def check_peer(name: str, local: KVCacheDescriptor, remote: KVCacheDescriptor, heads_may_differ: bool) -> str | None:
     """Refuse peer ``name`` unless whole blocks (or, ``heads_may_differ``, head slices) can
     move; returns why whole blocks cannot (a peer for head slices only), or None."""
     reason = incompatibility(local, remote)

@@ -153,17 +153,15 @@ class KVCacheDescriptor:
         """Parse :meth:`to_json` output, checking every field (the text is not trusted): a
         wrong type raises ``TypeError``, a wrong value or version ``ValueError``."""
         if not isinstance(text, (str, bytes, bytearray)):
-            raise TypeError(f"from_json needs the str or bytes of to_json(), got "
-                            f"{type(text).__name__}")
+            raise TypeError(f"from_json needs the str or bytes of to_json(), got {type(text).__name__}")
         try:
             data = json.loads(text)
         except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
             raise ValueError(f"not a KV cache descriptor (invalid JSON: {exc})") from None
         found = data.get("version") if isinstance(data, dict) else None
         if type(found) is not int or found != DESCRIPTOR_VERSION:
-            raise ValueError(f"KV cache descriptor version {found!r} is not supported (this "
-                             f"kvcore reads version {DESCRIPTOR_VERSION}); describe the cache "
-                             "with a matching kvcore")
+            raise ValueError(f"KV cache descriptor version {found!r} is not supported (this kvcore reads "
+                             f"version {DESCRIPTOR_VERSION}); describe the cache with a matching kvcore")
         check_fields(data)
         descriptor = cls(**data)
         check_bounds(descriptor)

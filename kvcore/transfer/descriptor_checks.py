@@ -36,9 +36,7 @@ def _typed(field: str, value: Any, kind: type, expected: str) -> Any:
     return value
 
 
-def _int(
-    field: str, value: Any, low: int = 0, high: int = MAX_ADDRESS - 1, why: str | None = None
-) -> int:
+def _int(field: str, value: Any, low: int = 0, high: int = MAX_ADDRESS - 1, why: str | None = None) -> int:
     """``value`` checked to be an int in ``[low, high]``; ``why`` says where the bounds come from."""
     if not low <= _typed(field, value, int, "an integer") <= high:
         expected = f"{low}" if low == high else f"an integer in [{low}, {high}]"
@@ -211,8 +209,7 @@ def check_bounds(descriptor: Any) -> None:
                 why = f"its blocks reach byte {end} of allocation {layer.allocation}, which holds"
                 raise _value_error(f"{at}.offset", layer.offset, f"{why} {size} bytes")
             try:
-                block_runs(layer.shape, strides, layer.itemsize, layer.rows_per_block,
-                           max_runs=MAX_RUNS_PER_BLOCK)
+                block_runs(layer.shape, strides, layer.itemsize, layer.rows_per_block, max_runs=MAX_RUNS_PER_BLOCK)
             except ValueError as exc:
                 raise _value_error(f"{at}.strides", list(layer.strides), str(exc)) from None
             scales = layer.scales

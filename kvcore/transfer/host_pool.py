@@ -46,9 +46,7 @@ class CopyHandle:
             self._event.synchronize()
 
 
-def _staging(
-    patterns: tuple[BlockPattern, ...], buffer: torch.Tensor
-) -> tuple[torch.Tensor, int, torch.Tensor] | None:
+def _staging(patterns: tuple[BlockPattern, ...], buffer: torch.Tensor) -> tuple[torch.Tensor, int, torch.Tensor] | None:
     """Blocks of equal, aligned runs as rows of a table over ``buffer`` (flat int8, viewed in
     the widest integer dividing a run): ``(table, rows per block stride, run starts in rows)``,
     else None."""
@@ -101,8 +99,7 @@ class HostKVPool:
     def host_block(self, host_id: int) -> torch.Tensor:
         """The bytes of host slot ``host_id`` (a view of the mirror)."""
         if type(host_id) is not int or not 0 <= host_id < self.num_host_blocks:
-            raise ValueError(f"host block {host_id!r} is not an integer in "
-                             f"[0, {self.num_host_blocks})")
+            raise ValueError(f"host block {host_id!r} is not an integer in [0, {self.num_host_blocks})")
         return self.host[host_id * self.block_bytes : (host_id + 1) * self.block_bytes]
 
     def offload(self, device_ids: Any, host_ids: Any, *, group_id: int | None = None,
@@ -124,8 +121,7 @@ class HostKVPool:
         state = bool(groups) and self.descriptor.group(groups[0]).num_blocks is not None
         num_blocks = self.descriptor.num_blocks_of(groups[0]) if state else self.kv_cache.num_blocks
         dev, host = paired_ids((device_ids, num_blocks, "device block id", False),
-                               (host_ids, self.num_host_blocks, "host block id", True),
-                               first_is_src=to_host)
+                               (host_ids, self.num_host_blocks, "host block id", True), first_is_src=to_host)
         patterns, staging = self._layout(group_id)
         if self.staging and staging is not None and dev.numel():
             plan = self._staged_copy(staging, dev, host, to_host=to_host)

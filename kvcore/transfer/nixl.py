@@ -12,13 +12,7 @@ import attrs
 import torch
 
 from kvcore.runtime.kv_cache import KVCache
-from kvcore.transfer.compat import (
-    IncompatiblePeerError,
-    check_peer,
-    head_slice_mismatch,
-    pack,
-    unpack,
-)
+from kvcore.transfer.compat import IncompatiblePeerError, check_peer, head_slice_mismatch, pack, unpack
 from kvcore.transfer.descriptor import KVCacheDescriptor, describe, raw_allocation
 from kvcore.transfer.nixl_api import (
     PreparedRuns,
@@ -34,8 +28,7 @@ from kvcore.transfer.regions import group_selection, paired_ids, whole_block_pat
 from kvcore.transfer.transport import Transport, transport_between
 
 _LOCAL = "NIXL_INIT_AGENT"  # NOTE: NIXL's name for the initiator's side of a prepared list
-_RECONNECT = ("if the peer process exited or resized its KV cache, connect() again with its fresh "
-              "metadata()")
+_RECONNECT = "if the peer process exited or resized its KV cache, connect() again with its fresh metadata()"
 
 
 @contextlib.contextmanager
@@ -106,8 +99,7 @@ class NixlAgent:
         """
         name, desc, info, agent_md = unpack(peer_metadata)
         if name == self.name:
-            raise ValueError(f"peer metadata names this agent itself ({name!r}); pass the other "
-                             "process's")
+            raise ValueError(f"peer metadata names this agent itself ({name!r}); pass the other process's")
         reason = check_peer(name, self.descriptor, desc, heads_may_differ)
         remedy = ("the peer process may have exited or its metadata is stale: restart the peer "
                   "and pass its fresh metadata()")
@@ -132,8 +124,7 @@ class NixlAgent:
 
     def _peer(self, peer: str) -> _Peer:
         if peer not in self._peers:
-            raise ValueError(f"peer {peer!r} is not connected; connected peers: {self.peers}. "
-                             "Call connect() first")
+            raise ValueError(f"peer {peer!r} is not connected; connected peers: {self.peers}. Call connect() first")
         return self._peers[peer]
 
     def write_blocks(self, peer: str, local_ids: Any, remote_ids: Any, *,
@@ -141,13 +132,11 @@ class NixlAgent:
         """Write local blocks ``local_ids`` into the peer's blocks ``remote_ids`` (pairwise)."""
         return self._blocks("WRITE", peer, local_ids, remote_ids, group_id)
 
-    def read_blocks(self, peer: str, remote_ids: Any, local_ids: Any, *,
-                    group_id: int | None = None) -> TransferHandle:
+    def read_blocks(self, peer: str, remote_ids: Any, local_ids: Any, *, group_id: int | None = None) -> TransferHandle:
         """Read the peer's blocks ``remote_ids`` into local blocks ``local_ids`` (pairwise)."""
         return self._blocks("READ", peer, local_ids, remote_ids, group_id)
 
-    def _blocks(self, op: str, peer: str, local_ids: Any, remote_ids: Any,
-                group_id: int | None) -> TransferHandle:
+    def _blocks(self, op: str, peer: str, local_ids: Any, remote_ids: Any, group_id: int | None) -> TransferHandle:
         remote = self._peer(peer)
         if remote.heads_only is not None:
             raise IncompatiblePeerError(f"peer {peer!r} was connected for head slices only; whole "
@@ -160,12 +149,10 @@ class NixlAgent:
         far = self._prepare(peer, remote.descriptor, groups)
         local_index, remote_index, runs, nbytes = paired_indices(local, far, loc, rem)
         with _nixl(f"prepare the {op} with peer {peer!r}"):
-            handle = self._agent.make_prepped_xfer(op, local.handle, local_index, far.handle,
-                                                   remote_index)
+            handle = self._agent.make_prepped_xfer(op, local.handle, local_index, far.handle, remote_index)
         return self._start(op, peer, handle, runs, nbytes)
 
-    def _prepare(self, owner: str, descriptor: KVCacheDescriptor,
-                 groups: tuple[int, ...]) -> PreparedRuns:
+    def _prepare(self, owner: str, descriptor: KVCacheDescriptor, groups: tuple[int, ...]) -> PreparedRuns:
         """``owner``'s runs of ``groups`` as a NIXL prepared list (made on first use, then kept
         while that side's size stays: this side's is made again after a resize)."""
         key = (owner, groups)
@@ -178,8 +165,7 @@ class NixlAgent:
             if owner != _LOCAL:  # NOTE: connect() checked whole blocks pair up; this is per group
                 reason = structure_mismatch(whole_block_patterns(self.descriptor, groups), patterns)
                 if reason is not None:
-                    raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {owner!r}: "
-                                                f"{reason}")
+                    raise IncompatiblePeerError(f"cannot exchange KV blocks with peer {owner!r}: {reason}")
             with _nixl(f"prepare the descriptor list of {owner!r}"):
                 prepared = PreparedRuns(descriptor, patterns, size)
                 self._prepared[key] = prepared.prepare(self._agent, owner)
@@ -216,8 +202,7 @@ class NixlAgent:
         against the size it stated when it connected); a READ writes the local side."""
         far = self._peers[peer].descriptor.num_blocks
         return paired_ids((local_ids, self.kv_cache.num_blocks, "local block id", False),
-                          (remote_ids, far, f"block id of peer {peer!r}", False),
-                          first_is_src=op != "READ")
+                          (remote_ids, far, f"block id of peer {peer!r}", False), first_is_src=op != "READ")
 
     def _start(self, op: str, peer: str, handle: Any, runs: int, nbytes: int) -> TransferHandle:
         """Post a NIXL transfer handle; a refusal releases it and raises :class:`TransferError`."""
@@ -229,8 +214,7 @@ class NixlAgent:
         if state not in ("DONE", "PROC"):
             with contextlib.suppress(Exception):  # NOTE: the refusal below is what the caller needs
                 self._agent.release_xfer_handle(handle)
-            raise TransferError(f"NIXL could not start the {op} with peer {peer!r} ({state}); "
-                                f"{_RECONNECT}") from cause
+            raise TransferError(f"NIXL could not start the {op} with peer {peer!r} ({state}); {_RECONNECT}") from cause
         started = TransferHandle(self._agent, handle, runs, nbytes, self._peers[peer].transport)
         with contextlib.suppress(Exception):  # NOTE: older NIXL builds lack the query: None then
             started.backend = self._agent.query_xfer_backend(handle)

@@ -44,9 +44,7 @@ def mem_type(device: str) -> tuple[str, int]:
     return "DRAM", 0
 
 
-def xfer_arrays(
-    plan: list[PairedRuns], src: KVCacheDescriptor, dst: KVCacheDescriptor
-) -> tuple[Any, Any]:
+def xfer_arrays(plan: list[PairedRuns], src: KVCacheDescriptor, dst: KVCacheDescriptor) -> tuple[Any, Any]:
     """NIXL's ``Nx3`` ``[address, length, device id]`` arrays of the source and destination runs."""
     sides: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
     for part in plan:
@@ -61,8 +59,7 @@ def xfer_arrays(
 class TransferHandle:
     """One NIXL transfer in flight; :meth:`wait` returns when its bytes have moved."""
 
-    def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int,
-                 transport: Any = None) -> None:
+    def __init__(self, agent: Any, handle: Any, num_runs: int, nbytes: int, transport: Any = None) -> None:
         self._agent, self._handle = agent, handle
         self.num_runs, self.nbytes = num_runs, nbytes
         #: How the bytes travel (:class:`kvcore.transfer.transport.Transport`), and NIXL's backend.
@@ -76,10 +73,8 @@ class TransferHandle:
             self._agent.release_xfer_handle(self._handle)
             self._handle = None
         if state == "ERR":
-            raise TransferError(
-                "NIXL reported an error for this transfer; the peer process may have exited: "
-                "reconnect to a live peer and move the blocks again"
-            )
+            raise TransferError("NIXL reported an error for this transfer; the peer process may "
+                                "have exited: reconnect to a live peer and move the blocks again")
         return state == "DONE"
 
     def wait(self, timeout: float | None = None) -> None:
@@ -96,8 +91,7 @@ class PreparedRuns:
     every block, so descriptor ``r * num_blocks + b`` is that run in block ``b`` (``num_blocks``:
     the descriptor's unless given)."""
 
-    def __init__(self, descriptor: KVCacheDescriptor, patterns,
-                 num_blocks: int | None = None) -> None:
+    def __init__(self, descriptor: KVCacheDescriptor, patterns, num_blocks: int | None = None) -> None:
         self.kind, self.device = mem_type(descriptor.allocations[patterns[0].allocation].device)
         bases = [descriptor.allocations[p.allocation].base_ptr for p in patterns]
         self.starts = torch.tensor([b + s for b, p in zip(bases, patterns) for s in p.starts])

@@ -65,10 +65,8 @@ def merge_pairs(src: torch.Tensor, dst: torch.Tensor, lengths: torch.Tensor):
     return src[new], dst[new], merged
 
 
-def pair_runs(
-    src_patterns: tuple[BlockPattern, ...], src_ids: torch.Tensor,
-    dst_patterns: tuple[BlockPattern, ...], dst_ids: torch.Tensor,
-) -> list[PairedRuns]:
+def pair_runs(src_patterns: tuple[BlockPattern, ...], src_ids: torch.Tensor, dst_patterns: tuple[BlockPattern, ...],
+              dst_ids: torch.Tensor) -> list[PairedRuns]:
     """The copies that move blocks ``src_ids`` onto ``dst_ids`` (checked ids), merged per pair
     of allocations."""
     reason = structure_mismatch(src_patterns, dst_patterns)
@@ -77,9 +75,7 @@ def pair_runs(
     parts: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}
     for a, b in zip(src_patterns, dst_patterns):
         src, lengths = a.runs(src_ids)
-        parts.setdefault((a.allocation, b.allocation), []).append(
-            (src, b.runs(dst_ids)[0], lengths)
-        )
+        parts.setdefault((a.allocation, b.allocation), []).append((src, b.runs(dst_ids)[0], lengths))
     return [PairedRuns(*allocs, *merge_pairs(*(torch.cat(x) for x in zip(*runs))))
             for allocs, runs in sorted(parts.items())]
 

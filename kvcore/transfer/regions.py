@@ -59,15 +59,12 @@ def _plural(what: str) -> str:
     return f"{noun}s{sep}{rest}"
 
 
-def block_id_tensor(
-    block_ids: Any, num_blocks: int, what: str = "block id", null_ok: bool = True
-) -> torch.Tensor:
+def block_id_tensor(block_ids: Any, num_blocks: int, what: str = "block id", null_ok: bool = True) -> torch.Tensor:
     """Ints, a sequence of ints or an integer tensor, each in ``[0 or 1, num_blocks)``, as int64."""
     low = 0 if null_ok else 1
     if isinstance(block_ids, torch.Tensor):
         if block_ids.dtype == torch.bool or block_ids.is_floating_point() or block_ids.is_complex():
-            raise ValueError(f"{_plural(what)} must be an integer tensor, got {block_ids.dtype}; "
-                             "pass int32/int64 ids")
+            raise ValueError(f"{_plural(what)} must be an integer tensor, got {block_ids.dtype}; pass int32/int64 ids")
         ids = block_ids.detach().reshape(-1).to("cpu", torch.int64)
         bad = ids[(ids < low) | (ids >= num_blocks)]
         if bad.numel():
@@ -158,26 +155,18 @@ def group_selection(descriptor: KVCacheDescriptor, group_id: int | None) -> tupl
     return (group_id,)
 
 
-def whole_block_patterns(
-    descriptor: KVCacheDescriptor, group_ids: tuple[int, ...]
-) -> tuple[BlockPattern, ...]:
+def whole_block_patterns(descriptor: KVCacheDescriptor, group_ids: tuple[int, ...]) -> tuple[BlockPattern, ...]:
     """Patterns of all selected groups; refuses groups whose blocks repeat at other strides."""
     patterns = block_patterns(descriptor, group_ids, None)
     strides = sorted({p.block_stride for p in patterns})
     if len(strides) > 1:
-        raise ValueError(f"the KV cache groups store blocks at different strides ({strides} "
-                         "bytes), so a block id means different bytes in each; pass group_id= "
-                         "to move one group's blocks")
+        raise ValueError(f"the KV cache groups store blocks at different strides ({strides} bytes), so a "
+                         "block id means different bytes in each; pass group_id= to move one group's blocks")
     return patterns
 
 
-def plan_transfer(
-    descriptor: KVCacheDescriptor,
-    block_ids: Sequence[int] | torch.Tensor,
-    *,
-    group_id: int = 0,
-    layers: Sequence[str] | None = None,
-) -> list[Region]:
+def plan_transfer(descriptor: KVCacheDescriptor, block_ids: Sequence[int] | torch.Tensor, *, group_id: int = 0,
+                  layers: Sequence[str] | None = None) -> list[Region]:
     """The fewest contiguous runs covering exactly the bytes of manager blocks ``block_ids``.
 
     Every byte the views of group ``group_id``'s layers (all, or ``layers``) address for

@@ -49,9 +49,7 @@ def pick(candidates: tuple[str, ...], tls: str | None) -> str:
     return next((name for name in candidates if (name in names) != negated), "tcp")
 
 
-def transport_between(
-    local: Any, remote: Any, peer_info: dict[str, Any], tls: str | None = None
-) -> Transport:
+def transport_between(local: Any, remote: Any, peer_info: dict[str, Any], tls: str | None = None) -> Transport:
     """The transport UCX uses between caches ``local`` and ``remote`` (descriptors), inferred:
     VRAM to VRAM is ``cuda_ipc`` between processes, ``cuda_copy`` within one; VRAM to host
     memory ``cuda_copy`` (staged through ``cma``/``tcp`` for another process); host memory

@@ -191,11 +191,9 @@ def allocations(views: Mapping[str, tuple[torch.Tensor, int]], num_blocks: int, 
         segments = merge_segments(segments)
         for seg in segments:
             if seg.offset % 4 or seg.block_stride % 4 or seg.page % 4:
-                raise ValueError(
-                    f"KVBlockZeroer: a block run at byte {seg.offset} with block stride {seg.block_stride} and "
-                    f"{seg.page} bytes is not a multiple of 4 bytes; the zeroer stores 4-byte words, so pad "
-                    "pages and state sizes to 4 bytes"
-                )
+                raise ValueError(f"KVBlockZeroer: a block run at byte {seg.offset} with block stride "
+                                 f"{seg.block_stride} and {seg.page} bytes is not a multiple of 4 bytes; "
+                                 "the zeroer stores 4-byte words, so pad pages and state sizes to 4 bytes")
             end = seg.offset + (num_blocks - 1) * seg.block_stride + seg.page
             if seg.offset < 0 or end > storage.nbytes():
                 raise ValueError(f"KVBlockZeroer: block {num_blocks - 1} would end at byte {end}, beyond the "

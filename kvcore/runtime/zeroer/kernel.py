@@ -86,10 +86,8 @@ def launch_table(base, ids, num_blocks, table, vec, programs, *, num_ids=None, w
     grid = (max(1, min(programs, num_ids * table.shape[1])),)
     # NOTE: bit 63 set: the JIT types every word int64 whatever the ids (the kernel keeps 31 bits of each half).
     words = None if words is None else [w | -(1 << 63) for w in words]
-    return _zero_blocks_kernel[grid](
-        base, ids, num_ids, num_blocks, table, table.shape[1], *(words or NO_WORDS),
-        VEC=vec, ROWS=ROWS, BY_VALUE=words is not None, num_warps=NUM_WARPS,
-    )
+    return _zero_blocks_kernel[grid](base, ids, num_ids, num_blocks, table, table.shape[1], *(words or NO_WORDS),
+                                     VEC=vec, ROWS=ROWS, BY_VALUE=words is not None, num_warps=NUM_WARPS)
 
 
 def _hooked() -> bool:
@@ -121,11 +119,10 @@ class ZeroLauncher:
         compiled = None if self._compiled is None or stream is None else self._compiled.get(key)
         if compiled is not None and not _hooked():
             try:
-                compiled.run(
-                    min(self.programs, num_ids * num_chunks), 1, 1, stream, compiled.function,
-                    compiled.packed_metadata, None, None, None, self._base_address, address, num_ids,
-                    self.num_blocks, table_address, num_chunks, *(words or NO_WORDS), self.vec, ROWS, words is not None,
-                )
+                compiled.run(min(self.programs, num_ids * num_chunks), 1, 1, stream, compiled.function,
+                             compiled.packed_metadata, None, None, None, self._base_address, address, num_ids,
+                             self.num_blocks, table_address, num_chunks, *(words or NO_WORDS), self.vec, ROWS,
+                             words is not None)
                 return
             except (TypeError, ValueError, AttributeError, SystemError):
                 self._compiled = None  # NOTE: a Triton whose compiled launcher differs: the JIT serves
