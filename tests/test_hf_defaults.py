@@ -77,6 +77,41 @@ def test_cuda_engine_captures_every_decode_graph_when_built():
     assert engine.graphs.graphs == before and engine.stats().graph_steps > 0  # nothing captured lazily
 
 
+def test_a_step_that_cannot_be_captured_runs_eagerly_unless_graphs_were_asked_for():
+    from kvcore.errors import KVCoreError
+    from kvcore.hf.step import uncapturable
+
+    exc = RuntimeError("Cannot copy between CPU and CUDA tensors during CUDA graph capture\nmore")
+    with pytest.warns(RuntimeWarning, match=r"without CUDA graphs: .* \(Cannot copy between CPU and CUDA tensors "
+                                            r"during CUDA graph capture\)$"):
+        assert uncapturable(exc, asked=False) is None
+    with pytest.raises(KVCoreError, match=r"cuda_graphs=True, but .*\(Cannot copy .*\); pass cuda_graphs=False"):
+        uncapturable(exc, asked=True)
+
+
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_moe_hybrid_whose_step_cannot_be_captured_serves_eagerly():
+    # NOTE: transformers' grouped-GEMM experts copy from unpinned host memory inside the forward
+    from _hf_reference import prompts_for
+
+    from kvcore.errors import KVCoreError
+    from kvcore.hf import Engine
+    from kvcore.hf.models import model_config, random_model
+
+    model = random_model(model_config("granitemoehybrid"), dtype=torch.bfloat16, device="cuda", seed=2)
+    model.generation_config.eos_token_id = None
+    prompts = prompts_for([7, 12, 3], seed=5)
+    options = dict(num_blocks=64, max_num_seqs=4, mixer_backend="triton-mixer")
+    engine = Engine(model, **options)  # NOTE: the default cuda_graphs never refuses a model it cannot capture
+    if engine.graphs is None:  # NOTE: this transformers' experts cannot be captured
+        with pytest.raises(KVCoreError, match="pass cuda_graphs=False"):
+            Engine(model, **options, cuda_graphs=True)
+    outputs = engine.generate(prompts, 5)
+    assert outputs == Engine(model, **options, cuda_graphs=False).generate(prompts, 5)
+    assert [len(o) for o in outputs] == [5, 5, 5]
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_warm_prefill_compiles_without_touching_the_cache(arch):
     from kvcore.hf import Engine

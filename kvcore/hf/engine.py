@@ -20,7 +20,7 @@ from kvcore.hf.mixers import MixerRunner, is_decode
 from kvcore.hf.scheduler import Request, Scheduler, check_prompt
 from kvcore.hf.specs import check_checkpoint_tokens as checked_checkpoint_tokens
 from kvcore.hf.specs import check_hybrid_options, check_model, layer_specs, model_modules
-from kvcore.hf.step import DecodeGraphs, Step, StepBuilder, graphs_wanted
+from kvcore.hf.step import DecodeGraphs, Step, StepBuilder, graphs_wanted, uncapturable
 from kvcore.hf.tp import resolve_tp
 from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.auto import AUTO
@@ -196,6 +196,7 @@ class Engine:
         #: Synchronize the device at every phase boundary so that ``stats()`` times are device-true.
         self.sync_timing = False
         self.graphs: DecodeGraphs | None = None
+        self._graphs_asked = cuda_graphs is True
         backends = {self.kv.group_of(attention[0]).backend, *self.kv.mixer_backends.values()}
         if graphs_wanted(cuda_graphs, self.device, [b.get_name() for b in backends]):
             self.graphs = DecodeGraphs(self.device, max_num_seqs)
@@ -223,14 +224,19 @@ class Engine:
         with status if progress else contextlib.nullcontext():
             self._warm_prefill()
         if self.graphs is not None and self.graphs.capture:
-            with self.serving():
-                self.graphs.capture_all(self.steps, self._forward, progress=progress)
+            try:
+                with self.serving():
+                    self.graphs.capture_all(self.steps, self._forward, progress=progress)
+            except RuntimeError as exc:  # NOTE: e.g. a model op that copies from unpinned host memory
+                self.graphs = uncapturable(exc, asked=self._graphs_asked)
+                self._warm_prefill(num_tokens=0)
 
     def _warm_prefill(self, num_tokens: int = 32) -> None:
         """One step of a padding request (reads the null block, writes nothing); a hybrid's mixers
-        run on scratch states, their decode path too."""
-        with self.serving(), (self.mixers.scratch() if self.mixers else contextlib.nullcontext()):
-            self._forward(self.steps.build([(None, num_tokens)]))
+        run on scratch states, their decode path too. ``num_tokens=0``: the decode step only."""
+        if num_tokens:
+            with self.serving(), (self.mixers.scratch() if self.mixers else contextlib.nullcontext()):
+                self._forward(self.steps.build([(None, num_tokens)]))
         if self.graphs is None or self.mixers is not None:  # NOTE: eager decode steps: the decode kernels
             with self.serving(), (self.mixers.scratch(decodes=1) if self.mixers else contextlib.nullcontext()):
                 self._forward(self.steps.build([(None, 1)]))

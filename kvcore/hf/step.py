@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -12,6 +13,7 @@ import attrs
 import numpy as np
 import torch
 
+from kvcore.errors import KVCoreError
 from kvcore.hf.scheduler import GroupInfo, Request
 from kvcore.plugins.backend import CommonAttentionMetadata
 from kvcore.runtime.kv_cache import KVCache
@@ -214,3 +216,14 @@ def graphs_wanted(option: Any, device: torch.device, backend_names: Sequence[str
         raise ValueError(f"cuda_graphs=True needs a CUDA device; the model is on {device}")
     return option
 
+
+
+def uncapturable(exc: RuntimeError, *, asked: bool) -> None:
+    """After a decode step failed to capture: ``cuda_graphs=True`` is refused, naming why; by default
+    the engine warns and runs its decode steps eagerly (the ``None`` it keeps for its graphs)."""
+    reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    if asked:
+        raise KVCoreError(f"cuda_graphs=True, but this model's decode step cannot be captured in a CUDA graph "
+                          f"({reason}); pass cuda_graphs=False") from exc
+    warnings.warn(f"kvcore: decode steps run without CUDA graphs: this model's decode step cannot be captured "
+                  f"({reason})", RuntimeWarning, stacklevel=3)
