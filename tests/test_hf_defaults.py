@@ -77,6 +77,28 @@ def test_cuda_engine_captures_every_decode_graph_when_built():
     assert engine.graphs.graphs == before and engine.stats().graph_steps > 0  # nothing captured lazily
 
 
+@pytest.mark.kvcore_gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("arch", ["llama", "bamba"])
+def test_the_first_generate_compiles_no_kernel_the_build_did_not(arch, monkeypatch):
+    import triton
+    from _hf_reference import prompts_for
+
+    from kvcore.hf import Engine
+    from kvcore.hf.models import model_config, random_model
+
+    knobs = getattr(getattr(triton, "knobs", None), "runtime", None)
+    if not hasattr(knobs, "jit_post_compile_hook"):
+        pytest.skip("this Triton has no compile hook")
+    model = random_model(model_config(arch), dtype=torch.bfloat16, device="cuda", seed=3)
+    model.generation_config.eos_token_id = None
+    engine = Engine(model, num_blocks=256, max_num_seqs=8)
+    compiled = []
+    monkeypatch.setattr(knobs, "jit_post_compile_hook", lambda *a, **kw: compiled.append(kw.get("repr")) and False)
+    outputs = engine.generate(prompts_for([40, 3, 97, 17, 5, 64, 33, 9, 120], seed=8), 6)  # NOTE: more than 8
+    assert compiled == [] and [len(o) for o in outputs] == [6] * 9
+
+
 def test_a_step_that_cannot_be_captured_runs_eagerly_unless_graphs_were_asked_for():
     from kvcore.errors import KVCoreError
     from kvcore.hf.step import uncapturable

@@ -222,6 +222,9 @@ class Engine:
 
         status = Console(stderr=True).status("kvcore: compiling attention kernels")
         with status if progress else contextlib.nullcontext():
+            for zeroer in (self.kv.zeroer, self.kv.state_zeroer):  # NOTE: both id paths; block 0 holds nothing
+                for ids in ([0], [0] * 65) if zeroer is not None else ():
+                    zeroer.zero_block_ids(ids)
             self._warm_prefill()
         if self.graphs is not None and self.graphs.capture:
             try:
