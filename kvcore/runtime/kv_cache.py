@@ -10,17 +10,18 @@ import attrs
 import pluggy
 import torch
 
+from kvcore.memory.allocation import allocate_cache_memory
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.elastic import ElasticMemory, block_byte_ranges, checked_num_blocks, reserve_elastic
+from kvcore.memory.elastic import ElasticMemory, checked_num_blocks
 from kvcore.memory.layout import KVCacheLayout
-from kvcore.memory.views import allocate_kv_cache, checked_device
+from kvcore.memory.views import checked_device
 from kvcore.plugins.backend import AttentionBackend, CommonAttentionMetadata
 from kvcore.plugins.mixer_backend import MixerBackend, is_mixer_backend
 from kvcore.plugins.negotiate import negotiate
 from kvcore.plugins.negotiation import Negotiation
 from kvcore.runtime.attn_group import AttentionGroup
 from kvcore.runtime.block_pool import BlockPool
-from kvcore.runtime.quant import layer_metadata, per_tensor_scales, quant_states, scale_caches_of
+from kvcore.runtime.quant import layer_metadata, per_tensor_scales, quant_states
 from kvcore.runtime.zeroer import KVBlockZeroer
 from kvcore.settings import Settings
 from kvcore.specs import KVCacheSpec
@@ -86,37 +87,25 @@ class KVCache:
                                 settings=settings, kv_cache_dtype=kv_cache_dtype,
                                 separate_state_pages=separate_state_pages, num_state_blocks=num_state_blocks)
         config, device, rows = negotiation.config, negotiation.device, negotiation.rows_per_block()
-        elastic = reserve_elastic(config, device) if negotiation.elastic else None
-        kv_caches = allocate_kv_cache(config, device, None, negotiation.allocation_kernel_block_sizes,
-                                      buffer=None if elastic is None else elastic.backing.tensor)
-        scale_caches = scale_caches_of(config, kv_caches, negotiation.allocation_kernel_block_sizes)
-        # NOTE: scales are zeroed (and committed) with their blocks: the runs touch and merge.
-        paged = {**kv_caches, **{f"{name} (scales)": v for name, v in scale_caches.items()}}
-        rows.update({f"{name} (scales)": rows[name] for name in scale_caches if name in rows})
-        views = {name: (paged[name], rows[name]) for name in rows if name in paged}
+        memory = allocate_cache_memory(config, device, negotiation.allocation_kernel_block_sizes, rows,
+                                       negotiation.num_blocks if negotiation.elastic else None)
+        kv_caches, scale_caches, states = memory.kv_caches, memory.scale_caches, memory.states
         state_pool = state_zeroer = None
-        region = [n for n in kv_caches if config.in_state_region(config.group_of(n)[0])]
-        states = {n: views.pop(n) for n in region if n in views}
-        if states:  # NOTE: a separate state region: its own pool and zeroer; an elastic cache keeps it committed
+        if states:  # NOTE: a separate state region: its own pool and zeroer
             state_pool = BlockPool(config.num_state_blocks, enable_caching=enable_prefix_caching)
             state_zeroer = KVBlockZeroer.from_views(device, states, config.num_state_blocks, settings=settings)
-        if elastic is not None:
-            elastic.track({name: (view, rows.get(name, view.shape[0] // config.num_blocks))
-                           for name, view in paged.items() if name not in states},
-                          fixed=block_byte_ranges(states, config.num_state_blocks) if states else ())  # fmt: skip
-            elastic.resize(negotiation.num_blocks)
         layer_kv_caches = negotiation.kernel_views(kv_caches)
         attn_groups = [[AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups]
         for attn_group in (a for groups in attn_groups for a in groups):
             attn_group.create_metadata_builders(device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                                 settings=settings)
-        zeroer = KVBlockZeroer.from_views(device, views, config.num_blocks, settings=settings)
+        zeroer = KVBlockZeroer.from_views(device, memory.paged, config.num_blocks, settings=settings)
         zeroer.num_blocks = negotiation.num_blocks
         pool = BlockPool(negotiation.num_blocks, enable_caching=enable_prefix_caching)
         scales, mixers = per_tensor_scales(config), {n: b for n, b in negotiation.layer_backends.items()
                                                      if is_mixer_backend(b)}
         return cls(config, negotiation.layout, attn_groups, kv_caches, layer_kv_caches, pool, zeroer, device,
-                   max_num_seqs, max_model_len, negotiation, elastic, settings, scale_caches, scales,
+                   max_num_seqs, max_model_len, negotiation, memory.elastic, settings, scale_caches, scales,
                    quant_states(config, scale_caches, scales), mixers, state_pool, state_zeroer)
 
     def load_kv_scales(self, modules: Mapping[str, Any]) -> None:

@@ -11,15 +11,7 @@ import attrs
 import torch
 
 from kvcore.memory.config import KVCacheConfig
-from kvcore.memory.views import allocate_scale_views
 from kvcore.plugins.backend import KVQuantState
-
-
-def scale_caches_of(config: KVCacheConfig, kv_caches: Mapping[str, torch.Tensor], kernels: list | None):
-    """Every per-token-head layer's float32 scale view, over the allocation of ``kv_caches``."""
-    view = next(iter(kv_caches.values()), None)
-    raw = None if view is None else torch.empty(0, dtype=torch.int8, device=view.device).set_(view.untyped_storage())
-    return {} if raw is None else allocate_scale_views(config, raw, kernels)
 
 
 def _scale(layer: str, what: str, value: Any) -> float:
