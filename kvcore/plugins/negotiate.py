@@ -154,16 +154,17 @@ def _refuse(outcomes: list[Candidate], candidates: list[KVCacheLayout], explicit
     return KernelRequirementError(f"{prefix}{ruled[0].refusal}; {_remedy(outcomes, layer_specs, run)}")
 
 
-def _check_abilities(run: _Pass, device: torch.device, backends: Backends) -> None:
+def _check_abilities(specs: Mapping[str, KVCacheSpec], answers: HookAnswers, device: torch.device,
+                     backends: Backends) -> None:
     first: dict[tuple[type, KVCacheSpec], str] = {}
     for name, backend in backends.items():
-        first.setdefault((backend, run.specs[name]), name)
+        first.setdefault((backend, specs[name]), name)
     for (backend, spec), layer in first.items():
-        why = serves(run.answers, backend, spec, device)
+        why = serves(answers, backend, spec, device)
         if why is None:
             continue
         try:
-            other = choose_backend(run.answers, spec, device).backend
+            other = choose_backend(answers, spec, device).backend
             remedy = f"serve it with backend {label(other)!r} (or 'auto')"
         except ValueError:
             remedy = "no registered backend can serve it there; use another device or dtype"
@@ -182,23 +183,23 @@ def negotiate(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[st
     ``device`` need not exist here (it is asked about, not used). ``settings``: the environment's
     (``Settings.from_env()``) when None.
     """
-    layer_specs = quantize_specs(layer_specs, kv_cache_dtype)  # NOTE: before backends customize them
     settings = Settings.from_env() if settings is None else settings
     device = as_device(device)
     max_num_seqs = positive_int("max_num_seqs", max_num_seqs)
     max_model_len = positive_int("max_model_len", max_model_len)
     answers = HookAnswers(plugin_manager)
     _checked_layers(layer_specs, layer_backends)
+    layer_specs = quantize_specs(layer_specs, kv_cache_dtype)  # NOTE: before backends customize them
     backends, backend_rules = resolve_backends(layer_specs, layer_backends, answers, device)
     specs = {n: answers.customized_spec(backends[n], s) if n in backends else s for n, s in layer_specs.items()}
-    region = state_region_blocks(specs, separate_state_pages, num_state_blocks, max_num_seqs, enable_prefix_caching)
-    # NOTE: mixer layers' backends run on state views: no attention group, kernel block or layout of theirs
-    run = _Pass(specs, {n: b for n, b in backends.items() if not is_mixer_backend(b)}, answers, region)
-    _check_abilities(run, device, backends)
+    _check_abilities(specs, answers, device, backends)
     pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
     ruled = any(answers.requirements(b, s).has_memory_rules for b, s in pairs)
     stated = answers.common_layouts(pairs)
+    region = state_region_blocks(specs, separate_state_pages, num_state_blocks, max_num_seqs, enable_prefix_caching)
     candidates = layout_candidates([stated], specs.values())
+    # NOTE: mixer layers' backends run on state views: no attention group, kernel block or layout of theirs
+    run = _Pass(specs, {n: b for n, b in backends.items() if not is_mixer_backend(b)}, answers, region)
     requested = requested_layout(layout, settings)
     elastic = max_num_blocks is not None
     # NOTE: an elastic cache is planned for all its blocks and commits the first ones
