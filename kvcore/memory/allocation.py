@@ -10,16 +10,17 @@ import torch
 
 from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.elastic import ElasticMemory, ViewRows, block_byte_ranges, reserve_elastic
-from kvcore.memory.views import allocate_kv_cache, allocate_scale_views
+from kvcore.memory.views import allocate_kv_cache, allocate_scale_views, with_kernel_pages
 
 
 @attrs.frozen
 class CacheMemory:
-    """The views of one allocation: ``kv_caches`` as allocated, the per-token-head layers'
-    ``scale_caches``, and (view, rows per block) of the paged views outside a separate state
-    region (``paged``) and inside it (``states``)."""
+    """The views of one allocation: ``kv_caches`` as allocated, ``kernel_views`` as kernels read them,
+    the per-token-head layers' ``scale_caches``, and (view, rows per block) of the paged views
+    outside a separate state region (``paged``) and inside it (``states``)."""
 
     kv_caches: dict[str, torch.Tensor] = attrs.field(repr=False)
+    kernel_views: dict[str, torch.Tensor] = attrs.field(repr=False)
     scale_caches: dict[str, torch.Tensor] = attrs.field(repr=False)
     paged: dict[str, ViewRows] = attrs.field(repr=False)
     states: dict[str, ViewRows] = attrs.field(repr=False)
@@ -27,15 +28,18 @@ class CacheMemory:
 
 
 def allocate_cache_memory(config: KVCacheConfig, device: torch.device, kernel_block_sizes: list[int | None],
-                          rows: Mapping[str, int], committed_blocks: int | None = None) -> CacheMemory:
+                          rows: Mapping[str, int], kernel_pages: Mapping[str, tuple[int, int]],
+                          committed_blocks: int | None = None) -> CacheMemory:
     """Allocate ``config`` on ``device`` and view it (``rows``: kernel rows per manager block of each
-    split layer). ``committed_blocks`` not None: elastic, the first that many blocks committed."""
+    split layer; ``kernel_pages``: see :func:`with_kernel_pages`). ``committed_blocks`` not None:
+    elastic, the first that many blocks committed."""
     elastic = None if committed_blocks is None else reserve_elastic(config, device)
     kv_caches = allocate_kv_cache(config, device, None, kernel_block_sizes,
                                   buffer=None if elastic is None else elastic.backing.tensor)
     view = next(iter(kv_caches.values()), None)
     raw = None if view is None else torch.empty(0, dtype=torch.int8, device=view.device).set_(view.untyped_storage())
     scale_caches = {} if raw is None else allocate_scale_views(config, raw, kernel_block_sizes)
+    kernel_views = with_kernel_pages(kv_caches, kernel_pages)
     # NOTE: scales are zeroed (and committed) with their blocks: the runs touch and merge.
     views = {**kv_caches, **{f"{name} (scales)": v for name, v in scale_caches.items()}}
     rows = {**rows, **{f"{name} (scales)": rows[name] for name in scale_caches if name in rows}}
@@ -47,4 +51,4 @@ def allocate_cache_memory(config: KVCacheConfig, device: torch.device, kernel_bl
                        for name, v in views.items() if name not in states},
                       fixed=block_byte_ranges(states, config.num_state_blocks) if states else ())
         elastic.resize(committed_blocks)
-    return CacheMemory(kv_caches, scale_caches, paged, states, elastic)
+    return CacheMemory(kv_caches, kernel_views, scale_caches, paged, states, elastic)

@@ -111,7 +111,8 @@ class KVCacheConfig:
         """Blocks addressed through ``tensor`` (its region's: every group of a region shares it)."""
         if tensor not in self.kv_cache_tensors:
             raise ValueError(f"{tensor!r} is not one of this config's tensors")
-        if self.in_state_region(self.group_of(tensor.layers[0])[0]):
+        group = self.group_of(tensor.layers[0])[1]  # NOTE: a group of this config: no id to check
+        if self.separate_state_pages and is_state_spec(group.kv_cache_spec):
             return self.num_state_blocks
         return self.num_blocks
 
@@ -123,6 +124,8 @@ class KVCacheConfig:
         raise ValueError(f"layer {layer_name!r} is in no KV cache group of this config")
 
     layer_names = property(lambda self: [n for g in self.kv_cache_groups for n in g.layer_names])
+    #: Each layer's own spec, group by group.
+    layer_specs = property(lambda self: {n: g.spec_of(n) for g in self.kv_cache_groups for n in g.layer_names})
     #: Blocks a scheduler can hand out: all but the null block 0.
     usable_blocks = property(lambda self: self.num_blocks - 1)
 

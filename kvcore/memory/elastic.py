@@ -118,8 +118,7 @@ def checked_num_blocks(num_blocks: Any, max_num_blocks: int) -> int:
 
 def reserve_elastic(config: KVCacheConfig, device: torch.device) -> ElasticMemory:
     """Reserve the allocation of ``config`` (all its blocks) without committing any of it."""
-    groups = config.kv_cache_groups
-    raw = [n for g in groups for n in g.layer_names if not g.spec_of(n).has_layer_views]
+    raw = [n for n, spec in config.layer_specs.items() if not spec.has_layer_views]
     if raw or not config.kv_cache_tensors:
         raise ValueError(f"an elastic cache needs every layer viewed by kvcore, but {raw or 'no layer'} "
                          "keeps a raw buffer (or the model keeps no cache); drop max_num_blocks")

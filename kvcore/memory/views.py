@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -86,6 +86,12 @@ def to_kernel_blocks(view: torch.Tensor, kernel_rows: int, stride: int) -> torch
     num_pages = (view.shape[0] - 1) * stride + view.shape[-2] // kernel_rows
     return view.as_strided((num_pages, *view.shape[1:-2], kernel_rows, view.shape[-1]),
                            (kernel_rows * view.stride(-2), *view.stride()[1:]))
+
+
+def with_kernel_pages(kv_caches: Mapping[str, torch.Tensor], pages: Mapping[str, tuple[int, int]]) -> dict:
+    """``kv_caches`` with each layer of ``pages`` (layer -> kernel rows, stride) addressed by
+    kernel pages (:func:`to_kernel_blocks`)."""
+    return {name: to_kernel_blocks(view, *pages[name]) if name in pages else view for name, view in kv_caches.items()}
 
 
 def to_manager_blocks(view: torch.Tensor, rows: int, stride: int, num_blocks: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ from kvcore._table import format_ranges
 from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec
 from kvcore.memory.layout import KVCacheLayout
 from kvcore.memory.planner import is_encoder_only
-from kvcore.memory.views import to_kernel_blocks
+from kvcore.memory.views import with_kernel_pages
 from kvcore.plugins.answers import HookAnswers, Refused, key_of, label
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements, describe_requirements
@@ -99,15 +99,15 @@ class Negotiation:
         return {name: g.ratio for g in self.groups
                 if g.kernel_block_size is not None and g.kv_cache_spec.has_layer_views for name in g.layer_names}
 
+    def kernel_pages(self) -> dict[str, tuple[int, int]]:
+        """Each layer of a packed group: its kernel rows per kernel block and its kernel block stride."""
+        return {name: (e.kv_cache_spec.get_num_kernel_states(e.kernel_block_size), e.kernel_block_stride)
+                for g in self.groups for e in g.backends if e.kernel_block_stride for name in e.layer_names}
+
     def kernel_views(self, kv_caches: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """The views kernels read, from the views as allocated: a packed group's layers addressed by
         kernel pages (a dense group's views are split at allocation already)."""
-        views = dict(kv_caches)
-        for entry in (e for g in self.groups for e in g.backends if e.kernel_block_stride):
-            rows = entry.kv_cache_spec.get_num_kernel_states(entry.kernel_block_size)
-            for name in entry.layer_names:
-                views[name] = to_kernel_blocks(views[name], rows, entry.kernel_block_stride)
-        return views
+        return with_kernel_pages(kv_caches, self.kernel_pages())
 
     def explain(self) -> str:
         """Why every layer got what it got: backends, declarations, layouts tried, kernel blocks."""

@@ -86,27 +86,27 @@ class KVCache:
                                 max_num_blocks=max_num_blocks, enable_prefix_caching=enable_prefix_caching,
                                 settings=settings, kv_cache_dtype=kv_cache_dtype,
                                 separate_state_pages=separate_state_pages, num_state_blocks=num_state_blocks)
-        config, device, rows = negotiation.config, negotiation.device, negotiation.rows_per_block()
-        memory = allocate_cache_memory(config, device, negotiation.allocation_kernel_block_sizes, rows,
+        config, device = negotiation.config, negotiation.device
+        rows, pages = negotiation.rows_per_block(), negotiation.kernel_pages()
+        memory = allocate_cache_memory(config, device, negotiation.allocation_kernel_block_sizes, rows, pages,
                                        negotiation.num_blocks if negotiation.elastic else None)
-        kv_caches, scale_caches, states = memory.kv_caches, memory.scale_caches, memory.states
+        scales = per_tensor_scales(config)
+        quant = quant_states(config, memory.scale_caches, scales)
+        pool = BlockPool(negotiation.num_blocks, enable_caching=enable_prefix_caching)
         state_pool = state_zeroer = None
-        if states:  # NOTE: a separate state region: its own pool and zeroer
+        if memory.states:  # NOTE: a separate state region: its own pool and zeroer
             state_pool = BlockPool(config.num_state_blocks, enable_caching=enable_prefix_caching)
-            state_zeroer = KVBlockZeroer.from_views(device, states, config.num_state_blocks, settings=settings)
-        layer_kv_caches = negotiation.kernel_views(kv_caches)
+            state_zeroer = KVBlockZeroer.from_views(device, memory.states, config.num_state_blocks, settings=settings)
         attn_groups = [[AttentionGroup.from_record(r, g.group_id) for r in g.backends] for g in negotiation.groups]
         for attn_group in (a for groups in attn_groups for a in groups):
             attn_group.create_metadata_builders(device, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                                                 settings=settings)
         zeroer = KVBlockZeroer.from_views(device, memory.paged, config.num_blocks, settings=settings)
         zeroer.num_blocks = negotiation.num_blocks
-        pool = BlockPool(negotiation.num_blocks, enable_caching=enable_prefix_caching)
-        scales, mixers = per_tensor_scales(config), {n: b for n, b in negotiation.layer_backends.items()
-                                                     if is_mixer_backend(b)}
-        return cls(config, negotiation.layout, attn_groups, kv_caches, layer_kv_caches, pool, zeroer, device,
-                   max_num_seqs, max_model_len, negotiation, memory.elastic, settings, scale_caches, scales,
-                   quant_states(config, scale_caches, scales), mixers, state_pool, state_zeroer)
+        mixers = {n: b for n, b in negotiation.layer_backends.items() if is_mixer_backend(b)}
+        return cls(config, negotiation.layout, attn_groups, memory.kv_caches, memory.kernel_views, pool, zeroer,
+                   device, max_num_seqs, max_model_len, negotiation, memory.elastic, settings, memory.scale_caches,
+                   scales, quant, mixers, state_pool, state_zeroer)
 
     def load_kv_scales(self, modules: Mapping[str, Any]) -> None:
         """Per-tensor scales from the ``k_scale`` / ``v_scale`` attributes (floats or 0-d

@@ -28,19 +28,15 @@ def per_tensor_scales(config: KVCacheConfig, modules: Mapping[str, Any] | None =
     """``(k, v)`` of every per-tensor layer: its module's ``k_scale`` / ``v_scale`` (absent: 1.0)."""
     if not isinstance(modules := modules or {}, Mapping):
         raise TypeError(f"modules must map layer names to attention modules, got {modules!r}")
-    out = {}
-    for name in config.layer_names:
-        if getattr(config.group_of(name)[1].spec_of(name), "kv_quant", None) == "per_tensor":
-            out[name] = tuple(_scale(name, a, getattr(modules.get(name), a, 1.0)) for a in ("k_scale", "v_scale"))
-    return out
+    return {name: tuple(_scale(name, a, getattr(modules.get(name), a, 1.0)) for a in ("k_scale", "v_scale"))
+            for name, spec in config.layer_specs.items() if getattr(spec, "kv_quant", None) == "per_tensor"}
 
 
 def quant_states(config: KVCacheConfig, scale_caches: Mapping, kv_scales: Mapping) -> dict[str, KVQuantState]:
     """The :class:`KVQuantState` of every quantized layer (made once, handed every step)."""
-    specs = {n: config.group_of(n)[1].spec_of(n) for n in config.layer_names}
     return {
         name: KVQuantState(spec.kv_quant, spec.dtype, *kv_scales.get(name, (1.0, 1.0)), scale_caches.get(name))
-        for name, spec in specs.items()
+        for name, spec in config.layer_specs.items()
         if getattr(spec, "kv_quant", None) is not None
     }
 
