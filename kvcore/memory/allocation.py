@@ -44,8 +44,7 @@ def allocate_cache_memory(config: KVCacheConfig, device: torch.device, kernel_bl
     views = {**kv_caches, **{f"{name} (scales)": v for name, v in scale_caches.items()}}
     rows = {**rows, **{f"{name} (scales)": rows[name] for name in scale_caches if name in rows}}
     paged = {name: (views[name], rows[name]) for name in rows if name in views}
-    region = [n for n in kv_caches if config.in_state_region(config.group_of(n)[0])]
-    states = {n: paged.pop(n) for n in region if n in paged}
+    states = {n: paged.pop(n) for n in config.state_region_layers() if n in paged}
     if elastic is not None:  # NOTE: an elastic cache keeps a separate state region committed
         elastic.track({name: (v, rows.get(name, v.shape[0] // config.num_blocks))
                        for name, v in views.items() if name not in states},

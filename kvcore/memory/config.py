@@ -107,12 +107,18 @@ class KVCacheConfig:
         """Whether group ``group_id`` takes its blocks from the separate state region."""
         return self.separate_state_pages and self.is_state_group(group_id)
 
+    def _in_region(self, group: KVCacheGroupSpec) -> bool:  # NOTE: a group of this config: no id to check
+        return self.separate_state_pages and is_state_spec(group.kv_cache_spec)
+
+    def state_region_layers(self) -> list[str]:
+        """The layers whose groups take their blocks from the separate state region (none without one)."""
+        return [n for g in self.kv_cache_groups if self._in_region(g) for n in g.layer_names]
+
     def num_blocks_of(self, tensor: KVCacheTensor) -> int:
         """Blocks addressed through ``tensor`` (its region's: every group of a region shares it)."""
         if tensor not in self.kv_cache_tensors:
             raise ValueError(f"{tensor!r} is not one of this config's tensors")
-        group = self.group_of(tensor.layers[0])[1]  # NOTE: a group of this config: no id to check
-        if self.separate_state_pages and is_state_spec(group.kv_cache_spec):
+        if self._in_region(self.group_of(tensor.layers[0])[1]):
             return self.num_state_blocks
         return self.num_blocks
 
