@@ -4,13 +4,14 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import attrs
 import pluggy
 import torch
 
-from kvcore.errors import PluginError, PluginWarning
+from kvcore.errors import KernelRequirementError, PluginError, PluginWarning
 from kvcore.plugins.answers import HookAnswers, label
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.manager import collect_backends
@@ -19,6 +20,8 @@ from kvcore.specs import KVCacheSpec, MambaSpec
 
 #: The backend name that means "the one :func:`select_backend` picks".
 AUTO = "auto"
+
+Backends = dict[str, type[AttentionBackend]]
 
 
 def serves(answers: HookAnswers, backend: type, spec: KVCacheSpec | None, device: torch.device) -> str | None:
@@ -112,3 +115,40 @@ def preferred_block_size(backend: type[AttentionBackend] | str, spec: KVCacheSpe
     """The block size ``backend`` prefers for ``spec``: the first ``int`` its plugin declares."""
     answers = HookAnswers(plugin_manager)
     return answers.preferred_block_size(answers.backend(backend), spec)
+
+
+def resolve_backends(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, type[AttentionBackend] | str],
+                     answers: HookAnswers, device: torch.device) -> tuple[Backends, dict[str, str]]:
+    """Each layer's backend class (a name looked up, ``"auto"`` chosen once per distinct spec) and
+    how it was chosen."""
+    chosen: dict[Any, tuple[type[AttentionBackend], str]] = {}
+    for layer, backend in layer_backends.items():
+        if not isinstance(backend, (str, type)):
+            raise TypeError(f"layer_backends[{layer!r}] is {backend!r}; pass a "
+                            "backend class, a registered backend name or 'auto'")
+        key = (layer_specs[layer], backend)
+        if key not in chosen and backend == AUTO:
+            choice = choose_backend(answers, layer_specs[layer], device)
+            chosen[key] = choice.backend, f'picked by "auto": {choice.explain()}'
+        elif key not in chosen:
+            chosen[key] = answers.backend(backend), "named"
+    found = {layer: chosen[(layer_specs[layer], b)] for layer, b in layer_backends.items()}
+    return {n: b for n, (b, _) in found.items()}, {n: rule for n, (_, rule) in found.items()}
+
+
+def check_abilities(specs: Mapping[str, KVCacheSpec], answers: HookAnswers, device: torch.device,
+                    backends: Backends) -> None:
+    """Refuse a layer whose backend cannot serve its spec on ``device``, naming one that can."""
+    first: dict[tuple[type, KVCacheSpec], str] = {}
+    for name, backend in backends.items():
+        first.setdefault((backend, specs[name]), name)
+    for (backend, spec), layer in first.items():
+        why = serves(answers, backend, spec, device)
+        if why is None:
+            continue
+        try:
+            other = choose_backend(answers, spec, device).backend
+            remedy = f"serve it with backend {label(other)!r} (or 'auto')"
+        except ValueError:
+            remedy = "no registered backend can serve it there; use another device or dtype"
+        raise KernelRequirementError(f"backend {label(backend)!r} cannot serve layer {layer!r}: it {why}; {remedy}")

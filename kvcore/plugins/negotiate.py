@@ -20,8 +20,8 @@ from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.elastic import checked_max_blocks, checked_num_blocks
 from kvcore.memory.layout import KVCacheLayout, checked_request, layout_candidates, requested_layout
 from kvcore.memory.planner import PagePlan, checked_budget, lay_out, state_region_blocks
-from kvcore.plugins.answers import HookAnswers, accepts, label
-from kvcore.plugins.auto import AUTO, as_device, choose_backend, serves
+from kvcore.plugins.answers import HookAnswers, accepts
+from kvcore.plugins.auto import Backends, as_device, check_abilities, resolve_backends
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.mixer_backend import is_mixer_backend
 from kvcore.plugins.negotiation import Candidate, Declared, Negotiation, Refused, group_records
@@ -30,27 +30,6 @@ from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
 from kvcore.specs.base import check_hashable
 from kvcore.specs.quant import quantize_specs
-
-Backends = dict[str, type[AttentionBackend]]
-
-
-def resolve_backends(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, type[AttentionBackend] | str],
-                     answers: HookAnswers, device: torch.device) -> tuple[Backends, dict[str, str]]:
-    """Each layer's backend class (a name looked up, ``"auto"`` chosen once per distinct spec) and
-    how it was chosen."""
-    chosen: dict[Any, tuple[type[AttentionBackend], str]] = {}
-    for layer, backend in layer_backends.items():
-        if not isinstance(backend, (str, type)):
-            raise TypeError(f"layer_backends[{layer!r}] is {backend!r}; pass a "
-                            "backend class, a registered backend name or 'auto'")
-        key = (layer_specs[layer], backend)
-        if key not in chosen and backend == AUTO:
-            choice = choose_backend(answers, layer_specs[layer], device)
-            chosen[key] = choice.backend, f'picked by "auto": {choice.explain()}'
-        elif key not in chosen:
-            chosen[key] = answers.backend(backend), "named"
-    found = {layer: chosen[(layer_specs[layer], b)] for layer, b in layer_backends.items()}
-    return {n: b for n, (b, _) in found.items()}, {n: rule for n, (_, rule) in found.items()}
 
 
 def default_block_size(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, Any], answers: HookAnswers,
@@ -154,23 +133,6 @@ def _refuse(outcomes: list[Candidate], candidates: list[KVCacheLayout], explicit
     return KernelRequirementError(f"{prefix}{ruled[0].refusal}; {_remedy(outcomes, layer_specs, run)}")
 
 
-def _check_abilities(specs: Mapping[str, KVCacheSpec], answers: HookAnswers, device: torch.device,
-                     backends: Backends) -> None:
-    first: dict[tuple[type, KVCacheSpec], str] = {}
-    for name, backend in backends.items():
-        first.setdefault((backend, specs[name]), name)
-    for (backend, spec), layer in first.items():
-        why = serves(answers, backend, spec, device)
-        if why is None:
-            continue
-        try:
-            other = choose_backend(answers, spec, device).backend
-            remedy = f"serve it with backend {label(other)!r} (or 'auto')"
-        except ValueError:
-            remedy = "no registered backend can serve it there; use another device or dtype"
-        raise KernelRequirementError(f"backend {label(backend)!r} cannot serve layer {layer!r}: it {why}; {remedy}")
-
-
 def negotiate(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[str, type[AttentionBackend] | str], *,
               device: torch.device | str, layout: KVCacheLayout | str | None = None,
               available_memory: int | None = None, num_blocks: int | None = None, max_num_seqs: int, max_model_len: int,
@@ -192,7 +154,7 @@ def negotiate(layer_specs: Mapping[str, KVCacheSpec], layer_backends: Mapping[st
     layer_specs = quantize_specs(layer_specs, kv_cache_dtype)  # NOTE: before backends customize them
     backends, backend_rules = resolve_backends(layer_specs, layer_backends, answers, device)
     specs = {n: answers.customized_spec(backends[n], s) if n in backends else s for n, s in layer_specs.items()}
-    _check_abilities(specs, answers, device, backends)
+    check_abilities(specs, answers, device, backends)
     pairs = list(dict.fromkeys((b, specs[n]) for n, b in backends.items()))
     ruled = any(answers.requirements(b, s).has_memory_rules for b, s in pairs)
     stated = answers.common_layouts(pairs)
