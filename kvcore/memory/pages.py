@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 import torch
@@ -17,6 +18,16 @@ from kvcore.specs import KVCacheSpec, MLAAttentionSpec, UniformTypeKVCacheSpecs
 
 class _Refusal(ValueError):
     """The layout cannot express the model's pages (re-raised naming layouts that can)."""
+
+
+def check_hashable(where: str, spec: Any) -> None:
+    """Refuse a spec that cannot be a dict key: layers are grouped by equal specs."""
+    try:
+        hash(spec)
+    except TypeError as exc:
+        raise TypeError(f"{where} ({type(spec).__name__}) cannot be hashed ({exc}); "
+                        "kvcore groups layers by equal specs: declare the spec class with "
+                        "@attrs.frozen and immutable fields (tuples, not lists)") from None
 
 
 def is_encoder_only(group: KVCacheGroupSpec) -> bool:

@@ -17,11 +17,11 @@ from kvcore.memory.pages import (  # noqa: F401  (group_layers, is_encoder_only:
     _parts,
     _Refusal,
     _tensors,
+    check_hashable,
     group_layers,
     is_encoder_only,
 )
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
-from kvcore.specs.base import check_hashable
 
 # NOTE: the order in which a refusal names the layouts that can plan a model.
 _PREFERRED = tuple(KVCacheLayout[n] for n in ("LBNHC", "BLNHC", "LBHNC", "BLHNC", "LHBNC", "BHLNC"))

@@ -19,6 +19,7 @@ from kvcore.errors import KernelRequirementError
 from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.elastic import checked_max_blocks, checked_num_blocks
 from kvcore.memory.layout import KVCacheLayout, checked_request, layout_candidates, requested_layout
+from kvcore.memory.pages import check_hashable
 from kvcore.memory.planner import PagePlan, checked_budget, lay_out, state_region_blocks
 from kvcore.plugins.answers import HookAnswers, accepts
 from kvcore.plugins.auto import Backends, as_device, check_abilities, resolve_backends
@@ -28,7 +29,6 @@ from kvcore.plugins.negotiation import Candidate, Declared, Negotiation, Refused
 from kvcore.plugins.rules import view_checks
 from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec
-from kvcore.specs.base import check_hashable
 from kvcore.specs.quant import quantize_specs
 
 

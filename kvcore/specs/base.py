@@ -31,16 +31,6 @@ def check_cache_dtype(where: str, value: Any) -> torch.dtype:
     return value
 
 
-def check_hashable(where: str, spec: Any) -> None:
-    """Refuse a spec that cannot be a dict key: layers are grouped by equal specs."""
-    try:
-        hash(spec)
-    except TypeError as exc:
-        raise TypeError(f"{where} ({type(spec).__name__}) cannot be hashed ({exc}); "
-                        "kvcore groups layers by equal specs: declare the spec class with "
-                        "@attrs.frozen and immutable fields (tuples, not lists)") from None
-
-
 def optional_positive() -> Any:
     return attrs.field(default=None, kw_only=True, validator=attrs_optional_positive)
 
