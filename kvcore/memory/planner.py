@@ -6,44 +6,20 @@ from collections.abc import Mapping
 
 import attrs
 
-from kvcore._units import format_bytes_exact
 from kvcore._validate import non_negative_int, positive_int
-from kvcore.memory.config import KVCacheConfig, KVCacheGroupSpec, is_state_spec
-from kvcore.memory.layout import KVCacheLayout, round_up
-from kvcore.memory.pages import (  # noqa: F401  (group_layers, is_encoder_only: this module's names too)
-    _bytes_per_block,
+from kvcore.memory.config import KVCacheConfig, is_state_spec
+from kvcore.memory.layout import KVCacheLayout
+from kvcore.memory.pages import (  # noqa: F401  (group_layers, is_encoder_only, REGION_ALIGNMENT: this module's too)
+    MIN_BLOCKS,
+    REGION_ALIGNMENT,
+    PagePlan,
     _cache_groups,
-    _Part,
-    _parts,
-    _Refusal,
-    _tensors,
     check_hashable,
     group_layers,
     is_encoder_only,
+    lay_groups,
 )
 from kvcore.specs import KVCacheSpec, UniformTypeKVCacheSpecs
-
-# NOTE: the order in which a refusal names the layouts that can plan a model.
-_PREFERRED = tuple(KVCacheLayout[n] for n in ("LBNHC", "BLNHC", "LBHNC", "BLHNC", "LHBNC", "BHLNC"))
-_MIN_BLOCKS = 2  # block 0 is the null block, so a pool needs one more
-#: Where the layers after a separate state region start: a multiple of this many bytes.
-REGION_ALIGNMENT = 4096
-
-
-def _refused(groups: list[KVCacheGroupSpec], layout: KVCacheLayout, reason: str, regions: bool = False
-             ) -> ValueError:
-    """The error for a layout that cannot hold the model, naming those that can (``regions``: the
-    state groups in a region of their own)."""
-    family = sorted(_PREFERRED, key=lambda o: o.is_layer_compact != layout.is_layer_compact)
-    apart = [[g for g in groups if g.kv_cache_spec.has_cache_pages and is_state_spec(g.kv_cache_spec) == side]
-             for side in (True, False)] if regions else [groups]
-    able = [o.name for o in family if o is not layout and all(_lay(part, o).refusal is None for part in apart)]
-    remedy = (
-        f"use a layout that can, such as {able[0]} (all that can: {', '.join(able)})"
-        if able
-        else "no layout can, so change the layers' block sizes or head counts"
-    )
-    return ValueError(f"layout {layout.name} cannot hold this model's pages: {reason}; {remedy}")
 
 
 def _check_specs(kv_cache_specs: Mapping[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
@@ -67,61 +43,10 @@ def checked_budget(available_memory: int | None, num_blocks: int | None) -> tupl
     if num_blocks is None:
         return non_negative_int("available_memory", available_memory), None
     num_blocks = positive_int("num_blocks", num_blocks)
-    if num_blocks < _MIN_BLOCKS:
+    if num_blocks < MIN_BLOCKS:
         raise ValueError(f"num_blocks={num_blocks} leaves no usable block (block 0 is the null block); "
                          "plan at least 2 blocks")
     return None, num_blocks
-
-
-@attrs.frozen
-class PagePlan:
-    """A model's pages laid out in one layout, before the block count is chosen; ``refusal`` says
-    why the layout cannot hold them (None: it can)."""
-
-    groups: list[KVCacheGroupSpec]
-    layout: KVCacheLayout
-    parts: list[_Part]
-    bytes_per_block: int
-    refusal: str | None = None
-    #: A separate state region first: its pages and blocks (the null block included).
-    states: PagePlan | None = None
-    num_state_blocks: int | None = None
-
-    @property
-    def region(self) -> int:
-        """Bytes before the other layers' blocks: the state region's, rounded up."""
-        return round_up(self.states.bytes_per_block * self.num_state_blocks, REGION_ALIGNMENT) if self.states else 0
-
-    def error(self) -> ValueError:
-        """The refusal as the error to raise, naming the layouts that can hold the model."""
-        return _refused(self.groups, self.layout, self.refusal, self.states is not None)
-
-    def blocks_for(self, available_memory: int) -> int | str:
-        """Blocks ``available_memory`` bytes hold (2 when nothing is allocated) after the state
-        region, or why too few."""
-        left = max(available_memory - self.region, 0)
-        num_blocks = left // self.bytes_per_block if self.parts else _MIN_BLOCKS
-        if num_blocks >= _MIN_BLOCKS:
-            return num_blocks
-        count = sum(len(g.layer_names) for g in self.groups)
-        layers = f"{count} layer" + ("s" if count != 1 else "")
-        need = format_bytes_exact(self.region + _MIN_BLOCKS * self.bytes_per_block)
-        region = f" after the {format_bytes_exact(self.region)} state region" if self.states else ""
-        return (f"available_memory={format_bytes_exact(available_memory)} holds {num_blocks} "
-                f"KV cache block{'s' if num_blocks != 1 else ''}{region}; one block of the model's "
-                f"{layers} needs {format_bytes_exact(self.bytes_per_block)} and a pool needs "
-                f"{_MIN_BLOCKS} (block 0 is the null block), so plan with at least {need}, "
-                "a smaller block size or a smaller model")
-
-    def place(self, num_blocks: int) -> KVCacheConfig:
-        """The plan of ``num_blocks`` blocks."""
-        if not self.parts:  # NOTE: no byte is allocated: any budget holds the minimum pool
-            return KVCacheConfig(num_blocks, [], self.groups, self.layout)
-        region, size = self.region, self.region + self.bytes_per_block * num_blocks
-        tensors = [] if self.states is None else _tensors(
-            self.states.parts, self.layout, self.num_state_blocks, self.states.bytes_per_block, 0, size)
-        tensors += _tensors(self.parts, self.layout, num_blocks, self.bytes_per_block, region, size)
-        return KVCacheConfig(num_blocks, tensors, self.groups, self.layout, num_state_blocks=self.num_state_blocks)
 
 
 def lay_out(
@@ -131,7 +56,7 @@ def lay_out(
     ``num_state_blocks``, the state caches in a region of their own, first."""
     specs, layout = _check_specs(kv_cache_specs), KVCacheLayout.parse(layout)
     if num_state_blocks is None:
-        return _lay(group_layers(specs), layout)
+        return lay_groups(group_layers(specs), layout)
     states = {n: s for n, s in specs.items() if is_state_spec(s)}
     others = group_layers({n: s for n, s in specs.items() if n not in states})
     cached = [g for g in others if not is_encoder_only(g)]
@@ -139,7 +64,7 @@ def lay_out(
         raise ValueError("separate state pages need state caches and at least one layer beside them; plan this "
                          "model with separate_state_pages=False")
     state_groups = _cache_groups(states)
-    region, pages = _lay(state_groups, layout), _lay(others, layout)
+    region, pages = lay_groups(state_groups, layout), lay_groups(others, layout)
     groups = cached + state_groups + [g for g in others if is_encoder_only(g)]
     return attrs.evolve(pages, groups=groups, refusal=pages.refusal or region.refusal, states=region,
                         num_state_blocks=num_state_blocks)
@@ -160,22 +85,10 @@ def state_region_blocks(specs: Mapping[str, KVCacheSpec], separate: object, num_
         return None
     if num_state_blocks is None:
         num_state_blocks = (2 if prefix_caching else 1) * max_num_seqs * len(group_layers(states)) + 1
-    if positive_int("num_state_blocks", num_state_blocks) < _MIN_BLOCKS:
+    if positive_int("num_state_blocks", num_state_blocks) < MIN_BLOCKS:
         raise ValueError(f"num_state_blocks={num_state_blocks} leaves no state slot (block 0 is the null block); "
                          "plan at least 2")
     return num_state_blocks
-
-
-def _lay(groups: list[KVCacheGroupSpec], layout: KVCacheLayout) -> PagePlan:
-    if all(is_encoder_only(g) for g in groups):
-        return PagePlan(groups, layout, [], 0)
-    parts = _parts(groups, layout.is_layer_compact)
-    try:
-        bytes_per_block = _bytes_per_block(parts, layout)
-        _tensors(parts, layout, _MIN_BLOCKS, bytes_per_block)  # NOTE: a dry run of the views
-    except _Refusal as exc:  # NOTE: the one place a refusal becomes a value
-        return PagePlan(groups, layout, parts, 0, str(exc))
-    return PagePlan(groups, layout, parts, bytes_per_block)
 
 
 def plan_kv_cache(
