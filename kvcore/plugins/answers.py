@@ -1,19 +1,21 @@
-"""What the backends' plugins answered: each hook asked once per (backend, spec), checked, kept;
-a plugin that fails while ``"auto"`` weighs the backends is reported and skipped."""
+"""What the backends' plugins answered: each hook asked once per (backend, spec), checked (a wrong
+answer names the plugin whose answer it is), kept; a plugin that fails while ``"auto"`` weighs the
+backends is reported and skipped."""
 
 from __future__ import annotations
 
 import functools
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import attrs
 import pluggy
 
-from kvcore.errors import PluginError
+from kvcore.errors import PluginError, PluginWarning
 from kvcore.memory.layout import KVCacheLayout, parse_layouts
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.manager import call_first
+from kvcore.plugins.manager import blame_wrappers, call_noted, collect_backends, plugin_error
 from kvcore.plugins.mixer_backend import MixerBackend
 from kvcore.plugins.registry import get_backend, resolve_plugin_manager
 from kvcore.plugins.requirements import NO_REQUIREMENTS, KernelRequirements
@@ -73,6 +75,52 @@ def _check_customized(original: KVCacheSpec, value: Any, backend: str) -> KVCach
         raise ValueError(f"for backend {backend!r} it changed {'; '.join(changed)}, which changes what the layer "
                          f"stores; {allowed}: return attrs.evolve(spec, num_head_slots=...) or similar, or None")
     return value
+
+
+def call_first(pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], *,
+               unhealthy: dict[str, PluginError] | None = None, **kwargs: Any) -> Any:
+    """Call a firstresult hook; ``check`` validates a non-None answer (a refusal names the plugin
+    whose own answer it is, else the wrapper that changed it). With ``unhealthy`` (plugin name ->
+    its error), a plugin that fails about another plugin's backend is reported, noted there and
+    left out, and the hook asked again without it."""
+    skip = [pm.get_plugin(name) for name in unhealthy or ()]
+    caller = pm.subset_hook_caller(hook_name, skip) if skip else getattr(pm.hook, hook_name)
+    try:
+        return _checked_first(pm, caller, check, kwargs)
+    except PluginError as err:
+        culprit, backend = getattr(err, "plugin_name", None), kwargs.get("backend")
+        found = collect_backends(pm).entries.get(getattr(backend, "name", None), [])
+        owner = found[0][1] if len(found) == 1 and found[0][0] is backend else None
+        if unhealthy is None or culprit is None or owner in (None, culprit):
+            raise
+        unhealthy[culprit] = err
+        warnings.warn(f"{err} (kvcore skips that plugin here)", PluginWarning, stacklevel=3)
+        return call_first(pm, hook_name, check, unhealthy=unhealthy, **kwargs)
+
+
+def _checked_first(pm: pluggy.PluginManager, caller: pluggy.HookCaller, check: Callable[[Any], Any],
+                   kwargs: dict[str, Any]) -> Any:
+    result, turns = call_noted(pm, caller, kwargs)
+    if result is None:
+        return None
+    try:
+        return check(result)
+    except (TypeError, ValueError) as exc:
+        # NOTE: pluggy stops at the first answer; a wrapper may have replaced it since.
+        first = next((turn for turn in turns if turn.answer is not None), None)
+        if first is not None and (first.answer is result or _refuses(check, first.answer)):
+            owner, note = first.plugin_name, ""
+        else:
+            owner, note = blame_wrappers(caller, "changed by")
+        raise plugin_error(pm, owner, caller.name, f"returned a wrong value ({exc}){note}") from exc
+
+
+def _refuses(check: Callable[[Any], Any], answer: Any) -> bool:
+    try:
+        check(answer)
+    except (TypeError, ValueError):
+        return True
+    return False
 
 
 class Refused(str):

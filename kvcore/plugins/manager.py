@@ -1,20 +1,19 @@
 """kvcore's pluggy manager: hook calls that name the plugin at fault (each plain implementation
-takes part through pluggy's ``call_extra``, noted under its ``HookImpl.plugin_name``), and the
-registered backends."""
+takes part through pluggy's ``call_extra``, noted under its ``HookImpl.plugin_name``; the answers
+asked of backends are checked in answers.py), and the registered backends."""
 
 from __future__ import annotations
 
 import functools
 import inspect
 import logging
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import attrs
 import pluggy
 
-from kvcore.errors import PluginError, PluginWarning
+from kvcore.errors import PluginError
 from kvcore.plugins import hookspecs
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.mixer_backend import is_mixer_backend, mixer_problem
@@ -146,7 +145,7 @@ def _noting(impl: Any, turns: list[_Turn]) -> Callable[..., Any]:
     return noted
 
 
-def _by_wrappers(caller: pluggy.HookCaller, what: str) -> tuple[str | None, str]:
+def blame_wrappers(caller: pluggy.HookCaller, what: str) -> tuple[str | None, str]:
     """The one wrapper when no plain implementation is at fault, else a note naming them all."""
     impls = reversed(caller.get_hookimpls())
     wrappers = [i.plugin_name for i in impls if i.wrapper or i.hookwrapper]
@@ -155,7 +154,7 @@ def _by_wrappers(caller: pluggy.HookCaller, what: str) -> tuple[str | None, str]
     return None, f" ({what} one of the wrappers of plugins {wrappers})" if wrappers else ""
 
 
-def _call(
+def call_noted(
     pm: pluggy.PluginManager, caller: pluggy.HookCaller, kwargs: dict[str, Any], only: Sequence[Any] | None = None
 ) -> tuple[Any, list[_Turn]]:
     """``caller(**kwargs)`` with the wrappers around it (only the plain implementations ``only``,
@@ -171,55 +170,9 @@ def _call(
         raise
     except Exception as exc:
         raised = [turn.plugin_name for turn in turns if turn.error is exc]
-        owner, note = (raised[0], "") if raised else _by_wrappers(caller, "raised in")
+        owner, note = (raised[0], "") if raised else blame_wrappers(caller, "raised in")
         problem = f"raised {type(exc).__name__}: {exc}{note}"
         raise plugin_error(pm, owner, caller.name, problem) from exc
-
-
-def call_first(pm: pluggy.PluginManager, hook_name: str, check: Callable[[Any], Any], *,
-               unhealthy: dict[str, PluginError] | None = None, **kwargs: Any) -> Any:
-    """Call a firstresult hook; ``check`` validates a non-None answer (a refusal names the plugin
-    whose own answer it is, else the wrapper that changed it). With ``unhealthy`` (plugin name ->
-    its error), a plugin that fails about another plugin's backend is reported, noted there and
-    left out, and the hook asked again without it."""
-    skip = [pm.get_plugin(name) for name in unhealthy or ()]
-    caller = pm.subset_hook_caller(hook_name, skip) if skip else getattr(pm.hook, hook_name)
-    try:
-        return _checked_first(pm, caller, check, kwargs)
-    except PluginError as err:
-        culprit, backend = getattr(err, "plugin_name", None), kwargs.get("backend")
-        found = collect_backends(pm).entries.get(getattr(backend, "name", None), [])
-        owner = found[0][1] if len(found) == 1 and found[0][0] is backend else None
-        if unhealthy is None or culprit is None or owner in (None, culprit):
-            raise
-        unhealthy[culprit] = err
-        warnings.warn(f"{err} (kvcore skips that plugin here)", PluginWarning, stacklevel=3)
-        return call_first(pm, hook_name, check, unhealthy=unhealthy, **kwargs)
-
-
-def _checked_first(pm: pluggy.PluginManager, caller: pluggy.HookCaller, check: Callable[[Any], Any],
-                   kwargs: dict[str, Any]) -> Any:
-    result, turns = _call(pm, caller, kwargs)
-    if result is None:
-        return None
-    try:
-        return check(result)
-    except (TypeError, ValueError) as exc:
-        # NOTE: pluggy stops at the first answer; a wrapper may have replaced it since.
-        first = next((turn for turn in turns if turn.answer is not None), None)
-        if first is not None and (first.answer is result or _refuses(check, first.answer)):
-            owner, note = first.plugin_name, ""
-        else:
-            owner, note = _by_wrappers(caller, "changed by")
-        raise plugin_error(pm, owner, caller.name, f"returned a wrong value ({exc}){note}") from exc
-
-
-def _refuses(check: Callable[[Any], Any], answer: Any) -> bool:
-    try:
-        check(answer)
-    except (TypeError, ValueError):
-        return True
-    return False
 
 
 @attrs.frozen
@@ -266,7 +219,7 @@ def collect_backends(pm: pluggy.PluginManager, only: str | None = None) -> Backe
             calling.add(impl.plugin_name)
             # NOTE: one plugin at a time (its wrappers around it), so register knows the caller.
             try:
-                _call(pm, hook, {"register": functools.partial(register, owner=impl.plugin_name)}, [impl])
+                call_noted(pm, hook, {"register": functools.partial(register, owner=impl.plugin_name)}, [impl])
             finally:
                 calling.discard(impl.plugin_name)
     table = BackendTable(entries)
