@@ -5,8 +5,7 @@ from the reasons collected."""
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from fractions import Fraction
 from typing import Any
 
@@ -74,10 +73,17 @@ class _Pass:
 
     def __init__(self, specs: dict[str, KVCacheSpec], backends: Backends, answers: HookAnswers,
                  num_state_blocks: int | None = None) -> None:
-        self.specs, self.backends, self.answers = specs, backends, answers
-        # NOTE: num_state_blocks: a separate state region's blocks, or None
-        self._pages: Callable[[KVCacheLayout], PagePlan] = functools.cache(
-            lambda layout: lay_out(specs, layout, num_state_blocks))
+        self.specs = specs
+        self.backends = backends
+        self.answers = answers
+        self._num_state_blocks = num_state_blocks  # NOTE: a separate state region's blocks, or None
+        self._laid_out: dict[KVCacheLayout, PagePlan] = {}
+
+    def _pages(self, layout: KVCacheLayout) -> PagePlan:
+        """The pages of ``layout``, laid out once."""
+        if layout not in self._laid_out:
+            self._laid_out[layout] = lay_out(self.specs, layout, self._num_state_blocks)
+        return self._laid_out[layout]
 
     def bought(self, layout: KVCacheLayout, available_memory: int) -> int:
         """Blocks ``available_memory`` holds under ``layout``, else ``ValueError`` saying why too few."""
