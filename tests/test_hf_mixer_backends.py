@@ -76,7 +76,7 @@ class CountingPlugin:
 
 
 @pytest.fixture
-def counting_default_manager():
+def counting_default_manager(own_plugins):  # NOTE: this repository's plugins and the counting one, no other
     reset_default_plugin_manager()
     default_plugin_manager().register(CountingPlugin(), name="counting-mixers")
     CountingMixer.calls.clear()
@@ -128,7 +128,7 @@ def test_select_backend_picks_mixer_backends_by_mamba_type_on_a_fresh_manager():
         select_backend(kvcore.FullAttentionSpec(16, 2, 16, torch.float32), "cpu", plugin_manager=pm)
 
 
-def test_installed_plugins_serve_every_mamba_type_and_triton_wins_on_cuda():
+def test_installed_plugins_serve_every_mamba_type_and_triton_wins_on_cuda(own_plugins):
     for kind in ("mamba2", "short_conv", "gated_delta_net"):
         spec = MambaSpec(16, [(8, 4)], [torch.float32], mamba_type=kind)
         assert select_backend(spec, "cpu").name == "torch-mixer"

@@ -154,7 +154,7 @@ def test_the_static_baseline_halves_its_batch_until_it_fits_and_says_so(capsys):
         assert ("static model.generate (batch 32)" in out) == ("batch" in static)
 
 
-def test_runs_that_run_out_of_memory_are_reported_as_not_run(monkeypatch, capsys):
+def test_runs_that_run_out_of_memory_are_reported_as_not_run(monkeypatch, capsys, own_plugins):
     from kvcore_bench import _hf_runs
 
     served = _hf_runs.run_kvcore
