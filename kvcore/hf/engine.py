@@ -222,9 +222,8 @@ class Engine:
 
         status = Console(stderr=True).status("kvcore: compiling attention kernels")
         with status if progress else contextlib.nullcontext():
-            for zeroer in (self.kv.zeroer, self.kv.state_zeroer):  # NOTE: both id paths; block 0 holds nothing
-                for ids in ([0], [0] * 65) if zeroer is not None else ():
-                    zeroer.zero_block_ids(ids)
+            for zeroer in (z for z in (self.kv.zeroer, self.kv.state_zeroer) if z is not None):
+                zeroer.warmup(0)  # NOTE: both id paths compiled, nothing written
             self._warm_prefill()
         if self.graphs is not None and self.graphs.capture:
             try:
