@@ -80,8 +80,10 @@ def test_ctrl_c_during_a_benchmark_is_one_line_and_exit_130(bench):
 
 
 def test_ctrl_c_while_serving_is_one_line_and_exit_130():
-    # the first model's report line is printed once it is served: interrupt the second
-    argv = ["examples/serve_hf.py", "--arch", "llama,gemma3", "--requests", "2", "--max-new-tokens", "2"]
+    # the first model's report line is printed once it is served: interrupt the next two, which take
+    # seconds (a short second run alone could end before the signal lands)
+    argv = ["examples/serve_hf.py", "--arch", "llama,gemma3,granitemoehybrid", "--requests", "4",
+            "--max-new-tokens", "8"]
     done = _interrupt([sys.executable, *argv], lambda p, out: "KV cache group" in out)
     assert done.returncode == 130
     _one_line(done.stderr, "serve_hf.py: interrupted")
