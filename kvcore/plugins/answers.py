@@ -127,10 +127,6 @@ class Refused(str):
     """Why a candidate (a layout, a kernel block size) cannot be used: a value, not an exception."""
 
 
-def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
-    return any(s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes)
-
-
 #: Hooks ``"auto"`` asks of every backend: a plugin failing on another plugin's backend is skipped.
 ISOLATED = ("kvcore_kernel_requirements", "kvcore_backend_priority")
 
@@ -204,18 +200,6 @@ class HookAnswers:
         self._alive.append(new)
         self._kept[key] = new
         return new
-
-    def common_block_size(self, manager: int, pairs: Sequence[tuple[type, Any]]) -> int | Refused:
-        """The manager size when every (backend, spec) takes it, else the largest offered int dividing it that
-        every one takes, else why there is none."""
-        offers = [(label(b), self.kernel_block_sizes(b, s)) for b, s in pairs]
-        ints = {s for _, ss in offers for s in ss if not isinstance(s, MultipleOf) and manager % s == 0}
-        for size in [manager, *sorted(ints, reverse=True)]:
-            if all(accepts(ss, size) for _, ss in offers):
-                return size
-        offered = "; ".join(f"{name}: {ss}" for name, ss in offers)
-        return Refused(f"No common block size for {manager} ({offered}). Use a manager block size that every "
-                       "backend accepts or divides into a size they all accept.")
 
     def common_layouts(self, pairs: Sequence[tuple[type, Any]]) -> list[KVCacheLayout] | None:
         """Layouts every (backend, spec) reads, in the first choosy backend's order (None: any)."""

@@ -15,7 +15,7 @@ from kvcore.memory.config import KVCacheConfig
 from kvcore.memory.layout import split_ratio
 from kvcore.plugins.answers import HookAnswers, Refused
 from kvcore.plugins.backend import AttentionBackend
-from kvcore.plugins.negotiation import group_kernel_block_size, splits_by_backends
+from kvcore.plugins.negotiation import common_block_size, group_kernel_block_size, splits_by_backends
 from kvcore.specs import KVCacheSpec
 
 
@@ -36,7 +36,7 @@ def select_common_block_size(kv_manager_block_size: int, backends: Sequence[type
     if len(specs) != len(classes):
         raise ValueError(f"kv_cache_specs has {len(specs)} entries for {len(classes)} "
                          "backends; pass one spec (or None) per backend")
-    size = answers.common_block_size(manager, list(zip(classes, specs)))
+    size = common_block_size(answers, manager, list(zip(classes, specs)))
     if isinstance(size, Refused):
         raise ValueError(size)
     return size

@@ -20,11 +20,11 @@ from kvcore.memory.elastic import checked_max_blocks, checked_num_blocks
 from kvcore.memory.layout import KVCacheLayout, checked_request, layout_candidates, requested_layout
 from kvcore.memory.pages import check_hashable
 from kvcore.memory.planner import PagePlan, checked_budget, lay_out, state_region_blocks
-from kvcore.plugins.answers import HookAnswers, accepts
+from kvcore.plugins.answers import HookAnswers
 from kvcore.plugins.auto import Backends, as_device, check_abilities, resolve_backends
 from kvcore.plugins.backend import AttentionBackend
 from kvcore.plugins.mixer_backend import is_mixer_backend
-from kvcore.plugins.negotiation import Candidate, Declared, Negotiation, Refused, group_records
+from kvcore.plugins.negotiation import Candidate, Declared, Negotiation, Refused, accepts, group_records
 from kvcore.plugins.rules import view_checks
 from kvcore.settings import Settings
 from kvcore.specs import AttentionSpec, KVCacheSpec

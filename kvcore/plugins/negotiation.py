@@ -4,6 +4,7 @@ read by every later stage (the hooks are never asked again), and how it explains
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import attrs
 import torch
@@ -183,6 +184,24 @@ def splits_by_backends(config: KVCacheConfig, group: KVCacheGroupSpec) -> bool:
     return splittable and not is_packed(config, group)
 
 
+def accepts(sizes: Sequence[int | MultipleOf], block_size: int) -> bool:
+    """Whether a backend offering kernel block ``sizes`` takes ``block_size``-token blocks."""
+    return any(s.accepts(block_size) if isinstance(s, MultipleOf) else s == block_size for s in sizes)
+
+
+def common_block_size(answers: HookAnswers, manager: int, pairs: Sequence[tuple[type, Any]]) -> int | Refused:
+    """The manager size when every (backend, spec) takes it, else the largest offered int dividing it
+    that every one takes, else why there is none."""
+    offers = [(label(b), answers.kernel_block_sizes(b, s)) for b, s in pairs]
+    ints = {s for _, ss in offers for s in ss if not isinstance(s, MultipleOf) and manager % s == 0}
+    for size in [manager, *sorted(ints, reverse=True)]:
+        if all(accepts(ss, size) for _, ss in offers):
+            return size
+    offered = "; ".join(f"{name}: {ss}" for name, ss in offers)
+    return Refused(f"No common block size for {manager} ({offered}). Use a manager block size that every "
+                   "backend accepts or divides into a size they all accept.")
+
+
 def group_kernel_block_size(config: KVCacheConfig, group_id: int, pairs: Sequence[tuple[type, KVCacheSpec]],
                             answers: HookAnswers) -> tuple[int | None | Refused, str]:
     """The kernel block size of KV cache group ``group_id`` (None: no pages) and the rule."""
@@ -193,7 +212,7 @@ def group_kernel_block_size(config: KVCacheConfig, group_id: int, pairs: Sequenc
     if not splits_by_backends(config, group):
         what = "packed blocks" if is_packed(config, group) else "blocks that do not split"
         return manager, f"{what} keep the manager block size"
-    size = answers.common_block_size(manager, pairs)
+    size = common_block_size(answers, manager, pairs)
     if isinstance(size, Refused):
         return size, ""
     rule = "every backend takes the manager block size" if size == manager else (
@@ -236,7 +255,7 @@ def group_records(config: KVCacheConfig, layer_backends: Mapping[str, type[Atten
         for (backend, spec), names in by_key.items():
             own, stride = (kernel if kernel != spec.block_size else None), 0
             if kernel is not None and packed and can_split(spec):
-                own = answers.common_block_size(kernel, [(backend, spec)])
+                own = common_block_size(answers, kernel, [(backend, spec)])
                 if isinstance(own, Refused):
                     return own
                 own = None if own == spec.block_size else own
