@@ -484,3 +484,19 @@ def test_a_triton_launch_hook_sends_launches_through_the_jit_and_an_empty_hook_c
     runtime.launch_enter_hook.calls.append(print)  # a chain with a hook in it
     launcher.launch(ids, 1, 99)
     assert calls == ["jit", "run", "jit", "run", "jit"]
+
+
+@needs_interpreter
+def test_an_interpreter_that_cannot_run_the_kernel_leaves_zeroing_to_torch(monkeypatch):
+    from kvcore.runtime.zeroer import kernel
+
+    assert kernel.interpreter_runs()  # NOTE: this machine's interpreter runs it (the probe zeroes a word)
+    case = _fixed_case(5)
+    monkeypatch.setattr(kernel, "interpreter_runs", lambda: False)
+    zeroer = KVBlockZeroer.from_views("cpu", case.views(), case.num_blocks)
+    assert zeroer.backend == "torch"
+    before = fill_random(case.raw, 7)
+    zeroer.zero_block_ids([1, 3])
+    assert torch.equal(case.raw, case.expected_after(before, [1, 3]))
+    with pytest.raises(ValueError, match="interpreter runs its loops.*backend='torch'"):
+        KVBlockZeroer.from_views("cpu", case.views(), case.num_blocks, backend="triton")

@@ -23,6 +23,7 @@ import torch
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.transfer import NixlAgent, plan_transfer
 from kvcore.transfer.descriptor import raw_allocation
+from kvcore.transfer.nixl_api import nixl_api
 from kvcore_bench import table
 from kvcore_bench._timing import Timer
 
@@ -147,6 +148,7 @@ def nixl_rows(args: argparse.Namespace, make: CacheFn, memory: str, device: torc
     # A local peer is a second agent of this process (UCX loopback; cuda_copy on one GPU).
     make_peer = functools.partial(make, 2 * most + 2, str(peer_on))
     if peer_kind == "process":
+        nixl_api()  # NOTE: NixlUnavailableError here, not a peer that never answers
         peer = ProcessPeer(f"{tag}-b", make_peer)
     else:
         peer = NixlAgent(f"{tag}-b", make_peer())

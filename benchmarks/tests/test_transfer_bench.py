@@ -47,6 +47,23 @@ def test_bench_transfer_refuses_vram_without_cuda():
         collect(["--nixl-memory", "HBM"])
 
 
+def test_a_process_peer_without_nixl_is_skipped_at_once_not_waited_for(monkeypatch):
+    from kvcore.transfer import NixlUnavailableError
+    from kvcore_bench import transfer_nixl
+
+    def missing():
+        raise NixlUnavailableError("NixlAgent needs NIXL, which does not import here")
+
+    def no_peer(*args, **kwargs):
+        raise AssertionError("a peer process was started without NIXL")
+
+    monkeypatch.setattr(transfer_nixl, "nixl_api", missing)
+    monkeypatch.setattr(transfer_nixl, "ProcessPeer", no_peer)
+    result = collect(["--device", "cpu", "--no-host", "--layouts", "BLNHC", "--nixl-blocks", "2",
+                      "--nixl-peer", "process"])
+    assert "does not import" in result["nixl_skipped"] and result["nixl_failed"] == {} and result["nixl"] == []
+
+
 @pytest.mark.kvcore_gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_bench_transfer_moves_vram_blocks_over_nixl():

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 from array import array
 
 import torch
@@ -88,6 +89,18 @@ def launch_table(base, ids, num_blocks, table, vec, programs, *, num_ids=None, w
     words = None if words is None else [w | -(1 << 63) for w in words]
     return _zero_blocks_kernel[grid](base, ids, num_ids, num_blocks, table, table.shape[1], *(words or NO_WORDS),
                                      VEC=vec, ROWS=ROWS, BY_VALUE=words is not None, num_warps=NUM_WARPS)
+
+
+@functools.cache
+def interpreter_runs() -> bool:
+    """Whether Triton's interpreter runs this kernel here (the interpreter of some Triton and NumPy
+    pairs cannot loop to a bound given at run time: Triton 3.6 with NumPy 2.4); one word zeroed."""
+    base, table = torch.ones(1, dtype=torch.int32), torch.tensor([[0], [0], [1]], dtype=torch.int64)
+    try:
+        launch_table(base, base, 1, table, 1, 1, num_ids=1, words=pack_words([0]))
+    except Exception:  # noqa: BLE001 - whatever the interpreter raises, the torch zeroer serves
+        return False
+    return base.item() == 0
 
 
 def _hooked() -> bool:

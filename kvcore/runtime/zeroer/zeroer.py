@@ -117,10 +117,12 @@ class KVBlockZeroer:
             raise ValueError(f"Unsupported zeroer backend: {backend!r}. Supported: {list(_BACKENDS)}")
         self._allocations = inputs.allocations(views, num_blocks, self.device, (CHUNK_BYTES, FINE_CHUNK_BYTES))
         interpret = (settings or Settings.from_env()).triton_interpret
-        runnable = _kernel() is not None and (self.device.type == "cuda" or (self.device.type == "cpu" and interpret))
+        runnable = _kernel() is not None and (self.device.type == "cuda" or (
+            self.device.type == "cpu" and interpret and _kernel().interpreter_runs()))
         if backend == "triton" and self._allocations and not runnable:
             raise ValueError(f"the Triton zeroing kernel cannot run on {self.device} here; install triton, set "
-                             "TRITON_INTERPRET=1 before importing triton to run it on CPU, or pass backend='torch'")
+                             "TRITON_INTERPRET=1 before importing triton to run it on CPU (with a Triton whose "
+                             "interpreter runs its loops), or pass backend='torch'")
         self.backend = backend if backend != "auto" else ("triton" if runnable or not self._allocations else "torch")
         self.max_num_blocks = num_blocks
         self._ids = torch.empty(0, dtype=torch.int64, device=self.device)

@@ -46,6 +46,8 @@ def fake(monkeypatch):
         monkeypatch.setattr(f"kvcore_flashinfer.{where}.flashinfer", lambda: fake_flashinfer)
     monkeypatch.setattr("kvcore_flashinfer.backend.check_view", lambda view, head_size, head_size_v: None)
     monkeypatch.setattr("kvcore_flashinfer.builder._workspace", lambda device: None)
+    # NOTE: CPU tensors: the reference store writes K/V (kvcore-triton's needs the Triton interpreter)
+    monkeypatch.setattr("kvcore_flashinfer.backend._store", lambda: kvcore_torch.write_kv)
 
 
 @pytest.mark.parametrize("mode", ["fp8_e4m3", "fp8_e5m2"])

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import triton
+import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from kvcore.plugins.paged_inputs import (
@@ -26,10 +27,39 @@ def _probe():
     pass
 
 
+@triton.jit
+def _loop_probe(out, n):
+    for i in range(0, n):
+        tl.store(out + i, i + 1)
+
+
+def _interpreter_problem() -> str | None:
+    """Why Triton's interpreter cannot run these kernels here (None: it can, or it is off). Some
+    pairs of Triton and NumPy cannot loop to a bound given at run time (Triton 3.6, NumPy 2.4)."""
+    if not isinstance(_probe, InterpretedFunction):
+        return None
+    out = torch.zeros(2, dtype=torch.int32)
+    try:
+        _loop_probe[(1,)](out, 2)
+    except Exception as exc:  # noqa: BLE001 - whatever the interpreter raises, it cannot serve
+        return f"the interpreter of Triton {triton.__version__} fails on a kernel loop here ({exc})"
+    return None if out.tolist() == [1, 2] else f"the interpreter of Triton {triton.__version__} ran a loop wrong"
+
+
+#: Why the interpreter is on but cannot run these kernels (None: it runs them, or it is off).
+INTERPRETER_PROBLEM = _interpreter_problem()
 #: Whether this package's kernels run through Triton's interpreter (CPU tensors). Triton decides it
 #: itself, from ``TRITON_INTERPRET``, when ``triton.jit`` decorates a kernel (at this package's import),
 #: so the answer is read off a kernel once, never from the environment per call.
-INTERPRETED = isinstance(_probe, InterpretedFunction)
+INTERPRETED = isinstance(_probe, InterpretedFunction) and INTERPRETER_PROBLEM is None
+
+
+def cpu_note() -> str:
+    """Why CPU tensors are not served, and the remedy (messages and the plugin's requirements)."""
+    if INTERPRETER_PROBLEM:
+        return (f"{INTERPRETER_PROBLEM}; use the 'torch' backend on CPU, or a Triton and NumPy whose "
+                "interpreter runs loops")
+    return "set TRITON_INTERPRET=1 before triton is imported to run these kernels on CPU tensors"
 
 __all__ = [
     "DTYPES", "INTERPRETED", "check_batch", "check_device", "check_batch_shapes", "check_block_ids", "check_cache_view",
@@ -41,6 +71,8 @@ __all__ = [
 def check_device(kv_cache_view: torch.Tensor) -> None:
     """Triton kernels run on CUDA tensors, or on CPU tensors through the Triton interpreter only."""
     if kv_cache_view.device.type == "cpu" and not INTERPRETED:
+        if INTERPRETER_PROBLEM:
+            raise ValueError(f"kvcore-triton got CPU tensors, but {cpu_note()}, or a CUDA device")
         raise ValueError(
             "kvcore-triton got CPU tensors, but the Triton interpreter is off: set "
             "TRITON_INTERPRET=1 before triton is first imported to run its kernels on the CPU, "

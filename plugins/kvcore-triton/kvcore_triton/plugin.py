@@ -65,7 +65,7 @@ def kvcore_kernel_requirements(backend: Any, spec: Any) -> KernelRequirements | 
         return KernelRequirements(dtypes=dtypes, head_sizes=_HEAD_SIZES, kv_quant=_KV_QUANT)
     return KernelRequirements(
         devices=("cuda",), dtypes=dtypes, head_sizes=_HEAD_SIZES, kv_quant=_KV_QUANT,
-        note="set TRITON_INTERPRET=1 before triton is imported to run these kernels on CPU tensors",
+        note=_checks.cpu_note(),
     )
 
 

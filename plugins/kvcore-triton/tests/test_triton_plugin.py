@@ -87,3 +87,19 @@ def test_forward_through_an_attention_group(pm):
         head_size=16, scale=0.25, config=KernelConfig(tile=16),
     )
     torch.testing.assert_close(out.cpu().double(), dense_reference(batch, 0.25), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the Triton interpreter serves CPU tensors")
+def test_an_interpreter_that_cannot_run_loops_hands_cpu_to_the_torch_backend(monkeypatch):
+    from kvcore_triton import _checks
+
+    assert _checks._interpreter_problem() is None  # NOTE: the probe's loop ran right under this interpreter
+    problem = "the interpreter of Triton 3.6.0 fails on a kernel loop here (TypeError: ...)"
+    monkeypatch.setattr(_checks, "INTERPRETER_PROBLEM", problem)
+    monkeypatch.setattr(_checks, "INTERPRETED", False)
+    req = triton_plugin.kvcore_kernel_requirements(backend=TritonAttentionBackend, spec=SPEC)
+    why = req.why_not("cpu", SPEC.dtype, SPEC.head_size)
+    assert why is not None and problem in why and "'torch' backend" in why
+    assert req.why_not("cuda", SPEC.dtype, SPEC.head_size) is None
+    with pytest.raises(ValueError, match="fails on a kernel loop.*'torch' backend"):
+        _checks.check_device(torch.zeros(2, 1, 16, 32))
