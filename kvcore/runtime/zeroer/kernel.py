@@ -94,13 +94,19 @@ def launch_table(base, ids, num_blocks, table, vec, programs, *, num_ids=None, w
 @functools.cache
 def interpreter_runs() -> bool:
     """Whether Triton's interpreter runs this kernel here (the interpreter of some Triton and NumPy
-    pairs cannot loop to a bound given at run time: Triton 3.6 with NumPy 2.4); one word zeroed."""
-    base, table = torch.ones(1, dtype=torch.int32), torch.tensor([[0], [0], [1]], dtype=torch.int64)
+    pairs cannot loop to a bound given at run time: Triton 3.6 with NumPy 2.4): blocks 0 and 2 of
+    three 4-word blocks, in two chunks each, zeroed from memory and by value."""
+    table = torch.tensor([[0, 2], [4, 4], [2, 2]], dtype=torch.int64)
+    ids, expected = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0] * 4 + [1] * 4 + [0] * 4)
     try:
-        launch_table(base, base, 1, table, 1, 1, num_ids=1, words=pack_words([0]))
+        for words in (None, pack_words([0, 2])):
+            base = torch.ones(12, dtype=torch.int32)
+            launch_table(base, ids, 3, table, 1, 2, num_ids=2, words=words)
+            if not torch.equal(base, expected.to(base.dtype)):
+                return False
     except Exception:  # noqa: BLE001 - whatever the interpreter raises, the torch zeroer serves
         return False
-    return base.item() == 0
+    return True
 
 
 def _hooked() -> bool:

@@ -207,7 +207,7 @@ class KVBlockZeroer:
         """Compile the kernel (ids by value and from memory); zero block 0 only when ``num_kv_blocks > 0``."""
         if non_negative_int("num_kv_blocks", num_kv_blocks) > 0:
             self.zero_block_ids([0])
-        elif self._launchers:
+        elif self._launchers and self.device.type == "cuda":  # NOTE: the interpreter compiles nothing
             ids = self.block_id_buffer(1)[:1]
             for alloc in self._allocations:
                 for words in (None, _kernel().pack_words([0])):  # NOTE: no ids: each launch compiles, stores nothing
