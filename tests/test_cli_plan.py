@@ -249,8 +249,13 @@ def test_two_state_groups_in_two_blocks_say_no_sequence_fits(capsys, tmp_path):
     assert "1 sequences of any length" in " ".join(capsys.readouterr().out.split())
 
 
-def test_explain_adds_the_negotiation_and_leaves_the_plan_as_it_was(capsys, monkeypatch):
+def test_explain_adds_the_negotiation_and_leaves_the_plan_as_it_was(capsys, monkeypatch, request):
+    from kvcore.plugins import registry
+
     monkeypatch.setenv("KVCORE_PLUGINS", "torch,triton")  # NOTE: other installed plugins could outbid
+    # NOTE: the default manager reads KVCORE_PLUGINS when built: built afresh here, forgotten after
+    registry.default_plugin_manager.cache_clear()
+    request.addfinalizer(registry.default_plugin_manager.cache_clear)
     monkeypatch.setattr("kvcore_triton._checks.INTERPRETED", True)  # NOTE: triton on CPU, as `make test` runs it
     assert main(["plan", "jamba-1.5-mini", "--memory", "1GiB", "--layout", "BLNHC"]) == 0
     plain = capsys.readouterr().out
