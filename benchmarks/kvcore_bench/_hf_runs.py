@@ -117,13 +117,23 @@ def run_unquantized(model: Any, prompts: list[list[int]], warmup: list[list[int]
     equal the quantized cache's, and the attention error of the mode at the model's shape."""
     from kvcore_torch.accuracy import attention_error
 
-    result, outputs = run_kvcore(model, prompts, warmup, new_tokens, {**engine_kwargs, "kv_cache_dtype": "auto"})
+    unquantized = {**engine_kwargs, "kv_cache_dtype": "auto"}
+    result, outputs = run_kvcore(model, prompts, warmup, new_tokens, unquantized)
     config = model.config
     head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     error = attention_error(engine_kwargs["kv_cache_dtype"], q_heads=config.num_attention_heads,
                             kv_heads=config.num_key_value_heads, head_size=head, device=model.device)
-    return {"unquantized": result, "same_requests": sum(a == b for a, b in zip(outputs, quantized_outputs)),
-            "requests": len(prompts), "attention_rel_l2": error}
+    out = {"unquantized": result, "same_requests": sum(a == b for a, b in zip(outputs, quantized_outputs)),
+           "requests": len(prompts), "attention_rel_l2": error}
+    # NOTE: how far this model's greedy tokens move when only attention's rounding changes: the
+    # same cache through the reference backend (exact too), unless that is the timed backend.
+    if result["backend"] == "torch":
+        out["exact_other_rounding"] = {"not_run": "the timed backend is the torch reference"}
+    else:
+        _, reference = run_kvcore(model, prompts, warmup, new_tokens, {**unquantized, "backend": "torch"})
+        out["exact_other_rounding"] = {"backend": "torch",
+                                       "same_requests": sum(a == b for a, b in zip(outputs, reference))}
+    return out
 
 
 def run_generate_batch(model: Any, prompts: list[list[int]], warmup: list[list[int]],

@@ -300,6 +300,12 @@ def report(out: dict[str, Any]) -> None:
             f"({q['same_requests'] / q['requests']:.1%}) generate the same greedy tokens; attention "
             f"over the quantized cache at this shape is within rel. L2 {q['attention_rel_l2']:.2e} "
             "of float64 attention over the unquantized K/V", width))
+        floor = q.get("exact_other_rounding", {})
+        if "same_requests" in floor:
+            print(textwrap.fill(
+                f"For scale: the {work['dtype']} cache through the {floor['backend']} backend (exact "
+                f"attention, other rounding) keeps {floor['same_requests']}/{q['requests']} requests' "
+                f"tokens; agreement below that is this model's sensitivity, not the cache's", width))
     check = out.get("check", {})
     for key, label in (("plain", "prefix caching off"), ("prefix_caching", "prefix caching on")):
         if f"{key}_not_run" in check:

@@ -32,6 +32,20 @@ def test_reports_speed_agreement_and_attention_error_against_the_model_dtype_cac
     assert result["check"]["plain"] == result["check"]["requests"]
     text = capsys.readouterr().out
     assert f"KV cache {mode}" in text and "generate the same greedy tokens" in text
+    assert "reference" in quant["exact_other_rounding"]["not_run"] and "For scale" not in text
+
+
+def test_agreement_comes_with_the_model_dtype_cache_through_another_exact_backend(capsys, tmp_path):
+    out = tmp_path / "hf.json"
+    argv = [*TINY, "--backend", "triton", "--dtype", "float32", "--kv-cache-dtype", "int8_per_token_head",
+            "--skip", "generate_batch,static,prefix,profile,check", "--json-out", str(out)]
+    assert main(argv) == 0
+    quant = json.loads(out.read_text())["quantized"]
+    assert quant["unquantized"]["backend"] == "triton"
+    # NOTE: float32 and two exact attention kernels: every request keeps its tokens
+    assert quant["exact_other_rounding"] == {"backend": "torch", "same_requests": 4}
+    text = " ".join(capsys.readouterr().out.split())
+    assert "through the torch backend (exact attention, other rounding) keeps 4/4 requests' tokens" in text
 
 
 def test_without_the_option_nothing_extra_runs(tmp_path):
