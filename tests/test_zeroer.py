@@ -500,3 +500,26 @@ def test_an_interpreter_that_cannot_run_the_kernel_leaves_zeroing_to_torch(monke
     assert torch.equal(case.raw, case.expected_after(before, [1, 3]))
     with pytest.raises(ValueError, match="interpreter runs its loops.*backend='torch'"):
         KVBlockZeroer.from_views("cpu", case.views(), case.num_blocks, backend="triton")
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.one_of(st.integers(-3, 70), st.booleans(), st.floats(0, 5)), max_size=70),
+       st.integers(1, 70))
+def test_listed_ids_are_packed_only_when_every_check_passes(values, num_blocks):
+    """The launch's fast path (checked as packed) agrees with the id checks and the packing."""
+    from kvcore.runtime.zeroer.inputs import id_list
+    from kvcore.runtime.zeroer.kernel import LISTED, listed_words, pack_words
+
+    words = listed_words(values, num_blocks)
+    try:
+        ids = id_list(values, num_blocks)
+    except ValueError:
+        assert words is None
+        return
+    plain = all(type(v) is int for v in values)
+    if not plain or not 0 < len(ids) <= LISTED:
+        assert words is None
+        return
+    assert words == pack_words(ids)
+    unpacked = [w >> shift & 0xFFFFFFFF for w in words for shift in (0, 32)]
+    assert unpacked[: len(ids)] == ids and not any(unpacked[len(ids):])

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import functools
-from array import array
+import struct
 
 import torch
 import triton
@@ -13,7 +13,8 @@ import triton.language as tl
 #: Ids one launch takes by value; rows of ``VEC`` words stored per step; programs per SM (a few on CPU); warps.
 LISTED, ROWS, PROGRAMS_PER_SM, CPU_MAX_PROGRAMS, NUM_WARPS = 64, 256, 8, 4, 2
 NO_WORDS = (0,) * (LISTED // 2)  # NOTE: the words of a launch that reads its ids from memory
-_ZERO_IDS = array("i", bytes(4 * LISTED))
+_WORDS = struct.Struct(f"<{LISTED // 2}q")
+_PLAIN_INT = frozenset({int})  # NOTE: bool is no id here
 
 
 # NOTE: no integer is specialized, so one compiled kernel serves every count, id and table.
@@ -49,11 +50,22 @@ def _zero_blocks_kernel(
             tl.store(base_ptr + (start + row) * VEC + lanes, zeros, mask=row < length)
 
 
-def pack_words(ids: list[int]) -> list[int]:
+def pack_words(ids: list[int]) -> tuple[int, ...]:
     """1 to ``LISTED`` checked ids below 2**31 as the kernel's 32 words: ids ``2k``, ``2k + 1`` in word ``k``."""
-    buf = array("i", ids)
-    buf.extend(_ZERO_IDS[len(ids):])
-    return memoryview(buf).cast("B").cast("q").tolist()  # NOTE: little-endian: the even id is the low half
+    # NOTE: little-endian: the even id is the low half
+    return _WORDS.unpack(struct.pack(f"<{len(ids)}I", *ids).ljust(_WORDS.size, b"\0"))
+
+
+def listed_words(ids: list, num_blocks: int) -> tuple[int, ...] | None:
+    """The words of 1 to ``LISTED`` plain ints in ``[0, num_blocks)``, ``num_blocks <= 2**31``, checked as they
+    are packed; None for anything else (the caller's checks then name what is wrong)."""
+    if not 0 < len(ids) <= LISTED or num_blocks > 1 << 31 or not _PLAIN_INT.issuperset(map(type, ids)):
+        return None
+    try:
+        packed = struct.pack(f"<{len(ids)}I", *ids)  # NOTE: refuses negative ids
+    except struct.error:
+        return None
+    return _WORDS.unpack(packed.ljust(_WORDS.size, b"\0")) if max(ids) < num_blocks else None
 
 
 def max_programs(device: torch.device) -> int:

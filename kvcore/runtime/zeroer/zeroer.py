@@ -180,12 +180,17 @@ class KVBlockZeroer:
                 raise ValueError(f"block ids live on {block_ids.device}, the caches on {self.device}; move them there")
             ids = tensor_ids(block_ids, self.num_blocks, validate)
             return self._launch(ids, ids.numel()) if ids.numel() else None
-        ids = id_list(block_ids, self.num_blocks) if type(block_ids) is list else host_ids(block_ids, self.num_blocks)
-        if len(ids) == 0 or not self._allocations:
-            return None
+        kernel = _kernel() if self.backend == "triton" and self._allocations else None
+        words = kernel.listed_words(block_ids, self.num_blocks) if kernel and type(block_ids) is list else None
+        if words is None:
+            listed = type(block_ids) is list
+            ids = id_list(block_ids, self.num_blocks) if listed else host_ids(block_ids, self.num_blocks)
+            if len(ids) == 0 or not self._allocations:
+                return None
         if self._id_buffer is not None:
             self._id_buffer.refuse_capture()
-        kernel = _kernel() if self.backend == "triton" else None
+        if words is not None:  # NOTE: up to 64 plain ids, checked as packed
+            return self._launch(None, len(block_ids), words)
         if kernel is not None and len(ids) <= kernel.LISTED and type(ids) is list and self.num_blocks <= 1 << 31:
             return self._launch(None, len(ids), kernel.pack_words(ids))
         if self._id_buffer is not None:
