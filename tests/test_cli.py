@@ -192,6 +192,14 @@ def test_bash_completes_preset_and_layout_names(capsys, tmp_path):
     assert words("models", "--j") == {"--json"}
 
 
+def test_completion_without_shtab_says_what_to_install_in_one_line(capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "shtab", None)  # NOTE: makes `import shtab` fail
+    assert main(["completion", "bash"]) == 2
+    out = capsys.readouterr()
+    assert out.out == "" and out.err.count("\n") == 1 and "Traceback" not in out.err
+    assert out.err.startswith("kvcore completion: error:") and "pip install shtab" in out.err
+
+
 def test_completion_of_an_unknown_shell_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exc:
         main(["completion", "fish"])

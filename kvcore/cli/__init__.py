@@ -228,7 +228,11 @@ def _unavailable(reason: str, args: argparse.Namespace) -> int:
 
 
 def _completion(args: argparse.Namespace) -> int:
-    import shtab  # a dependency of kvcore, imported only here (it is not needed for help)
+    try:
+        import shtab  # a dependency of kvcore, imported only here (it is not needed for help)
+    except ImportError:
+        raise ValueError("completion scripts are made by shtab, which does not import here; "
+                         "`pip install shtab` (kvcore depends on it)") from None
 
     parser = build_parser()
     _complete_names(parser)
