@@ -306,6 +306,8 @@ def report(out: dict[str, Any]) -> None:
                 f"For scale: the {work['dtype']} cache through the {floor['backend']} backend (exact "
                 f"attention, other rounding) keeps {floor['same_requests']}/{q['requests']} requests' "
                 f"tokens; agreement below that is this model's sensitivity, not the cache's", width))
+        elif "not_run" in floor and floor["not_run"] != "the timed backend is the torch reference":
+            print(textwrap.fill(f"For scale, the torch backend's run: not run: {floor['not_run']}", width))
     check = out.get("check", {})
     for key, label in (("plain", "prefix caching off"), ("prefix_caching", "prefix caching on")):
         if f"{key}_not_run" in check:

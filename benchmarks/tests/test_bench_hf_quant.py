@@ -53,3 +53,25 @@ def test_without_the_option_nothing_extra_runs(tmp_path):
     assert main([*TINY, "--skip", "generate_batch,static,prefix,profile,check", "--json-out", str(out)]) == 0
     result = json.loads(out.read_text())
     assert "quantized" not in result and result["engine"]["kv_cache_dtype"] == "auto"
+
+
+def test_a_reference_run_that_cannot_serve_is_reported_and_the_rest_kept(capsys, tmp_path, monkeypatch):
+    from kvcore.errors import KVCoreError
+    from kvcore_bench import _hf_runs
+
+    served = _hf_runs.run_kvcore
+
+    def refusing(model, prompts, warmup, new_tokens, engine_kwargs, **kw):
+        if engine_kwargs.get("backend") == "torch":
+            raise KVCoreError("the torch backend cannot serve this model here")
+        return served(model, prompts, warmup, new_tokens, engine_kwargs, **kw)
+
+    monkeypatch.setattr(_hf_runs, "run_kvcore", refusing)
+    out = tmp_path / "hf.json"
+    argv = [*TINY, "--backend", "triton", "--kv-cache-dtype", "fp8", "--skip",
+            "generate_batch,static,prefix,profile,check", "--json-out", str(out)]
+    assert main(argv) == 0
+    quant = json.loads(out.read_text())["quantized"]
+    assert quant["exact_other_rounding"] == {"not_run": "KVCoreError: the torch backend cannot serve this model here"}
+    assert quant["unquantized"]["output_tokens"] == 16 and 0 <= quant["same_requests"] <= 4
+    assert "For scale, the torch backend's run: not run: KVCoreError" in " ".join(capsys.readouterr().out.split())

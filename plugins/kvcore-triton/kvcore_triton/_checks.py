@@ -52,18 +52,21 @@ INTERPRETER_PROBLEM = _interpreter_problem()
 #: itself, from ``TRITON_INTERPRET``, when ``triton.jit`` decorates a kernel (at this package's import),
 #: so the answer is read off a kernel once, never from the environment per call.
 INTERPRETED = isinstance(_probe, InterpretedFunction) and INTERPRETER_PROBLEM is None
+#: Whether kernels are run by the interpreter at all (what they may compile to depends on it).
+INTERPRETER_ON = isinstance(_probe, InterpretedFunction)
 
 
 def cpu_note() -> str:
     """Why CPU tensors are not served, and the remedy (messages and the plugin's requirements)."""
     if INTERPRETER_PROBLEM:
         return (f"{INTERPRETER_PROBLEM}; use the 'torch' backend on CPU, or a Triton and NumPy whose "
-                "interpreter runs loops")
+                "interpreter runs loops (on a CUDA device, unset TRITON_INTERPRET)")
     return "set TRITON_INTERPRET=1 before triton is imported to run these kernels on CPU tensors"
 
+
 __all__ = [
-    "DTYPES", "INTERPRETED", "check_batch", "check_device", "check_batch_shapes", "check_block_ids", "check_cache_view",
-    "check_heads_and_window",
+    "DTYPES", "INTERPRETED", "INTERPRETER_ON", "check_batch", "check_device", "check_batch_shapes", "check_block_ids",
+    "check_cache_view", "check_heads_and_window",
     "check_index", "check_kv_write", "check_tokens", "value_checks",
 ]
 
@@ -72,7 +75,7 @@ def check_device(kv_cache_view: torch.Tensor) -> None:
     """Triton kernels run on CUDA tensors, or on CPU tensors through the Triton interpreter only."""
     if kv_cache_view.device.type == "cpu" and not INTERPRETED:
         if INTERPRETER_PROBLEM:
-            raise ValueError(f"kvcore-triton got CPU tensors, but {cpu_note()}, or a CUDA device")
+            raise ValueError(f"kvcore-triton got CPU tensors, but {cpu_note()}")
         raise ValueError(
             "kvcore-triton got CPU tensors, but the Triton interpreter is off: set "
             "TRITON_INTERPRET=1 before triton is first imported to run its kernels on the CPU, "

@@ -56,7 +56,9 @@ def kvcore_supported_layouts(backend: Any, spec: Any) -> list[KVCacheLayout] | N
 @hookimpl
 def kvcore_kernel_requirements(backend: Any, spec: Any) -> KernelRequirements | None:
     if backend is TritonMixerBackend:
-        return KernelRequirements(devices=None if _checks.INTERPRETED else ("cuda",), dtypes=DTYPES)
+        if _checks.INTERPRETED:
+            return KernelRequirements(dtypes=DTYPES)
+        return KernelRequirements(devices=("cuda",), dtypes=DTYPES, note=_checks.cpu_note())
     if not _owns(backend):
         return None
     # NOTE: a quantized cache stores 8-bit values the kernels widen in registers.

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from kvcore.plugins.backend import KVQuantState
-from kvcore_triton._checks import INTERPRETED
+from kvcore_triton._checks import INTERPRETER_ON
 
 #: ``QUANT`` constexpr values of the kernels.
 NONE, PER_TENSOR, PER_TOKEN_HEAD = 0, 1, 2
@@ -119,7 +119,7 @@ PTX_INT8: tl.constexpr = tl.constexpr(
 def widen_mode(dtype: torch.dtype, dot_dtype) -> int:
     """The ``WIDEN`` constexpr of a launch: inline PTX for an 8-bit cache on a GPU when the dot
     takes float16; else a plain cast (the interpreter runs no PTX)."""
-    return WIDEN_CAST if INTERPRETED or dot_dtype != tl.float16 else _WIDEN.get(dtype, WIDEN_CAST)
+    return WIDEN_CAST if INTERPRETER_ON or dot_dtype != tl.float16 else _WIDEN.get(dtype, WIDEN_CAST)
 
 
 @triton.jit

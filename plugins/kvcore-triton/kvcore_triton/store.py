@@ -7,7 +7,7 @@ import triton
 import triton.language as tl
 
 from kvcore.plugins.backend import KVQuantState
-from kvcore_triton._checks import INTERPRETED, check_kv_write, value_checks
+from kvcore_triton._checks import INTERPRETER_ON, check_kv_write, value_checks
 from kvcore_triton.quant import quant_args, quantize_rows
 
 
@@ -92,6 +92,6 @@ def write_kv(
         HEAD=head_size, HEAD_V=value.shape[-1],
         D_PAD=triton.next_power_of_2(head_size), DV_PAD=triton.next_power_of_2(value.shape[-1]),
         HEADS_PAD=triton.next_power_of_2(num_heads), BLOCK_N=block_size,
-        QUANT=quant.mode, QMAX=quant.qmax, INTEGER=quant.integer, EXACT_CAST=INTERPRETED,
+        QUANT=quant.mode, QMAX=quant.qmax, INTEGER=quant.integer, EXACT_CAST=INTERPRETER_ON,
         MANTISSA=quant.mantissa, MIN_EXPONENT=quant.min_exponent,
     )

@@ -101,5 +101,9 @@ def test_an_interpreter_that_cannot_run_loops_hands_cpu_to_the_torch_backend(mon
     why = req.why_not("cpu", SPEC.dtype, SPEC.head_size)
     assert why is not None and problem in why and "'torch' backend" in why
     assert req.why_not("cuda", SPEC.dtype, SPEC.head_size) is None
-    with pytest.raises(ValueError, match="fails on a kernel loop.*'torch' backend"):
+    from kvcore_triton.mixers import TritonMixerBackend
+
+    mixer = triton_plugin.kvcore_kernel_requirements(backend=TritonMixerBackend, spec=SPEC)
+    assert problem in mixer.why_not("cpu", SPEC.dtype, None) and mixer.why_not("cuda", SPEC.dtype, None) is None
+    with pytest.raises(ValueError, match="fails on a kernel loop.*'torch' backend.*unset TRITON_INTERPRET"):
         _checks.check_device(torch.zeros(2, 1, 16, 32))
