@@ -181,18 +181,19 @@ class KVBlockZeroer:
             ids = tensor_ids(block_ids, self.num_blocks, validate)
             return self._launch(ids, ids.numel()) if ids.numel() else None
         kernel = _kernel() if self.backend == "triton" and self._allocations else None
-        words = kernel.listed_words(block_ids, self.num_blocks) if kernel and type(block_ids) is list else None
+        ids = block_ids if type(block_ids) is list else None
+        # NOTE: up to 64 plain ids go by value, checked as packed; anything else is checked (and
+        # turned into plain ids) first
+        words = kernel.listed_words(ids, self.num_blocks) if kernel and ids is not None else None
         if words is None:
-            listed = type(block_ids) is list
-            ids = id_list(block_ids, self.num_blocks) if listed else host_ids(block_ids, self.num_blocks)
+            ids = id_list(ids, self.num_blocks) if ids is not None else host_ids(block_ids, self.num_blocks)
             if len(ids) == 0 or not self._allocations:
                 return None
+            words = kernel.listed_words(ids, self.num_blocks) if kernel and type(ids) is list else None
         if self._id_buffer is not None:
             self._id_buffer.refuse_capture()
-        if words is not None:  # NOTE: up to 64 plain ids, checked as packed
-            return self._launch(None, len(block_ids), words)
-        if kernel is not None and len(ids) <= kernel.LISTED and type(ids) is list and self.num_blocks <= 1 << 31:
-            return self._launch(None, len(ids), kernel.pack_words(ids))
+        if words is not None:
+            return self._launch(None, len(ids), words)
         if self._id_buffer is not None:
             return self._launch(self._id_buffer.stage(ids), len(ids))
         return self._launch(torch.as_tensor(ids, dtype=torch.int64).to(self.device), len(ids))
