@@ -156,9 +156,20 @@ def test_elastic_growth_with_caching_stays_exact(models):
 
 @pytest.mark.skipif(not INTERPRETED, reason="kvcore-triton runs CPU tensors through the interpreter only")
 def test_triton_mixer_kernels_with_caching(models):
+    from kvcore_triton.mixers import TritonMixerBackend
+
     model = models["bamba"]
     prompts = shared_prompts()
     engine = make_engine(model, mixer_backend="triton-mixer")
+    passed = []  # NOTE: checkpoints per row of each call that wrote some
+
+    def counting(layer, hidden_states, states, slot_ids, checkpoints):
+        passed.append([len(row) for row in checkpoints])
+        return TritonMixerBackend.prefill_checkpoints(layer, hidden_states, states, slot_ids, checkpoints)
+
+    for mixer in engine.mixers.layers.values():
+        mixer.backend = type("Counting", (TritonMixerBackend,), {"prefill_checkpoints": staticmethod(counting)})
     fill_nan(engine)
     assert engine.generate(prompts, MAX_NEW) == reference(model, prompts, MAX_NEW)
     assert engine.stats().prefix_cache_hit_tokens >= 32
+    assert max(max(rows) for rows in passed) >= 2  # NOTE: one call wrote several checkpoints of a chunk

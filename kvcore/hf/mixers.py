@@ -15,6 +15,7 @@ import torch
 
 from kvcore.hf.scheduler import Request
 from kvcore.plugins.backend import CommonAttentionMetadata
+from kvcore.plugins.mixer_backend import copy_slots
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
 
@@ -66,40 +67,26 @@ class MixerLayer:
         out = torch.empty_like(hidden)
         if decodes:
             out[0, :decodes] = y
-        g, pieces = self.group_id, []
-        for start, n, slots, cuts in step.prefills:  # NOTE: a chunk runs in pieces ending at its checkpoints
-            marks = {cut: blocks[g] for cut, blocks in cuts}
-            ends = sorted({*marks, n})
-            pieces.append([(start + a, b - a, slots[g], marks.get(b)) for a, b in zip([0, *ends], ends)])
-        for rank in range(max(map(len, pieces), default=0)):
-            now = [p[rank] for p in pieces if rank < len(p)]
-            chunks: dict[int, list[tuple[int, int]]] = {}
-            for start, n, slot, _ in now:  # NOTE: pieces of one length run as one batch
-                chunks.setdefault(n, []).append((start, slot))
-            for n, found in chunks.items():
-                # NOTE: a module that pads its chunk scan pads every row: rows capped so that one call's
-                # activations stay within those of the step budget in one row (what the engine measured)
-                rows = max(1, self.max_padded // (-(-n // self.chunk) * self.chunk))
-                for part in (found[at : at + rows] for at in range(0, len(found), rows)):
-                    slots = [slot for _, slot in part]
-                    if len(part) == 1:
-                        ys = backend.prefill(module, row[part[0][0] : part[0][0] + n], self.states, slots[0])[None]
-                    else:
-                        ys = backend.prefill_batch(module, torch.stack([row[a : a + n] for a, _ in part]),
-                                                   self.states, slots)
-                    for (start, _), y in zip(part, ys):
-                        out[0, start : start + n] = y
-            done = [(slot, ckpt) for _, _, slot, ckpt in now if ckpt is not None]
-            copy_slots(self.states, [s for s, _ in done], [c for _, c in done])
+        g, chunks = self.group_id, {}
+        for start, n, slots, cuts in step.prefills:  # NOTE: chunks of one length run as one batch
+            chunks.setdefault(n, []).append((start, slots[g], [(cut, blocks[g]) for cut, blocks in cuts]))
+        for n, found in chunks.items():
+            # NOTE: a module that pads its chunk scan pads every row: rows capped so that one call's
+            # activations stay within those of the step budget in one row (what the engine measured)
+            rows = max(1, self.max_padded // (-(-n // self.chunk) * self.chunk))
+            for part in (found[at : at + rows] for at in range(0, len(found), rows)):
+                slots, kept = [slot for _, slot, _ in part], [cuts for _, _, cuts in part]
+                if any(kept):  # NOTE: checkpoints the chunks pass, written to their state blocks
+                    ys = backend.prefill_checkpoints(module, torch.stack([row[a : a + n] for a, _, _ in part]),
+                                                     self.states, slots, kept)
+                elif len(part) == 1:
+                    ys = backend.prefill(module, row[part[0][0] : part[0][0] + n], self.states, slots[0])[None]
+                else:
+                    ys = backend.prefill_batch(module, torch.stack([row[a : a + n] for a, _, _ in part]),
+                                               self.states, slots)
+                for (start, _, _), y in zip(part, ys):
+                    out[0, start : start + n] = y
         return out
-
-
-def copy_slots(states: list[torch.Tensor], src: list[int], dst: list[int]) -> None:
-    """Copy each state of slots ``src`` to slots ``dst`` (a checkpoint taken or restored)."""
-    if src:
-        index = torch.tensor([src, dst], dtype=torch.long).to(states[0].device, non_blocking=True)
-        for state in states:
-            state.index_copy_(0, index[1], state.index_select(0, index[0]))
 
 
 class MixerRunner:

@@ -49,6 +49,33 @@ class MixerBackend:
         :meth:`prefill` each, overridden by a backend that batches them exactly."""
         return torch.stack([cls.prefill(layer, chunk, states, slot) for chunk, slot in zip(hidden_states, slot_ids)])
 
+    @classmethod
+    def prefill_checkpoints(cls, layer: torch.nn.Module, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],
+                            slot_ids: Sequence[int], checkpoints: Sequence[Sequence[tuple[int, int]]]) -> torch.Tensor:
+        """Equal-length chunks as :meth:`prefill_batch` that also keep each row's states after some of
+        its tokens: ``checkpoints[i]`` lists ``(tokens, slot)`` for row ``i`` (``0 < tokens <= n``),
+        and the states of row ``i`` after its first ``tokens`` tokens are copied to ``slot`` (the
+        prefix caching of a hybrid). By default the chunks run in pieces ending at every checkpoint;
+        a backend whose scan passes those points anyway overrides this to run them in one call."""
+        n = hidden_states.shape[1]
+        ends = sorted({n, *(tokens for row in checkpoints for tokens, _ in row)})
+        pieces = []
+        for start, end in zip([0, *ends], ends):
+            part = hidden_states[:, start:end]
+            pieces.append(cls.prefill(layer, part[0], states, slot_ids[0])[None] if len(slot_ids) == 1
+                          else cls.prefill_batch(layer, part, states, slot_ids))
+            taken = [(slot, keep) for slot, row in zip(slot_ids, checkpoints) for tokens, keep in row if tokens == end]
+            copy_slots(states, [slot for slot, _ in taken], [keep for _, keep in taken])
+        return torch.cat(pieces, dim=1)
+
+
+def copy_slots(states: Sequence[torch.Tensor], src: Sequence[int], dst: Sequence[int]) -> None:
+    """Copy each state of slots ``src`` to slots ``dst`` (a checkpoint taken or restored)."""
+    if src:
+        index = torch.tensor([list(src), list(dst)], dtype=torch.long).to(states[0].device, non_blocking=True)
+        for state in states:
+            state.index_copy_(0, index[1], state.index_select(0, index[0]))
+
 
 def is_mixer_backend(backend: Any) -> bool:
     return isinstance(backend, type) and issubclass(backend, MixerBackend)

@@ -31,10 +31,13 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
 
 
 def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
-               d: torch.Tensor, initial: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+               d: torch.Tensor, initial: torch.Tensor, chunk_size: int,
+               at: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba2's scan of ``x`` ``[k, T, H, P]`` from the states ``initial`` ``[k, H, P, N]`` (float32):
     ``dt`` ``[k, T, H]`` (after softplus), ``a`` ``[H]`` (negative), ``b``, ``c`` ``[k, T, G, N]``,
-    ``d`` ``[H]``. Returns ``y`` ``[k, T, H, P]`` and the final states (both float32)."""
+    ``d`` ``[H]``. Returns ``y`` ``[k, T, H, P]`` and the final states (both float32); with ``at``
+    (row indices and token counts ``1..T``, both ``[m]``) the states are instead ``[m, H, P, N]``,
+    those of each listed row after its first that many tokens."""
     k, length, heads, p = x.shape
     groups, n = b.shape[2:]
     size = min(chunk_size, length)  # NOTE: a short piece is one chunk of its own length (no padding)
@@ -69,13 +72,26 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     entering = states.view(k, num, groups, per, p, n)
     off = torch.einsum("kclgn,kcgjpn->kclgjp", c, entering).reshape(k, num, size, heads, p)
     y = y + off * torch.exp(cumsum).permute(0, 2, 3, 1)[..., None]
-    return y.reshape(k, -1, heads, p)[:, :length] + residual, final
+    y = y.reshape(k, -1, heads, p)[:, :length] + residual
+    if at is None:
+        return y, final
+    # 5. states part-way into a chunk: the state entering it decayed to there, plus its tokens so far
+    rows, tokens = at
+    chunk, last = (tokens - 1) // size, (tokens - 1) % size
+    sums = cumsum[rows, :, chunk]  # [m, H, size]
+    upto = sums.gather(-1, last[:, None, None].expand(-1, heads, 1))  # [m, H, 1]
+    passed = torch.arange(size, device=x.device) <= last[:, None]  # [m, size]
+    weights = torch.exp((upto - sums).masked_fill(~passed[:, None], -torch.inf)).transpose(1, 2)  # [m, size, H]
+    picked = (x[rows, chunk] * weights[..., None]).view(len(rows), size, groups, per, p)
+    own = torch.einsum("mlgn,mlgjp->mgjpn", b[rows, chunk], picked).reshape(len(rows), heads, p, n)
+    return y, torch.exp(upto)[..., None] * states[rows, chunk] + own
 
 
 def causal_conv(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                 activation: str | None) -> tuple[torch.Tensor, torch.Tensor]:
     """The depthwise causal convolution of ``x`` ``[k, n, C]`` continuing the windows ``window``
-    ``[k, C, K]`` (weight ``[C, K]``): the activated output ``[k, n, C]`` and the new windows."""
+    ``[k, C, K]`` (weight ``[C, K]``): the activated output ``[k, n, C]`` and the inputs ``[k, C, K + n]``
+    (old window, then ``x``) whose last ``K`` columns are the new windows."""
     kernel, n = weight.shape[-1], x.shape[1]
     full = torch.cat([window.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [k, C, K + n]
     acc = full[..., 1 : 1 + n].float() * weight[:, :1].float()
@@ -86,13 +102,15 @@ def causal_conv(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
     out = acc.to(weight.dtype)
     if activation is not None:
         out = F.silu(out)
-    return out.to(x.dtype).transpose(1, 2), full[..., -kernel:]
+    return out.to(x.dtype).transpose(1, 2), full
 
 
-def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], rows: slice | torch.Tensor
-                   ) -> torch.Tensor:
+def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], rows: slice | torch.Tensor,
+                   checkpoints: Sequence[Sequence[tuple[int, int]]] = ()) -> torch.Tensor:
     """``layer``'s output for ``x`` ``[k, n, hidden]``, continuing from (and updating) the states at
-    ``rows`` of ``states`` (recurrent ``[slots, H, P, N]``, conv window ``[slots, C, K]``)."""
+    ``rows`` of ``states`` (recurrent ``[slots, H, P, N]``, conv window ``[slots, C, K]``); with
+    ``checkpoints``, row ``i``'s states after its first ``tokens`` tokens also go to ``slot`` for
+    each ``(tokens, slot)`` of ``checkpoints[i]``, from the same scan."""
     recurrent, conv = states
     k, n, _ = x.shape
     dtype = x.dtype
@@ -103,17 +121,28 @@ def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], 
         projected = projected * mup
     inner, groups, size, heads = layer.intermediate_size, layer.n_groups, layer.ssm_state_size, layer.num_heads
     gate, xbc, dt = projected.split([inner, layer.conv_dim, heads], dim=-1)
-    xbc, window = causal_conv(conv[rows], xbc, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation)
+    xbc, inputs = causal_conv(conv[rows], xbc, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation)
     hidden, b, c = xbc.split([inner, groups * size, groups * size], dim=-1)
     dt = F.softplus(dt + layer.dt_bias.to(dt.dtype))
     if n > 1:  # NOTE: as transformers, whose one-token step (its recurrent form) leaves dt unclamped
         low, high = getattr(layer, "time_step_limit", (0.0, float("inf")))
         dt = torch.clamp(dt, min=low, max=high)
-    y, final = chunk_scan(hidden.reshape(k, n, heads, layer.head_dim), dt, -torch.exp(layer.A_log.float()),
+    kept = [(i, tokens, slot) for i, row in enumerate(checkpoints) for tokens, slot in row]
+    at = None
+    if kept:  # NOTE: the rows' final states from the same formula, after the checkpoints
+        at = torch.tensor([[i for i, _, _ in kept] + list(range(k)), [t for _, t, _ in kept] + [n] * k],
+                          dtype=torch.long).to(x.device, non_blocking=True).unbind()
+    y, found = chunk_scan(hidden.reshape(k, n, heads, layer.head_dim), dt, -torch.exp(layer.A_log.float()),
                           b.reshape(k, n, groups, size), c.reshape(k, n, groups, size), layer.D, recurrent[rows],
-                          layer.chunk_size)
-    recurrent[rows] = final.to(recurrent.dtype)
-    conv[rows] = window.to(conv.dtype)
+                          layer.chunk_size, at=at)
+    kernel = conv.shape[-1]
+    if kept:  # NOTE: the conv window after t tokens: the K inputs ending there
+        targets = torch.tensor([slot for _, _, slot in kept], dtype=torch.long).to(x.device, non_blocking=True)
+        recurrent[targets] = found[: len(kept)].to(recurrent.dtype)
+        conv[targets] = torch.stack([inputs[i, :, t : t + kernel] for i, t, _ in kept]).to(conv.dtype)
+        found = found[len(kept) :]
+    recurrent[rows] = found.to(recurrent.dtype)
+    conv[rows] = inputs[..., -kernel:].to(conv.dtype)
     y = y.reshape(k, n, inner)
     y = layer.norm(y, gate) if getattr(layer, "mamba_rms_norm", True) else y * F.silu(gate)
     return layer.out_proj(y.to(dtype))

@@ -98,3 +98,12 @@ class TritonMixerBackend(MixerBackend):
             return TorchMixerBackend.prefill_batch(layer, hidden_states, states, slot_ids)
         rows = torch.tensor(list(slot_ids), dtype=torch.long).to(states[0].device, non_blocking=True)
         return mamba2_prefill(layer, hidden_states, states, rows)
+
+    @classmethod
+    def prefill_checkpoints(cls, layer: Any, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],
+                            slot_ids: Sequence[int], checkpoints: Sequence[Sequence[tuple[int, int]]]) -> torch.Tensor:
+        # NOTE: the scan's states part-way into a chunk come from the same call, not one call per piece
+        if not _is_mamba2(layer, states):
+            return TorchMixerBackend.prefill_checkpoints(layer, hidden_states, states, slot_ids, checkpoints)
+        rows = torch.tensor(list(slot_ids), dtype=torch.long).to(states[0].device, non_blocking=True)
+        return mamba2_prefill(layer, hidden_states, states, rows, checkpoints)

@@ -111,3 +111,59 @@ def test_a_4096_token_scan_at_a_granite_4_h_shape_needs_little_memory():
     y, _ = chunk_scan(x, dt, a, b, c, d, initial, 256)
     torch.cuda.synchronize()
     assert torch.cuda.max_memory_allocated() - base < 3 << 30 and torch.isfinite(y).all()
+
+
+def recurrence_states(x, dt, a, b, c, d, initial):
+    """The recurrence's states after every token: ``[k, T, H, P, N]`` (float64)."""
+    found = []
+    for t in range(1, x.shape[1] + 1):
+        found.append(recurrence(x[:, :t], dt[:, :t], a, b[:, :t], c[:, :t], d, initial)[1])
+    return torch.stack(found, 1)
+
+
+@settings(max_examples=12, deadline=None)
+@given(rows=st.integers(1, 3), length=st.integers(1, 30), chunk=st.sampled_from([4, 8, 16]),
+       groups=st.integers(1, 2), per=st.integers(1, 2), picks=st.integers(1, 6), seed=st.integers(0, 2**16))
+def test_states_part_way_into_the_scan_are_the_recurrences(rows, length, chunk, groups, per, picks, seed):
+    gen = torch.Generator().manual_seed(seed)
+    heads, p, n = groups * per, 3, 4
+    x = torch.randn(rows, length, heads, p, generator=gen)
+    dt = F.softplus(torch.randn(rows, length, heads, generator=gen))
+    a = -torch.rand(heads, generator=gen) * 2
+    b, c = (torch.randn(rows, length, groups, n, generator=gen) for _ in range(2))
+    d, initial = torch.randn(heads, generator=gen), torch.randn(rows, heads, p, n, generator=gen)
+    which = torch.randint(0, rows, (picks,), generator=gen)
+    tokens = torch.randint(1, length + 1, (picks,), generator=gen)
+    y, found = chunk_scan(*(t.to(DEVICE) for t in (x, dt, a, b, c, d, initial)), chunk,
+                          at=(which.to(DEVICE), tokens.to(DEVICE)))
+    want = recurrence_states(x, dt, a, b, c, d, initial)[which, tokens - 1]
+    assert found.shape == (picks, heads, p, n)
+    torch.testing.assert_close(found.cpu().double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(y.cpu().double(), recurrence(x, dt, a, b, c, d, initial)[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("arch", MAMBA2_ARCHS)
+@pytest.mark.parametrize("rows, length, cuts", [(1, 16, [[4, 16]]), (2, 37, [[8, 24], [30]]), (3, 9, [[], [2], [9]])])
+def test_checkpoints_from_one_scan_equal_the_pieces_of_the_reference(mixers, arch, rows, length, cuts, monkeypatch):
+    # NOTE: the reference runs the chunk in pieces ending at each checkpoint and copies the states
+    # (none of one token: transformers' one-token step leaves dt unclamped, a whole prefill does not)
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    module, spec = mixers[arch, torch.float32]
+    gen = torch.Generator().manual_seed(rows * 100 + length)
+    slots = [5, 2, 3][:rows]
+    free = iter([9, 10, 11, 12, 13, 8])
+    checkpoints = [[(t, next(free)) for t in row] for row in cuts]
+    states = [torch.randn(14, *shape, generator=gen).to(dtype=dt, device=DEVICE) for shape, dt in
+              zip(spec.shapes, spec.dtypes)]
+    x = torch.randn(rows, length, module.hidden_size, generator=gen).to(device=DEVICE)
+    got, want = [s.clone() for s in states], [s.clone() for s in states]
+    with torch.inference_mode():
+        out = TritonMixerBackend.prefill_checkpoints(module, x, got, slots, checkpoints)
+        ref = TorchMixerBackend.prefill_checkpoints(module, x, want, slots, checkpoints)
+    assert out.shape == ref.shape
+    assert (out - ref).abs().max() <= 1e-4 * ref.abs().max()
+    kept = [slot for row in checkpoints for _, slot in row]
+    untouched = [s for s in range(14) if s not in slots + kept]
+    for mine, theirs, before in zip(got, want, states):
+        assert (mine - theirs).abs().max() <= 1e-4 * theirs.abs().max()
+        assert torch.equal(mine[untouched], before[untouched]) and not torch.equal(mine[kept], before[kept])
