@@ -1,13 +1,14 @@
 """Mamba2 prefill for a batch of equal-length chunks, continued from each sequence's slot: the
-module's projections and norm around the causal convolution and the chunked state-space scan.
+module's projections and norm around the causal convolution and the chunked state-space scan,
+written as matrix products.
 
 transformers' reference scan (without the ``mamba_ssm`` kernels) multiplies out ``[chunk, chunk,
 heads, state]`` tensors per chunk before reducing them: 2 GiB per 256-token chunk at a
-Granite-4.0-H-like shape, and as slow as that much memory traffic. Here the states at chunk
-boundaries are batched matrix products over the heads' groups and the tokens' outputs one Triton
-launch (scan_kernel.py), so memory and time grow with the tokens (a few MiB per chunk); the
-convolution is a sum of shifted products in float32 (no cuDNN, no TF32).
+Granite-4.0-H-like shape, and as slow as that much memory traffic. Here the same sums are batched
+matrix products over the heads' groups, so memory and time grow with the tokens (a few MiB per
+chunk), and the convolution is a sum of shifted products in float32 (no cuDNN, no TF32).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -15,8 +16,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-
-from kvcore_triton.scan_kernel import chunk_outputs
 
 #: Attributes of transformers' Mamba2 mixers (Bamba, GraniteMoeHybrid, FalconH1, NemotronH) read here.
 MAMBA2 = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias", "intermediate_size", "conv_dim",
@@ -56,21 +55,27 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     num = x.shape[1]
     per = heads // groups
     cumsum = adt.cumsum(-1)  # [k, H, chunks, size]
-    # 1. each chunk's own contribution to the state at its end
+    # 1. within each chunk: y_i = sum_{j <= i} (c_i . b_j) exp(A-sum of j+1..i) x_j dt_j
+    scores = torch.einsum("kclgn,kcsgn->kcgls", c, b).repeat_interleave(per, dim=2)
+    decay = torch.exp(segment_sum(adt)).transpose(1, 2)  # [k, chunks, H, size, size]
+    y = torch.einsum("kchls,kcshp->kclhp", scores * decay, x)
+    # 2. each chunk's own contribution to the state at its end
     to_end = torch.exp(cumsum[..., -1:] - cumsum).permute(0, 2, 3, 1)[..., None]  # [k, chunks, size, H, 1]
     grouped = (x * to_end).view(k, num, size, groups, per, p)
     states = torch.einsum("kclgn,kclgjp->kcgjpn", b, grouped).reshape(k, num, heads, p, n)
-    # 2. the states at every chunk boundary, from the initial state on
+    # 3. the states at every chunk boundary, from the initial state on
     states = torch.cat([initial.float()[:, None], states], dim=1)
     carry = torch.exp(segment_sum(F.pad(cumsum[..., -1], (1, 0))))  # [k, H, chunks + 1, chunks + 1]
     states = torch.einsum("khij,kjhpn->kihpn", carry, states)
     states, final = states[:, :-1], states[:, -1]
-    # 3. each token's output: its chunk's earlier tokens and the state entering the chunk (one launch)
-    y = chunk_outputs(c, b, x, cumsum, states)
+    # 4. what the state entering each chunk gives its tokens
+    entering = states.view(k, num, groups, per, p, n)
+    off = torch.einsum("kclgn,kcgjpn->kclgjp", c, entering).reshape(k, num, size, heads, p)
+    y = y + off * torch.exp(cumsum).permute(0, 2, 3, 1)[..., None]
     y = y.reshape(k, -1, heads, p)[:, :length] + residual
     if at is None:
         return y, final
-    # 4. states part-way into a chunk: the state entering it decayed to there, plus its tokens so far
+    # 5. states part-way into a chunk: the state entering it decayed to there, plus its tokens so far
     rows, tokens = at
     chunk, last = (tokens - 1) // size, (tokens - 1) % size
     sums = cumsum[rows, :, chunk]  # [m, H, size]
