@@ -11,6 +11,7 @@ chunk), and the convolution is a sum of shifted products in float32 (no cuDNN, n
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -32,12 +33,12 @@ def segment_sum(x: torch.Tensor) -> torch.Tensor:
 
 def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                d: torch.Tensor, initial: torch.Tensor, chunk_size: int,
-               at: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+               at: Sequence[tuple[int, int]] = ()) -> tuple[torch.Tensor, torch.Tensor]:
     """Mamba2's scan of ``x`` ``[k, T, H, P]`` from the states ``initial`` ``[k, H, P, N]`` (float32):
     ``dt`` ``[k, T, H]`` (after softplus), ``a`` ``[H]`` (negative), ``b``, ``c`` ``[k, T, G, N]``,
     ``d`` ``[H]``. Returns ``y`` ``[k, T, H, P]`` and the final states (both float32); with ``at``
-    (row indices and token counts ``1..T``, both ``[m]``) the states are instead ``[m, H, P, N]``,
-    those of each listed row after its first that many tokens."""
+    (``m`` pairs of a row and a token count ``1..T``) the states are instead ``[m, H, P, N]``, those
+    of each listed row after its first that many tokens (free where they fall on chunk boundaries)."""
     k, length, heads, p = x.shape
     groups, n = b.shape[2:]
     size = min(chunk_size, length)  # NOTE: a short piece is one chunk of its own length (no padding)
@@ -73,10 +74,21 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     off = torch.einsum("kclgn,kcgjpn->kclgjp", c, entering).reshape(k, num, size, heads, p)
     y = y + off * torch.exp(cumsum).permute(0, 2, 3, 1)[..., None]
     y = y.reshape(k, -1, heads, p)[:, :length] + residual
-    if at is None:
+    if not at:
         return y, final
+    device = x.device
+    if all(t == length or t % size == 0 for _, t in at):  # NOTE: the states entering chunks, and the last
+        ends = [i for i, (_, t) in enumerate(at) if t == length]
+        inner = [i for i, (_, t) in enumerate(at) if t != length]
+        found = torch.empty(len(at), heads, p, n, dtype=final.dtype, device=device)
+        if ends:
+            found[torch.tensor(ends, device=device)] = final[torch.tensor([at[i][0] for i in ends], device=device)]
+        if inner:
+            rows, chunk = torch.tensor([[at[i][0], at[i][1] // size] for i in inner], device=device).unbind(1)
+            found[torch.tensor(inner, device=device)] = states[rows, chunk]
+        return y, found
     # 5. states part-way into a chunk: the state entering it decayed to there, plus its tokens so far
-    rows, tokens = at
+    rows, tokens = torch.tensor(list(at), dtype=torch.long).to(device, non_blocking=True).unbind(1)
     chunk, last = (tokens - 1) // size, (tokens - 1) % size
     sums = cumsum[rows, :, chunk]  # [m, H, size]
     upto = sums.gather(-1, last[:, None, None].expand(-1, heads, 1))  # [m, H, 1]
@@ -128,13 +140,15 @@ def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], 
         low, high = getattr(layer, "time_step_limit", (0.0, float("inf")))
         dt = torch.clamp(dt, min=low, max=high)
     kept = [(i, tokens, slot) for i, row in enumerate(checkpoints) for tokens, slot in row]
-    at = None
-    if kept:  # NOTE: the rows' final states from the same formula, after the checkpoints
-        at = torch.tensor([[i for i, _, _ in kept] + list(range(k)), [t for _, t, _ in kept] + [n] * k],
-                          dtype=torch.long).to(x.device, non_blocking=True).unbind()
+    chunk = layer.chunk_size
+    if kept:  # NOTE: scan chunks that end on the checkpoints, where the states come for free
+        spacing = math.gcd(chunk, *(tokens for _, tokens, _ in kept if tokens != n))
+        # (not below 64 tokens: the boundary states, 2 MiB a chunk at a Granite-4.0-H shape, would
+        # outgrow the activations the engine measured for its step budget)
+        chunk = spacing if spacing >= min(chunk, 64) else chunk
     y, found = chunk_scan(hidden.reshape(k, n, heads, layer.head_dim), dt, -torch.exp(layer.A_log.float()),
                           b.reshape(k, n, groups, size), c.reshape(k, n, groups, size), layer.D, recurrent[rows],
-                          layer.chunk_size, at=at)
+                          chunk, at=[(i, tokens) for i, tokens, _ in kept] + [(i, n) for i in range(k)] if kept else ())
     kernel = conv.shape[-1]
     if kept:  # NOTE: the conv window after t tokens: the K inputs ending there
         targets = torch.tensor([slot for _, _, slot in kept], dtype=torch.long).to(x.device, non_blocking=True)

@@ -123,8 +123,9 @@ def recurrence_states(x, dt, a, b, c, d, initial):
 
 @settings(max_examples=12, deadline=None)
 @given(rows=st.integers(1, 3), length=st.integers(1, 30), chunk=st.sampled_from([4, 8, 16]),
-       groups=st.integers(1, 2), per=st.integers(1, 2), picks=st.integers(1, 6), seed=st.integers(0, 2**16))
-def test_states_part_way_into_the_scan_are_the_recurrences(rows, length, chunk, groups, per, picks, seed):
+       groups=st.integers(1, 2), per=st.integers(1, 2), picks=st.integers(1, 6), aligned=st.booleans(),
+       seed=st.integers(0, 2**16))
+def test_states_part_way_into_the_scan_are_the_recurrences(rows, length, chunk, groups, per, picks, aligned, seed):
     gen = torch.Generator().manual_seed(seed)
     heads, p, n = groups * per, 3, 4
     x = torch.randn(rows, length, heads, p, generator=gen)
@@ -134,8 +135,10 @@ def test_states_part_way_into_the_scan_are_the_recurrences(rows, length, chunk, 
     d, initial = torch.randn(heads, generator=gen), torch.randn(rows, heads, p, n, generator=gen)
     which = torch.randint(0, rows, (picks,), generator=gen)
     tokens = torch.randint(1, length + 1, (picks,), generator=gen)
+    if aligned:  # NOTE: on chunk boundaries, or the end
+        tokens = torch.where(tokens == length, tokens, (tokens // chunk).clamp(min=1) * chunk).clamp(max=length)
     y, found = chunk_scan(*(t.to(DEVICE) for t in (x, dt, a, b, c, d, initial)), chunk,
-                          at=(which.to(DEVICE), tokens.to(DEVICE)))
+                          at=list(zip(which.tolist(), tokens.tolist())))
     want = recurrence_states(x, dt, a, b, c, d, initial)[which, tokens - 1]
     assert found.shape == (picks, heads, p, n)
     torch.testing.assert_close(found.cpu().double(), want, rtol=1e-4, atol=1e-4)
@@ -143,7 +146,10 @@ def test_states_part_way_into_the_scan_are_the_recurrences(rows, length, chunk, 
 
 
 @pytest.mark.parametrize("arch", MAMBA2_ARCHS)
-@pytest.mark.parametrize("rows, length, cuts", [(1, 16, [[4, 16]]), (2, 37, [[8, 24], [30]]), (3, 9, [[], [2], [9]])])
+@pytest.mark.parametrize("rows, length, cuts", [
+    (1, 16, [[4, 16]]), (2, 37, [[8, 24], [30]]), (3, 9, [[], [2], [9]]),
+    (1, 48, [[16, 32, 48]]), (2, 40, [[16, 32], [32, 40]]),  # NOTE: on the module's 16-token chunks
+])
 def test_checkpoints_from_one_scan_equal_the_pieces_of_the_reference(mixers, arch, rows, length, cuts, monkeypatch):
     # NOTE: the reference runs the chunk in pieces ending at each checkpoint and copies the states
     # (none of one token: transformers' one-token step leaves dt unclamped, a whole prefill does not)
