@@ -10,6 +10,10 @@ pytest.importorskip("transformers")
 pytest.importorskip("kvcore_triton.backend")  # NOTE: interpreted kernels, as in every CPU test
 
 from kvcore.cli import main  # noqa: E402
+from kvcore_triton._checks import INTERPRETED  # noqa: E402
+
+#: The Triton backend on CPU tensors runs through Triton's interpreter (``make test`` turns it on).
+needs_interpreter = pytest.mark.skipif(not INTERPRETED, reason="needs TRITON_INTERPRET=1 and an interpreter that runs")
 
 TINY = ["bench", "hf", "--device", "cpu", "--backend", "torch", "--layers", "2", "--hidden", "64",
         "--intermediate", "64", "--heads", "4", "--kv-heads", "2", "--vocab", "128", "--requests", "4",
@@ -35,6 +39,7 @@ def test_reports_speed_agreement_and_attention_error_against_the_model_dtype_cac
     assert "reference" in quant["exact_other_rounding"]["not_run"] and "For scale" not in text
 
 
+@needs_interpreter
 def test_agreement_comes_with_the_model_dtype_cache_through_another_exact_backend(capsys, tmp_path):
     out = tmp_path / "hf.json"
     argv = [*TINY, "--backend", "triton", "--dtype", "float32", "--kv-cache-dtype", "int8_per_token_head",
@@ -55,6 +60,7 @@ def test_without_the_option_nothing_extra_runs(tmp_path):
     assert "quantized" not in result and result["engine"]["kv_cache_dtype"] == "auto"
 
 
+@needs_interpreter
 def test_a_reference_run_that_cannot_serve_is_reported_and_the_rest_kept(capsys, tmp_path, monkeypatch):
     from kvcore.errors import KVCoreError
     from kvcore_bench import _hf_runs

@@ -117,8 +117,9 @@ class KVBlockZeroer:
             raise ValueError(f"Unsupported zeroer backend: {backend!r}. Supported: {list(_BACKENDS)}")
         self._allocations = inputs.allocations(views, num_blocks, self.device, (CHUNK_BYTES, FINE_CHUNK_BYTES))
         interpret = (settings or Settings.from_env()).triton_interpret
-        runnable = _kernel() is not None and (self.device.type == "cuda" or (
-            self.device.type == "cpu" and interpret and _kernel().interpreter_runs()))
+        # NOTE: with the interpreter on, it runs the kernel for CUDA tensors too
+        runnable = _kernel() is not None and (self.device.type == "cuda" or (self.device.type == "cpu" and interpret)
+                                              ) and (not interpret or _kernel().interpreter_runs())
         if backend == "triton" and self._allocations and not runnable:
             raise ValueError(f"the Triton zeroing kernel cannot run on {self.device} here; install triton, set "
                              "TRITON_INTERPRET=1 before importing triton to run it on CPU (with a Triton whose "

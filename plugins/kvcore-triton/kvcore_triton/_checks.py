@@ -73,9 +73,9 @@ __all__ = [
 
 def check_device(kv_cache_view: torch.Tensor) -> None:
     """Triton kernels run on CUDA tensors, or on CPU tensors through the Triton interpreter only."""
+    if INTERPRETER_PROBLEM:  # NOTE: when on, the interpreter runs CUDA tensors' kernels too
+        raise ValueError(f"kvcore-triton got {kv_cache_view.device.type} tensors, but {cpu_note()}")
     if kv_cache_view.device.type == "cpu" and not INTERPRETED:
-        if INTERPRETER_PROBLEM:
-            raise ValueError(f"kvcore-triton got CPU tensors, but {cpu_note()}")
         raise ValueError(
             "kvcore-triton got CPU tensors, but the Triton interpreter is off: set "
             "TRITON_INTERPRET=1 before triton is first imported to run its kernels on the CPU, "

@@ -55,24 +55,21 @@ def kvcore_supported_layouts(backend: Any, spec: Any) -> list[KVCacheLayout] | N
 
 @hookimpl
 def kvcore_kernel_requirements(backend: Any, spec: Any) -> KernelRequirements | None:
+    devices = None if _checks.INTERPRETED else ("cuda",)  # NOTE: interpreted, the kernels run on any device
+    note = None if _checks.INTERPRETED else _checks.cpu_note()
     if backend is TritonMixerBackend:
-        if _checks.INTERPRETED:
-            return KernelRequirements(dtypes=DTYPES)
-        return KernelRequirements(devices=("cuda",), dtypes=DTYPES, note=_checks.cpu_note())
+        return KernelRequirements(devices=devices, dtypes=DTYPES, note=note)
     if not _owns(backend):
         return None
     # NOTE: a quantized cache stores 8-bit values the kernels widen in registers.
     dtypes = DTYPES if getattr(spec, "kv_quant", None) is None else QUANT_DTYPES
-    if _checks.INTERPRETED:
-        return KernelRequirements(dtypes=dtypes, head_sizes=_HEAD_SIZES, kv_quant=_KV_QUANT)
-    return KernelRequirements(
-        devices=("cuda",), dtypes=dtypes, head_sizes=_HEAD_SIZES, kv_quant=_KV_QUANT,
-        note=_checks.cpu_note(),
-    )
+    return KernelRequirements(devices=devices, dtypes=dtypes, head_sizes=_HEAD_SIZES, kv_quant=_KV_QUANT,
+                              note=note)
 
 
 @hookimpl
 def kvcore_backend_priority(backend: Any, spec: Any, device: Any) -> int | None:
     if not _owns(backend) and backend is not TritonMixerBackend:
         return None
-    return CUDA_PRIORITY if device.type == "cuda" else -1
+    # NOTE: a broken interpreter, when on, runs CUDA tensors' kernels too: then "auto" picks another
+    return CUDA_PRIORITY if device.type == "cuda" and not _checks.INTERPRETER_PROBLEM else -1

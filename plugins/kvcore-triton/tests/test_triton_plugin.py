@@ -90,7 +90,7 @@ def test_forward_through_an_attention_group(pm):
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the Triton interpreter serves CPU tensors")
-def test_an_interpreter_that_cannot_run_loops_hands_cpu_to_the_torch_backend(monkeypatch):
+def test_an_interpreter_that_cannot_run_loops_hands_cpu_and_auto_to_the_torch_backend(monkeypatch):
     from kvcore_triton import _checks
 
     assert _checks._interpreter_problem() is None  # NOTE: the probe's loop ran right under this interpreter
@@ -100,10 +100,15 @@ def test_an_interpreter_that_cannot_run_loops_hands_cpu_to_the_torch_backend(mon
     req = triton_plugin.kvcore_kernel_requirements(backend=TritonAttentionBackend, spec=SPEC)
     why = req.why_not("cpu", SPEC.dtype, SPEC.head_size)
     assert why is not None and problem in why and "'torch' backend" in why
-    assert req.why_not("cuda", SPEC.dtype, SPEC.head_size) is None
+    # NOTE: the interpreter, when on, runs CUDA tensors' kernels too: "auto" prefers any other backend there
+    priority = triton_plugin.kvcore_backend_priority(backend=TritonAttentionBackend, spec=SPEC,
+                                                     device=torch.device("cuda"))
+    assert priority < 0
     from kvcore_triton.mixers import TritonMixerBackend
 
     mixer = triton_plugin.kvcore_kernel_requirements(backend=TritonMixerBackend, spec=SPEC)
-    assert problem in mixer.why_not("cpu", SPEC.dtype, None) and mixer.why_not("cuda", SPEC.dtype, None) is None
+    assert problem in mixer.why_not("cpu", SPEC.dtype, None)
+    assert triton_plugin.kvcore_backend_priority(backend=TritonMixerBackend, spec=SPEC,
+                                                 device=torch.device("cuda")) < 0
     with pytest.raises(ValueError, match="fails on a kernel loop.*'torch' backend.*unset TRITON_INTERPRET"):
         _checks.check_device(torch.zeros(2, 1, 16, 32))
