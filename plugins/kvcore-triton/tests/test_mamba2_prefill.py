@@ -36,17 +36,23 @@ def recurrence(x, dt, a, b, c, d, initial):
     return torch.stack(ys, 1), h
 
 
-@settings(max_examples=15, deadline=None)
-@given(rows=st.integers(1, 3), length=st.integers(1, 40), chunk=st.sampled_from([4, 8, 16]),
-       groups=st.integers(1, 2), per=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_the_chunked_scan_is_the_recurrence(rows, length, chunk, groups, per, seed):
+def scan_inputs(seed, rows, length, groups, per, *, p, n):
+    """Random scan inputs: ``x``, ``dt`` (after softplus), ``a`` (negative), ``b``, ``c``, ``d``, ``initial``."""
     gen = torch.Generator().manual_seed(seed)
-    heads, p, n = groups * per, 5, 6
+    heads = groups * per
     x = torch.randn(rows, length, heads, p, generator=gen)
     dt = F.softplus(torch.randn(rows, length, heads, generator=gen))
     a = -torch.rand(heads, generator=gen) * 2
     b, c = (torch.randn(rows, length, groups, n, generator=gen) for _ in range(2))
     d, initial = torch.randn(heads, generator=gen), torch.randn(rows, heads, p, n, generator=gen)
+    return x, dt, a, b, c, d, initial
+
+
+@settings(max_examples=15, deadline=None)
+@given(rows=st.integers(1, 3), length=st.integers(1, 40), chunk=st.sampled_from([4, 8, 16]),
+       groups=st.integers(1, 2), per=st.integers(1, 3), seed=st.integers(0, 2**16))
+def test_the_chunked_scan_is_the_recurrence(rows, length, chunk, groups, per, seed):
+    x, dt, a, b, c, d, initial = scan_inputs(seed, rows, length, groups, per, p=5, n=6)
     y, final = chunk_scan(*(t.to(DEVICE) for t in (x, dt, a, b, c, d, initial)), chunk)
     want_y, want_final = recurrence(x, dt, a, b, c, d, initial)
     torch.testing.assert_close(y.cpu().double(), want_y, rtol=1e-4, atol=1e-4)
@@ -126,13 +132,8 @@ def recurrence_states(x, dt, a, b, c, d, initial):
        groups=st.integers(1, 2), per=st.integers(1, 2), picks=st.integers(1, 6), aligned=st.booleans(),
        seed=st.integers(0, 2**16))
 def test_states_part_way_into_the_scan_are_the_recurrences(rows, length, chunk, groups, per, picks, aligned, seed):
-    gen = torch.Generator().manual_seed(seed)
-    heads, p, n = groups * per, 3, 4
-    x = torch.randn(rows, length, heads, p, generator=gen)
-    dt = F.softplus(torch.randn(rows, length, heads, generator=gen))
-    a = -torch.rand(heads, generator=gen) * 2
-    b, c = (torch.randn(rows, length, groups, n, generator=gen) for _ in range(2))
-    d, initial = torch.randn(heads, generator=gen), torch.randn(rows, heads, p, n, generator=gen)
+    x, dt, a, b, c, d, initial = scan_inputs(seed, rows, length, groups, per, p=3, n=4)
+    gen = torch.Generator().manual_seed(seed + 1)
     which = torch.randint(0, rows, (picks,), generator=gen)
     tokens = torch.randint(1, length + 1, (picks,), generator=gen)
     if aligned:  # NOTE: on chunk boundaries, or the end
@@ -140,7 +141,7 @@ def test_states_part_way_into_the_scan_are_the_recurrences(rows, length, chunk, 
     y, found = chunk_scan(*(t.to(DEVICE) for t in (x, dt, a, b, c, d, initial)), chunk,
                           at=list(zip(which.tolist(), tokens.tolist())))
     want = recurrence_states(x, dt, a, b, c, d, initial)[which, tokens - 1]
-    assert found.shape == (picks, heads, p, n)
+    assert found.shape == (picks, groups * per, 3, 4)
     torch.testing.assert_close(found.cpu().double(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(y.cpu().double(), recurrence(x, dt, a, b, c, d, initial)[0], rtol=1e-4, atol=1e-4)
 
