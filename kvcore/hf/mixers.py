@@ -68,9 +68,9 @@ class MixerLayer:
         if decodes:
             out[0, :decodes] = y
         g, chunks = self.group_id, {}
-        for start, n, slots, cuts in step.prefills:  # NOTE: chunks of one length run as one batch
-            chunks.setdefault(n, []).append((start, slots[g], [(cut, blocks[g]) for cut, blocks in cuts]))
-        for n, found in chunks.items():
+        for start, n, slots, cuts in step.prefills:  # NOTE: chunks of one length (and with checkpoints or not) batch
+            chunks.setdefault((n, bool(cuts)), []).append((start, slots[g], [(cut, blocks[g]) for cut, blocks in cuts]))
+        for (n, _), found in chunks.items():
             # NOTE: a module that pads its chunk scan pads every row: rows capped so that one call's
             # activations stay within those of the step budget in one row (what the engine measured)
             rows = max(1, self.max_padded // (-(-n // self.chunk) * self.chunk))

@@ -76,19 +76,10 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     y = y.reshape(k, -1, heads, p)[:, :length] + residual
     if not at:
         return y, final
-    device = x.device
     if all(t == length or t % size == 0 for _, t in at):  # NOTE: the states entering chunks, and the last
-        ends = [i for i, (_, t) in enumerate(at) if t == length]
-        inner = [i for i, (_, t) in enumerate(at) if t != length]
-        found = torch.empty(len(at), heads, p, n, dtype=final.dtype, device=device)
-        if ends:
-            found[torch.tensor(ends, device=device)] = final[torch.tensor([at[i][0] for i in ends], device=device)]
-        if inner:
-            rows, chunk = torch.tensor([[at[i][0], at[i][1] // size] for i in inner], device=device).unbind(1)
-            found[torch.tensor(inner, device=device)] = states[rows, chunk]
-        return y, found
+        return y, torch.stack([final[row] if t == length else states[row, t // size] for row, t in at])
     # 5. states part-way into a chunk: the state entering it decayed to there, plus its tokens so far
-    rows, tokens = torch.tensor(list(at), dtype=torch.long).to(device, non_blocking=True).unbind(1)
+    rows, tokens = torch.tensor(list(at), dtype=torch.long).to(x.device, non_blocking=True).unbind(1)
     chunk, last = (tokens - 1) // size, (tokens - 1) % size
     sums = cumsum[rows, :, chunk]  # [m, H, size]
     upto = sums.gather(-1, last[:, None, None].expand(-1, heads, 1))  # [m, H, 1]
