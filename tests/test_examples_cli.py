@@ -86,4 +86,7 @@ def test_ctrl_c_while_serving_is_one_line_and_exit_130():
             "--max-new-tokens", "8"]
     done = _interrupt([sys.executable, *argv], lambda p, out: "KV cache group" in out)
     assert done.returncode == 130
-    _one_line(done.stderr, "serve_hf.py: interrupted")
+    # NOTE: transformers may have said, before the signal, that its Mamba2 modules run without the
+    # optional mamba_ssm kernels (when a mixer backend runs them); that is its line, not the interrupt's
+    ours = "\n".join(line for line in done.stderr.splitlines() if not line.startswith("[transformers]"))
+    _one_line(ours, "serve_hf.py: interrupted")
