@@ -70,15 +70,15 @@ class MixerLayer:
         g, chunks = self.group_id, {}
         for start, n, slots, cuts in step.prefills:  # NOTE: chunks of one length (and with checkpoints or not) batch
             chunks.setdefault((n, bool(cuts)), []).append((start, slots[g], [(cut, blocks[g]) for cut, blocks in cuts]))
-        for (n, _), found in chunks.items():
+        for (n, passes), found in chunks.items():
             # NOTE: a module that pads its chunk scan pads every row: rows capped so that one call's
             # activations stay within those of the step budget in one row (what the engine measured)
             rows = max(1, self.max_padded // (-(-n // self.chunk) * self.chunk))
             for part in (found[at : at + rows] for at in range(0, len(found), rows)):
-                slots, kept = [slot for _, slot, _ in part], [cuts for _, _, cuts in part]
-                if any(kept):  # NOTE: checkpoints the chunks pass, written to their state blocks
+                slots = [slot for _, slot, _ in part]
+                if passes:  # NOTE: checkpoints the chunks pass, written to their state blocks
                     ys = backend.prefill_checkpoints(module, torch.stack([row[a : a + n] for a, _, _ in part]),
-                                                     self.states, slots, kept)
+                                                     self.states, slots, [cuts for _, _, cuts in part])
                 elif len(part) == 1:
                     ys = backend.prefill(module, row[part[0][0] : part[0][0] + n], self.states, slots[0])[None]
                 else:

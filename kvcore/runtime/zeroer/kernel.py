@@ -62,10 +62,10 @@ def listed_words(ids: list, num_blocks: int) -> tuple[int, ...] | None:
     if not 0 < len(ids) <= LISTED or num_blocks > 1 << 31 or not _PLAIN_INT.issuperset(map(type, ids)):
         return None
     try:
-        packed = struct.pack(f"<{len(ids)}I", *ids)  # NOTE: refuses negative ids
+        words = pack_words(ids)  # NOTE: refuses negative ids
     except struct.error:
         return None
-    return _WORDS.unpack(packed.ljust(_WORDS.size, b"\0")) if max(ids) < num_blocks else None
+    return words if max(ids) < num_blocks else None
 
 
 def max_programs(device: torch.device) -> int:
