@@ -6,7 +6,10 @@ transformers' reference scan (without the ``mamba_ssm`` kernels) multiplies out 
 heads, state]`` tensors per chunk before reducing them: 2 GiB per 256-token chunk at a
 Granite-4.0-H-like shape, and as slow as that much memory traffic. Here the same sums are batched
 matrix products over the heads' groups, so memory and time grow with the tokens (a few MiB per
-chunk), and the convolution is a sum of shifted products in float32 (no cuDNN, no TF32).
+chunk). The within-chunk weights come from one Triton kernel (scan_kernels.py). A float32 model
+keeps float32 products throughout, its convolution a sum of shifted products (no cuDNN, no TF32);
+a 16-bit model's convolution is the module's depthwise one, and its largest scan product runs in
+its own dtype on tensor cores.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from kvcore_triton.scan_kernels import decayed_scores, runs_on
 
 #: Attributes of transformers' Mamba2 mixers (Bamba, GraniteMoeHybrid, FalconH1, NemotronH) read here.
 MAMBA2 = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias", "intermediate_size", "conv_dim",
@@ -38,41 +43,53 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     ``dt`` ``[k, T, H]`` (after softplus), ``a`` ``[H]`` (negative), ``b``, ``c`` ``[k, T, G, N]``,
     ``d`` ``[H]``. Returns ``y`` ``[k, T, H, P]`` and the final states (both float32); with ``at``
     (``m`` pairs of a row and a token count ``1..T``) the states are instead ``[m, H, P, N]``, those
-    of each listed row after its first that many tokens (free where they fall on chunk boundaries)."""
+    of each listed row after its first that many tokens (free where they fall on chunk boundaries).
+
+    Sums run in float32. A 16-bit ``x`` (a 16-bit model's) multiplies the within-chunk weights in
+    its own dtype, on tensor cores, as Mamba2's own kernels do; float32 keeps float32 products."""
     k, length, heads, p = x.shape
     groups, n = b.shape[2:]
     size = min(chunk_size, length)  # NOTE: a short piece is one chunk of its own length (no padding)
     pad = -length % size
+    products = x.dtype if x.dtype in (torch.float16, torch.bfloat16) else torch.float32
     x = x.float()
     residual = x * d.float()[:, None]
     x = x * dt[..., None].float()
     adt = a.float() * dt.float()
 
     def chunks(t: torch.Tensor) -> torch.Tensor:
-        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad))
+        t = F.pad(t, (0, 0) * (t.dim() - 2) + (0, pad)) if pad else t
         return t.view(k, -1, size, *t.shape[2:])
 
-    x, adt, b, c = chunks(x), chunks(adt).permute(0, 3, 1, 2), chunks(b.float()), chunks(c.float())
+    x, adt, b, c = chunks(x), chunks(adt), chunks(b.float()), chunks(c.float())
     num = x.shape[1]
     per = heads // groups
-    cumsum = adt.cumsum(-1)  # [k, H, chunks, size]
     # 1. within each chunk: y_i = sum_{j <= i} (c_i . b_j) exp(A-sum of j+1..i) x_j dt_j
-    scores = torch.einsum("kclgn,kcsgn->kcgls", c, b).repeat_interleave(per, dim=2)
-    decay = torch.exp(segment_sum(adt)).transpose(1, 2)  # [k, chunks, H, size, size]
-    y = torch.einsum("kchls,kcshp->kclhp", scores * decay, x)
+    scores = torch.einsum("kclgn,kcsgn->kcgls", c, b)
+    if runs_on(x.device):
+        weights = decayed_scores(scores.reshape(k * num, groups, size, size),
+                                 adt.transpose(2, 3).reshape(k * num, heads, size), products)
+    else:
+        weights = scores.repeat_interleave(per, dim=2) * torch.exp(segment_sum(adt.permute(0, 1, 3, 2)))
+    weights = weights.view(k, num, heads, size, size).to(products)
+    y = torch.matmul(weights, x.transpose(2, 3).to(products)).transpose(2, 3)  # [k, chunks, size, H, P]
+    adt = adt.permute(0, 3, 1, 2)
+    cumsum = adt.cumsum(-1)  # [k, H, chunks, size]
     # 2. each chunk's own contribution to the state at its end
     to_end = torch.exp(cumsum[..., -1:] - cumsum).permute(0, 2, 3, 1)[..., None]  # [k, chunks, size, H, 1]
     grouped = (x * to_end).view(k, num, size, groups, per, p)
-    states = torch.einsum("kclgn,kclgjp->kcgjpn", b, grouped).reshape(k, num, heads, p, n)
-    # 3. the states at every chunk boundary, from the initial state on
-    states = torch.cat([initial.float()[:, None], states], dim=1)
-    carry = torch.exp(segment_sum(F.pad(cumsum[..., -1], (1, 0))))  # [k, H, chunks + 1, chunks + 1]
-    states = torch.einsum("khij,kjhpn->kihpn", carry, states)
-    states, final = states[:, :-1], states[:, -1]
+    own = torch.einsum("kclgn,kclgjp->kcgjpn", b, grouped).reshape(k, num, heads, p, n)
+    # 3. the state entering every chunk, from the initial state on: one chunk after the other
+    through = torch.exp(cumsum[..., -1])[..., None, None]  # [k, H, chunks, 1, 1]
+    state, entering = initial.float(), []
+    for i in range(num):
+        entering.append(state)
+        state = torch.addcmul(own[:, i], state, through[:, :, i])
+    states, final = torch.stack(entering, 1), state  # [k, chunks, H, P, N], [k, H, P, N]
     # 4. what the state entering each chunk gives its tokens
-    entering = states.view(k, num, groups, per, p, n)
-    off = torch.einsum("kclgn,kcgjpn->kclgjp", c, entering).reshape(k, num, size, heads, p)
-    y = y + off * torch.exp(cumsum).permute(0, 2, 3, 1)[..., None]
+    off = torch.einsum("kclgn,kcgjpn->kclgjp", c, states.view(k, num, groups, per, p, n))
+    off = off.reshape(k, num, size, heads, p)
+    y = torch.addcmul(y.float(), off, torch.exp(cumsum).permute(0, 2, 3, 1)[..., None])
     y = y.reshape(k, -1, heads, p)[:, :length] + residual
     if not at:
         return y, final
@@ -97,12 +114,15 @@ def causal_conv(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
     (old window, then ``x``) whose last ``K`` columns are the new windows."""
     kernel, n = weight.shape[-1], x.shape[1]
     full = torch.cat([window.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [k, C, K + n]
-    acc = full[..., 1 : 1 + n].float() * weight[:, :1].float()
-    for j in range(1, kernel):
-        acc += full[..., 1 + j : 1 + j + n].float() * weight[:, j : j + 1].float()
-    if bias is not None:
-        acc += bias.float()[:, None]
-    out = acc.to(weight.dtype)
+    if x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16):  # NOTE: as the module's own
+        out = F.conv1d(full[..., 1:], weight[:, None], bias, groups=weight.shape[0])
+    else:  # NOTE: float32 products stay float32 (a cuDNN convolution may round through TF32)
+        acc = full[..., 1 : 1 + n].float() * weight[:, :1].float()
+        for j in range(1, kernel):
+            acc += full[..., 1 + j : 1 + j + n].float() * weight[:, j : j + 1].float()
+        if bias is not None:
+            acc += bias.float()[:, None]
+        out = acc.to(weight.dtype)
     if activation is not None:
         out = F.silu(out)
     return out.to(x.dtype).transpose(1, 2), full

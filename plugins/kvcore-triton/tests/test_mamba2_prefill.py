@@ -4,6 +4,8 @@ Mamba2 hybrid, continuing from and writing back only the listed slots."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 
 from kvcore.testing import DEVICE
 from kvcore_triton.mamba2_prefill import chunk_scan
+from kvcore_triton.scan_kernels import decayed_scores, runs_on
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,15 +51,61 @@ def scan_inputs(seed, rows, length, groups, per, *, p, n):
     return x, dt, a, b, c, d, initial
 
 
-@settings(max_examples=15, deadline=None)
+@settings(max_examples=20, deadline=None)
 @given(rows=st.integers(1, 3), length=st.integers(1, 40), chunk=st.sampled_from([4, 8, 16]),
-       groups=st.integers(1, 2), per=st.integers(1, 3), seed=st.integers(0, 2**16))
-def test_the_chunked_scan_is_the_recurrence(rows, length, chunk, groups, per, seed):
+       groups=st.integers(1, 2), per=st.integers(1, 3), kernel=st.booleans(), seed=st.integers(0, 2**16))
+def test_the_chunked_scan_is_the_recurrence(rows, length, chunk, groups, per, kernel, seed):
+    # NOTE: both ways of weighting a chunk's tokens: the Triton kernel and the PyTorch ops
     x, dt, a, b, c, d, initial = scan_inputs(seed, rows, length, groups, per, p=5, n=6)
-    y, final = chunk_scan(*(t.to(DEVICE) for t in (x, dt, a, b, c, d, initial)), chunk)
+    with mock.patch("kvcore_triton.mamba2_prefill.runs_on", return_value=kernel):
+        y, final = chunk_scan(*(t.to(DEVICE) for t in (x, dt, a, b, c, d, initial)), chunk)
     want_y, want_final = recurrence(x, dt, a, b, c, d, initial)
     torch.testing.assert_close(y.cpu().double(), want_y, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final.cpu().double(), want_final, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_a_16_bit_scan_multiplies_in_its_dtype_within_its_rounding(dtype):
+    # NOTE: a 16-bit model's largest product runs in its dtype (sums in float32): its error is the
+    # dtype's rounding, while the states passed between chunks stay float32-exact
+    x, dt, a, b, c, d, initial = scan_inputs(7, 2, 50, 2, 2, p=8, n=6)
+    x = x.to(dtype)
+    y, final = chunk_scan(*(t.to(DEVICE) for t in (x, dt, a, b, c, d, initial)), 16)
+    want_y, want_final = recurrence(x.float(), dt, a, b, c, d, initial)
+    assert y.dtype == torch.float32 and final.dtype == torch.float32
+    error = (y.cpu().double() - want_y).norm() / want_y.norm()
+    assert 1e-6 < error < 2e-2  # NOTE: not float32-exact: the products did run in 16 bits
+    torch.testing.assert_close(final.cpu().double(), want_final, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("size, groups, per", [(256, 1, 3), (37, 2, 2), (1, 1, 1)])
+def test_decayed_scores_keep_short_decays_exact_deep_into_a_long_chunk(size, groups, per):
+    # NOTE: a dt summing to about -1,000 over the chunk: a difference of two prefix sums would
+    # leave a relative error of ~1e-4 on the near-diagonal weights; summed per row it is ~1e-7
+    if not runs_on(torch.device(DEVICE)):
+        pytest.skip("Triton kernels do not run here (no CUDA, no interpreter)")
+    gen = torch.Generator().manual_seed(size)
+    chunks, heads = 2, groups * per
+    scores = torch.randn(chunks, groups, size, size, generator=gen)
+    adt = -torch.rand(chunks, heads, size, generator=gen) * 8
+    got = decayed_scores(scores.to(DEVICE), adt.to(DEVICE)).cpu().double()
+    sums = adt.double().cumsum(-1)
+    segment = (sums[..., :, None] - sums[..., None, :])  # float64: exact enough as a reference
+    causal = torch.ones(size, size, dtype=torch.bool).tril()
+    want = torch.where(causal, scores.double().repeat_interleave(per, dim=1) * segment.exp(), 0.0)
+    assert got.shape == (chunks, heads, size, size) and not got[..., ~causal].any()
+    # float32 rounding of a sum grows with its size: allow ~8 ulps of the exponent
+    bound = want.abs() * 1e-6 * (1 + segment.abs().masked_fill(~causal, 0)) + 1e-30
+    assert ((got - want).abs() <= bound).all()
+
+
+def test_decayed_scores_refuse_mismatched_shapes_by_name():
+    if not runs_on(torch.device(DEVICE)):
+        pytest.skip("Triton kernels do not run here (no CUDA, no interpreter)")
+    with pytest.raises(ValueError, match="multiple of G"):
+        decayed_scores(torch.zeros(1, 2, 4, 4, device=DEVICE), torch.zeros(1, 3, 4, device=DEVICE))
+    with pytest.raises(ValueError, match="float32"):
+        decayed_scores(torch.zeros(1, 1, 4, 4, device=DEVICE).half(), torch.zeros(1, 1, 4, device=DEVICE))
 
 
 @pytest.fixture(scope="module")
