@@ -205,14 +205,19 @@ def test_padded_cuda_graph_decode_steps_are_exact(models, references, arch):
     assert engine.stats().graph_steps > 0 and any(n < size for n, size in buckets)
 
 
-def test_equal_length_chunks_prefill_as_one_batch_and_stay_exact(models):
+@pytest.mark.parametrize("lens, adjacent", [([12, 12, 12, 5], True), ([12, 5, 12, 12], False)])
+def test_equal_length_chunks_prefill_as_one_batch_and_stay_exact(models, lens, adjacent):
+    # NOTE: chunks back to back in the packed row go in (and come out) as a view of it; others are gathered
     model = models["bamba"]
-    prompts = prompts_for([12, 12, 12, 5], seed=6)
+    prompts = prompts_for(lens, seed=6)
     calls = []
     original = TorchMixerBackend.prefill_batch
 
     def counting(layer, hidden_states, states, slot_ids):
         calls.append(tuple(hidden_states.shape[:2]))
+        # NOTE: a view shares the whole packed row's storage; a gathered batch has its own
+        shares = hidden_states.untyped_storage().nbytes() > hidden_states.numel() * hidden_states.element_size()
+        assert shares == adjacent
         return original(layer, hidden_states, states, slot_ids)
 
     engine = Engine(model, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=64)

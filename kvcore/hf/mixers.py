@@ -75,15 +75,20 @@ class MixerLayer:
             # activations stay within those of the step budget in one row (what the engine measured)
             rows = max(1, self.max_padded // (-(-n // self.chunk) * self.chunk))
             for part in (found[at : at + rows] for at in range(0, len(found), rows)):
-                slots = [slot for _, slot, _ in part]
+                slots, first = [slot for _, slot, _ in part], part[0][0]
+                # NOTE: chunks that lie back to back in the packed row are a view of it, in and out
+                adjacent = all(start == first + i * n for i, (start, _, _) in enumerate(part))
+                xs = (row[first : first + len(part) * n].view(len(part), n, -1) if adjacent
+                      else torch.stack([row[a : a + n] for a, _, _ in part]))
                 if passes:  # NOTE: checkpoints the chunks pass, written to their state blocks
-                    ys = backend.prefill_checkpoints(module, torch.stack([row[a : a + n] for a, _, _ in part]),
-                                                     self.states, slots, [cuts for _, _, cuts in part])
+                    ys = backend.prefill_checkpoints(module, xs, self.states, slots, [cuts for _, _, cuts in part])
                 elif len(part) == 1:
-                    ys = backend.prefill(module, row[part[0][0] : part[0][0] + n], self.states, slots[0])[None]
+                    ys = backend.prefill(module, xs[0], self.states, slots[0])[None]
                 else:
-                    ys = backend.prefill_batch(module, torch.stack([row[a : a + n] for a, _, _ in part]),
-                                               self.states, slots)
+                    ys = backend.prefill_batch(module, xs, self.states, slots)
+                if adjacent:
+                    out[0, first : first + len(part) * n] = ys.reshape(len(part) * n, -1)
+                    continue
                 for (start, _, _), y in zip(part, ys):
                     out[0, start : start + n] = y
         return out

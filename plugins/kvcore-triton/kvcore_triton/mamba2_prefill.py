@@ -65,7 +65,7 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     num = x.shape[1]
     per = heads // groups
     # 1. within each chunk: y_i = sum_{j <= i} (c_i . b_j) exp(A-sum of j+1..i) x_j dt_j
-    scores = torch.einsum("kclgn,kcsgn->kcgls", c, b)
+    scores = torch.matmul(c.transpose(2, 3), b.permute(0, 1, 3, 4, 2))  # [k, chunks, G, size, size]
     if runs_on(x.device):
         weights = decayed_scores(scores.reshape(k * num, groups, size, size),
                                  adt.transpose(2, 3).reshape(k * num, heads, size), products)
@@ -77,8 +77,8 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     cumsum = adt.cumsum(-1)  # [k, H, chunks, size]
     # 2. each chunk's own contribution to the state at its end
     to_end = torch.exp(cumsum[..., -1:] - cumsum).permute(0, 2, 3, 1)[..., None]  # [k, chunks, size, H, 1]
-    grouped = (x * to_end).view(k, num, size, groups, per, p)
-    own = torch.einsum("kclgn,kclgjp->kcgjpn", b, grouped).reshape(k, num, heads, p, n)
+    grouped = (x * to_end).view(k, num, size, groups, per * p).permute(0, 1, 3, 4, 2)  # [k, chunks, G, per P, size]
+    own = torch.matmul(grouped, b.transpose(2, 3)).reshape(k, num, heads, p, n)
     # 3. the state entering every chunk, from the initial state on: one chunk after the other
     through = torch.exp(cumsum[..., -1])[..., None, None]  # [k, H, chunks, 1, 1]
     state, entering = initial.float(), []
@@ -87,8 +87,8 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
         state = torch.addcmul(own[:, i], state, through[:, :, i])
     states, final = torch.stack(entering, 1), state  # [k, chunks, H, P, N], [k, H, P, N]
     # 4. what the state entering each chunk gives its tokens
-    off = torch.einsum("kclgn,kcgjpn->kclgjp", c, states.view(k, num, groups, per, p, n))
-    off = off.reshape(k, num, size, heads, p)
+    off = torch.matmul(c.transpose(2, 3), states.view(k, num, groups, per * p, n).transpose(3, 4))
+    off = off.transpose(2, 3).reshape(k, num, size, heads, p)
     y = torch.addcmul(y.float(), off, torch.exp(cumsum).permute(0, 2, 3, 1)[..., None])
     y = y.reshape(k, -1, heads, p)[:, :length] + residual
     if not at:

@@ -18,9 +18,12 @@ from kvcore_triton import _checks
 
 #: Query rows per program; each program covers a whole row of the chunk.
 _ROWS = 16
+#: Row width the kernel is compiled for at least (Mamba2 chunks are 256 tokens or fewer): every
+#: shorter chunk, such as the engine's warm-up step, runs the same compiled kernel, masked.
+_MIN_WIDTH = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["size"])
 def _decayed_scores_kernel(scores_ptr, adt_ptr, out_ptr, size, heads, per, groups,
                            BLOCK_L: tl.constexpr, BLOCK_S: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)  # NOTE: one (chunk, head) per program row; int64 offsets
@@ -61,5 +64,5 @@ def decayed_scores(scores: torch.Tensor, adt: torch.Tensor, dtype: torch.dtype =
     if out.numel():
         grid = (chunks * heads, triton.cdiv(size, _ROWS))
         _decayed_scores_kernel[grid](scores, adt, out, size, heads, heads // groups, groups,
-                                     BLOCK_L=_ROWS, BLOCK_S=triton.next_power_of_2(size))
+                                     BLOCK_L=_ROWS, BLOCK_S=max(_MIN_WIDTH, triton.next_power_of_2(size)))
     return out
