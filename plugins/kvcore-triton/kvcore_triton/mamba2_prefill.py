@@ -46,7 +46,8 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     of each listed row after its first that many tokens (free where they fall on chunk boundaries).
 
     Sums run in float32. A 16-bit ``x`` (a 16-bit model's) multiplies the within-chunk weights in
-    its own dtype, on tensor cores, as Mamba2's own kernels do; float32 keeps float32 products."""
+    its own dtype on tensor cores (Mamba2's own kernels also multiply in the model's dtype), that
+    product rounded to the dtype once; float32 keeps float32 products."""
     k, length, heads, p = x.shape
     groups, n = b.shape[2:]
     size = min(chunk_size, length)  # NOTE: a short piece is one chunk of its own length (no padding)
@@ -114,7 +115,8 @@ def causal_conv(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
     (old window, then ``x``) whose last ``K`` columns are the new windows."""
     kernel, n = weight.shape[-1], x.shape[1]
     full = torch.cat([window.to(x.dtype), x.transpose(1, 2)], dim=-1)  # [k, C, K + n]
-    if x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16):  # NOTE: as the module's own
+    sixteen = x.dtype == weight.dtype and x.dtype in (torch.float16, torch.bfloat16)
+    if sixteen and (bias is None or bias.dtype == x.dtype):  # NOTE: as the module's own
         out = F.conv1d(full[..., 1:], weight[:, None], bias, groups=weight.shape[0])
     else:  # NOTE: float32 products stay float32 (a cuDNN convolution may round through TF32)
         acc = full[..., 1 : 1 + n].float() * weight[:, :1].float()

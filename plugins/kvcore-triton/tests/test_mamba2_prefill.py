@@ -9,11 +9,11 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvcore.testing import DEVICE
-from kvcore_triton.mamba2_prefill import chunk_scan
+from kvcore_triton.mamba2_prefill import causal_conv, chunk_scan
 from kvcore_triton.scan_kernels import decayed_scores, runs_on
 
 transformers = pytest.importorskip("transformers")
@@ -55,13 +55,26 @@ def scan_inputs(seed, rows, length, groups, per, *, p, n):
 @given(rows=st.integers(1, 3), length=st.integers(1, 40), chunk=st.sampled_from([4, 8, 16]),
        groups=st.integers(1, 2), per=st.integers(1, 3), kernel=st.booleans(), seed=st.integers(0, 2**16))
 def test_the_chunked_scan_is_the_recurrence(rows, length, chunk, groups, per, kernel, seed):
-    # NOTE: both ways of weighting a chunk's tokens: the Triton kernel and the PyTorch ops
+    # NOTE: both ways of weighting a chunk's tokens: the Triton kernel (where it runs) and the PyTorch ops
+    assume(not kernel or runs_on(torch.device(DEVICE)))
     x, dt, a, b, c, d, initial = scan_inputs(seed, rows, length, groups, per, p=5, n=6)
     with mock.patch("kvcore_triton.mamba2_prefill.runs_on", return_value=kernel):
         y, final = chunk_scan(*(t.to(DEVICE) for t in (x, dt, a, b, c, d, initial)), chunk)
     want_y, want_final = recurrence(x, dt, a, b, c, d, initial)
     torch.testing.assert_close(y.cpu().double(), want_y, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(final.cpu().double(), want_final, rtol=1e-4, atol=1e-4)
+
+
+def test_a_16_bit_convolution_with_a_float32_bias_keeps_the_float32_sum():
+    # NOTE: a model that keeps some parameters in float32: no dtype clash, the shifted products instead
+    gen = torch.Generator().manual_seed(4)
+    window, x = torch.randn(2, 6, 4, generator=gen), torch.randn(2, 5, 6, generator=gen)
+    weight, bias = torch.randn(6, 4, generator=gen), torch.randn(6, generator=gen)
+    half = [t.bfloat16().to(DEVICE) for t in (window, x, weight)]
+    out, inputs = causal_conv(half[0], half[1], half[2], bias.to(DEVICE), "silu")
+    want, _ = causal_conv(*(t.float() for t in half), bias.to(DEVICE), "silu")
+    assert out.dtype == torch.bfloat16 and inputs.shape == (2, 6, 9)
+    torch.testing.assert_close(out.float(), want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
