@@ -228,6 +228,52 @@ def test_equal_length_chunks_prefill_as_one_batch_and_stay_exact(models, lens, a
     assert calls == [(3, 12)]
 
 
+@interpreted
+@pytest.mark.parametrize("lens, calls", [([12, 5, 9, 3], [[12, 5, 9, 3]]), ([12, 20, 9, 1], [[12, 9]])])
+def test_chunks_of_different_lengths_prefill_in_one_call_and_stay_exact(models, lens, calls):
+    # NOTE: chunks up to the same number of 16-token scan chunks share a call, right-padded; the
+    # 20-token chunk (two scan chunks) and the 1-token one do not, which leaves [12, 9] apart in the row
+    from kvcore_triton import TritonMixerBackend
+
+    model = models["bamba"]
+    prompts = prompts_for(lens, seed=9)
+    seen, original = [], TritonMixerBackend.prefill_varlen.__func__
+
+    def counting(cls, layer, hidden_states, states, slot_ids, lengths):
+        seen.append(list(lengths))
+        return original(cls, layer, hidden_states, states, slot_ids, lengths)
+
+    engine = Engine(model, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=64, mixer_backend="triton-mixer")
+    mixer = engine.mixers.layers[next(iter(engine.mixers.layers))]
+    assert mixer.varlen
+    mixer.backend = type("Counting", (TritonMixerBackend,), {"prefill_varlen": classmethod(counting)})
+    fill_stale(engine)
+    assert engine.generate(prompts, MAX_NEW) == reference(model, prompts, MAX_NEW)
+    assert seen == calls
+
+
+def test_the_default_varlen_prefill_runs_each_length_as_its_own_batch(models):
+    module = next(m for m in models["bamba"].modules() if hasattr(m, "A_log"))
+    spec = next(s for s in specs_from_config(models["bamba"].config).values() if isinstance(s, MambaSpec))
+    gen = torch.Generator().manual_seed(4)
+    states = [torch.randn(6, *shape, generator=gen) for shape in spec.shapes]
+    x = torch.randn(3, 7, module.hidden_size, generator=gen)
+    got, want = [s.clone() for s in states], [s.clone() for s in states]
+    seen = []
+    counting = type("Counting", (TorchMixerBackend,), {"prefill_batch": classmethod(
+        lambda cls, layer, h, st, slots: seen.append(tuple(h.shape[:2])) or TorchMixerBackend.prefill_batch(
+            layer, h, st, slots))})
+    with torch.inference_mode():
+        out = counting.prefill_varlen(module, x, got, [5, 1, 3], [7, 4, 7])
+        refs = [TorchMixerBackend.prefill(module, row[:n], want, slot) for row, n, slot in zip(x, [7, 4, 7], [5, 1, 3])]
+    assert seen == [(2, 7)]  # NOTE: the 4-token row alone, through prefill
+    for row, ref, n in zip(out, refs, [7, 4, 7]):
+        torch.testing.assert_close(row[:n], ref)
+    assert not out[1, 4:].any()
+    for mine, theirs in zip(got, want):
+        torch.testing.assert_close(mine, theirs)
+
+
 def test_the_hybrid_default_block_is_the_attention_backends_not_grown_for_states():
     # NOTE: a Granite-4.0-H-like state page (64 heads of 64 x 128 float32) is ~2 MiB, thousands of
     # tokens of attention; with separate state pages the attention block stays the backend's.

@@ -172,7 +172,9 @@ class Engine:
         elif num_blocks is None and available_memory is None:  # NOTE: what the largest step leaves free
             found = resolve_backends(specs, dict.fromkeys(mixers, mixer_backend), HookAnswers(), self.device)[0]
             scratch = MixerRunner.unbound({n: modules[n] for n in mixers}, specs, found, self.device)
-            peak = profile.step_peak(model, budget, min(budget, max_num_seqs), scratch if mixers else None)
+            # NOTE: a mixer call may pad beyond the budget (MixerLayer): the measured step includes that
+            extra = scratch.extra_tokens if mixers else 0
+            peak = profile.step_peak(model, budget + extra, min(budget, max_num_seqs), scratch if mixers else None)
             available_memory = profile.cache_share(torch.cuda.mem_get_info(self.device)[0], peak, budget)
         self.kv = KVCache.create(
             specs, {**settings.layer_backends, **dict.fromkeys(mixers, mixer_backend)}, device=self.device,

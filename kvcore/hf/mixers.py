@@ -15,7 +15,7 @@ import torch
 
 from kvcore.hf.scheduler import Request
 from kvcore.plugins.backend import CommonAttentionMetadata
-from kvcore.plugins.mixer_backend import copy_slots
+from kvcore.plugins.mixer_backend import batches_varlen, copy_slots
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
 
@@ -41,14 +41,18 @@ class MixerStep:
 
 class MixerLayer:
     """One mixer module, its backend, its state views in the cache, and the most chunk-padded tokens
-    one prefill call may take (``max_tokens`` rounded up to the module's ``chunk_size``, if any)."""
+    one prefill call may take (``max_tokens`` rounded up to the module's ``chunk_size``, if any, and
+    one chunk more where the backend batches chunks of different lengths)."""
 
     def __init__(self, module: torch.nn.Module, group_id: int, states: list[torch.Tensor], backend: Any,
                  max_tokens: int) -> None:
         self.module, self.group_id, self.states, self.backend = module, group_id, states, backend
         chunk = getattr(module, "chunk_size", None)
         self.chunk = chunk if isinstance(chunk, int) and chunk > 0 else 1
-        self.max_padded = -(-max_tokens // self.chunk) * self.chunk
+        self.varlen = self.chunk > 1 and batches_varlen(backend)
+        # NOTE: when chunks of different lengths share a call, a sequence's remainder from the previous
+        # step may add one padded row beyond the budget's (the engine measures its step with it)
+        self.max_padded = -(-max_tokens // self.chunk) * self.chunk + (self.chunk if self.varlen else 0)
 
     def run(self, step: MixerStep, hidden: torch.Tensor) -> torch.Tensor:
         """The mixer's output for the packed row ``hidden`` ``[1, tokens, hidden]``."""
@@ -68,30 +72,64 @@ class MixerLayer:
         if decodes:
             out[0, :decodes] = y
         g, chunks = self.group_id, {}
-        for start, n, slots, cuts in step.prefills:  # NOTE: chunks of one length (and with checkpoints or not) batch
-            chunks.setdefault((n, bool(cuts)), []).append((start, slots[g], [(cut, blocks[g]) for cut, blocks in cuts]))
-        for (n, passes), found in chunks.items():
+        for start, n, slots, cuts in step.prefills:
+            padded = -(-n // self.chunk) * self.chunk
+            # NOTE: chunks of one length (and with checkpoints or not) batch; with a backend that scans
+            # past a row's end, chunks of one padded length batch too
+            key = (padded, 0, False) if self.varlen and n > 1 and not cuts else (padded, n, bool(cuts))
+            chunks.setdefault(key, []).append((start, n, slots[g], [(cut, blocks[g]) for cut, blocks in cuts]))
+        for (padded, _, passes), found in chunks.items():
             # NOTE: a module that pads its chunk scan pads every row: rows capped so that one call's
             # activations stay within those of the step budget in one row (what the engine measured)
-            rows = max(1, self.max_padded // (-(-n // self.chunk) * self.chunk))
+            rows = max(1, self.max_padded // padded)
             for part in (found[at : at + rows] for at in range(0, len(found), rows)):
-                slots, first = [slot for _, slot, _ in part], part[0][0]
-                # NOTE: chunks that lie back to back in the packed row are a view of it, in and out
-                adjacent = all(start == first + i * n for i, (start, _, _) in enumerate(part))
-                xs = (row[first : first + len(part) * n].view(len(part), n, -1) if adjacent
-                      else torch.stack([row[a : a + n] for a, _, _ in part]))
-                if passes:  # NOTE: checkpoints the chunks pass, written to their state blocks
-                    ys = backend.prefill_checkpoints(module, xs, self.states, slots, [cuts for _, _, cuts in part])
-                elif len(part) == 1:
-                    ys = backend.prefill(module, xs[0], self.states, slots[0])[None]
+                if len({n for _, n, _, _ in part}) > 1:
+                    self._prefill_varlen(part, row, out)
                 else:
-                    ys = backend.prefill_batch(module, xs, self.states, slots)
-                if adjacent:
-                    out[0, first : first + len(part) * n] = ys.reshape(len(part) * n, -1)
-                    continue
-                for (start, _, _), y in zip(part, ys):
-                    out[0, start : start + n] = y
+                    self._prefill(part, passes, row, out)
         return out
+
+    def _prefill(self, part: list[tuple[int, int, int, list]], passes: bool, row: torch.Tensor,
+                 out: torch.Tensor) -> None:
+        """Equal-length chunks ``(start, tokens, slot, checkpoints)`` of the packed ``row``, into ``out``."""
+        module, backend = self.module, self.backend
+        slots, first, n = [slot for _, _, slot, _ in part], part[0][0], part[0][1]
+        # NOTE: chunks that lie back to back in the packed row are a view of it, in and out
+        adjacent = all(start == first + i * n for i, (start, _, _, _) in enumerate(part))
+        xs = (row[first : first + len(part) * n].view(len(part), n, -1) if adjacent
+              else torch.stack([row[a : a + n] for a, _, _, _ in part]))
+        if passes:  # NOTE: checkpoints the chunks pass, written to their state blocks
+            ys = backend.prefill_checkpoints(module, xs, self.states, slots, [cuts for *_, cuts in part])
+        elif len(part) == 1:
+            ys = backend.prefill(module, xs[0], self.states, slots[0])[None]
+        else:
+            ys = backend.prefill_batch(module, xs, self.states, slots)
+        if adjacent:
+            out[0, first : first + len(part) * n] = ys.reshape(len(part) * n, -1)
+            return
+        for (start, _, _, _), y in zip(part, ys):
+            out[0, start : start + n] = y
+
+    def _prefill_varlen(self, part: list[tuple[int, int, int, list]], row: torch.Tensor, out: torch.Tensor) -> None:
+        """Chunks of different lengths in one call: gathered from ``row`` right-padded (a padding
+        position repeats its row's last token), their tokens' outputs scattered back into ``out``."""
+        starts, lengths = (np.array([entry[i] for entry in part], dtype=np.int64) for i in (0, 1))
+        longest, steps = int(lengths.max()), np.arange(int(lengths.max()))
+        gather = starts[:, None] + np.minimum(steps, lengths[:, None] - 1)
+        real = steps < lengths[:, None]
+        kept = (np.arange(len(part))[:, None] * longest + steps).reshape(-1)[real.reshape(-1)]
+        index = torch.from_numpy(np.concatenate([gather.reshape(-1), kept, gather[real]]))
+        index = index.to(row.device, non_blocking=True)
+        picked, sources, targets = index.split([gather.size, len(kept), len(kept)])
+        xs = row.index_select(0, picked).view(len(part), longest, -1)
+        ys = self.backend.prefill_varlen(self.module, xs, self.states, [slot for _, _, slot, _ in part],
+                                         lengths.tolist())
+        ys = ys.reshape(-1, ys.shape[-1]).index_select(0, sources)
+        first, total = int(starts[0]), int(lengths.sum())
+        if np.array_equal(starts, first + np.concatenate([[0], np.cumsum(lengths)[:-1]])):  # NOTE: back to back
+            out[0, first : first + total] = ys
+        else:
+            out[0].index_copy_(0, targets, ys)
 
 
 class MixerRunner:
@@ -112,6 +150,11 @@ class MixerRunner:
             self.layers[name] = MixerLayer(module, g, states, kv.mixer_backends[name], max_tokens)
         self.state_groups = sorted({layer.group_id for layer in self.layers.values()})
         self.step: MixerStep | None = None
+
+    @property
+    def extra_tokens(self) -> int:
+        """Padded tokens one prefill call may take beyond the step budget (see :class:`MixerLayer`)."""
+        return max((layer.chunk for layer in self.layers.values() if layer.varlen), default=0)
 
     @classmethod
     def unbound(cls, modules: Mapping[str, torch.nn.Module], specs: Mapping[str, MambaSpec],

@@ -50,6 +50,24 @@ class MixerBackend:
         return torch.stack([cls.prefill(layer, chunk, states, slot) for chunk, slot in zip(hidden_states, slot_ids)])
 
     @classmethod
+    def prefill_varlen(cls, layer: torch.nn.Module, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],
+                       slot_ids: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        """Chunks of ``k`` sequences of different lengths, right-padded to the longest: row ``i`` of
+        ``hidden_states`` ``[k, n, hidden]`` holds ``lengths[i]`` tokens, then padding; returns
+        ``[k, n, hidden]``, whose padding positions mean nothing. By default the rows of each length
+        go to :meth:`prefill_batch` together. A backend whose scan can run past a row's end without
+        changing its state overrides this, and the engine then batches chunks of different lengths
+        (up to the same number of scan chunks) in one call."""
+        out = torch.zeros_like(hidden_states)
+        for n in sorted(set(lengths)):
+            rows = [i for i, length in enumerate(lengths) if length == n]
+            slots = [slot_ids[i] for i in rows]
+            chunks = hidden_states[rows, :n]
+            out[rows, :n] = (cls.prefill(layer, chunks[0], states, slots[0])[None] if len(rows) == 1
+                             else cls.prefill_batch(layer, chunks, states, slots))
+        return out
+
+    @classmethod
     def prefill_checkpoints(cls, layer: torch.nn.Module, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],
                             slot_ids: Sequence[int], checkpoints: Sequence[Sequence[tuple[int, int]]]) -> torch.Tensor:
         """Equal-length chunks as :meth:`prefill_batch` that also keep each row's states after some of
@@ -75,6 +93,13 @@ def copy_slots(states: Sequence[torch.Tensor], src: Sequence[int], dst: Sequence
         index = torch.tensor([list(src), list(dst)], dtype=torch.long).to(states[0].device, non_blocking=True)
         for state in states:
             state.index_copy_(0, index[1], state.index_select(0, index[0]))
+
+
+def batches_varlen(backend: type[MixerBackend]) -> bool:
+    """Whether ``backend`` runs chunks of different lengths in one :meth:`MixerBackend.prefill_varlen`
+    call (it overrides the default, which runs each length on its own)."""
+    method = getattr(backend, "prefill_varlen", None)
+    return method is not None and getattr(method, "__func__", method) is not MixerBackend.prefill_varlen.__func__
 
 
 def is_mixer_backend(backend: Any) -> bool:

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from kvcore_triton.norm_kernels import gated_norm
 from kvcore_triton.scan_kernels import decayed_scores, runs_on
 
 #: Attributes of transformers' Mamba2 mixers (Bamba, GraniteMoeHybrid, FalconH1, NemotronH) read here.
@@ -131,11 +132,15 @@ def causal_conv(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
 
 
 def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], rows: slice | torch.Tensor,
-                   checkpoints: Sequence[Sequence[tuple[int, int]]] = ()) -> torch.Tensor:
+                   checkpoints: Sequence[Sequence[tuple[int, int]]] = (), *,
+                   lengths: torch.Tensor | None = None) -> torch.Tensor:
     """``layer``'s output for ``x`` ``[k, n, hidden]``, continuing from (and updating) the states at
     ``rows`` of ``states`` (recurrent ``[slots, H, P, N]``, conv window ``[slots, C, K]``); with
     ``checkpoints``, row ``i``'s states after its first ``tokens`` tokens also go to ``slot`` for
-    each ``(tokens, slot)`` of ``checkpoints[i]``, from the same scan."""
+    each ``(tokens, slot)`` of ``checkpoints[i]``, from the same scan. With ``lengths`` (``[k]`` on
+    the device, not with ``checkpoints``) row ``i`` ends after ``lengths[i]`` tokens: its padding
+    scans with ``dt = 0``, which neither decays the state nor adds to it, and its states are those
+    at its end."""
     recurrent, conv = states
     k, n, _ = x.shape
     dtype = x.dtype
@@ -151,7 +156,10 @@ def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], 
     dt = F.softplus(dt + layer.dt_bias.to(dt.dtype))
     if n > 1:  # NOTE: as transformers, whose one-token step (its recurrent form) leaves dt unclamped
         low, high = getattr(layer, "time_step_limit", (0.0, float("inf")))
-        dt = torch.clamp(dt, min=low, max=high)
+        clamped = torch.clamp(dt, min=low, max=high)
+        dt = clamped if lengths is None else torch.where((lengths > 1)[:, None, None], clamped, dt)
+    if lengths is not None:
+        dt = dt.masked_fill((torch.arange(n, device=dt.device) >= lengths[:, None])[..., None], 0.0)
     kept = [(i, tokens, slot) for i, row in enumerate(checkpoints) for tokens, slot in row]
     chunk = layer.chunk_size
     if kept:  # NOTE: scan chunks that end on the checkpoints, where the states come for free
@@ -169,7 +177,11 @@ def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], 
         conv[targets] = torch.stack([inputs[i, :, t : t + kernel] for i, t, _ in kept]).to(conv.dtype)
         found = found[len(kept) :]
     recurrent[rows] = found.to(recurrent.dtype)
-    conv[rows] = inputs[..., -kernel:].to(conv.dtype)
+    if lengths is None:
+        conv[rows] = inputs[..., -kernel:].to(conv.dtype)
+    else:  # NOTE: the K inputs ending at each row's last token
+        ends = (lengths[:, None] + torch.arange(kernel, device=x.device))[:, None].expand(k, inputs.shape[1], kernel)
+        conv[rows] = inputs.gather(2, ends).to(conv.dtype)
     y = y.reshape(k, n, inner)
-    y = layer.norm(y, gate) if getattr(layer, "mamba_rms_norm", True) else y * F.silu(gate)
+    y = gated_norm(layer.norm, y, gate) if getattr(layer, "mamba_rms_norm", True) else y * F.silu(gate)
     return layer.out_proj(y.to(dtype))

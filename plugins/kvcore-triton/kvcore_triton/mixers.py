@@ -14,6 +14,7 @@ from kvcore.plugins.mixer_backend import MixerBackend
 from kvcore_torch.mixers import TorchMixerBackend
 from kvcore_triton.mamba2_prefill import MAMBA2, mamba2_prefill
 from kvcore_triton.mixer_kernels import ACTIVATIONS, causal_conv1d_update, selective_state_update
+from kvcore_triton.norm_kernels import gated_norm
 
 #: And of LFM2's short convolution.
 _SHORT_CONV = ("in_proj", "conv", "out_proj")
@@ -41,7 +42,7 @@ def _mamba2_decode(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], 
         z=None if normed else gate.reshape(rows, layer.num_heads, layer.head_dim), validate=check,
     ).view(rows, 1, inner)
     if normed:
-        y = layer.norm(y, gate.unsqueeze(1))
+        y = gated_norm(layer.norm, y, gate.unsqueeze(1))
     return layer.out_proj(y.to(dtype))[:, 0]
 
 
@@ -98,6 +99,16 @@ class TritonMixerBackend(MixerBackend):
             return TorchMixerBackend.prefill_batch(layer, hidden_states, states, slot_ids)
         rows = torch.tensor(list(slot_ids), dtype=torch.long).to(states[0].device, non_blocking=True)
         return mamba2_prefill(layer, hidden_states, states, rows)
+
+    @classmethod
+    def prefill_varlen(cls, layer: Any, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],
+                       slot_ids: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+        # NOTE: a row's padding scans with dt = 0 (no decay, no input): its state stays as at its end
+        if not _is_mamba2(layer, states):
+            return super().prefill_varlen(layer, hidden_states, states, slot_ids, lengths)
+        rows, tokens = torch.tensor([list(slot_ids), list(lengths)], dtype=torch.long).to(
+            states[0].device, non_blocking=True)
+        return mamba2_prefill(layer, hidden_states, states, rows, lengths=tokens)
 
     @classmethod
     def prefill_checkpoints(cls, layer: Any, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],

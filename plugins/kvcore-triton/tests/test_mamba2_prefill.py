@@ -163,6 +163,32 @@ def test_prefill_equals_transformers_modules_on_the_listed_slots(mixers, arch, d
         assert torch.equal(mine[others], before[others]) and not torch.equal(mine[slots], before[slots])
 
 
+@pytest.mark.parametrize("arch", MAMBA2_ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths", [[5, 16, 2], [37, 20], [1, 9, 9, 4]])
+def test_chunks_of_different_lengths_in_one_call_equal_each_chunk_alone(mixers, arch, dtype, lengths, monkeypatch):
+    # NOTE: padding positions hold random tokens: they must change neither the rows' outputs nor their states
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    module, spec = mixers[arch, dtype]
+    gen = torch.Generator().manual_seed(sum(lengths))
+    slots = [4, 1, 6, 2][: len(lengths)]
+    states = [torch.randn(7, *shape, generator=gen).to(dtype=dt, device=DEVICE) for shape, dt in
+              zip(spec.shapes, spec.dtypes)]
+    x = torch.randn(len(lengths), max(lengths), module.hidden_size, generator=gen).to(dtype=dtype, device=DEVICE)
+    got, want = [s.clone() for s in states], [s.clone() for s in states]
+    with torch.inference_mode():
+        out = TritonMixerBackend.prefill_varlen(module, x, got, slots, lengths)
+        refs = [TorchMixerBackend.prefill(module, row[:n], want, slot) for row, n, slot in zip(x, lengths, slots)]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    assert out.shape == x.shape
+    for row, ref, n in zip(out, refs, lengths):
+        assert (row[:n].float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+    for mine, theirs, before in zip(got, want, states):
+        assert (mine.float() - theirs.float()).abs().max() <= tol * theirs.float().abs().max()
+        others = [s for s in range(7) if s not in slots]
+        assert torch.equal(mine[others], before[others]) and not torch.equal(mine[slots], before[slots])
+
+
 @pytest.mark.kvcore_gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_4096_token_scan_at_a_granite_4_h_shape_needs_little_memory():

@@ -1,0 +1,65 @@
+"""kvcore-triton's fused gated RMS norm equals transformers' gated norms of Mamba2 mixers (grouped
+or not, float32 or 16-bit, a gate that is a strided view of the projection) and leaves every other
+module to its own code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcore.testing import DEVICE
+from kvcore_triton.norm_kernels import fused_gated_norm, gated_norm
+from kvcore_triton.scan_kernels import runs_on
+
+transformers = pytest.importorskip("transformers")
+
+from transformers.models.bamba.modeling_bamba import BambaRMSNormGated  # noqa: E402
+from transformers.models.granitemoehybrid.modeling_granitemoehybrid import GraniteMoeHybridRMSNormGated  # noqa: E402
+from transformers.models.nemotron_h.modeling_nemotron_h import NemotronHRMSNormGated  # noqa: E402
+
+pytestmark = pytest.mark.skipif(not runs_on(torch.device(DEVICE)), reason="kvcore-triton's kernels do not run here")
+NORMS = [BambaRMSNormGated, GraniteMoeHybridRMSNormGated, NemotronHRMSNormGated]
+
+
+def random_norm(kind, dim, group, dtype, seed):
+    norm = kind(dim, group_size=group, eps=1e-5).to(device=DEVICE, dtype=dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(dim, generator=torch.Generator().manual_seed(seed)))
+    return norm
+
+
+@pytest.mark.parametrize("kind", NORMS)
+@pytest.mark.parametrize("group", [96, 32])
+@pytest.mark.parametrize("weights, inputs", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                             (torch.bfloat16, torch.float32), (torch.float16, torch.float16)])
+def test_the_fused_norm_is_the_modules(kind, group, weights, inputs):
+    dim = 96
+    norm = random_norm(kind, dim, group, weights, seed=group)
+    gen = torch.Generator().manual_seed(7)
+    y = (3 * torch.randn(4, 5, dim, generator=gen)).to(device=DEVICE, dtype=inputs)
+    projected = torch.randn(4, 5, dim + 11, generator=gen).to(device=DEVICE, dtype=weights)
+    gate = projected[..., 5 : 5 + dim]  # NOTE: a split of the projection, as the mixers pass it
+    with torch.inference_mode():
+        got, want = fused_gated_norm(norm, y, gate), norm(y, gate)
+    assert got is not None and got.dtype == want.dtype and got.shape == want.shape
+    # NOTE: float32 sums in another order; 16-bit results may round one step apart
+    step = 1e-5 if want.dtype == torch.float32 else 2 * torch.finfo(want.dtype).eps
+    assert (got.float() - want.float()).abs().max() <= step * want.float().abs().max()
+
+
+def test_other_modules_and_patched_norms_run_their_own_code():
+    norm = random_norm(GraniteMoeHybridRMSNormGated, 64, 64, torch.float32, seed=1)
+    y, gate = torch.randn(2, 64, device=DEVICE), torch.randn(2, 64, device=DEVICE)
+
+    class Mine(GraniteMoeHybridRMSNormGated):  # NOTE: a subclass outside transformers may differ
+        def forward(self, hidden_states, gate=None):
+            return hidden_states * 2
+
+    mine = Mine(64, group_size=64).to(DEVICE)
+    assert fused_gated_norm(mine, y, gate) is None
+    assert torch.equal(gated_norm(mine, y, gate), y * 2)
+    norm.forward = lambda hidden_states, gate=None: hidden_states - 1
+    assert fused_gated_norm(norm, y, gate) is None and torch.equal(gated_norm(norm, y, gate), y - 1)
+    assert fused_gated_norm(torch.nn.Identity(), y, gate) is None
+    ungrouped = random_norm(GraniteMoeHybridRMSNormGated, 64, 48, torch.float32, seed=2)  # NOTE: 64 % 48
+    assert fused_gated_norm(ungrouped, y, gate) is None
