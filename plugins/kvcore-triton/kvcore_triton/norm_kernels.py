@@ -16,8 +16,10 @@ import triton.language as tl
 
 from kvcore_triton.scan_kernels import runs_on
 
-#: transformers' gated norms computed here: ``weight * rms_norm(y * silu(gate)).to(y.dtype)`` per group.
-GATED_NORMS = frozenset({"BambaRMSNormGated", "GraniteMoeHybridRMSNormGated", "NemotronHRMSNormGated"})
+#: transformers' gated norms computed here: ``weight * rms_norm(y * silu(gate)).to(y.dtype)`` over
+#: groups of ``group_size`` channels (over all channels in versions whose norm has no groups).
+GATED_NORMS = frozenset({"BambaRMSNormGated", "GraniteMoeHybridRMSNormGated", "NemotronHRMSNormGated",
+                         "MambaRMSNormGated"})
 
 
 @triton.jit
@@ -40,8 +42,8 @@ def fused_gated_norm(norm: Any, y: torch.Tensor, gate: torch.Tensor) -> torch.Te
     kind = type(norm)
     if kind.__name__ not in GATED_NORMS or not kind.__module__.startswith("transformers.") or "forward" in vars(norm):
         return None
-    weight, group = getattr(norm, "weight", None), getattr(norm, "group_size", None)
     dim = y.shape[-1]
+    weight, group = getattr(norm, "weight", None), getattr(norm, "group_size", dim)
     if (not isinstance(weight, torch.Tensor) or not isinstance(group, int) or group <= 0 or dim % group
             or tuple(weight.shape) != (dim,) or gate.shape != y.shape or not runs_on(y.device)
             or y.dtype not in (torch.float16, torch.bfloat16, torch.float32) or gate.dtype not in
