@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcore_triton.norm_kernels import gated_norm
-from kvcore_triton.scan_kernels import decayed_scores, runs_on
+from kvcore_triton.scan_kernels import decayed_scores, runs_on, scan_dt
 
 #: Attributes of transformers' Mamba2 mixers (Bamba, GraniteMoeHybrid, FalconH1, NemotronH) read here.
 MAMBA2 = ("in_proj", "conv1d", "out_proj", "norm", "A_log", "D", "dt_bias", "intermediate_size", "conv_dim",
@@ -131,6 +131,21 @@ def causal_conv(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
     return out.to(x.dtype).transpose(1, 2), full
 
 
+def step_sizes(dt: torch.Tensor, bias: torch.Tensor, limit: tuple[float, float] | None,
+               lengths: torch.Tensor | None) -> torch.Tensor:
+    """``softplus(dt + bias)``, clamped to ``limit`` (rows of one token excepted) and 0 past each row's
+    ``lengths``: one kernel where Triton runs (:func:`scan_dt`), else PyTorch ops."""
+    if runs_on(dt.device) and dt.stride(-1) == 1:
+        return scan_dt(dt, bias, limit, lengths)
+    dt = F.softplus(dt + bias.to(dt.dtype))
+    if limit is not None:
+        clamped = torch.clamp(dt, min=limit[0], max=limit[1])
+        dt = clamped if lengths is None else torch.where((lengths > 1)[:, None, None], clamped, dt)
+    if lengths is not None:
+        dt = dt.masked_fill((torch.arange(dt.shape[1], device=dt.device) >= lengths[:, None])[..., None], 0.0)
+    return dt
+
+
 def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], rows: slice | torch.Tensor,
                    checkpoints: Sequence[Sequence[tuple[int, int]]] = (), *,
                    lengths: torch.Tensor | None = None) -> torch.Tensor:
@@ -153,13 +168,9 @@ def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], 
     gate, xbc, dt = projected.split([inner, layer.conv_dim, heads], dim=-1)
     xbc, inputs = causal_conv(conv[rows], xbc, layer.conv1d.weight.squeeze(1), layer.conv1d.bias, layer.activation)
     hidden, b, c = xbc.split([inner, groups * size, groups * size], dim=-1)
-    dt = F.softplus(dt + layer.dt_bias.to(dt.dtype))
-    if n > 1:  # NOTE: as transformers, whose one-token step (its recurrent form) leaves dt unclamped
-        low, high = getattr(layer, "time_step_limit", (0.0, float("inf")))
-        clamped = torch.clamp(dt, min=low, max=high)
-        dt = clamped if lengths is None else torch.where((lengths > 1)[:, None, None], clamped, dt)
-    if lengths is not None:
-        dt = dt.masked_fill((torch.arange(n, device=dt.device) >= lengths[:, None])[..., None], 0.0)
+    # NOTE: as transformers, whose one-token step (its recurrent form) leaves dt unclamped
+    limit = tuple(getattr(layer, "time_step_limit", (0.0, float("inf")))) if n > 1 else None
+    dt = step_sizes(dt, layer.dt_bias, limit, lengths)
     kept = [(i, tokens, slot) for i, row in enumerate(checkpoints) for tokens, slot in row]
     chunk = layer.chunk_size
     if kept:  # NOTE: scan chunks that end on the checkpoints, where the states come for free

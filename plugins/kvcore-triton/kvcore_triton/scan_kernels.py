@@ -66,3 +66,49 @@ def decayed_scores(scores: torch.Tensor, adt: torch.Tensor, dtype: torch.dtype =
         _decayed_scores_kernel[grid](scores, adt, out, size, heads, heads // groups, groups,
                                      BLOCK_L=_ROWS, BLOCK_S=max(_MIN_WIDTH, triton.next_power_of_2(size)))
     return out
+
+
+@triton.jit
+def _scan_dt_kernel(dt_ptr, bias_ptr, lengths_ptr, out_ptr, n, heads, s_row, s_token, low, high,
+                    CLAMP: tl.constexpr, HAS_LENGTHS: tl.constexpr, BLOCK_H: tl.constexpr):
+    pid = tl.program_id(0).to(tl.int64)  # NOTE: one token per program: row pid // n, token pid % n
+    row, token = pid // n, pid % n
+    h = tl.arange(0, BLOCK_H)
+    ok = h < heads
+    raw = tl.load(dt_ptr + row * s_row + token * s_token + h, mask=ok, other=0.0)
+    kind = raw.dtype
+    bias = tl.load(bias_ptr + h, mask=ok, other=0.0).to(kind).to(tl.float32)
+    value = (raw.to(tl.float32) + bias).to(kind).to(tl.float32)  # NOTE: each step rounds to dt's dtype
+    # softplus (threshold 20); log1p(e) as log(1 + e) * e / ((1 + e) - 1), exact for small e
+    e = tl.exp(value)
+    u = 1.0 + e
+    soft = tl.where(value > 20.0, value, tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0))))
+    soft = soft.to(kind).to(tl.float32)
+    if HAS_LENGTHS:
+        length = tl.load(lengths_ptr + row + h * 0)  # NOTE: a vector: the interpreter refuses scalar masks
+    if CLAMP:
+        clamped = tl.minimum(tl.maximum(soft, low), high).to(kind).to(tl.float32)
+        soft = tl.where(length > 1, clamped, soft) if HAS_LENGTHS else clamped
+    if HAS_LENGTHS:
+        soft = tl.where(token < length, soft, 0.0)
+    tl.store(out_ptr + pid * heads + h, soft, mask=ok)
+
+
+def scan_dt(dt: torch.Tensor, bias: torch.Tensor, limit: tuple[float, float] | None = None,
+            lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Mamba2's step sizes in one launch: ``softplus(dt + bias)`` for ``dt`` ``[k, n, H]`` (last dim
+    contiguous), clamped to ``limit`` (rows of one token excepted where ``lengths`` is given), and 0
+    past each row's ``lengths``; returned as float32 ``[k, n, H]``, each step rounded to ``dt``'s dtype
+    as the same PyTorch ops would."""
+    k, n, heads = dt.shape
+    if dt.stride(-1) != 1 or tuple(bias.shape) != (heads,) or (lengths is not None and tuple(lengths.shape) != (k,)):
+        raise ValueError(f"scan_dt: want dt [k, n, H] with a contiguous last dim, bias [H] and lengths [k]; got "
+                         f"{tuple(dt.shape)} (strides {dt.stride()}), {tuple(bias.shape)}, "
+                         f"{None if lengths is None else tuple(lengths.shape)}")
+    out = torch.empty(k, n, heads, dtype=torch.float32, device=dt.device)
+    if out.numel():
+        low, high = limit if limit is not None else (0.0, 0.0)
+        _scan_dt_kernel[(k * n,)](dt, bias, lengths if lengths is not None else bias, out, n, heads, dt.stride(0),
+                                  dt.stride(1), float(low), float(high), CLAMP=limit is not None,
+                                  HAS_LENGTHS=lengths is not None, BLOCK_H=triton.next_power_of_2(heads))
+    return out

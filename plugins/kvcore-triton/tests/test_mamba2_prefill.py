@@ -13,8 +13,9 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from kvcore.testing import DEVICE
-from kvcore_triton.mamba2_prefill import causal_conv, chunk_scan
-from kvcore_triton.scan_kernels import decayed_scores, runs_on
+from kvcore_triton._checks import INTERPRETED
+from kvcore_triton.mamba2_prefill import causal_conv, chunk_scan, step_sizes
+from kvcore_triton.scan_kernels import decayed_scores, runs_on, scan_dt
 
 transformers = pytest.importorskip("transformers")
 
@@ -119,6 +120,31 @@ def test_decayed_scores_refuse_mismatched_shapes_by_name():
         decayed_scores(torch.zeros(1, 2, 4, 4, device=DEVICE), torch.zeros(1, 3, 4, device=DEVICE))
     with pytest.raises(ValueError, match="float32"):
         decayed_scores(torch.zeros(1, 1, 4, 4, device=DEVICE).half(), torch.zeros(1, 1, 4, device=DEVICE))
+
+
+@pytest.mark.skipif(not runs_on(torch.device(DEVICE)), reason="kvcore-triton's kernels do not run here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("limit, lengths", [(None, None), ((0.01, 5.0), None), ((0.01, 5.0), [1, 7, 3]),
+                                            (None, [7, 2, 1])])
+def test_the_step_size_kernel_is_the_pytorch_ops(dtype, limit, lengths):
+    # NOTE: dt a split of a wider projection; values from deep in softplus's tail (log1p) to past its threshold
+    gen = torch.Generator().manual_seed(3)
+    projected = (torch.randn(3, 7, 40, generator=gen) * 12).to(device=DEVICE, dtype=dtype)
+    dt, bias = projected[..., 9:21], torch.randn(12, generator=gen).to(device=DEVICE, dtype=dtype)
+    lengths = None if lengths is None else torch.tensor(lengths, device=DEVICE)
+    got = scan_dt(dt, bias, limit, lengths)
+    with mock.patch("kvcore_triton.mamba2_prefill.runs_on", return_value=False):
+        want = step_sizes(dt, bias, limit, lengths).float()
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    # NOTE: float32 within a few ulps; 16-bit values one rounding step apart. The interpreter truncates
+    # where a GPU rounds to nearest: a 16-bit dt + bias one step lower, deep in softplus's tail (~exp),
+    # moves the result by up to |dt| times that step (0.125 at -18 in bfloat16: 13%)
+    step = 4 * torch.finfo(torch.float32).eps if dtype == torch.float32 else (
+        0.2 if INTERPRETED else 2 * torch.finfo(dtype).eps)
+    assert ((got - want).abs() <= step * want.abs()).all()
+    if lengths is not None:
+        past = torch.arange(7, device=DEVICE) >= lengths[:, None]
+        assert not got[past].any() and torch.equal(got[~past] > 0, want[~past] > 0)
 
 
 @pytest.fixture(scope="module")
