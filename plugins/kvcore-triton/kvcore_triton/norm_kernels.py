@@ -22,7 +22,7 @@ GATED_NORMS = frozenset({"BambaRMSNormGated", "GraniteMoeHybridRMSNormGated", "N
                          "MambaRMSNormGated"})
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["sy", "sz", "so"])
 def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, group, eps, sy, sz, so, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * group + tl.arange(0, BLOCK)

@@ -68,9 +68,11 @@ def decayed_scores(scores: torch.Tensor, adt: torch.Tensor, dtype: torch.dtype =
     return out
 
 
-@triton.jit
-def _scan_dt_kernel(dt_ptr, bias_ptr, lengths_ptr, out_ptr, n, heads, s_row, s_token, low, high,
-                    CLAMP: tl.constexpr, HAS_LENGTHS: tl.constexpr, BLOCK_H: tl.constexpr):
+# NOTE: the token count, strides and flags vary from call to call: unspecialized, so that one compiled
+# kernel (per dtype) serves every call and none compiles after the engine's warm-up
+@triton.jit(do_not_specialize=["n", "s_row", "s_token", "clamp", "has_lengths"])
+def _scan_dt_kernel(dt_ptr, bias_ptr, lengths_ptr, out_ptr, n, heads, s_row, s_token, low, high, clamp,
+                    has_lengths, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)  # NOTE: one token per program: row pid // n, token pid % n
     row, token = pid // n, pid % n
     h = tl.arange(0, BLOCK_H)
@@ -84,14 +86,11 @@ def _scan_dt_kernel(dt_ptr, bias_ptr, lengths_ptr, out_ptr, n, heads, s_row, s_t
     u = 1.0 + e
     soft = tl.where(value > 20.0, value, tl.where(u == 1.0, e, tl.log(u) * (e / (u - 1.0))))
     soft = soft.to(kind).to(tl.float32)
-    if HAS_LENGTHS:
-        length = tl.load(lengths_ptr + row + h * 0)  # NOTE: a vector: the interpreter refuses scalar masks
-    if CLAMP:
-        clamped = tl.minimum(tl.maximum(soft, low), high).to(kind).to(tl.float32)
-        soft = tl.where(length > 1, clamped, soft) if HAS_LENGTHS else clamped
-    if HAS_LENGTHS:
-        soft = tl.where(token < length, soft, 0.0)
-    tl.store(out_ptr + pid * heads + h, soft, mask=ok)
+    # NOTE: vectors throughout: the interpreter refuses scalar masks
+    length = tl.load(lengths_ptr + row + h * 0, mask=(h * 0 + has_lengths) != 0, other=n)
+    clamped = tl.minimum(tl.maximum(soft, low), high).to(kind).to(tl.float32)
+    soft = tl.where(((h * 0 + clamp) != 0) & (length > 1), clamped, soft)
+    tl.store(out_ptr + pid * heads + h, tl.where(token < length, soft, 0.0), mask=ok)
 
 
 def scan_dt(dt: torch.Tensor, bias: torch.Tensor, limit: tuple[float, float] | None = None,
@@ -108,7 +107,9 @@ def scan_dt(dt: torch.Tensor, bias: torch.Tensor, limit: tuple[float, float] | N
     out = torch.empty(k, n, heads, dtype=torch.float32, device=dt.device)
     if out.numel():
         low, high = limit if limit is not None else (0.0, 0.0)
-        _scan_dt_kernel[(k * n,)](dt, bias, lengths if lengths is not None else bias, out, n, heads, dt.stride(0),
-                                  dt.stride(1), float(low), float(high), CLAMP=limit is not None,
-                                  HAS_LENGTHS=lengths is not None, BLOCK_H=triton.next_power_of_2(heads))
+        given = lengths is not None
+        # NOTE: an int64 pointer either way (never read without lengths)
+        lengths = lengths.long() if given else torch.empty(1, dtype=torch.int64, device=dt.device)
+        _scan_dt_kernel[(k * n,)](dt, bias, lengths, out, n, heads, dt.stride(0), dt.stride(1), float(low),
+                                  float(high), int(limit is not None), int(given), BLOCK_H=triton.next_power_of_2(heads))
     return out
