@@ -111,5 +111,6 @@ def scan_dt(dt: torch.Tensor, bias: torch.Tensor, limit: tuple[float, float] | N
         # NOTE: an int64 pointer either way (never read without lengths)
         lengths = lengths.long() if given else torch.empty(1, dtype=torch.int64, device=dt.device)
         _scan_dt_kernel[(k * n,)](dt, bias, lengths, out, n, heads, dt.stride(0), dt.stride(1), float(low),
-                                  float(high), int(limit is not None), int(given), BLOCK_H=triton.next_power_of_2(heads))
+                                  float(high), int(limit is not None), int(given),
+                                  BLOCK_H=triton.next_power_of_2(heads))
     return out
