@@ -134,8 +134,9 @@ def causal_conv(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bia
 def step_sizes(dt: torch.Tensor, bias: torch.Tensor, limit: tuple[float, float] | None,
                lengths: torch.Tensor | None) -> torch.Tensor:
     """``softplus(dt + bias)``, clamped to ``limit`` (rows of one token excepted) and 0 past each row's
-    ``lengths``: one kernel where Triton runs (:func:`scan_dt`), else PyTorch ops."""
-    if runs_on(dt.device) and dt.stride(-1) == 1:
+    ``lengths``: for a 16-bit ``dt`` one kernel where Triton runs (:func:`scan_dt`), else PyTorch ops
+    (a float32 model's step sizes stay PyTorch's to the last bit: its tokens equal transformers')."""
+    if dt.dtype in (torch.float16, torch.bfloat16) and runs_on(dt.device) and dt.stride(-1) == 1:
         return scan_dt(dt, bias, limit, lengths)
     dt = F.softplus(dt + bias.to(dt.dtype))
     if limit is not None:

@@ -4,7 +4,8 @@ reciprocal root, two products), each a kernel launch: at a decode batch or a pre
 cost more in launches than in arithmetic.
 
 The sums run in float32 as the module's do; the normalized values are rounded to the input's
-dtype before the weight multiplies them, as the module does."""
+dtype before the weight multiplies them, as the module does. Float32 models keep the module's own
+code: their tokens equal transformers' to the last bit of the sums' order."""
 
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kvcore_triton.scan_kernels import runs_on
 #: transformers' gated norms computed here: ``weight * rms_norm(y * silu(gate)).to(y.dtype)`` over
 #: groups of ``group_size`` channels (over all channels in versions whose norm has no groups).
 GATED_NORMS = frozenset({"BambaRMSNormGated", "GraniteMoeHybridRMSNormGated", "NemotronHRMSNormGated",
-                         "MambaRMSNormGated"})
+                         "MambaRMSNormGated", "Zamba2RMSNormGated"})
 
 
 @triton.jit(do_not_specialize=["sy", "sz", "so"])
@@ -37,14 +38,16 @@ def _gated_rms_norm_kernel(y_ptr, z_ptr, w_ptr, out_ptr, group, eps, sy, sz, so,
 
 
 def fused_gated_norm(norm: Any, y: torch.Tensor, gate: torch.Tensor) -> torch.Tensor | None:
-    """``norm(y, gate)`` in one launch for the gated norms in :data:`GATED_NORMS`, or None where the
-    kernel does not apply (another module, a device Triton does not run on, shapes it does not take)."""
+    """``norm(y, gate)`` in one launch for the gated norms in :data:`GATED_NORMS` of a 16-bit model,
+    or None where the kernel does not apply (another module, a float32 model, whose tokens keep to
+    the module's own sums, a device Triton does not run on, shapes it does not take)."""
     kind = type(norm)
     if kind.__name__ not in GATED_NORMS or not kind.__module__.startswith("transformers.") or "forward" in vars(norm):
         return None
     dim = y.shape[-1]
     weight, group = getattr(norm, "weight", None), getattr(norm, "group_size", dim)
-    if (not isinstance(weight, torch.Tensor) or not isinstance(group, int) or group <= 0 or dim % group
+    if (not isinstance(weight, torch.Tensor) or weight.dtype not in (torch.float16, torch.bfloat16)
+            or not isinstance(group, int) or group <= 0 or dim % group
             or tuple(weight.shape) != (dim,) or gate.shape != y.shape or not runs_on(y.device)
             or y.dtype not in (torch.float16, torch.bfloat16, torch.float32) or gate.dtype not in
             (torch.float16, torch.bfloat16, torch.float32)):

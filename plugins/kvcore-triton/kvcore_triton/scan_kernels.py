@@ -68,9 +68,10 @@ def decayed_scores(scores: torch.Tensor, adt: torch.Tensor, dtype: torch.dtype =
     return out
 
 
-# NOTE: the token count, strides and flags vary from call to call: unspecialized, so that one compiled
-# kernel (per dtype) serves every call and none compiles after the engine's warm-up
-@triton.jit(do_not_specialize=["n", "s_row", "s_token", "clamp", "has_lengths"])
+# NOTE: the token count, strides, flags and the lengths' address (a row of a small tensor, aligned or
+# not) vary from call to call: unspecialized, so that one compiled kernel (per dtype) serves every
+# call and none compiles after the engine's warm-up
+@triton.jit(do_not_specialize=["lengths_ptr", "n", "s_row", "s_token", "clamp", "has_lengths"])
 def _scan_dt_kernel(dt_ptr, bias_ptr, lengths_ptr, out_ptr, n, heads, s_row, s_token, low, high, clamp,
                     has_lengths, BLOCK_H: tl.constexpr):
     pid = tl.program_id(0).to(tl.int64)  # NOTE: one token per program: row pid // n, token pid % n
