@@ -90,7 +90,7 @@ def _scan_dt_kernel(dt_ptr, bias_ptr, lengths_ptr, out_ptr, n, heads, s_row, s_t
     # NOTE: vectors throughout: the interpreter refuses scalar masks
     length = tl.load(lengths_ptr + row + h * 0, mask=(h * 0 + has_lengths) != 0, other=n)
     clamped = tl.minimum(tl.maximum(soft, low), high).to(kind).to(tl.float32)
-    soft = tl.where(((h * 0 + clamp) != 0) & (length > 1), clamped, soft)
+    soft = tl.where(((h * 0 + clamp) != 0) & (((h * 0 + has_lengths) == 0) | (length > 1)), clamped, soft)
     tl.store(out_ptr + pid * heads + h, tl.where(token < length, soft, 0.0), mask=ok)
 
 

@@ -124,12 +124,12 @@ def test_decayed_scores_refuse_mismatched_shapes_by_name():
 
 @pytest.mark.skipif(not runs_on(torch.device(DEVICE)), reason="kvcore-triton's kernels do not run here")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-@pytest.mark.parametrize("limit, lengths", [(None, None), ((0.01, 5.0), None), ((0.01, 5.0), [1, 7, 3]),
-                                            (None, [7, 2, 1])])
-def test_the_step_size_kernel_is_the_pytorch_ops(dtype, limit, lengths):
+@pytest.mark.parametrize("limit, lengths, tokens", [(None, None, 7), ((0.01, 5.0), None, 7), ((0.01, 5.0), None, 1),
+                                                    ((0.01, 5.0), [1, 7, 3], 7), (None, [7, 2, 1], 7)])
+def test_the_step_size_kernel_is_the_pytorch_ops(dtype, limit, lengths, tokens):
     # NOTE: dt a split of a wider projection; values from deep in softplus's tail (log1p) to past its threshold
     gen = torch.Generator().manual_seed(3)
-    projected = (torch.randn(3, 7, 40, generator=gen) * 12).to(device=DEVICE, dtype=dtype)
+    projected = (torch.randn(3, tokens, 40, generator=gen) * 12).to(device=DEVICE, dtype=dtype)
     dt, bias = projected[..., 9:21], torch.randn(12, generator=gen).to(device=DEVICE, dtype=dtype)
     lengths = None if lengths is None else torch.tensor(lengths, device=DEVICE)
     got = scan_dt(dt, bias, limit, lengths)
@@ -143,7 +143,7 @@ def test_the_step_size_kernel_is_the_pytorch_ops(dtype, limit, lengths):
     step = 4e-6 if dtype == torch.float32 else (0.2 if INTERPRETED else 2 * torch.finfo(dtype).eps)
     assert ((got - want).abs() <= step * want.abs()).all()
     if lengths is not None:
-        past = torch.arange(7, device=DEVICE) >= lengths[:, None]
+        past = torch.arange(tokens, device=DEVICE) >= lengths[:, None]
         assert not got[past].any() and torch.equal(got[~past] > 0, want[~past] > 0)
 
 
