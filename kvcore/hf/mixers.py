@@ -37,6 +37,9 @@ class MixerStep:
     #: A warm-up pass on zero states outside the cache: the whole row is one sequence's chunk, or
     #: (``num_decodes``) single tokens of as many sequences.
     scratch: bool = False
+    #: The index tensors of the step's calls with chunks of different lengths, made by the first
+    #: mixer layer and shared by the others.
+    gathers: dict = attrs.field(factory=dict)
 
 
 class MixerLayer:
@@ -84,7 +87,7 @@ class MixerLayer:
             rows = max(1, self.max_padded // padded)
             for part in (found[at : at + rows] for at in range(0, len(found), rows)):
                 if len({n for _, n, _, _ in part}) > 1:
-                    self._prefill_varlen(part, row, out)
+                    self._prefill_varlen(part, row, out, step.gathers)
                 else:
                     self._prefill(part, passes, row, out)
         return out
@@ -110,24 +113,29 @@ class MixerLayer:
         for (start, _, _, _), y in zip(part, ys):
             out[0, start : start + n] = y
 
-    def _prefill_varlen(self, part: list[tuple[int, int, int, list]], row: torch.Tensor, out: torch.Tensor) -> None:
+    def _prefill_varlen(self, part: list[tuple[int, int, int, list]], row: torch.Tensor, out: torch.Tensor,
+                        gathers: dict) -> None:
         """Chunks of different lengths in one call: gathered from ``row`` right-padded (a padding
-        position repeats its row's last token), their tokens' outputs scattered back into ``out``."""
-        starts, lengths = (np.array([entry[i] for entry in part], dtype=np.int64) for i in (0, 1))
-        longest, steps = int(lengths.max()), np.arange(int(lengths.max()))
-        gather = starts[:, None] + np.minimum(steps, lengths[:, None] - 1)
-        real = steps < lengths[:, None]
-        kept = (np.arange(len(part))[:, None] * longest + steps).reshape(-1)[real.reshape(-1)]
-        index = torch.from_numpy(np.concatenate([gather.reshape(-1), kept, gather[real]]))
-        index = index.to(row.device, non_blocking=True)
-        picked, sources, targets = index.split([gather.size, len(kept), len(kept)])
+        position repeats its row's last token), their tokens' outputs scattered back into ``out``
+        (the index tensors made once per step, in ``gathers``)."""
+        key = tuple((start, n) for start, n, _, _ in part)
+        if key not in gathers:
+            starts, lengths = (np.array(column, dtype=np.int64) for column in zip(*key))
+            longest, steps = int(lengths.max()), np.arange(int(lengths.max()))
+            gather = starts[:, None] + np.minimum(steps, lengths[:, None] - 1)
+            real = steps < lengths[:, None]
+            kept = (np.arange(len(part))[:, None] * longest + steps).reshape(-1)[real.reshape(-1)]
+            index = torch.from_numpy(np.concatenate([gather.reshape(-1), kept, gather[real]]))
+            index = index.to(row.device, non_blocking=True).split([gather.size, len(kept), len(kept)])
+            # NOTE: chunks back to back in the row come back in one slice
+            adjacent = np.array_equal(starts, starts[0] + np.concatenate([[0], np.cumsum(lengths)[:-1]]))
+            gathers[key] = (*index, longest, lengths.tolist(), adjacent)
+        picked, sources, targets, longest, lengths, adjacent = gathers[key]
         xs = row.index_select(0, picked).view(len(part), longest, -1)
-        ys = self.backend.prefill_varlen(self.module, xs, self.states, [slot for _, _, slot, _ in part],
-                                         lengths.tolist())
+        ys = self.backend.prefill_varlen(self.module, xs, self.states, [slot for _, _, slot, _ in part], lengths)
         ys = ys.reshape(-1, ys.shape[-1]).index_select(0, sources)
-        first, total = int(starts[0]), int(lengths.sum())
-        if np.array_equal(starts, first + np.concatenate([[0], np.cumsum(lengths)[:-1]])):  # NOTE: back to back
-            out[0, first : first + total] = ys
+        if adjacent:
+            out[0, key[0][0] : key[0][0] + len(sources)] = ys
         else:
             out[0].index_copy_(0, targets, ys)
 
