@@ -22,7 +22,9 @@
 #               tensor, engine tokens vs the torch backend, bench hf per backend, its GPU tests
 #   zeroer      host microseconds of zero_block_ids for 1 to 64 ids (median and best of many calls),
 #               this tree and BEFORE=<another checkout> alternately when given; its GPU tests
-#   quant       plugins/kvcore-triton/bench_decode.py with QUANT_ARGS (the quantized cache's options)
+#   quant       the quantized cache in one run: decode per 8-bit mode against bf16 (bench_decode.py;
+#               QUANT_ARGS replaces its options), `kvcore bench hf --kv-cache-dtype` per mode of
+#               QUANT_MODES (tokens/s, requests whose tokens equal the bf16 cache's), fp8 at 4,096-token prompts
 # FlashInfer and NIXL come from the wheels in .whl/ when they do not import (scripts/_env.sh).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 TRITON_INTERPRET= HF_HUB_OFFLINE=1 COLUMNS=80
@@ -201,7 +203,16 @@ part_zeroer() {
 }
 
 part_quant() {
-  TAIL=20 run bench_decode 300 $PY plugins/kvcore-triton/bench_decode.py --skip-torch-check --json ${QUANT_ARGS:-}
+  TAIL=40 run bench_decode 240 $PY plugins/kvcore-triton/bench_decode.py --skip-torch-check --json \
+    ${QUANT_ARGS:---kv-cache-dtype fp8,int8_per_token_head,fp8_per_token_head --layouts LBNHC --block-size 64}
+  local mode
+  for mode in ${QUANT_MODES:-int8_per_token_head fp8_per_token_head fp8}; do
+    TAIL=6 run "hf_$mode" 150 $PY -m kvcore bench hf --kv-cache-dtype "$mode" --new-tokens 32 --shared-prefix 0 \
+      --skip generate_batch,static,prefix,eager,profile,check --json-out "$LOG_DIR/hf_$mode.json"
+  done
+  TAIL=6 run hf_long_fp8 200 $PY -m kvcore bench hf --kv-cache-dtype fp8 --prompt-len 4096 --new-tokens 128 \
+    --shared-prefix 0 --skip generate_batch,static,prefix,check,eager,profile,reference \
+    --json-out "$LOG_DIR/hf_long_fp8.json"
 }
 
 PARTS=("$@")

@@ -112,9 +112,11 @@ def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], ne
 
 
 def run_unquantized(model: Any, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int,
-                    engine_kwargs: dict[str, Any], quantized_outputs: list) -> dict[str, Any]:
+                    engine_kwargs: dict[str, Any], quantized_outputs: list, *, reference: bool = True
+                    ) -> dict[str, Any]:
     """The same requests on the model-dtype cache: its figures, how many requests' greedy tokens
-    equal the quantized cache's, and the attention error of the mode at the model's shape."""
+    equal the quantized cache's, and the attention error of the mode at the model's shape;
+    ``reference``: also through the torch backend, for the model's own sensitivity."""
     from kvcore_torch.accuracy import attention_error
 
     unquantized = {**engine_kwargs, "kv_cache_dtype": "auto"}
@@ -129,6 +131,9 @@ def run_unquantized(model: Any, prompts: list[list[int]], warmup: list[list[int]
     # same cache through the reference backend (exact too), unless that is the timed backend.
     if result["backend"] == "torch":
         out["exact_other_rounding"] = {"not_run": "the timed backend is the torch reference"}
+        return out
+    if not reference:
+        out["exact_other_rounding"] = {"not_run": "left out (--skip reference)"}
         return out
 
     def reference() -> tuple[dict, list]:

@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 #: Parts of ``kvcore bench hf`` that ``--skip`` may leave out.
-HF_PARTS = ("eager", "generate_batch", "static", "llama", "prefix", "check", "profile")
+#: ``reference``: with ``--kv-cache-dtype``, the model-dtype cache again through the torch backend.
+HF_PARTS = ("eager", "generate_batch", "static", "llama", "prefix", "check", "profile", "reference")
 #: Most blocks ``kvcore bench pool`` handles per round: seconds a round on one core.
 POOL_MAX_BLOCKS = 1 << 20
 #: NIXL memory kinds and peers of ``kvcore bench transfer``.

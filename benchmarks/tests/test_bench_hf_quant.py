@@ -81,3 +81,26 @@ def test_a_reference_run_that_cannot_serve_is_reported_and_the_rest_kept(capsys,
     assert quant["exact_other_rounding"] == {"not_run": "KVCoreError: the torch backend cannot serve this model here"}
     assert quant["unquantized"]["output_tokens"] == 16 and 0 <= quant["same_requests"] <= 4
     assert "For scale, the torch backend's run: not run: KVCoreError" in " ".join(capsys.readouterr().out.split())
+
+
+@needs_interpreter
+def test_skip_reference_leaves_out_the_torch_backends_run(capsys, tmp_path, monkeypatch):
+    from kvcore_bench import _hf_runs
+
+    served, backends = _hf_runs.run_kvcore, []
+
+    def recording(model, prompts, warmup, new_tokens, engine_kwargs, **kw):
+        backends.append(engine_kwargs["backend"])
+        return served(model, prompts, warmup, new_tokens, engine_kwargs, **kw)
+
+    monkeypatch.setattr(_hf_runs, "run_kvcore", recording)
+    out = tmp_path / "hf.json"
+    argv = [*TINY, "--backend", "triton", "--kv-cache-dtype", "fp8", "--skip",
+            "generate_batch,static,prefix,profile,check,reference", "--json-out", str(out)]
+    assert main(argv) == 0
+    quant = json.loads(out.read_text())["quantized"]
+    assert backends == ["triton", "triton"]
+    assert quant["exact_other_rounding"] == {"not_run": "left out (--skip reference)"}
+    assert quant["unquantized"]["output_tokens"] == 16
+    text = capsys.readouterr().out
+    assert "generate the same greedy tokens" in text and "For scale" not in text

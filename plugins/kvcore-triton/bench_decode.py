@@ -55,7 +55,7 @@ from kvcore.settings import Settings
 from kvcore.specs import FullAttentionSpec
 from kvcore.specs.quant import KV_CACHE_DTYPES, parse_kv_cache_dtype, quantize_specs
 from kvcore_triton import KernelConfig, paged_attention
-from kvcore_triton.attention import DECODE_VARIANTS, _tma_descriptor
+from kvcore_triton.attention import DECODE_VARIANTS, QUANT_DECODE_CONFIG, _tma_descriptor
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -280,17 +280,19 @@ class QuantCase:
 
 
 def quant_configs(best: KernelConfig) -> dict[str, KernelConfig]:
-    """The decode configs each quantized mode tries, from the layout's fastest bf16 one.
+    """The decode configs each quantized mode tries: the launch a caller gets without a config
+    (``default``), then variations of the layout's fastest bf16 one.
 
     An 8-bit tile carries half the bytes of a bf16 one: ``num_stages`` 5 keeps two TMA tiles in
     flight per program (3 and 4 keep one, 7 three), as many bytes as bf16 keeps with one;
     ``stage_v`` widens V tiles as loaded (no byte-wide operand loads); four warps or 32-token
     tiles trade registers per program for programs per SM. Each keeps at least 4 programs per SM
     of an H200 (sm_90 registers and shared memory), the one wave that 64 x 8 programs need; a
-    pointer-path point covers caches whose tiles TMA cannot read.
+    pointer-path point covers caches whose tiles TMA cannot read; two splits double the programs.
     """
     staged = attrs.evolve(best, stage_v=True)
     return {
+        "default": QUANT_DECODE_CONFIG,
         "bf16cfg": best,
         "s5": attrs.evolve(best, num_stages=5),
         "sv": staged,
@@ -299,6 +301,9 @@ def quant_configs(best: KernelConfig) -> dict[str, KernelConfig]:
         "sv_t32_s7": attrs.evolve(staged, tile=32, num_stages=7),
         "sv_t32w4_s7": attrs.evolve(staged, tile=32, num_warps=4, num_stages=7),
         "ptr_sv_s5": attrs.evolve(staged, tma=False, num_stages=5),
+        "sv_s5_sp2": attrs.evolve(staged, num_stages=5, num_splits=2),
+        "sv_s4": attrs.evolve(staged, num_stages=4),
+        "sv_s6": attrs.evolve(staged, num_stages=6),
     }
 
 

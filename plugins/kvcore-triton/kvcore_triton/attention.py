@@ -77,6 +77,12 @@ class KernelConfig:
     stage_v: bool = attrs.field(default=False, validator=_bool)
 
 
+#: Decode over an 8-bit cache when the caller gives no config: each V tile widened to float16 as
+#: loaded, five buffered stages (two 8-bit TMA tiles in flight, as many bytes as bf16's default
+#: keeps). bench_decode.py on the H200 measured it fastest for every 8-bit mode, where the
+#: unquantized default left a third of the speed-up unused.
+QUANT_DECODE_CONFIG = KernelConfig(num_stages=5, stage_v=True)
+
 #: The decode read paths bench_decode.py times (KernelConfig overrides). Both are kept: each
 #: measured fastest where it applies (H200, BENCHMARKS.md); the variants that never won are gone.
 DECODE_VARIANTS: dict[str, dict] = {"base": {}, "pointer": {"tma": False}}
@@ -172,6 +178,7 @@ def paged_attention(
     ``kv_quant`` (``metadata.kv_quant``) reads a quantized cache through its
     scales; the query is then in any float dtype. Returns ``[T, Hq, head_size_v]``.
     """
+    given = config
     config = config or KernelConfig()
     head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v, kv_quant)
     num_blocks, num_kv_heads, block_size, _ = kv_cache_view.shape
@@ -222,6 +229,8 @@ def paged_attention(
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, num_warps=config.num_warps or VARLEN_WARPS, **common,
         )
         return out
+    if given is None and quant.mode:
+        config = QUANT_DECODE_CONFIG
     group_pad = max(16, triton.next_power_of_2(group))
     # NOTE: tiles start at multiples of the tile, so a window's span may grow by tile - 1 tokens.
     context = min(max_seq_len, window + config.tile - 1) if window else max_seq_len

@@ -66,9 +66,10 @@ def test_store_kernel_writes_the_references_bytes(mode, layout):
     assert (written[1] != -1).any()
 
 
-def _both(mode, layout, reqs, *, block_size=16, ratio=1, q_dtype=torch.float32, config=None, window=None,
-          poison=False):
-    """The reference and the Triton kernels reading one cache the reference wrote."""
+def _both(mode, layout, reqs, *, block_size=16, ratio=1, q_dtype=torch.float32, config=KernelConfig(tile=16),
+          window=None, poison=False):
+    """The reference and the Triton kernels reading one cache the reference wrote (``config`` None:
+    the kernels' own default launch)."""
     seq_lens, q_lens = reqs
     kernel = block_size // ratio
     num_blocks = len(seq_lens) * max(-(-n // block_size) for n in seq_lens) + 2
@@ -87,7 +88,7 @@ def _both(mode, layout, reqs, *, block_size=16, ratio=1, q_dtype=torch.float32, 
             batch.seq_lens_tensor.to(DEVICE))
     kwargs = dict(head_size=16, scale=0.25, sliding_window=window, kv_quant=state)
     ref = kvcore_torch.paged_attention(*args, **kwargs) if not poison else None
-    out = paged_attention(*args, config=config or KernelConfig(tile=16), **kwargs)
+    out = paged_attention(*args, config=config, **kwargs)
     return out.float().cpu(), None if ref is None else ref.float().cpu()
 
 
@@ -201,3 +202,17 @@ def test_store_kernel_lowers_to_rounded_divisions_and_conversions_for_sm90(kv, q
     assert ("div.rn.f32" in ops) == (quant == 2)
     if kv != "i8":
         assert ops[f"cvt.rn.satfinite.{'e4m3' if kv == 'fp8e4nv' else 'e5m2'}x2.f32"] > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_default_launch_over_an_8bit_cache_decodes_as_the_reference(mode):
+    """No config, as an engine calls it: 64-token tiles over 64-token blocks (TMA where the device
+    has it), V widened as loaded and five stages on a GPU; a split's last tile partly masked."""
+    half = DEVICE == "cuda"
+    reqs = ([300, 130, 64], [1, 1, 1])
+    out, ref = _both(mode, "LBNHC", reqs, block_size=64, q_dtype=torch.bfloat16 if half else torch.float32,
+                     config=None)
+    tol = 3e-2 if half else 1e-5
+    torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
+    poisoned, _ = _both(mode, "LBNHC", ([300, 70], [1, 1]), block_size=64, config=None, poison=True)
+    assert poisoned.isfinite().all()
