@@ -27,6 +27,7 @@ from kvcore_triton import KernelConfig, paged_attention, write_kv
 MODES = ["fp8_e4m3", "fp8_e5m2", "int8_per_token_head", "fp8_per_token_head"]
 LAYOUTS = ["LBNHC", "LBHNC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"]
 DECODE = ([23, 40], [1, 1])
+TILE16 = KernelConfig(tile=16)
 MIXED = ([17, 40, 9], [17, 6, 1])
 
 
@@ -66,7 +67,7 @@ def test_store_kernel_writes_the_references_bytes(mode, layout):
     assert (written[1] != -1).any()
 
 
-def _both(mode, layout, reqs, *, block_size=16, ratio=1, q_dtype=torch.float32, config=KernelConfig(tile=16),
+def _both(mode, layout, reqs, *, block_size=16, ratio=1, q_dtype=torch.float32, config=TILE16,
           window=None, poison=False):
     """The reference and the Triton kernels reading one cache the reference wrote (``config`` None:
     the kernels' own default launch)."""
