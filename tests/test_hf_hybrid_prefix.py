@@ -161,15 +161,24 @@ def test_triton_mixer_kernels_with_caching(models):
     model = models["bamba"]
     prompts = shared_prompts()
     engine = make_engine(model, mixer_backend="triton-mixer")
-    passed = []  # NOTE: checkpoints per row of each call that wrote some
+    passed, varlen = [], []  # NOTE: checkpoints per row of each call that wrote some (and varlen rows' lengths)
 
     def counting(layer, hidden_states, states, slot_ids, checkpoints):
         passed.append([len(row) for row in checkpoints])
         return TritonMixerBackend.prefill_checkpoints(layer, hidden_states, states, slot_ids, checkpoints)
 
+    def counting_varlen(layer, hidden_states, states, slot_ids, lengths, checkpoints=None):
+        if checkpoints:
+            passed.append([len(row) for row in checkpoints])
+            varlen.append(list(lengths))
+        return TritonMixerBackend.prefill_varlen(layer, hidden_states, states, slot_ids, lengths, checkpoints)
+
     for mixer in engine.mixers.layers.values():
-        mixer.backend = type("Counting", (TritonMixerBackend,), {"prefill_checkpoints": staticmethod(counting)})
+        mixer.backend = type("Counting", (TritonMixerBackend,), {"prefill_checkpoints": staticmethod(counting),
+                                                                 "prefill_varlen": staticmethod(counting_varlen)})
     fill_nan(engine)
     assert engine.generate(prompts, MAX_NEW) == reference(model, prompts, MAX_NEW)
     assert engine.stats().prefix_cache_hit_tokens >= 32
     assert max(max(rows) for rows in passed) >= 2  # NOTE: one call wrote several checkpoints of a chunk
+    # NOTE: chunks of different lengths that pass checkpoints share one call too
+    assert varlen and all(len(set(lengths)) > 1 for lengths in varlen)

@@ -240,9 +240,9 @@ def test_chunks_of_different_lengths_prefill_in_one_call_and_stay_exact(models, 
     prompts = prompts_for(lens, seed=9)
     seen, original = [], TritonMixerBackend.prefill_varlen.__func__
 
-    def counting(cls, layer, hidden_states, states, slot_ids, lengths):
+    def counting(cls, layer, hidden_states, states, slot_ids, lengths, checkpoints=None):
         seen.append(list(lengths))
-        return original(cls, layer, hidden_states, states, slot_ids, lengths)
+        return original(cls, layer, hidden_states, states, slot_ids, lengths, checkpoints)
 
     engine = Engine(model, num_blocks=12, max_num_seqs=4, max_num_batched_tokens=64, mixer_backend="triton-mixer")
     mixer = engine.mixers.layers[next(iter(engine.mixers.layers))]
@@ -273,6 +273,30 @@ def test_the_default_varlen_prefill_runs_each_length_as_its_own_batch(models):
     assert not out[1, 4:].any()
     for mine, theirs in zip(got, want):
         torch.testing.assert_close(mine, theirs)
+
+
+def test_the_default_varlen_prefill_keeps_checkpoints_through_prefill_checkpoints(models):
+    module = next(m for m in models["bamba"].modules() if hasattr(m, "A_log"))
+    spec = next(s for s in specs_from_config(models["bamba"].config).values() if isinstance(s, MambaSpec))
+    gen = torch.Generator().manual_seed(5)
+    states = [torch.randn(8, *shape, generator=gen) for shape in spec.shapes]
+    x = torch.randn(3, 9, module.hidden_size, generator=gen)
+    lengths, cuts = [9, 4, 9], [[(3, 6)], [], [(9, 7)]]
+    got, want = [s.clone() for s in states], [s.clone() for s in states]
+    seen = []
+    counting = type("Counting", (TorchMixerBackend,), {"prefill_checkpoints": classmethod(
+        lambda cls, layer, h, st, slots, cps: seen.append((tuple(h.shape[:2]), list(cps)))
+        or TorchMixerBackend.prefill_checkpoints(layer, h, st, slots, cps))})
+    with torch.inference_mode():
+        out = counting.prefill_varlen(module, x, got, [5, 1, 3], lengths, cuts)
+        refs = [TorchMixerBackend.prefill_checkpoints(module, row[None, :n], want, [slot], [kept])[0]
+                for row, n, slot, kept in zip(x, lengths, [5, 1, 3], cuts)]
+    assert seen == [((2, 9), [[(3, 6)], [(9, 7)]])]  # NOTE: the 4-token row has none: plain prefill
+    for row, ref, n in zip(out, refs, lengths):
+        torch.testing.assert_close(row[:n], ref)
+    for mine, theirs, before in zip(got, want, states):
+        torch.testing.assert_close(mine, theirs)
+        assert not torch.equal(mine[[6, 7]], before[[6, 7]])
 
 
 def test_the_hybrid_default_block_is_the_attention_backends_not_grown_for_states():

@@ -78,16 +78,17 @@ class MixerLayer:
         for start, n, slots, cuts in step.prefills:
             padded = -(-n // self.chunk) * self.chunk
             # NOTE: chunks of one length (and with checkpoints or not) batch; with a backend that scans
-            # past a row's end, chunks of one padded length batch too
-            key = (padded, 0, False) if self.varlen and n > 1 and not cuts else (padded, n, bool(cuts))
+            # past a row's end, chunks of one padded length batch too, checkpoints and all
+            key = (padded, 0, False) if self.varlen and n > 1 else (padded, n, bool(cuts))
             chunks.setdefault(key, []).append((start, n, slots[g], [(cut, blocks[g]) for cut, blocks in cuts]))
-        for (padded, _, passes), found in chunks.items():
+        for (padded, _, _), found in chunks.items():
             # NOTE: a module that pads its chunk scan pads every row: rows capped so that one call's
             # activations stay within those of the step budget in one row (what the engine measured)
             rows = max(1, self.max_padded // padded)
             for part in (found[at : at + rows] for at in range(0, len(found), rows)):
+                passes = any(cuts for *_, cuts in part)
                 if len({n for _, n, _, _ in part}) > 1:
-                    self._prefill_varlen(part, row, out, step.gathers)
+                    self._prefill_varlen(part, passes, row, out, step.gathers)
                 else:
                     self._prefill(part, passes, row, out)
         return out
@@ -113,11 +114,11 @@ class MixerLayer:
         for (start, _, _, _), y in zip(part, ys):
             out[0, start : start + n] = y
 
-    def _prefill_varlen(self, part: list[tuple[int, int, int, list]], row: torch.Tensor, out: torch.Tensor,
-                        gathers: dict) -> None:
+    def _prefill_varlen(self, part: list[tuple[int, int, int, list]], passes: bool, row: torch.Tensor,
+                        out: torch.Tensor, gathers: dict) -> None:
         """Chunks of different lengths in one call: gathered from ``row`` right-padded (a padding
         position repeats its row's last token), their tokens' outputs scattered back into ``out``
-        (the index tensors made once per step, in ``gathers``)."""
+        (the index tensors made once per step, in ``gathers``); ``passes``: some keep checkpoints."""
         key = tuple((start, n) for start, n, _, _ in part)
         if key not in gathers:
             starts, lengths = (np.array(column, dtype=np.int64) for column in zip(*key))
@@ -132,7 +133,8 @@ class MixerLayer:
             gathers[key] = (*index, longest, lengths.tolist(), adjacent)
         picked, sources, targets, longest, lengths, adjacent = gathers[key]
         xs = row.index_select(0, picked).view(len(part), longest, -1)
-        ys = self.backend.prefill_varlen(self.module, xs, self.states, [slot for _, _, slot, _ in part], lengths)
+        ys = self.backend.prefill_varlen(self.module, xs, self.states, [slot for _, _, slot, _ in part], lengths,
+                                         [cuts for *_, cuts in part] if passes else None)
         ys = ys.reshape(-1, ys.shape[-1]).index_select(0, sources)
         if adjacent:
             out[0, key[0][0] : key[0][0] + len(sources)] = ys

@@ -51,20 +51,27 @@ class MixerBackend:
 
     @classmethod
     def prefill_varlen(cls, layer: torch.nn.Module, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],
-                       slot_ids: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+                       slot_ids: Sequence[int], lengths: Sequence[int],
+                       checkpoints: Sequence[Sequence[tuple[int, int]]] | None = None) -> torch.Tensor:
         """Chunks of ``k`` sequences of different lengths, right-padded to the longest: row ``i`` of
         ``hidden_states`` ``[k, n, hidden]`` holds ``lengths[i]`` tokens, then padding; returns
-        ``[k, n, hidden]``, whose padding positions mean nothing. By default the rows of each length
-        go to :meth:`prefill_batch` together. A backend whose scan can run past a row's end without
-        changing its state overrides this, and the engine then batches chunks of different lengths
-        (up to the same number of scan chunks) in one call."""
+        ``[k, n, hidden]``, whose padding positions mean nothing. ``checkpoints`` (None: none) keeps
+        row states part-way, as in :meth:`prefill_checkpoints` (``0 < tokens <= lengths[i]``). By
+        default the rows of each length go to :meth:`prefill_batch` (or :meth:`prefill_checkpoints`)
+        together. A backend whose scan can run past a row's end without changing its state
+        overrides this, and the engine then batches chunks of different lengths (up to the same
+        number of scan chunks) in one call."""
         out = torch.zeros_like(hidden_states)
         for n in sorted(set(lengths)):
             rows = [i for i, length in enumerate(lengths) if length == n]
             slots = [slot_ids[i] for i in rows]
             chunks = hidden_states[rows, :n]
-            out[rows, :n] = (cls.prefill(layer, chunks[0], states, slots[0])[None] if len(rows) == 1
-                             else cls.prefill_batch(layer, chunks, states, slots))
+            cuts = [checkpoints[i] for i in rows] if checkpoints else []
+            if any(cuts):
+                out[rows, :n] = cls.prefill_checkpoints(layer, chunks, states, slots, cuts)
+            else:
+                out[rows, :n] = (cls.prefill(layer, chunks[0], states, slots[0])[None] if len(rows) == 1
+                                 else cls.prefill_batch(layer, chunks, states, slots))
         return out
 
     @classmethod

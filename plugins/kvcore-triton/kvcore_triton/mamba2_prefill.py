@@ -87,7 +87,9 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     for i in range(num):
         entering.append(state)
         state = torch.addcmul(own[:, i], state, through[:, :, i])
-    states, final = torch.stack(entering, 1), state  # [k, chunks, H, P, N], [k, H, P, N]
+    # NOTE: [k, chunks (+ 1), H, P, N]: the state entering every chunk (then the final one, to pick from)
+    boundary = torch.stack([*entering, state] if at else entering, 1)
+    states, final = boundary[:, :num], state  # [k, chunks, H, P, N], [k, H, P, N]
     # 4. what the state entering each chunk gives its tokens
     off = torch.matmul(c.transpose(2, 3), states.view(k, num, groups, per * p, n).transpose(3, 4))
     off = off.transpose(2, 3).reshape(k, num, size, heads, p)
@@ -96,7 +98,9 @@ def chunk_scan(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tens
     if not at:
         return y, final
     if all(t == length or t % size == 0 for _, t in at):  # NOTE: the states entering chunks, and the last
-        return y, torch.stack([final[row] if t == length else states[row, t // size] for row, t in at])
+        picks = torch.tensor([(row, num if t == length else t // size) for row, t in at], dtype=torch.long)
+        picks = picks.to(x.device, non_blocking=True)
+        return y, boundary[picks[:, 0], picks[:, 1]]
     # 5. states part-way into a chunk: the state entering it decayed to there, plus its tokens so far
     rows, tokens = torch.tensor(list(at), dtype=torch.long).to(x.device, non_blocking=True).unbind(1)
     chunk, last = (tokens - 1) // size, (tokens - 1) % size
@@ -149,16 +153,16 @@ def step_sizes(dt: torch.Tensor, bias: torch.Tensor, limit: tuple[float, float] 
 
 def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], rows: slice | torch.Tensor,
                    checkpoints: Sequence[Sequence[tuple[int, int]]] = (), *,
-                   lengths: torch.Tensor | None = None) -> torch.Tensor:
+                   lengths: Sequence[int] | None = None) -> torch.Tensor:
     """``layer``'s output for ``x`` ``[k, n, hidden]``, continuing from (and updating) the states at
     ``rows`` of ``states`` (recurrent ``[slots, H, P, N]``, conv window ``[slots, C, K]``); with
     ``checkpoints``, row ``i``'s states after its first ``tokens`` tokens also go to ``slot`` for
-    each ``(tokens, slot)`` of ``checkpoints[i]``, from the same scan. With ``lengths`` (``[k]`` on
-    the device, not with ``checkpoints``) row ``i`` ends after ``lengths[i]`` tokens: its padding
-    scans with ``dt = 0``, which neither decays the state nor adds to it, and its states are those
-    at its end."""
+    each ``(tokens, slot)`` of ``checkpoints[i]``, from the same scan. With ``lengths`` row ``i``
+    ends after ``lengths[i]`` tokens (its checkpoints too): its padding scans with ``dt = 0``,
+    which neither decays the state nor adds to it, and its states are those at its end."""
     recurrent, conv = states
     k, n, _ = x.shape
+    ends = [n] * k if lengths is None else list(lengths)
     dtype = x.dtype
     multiplier = getattr(layer, "ssm_in_multiplier", None)  # NOTE: FalconH1's muP scales
     projected = layer.in_proj(x if multiplier is None else x * multiplier)
@@ -171,29 +175,32 @@ def mamba2_prefill(layer: Any, x: torch.Tensor, states: Sequence[torch.Tensor], 
     hidden, b, c = xbc.split([inner, groups * size, groups * size], dim=-1)
     # NOTE: as transformers, whose one-token step (its recurrent form) leaves dt unclamped
     limit = tuple(getattr(layer, "time_step_limit", (0.0, float("inf")))) if n > 1 else None
-    dt = step_sizes(dt, layer.dt_bias, limit, lengths)
-    kept = [(i, tokens, slot) for i, row in enumerate(checkpoints) for tokens, slot in row]
+    tokens = None if lengths is None else torch.tensor(ends, dtype=torch.long).to(x.device, non_blocking=True)
+    dt = step_sizes(dt, layer.dt_bias, limit, tokens)
+    # NOTE: a checkpoint at a row's end is its final state (a padded row's state stays there)
+    kept = [(i, n if t == ends[i] else t, t, slot) for i, row in enumerate(checkpoints) for t, slot in row]
     chunk = layer.chunk_size
     if kept:  # NOTE: scan chunks that end on the checkpoints, where the states come for free
-        spacing = math.gcd(chunk, *(tokens for _, tokens, _ in kept if tokens != n))
+        spacing = math.gcd(chunk, *(at for _, at, _, _ in kept if at != n))
         # (not below 64 tokens: the boundary states, 2 MiB a chunk at a Granite-4.0-H shape, would
         # outgrow the activations the engine measured for its step budget)
         chunk = spacing if spacing >= min(chunk, 64) else chunk
     y, found = chunk_scan(hidden.reshape(k, n, heads, layer.head_dim), dt, -torch.exp(layer.A_log.float()),
                           b.reshape(k, n, groups, size), c.reshape(k, n, groups, size), layer.D, recurrent[rows],
-                          chunk, at=[(i, tokens) for i, tokens, _ in kept] + [(i, n) for i in range(k)] if kept else ())
+                          chunk, at=[(i, at) for i, at, _, _ in kept] + [(i, n) for i in range(k)] if kept else ())
     kernel = conv.shape[-1]
-    if kept:  # NOTE: the conv window after t tokens: the K inputs ending there
-        targets = torch.tensor([slot for _, _, slot in kept], dtype=torch.long).to(x.device, non_blocking=True)
-        recurrent[targets] = found[: len(kept)].to(recurrent.dtype)
-        conv[targets] = torch.stack([inputs[i, :, t : t + kernel] for i, t, _ in kept]).to(conv.dtype)
+    if kept:  # NOTE: the conv window after t tokens: the K inputs ending there, gathered in one index
+        picks = torch.tensor([(slot, i, t) for i, _, t, slot in kept], dtype=torch.long).to(x.device,
+                                                                                            non_blocking=True)
+        recurrent[picks[:, 0]] = found[: len(kept)].to(recurrent.dtype)
+        conv[picks[:, 0]] = inputs.unfold(2, kernel, 1)[picks[:, 1], :, picks[:, 2]].to(conv.dtype)
         found = found[len(kept) :]
     recurrent[rows] = found.to(recurrent.dtype)
     if lengths is None:
         conv[rows] = inputs[..., -kernel:].to(conv.dtype)
     else:  # NOTE: the K inputs ending at each row's last token
-        ends = (lengths[:, None] + torch.arange(kernel, device=x.device))[:, None].expand(k, inputs.shape[1], kernel)
-        conv[rows] = inputs.gather(2, ends).to(conv.dtype)
+        last = (tokens[:, None] + torch.arange(kernel, device=x.device))[:, None].expand(k, inputs.shape[1], kernel)
+        conv[rows] = inputs.gather(2, last).to(conv.dtype)
     y = y.reshape(k, n, inner)
     y = gated_norm(layer.norm, y, gate) if getattr(layer, "mamba_rms_norm", True) else y * F.silu(gate)
     return layer.out_proj(y.to(dtype))

@@ -102,13 +102,13 @@ class TritonMixerBackend(MixerBackend):
 
     @classmethod
     def prefill_varlen(cls, layer: Any, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],
-                       slot_ids: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+                       slot_ids: Sequence[int], lengths: Sequence[int],
+                       checkpoints: Sequence[Sequence[tuple[int, int]]] | None = None) -> torch.Tensor:
         # NOTE: a row's padding scans with dt = 0 (no decay, no input): its state stays as at its end
         if not _is_mamba2(layer, states):
-            return super().prefill_varlen(layer, hidden_states, states, slot_ids, lengths)
-        rows, tokens = torch.tensor([list(slot_ids), list(lengths)], dtype=torch.long).to(
-            states[0].device, non_blocking=True)
-        return mamba2_prefill(layer, hidden_states, states, rows, lengths=tokens)
+            return super().prefill_varlen(layer, hidden_states, states, slot_ids, lengths, checkpoints)
+        rows = torch.tensor(list(slot_ids), dtype=torch.long).to(states[0].device, non_blocking=True)
+        return mamba2_prefill(layer, hidden_states, states, rows, checkpoints or (), lengths=lengths)
 
     @classmethod
     def prefill_checkpoints(cls, layer: Any, hidden_states: torch.Tensor, states: Sequence[torch.Tensor],

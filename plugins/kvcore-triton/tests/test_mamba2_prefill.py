@@ -215,6 +215,39 @@ def test_chunks_of_different_lengths_in_one_call_equal_each_chunk_alone(mixers, 
         assert torch.equal(mine[others], before[others]) and not torch.equal(mine[slots], before[slots])
 
 
+@pytest.mark.parametrize("arch", MAMBA2_ARCHS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("lengths, cuts", [
+    ([37, 20], [[16, 32, 37], [20]]),  # NOTE: on scan-chunk boundaries, and at each row's end
+    ([40, 9, 33], [[16, 32], [], [3, 33]]),  # NOTE: part-way into a chunk; a row without any
+    ([30, 12], [[8, 24], [5, 12]]),
+])
+def test_chunks_of_different_lengths_keep_their_checkpoints_in_one_call(mixers, arch, dtype, lengths, cuts,
+                                                                      monkeypatch):
+    monkeypatch.setattr(torch.backends.cudnn, "allow_tf32", False)
+    module, spec = mixers[arch, dtype]
+    gen = torch.Generator().manual_seed(sum(lengths) + 7)
+    slots = [4, 1, 6][: len(lengths)]
+    free = iter(range(8, 16))
+    checkpoints = [[(t, next(free)) for t in row] for row in cuts]
+    states = [torch.randn(16, *shape, generator=gen).to(dtype=dt, device=DEVICE) for shape, dt in
+              zip(spec.shapes, spec.dtypes)]
+    x = torch.randn(len(lengths), max(lengths), module.hidden_size, generator=gen).to(dtype=dtype, device=DEVICE)
+    got, want = [s.clone() for s in states], [s.clone() for s in states]
+    with torch.inference_mode():
+        out = TritonMixerBackend.prefill_varlen(module, x, got, slots, lengths, checkpoints)
+        refs = [TorchMixerBackend.prefill_checkpoints(module, row[None, :n], want, [slot], [kept])[0]
+                for row, n, slot, kept in zip(x, lengths, slots, checkpoints)]
+    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    for row, ref, n in zip(out, refs, lengths):
+        assert (row[:n].float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
+    kept = [slot for row in checkpoints for _, slot in row]
+    untouched = [s for s in range(16) if s not in slots + kept]
+    for mine, theirs, before in zip(got, want, states):
+        assert (mine.float() - theirs.float()).abs().max() <= tol * theirs.float().abs().max()
+        assert torch.equal(mine[untouched], before[untouched]) and not torch.equal(mine[kept], before[kept])
+
+
 @pytest.mark.kvcore_gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_a_4096_token_scan_at_a_granite_4_h_shape_needs_little_memory():
