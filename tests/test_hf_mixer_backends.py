@@ -253,13 +253,18 @@ def test_chunks_of_different_lengths_prefill_in_one_call_and_stay_exact(models, 
     assert seen == calls
 
 
-def test_the_default_varlen_prefill_runs_each_length_as_its_own_batch(models):
+def bamba_mixer_inputs(models, seed, slots, tokens):
+    """A Bamba mixer module, random states of ``slots`` slots (and two copies) and 3 rows of input."""
     module = next(m for m in models["bamba"].modules() if hasattr(m, "A_log"))
     spec = next(s for s in specs_from_config(models["bamba"].config).values() if isinstance(s, MambaSpec))
-    gen = torch.Generator().manual_seed(4)
-    states = [torch.randn(6, *shape, generator=gen) for shape in spec.shapes]
-    x = torch.randn(3, 7, module.hidden_size, generator=gen)
-    got, want = [s.clone() for s in states], [s.clone() for s in states]
+    gen = torch.Generator().manual_seed(seed)
+    states = [torch.randn(slots, *shape, generator=gen) for shape in spec.shapes]
+    x = torch.randn(3, tokens, module.hidden_size, generator=gen)
+    return module, states, x, [s.clone() for s in states], [s.clone() for s in states]
+
+
+def test_the_default_varlen_prefill_runs_each_length_as_its_own_batch(models):
+    module, _, x, got, want = bamba_mixer_inputs(models, 4, 6, 7)
     seen = []
     counting = type("Counting", (TorchMixerBackend,), {"prefill_batch": classmethod(
         lambda cls, layer, h, st, slots: seen.append(tuple(h.shape[:2])) or TorchMixerBackend.prefill_batch(
@@ -276,13 +281,8 @@ def test_the_default_varlen_prefill_runs_each_length_as_its_own_batch(models):
 
 
 def test_the_default_varlen_prefill_keeps_checkpoints_through_prefill_checkpoints(models):
-    module = next(m for m in models["bamba"].modules() if hasattr(m, "A_log"))
-    spec = next(s for s in specs_from_config(models["bamba"].config).values() if isinstance(s, MambaSpec))
-    gen = torch.Generator().manual_seed(5)
-    states = [torch.randn(8, *shape, generator=gen) for shape in spec.shapes]
-    x = torch.randn(3, 9, module.hidden_size, generator=gen)
+    module, states, x, got, want = bamba_mixer_inputs(models, 5, 8, 9)
     lengths, cuts = [9, 4, 9], [[(3, 6)], [], [(9, 7)]]
-    got, want = [s.clone() for s in states], [s.clone() for s in states]
     seen = []
     counting = type("Counting", (TorchMixerBackend,), {"prefill_checkpoints": classmethod(
         lambda cls, layer, h, st, slots, cps: seen.append((tuple(h.shape[:2]), list(cps)))

@@ -88,12 +88,8 @@ def test_skip_reference_leaves_out_the_torch_backends_run(capsys, tmp_path, monk
     from kvcore_bench import _hf_runs
 
     served, backends = _hf_runs.run_kvcore, []
-
-    def recording(model, prompts, warmup, new_tokens, engine_kwargs, **kw):
-        backends.append(engine_kwargs["backend"])
-        return served(model, prompts, warmup, new_tokens, engine_kwargs, **kw)
-
-    monkeypatch.setattr(_hf_runs, "run_kvcore", recording)
+    monkeypatch.setattr(_hf_runs, "run_kvcore", lambda *args, **kw: backends.append(args[4]["backend"])
+                        or served(*args, **kw))
     out = tmp_path / "hf.json"
     argv = [*TINY, "--backend", "triton", "--kv-cache-dtype", "fp8", "--skip",
             "generate_batch,static,prefix,profile,check,reference", "--json-out", str(out)]
