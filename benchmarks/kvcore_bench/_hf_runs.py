@@ -112,11 +112,11 @@ def run_kvcore(model: Any, prompts: list[list[int]], warmup: list[list[int]], ne
 
 
 def run_unquantized(model: Any, prompts: list[list[int]], warmup: list[list[int]], new_tokens: int,
-                    engine_kwargs: dict[str, Any], quantized_outputs: list, *, reference: bool = True
+                    engine_kwargs: dict[str, Any], quantized_outputs: list, *, with_reference: bool = True
                     ) -> dict[str, Any]:
     """The same requests on the model-dtype cache: its figures, how many requests' greedy tokens
     equal the quantized cache's, and the attention error of the mode at the model's shape;
-    ``reference``: also through the torch backend, for the model's own sensitivity."""
+    ``with_reference``: also through the torch backend, for the model's own sensitivity."""
     from kvcore_torch.accuracy import attention_error
 
     unquantized = {**engine_kwargs, "kv_cache_dtype": "auto"}
@@ -132,7 +132,7 @@ def run_unquantized(model: Any, prompts: list[list[int]], warmup: list[list[int]
     if result["backend"] == "torch":
         out["exact_other_rounding"] = {"not_run": "the timed backend is the torch reference"}
         return out
-    if not reference:
+    if not with_reference:
         out["exact_other_rounding"] = {"not_run": "left out (--skip reference)"}
         return out
 

@@ -148,7 +148,7 @@ def collect(args: argparse.Namespace) -> dict[str, Any]:
                                                                   profile="profile" not in skip))
     if args.kv_cache_dtype != "auto" and outputs:
         out["quantized"], _ = runs.guarded(lambda: (runs.run_unquantized(
-            model, prompts, warm, m, engine_kwargs, outputs, reference="reference" not in skip), []))
+            model, prompts, warm, m, engine_kwargs, outputs, with_reference="reference" not in skip), []))
     if "eager" not in skip and device.type == "cuda" and not args.no_cuda_graphs:
         out["kvcore_eager"], _ = runs.guarded(lambda: runs.run_kvcore(
             model, prompts, warm, m, {**engine_kwargs, "cuda_graphs": False}))

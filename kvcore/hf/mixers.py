@@ -133,8 +133,9 @@ class MixerLayer:
             gathers[key] = (*index, longest, lengths.tolist(), adjacent)
         picked, sources, targets, longest, lengths, adjacent = gathers[key]
         xs = row.index_select(0, picked).view(len(part), longest, -1)
+        # NOTE: checkpoints passed only when some row keeps one
         ys = self.backend.prefill_varlen(self.module, xs, self.states, [slot for _, _, slot, _ in part], lengths,
-                                         [cuts for *_, cuts in part] if passes else None)
+                                         *([[cuts for *_, cuts in part]] if passes else []))
         ys = ys.reshape(-1, ys.shape[-1]).index_select(0, sources)
         if adjacent:
             out[0, key[0][0] : key[0][0] + len(sources)] = ys

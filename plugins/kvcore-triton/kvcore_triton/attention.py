@@ -205,6 +205,8 @@ def paged_attention(
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     group = num_q_heads // num_kv_heads
     quant = quant_args(kv_cache_view, kv_quant)
+    if given is None and quant.mode and max_query_len <= 1:  # NOTE: decode only; prefill keeps its launch
+        config = QUANT_DECODE_CONFIG
     common = dict(
         HEAD=head_size, HEAD_V=head_size_v,
         D_PAD=max(16, triton.next_power_of_2(head_size)), DV_PAD=max(16, triton.next_power_of_2(head_size_v)),
@@ -229,8 +231,6 @@ def paged_attention(
             GROUP=group, GROUP_PAD=group_pad, BLOCK_Q=block_q, num_warps=config.num_warps or VARLEN_WARPS, **common,
         )
         return out
-    if given is None and quant.mode:
-        config = QUANT_DECODE_CONFIG
     group_pad = max(16, triton.next_power_of_2(group))
     # NOTE: tiles start at multiples of the tile, so a window's span may grow by tile - 1 tokens.
     context = min(max_seq_len, window + config.tile - 1) if window else max_seq_len

@@ -217,3 +217,31 @@ def test_the_default_launch_over_an_8bit_cache_decodes_as_the_reference(mode):
     torch.testing.assert_close(out, ref, atol=tol, rtol=tol)
     poisoned, _ = _both(mode, "LBNHC", ([300, 70], [1, 1]), block_size=64, config=None, poison=True)
     assert poisoned.isfinite().all()
+
+
+def test_without_a_config_an_8bit_decode_launches_the_quantized_default(monkeypatch):
+    """The launch itself: tile, stages and V widening of the decode kernel (a prefill keeps its own)."""
+    from kvcore_triton import attention
+
+    launched, kernels = [], {"decode": attention._decode_split_kernel, "varlen": attention._varlen_kernel}
+
+    def recording(name):
+        class Recording:
+            def __getitem__(self, grid):
+                def launch(*args, **kwargs):
+                    launched.append((name, kwargs["TILE"], kwargs["num_stages"], kwargs.get("STAGE_V")))
+                    return kernels[name][grid](*args, **kwargs)
+                return launch
+        return Recording()
+
+    monkeypatch.setattr(attention, "_decode_split_kernel", recording("decode"))
+    monkeypatch.setattr(attention, "_varlen_kernel", recording("varlen"))
+    default = attention.QUANT_DECODE_CONFIG
+    for config in (None, KernelConfig()):
+        out, ref = _both("fp8_e4m3", "LBNHC", ([130, 64], [1, 1]), block_size=64, config=config)
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    _both("int8_per_token_head", "LBNHC", MIXED, block_size=64, config=None)
+    stages = KernelConfig().num_stages
+    assert launched == [("decode", default.tile, default.num_stages, default.stage_v),
+                        ("decode", 64, stages, False), ("varlen", 64, stages, None)]
+    assert (default.num_stages, default.stage_v) != (KernelConfig().num_stages, KernelConfig().stage_v)
