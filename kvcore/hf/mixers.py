@@ -15,7 +15,7 @@ import torch
 
 from kvcore.hf.scheduler import Request
 from kvcore.plugins.backend import CommonAttentionMetadata
-from kvcore.plugins.mixer_backend import batches_varlen, copy_slots
+from kvcore.plugins.mixer_backend import batches_varlen, copy_slots, prefill_equal
 from kvcore.runtime.kv_cache import KVCache
 from kvcore.specs.state import MambaSpec
 
@@ -79,46 +79,39 @@ class MixerLayer:
             padded = -(-n // self.chunk) * self.chunk
             # NOTE: chunks of one length (and with checkpoints or not) batch; with a backend that scans
             # past a row's end, chunks of one padded length batch too, checkpoints and all
-            key = (padded, 0, False) if self.varlen and n > 1 else (padded, n, bool(cuts))
+            key = (padded,) if self.varlen and n > 1 else (padded, n, bool(cuts))
             chunks.setdefault(key, []).append((start, n, slots[g], [(cut, blocks[g]) for cut, blocks in cuts]))
-        for (padded, _, _), found in chunks.items():
+        for key, found in chunks.items():
             # NOTE: a module that pads its chunk scan pads every row: rows capped so that one call's
             # activations stay within those of the step budget in one row (what the engine measured)
-            rows = max(1, self.max_padded // padded)
+            rows = max(1, self.max_padded // key[0])
             for part in (found[at : at + rows] for at in range(0, len(found), rows)):
-                passes = any(cuts for *_, cuts in part)
                 if len({n for _, n, _, _ in part}) > 1:
-                    self._prefill_varlen(part, passes, row, out, step.gathers)
+                    self._prefill_varlen(part, row, out, step.gathers)
                 else:
-                    self._prefill(part, passes, row, out)
+                    self._prefill(part, row, out)
         return out
 
-    def _prefill(self, part: list[tuple[int, int, int, list]], passes: bool, row: torch.Tensor,
-                 out: torch.Tensor) -> None:
+    def _prefill(self, part: list[tuple[int, int, int, list]], row: torch.Tensor, out: torch.Tensor) -> None:
         """Equal-length chunks ``(start, tokens, slot, checkpoints)`` of the packed ``row``, into ``out``."""
-        module, backend = self.module, self.backend
         slots, first, n = [slot for _, _, slot, _ in part], part[0][0], part[0][1]
         # NOTE: chunks that lie back to back in the packed row are a view of it, in and out
         adjacent = all(start == first + i * n for i, (start, _, _, _) in enumerate(part))
         xs = (row[first : first + len(part) * n].view(len(part), n, -1) if adjacent
               else torch.stack([row[a : a + n] for a, _, _, _ in part]))
-        if passes:  # NOTE: checkpoints the chunks pass, written to their state blocks
-            ys = backend.prefill_checkpoints(module, xs, self.states, slots, [cuts for *_, cuts in part])
-        elif len(part) == 1:
-            ys = backend.prefill(module, xs[0], self.states, slots[0])[None]
-        else:
-            ys = backend.prefill_batch(module, xs, self.states, slots)
+        # NOTE: checkpoints the chunks pass are written to their state blocks
+        ys = prefill_equal(self.backend, self.module, xs, self.states, slots, [cuts for *_, cuts in part])
         if adjacent:
             out[0, first : first + len(part) * n] = ys.reshape(len(part) * n, -1)
             return
         for (start, _, _, _), y in zip(part, ys):
             out[0, start : start + n] = y
 
-    def _prefill_varlen(self, part: list[tuple[int, int, int, list]], passes: bool, row: torch.Tensor,
-                        out: torch.Tensor, gathers: dict) -> None:
+    def _prefill_varlen(self, part: list[tuple[int, int, int, list]], row: torch.Tensor, out: torch.Tensor,
+                        gathers: dict) -> None:
         """Chunks of different lengths in one call: gathered from ``row`` right-padded (a padding
         position repeats its row's last token), their tokens' outputs scattered back into ``out``
-        (the index tensors made once per step, in ``gathers``); ``passes``: some keep checkpoints."""
+        (the index tensors made once per step, in ``gathers``)."""
         key = tuple((start, n) for start, n, _, _ in part)
         if key not in gathers:
             starts, lengths = (np.array(column, dtype=np.int64) for column in zip(*key))
@@ -134,8 +127,9 @@ class MixerLayer:
         picked, sources, targets, longest, lengths, adjacent = gathers[key]
         xs = row.index_select(0, picked).view(len(part), longest, -1)
         # NOTE: checkpoints passed only when some row keeps one
+        cuts = [cuts for *_, cuts in part]
         ys = self.backend.prefill_varlen(self.module, xs, self.states, [slot for _, _, slot, _ in part], lengths,
-                                         *([[cuts for *_, cuts in part]] if passes else []))
+                                         *([cuts] if any(cuts) else []))
         ys = ys.reshape(-1, ys.shape[-1]).index_select(0, sources)
         if adjacent:
             out[0, key[0][0] : key[0][0] + len(sources)] = ys

@@ -65,13 +65,8 @@ class MixerBackend:
         for n in sorted(set(lengths)):
             rows = [i for i, length in enumerate(lengths) if length == n]
             slots = [slot_ids[i] for i in rows]
-            chunks = hidden_states[rows, :n]
-            cuts = [checkpoints[i] for i in rows] if checkpoints else []
-            if any(cuts):
-                out[rows, :n] = cls.prefill_checkpoints(layer, chunks, states, slots, cuts)
-            else:
-                out[rows, :n] = (cls.prefill(layer, chunks[0], states, slots[0])[None] if len(rows) == 1
-                                 else cls.prefill_batch(layer, chunks, states, slots))
+            cuts = [checkpoints[i] for i in rows] if checkpoints else None
+            out[rows, :n] = prefill_equal(cls, layer, hidden_states[rows, :n], states, slots, cuts)
         return out
 
     @classmethod
@@ -87,11 +82,22 @@ class MixerBackend:
         pieces = []
         for start, end in zip([0, *ends], ends):
             part = hidden_states[:, start:end]
-            pieces.append(cls.prefill(layer, part[0], states, slot_ids[0])[None] if len(slot_ids) == 1
-                          else cls.prefill_batch(layer, part, states, slot_ids))
+            pieces.append(prefill_equal(cls, layer, part, states, slot_ids))
             taken = [(slot, keep) for slot, row in zip(slot_ids, checkpoints) for tokens, keep in row if tokens == end]
             copy_slots(states, [slot for slot, _ in taken], [keep for _, keep in taken])
         return torch.cat(pieces, dim=1)
+
+
+def prefill_equal(backend: type[MixerBackend], layer: torch.nn.Module, hidden_states: torch.Tensor,
+                  states: Sequence[torch.Tensor], slot_ids: Sequence[int],
+                  checkpoints: Sequence[Sequence[tuple[int, int]]] | None = None) -> torch.Tensor:
+    """Equal-length chunks ``[k, n, hidden]`` through ``backend``: ``prefill_checkpoints`` when a row
+    keeps checkpoints, else ``prefill`` for one row and ``prefill_batch`` for several."""
+    if checkpoints and any(checkpoints):
+        return backend.prefill_checkpoints(layer, hidden_states, states, slot_ids, checkpoints)
+    if len(slot_ids) == 1:
+        return backend.prefill(layer, hidden_states[0], states, slot_ids[0])[None]
+    return backend.prefill_batch(layer, hidden_states, states, slot_ids)
 
 
 def copy_slots(states: Sequence[torch.Tensor], src: Sequence[int], dst: Sequence[int]) -> None:

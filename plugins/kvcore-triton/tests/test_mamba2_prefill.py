@@ -159,6 +159,13 @@ def mixers():
     return found
 
 
+def assert_states(got, want, before, tol, untouched, written):
+    """Each state within ``tol`` of the reference's; slots ``untouched`` as they were, ``written`` not."""
+    for mine, theirs, old in zip(got, want, before):
+        assert (mine.float() - theirs.float()).abs().max() <= tol * theirs.float().abs().max()
+        assert torch.equal(mine[untouched], old[untouched]) and not torch.equal(mine[written], old[written])
+
+
 @pytest.mark.parametrize("arch", MAMBA2_ARCHS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows, length", [(1, 5), (3, 16), (2, 37), (2, 2), (4, 1)])
@@ -183,10 +190,7 @@ def test_prefill_equals_transformers_modules_on_the_listed_slots(mixers, arch, d
     scale = ref.float().abs().max()
     assert out.shape == ref.shape and out.dtype == ref.dtype
     assert (out.float() - ref.float()).abs().max() <= tol * scale
-    for mine, theirs, before in zip(got, want, states):
-        assert (mine.float() - theirs.float()).abs().max() <= tol * theirs.float().abs().max()
-        others = [s for s in range(7) if s not in slots]
-        assert torch.equal(mine[others], before[others]) and not torch.equal(mine[slots], before[slots])
+    assert_states(got, want, states, tol, [s for s in range(7) if s not in slots], slots)
 
 
 @pytest.mark.parametrize("arch", MAMBA2_ARCHS)
@@ -209,10 +213,7 @@ def test_chunks_of_different_lengths_in_one_call_equal_each_chunk_alone(mixers, 
     assert out.shape == x.shape
     for row, ref, n in zip(out, refs, lengths):
         assert (row[:n].float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
-    for mine, theirs, before in zip(got, want, states):
-        assert (mine.float() - theirs.float()).abs().max() <= tol * theirs.float().abs().max()
-        others = [s for s in range(7) if s not in slots]
-        assert torch.equal(mine[others], before[others]) and not torch.equal(mine[slots], before[slots])
+    assert_states(got, want, states, tol, [s for s in range(7) if s not in slots], slots)
 
 
 @pytest.mark.parametrize("arch", MAMBA2_ARCHS)
@@ -243,9 +244,7 @@ def test_chunks_of_different_lengths_keep_their_checkpoints_in_one_call(mixers, 
         assert (row[:n].float() - ref.float()).abs().max() <= tol * ref.float().abs().max()
     kept = [slot for row in checkpoints for _, slot in row]
     untouched = [s for s in range(16) if s not in slots + kept]
-    for mine, theirs, before in zip(got, want, states):
-        assert (mine.float() - theirs.float()).abs().max() <= tol * theirs.float().abs().max()
-        assert torch.equal(mine[untouched], before[untouched]) and not torch.equal(mine[kept], before[kept])
+    assert_states(got, want, states, tol, untouched, kept)
 
 
 @pytest.mark.kvcore_gpu
