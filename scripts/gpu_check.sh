@@ -204,7 +204,7 @@ part_zeroer() {
 
 part_quant() {
   TAIL=40 run bench_decode 240 $PY plugins/kvcore-triton/bench_decode.py --skip-torch-check --json \
-    ${QUANT_ARGS:---kv-cache-dtype fp8,int8_per_token_head,fp8_per_token_head --layouts LBNHC --block-size 64}
+    ${QUANT_ARGS:---kv-cache-dtype fp8,fp8_e5m2,int8_per_token_head,fp8_per_token_head --layouts LBNHC --block-size 64}
   local mode
   for mode in ${QUANT_MODES:-int8_per_token_head fp8_per_token_head fp8}; do
     TAIL=6 run "hf_$mode" 150 $PY -m kvcore bench hf --kv-cache-dtype "$mode" --new-tokens 32 --shared-prefix 0 \

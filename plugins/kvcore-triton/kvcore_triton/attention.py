@@ -77,11 +77,19 @@ class KernelConfig:
     stage_v: bool = attrs.field(default=False, validator=_bool)
 
 
-#: Decode over an 8-bit cache when the caller gives no config: each V tile widened to float16 as
-#: loaded, five buffered stages (two 8-bit TMA tiles in flight, as many bytes as bf16's default
-#: keeps). bench_decode.py on the H200 measured it fastest for every 8-bit mode, where the
-#: unquantized default left a third of the speed-up unused.
-QUANT_DECODE_CONFIG = KernelConfig(num_stages=5, stage_v=True)
+#: Decode over an 8-bit cache when the caller gives no config, where TMA reads the tiles, by storage
+#: type: one warp per program and six stages (a third of the programs' registers and half the shared
+#: memory of two warps with V widened as loaded, so every program of a 64 x 8-head batch runs at
+#: once); float8 V tiles convert in the dot's operand layout, int8 ones as loaded (its conversion
+#: costs more in the operand layout). bench_decode.py on the H200 measured these fastest.
+QUANT_DECODE_TMA = {
+    torch.float8_e4m3fn: KernelConfig(num_warps=1, num_stages=6),
+    torch.float8_e5m2: KernelConfig(num_warps=1, num_stages=6),
+    torch.int8: KernelConfig(num_warps=1, num_stages=6, stage_v=True),
+}
+#: ... and where the pointer path reads them (tiles spanning kernel blocks, no TMA): two warps, five
+#: stages, V widened as loaded (one warp there ran up to 2.3x slower).
+QUANT_DECODE_POINTER = KernelConfig(num_warps=2, num_stages=5, stage_v=True)
 
 #: The decode read paths bench_decode.py times (KernelConfig overrides). Both are kept: each
 #: measured fastest where it applies (H200, BENCHMARKS.md); the variants that never won are gone.
@@ -128,10 +136,10 @@ def _has_tma(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
-def _tma_descriptor(view: torch.Tensor, config: KernelConfig, head_size: int, head_size_v: int):
-    """A descriptor of ``[1, 1, tile, head]`` boxes over the cache view, or None where TMA cannot read it."""
+def _tma_fits(view: torch.Tensor, config: KernelConfig, head_size: int, head_size_v: int) -> bool:
+    """Whether TMA copies of ``[1, 1, tile, head]`` boxes can read the cache view's decode tiles."""
     size = view.element_size()
-    fits = (
+    return (
         config.tma
         and TensorDescriptor is not None
         and _has_tma(view.device)
@@ -142,9 +150,19 @@ def _tma_descriptor(view: torch.Tensor, config: KernelConfig, head_size: int, he
         and all(stride * size % 16 == 0 for stride in view.stride()[:-1])
         and view.data_ptr() % 16 == 0
     )
-    if not fits:
+
+
+def _tma_descriptor(view: torch.Tensor, config: KernelConfig, head_size: int, head_size_v: int):
+    """A descriptor of ``[1, 1, tile, head]`` boxes over the cache view, or None where TMA cannot read it."""
+    if not _tma_fits(view, config, head_size, head_size_v):
         return None
     return TensorDescriptor(view, list(view.shape), list(view.stride()), [1, 1, config.tile, head_size])
+
+
+def quant_decode_config(view: torch.Tensor, head_size: int, head_size_v: int) -> KernelConfig:
+    """The launch a decode over the 8-bit cache ``view`` gets without a config."""
+    tma = QUANT_DECODE_TMA[view.dtype]
+    return tma if _tma_fits(view, tma, head_size, head_size_v) else QUANT_DECODE_POINTER
 
 
 def paged_attention(
@@ -206,7 +224,7 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     quant = quant_args(kv_cache_view, kv_quant)
     if given is None and quant.mode and max_query_len <= 1:  # NOTE: decode only; prefill keeps its launch
-        config = QUANT_DECODE_CONFIG
+        config = quant_decode_config(kv_cache_view, head_size, head_size_v)
     common = dict(
         HEAD=head_size, HEAD_V=head_size_v,
         D_PAD=max(16, triton.next_power_of_2(head_size)), DV_PAD=max(16, triton.next_power_of_2(head_size_v)),

@@ -208,7 +208,7 @@ def test_store_kernel_lowers_to_rounded_divisions_and_conversions_for_sm90(kv, q
 @pytest.mark.parametrize("mode", MODES)
 def test_the_default_launch_over_an_8bit_cache_decodes_as_the_reference(mode):
     """No config, as an engine calls it: 64-token tiles over 64-token blocks (TMA where the device
-    has it), V widened as loaded and five stages on a GPU; a split's last tile partly masked."""
+    has it) with the 8-bit default of the storage type; a split's last tile partly masked."""
     half = DEVICE == "cuda"
     reqs = ([300, 130, 64], [1, 1, 1])
     out, ref = _both(mode, "LBNHC", reqs, block_size=64, q_dtype=torch.bfloat16 if half else torch.float32,
@@ -220,7 +220,9 @@ def test_the_default_launch_over_an_8bit_cache_decodes_as_the_reference(mode):
 
 
 def test_without_a_config_an_8bit_decode_launches_the_quantized_default(monkeypatch):
-    """The launch itself: tile, stages and V widening of the decode kernel (a prefill keeps its own)."""
+    """The launch itself: tile, warps, stages and V widening of the decode kernel, by storage type
+    and read path (TMA over 64-token blocks, the pointer path over 16-token ones; a prefill keeps
+    its own launch)."""
     from kvcore_triton import attention
 
     launched, kernels = [], {"decode": attention._decode_split_kernel, "varlen": attention._varlen_kernel}
@@ -229,19 +231,26 @@ def test_without_a_config_an_8bit_decode_launches_the_quantized_default(monkeypa
         class Recording:
             def __getitem__(self, grid):
                 def launch(*args, **kwargs):
-                    launched.append((name, kwargs["TILE"], kwargs["num_stages"], kwargs.get("STAGE_V")))
+                    launched.append((name, kwargs["TILE"], kwargs["num_warps"], kwargs["num_stages"],
+                                     kwargs.get("STAGE_V")))
                     return kernels[name][grid](*args, **kwargs)
                 return launch
         return Recording()
 
+    def knobs(config):
+        return config.tile, config.num_warps, config.num_stages, config.stage_v
+
     monkeypatch.setattr(attention, "_decode_split_kernel", recording("decode"))
     monkeypatch.setattr(attention, "_varlen_kernel", recording("varlen"))
-    default = attention.QUANT_DECODE_CONFIG
     for config in (None, KernelConfig()):
         out, ref = _both("fp8_e4m3", "LBNHC", ([130, 64], [1, 1]), block_size=64, config=config)
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    _both("int8_per_token_head", "LBNHC", ([130, 64], [1, 1]), block_size=64, config=None)
+    _both("fp8_per_token_head", "LBNHC", ([130, 64], [1, 1]), block_size=16, config=None)
     _both("int8_per_token_head", "LBNHC", MIXED, block_size=64, config=None)
-    stages = KernelConfig().num_stages
-    assert launched == [("decode", default.tile, default.num_stages, default.stage_v),
-                        ("decode", 64, stages, False), ("varlen", 64, stages, None)]
-    assert (default.num_stages, default.stage_v) != (KernelConfig().num_stages, KernelConfig().stage_v)
+    plain = KernelConfig()
+    fp8, int8 = attention.QUANT_DECODE_TMA[torch.float8_e4m3fn], attention.QUANT_DECODE_TMA[torch.int8]
+    assert launched == [("decode", *knobs(fp8)), ("decode", 64, attention.DECODE_WARPS, plain.num_stages, False),
+                        ("decode", *knobs(int8)), ("decode", *knobs(attention.QUANT_DECODE_POINTER)),
+                        ("varlen", 64, attention.VARLEN_WARPS, plain.num_stages, None)]
+    assert len({knobs(fp8), knobs(int8), knobs(attention.QUANT_DECODE_POINTER), knobs(plain)}) == 4
