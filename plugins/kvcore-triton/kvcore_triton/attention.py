@@ -77,16 +77,12 @@ class KernelConfig:
     stage_v: bool = attrs.field(default=False, validator=_bool)
 
 
-#: Decode over an 8-bit cache when the caller gives no config, where TMA reads the tiles, by storage
-#: type: one warp per program and six stages (a third of the programs' registers and half the shared
+#: Decode over an 8-bit cache when the caller gives no config, where TMA reads the tiles: one warp per
+#: program and six stages. A program then holds a third of the registers and two thirds of the shared
 #: memory of two warps with V widened as loaded, so every program of a 64 x 8-head batch runs at
-#: once); float8 V tiles convert in the dot's operand layout, int8 ones as loaded (its conversion
-#: costs more in the operand layout). bench_decode.py on the H200 measured these fastest.
-QUANT_DECODE_TMA = {
-    torch.float8_e4m3fn: KernelConfig(num_warps=1, num_stages=6),
-    torch.float8_e5m2: KernelConfig(num_warps=1, num_stages=6),
-    torch.int8: KernelConfig(num_warps=1, num_stages=6, stage_v=True),
-}
+#: once; V tiles convert in the dot's operand layout. bench_decode.py on the H200 measured it
+#: fastest for every 8-bit storage type.
+QUANT_DECODE_TMA = KernelConfig(num_warps=1, num_stages=6)
 #: ... and where the pointer path reads them (tiles spanning kernel blocks, no TMA): two warps, five
 #: stages, V widened as loaded (one warp there ran up to 2.3x slower).
 QUANT_DECODE_POINTER = KernelConfig(num_warps=2, num_stages=5, stage_v=True)
@@ -161,8 +157,7 @@ def _tma_descriptor(view: torch.Tensor, config: KernelConfig, head_size: int, he
 
 def quant_decode_config(view: torch.Tensor, head_size: int, head_size_v: int) -> KernelConfig:
     """The launch a decode over the 8-bit cache ``view`` gets without a config."""
-    tma = QUANT_DECODE_TMA[view.dtype]
-    return tma if _tma_fits(view, tma, head_size, head_size_v) else QUANT_DECODE_POINTER
+    return QUANT_DECODE_TMA if _tma_fits(view, QUANT_DECODE_TMA, head_size, head_size_v) else QUANT_DECODE_POINTER
 
 
 def paged_attention(

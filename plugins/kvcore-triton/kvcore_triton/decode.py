@@ -116,7 +116,7 @@ def _decode_tile(
     v = _load_rows(head_base + row[:, None] + (HEAD + dv[None, :]) * stride_kc, t_ok, dv < HEAD_V,
                    HEAD_V != DV_PAD)
     p = _scaled_probs(p, scales, t_ok, v_scale, True, QUANT)
-    v = widen(v, DOT_DTYPE, WIDEN * STAGE_V, True)
+    v = widen(v, DOT_DTYPE, WIDEN, STAGE_V)
     acc = acc * alpha[:, None] + tl.dot(p.to(DOT_DTYPE), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
@@ -143,7 +143,7 @@ def _decode_tile_tma(
     m_new, alpha, p, l_i = _softmax_step(s, m_i, l_i)
     p = _scaled_probs(p, scales, t_ok, v_scale, MASKED, QUANT)
     v = tl.reshape(kv_desc.load([block, kv_head, n0, HEAD]), [TILE, HEAD_V])
-    v = widen(v, DOT_DTYPE, WIDEN * STAGE_V, True)
+    v = widen(v, DOT_DTYPE, WIDEN, STAGE_V)
     if MASKED:
         # NOTE: rows past the context may hold anything (even NaN); p is 0 there, so zero them.
         v = tl.where(t_ok[:, None], v, 0.0)
