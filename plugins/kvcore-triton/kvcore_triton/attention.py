@@ -78,10 +78,9 @@ class KernelConfig:
 
 
 #: Decode over an 8-bit cache when the caller gives no config, where TMA reads the tiles: one warp per
-#: program and six stages. A program then holds a third of the registers and two thirds of the shared
-#: memory of two warps with V widened as loaded, so every program of a 64 x 8-head batch runs at
-#: once; V tiles convert in the dot's operand layout. bench_decode.py on the H200 measured it
-#: fastest for every 8-bit storage type.
+#: program and six stages, V tiles converted in the dot's operand layout. A program holds 37 KB of
+#: shared memory (two warps with V widened as loaded: 55 KB), so six run on each H200 SM instead of
+#: four. bench_decode.py on the H200 measured it fastest for every 8-bit storage type.
 QUANT_DECODE_TMA = KernelConfig(num_warps=1, num_stages=6)
 #: ... and where the pointer path reads them (tiles spanning kernel blocks, no TMA): two warps, five
 #: stages, V widened as loaded (one warp there ran up to 2.3x slower).
