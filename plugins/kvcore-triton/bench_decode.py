@@ -287,9 +287,10 @@ def quant_configs(best: KernelConfig, default: KernelConfig) -> dict[str, Kernel
     An 8-bit tile carries half the bytes of a bf16 one: ``num_stages`` 5 or more keeps two TMA tiles
     in flight per program (3 and 4 keep one, 7 three); ``stage_v`` widens V tiles as loaded (no
     byte-wide operand loads) at the cost of a 16-bit shared-memory buffer; one warp per program
-    halves the registers and shared memory a program holds, so a 64 x 8-head batch runs in one
-    wave; four warps or 32-token tiles trade the other way. A pointer-path point covers caches
-    whose tiles TMA cannot read; two splits double the programs.
+    holds less shared memory, so more programs share an SM; four warps or 32-token tiles trade the
+    other way. Where TMA reads the tiles ``w1_s6`` repeats the default: two timings of one launch
+    show the run's spread. A pointer-path point covers caches whose tiles TMA cannot read; two
+    splits double the programs.
     """
     staged = attrs.evolve(best, stage_v=True)
     return {

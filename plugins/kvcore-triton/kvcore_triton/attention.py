@@ -190,8 +190,6 @@ def paged_attention(
     ``kv_quant`` (``metadata.kv_quant``) reads a quantized cache through its
     scales; the query is then in any float dtype. Returns ``[T, Hq, head_size_v]``.
     """
-    given = config
-    config = config or KernelConfig()
     head_size_v = check_cache_view(kv_cache_view, head_size, head_size_v, kv_quant)
     num_blocks, num_kv_heads, block_size, _ = kv_cache_view.shape
     if not isinstance(query, torch.Tensor) or query.dim() != 3:
@@ -217,8 +215,9 @@ def paged_attention(
     block_table = block_table if block_table.stride(-1) == 1 else block_table.contiguous()
     group = num_q_heads // num_kv_heads
     quant = quant_args(kv_cache_view, kv_quant)
-    if given is None and quant.mode and max_query_len <= 1:  # NOTE: decode only; prefill keeps its launch
-        config = quant_decode_config(kv_cache_view, head_size, head_size_v)
+    if config is None:  # NOTE: a decode over an 8-bit cache has its own default; prefill keeps the plain one
+        config = quant_decode_config(kv_cache_view, head_size, head_size_v) if quant.mode and max_query_len <= 1 \
+            else KernelConfig()
     common = dict(
         HEAD=head_size, HEAD_V=head_size_v,
         D_PAD=max(16, triton.next_power_of_2(head_size)), DV_PAD=max(16, triton.next_power_of_2(head_size_v)),
